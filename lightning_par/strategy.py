@@ -1,0 +1,358 @@
+"""``HybridParallelStrategy``: the Lightning adapter that composes the parallel mechanisms.
+
+The strategy is thin on purpose. It launches processes and initialises ``torch.distributed`` the way
+Lightning's DDP does (``popen``/``spawn``/``fork`` launchers, or processes created externally by
+``torchrun`` or SLURM via Lightning's cluster environments), builds one :class:`ParallelMesh`, and then
+applies the mechanisms in the documented order (see ARCHITECTURE.md): tensor parallel, pipeline split,
+activation checkpointing, ZeRO over the dp group, precision, optimizer. Every mechanism lives in its own
+module and can be used without a ``Trainer``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_par.mesh import MeshLayout, ParallelMesh
+from lightning_par.zero.grad_sync import GradSync, apply_data_parallel, broadcast_module_states
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.accelerators import Accelerator
+
+log = logging.getLogger(__name__)
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# Features whose issues have not landed yet: refuse loudly rather than fall back to something else.
+_NOT_YET = {
+    1: "ZeRO stage 1 (sharded optimizer state)",
+    2: "ZeRO stage 2 (sharded gradients and optimizer state)",
+    3: "ZeRO stage 3 (sharded parameters)",
+}
+
+
+class HybridParallelStrategy(ParallelStrategy):
+    """Data, ZeRO, tensor and pipeline parallelism for the Lightning ``Trainer``.
+
+    Args:
+        zero_stage: 0 = data parallel (bucketed, overlapped all-reduce), 1/2/3 = ZeRO stages.
+        tensor_parallel_size: ranks per tensor-parallel group (adjacent ranks).
+        pipeline_parallel_size: pipeline stages (outermost dimension).
+            The data-parallel size is ``world_size / (tensor_parallel_size * pipeline_parallel_size)``.
+        bucket_size_mb: size of a gradient communication bucket.
+        find_unused_parameters: allow parameters without gradients in a step (their ``.grad`` stays
+            ``None`` when no rank used them); without it such parameters raise a clear error.
+        tp_plan: tensor-parallel plan name (``"gpt"``, ``"llama"``) or ``{module pattern: style}``.
+        num_microbatches: micro-batches per pipeline step.
+        pipeline_schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        process_group_backend: ``"nccl"``/``"gloo"``; default from the device (NCCL on CUDA, Gloo on CPU).
+        timeout_s: timeout of collective operations, in seconds.
+        start_method: ``"popen"`` (re-run the command, like Lightning's ``"ddp"``), ``"spawn"``, ``"fork"``
+            or ``"forkserver"``. Ignored when processes are created externally (torchrun, SLURM).
+    """
+
+    strategy_name = "hybrid_parallel"
+
+    def __init__(
+        self,
+        *,
+        zero_stage: int = 0,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        bucket_size_mb: float = 25.0,
+        find_unused_parameters: bool = False,
+        tp_plan: str | dict[str, str] | None = None,
+        num_microbatches: int | None = None,
+        pipeline_schedule: PipelineSchedule = "1f1b",
+        process_group_backend: str | None = None,
+        timeout_s: float = 1800.0,
+        start_method: StartMethod = "popen",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
+        if zero_stage in _NOT_YET:
+            raise NotImplementedError(
+                f"{_NOT_YET[zero_stage]} is not implemented in this version of lightning_par;"
+                " use zero_stage=0 (strategy='dp' in the Hydra configs) until it lands."
+            )
+        for name, value in (
+            ("tensor_parallel_size", tensor_parallel_size),
+            ("pipeline_parallel_size", pipeline_parallel_size),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if tensor_parallel_size > 1 or tp_plan is not None:
+            raise NotImplementedError(
+                "Tensor parallelism is not implemented in this version of lightning_par;"
+                " use tensor_parallel_size=1 and no tp_plan."
+            )
+        if pipeline_parallel_size > 1 or num_microbatches is not None:
+            raise NotImplementedError(
+                "Pipeline parallelism is not implemented in this version of lightning_par;"
+                " use pipeline_parallel_size=1 and no num_microbatches."
+            )
+        if pipeline_schedule not in _SCHEDULES:
+            raise ValueError(f"pipeline_schedule must be one of {_SCHEDULES}, got {pipeline_schedule!r}.")
+        if not bucket_size_mb > 0:
+            raise ValueError(
+                f"bucket_size_mb must be > 0 (the gradient bucket size in MiB), got {bucket_size_mb!r}."
+            )
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}.")
+        if start_method not in _START_METHODS:
+            raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.zero_stage = zero_stage
+        self.tensor_parallel_size = tensor_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.bucket_size_mb = float(bucket_size_mb)
+        self.find_unused_parameters = find_unused_parameters
+        self.pipeline_schedule = pipeline_schedule
+        self._process_group_backend = process_group_backend
+        self._timeout = timedelta(seconds=timeout_s)
+        self._start_method: StartMethod = start_method
+        self._num_nodes = 1
+        self._mesh: ParallelMesh | None = None
+        self._grad_sync: GradSync | None = None
+
+    # ------------------------------------------------------------------ topology
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning asks custom strategies this to decide on distributed samplers.
+        return True
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        if self._mesh is None:
+            raise RuntimeError("The parallel mesh exists only after the strategy's setup_environment().")
+        return self._mesh
+
+    @property
+    def layout(self) -> MeshLayout:
+        """Mesh sizes; available before process groups exist (validated against the world size)."""
+        return MeshLayout(
+            world_size=self.num_nodes * self.num_processes,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+        )
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Ranks of one tensor/pipeline group consume the same samples: split the data over dp only.
+        if self._mesh is not None:
+            return {"num_replicas": self._mesh.dp_size, "rank": self._mesh.dp_rank}
+        coords = self.layout.coords(self.global_rank)
+        return {"num_replicas": self.layout.data_parallel_size, "rank": coords.dp}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def grad_sync(self) -> GradSync | None:
+        """The data-parallel gradient engine (after ``setup`` for fitting), else ``None``."""
+        return self._grad_sync
+
+    # ------------------------------------------------------------------ launch and init
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def setup_environment(self) -> None:
+        # Validate the layout before any process group exists: a bad size fails fast on every rank.
+        _ = self.layout
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = (
+            self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._mesh = ParallelMesh(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            timeout=self._timeout,
+        )
+        log.info("lightning_par: %r", self._mesh)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        assert self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            # Order of composition (ARCHITECTURE.md): TP, PP, checkpointing, then ZeRO over dp.
+            self._grad_sync = apply_data_parallel(
+                self.model,
+                group=self.mesh.dp_group,
+                bucket_size_mb=self.bucket_size_mb,
+                find_unused_parameters=self.find_unused_parameters,
+            )
+            self.setup_optimizers(trainer)
+        else:
+            broadcast_module_states(self.model, group=self.mesh.dp_group)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this on every non-final accumulation step: skip all communication."""
+        if self._grad_sync is None:
+            yield
+            return
+        with self._grad_sync.no_sync():
+            yield
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(
+        self,
+        tensor: Tensor | Any,
+        group: Any | None = None,
+        reduce_op: ReduceOp | str | None = "mean",
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        checkpoint["lightning_par"] = self.layout_metadata()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def layout_metadata(self) -> dict[str, Any]:
+        """What a checkpoint records about the layout it was written with."""
+        layout = self.layout
+        return {
+            "format": "full",
+            "zero_stage": self.zero_stage,
+            "world_size": layout.world_size,
+            "dp": layout.data_parallel_size,
+            "tp": layout.tensor_parallel_size,
+            "pp": layout.pipeline_parallel_size,
+        }
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        if self._grad_sync is not None:
+            self._grad_sync.remove()
+            self._grad_sync = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for stage in (0, 1, 2, 3):
+            name = f"zero{stage}"
+            if name not in strategy_registry:
+                what = "data parallel" if stage == 0 else f"ZeRO stage {stage}"
+                strategy_registry.register(
+                    name, cls, description=f"lightning_par {what} (HybridParallelStrategy)", zero_stage=stage
+                )
