@@ -11,9 +11,11 @@ module and can be used without a ``Trainer``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+import shutil
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -37,11 +39,18 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
+from torch import Tensor, nn
+from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_par.checkpoint.io import check_model, layout_metadata, load_optimizer_states, save_sharded
+from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta
+from lightning_par.memory import MemoryReport, measure_memory
 from lightning_par.mesh import MeshLayout, ParallelMesh
-from lightning_par.zero.grad_sync import GradSync, apply_data_parallel, broadcast_module_states
+from lightning_par.precision import ParallelPrecision
+from lightning_par.zero import ZeroEngine, apply_zero, broadcast_module_states
+from lightning_par.zero.engine import ReduceChoice
+from lightning_par.zero.grad_sync import GradSyncPolicy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -54,11 +63,7 @@ PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # Features whose issues have not landed yet: refuse loudly rather than fall back to something else.
-_NOT_YET = {
-    1: "ZeRO stage 1 (sharded optimizer state)",
-    2: "ZeRO stage 2 (sharded gradients and optimizer state)",
-    3: "ZeRO stage 3 (sharded parameters)",
-}
+_NOT_YET = {3: "ZeRO stage 3 (sharded parameters)"}
 
 
 class HybridParallelStrategy(ParallelStrategy):
@@ -70,6 +75,10 @@ class HybridParallelStrategy(ParallelStrategy):
         pipeline_parallel_size: pipeline stages (outermost dimension).
             The data-parallel size is ``world_size / (tensor_parallel_size * pipeline_parallel_size)``.
         bucket_size_mb: size of a gradient communication bucket.
+        grad_sync: stages 1/2: ``"boundary"`` reduces gradients once per optimizer step (default for
+            stage 1), ``"every"`` after each micro-batch so gradient memory stays 1/N (default for stage 2).
+        reduce_op: stages 1/2: ``"auto"`` (reduce-scatter on NCCL, all-reduce on Gloo), ``"all_reduce"`` or
+            ``"reduce_scatter"``.
         find_unused_parameters: allow parameters without gradients in a step (their ``.grad`` stays
             ``None`` when no rank used them); without it such parameters raise a clear error.
         tp_plan: tensor-parallel plan name (``"gpt"``, ``"llama"``) or ``{module pattern: style}``.
@@ -90,6 +99,8 @@ class HybridParallelStrategy(ParallelStrategy):
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         bucket_size_mb: float = 25.0,
+        grad_sync: GradSyncPolicy | None = None,
+        reduce_op: ReduceChoice = "auto",
         find_unused_parameters: bool = False,
         tp_plan: str | dict[str, str] | None = None,
         num_microbatches: int | None = None,
@@ -134,8 +145,17 @@ class HybridParallelStrategy(ParallelStrategy):
             )
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}.")
+        if grad_sync is not None and grad_sync not in ("boundary", "every"):
+            raise ValueError(f"grad_sync must be 'boundary', 'every' or None, got {grad_sync!r}.")
+        if grad_sync == "every" and zero_stage == 0:
+            raise ValueError("grad_sync='every' reduces into a gradient shard: use zero_stage 1 or 2.")
+        if reduce_op not in ("auto", "all_reduce", "reduce_scatter"):
+            raise ValueError(
+                f"reduce_op must be 'auto', 'all_reduce' or 'reduce_scatter', got {reduce_op!r}."
+            )
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}.")
+        self.zero_stage = zero_stage  # read by the precision_plugin setter, which the base class calls
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -143,10 +163,11 @@ class HybridParallelStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.zero_stage = zero_stage
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.bucket_size_mb = float(bucket_size_mb)
+        self.grad_sync_policy = grad_sync
+        self.reduce_op: ReduceChoice = reduce_op
         self.find_unused_parameters = find_unused_parameters
         self.pipeline_schedule = pipeline_schedule
         self._process_group_backend = process_group_backend
@@ -154,7 +175,20 @@ class HybridParallelStrategy(ParallelStrategy):
         self._start_method: StartMethod = start_method
         self._num_nodes = 1
         self._mesh: ParallelMesh | None = None
-        self._grad_sync: GradSync | None = None
+        self._engine: ZeroEngine | None = None
+        self._sharded_source: Path | None = None
+
+    # ------------------------------------------------------------------ precision
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else ParallelPrecision("32-true")
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = _convert_precision(plugin, zero_stage=self.zero_stage)
 
     # ------------------------------------------------------------------ topology
     @property
@@ -209,9 +243,9 @@ class HybridParallelStrategy(ParallelStrategy):
         return self._process_group_backend
 
     @property
-    def grad_sync(self) -> GradSync | None:
-        """The data-parallel gradient engine (after ``setup`` for fitting), else ``None``."""
-        return self._grad_sync
+    def engine(self) -> ZeroEngine | None:
+        """The ZeRO engine (after ``setup`` for fitting), else ``None``."""
+        return self._engine
 
     # ------------------------------------------------------------------ launch and init
     @override
@@ -261,13 +295,21 @@ class HybridParallelStrategy(ParallelStrategy):
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             # Order of composition (ARCHITECTURE.md): TP, PP, checkpointing, then ZeRO over dp.
-            self._grad_sync = apply_data_parallel(
+            self._engine = apply_zero(
                 self.model,
                 group=self.mesh.dp_group,
+                stage=self.zero_stage,
                 bucket_size_mb=self.bucket_size_mb,
+                grad_sync=self.grad_sync_policy,
+                reduce_op=self.reduce_op,
                 find_unused_parameters=self.find_unused_parameters,
             )
             self.setup_optimizers(trainer)
+            self._engine.shard_optimizers(self.optimizers)
+            plugin = self.precision_plugin
+            if isinstance(plugin, ParallelPrecision):
+                # each dp rank holds disjoint gradient pieces from stage 1 on: the clip norm sums over them
+                plugin.grad_norm_groups = (self.mesh.dp_group,) if self.zero_stage > 0 else ()
         else:
             broadcast_module_states(self.model, group=self.mesh.dp_group)
         self.setup_precision_plugin()
@@ -283,11 +325,29 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning enters this on every non-final accumulation step: skip all communication."""
-        if self._grad_sync is None:
+        if self._engine is None:
             yield
             return
-        with self._grad_sync.no_sync():
+        with self._engine.no_sync():
             yield
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._engine is not None:
+            self._engine.after_step()  # stages 1/2: all-gather the updated parameters
+        return output
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of parameters, gradients, optimizer state, buffers and communication buffers on this rank."""
+        assert self.lightning_module is not None
+        return measure_memory(self.lightning_module, self._engine, self.optimizers)
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -320,30 +380,91 @@ class HybridParallelStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._engine is not None and self._engine.sharded is not None:
+            return {}  # sharded optimizer state is written per rank by save_checkpoint
+        return super().optimizer_state(optimizer)
+
+    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        checkpoint["lightning_par"] = self.layout_metadata()
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        assert self.lightning_module is not None
+        checkpoint[METADATA_KEY] = self.layout_metadata()
+        if self._engine is None or self._engine.sharded is None:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError("storage_options is not supported for sharded (ZeRO 1/2) checkpoints.")
+        path = Path(self.broadcast(str(filepath)))
+        if path.is_file():
+            if self.is_global_zero:
+                path.unlink()  # e.g. an older single-file checkpoint under the same name
+            self.barrier()
+        save_sharded(
+            checkpoint,
+            path,
+            engine=self._engine,
+            optimizers=self.optimizers,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            barrier=self.barrier,
+        )
 
     def layout_metadata(self) -> dict[str, Any]:
-        """What a checkpoint records about the layout it was written with."""
+        """What a checkpoint records about the model and the layout it was written with."""
+        assert self.lightning_module is not None
         layout = self.layout
-        return {
-            "format": "full",
-            "zero_stage": self.zero_stage,
+        sizes = {
             "world_size": layout.world_size,
             "dp": layout.data_parallel_size,
             "tp": layout.tensor_parallel_size,
             "pp": layout.pipeline_parallel_size,
         }
+        return layout_metadata(
+            self.lightning_module, engine=self._engine, optimizers=self.optimizers, sizes=sizes
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        self._sharded_source = None
+        if is_sharded_checkpoint(path):
+            checkpoint = read_meta(path)
+            self._sharded_source = path
+        else:
+            checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        assert self.lightning_module is not None
+        check_model(checkpoint, self.lightning_module)
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.lightning_module is not None
+        load_optimizer_states(
+            checkpoint,
+            module=self.lightning_module,
+            engine=self._engine,
+            optimizers=self.optimizers,
+            sharded_path=self._sharded_source,
+        )
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
 
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
-        if self._grad_sync is not None:
-            self._grad_sync.remove()
-            self._grad_sync = None
+        if self._engine is not None:
+            self._engine.remove()
+            self._engine = None
         super().teardown()
 
     @classmethod
@@ -356,3 +477,18 @@ class HybridParallelStrategy(ParallelStrategy):
                 strategy_registry.register(
                     name, cls, description=f"lightning_par {what} (HybridParallelStrategy)", zero_stage=stage
                 )
+
+
+def _convert_precision(plugin: Precision | None, *, zero_stage: int) -> Precision | None:
+    """Map Lightning's precision plugins onto ours (the way Lightning's FSDP strategy enforces its own)."""
+    if plugin is None or isinstance(plugin, ParallelPrecision):
+        return plugin
+    if type(plugin) is Precision:  # Lightning's "32-true"
+        return ParallelPrecision("32-true")
+    if zero_stage == 0:
+        return plugin  # plain data parallel holds full gradients: Lightning's own plugins are exact
+    raise NotImplementedError(
+        f"{type(plugin).__name__} cannot be used with ZeRO stage {zero_stage}: the sharded optimizer needs"
+        " lightning_par's ParallelPrecision (precision='32-true' in this version), because clipping must use"
+        " the global gradient norm over all shards."
+    )

@@ -148,7 +148,10 @@ def test_trainer_dp_matches_single_process(tmp_path: Path) -> None:
         for r in results:
             for name, value in ref_state.items():
                 torch.testing.assert_close(r[f"{key}state"][name], value, msg=f"{key}{name}")
-    assert results[0]["ckpt_meta"] == {
+    meta = results[0]["ckpt_meta"]
+    assert meta["optimizers"][0]["class"] == "AdamW"
+    assert meta["params"]["model.embed.tok.weight"] == [64, 32]
+    assert {k: meta[k] for k in ("format", "zero_stage", "world_size", "dp", "tp", "pp")} == {
         "format": "full",
         "zero_stage": 0,
         "world_size": 2,
@@ -163,9 +166,8 @@ def test_registered_names_and_bad_options() -> None:
 
     assert {"zero0", "zero1", "zero2", "zero3"} <= set(StrategyRegistry)
     assert lightning_par.HybridParallelStrategy is HybridParallelStrategy
-    for stage in (1, 2, 3):
-        with pytest.raises(NotImplementedError, match=f"ZeRO stage {stage}"):
-            pl.Trainer(strategy=f"zero{stage}", accelerator="cpu", devices=2)
+    with pytest.raises(NotImplementedError, match="ZeRO stage 3"):
+        pl.Trainer(strategy="zero3", accelerator="cpu", devices=2)
     with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3, got 4"):
         HybridParallelStrategy(zero_stage=4)
     with pytest.raises(ValueError, match="bucket_size_mb must be > 0"):

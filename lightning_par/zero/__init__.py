@@ -1,20 +1,23 @@
-"""ZeRO engine: flat gradient buffers and buckets (stage 0 = data parallel)."""
+"""ZeRO engine: flat gradient buckets (stage 0 = data parallel), sharded optimizer state and gradients
+(stages 1/2), over an explicit data-parallel process group."""
 
-from lightning_par.zero.grad_sync import (
-    GradSync,
-    UnusedParametersError,
-    apply_data_parallel,
-    broadcast_module_states,
-)
+from lightning_par.zero.engine import ZeroEngine, apply_data_parallel, apply_zero
+from lightning_par.zero.grad_sync import GradSync, UnusedParametersError, broadcast_module_states
 from lightning_par.zero.layout import Bucket, FlatLayout, Fragment, Slot
+from lightning_par.zero.sharded_optimizer import ELEMENTWISE_OPTIMIZERS, ShardedOptimizer, check_shardable
 
 __all__ = [
+    "ELEMENTWISE_OPTIMIZERS",
     "Bucket",
     "FlatLayout",
     "Fragment",
     "GradSync",
+    "ShardedOptimizer",
     "Slot",
     "UnusedParametersError",
+    "ZeroEngine",
     "apply_data_parallel",
+    "apply_zero",
     "broadcast_module_states",
+    "check_shardable",
 ]

@@ -1,49 +1,58 @@
-"""Bucketed, overlapped gradient averaging over a data-parallel group (ZeRO stage 0).
+"""Bucketed, overlapped gradient reduction over a data-parallel group (ZeRO stages 0, 1 and 2).
 
 Contract
 --------
-After ``loss.backward()`` returns on a synchronising step, every parameter's ``.grad`` holds
+Let ``N`` be the data-parallel size and ``g_{r,k}`` rank ``r``'s gradient in backward pass ``k`` of an
+accumulation window (the passes since the last synchronising one; :meth:`GradSync.no_sync` marks the
+non-final passes, as Lightning's ``block_backward_sync`` does). When the window's final backward returns:
 
-    g = (1 / N) * sum_{r < N} sum_{k in window} g_{r,k}
+* unsharded (stage 0): every ``param.grad`` holds ``ḡ = (1/N) Σ_r Σ_k g_{r,k}``;
+* sharded (stages 1/2): ``grad_shard`` holds this rank's slice of ``ḡ`` (slice ``r`` of every bucket, see
+  :class:`~lightning_par.zero.layout.FlatLayout`) and ``param.grad`` is ``None``.
 
-where ``N`` is the data-parallel size and the inner sum runs over the backward passes since the last
-synchronising step (gradient accumulation under :meth:`GradSync.no_sync`). This is exactly the
-gradient of the mean loss over the global batch when every rank and micro-batch uses a mean loss over
-equally sized batches.
+With mean losses over equally sized micro-batches this is exactly the gradient of the global batch.
+
+When communication happens (``grad_sync``)
+-----------------------------------------
+* ``"boundary"``: gradients accumulate locally in one persistent flat buffer (``param.grad`` is a view
+  into it) and are reduced once, in the final pass. Fewest collectives; gradient memory = full size.
+* ``"every"`` (sharded only): every pass reduces its gradients into ``grad_shard`` (accumulating), using
+  short-lived bucket buffers; ``param.grad`` is freed as soon as it is copied into its bucket. Gradient
+  memory = 1/N plus at most ``max_inflight`` buckets (plus autograd's own per-parameter gradients).
 
 How
 ---
-* Gradients live in one flat buffer laid out by :class:`~lightning_par.zero.layout.FlatLayout`; each
-  ``param.grad`` is a view into it (one gradient copy, no separate reduction buffer).
-* A post-accumulate-grad hook per parameter counts down its bucket; when a bucket is complete its
-  asynchronous all-reduce is launched, so communication overlaps the rest of the backward pass.
-  Buckets are launched strictly in index order, so every rank issues the same collectives in the
-  same order.
-* The bucket order is the reverse of registration order at first; after the first backward pass it
-  is rebuilt once from the order in which gradients actually became ready (agreed from dp rank 0),
-  so the first bucket launched is the first one completed.
-* An end-of-backward callback launches what is left, waits, and checks unused parameters with one
-  small all-reduce of per-parameter "missing" counts, so all ranks reach the same verdict: either a
-  clear error naming the parameters, or (``find_unused_parameters=True``) gradients of parameters
-  unused on every rank stay ``None`` while partially used ones are averaged with zeros. Never a hang.
+A post-accumulate-grad hook per parameter folds its gradient into the bucket and counts the bucket down;
+a complete bucket's asynchronous collective starts at once, so communication overlaps the rest of the
+backward pass. Buckets start strictly in index order, so all ranks issue the same collectives in the same
+order. The first backward pass only records the order in which gradients become ready; at its end the
+layout is rebuilt in that order (rank 0's order, broadcast) and everything is reduced, so from then on
+the first bucket to fill is the first one sent. An end-of-backward callback waits for all collectives and
+checks unused parameters with one small all-reduce of per-parameter "missing" counts, so all ranks reach
+the same verdict: a clear error naming them, or (``find_unused_parameters=True``) parameters that no
+rank used keep ``grad=None`` while partially used ones are averaged with zeros. Never a hang.
 
-Limits: one backward per synchronising step (accumulate with :meth:`no_sync`); reentrant activation
-checkpointing (``use_reentrant=True``) is not supported, the non-reentrant kind is.
+Limits: one backward per pass (accumulate with :meth:`no_sync`); reentrant activation checkpointing
+(``use_reentrant=True``) is not supported, the non-reentrant kind is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.distributed import ProcessGroup
-from torch.utils.hooks import RemovableHandle
 
+from lightning_par.collectives import reduce_scatter_flat
 from lightning_par.zero.layout import FlatLayout
+
+GradSyncPolicy = Literal["boundary", "every"]
+ReduceOp = Literal["all_reduce", "reduce_scatter"]
 
 
 class UnusedParametersError(RuntimeError):
@@ -51,7 +60,19 @@ class UnusedParametersError(RuntimeError):
 
 
 class GradSync:
-    """Averages the gradients of ``named_params`` over ``group`` during backward (see module docstring)."""
+    """Reduces the gradients of ``named_params`` over ``group`` during backward (see module docstring).
+
+    Args:
+        named_params: the parameters (those not requiring grad are ignored), in registration order.
+        group: the data-parallel process group.
+        bucket_numel: elements per communication bucket.
+        shard: reduce into this rank's shard (ZeRO 1/2) instead of averaging everywhere (ZeRO 0).
+        reduce_op: for ``shard=True``: ``"reduce_scatter"`` moves half the bytes of ``"all_reduce"``;
+            Gloo's all-reduce is the faster of the two on CPUs.
+        grad_sync: ``"boundary"`` or ``"every"`` (sharded only), see the module docstring.
+        find_unused_parameters: allow parameters without gradients.
+        max_inflight: with ``grad_sync="every"``, buckets allowed in flight before the hook waits.
+    """
 
     def __init__(
         self,
@@ -59,54 +80,91 @@ class GradSync:
         *,
         group: ProcessGroup,
         bucket_numel: int,
+        shard: bool = False,
+        reduce_op: ReduceOp = "all_reduce",
+        grad_sync: GradSyncPolicy = "boundary",
         find_unused_parameters: bool = False,
         rebuild_order: bool = True,
+        max_inflight: int = 4,
     ) -> None:
+        if grad_sync not in ("boundary", "every"):
+            raise ValueError(f"grad_sync must be 'boundary' or 'every', got {grad_sync!r}.")
+        if reduce_op not in ("all_reduce", "reduce_scatter"):
+            raise ValueError(f"reduce_op must be 'all_reduce' or 'reduce_scatter', got {reduce_op!r}.")
+        if grad_sync == "every" and not shard:
+            raise ValueError("grad_sync='every' needs a sharded gradient (ZeRO stage 1 or 2).")
         self.group = group
         self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.shard = shard
+        self.reduce_op: ReduceOp = reduce_op if shard else "all_reduce"
+        self.grad_sync: GradSyncPolicy = grad_sync
         self.find_unused_parameters = find_unused_parameters
+        self.max_inflight = max(1, max_inflight)
         self._bucket_numel = bucket_numel
         named = [(n, p) for n, p in named_params if p.requires_grad]
         if not named:
             raise ValueError("GradSync got no parameters that require gradients.")
-        # Reverse registration order approximates the order gradients become ready in backward.
-        named.reverse()
-        self._params: list[nn.Parameter] = [p for _, p in named]
-        self._names: list[str] = [n for n, _ in named]
-        dtypes = {p.dtype for p in self._params}
-        devices = {p.device for p in self._params}
+        dtypes = {p.dtype for _, p in named}
+        devices = {p.device for _, p in named}
         if len(dtypes) > 1 or len(devices) > 1:
             raise ValueError(
                 f"GradSync needs parameters of one dtype and device, got dtypes {sorted(map(str, dtypes))} on"
                 f" {sorted(map(str, devices))}; cast the model first (the strategy's precision plugin does)."
             )
+        # Reverse registration order approximates the order gradients become ready in backward.
+        named.reverse()
+        self._params: list[nn.Parameter] = [p for _, p in named]
+        self._names: list[str] = [n for n, _ in named]
+        self.dtype = self._params[0].dtype
+        self.device = self._params[0].device
         self._sync = True
         self._order_pending = rebuild_order
         self._ready_order: list[int] = []
         self._callback_queued = False
-        self._handles: list[RemovableHandle] = []
-        self._slot_of: dict[int, int] = {}
+        self._relayout_listeners: list[Callable[[], None]] = []
+        self._sync_listeners: list[Callable[[], None]] = []
+        # Free communication buffers, keyed by capacity (a full bucket, or one rank's slice of it). Every
+        # pooled buffer has the largest bucket's size, so the pool never holds more buffers than were
+        # in flight at once, whatever the mix of bucket sizes.
+        self._pool: dict[int, list[Tensor]] = {}
+        self._all_pooled: list[Tensor] = []
+        self.layout: FlatLayout
+        self.unused: frozenset[int] = frozenset()
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
         self._build(list(range(len(self._params))))
-        for p in self._params:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     # ------------------------------------------------------------------ layout
     def _build(self, order: list[int]) -> None:
-        """(Re)build the flat buffer for parameters in ``order`` (indices into the current lists)."""
+        """(Re)build buffers for parameters in ``order`` (indices into the current lists)."""
         self._params = [self._params[i] for i in order]
         self._names = [self._names[i] for i in order]
         self._slot_of = {id(p): i for i, p in enumerate(self._params)}
         self.layout = FlatLayout(
-            names=self._names, shapes=[tuple(p.shape) for p in self._params], bucket_numel=self._bucket_numel
+            names=self._names,
+            shapes=[tuple(p.shape) for p in self._params],
+            bucket_numel=self._bucket_numel,
+            shard_count=self.world if self.shard else 1,
         )
-        ref = self._params[0]
-        old_grads = [p.grad for p in self._params]
-        self.buffer = torch.zeros(self.layout.numel, dtype=ref.dtype, device=ref.device)
-        self._views = [self.buffer[s.offset : s.end].view(s.shape) for s in self.layout.slots]
-        for p, view, g in zip(self._params, self._views, old_grads, strict=True):
-            if g is not None:
-                view.copy_(g)
-                p.grad = view
+        shard_offsets, off = [], 0
+        for b in self.layout.buckets:
+            shard_offsets.append(off)
+            off += b.numel // self.layout.shard_count
+        self._shard_offsets = shard_offsets
+        self.buffer: Tensor | None = None
+        if self.grad_sync == "boundary":
+            old = [p.grad for p in self._params]
+            self.buffer = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
+            self._views = [self.buffer[s.offset : s.end].view(s.shape) for s in self.layout.slots]
+            for p, view, g in zip(self._params, self._views, old, strict=True):
+                if g is not None:
+                    view.copy_(g)
+                    p.grad = view
+        self.grad_shard: Tensor | None = None
+        if self.shard:
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        self._pool = {}
+        self._all_pooled = []
         self._touched = [False] * len(self._params)
         self._reset_backward_state()
 
@@ -114,21 +172,67 @@ class GradSync:
         self._pending = [len(b.slots) for b in self.layout.buckets]
         self._ready_in_backward = [False] * len(self._params)
         self._next_bucket = 0
-        self._works: list[dist.Work] = []
+        self._bucket_bufs: dict[int, Tensor] = {}
+        self._inflight: list[tuple[int, dist.Work, Tensor, Tensor | None]] = []
+        self._misc_works: list[dist.Work] = []
+
+    def set_order(self, names: Sequence[str]) -> None:
+        """Adopt a parameter order (e.g. a checkpoint's) and stop the first-backward rebuild."""
+        index = {n: i for i, n in enumerate(self._names)}
+        if sorted(names) != sorted(self._names):
+            raise ValueError("set_order: the names are not this engine's parameters.")
+        self._order_pending = False
+        order = [index[n] for n in names]
+        if order != list(range(len(order))):
+            self._build(order)
+            for listener in self._relayout_listeners:
+                listener()
+
+    # ------------------------------------------------------------------ buffers
+    def _acquire(self, numel: int, *, slice_of_bucket: bool = False) -> Tensor:
+        biggest = max(b.numel for b in self.layout.buckets)
+        cap = biggest // self.world if slice_of_bucket else biggest
+        free = self._pool.setdefault(cap, [])
+        if free:
+            base = free.pop()
+        else:
+            base = torch.empty(cap, dtype=self.dtype, device=self.device)
+            self._all_pooled.append(base)
+        return base[:numel].zero_()
+
+    def _release(self, buf: Tensor) -> None:
+        base = next(b for b in self._all_pooled if b.data_ptr() == buf.data_ptr())
+        self._pool.setdefault(base.numel(), []).append(base)
+
+    def _bucket_buffer(self, index: int) -> Tensor:
+        if self.buffer is not None:
+            b = self.layout.buckets[index]
+            return self.buffer[b.start : b.end]
+        buf = self._bucket_bufs.get(index)
+        if buf is None:
+            buf = self._bucket_bufs[index] = self._acquire(self.layout.buckets[index].numel)
+        return buf
+
+    def _fold(self, slot: int, grad: Tensor) -> None:
+        """Put one parameter's fresh gradient into its bucket (copy the first time, then add)."""
+        s = self.layout.slots[slot]
+        param = self._params[slot]
+        if self.buffer is not None:
+            view = self._views[slot]
+            if grad.data_ptr() != view.data_ptr():
+                if self._touched[slot]:
+                    view.add_(grad)
+                else:
+                    view.copy_(grad)
+                param.grad = view
+        else:
+            start = self.layout.buckets[s.bucket].start
+            self._bucket_buffer(s.bucket)[s.offset - start : s.end - start].view(s.shape).copy_(grad)
+            param.grad = None  # the full-size gradient is not kept: that is the point of "every"
 
     # ------------------------------------------------------------------ hooks
     def _on_grad_ready(self, param: Tensor) -> None:
         slot = self._slot_of[id(param)]
-        view = self._views[slot]
-        grad = param.grad
-        if grad is not None and grad.data_ptr() != view.data_ptr():
-            # autograd allocated a fresh gradient (``.grad`` was None): fold it into the flat buffer
-            if self._touched[slot]:
-                view.add_(grad)
-            else:
-                view.copy_(grad)
-            param.grad = view
-        self._touched[slot] = True
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finalize_backward)
@@ -140,48 +244,97 @@ class GradSync:
             )
         self._ready_in_backward[slot] = True
         if self._order_pending:
+            # First pass: only record the order; the layout is rebuilt and reduced at its end.
             self._ready_order.append(slot)
+            if self.buffer is not None and param.grad is not None:
+                self._fold(slot, param.grad)
+            self._touched[slot] = True
+            return
+        if param.grad is not None:
+            self._fold(slot, param.grad)
+        self._touched[slot] = True
         bucket = self.layout.slots[slot].bucket
         self._pending[bucket] -= 1
-        if self._sync:
+        if self._communicating:
             self._launch_ready()
 
+    @property
+    def _communicating(self) -> bool:
+        return self._sync or self.grad_sync == "every"
+
     def _launch_ready(self) -> None:
-        buckets = self.layout.buckets
-        while self._next_bucket < len(buckets) and self._pending[self._next_bucket] == 0:
+        while self._next_bucket < len(self.layout.buckets) and self._pending[self._next_bucket] == 0:
             self._launch(self._next_bucket)
 
     def _launch(self, index: int) -> None:
         bucket = self.layout.buckets[index]
-        for i in bucket.slots:
-            if not self._touched[i] and self._params[i].grad is None:
-                self._views[i].zero_()  # stale values from an earlier window must not be averaged in
-        flat = self.buffer[bucket.start : bucket.end]
-        work = dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+        if self.buffer is not None:
+            for i in bucket.slots:
+                if not self._touched[i] and self._params[i].grad is None:
+                    self._views[i].zero_()  # stale values of an earlier window must not be reduced
+        flat = self._bucket_buffer(index)
+        if self.buffer is None:
+            for i in bucket.slots:
+                grad = self._params[i].grad
+                if grad is not None:  # deferred in the first pass, which only recorded the order
+                    self._fold(i, grad)
+        out: Tensor | None = None
+        if self.reduce_op == "reduce_scatter":
+            out = self._acquire(bucket.numel // self.world, slice_of_bucket=True)
+            work = reduce_scatter_flat(out, flat, group=self.group, async_op=True)
+        else:
+            op = dist.ReduceOp.SUM if self.shard else dist.ReduceOp.AVG
+            work = dist.all_reduce(flat, op=op, group=self.group, async_op=True)
         assert work is not None
-        self._works.append(work)
+        self._inflight.append((index, work, flat, out))
         self._next_bucket = index + 1
+        if self.buffer is None and len(self._inflight) > self.max_inflight:
+            self._complete_oldest()  # back-pressure keeps at most max_inflight bucket buffers alive
+
+    def _complete_oldest(self) -> None:
+        index, work, flat, out = self._inflight.pop(0)
+        work.wait()
+        if self.shard:
+            assert self.grad_shard is not None
+            bucket = self.layout.buckets[index]
+            size = bucket.numel // self.world
+            mine = out if out is not None else flat[self.rank * size : (self.rank + 1) * size]
+            off = self._shard_offsets[index]
+            # SUM then scale: Gloo's reduce-scatter has no AVG; the scale rides on the accumulation.
+            self.grad_shard[off : off + size].add_(mine, alpha=1.0 / self.world)
+            if out is not None:
+                self._release(out)
+        if self.buffer is None:
+            self._release(flat)
+            self._bucket_bufs.pop(index, None)
 
     # ------------------------------------------------------------------ end of backward
     def _finalize_backward(self) -> None:
         self._callback_queued = False
         try:
+            if self._order_pending:
+                self._rebuild_from_ready_order()
+            if self._communicating:
+                while self._next_bucket < len(self.layout.buckets):
+                    self._launch(self._next_bucket)
             if self._sync:
-                self._synchronize()
+                missing = self._start_missing_count()
+            while self._inflight:
+                self._complete_oldest()
+            if self._sync:
+                self._finish_window(missing)
         finally:
             self._reset_backward_state()
-        if self._order_pending:
-            self._rebuild_from_ready_order()
 
-    def _synchronize(self) -> None:
-        while self._next_bucket < len(self.layout.buckets):
-            self._launch(self._next_bucket)
-        missing = torch.tensor(
-            [0 if t else 1 for t in self._touched], dtype=torch.int32, device=self.buffer.device
-        )
-        works = [*self._works, dist.all_reduce(missing, group=self.group, async_op=True)]
-        for work in works:
-            assert work is not None
+    def _start_missing_count(self) -> Tensor:
+        missing = torch.tensor([0 if t else 1 for t in self._touched], dtype=torch.int32, device=self.device)
+        work = dist.all_reduce(missing, group=self.group, async_op=True)
+        assert work is not None
+        self._misc_works.append(work)
+        return missing
+
+    def _finish_window(self, missing: Tensor) -> None:
+        for work in self._misc_works:
             work.wait()
         self._touched = [False] * len(self._params)
         counts = missing.tolist()
@@ -193,8 +346,11 @@ class GradSync:
                 " find_unused_parameters=True to the strategy; otherwise use them in the loss or freeze them"
                 " (requires_grad=False) before training."
             )
-        for p, view, c in zip(self._params, self._views, counts, strict=True):
-            p.grad = None if c == self.world else view
+        self.unused = frozenset(i for i, c in enumerate(counts) if c == self.world)
+        for i, p in enumerate(self._params):
+            p.grad = None if (self.shard or i in self.unused) else self._views[i]
+        for listener in self._sync_listeners:
+            listener()
 
     def _rebuild_from_ready_order(self) -> None:
         self._order_pending = False
@@ -204,31 +360,60 @@ class GradSync:
         if self.world > 1:
             # Autograd's order is deterministic for one graph, but a data-dependent graph could differ per
             # rank; the layout must be identical everywhere, so rank 0's order wins.
-            agreed = torch.tensor(order, dtype=torch.int64, device=self.buffer.device)
+            agreed = torch.tensor(order, dtype=torch.int64, device=self.device)
             dist.broadcast(agreed, src=dist.get_global_rank(self.group, 0), group=self.group)
             order = agreed.tolist()
+        ready = [self._ready_in_backward[i] for i in order]
+        touched = [self._touched[i] for i in order]
         if order != list(range(len(self._params))):
-            touched = [self._touched[i] for i in order]
             self._build(order)
-            self._touched = touched
+            for listener in self._relayout_listeners:
+                listener()
+        self._touched = touched
+        for slot, was_ready in enumerate(ready):
+            # replay this pass's hooks on the new layout (transient buckets are filled at launch)
+            if was_ready:
+                self._pending[self.layout.slots[slot].bucket] -= 1
 
     # ------------------------------------------------------------------ public
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally, without communication, for the backward passes inside."""
+        """Mark the backward passes inside as non-final passes of an accumulation window."""
         previous, self._sync = self._sync, False
         try:
             yield
         finally:
             self._sync = previous
 
+    def on_relayout(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after the layout (parameter order) changes."""
+        self._relayout_listeners.append(listener)
+
+    def on_synchronized(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` when the final backward of a window has reduced all gradients."""
+        self._sync_listeners.append(listener)
+
+    def zero_grad_shard(self) -> None:
+        """Start a new accumulation window of the sharded gradient (after the optimizer step)."""
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
+
     @property
     def params(self) -> list[nn.Parameter]:
-        """Parameters in bucket order."""
+        """Parameters in layout order."""
         return list(self._params)
 
-    def grad_buffer_bytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+    @property
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def grad_bytes(self) -> dict[str, int]:
+        """Bytes of gradient storage held by the engine on this rank."""
+        item = torch.tensor([], dtype=self.dtype).element_size()
+        full = self.buffer.numel() * item if self.buffer is not None else 0
+        shard = self.grad_shard.numel() * item if self.grad_shard is not None else 0
+        pooled = sum(t.numel() * t.element_size() for t in self._all_pooled)
+        return {"full": full, "shard": shard, "bucket_pool": pooled}
 
     def remove(self) -> None:
         """Detach the hooks; gradients stay where they are."""
@@ -259,22 +444,7 @@ def broadcast_module_states(module: nn.Module, *, group: ProcessGroup, src_index
                 offset += t.numel()
 
 
-def apply_data_parallel(
-    module: nn.Module,
-    *,
-    group: ProcessGroup,
-    bucket_size_mb: float = 25.0,
-    find_unused_parameters: bool = False,
-    sync_module_states: bool = True,
-) -> GradSync:
-    """ZeRO stage 0: plain data parallelism of ``module`` over ``group`` (see :class:`GradSync`)."""
-    if bucket_size_mb <= 0:
+def bucket_numel_for(bucket_size_mb: float, element_size: int) -> int:
+    if not bucket_size_mb > 0:
         raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}.")
-    if sync_module_states:
-        broadcast_module_states(module, group=group)
-    params = list(module.named_parameters())
-    element = next((p.element_size() for _, p in params), 4)
-    bucket_numel = max(1, int(bucket_size_mb * 1024 * 1024) // element)
-    return GradSync(
-        params, group=group, bucket_numel=bucket_numel, find_unused_parameters=find_unused_parameters
-    )
+    return max(1, int(bucket_size_mb * 1024 * 1024) // element_size)

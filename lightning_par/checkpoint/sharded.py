@@ -1,0 +1,142 @@
+"""The sharded checkpoint format: a directory written by every rank, readable by any layout.
+
+Layout of ``<path>/``::
+
+    meta.pt              rank 0: the Lightning checkpoint without optimizer states (model weights,
+                         loops, callbacks, LR schedulers, hyper-parameters) plus ``"lightning_par"``
+                         layout metadata: format, zero_stage, world/dp/tp/pp sizes, parameter names and
+                         shapes, bucket order, and for each optimizer its class and parameter names
+    optim_rank00000.pt   each rank: for each optimizer, the param groups' hyper-parameters and the
+    optim_rank00001.pt   rank's state records (name, lo, hi, {key: slice or scalar}), see
+    ...                  :mod:`lightning_par.checkpoint.optimizer_state`
+    COMPLETE             written by rank 0 last, after a barrier: a directory without it is partial
+
+Loading reads the records of all ranks (memory-mapped) and cuts out what the current layout owns, so the
+data-parallel size and the ZeRO stage may differ between saving and loading.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_par.checkpoint.optimizer_state import MASTER_KEY, Pieces, cut, pieces_from_records
+
+META_FILE = "meta.pt"
+COMPLETE_FILE = "COMPLETE"
+METADATA_KEY = "lightning_par"
+
+
+def rank_file(rank: int) -> str:
+    return f"optim_rank{rank:05d}.pt"
+
+
+def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
+    return Path(path).is_dir() and (Path(path) / META_FILE).is_file()
+
+
+def write_rank_file(path: Path, rank: int, payload: Mapping[str, Any]) -> None:
+    tmp = path / (rank_file(rank) + ".tmp")
+    torch.save(dict(payload), tmp)
+    os.replace(tmp, path / rank_file(rank))
+
+
+def write_meta(path: Path, checkpoint: Mapping[str, Any]) -> None:
+    tmp = path / (META_FILE + ".tmp")
+    torch.save(dict(checkpoint), tmp)
+    os.replace(tmp, path / META_FILE)
+
+
+def mark_complete(path: Path, world_size: int) -> None:
+    (path / COMPLETE_FILE).write_text(f"{world_size}\n")
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The checkpoint dict (without optimizer states) of a complete sharded checkpoint."""
+    p = Path(path)
+    if not (p / COMPLETE_FILE).is_file():
+        raise ValueError(
+            f"{p} is an incomplete sharded checkpoint (no {COMPLETE_FILE} marker: a save was interrupted);"
+            " load an earlier checkpoint."
+        )
+    meta: dict[str, Any] = torch.load(p / META_FILE, map_location="cpu", weights_only=False)
+    return meta
+
+
+def read_optimizer_records(path: str | os.PathLike[str]) -> list[tuple[list[dict[str, Any]], Pieces]]:
+    """For each optimizer: (param-group hyper-parameters with ``param_names``, pieces of all ranks)."""
+    p = Path(path)
+    world = int((p / COMPLETE_FILE).read_text().split()[0])
+    merged: list[tuple[list[dict[str, Any]], list[tuple[str, int, int, dict[str, Any]]]]] = []
+    for rank in range(world):
+        file = p / rank_file(rank)
+        if not file.is_file():
+            raise ValueError(
+                f"Sharded checkpoint {p} lacks {file.name} although it was saved by {world} ranks."
+            )
+        payload = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+        for k, opt in enumerate(payload["optimizers"]):
+            if k == len(merged):
+                merged.append((opt["param_groups"], []))
+            merged[k][1].extend(opt["records"])
+    return [(hyper, pieces_from_records(records)) for hyper, records in merged]
+
+
+def check_params_match(saved: Mapping[str, Any], current: Mapping[str, tuple[int, ...]]) -> None:
+    """Raise a ``ValueError`` naming every parameter that is missing, unexpected or of another shape."""
+    saved_shapes = {k: tuple(v) for k, v in saved.items()}
+    missing = sorted(set(current) - set(saved_shapes))
+    unexpected = sorted(set(saved_shapes) - set(current))
+    reshaped = sorted(
+        f"{k}: checkpoint {saved_shapes[k]} vs model {current[k]}"
+        for k in set(current) & set(saved_shapes)
+        if saved_shapes[k] != tuple(current[k])
+    )
+    if missing or unexpected or reshaped:
+        parts = []
+        if missing:
+            parts.append(f"missing in the checkpoint: {missing[:8]}")
+        if unexpected:
+            parts.append(f"not in the model: {unexpected[:8]}")
+        if reshaped:
+            parts.append(f"different shapes: {reshaped[:8]}")
+        raise ValueError(
+            "The checkpoint does not match the model (" + "; ".join(parts) + "). Load it into the model"
+            " configuration it was saved from."
+        )
+
+
+def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A single-file Lightning checkpoint (full ``optimizer_states`` in torch's own format) from a sharded
+    directory, for export or for tools that expect one file. Reads rank files one at a time (mmap)."""
+    checkpoint = read_meta(path)
+    states = []
+    for hyper, pieces in read_optimizer_records(path):
+        state: dict[int, dict[str, Any]] = {}
+        groups = []
+        index = 0
+        shapes = checkpoint[METADATA_KEY]["params"]
+        for group in hyper:
+            ids = []
+            for name in group["param_names"]:
+                numel = 1
+                for s in shapes[name]:
+                    numel *= s
+                piece = cut(pieces.get(name, []), 0, numel)
+                if piece is not None:
+                    state[index] = {
+                        k: v.view(shapes[name]) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                        for k, v in piece.items()
+                        if k != MASTER_KEY
+                    }
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in group.items() if k != "param_names"}, "params": ids})
+        states.append({"state": state, "param_groups": groups})
+    checkpoint["optimizer_states"] = states
+    checkpoint[METADATA_KEY] = {**checkpoint[METADATA_KEY], "format": "full"}
+    return checkpoint

@@ -1,0 +1,152 @@
+"""Model-state memory per rank: measured (:func:`measure_memory`) and predicted (:func:`estimate_memory`).
+
+The prediction is the ZeRO accounting, with ``Ψ`` the parameters held by one tensor/pipeline rank
+(``total / (tp * pp)``), ``N`` the data-parallel size, ``P``/``G`` the bytes of a compute parameter and
+gradient element, ``M`` the bytes of a separate fp32 master copy (0 in fp32 training, where the
+parameters are the masters) and ``S`` the optimizer's state bytes per element (AdamW: 8)::
+
+    stage 0:  params PΨ   grads GΨ             optimizer (M+S)Ψ
+    stage 1:  params PΨ   grads GΨ + GΨ/N       optimizer (M+S)Ψ/N     (full local buffer + reduced shard)
+    stage 2:  params PΨ   grads GΨ/N + buckets  optimizer (M+S)Ψ/N     (grad_sync="every")
+
+e.g. mixed-precision AdamW (P=G=2, M=4, S=8): stage 1 ≈ 4Ψ + 12Ψ/N, stage 2 ≈ 2Ψ + 14Ψ/N, as in
+ARCHITECTURE.md. With ``grad_sync="boundary"`` stage 2 keeps the full local buffer like stage 1.
+Communication buffers are bounded: at most ``max_inflight + 1`` buckets, each at most the larger of
+``bucket_size_mb`` and the largest parameter; ``comm_buffers`` of the estimate is that bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, TypedDict
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_par.zero.engine import ZeroEngine, default_grad_sync
+
+OptimizerKind = Literal["adamw", "adam", "sgd", "sgd_momentum", "adagrad", "rmsprop"]
+_STATE_BYTES: dict[str, int] = {
+    "adamw": 8,
+    "adam": 8,
+    "sgd": 0,
+    "sgd_momentum": 4,
+    "adagrad": 4,
+    "rmsprop": 4,
+}
+_PRECISION_BYTES: dict[str, tuple[int, int, int]] = {  # (param, grad, separate master)
+    "32-true": (4, 4, 0),
+    "bf16-mixed": (2, 2, 4),
+    "16-mixed": (2, 2, 4),
+    "bf16-true": (2, 2, 4),
+}
+
+
+class MemoryReport(TypedDict):
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    buffers: int
+    comm_buffers: int
+    total: int
+
+
+def _bytes(tensors: Sequence[Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def measure_memory(
+    module: nn.Module, engine: ZeroEngine | None, optimizers: Sequence[Optimizer]
+) -> MemoryReport:
+    """Bytes this rank holds now, by category (storages counted once)."""
+    params = _bytes([p for p in module.parameters()])
+    buffers = _bytes([b for b in module.buffers()])
+    if engine is not None:
+        g = engine.sync.grad_bytes()
+        grads, comm = g["full"] + g["shard"], g["bucket_pool"]
+    else:
+        grads, comm = _bytes([p.grad for p in module.parameters() if p.grad is not None]), 0
+    if engine is not None and engine.sharded is not None:
+        opt_state = engine.sharded.optimizer_state_bytes()
+    else:
+        opt_state = sum(
+            v.numel() * v.element_size()
+            for opt in optimizers
+            for state in opt.state.values()
+            for v in state.values()
+            if isinstance(v, Tensor)
+        )
+    total = params + grads + opt_state + buffers + comm
+    return MemoryReport(
+        parameters=params,
+        gradients=grads,
+        optimizer_state=opt_state,
+        buffers=buffers,
+        comm_buffers=comm,
+        total=total,
+    )
+
+
+def estimate_memory(
+    model_or_param_count: nn.Module | int,
+    *,
+    zero_stage: int = 0,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    precision: str = "32-true",
+    optimizer: OptimizerKind = "adamw",
+    grad_sync: Literal["boundary", "every"] | None = None,
+    bucket_size_mb: float = 25.0,
+    max_inflight: int = 4,
+) -> MemoryReport:
+    """Predicted bytes per rank of model states (see the module docstring for the formulas)."""
+    largest = 0
+    if isinstance(model_or_param_count, nn.Module):
+        trainable = [p for p in model_or_param_count.parameters() if p.requires_grad]
+        total_params = sum(p.numel() for p in trainable)
+        largest = max((p.numel() for p in trainable), default=0)
+    else:
+        total_params = int(model_or_param_count)
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
+    if zero_stage == 3:
+        raise NotImplementedError("estimate_memory for ZeRO stage 3 is not implemented yet.")
+    if precision not in _PRECISION_BYTES:
+        raise ValueError(f"precision must be one of {sorted(_PRECISION_BYTES)}, got {precision!r}.")
+    if optimizer not in _STATE_BYTES:
+        raise ValueError(f"optimizer must be one of {sorted(_STATE_BYTES)}, got {optimizer!r}.")
+    for name, size in (("dp", dp), ("tp", tp), ("pp", pp)):
+        if size < 1:
+            raise ValueError(f"{name} must be >= 1, got {size}.")
+    psi = total_params / (tp * pp)
+    p_bytes, g_bytes, m_bytes = _PRECISION_BYTES[precision]
+    s_bytes = _STATE_BYTES[optimizer]
+    params = p_bytes * psi
+    comm = 0.0
+    if zero_stage == 0:
+        grads, opt = g_bytes * psi, (m_bytes + s_bytes) * psi
+    else:
+        policy = grad_sync or default_grad_sync(zero_stage)
+        opt = (m_bytes + s_bytes) * psi / dp
+        grads = g_bytes * psi / dp + (g_bytes * psi if policy == "boundary" else 0.0)
+        if policy == "every":
+            # upper bound: a bucket holds at most max(bucket size, largest parameter)
+            bucket = min(max(bucket_size_mb * 1024 * 1024, g_bytes * largest), g_bytes * psi)
+            comm = min(max_inflight + 1, max(1.0, g_bytes * psi / bucket)) * bucket
+    total = params + grads + opt + comm
+    return MemoryReport(
+        parameters=int(params),
+        gradients=int(grads),
+        optimizer_state=int(opt),
+        buffers=0,
+        comm_buffers=int(comm),
+        total=int(total),
+    )

@@ -1,0 +1,205 @@
+"""ZeRO stages 1/2: the user's optimizer, rebuilt over this rank's shard of the parameters.
+
+Contract
+--------
+The parameters of the module are moved into one flat buffer laid out like the gradients (same buckets,
+see :class:`~lightning_par.zero.layout.FlatLayout`). Rank ``r`` owns slice ``r`` of every bucket: the
+*fragments* of parameters in that slice. The user's optimizer object is kept (LR schedulers, ``lr_monitor``
+and ``optimizer.param_groups[i]["lr"]`` keep working) but its ``param_groups``/``state`` are replaced by
+those of a fresh optimizer of the same class and hyper-parameters over the fragments, so each rank keeps
+optimizer state for 1/N of the elements. This is exact for element-wise optimizers (every update of
+element ``i`` depends only on element ``i`` of the parameter, gradient and state), which is why only
+those are accepted.
+
+After the step, each bucket is all-gathered so every rank holds the updated full parameters again.
+The fp32 master weights are the fragments themselves when the parameters are fp32; a low-precision
+model keeps separate fp32 master fragments (see ``master_dtype``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_par.checkpoint.optimizer_state import MASTER_KEY
+from lightning_par.collectives import all_gather_flat
+from lightning_par.zero.grad_sync import GradSync
+
+# Optimizers whose update is element-wise, hence exact on any slice of a parameter.
+ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.ASGD,
+)
+
+
+def check_shardable(optimizer: Optimizer) -> None:
+    """Raise a ``TypeError`` naming the optimizer if its update is not known to be element-wise."""
+    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise TypeError(
+            f"ZeRO stages 1-3 cannot shard {type(optimizer).__module__}.{type(optimizer).__qualname__}: its"
+            " update is not known to be element-wise (optimizers that use whole-tensor statistics, such as"
+            " LBFGS, LAMB or Adafactor, change meaning on a slice). Element-wise optimizers that shard"
+            f" exactly: {names}. Use one of them, or zero_stage=0."
+        )
+
+
+class ShardedOptimizer:
+    """Owns the flat parameter buffer, the fragments and the rebuilt optimizers of one module."""
+
+    def __init__(
+        self,
+        *,
+        sync: GradSync,
+        optimizers: Sequence[Optimizer],
+        param_names: dict[nn.Parameter, str],
+        master_dtype: torch.dtype | None = None,
+    ) -> None:
+        if not sync.shard:
+            raise ValueError("ShardedOptimizer needs a sharded GradSync (shard=True).")
+        for opt in optimizers:
+            check_shardable(opt)
+        self.sync = sync
+        self.optimizers = list(optimizers)
+        self.master_dtype = master_dtype or sync.dtype
+        engine_params = set(map(id, sync.params))
+        self._group_params: list[list[list[nn.Parameter]]] = []
+        owner: dict[int, int] = {}
+        for k, opt in enumerate(self.optimizers):
+            groups = []
+            for group in opt.param_groups:
+                params = list(group["params"])
+                for p in params:
+                    if id(p) not in engine_params:
+                        name = param_names.get(p, "<a tensor outside the module>")
+                        raise ValueError(
+                            f"Optimizer {k} holds {name!r}, which is not a trainable parameter of the module"
+                            " (requires_grad=False or not registered); ZeRO can only shard module parameters."
+                        )
+                    if owner.setdefault(id(p), k) != k:
+                        raise ValueError(f"Parameter {param_names[p]!r} is in two optimizers.")
+                groups.append(params)
+            self._group_params.append(groups)
+        sync.on_relayout(self._relayout)
+        sync.on_synchronized(self._attach_grads)
+        self._relayout()
+
+    # ------------------------------------------------------------------ layout
+    def _relayout(self) -> None:
+        sync, layout = self.sync, self.sync.layout
+        if any(opt.state for opt in self.optimizers if hasattr(self, "_masters")):
+            raise RuntimeError("The ZeRO layout changed after the optimizer took a step; this is a bug.")
+        params = sync.params
+        with torch.no_grad():
+            self.param_flat = torch.zeros(layout.numel, dtype=sync.dtype, device=sync.device)
+            for p, s in zip(params, layout.slots, strict=True):
+                view = self.param_flat[s.offset : s.end].view(s.shape)
+                view.copy_(p.detach())
+                p.data = view  # the Parameter object (and autograd hooks on it) stays the same
+        self.fragments = layout.fragments(sync.rank)
+        separate_master = self.master_dtype != sync.dtype
+        self.master_flat: Tensor | None = None
+        if separate_master:
+            self.master_flat = torch.zeros(layout.shard_numel, dtype=self.master_dtype, device=sync.device)
+        masters: dict[int, list[Tensor]] = {}
+        self._master_slots: list[tuple[Tensor, Tensor, int]] = []
+        for f in self.fragments:
+            slot = layout.slots[f.slot]
+            compute = self.param_flat[slot.offset + f.param_lo : slot.offset + f.param_hi]
+            if self.master_flat is not None:
+                master = self.master_flat[f.shard_lo : f.shard_lo + f.numel]
+                master.copy_(compute)
+            else:
+                master = compute
+            masters.setdefault(id(params[f.slot]), []).append(master)
+            self._master_slots.append((master, compute, f.slot))
+        self._masters = masters
+        for opt, groups in zip(self.optimizers, self._group_params, strict=True):
+            self._rebuild_optimizer(opt, groups, masters)
+
+    @staticmethod
+    def _rebuild_optimizer(
+        opt: Optimizer, groups: list[list[nn.Parameter]], masters: dict[int, list[Tensor]]
+    ) -> None:
+        new_groups: list[dict[str, Any]] = []
+        for group, params in zip(opt.param_groups, groups, strict=True):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            new_groups.append({**hyper, "params": [m for p in params for m in masters.get(id(p), [])]})
+        # A fresh instance runs the class's own state initialisation (Adagrad fills state eagerly from its
+        # constructor arguments, so those are passed again, as far as the constructor accepts them).
+        accepted = inspect.signature(type(opt).__init__).parameters
+        fresh = type(opt)(new_groups, **{k: v for k, v in opt.defaults.items() if k in accepted})
+        opt.param_groups = fresh.param_groups
+        opt.state = fresh.state
+
+    # ------------------------------------------------------------------ step
+    def _attach_grads(self) -> None:
+        """Point each master fragment's ``.grad`` at its slice of the reduced gradient shard."""
+        grad_shard = self.sync.grad_shard
+        assert grad_shard is not None
+        for f, (master, _, slot) in zip(self.fragments, self._master_slots, strict=True):
+            if slot in self.sync.unused:
+                master.grad = None
+                continue
+            g = grad_shard[f.shard_lo : f.shard_lo + f.numel]
+            master.grad = g if g.dtype == master.dtype else g.to(master.dtype)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Copy masters into the compute parameters, all-gather every bucket, open a new window."""
+        if self.master_flat is not None:
+            for master, compute, _ in self._master_slots:
+                compute.copy_(master)
+        sync, layout = self.sync, self.sync.layout
+        works = []
+        for bucket in layout.buckets:
+            lo, hi = bucket.shard_range(sync.rank, sync.world)
+            full = self.param_flat[bucket.start : bucket.end]
+            work = all_gather_flat(full, self.param_flat[lo:hi].clone(), group=sync.group, async_op=True)
+            works.append(work)
+        for work in works:
+            assert work is not None
+            work.wait()
+        for master, _, _ in self._master_slots:
+            master.grad = None
+        sync.zero_grad_shard()
+
+    # ------------------------------------------------------------------ introspection
+    def group_params(self, index: int) -> list[list[nn.Parameter]]:
+        """The module parameters of each param group of optimizer ``index``, as the user gave them."""
+        return self._group_params[index]
+
+    @property
+    def master_key(self) -> str | None:
+        """Checkpoint key of separate fp32 master values (None when the parameters are the masters)."""
+        return MASTER_KEY if self.master_flat is not None else None
+
+    def fragment_table(self) -> list[tuple[str, int, int, Tensor]]:
+        """``(param name, lo, hi, master fragment)`` for every fragment this rank owns."""
+        names = self.sync.names
+        return [
+            (names[f.slot], f.param_lo, f.param_hi, master)
+            for f, (master, _, _) in zip(self.fragments, self._master_slots, strict=True)
+        ]
+
+    def optimizer_state_bytes(self) -> int:
+        total = 0
+        for opt in self.optimizers:
+            for state in opt.state.values():
+                total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, Tensor))
+        if self.master_flat is not None:
+            total += self.master_flat.numel() * self.master_flat.element_size()
+        return total
