@@ -45,6 +45,7 @@ from typing_extensions import override
 
 from lightning_par.checkpoint.io import check_model, layout_metadata, load_optimizer_states, save_sharded
 from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta
+from lightning_par.loss import TokenNormalizer
 from lightning_par.memory import MemoryReport, measure_memory
 from lightning_par.mesh import MeshLayout, ParallelMesh
 from lightning_par.precision import ParallelPrecision
@@ -177,6 +178,7 @@ class HybridParallelStrategy(ParallelStrategy):
         self._mesh: ParallelMesh | None = None
         self._engine: ZeroEngine | None = None
         self._sharded_source: Path | None = None
+        self._token_normalizer: TokenNormalizer | None = None
 
     # ------------------------------------------------------------------ precision
     @property
@@ -344,6 +346,32 @@ class HybridParallelStrategy(ParallelStrategy):
             self._engine.after_step()  # stages 1/2: all-gather the updated parameters
         return output
 
+    def token_normalized(self, loss_sum: Tensor, n_tokens: int | Tensor) -> Tensor:
+        """Token-exact accumulation: return this from ``training_step`` instead of a mean loss.
+
+        ``loss_sum`` is the sum of the micro-batch's token losses and ``n_tokens`` its number of valid
+        tokens (see :func:`lightning_par.loss.token_loss_sum`). At the end of the accumulation window the
+        gradients are rescaled so that they equal the gradient of (sum of all token losses) / (number of
+        valid tokens) over all micro-batches and data-parallel ranks, however unevenly the tokens are
+        spread. The returned value is ``loss_sum`` itself; log ``loss_sum / n_tokens`` for display.
+        """
+        if self._engine is None:
+            raise RuntimeError("token_normalized() is for training_step, after the strategy's setup().")
+        if self._token_normalizer is None:
+            self._token_normalizer = TokenNormalizer(group=self.mesh.dp_group)
+            self._engine.sync.on_synchronized(self._apply_token_normalization)
+        self._token_normalizer.add(n_tokens)
+        return loss_sum
+
+    def _apply_token_normalization(self) -> None:
+        assert self._token_normalizer is not None and self._engine is not None
+        module = self.lightning_module
+        assert module is not None
+        # Lightning divides each micro-batch loss by accumulate_grad_batches in automatic optimization
+        loss_scale = 1.0 / module.trainer.accumulate_grad_batches if module.automatic_optimization else 1.0
+        factor = self._token_normalizer.grad_scale(loss_scale=loss_scale, dp_size=self.mesh.dp_size)
+        self._engine.sync.scale_grads(factor)
+
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients, optimizer state, buffers and communication buffers on this rank."""
         assert self.lightning_module is not None
@@ -465,6 +493,7 @@ class HybridParallelStrategy(ParallelStrategy):
         if self._engine is not None:
             self._engine.remove()
             self._engine = None
+        self._token_normalizer = None
         super().teardown()
 
     @classmethod

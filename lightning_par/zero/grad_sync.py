@@ -393,6 +393,16 @@ class GradSync:
         """Call ``listener()`` when the final backward of a window has reduced all gradients."""
         self._sync_listeners.append(listener)
 
+    @torch.no_grad()
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the reduced gradients of the finished window by ``factor``."""
+        if self.shard:
+            assert self.grad_shard is not None
+            self.grad_shard.mul_(factor)
+        else:
+            assert self.buffer is not None
+            self.buffer.mul_(factor)
+
     def zero_grad_shard(self) -> None:
         """Start a new accumulation window of the sharded gradient (after the optimizer step)."""
         if self.grad_shard is not None:
