@@ -2,9 +2,9 @@
 
 The loss of one optimizer step over micro-batches ``k`` on data-parallel ranks ``r`` should be
 
-    L = Σ_{r,k} Σ_t ℓ_{r,k,t}  /  T,        T = Σ_{r,k} n_{r,k}   (valid, unmasked tokens)
+    L = Σ_{r,k} Σ_t l_{r,k,t}  /  T,        T = Σ_{r,k} n_{r,k}   (valid, unmasked tokens)
 
-Averaging per-micro-batch means instead, ``(1/NK) Σ_{r,k} (Σ_t ℓ_{r,k,t} / n_{r,k})``, weights tokens of
+Averaging per-micro-batch means instead, ``(1/NK) Σ_{r,k} (Σ_t l_{r,k,t} / n_{r,k})``, weights tokens of
 short micro-batches more: the gradient-accumulation bug many trainers shipped until late 2024. ``T`` is
 known only after the last micro-batch of the window on every rank, but gradients are linear in the loss,
 so the exact gradient is recovered after the fact:
@@ -28,7 +28,7 @@ from torch.distributed import ProcessGroup
 
 
 def token_loss_sum(logits: Tensor, targets: Tensor, *, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
-    """``(Σ_t ℓ_t, n)``: the summed cross-entropy over valid tokens and their count (targets equal to
+    """``(Σ_t l_t, n)``: the summed cross-entropy over valid tokens and their count (targets equal to
     ``ignore_index`` are masked out)."""
     flat_targets = targets.reshape(-1)
     loss = F.cross_entropy(
