@@ -271,6 +271,23 @@ def _task(cfg: DictConfig) -> float:
         _fail(str(exc))
 
 
+def _share_run_dir_under_launcher() -> None:
+    """Under torchrun every rank runs this command itself: give all ranks one run directory.
+
+    Unless ``hydra.run.dir`` is given, it is named after torchrun's run id (``--rdzv-id``; the same for
+    all ranks and across restarts, so a restarted job finds its own folder again), and only rank 0 writes
+    the ``.hydra`` config record.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    given = {arg.split("=", 1)[0] for arg in sys.argv[1:]}
+    if "hydra.run.dir" not in given:
+        run_id = os.environ["TORCHELASTIC_RUN_ID"]
+        sys.argv.append(f"hydra.run.dir=outputs/${{task_name}}/torchrun-{run_id}")
+    if os.environ.get("RANK", "0") != "0" and "hydra.output_subdir" not in given:
+        sys.argv.append("hydra.output_subdir=null")
+
+
 def main() -> None:
     """Console script ``lightning-par-train``: run :func:`train` with the Hydra overrides in ``sys.argv``."""
     try:
@@ -283,6 +300,7 @@ def main() -> None:
         # with rank 0 (Lightning passes the original arguments on), but its sweep directory would be a
         # new timestamp; join rank 0's instead. Lightning already points single runs at rank 0's run dir.
         sys.argv.append(f'hydra.sweep.dir="{sweep_dir}"')
+    _share_run_dir_under_launcher()
     # Decorated here rather than at import time: the config directory is only known at run time.
     hydra.main(version_base="1.3", config_path=str(config_dir), config_name="train")(_task)()
 
