@@ -8,9 +8,12 @@ parameters are the masters) and ``S`` the optimizer's state bytes per element (A
     stage 0:  params PΨ   grads GΨ             optimizer (M+S)Ψ
     stage 1:  params PΨ   grads GΨ + GΨ/N       optimizer (M+S)Ψ/N     (full local buffer + reduced shard)
     stage 2:  params PΨ   grads GΨ/N + buckets  optimizer (M+S)Ψ/N     (grad_sync="every")
+    stage 3:  params PΨ/N + live units   grads GΨ/N   optimizer (M+S)Ψ/N
 
-e.g. mixed-precision AdamW (P=G=2, M=4, S=8): stage 1 ≈ 4Ψ + 12Ψ/N, stage 2 ≈ 2Ψ + 14Ψ/N, as in
-ARCHITECTURE.md. With ``grad_sync="boundary"`` stage 2 keeps the full local buffer like stage 1.
+where the live units are the root unit (gathered for the whole step) plus a block and its prefetched
+successor. E.g. mixed-precision AdamW (P=G=2, M=4, S=8): stage 1 ≈ 4Ψ + 12Ψ/N, stage 2 ≈ 2Ψ + 14Ψ/N,
+stage 3 ≈ 16Ψ/N, as in ARCHITECTURE.md. With ``grad_sync="boundary"`` stage 2 keeps the full local
+buffer like stage 1.
 Communication buffers are bounded: at most ``max_inflight + 1`` buckets, each at most the larger of
 ``bucket_size_mb`` and the largest parameter; ``comm_buffers`` of the estimate is that bound.
 """
@@ -23,7 +26,9 @@ from typing import Literal, TypedDict
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_par.zero.engine import ZeroEngine, default_grad_sync
+from lightning_par.zero.engine import Engine, ZeroEngine, default_grad_sync
+from lightning_par.zero.stage3 import Stage3Engine
+from lightning_par.zero.units import plan_units
 
 OptimizerKind = Literal["adamw", "adam", "sgd", "sgd_momentum", "adagrad", "rmsprop"]
 _STATE_BYTES: dict[str, int] = {
@@ -44,6 +49,7 @@ _PRECISION_BYTES: dict[str, tuple[int, int, int]] = {  # (param, grad, separate 
 
 class MemoryReport(TypedDict):
     parameters: int
+    live_units: int
     gradients: int
     optimizer_state: int
     buffers: int
@@ -62,18 +68,20 @@ def _bytes(tensors: Sequence[Tensor]) -> int:
     return total
 
 
-def measure_memory(
-    module: nn.Module, engine: ZeroEngine | None, optimizers: Sequence[Optimizer]
-) -> MemoryReport:
+def measure_memory(module: nn.Module, engine: Engine | None, optimizers: Sequence[Optimizer]) -> MemoryReport:
     """Bytes this rank holds now, by category (storages counted once)."""
     params = _bytes([p for p in module.parameters()])
     buffers = _bytes([b for b in module.buffers()])
-    if engine is not None:
+    live = 0
+    if isinstance(engine, Stage3Engine):
+        m = engine.memory_bytes()
+        params, live, grads, comm = m["param_shard"], m["live_units"], m["grad_shard"], m["comm"]
+    elif isinstance(engine, ZeroEngine):
         g = engine.sync.grad_bytes()
         grads, comm = g["full"] + g["shard"], g["bucket_pool"]
     else:
         grads, comm = _bytes([p.grad for p in module.parameters() if p.grad is not None]), 0
-    if engine is not None and engine.sharded is not None:
+    if isinstance(engine, ZeroEngine) and engine.sharded is not None:
         opt_state = engine.sharded.optimizer_state_bytes()
     else:
         opt_state = sum(
@@ -83,9 +91,10 @@ def measure_memory(
             for v in state.values()
             if isinstance(v, Tensor)
         )
-    total = params + grads + opt_state + buffers + comm
+    total = params + live + grads + opt_state + buffers + comm
     return MemoryReport(
         parameters=params,
+        live_units=live,
         gradients=grads,
         optimizer_state=opt_state,
         buffers=buffers,
@@ -106,6 +115,7 @@ def estimate_memory(
     grad_sync: Literal["boundary", "every"] | None = None,
     bucket_size_mb: float = 25.0,
     max_inflight: int = 4,
+    stage3_inflight: int = 2,
 ) -> MemoryReport:
     """Predicted bytes per rank of model states (see the module docstring for the formulas)."""
     largest = 0
@@ -117,8 +127,6 @@ def estimate_memory(
         total_params = int(model_or_param_count)
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
-    if zero_stage == 3:
-        raise NotImplementedError("estimate_memory for ZeRO stage 3 is not implemented yet.")
     if precision not in _PRECISION_BYTES:
         raise ValueError(f"precision must be one of {sorted(_PRECISION_BYTES)}, got {precision!r}.")
     if optimizer not in _STATE_BYTES:
@@ -130,8 +138,18 @@ def estimate_memory(
     p_bytes, g_bytes, m_bytes = _PRECISION_BYTES[precision]
     s_bytes = _STATE_BYTES[optimizer]
     params = p_bytes * psi
-    comm = 0.0
-    if zero_stage == 0:
+    comm = live = 0.0
+    if zero_stage == 3:
+        params, grads, opt = p_bytes * psi / dp, g_bytes * psi / dp, (m_bytes + s_bytes) * psi / dp
+        if isinstance(model_or_param_count, nn.Module):
+            sizes = [
+                sum(p.numel() for _, p in named) for _, _, named in plan_units(model_or_param_count).units
+            ]
+            root, blocks = sizes[-1], sizes[:-1] or [0]
+            # the root unit stays gathered for the step; a block and its prefetched successor
+            live = p_bytes * (root + 2 * max(blocks)) / (tp * pp)
+            comm = g_bytes * (stage3_inflight + 1) * max(sizes) * (1 + 1 / dp) / (tp * pp)
+    elif zero_stage == 0:
         grads, opt = g_bytes * psi, (m_bytes + s_bytes) * psi
     else:
         policy = grad_sync or default_grad_sync(zero_stage)
@@ -141,9 +159,10 @@ def estimate_memory(
             # upper bound: a bucket holds at most max(bucket size, largest parameter)
             bucket = min(max(bucket_size_mb * 1024 * 1024, g_bytes * largest), g_bytes * psi)
             comm = min(max_inflight + 1, max(1.0, g_bytes * psi / bucket)) * bucket
-    total = params + grads + opt + comm
+    total = params + live + grads + opt + comm
     return MemoryReport(
         parameters=int(params),
+        live_units=int(live),
         gradients=int(grads),
         optimizer_state=int(opt),
         buffers=0,

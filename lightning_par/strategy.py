@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -43,15 +43,25 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par.checkpoint.io import check_model, layout_metadata, load_optimizer_states, save_sharded
+from lightning_par.activation_checkpointing import apply_activation_checkpointing
+from lightning_par.checkpoint.io import (
+    check_model,
+    full_state_dict_of,
+    layout_metadata,
+    load_optimizer_states,
+    load_stage3_params,
+    save_sharded,
+)
 from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta
 from lightning_par.loss import TokenNormalizer
 from lightning_par.memory import MemoryReport, measure_memory
 from lightning_par.mesh import MeshLayout, ParallelMesh
 from lightning_par.precision import ParallelPrecision
-from lightning_par.zero import ZeroEngine, apply_zero, broadcast_module_states
-from lightning_par.zero.engine import ReduceChoice
+from lightning_par.zero import apply_zero, broadcast_module_states
+from lightning_par.zero.engine import Engine, ReduceChoice, resolve_reduce_op
 from lightning_par.zero.grad_sync import GradSyncPolicy
+from lightning_par.zero.stage3 import Stage3Engine
+from lightning_par.zero.units import UnitPolicy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -63,8 +73,6 @@ StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-# Features whose issues have not landed yet: refuse loudly rather than fall back to something else.
-_NOT_YET = {3: "ZeRO stage 3 (sharded parameters)"}
 
 
 class HybridParallelStrategy(ParallelStrategy):
@@ -78,8 +86,20 @@ class HybridParallelStrategy(ParallelStrategy):
         bucket_size_mb: size of a gradient communication bucket.
         grad_sync: stages 1/2: ``"boundary"`` reduces gradients once per optimizer step (default for
             stage 1), ``"every"`` after each micro-batch so gradient memory stays 1/N (default for stage 2).
-        reduce_op: stages 1/2: ``"auto"`` (reduce-scatter on NCCL, all-reduce on Gloo), ``"all_reduce"`` or
+        reduce_op: stages 1-3: ``"auto"`` (reduce-scatter on NCCL, all-reduce on Gloo), ``"all_reduce"`` or
             ``"reduce_scatter"``.
+        zero3_units: stage 3: which modules gather their parameters together: module classes or
+            ``fnmatch`` patterns of module names (default: every child of an ``nn.ModuleList``).
+        reshard_after_forward: stage 3: free gathered parameters after each unit's forward (re-gather in
+            backward: 3Ψ traffic, least memory) or keep them until backward (2Ψ traffic).
+        prefetch: stage 3: gather the next unit while the current one computes.
+        meta_init: stage 3: run ``configure_model()`` on the meta device and materialise only this rank's
+            shard, unit by unit, with each module's ``reset_parameters()``.
+        activation_checkpointing: recompute each selected layer in backward instead of keeping its
+            activations: ``True`` for every child of an ``nn.ModuleList`` (the blocks), or module classes /
+            name patterns.
+        unshard_on_teardown: stage 3: gather the whole model back into every rank when training ends, so
+            the module is usable afterwards (turn off for models that do not fit one device).
         find_unused_parameters: allow parameters without gradients in a step (their ``.grad`` stays
             ``None`` when no rank used them); without it such parameters raise a clear error.
         tp_plan: tensor-parallel plan name (``"gpt"``, ``"llama"``) or ``{module pattern: style}``.
@@ -103,6 +123,12 @@ class HybridParallelStrategy(ParallelStrategy):
         grad_sync: GradSyncPolicy | None = None,
         reduce_op: ReduceChoice = "auto",
         find_unused_parameters: bool = False,
+        zero3_units: UnitPolicy = None,
+        reshard_after_forward: bool = True,
+        prefetch: bool = True,
+        meta_init: bool = True,
+        activation_checkpointing: bool | UnitPolicy = False,
+        unshard_on_teardown: bool = True,
         tp_plan: str | dict[str, str] | None = None,
         num_microbatches: int | None = None,
         pipeline_schedule: PipelineSchedule = "1f1b",
@@ -117,11 +143,6 @@ class HybridParallelStrategy(ParallelStrategy):
     ) -> None:
         if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
-        if zero_stage in _NOT_YET:
-            raise NotImplementedError(
-                f"{_NOT_YET[zero_stage]} is not implemented in this version of lightning_par;"
-                " use zero_stage=0 (strategy='dp' in the Hydra configs) until it lands."
-            )
         for name, value in (
             ("tensor_parallel_size", tensor_parallel_size),
             ("pipeline_parallel_size", pipeline_parallel_size),
@@ -167,16 +188,22 @@ class HybridParallelStrategy(ParallelStrategy):
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.bucket_size_mb = float(bucket_size_mb)
-        self.grad_sync_policy = grad_sync
+        self.grad_sync = grad_sync
         self.reduce_op: ReduceChoice = reduce_op
         self.find_unused_parameters = find_unused_parameters
+        self.zero3_units = zero3_units
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self.meta_init = meta_init
+        self.activation_checkpointing = activation_checkpointing
+        self.unshard_on_teardown = unshard_on_teardown
         self.pipeline_schedule = pipeline_schedule
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout_s)
         self._start_method: StartMethod = start_method
         self._num_nodes = 1
         self._mesh: ParallelMesh | None = None
-        self._engine: ZeroEngine | None = None
+        self._engine: Engine | None = None
         self._sharded_source: Path | None = None
         self._token_normalizer: TokenNormalizer | None = None
 
@@ -245,7 +272,7 @@ class HybridParallelStrategy(ParallelStrategy):
         return self._process_group_backend
 
     @property
-    def engine(self) -> ZeroEngine | None:
+    def engine(self) -> Engine | None:
         """The ZeRO engine (after ``setup`` for fitting), else ``None``."""
         return self._engine
 
@@ -295,25 +322,42 @@ class HybridParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if self.activation_checkpointing is not False:
+            policy = None if self.activation_checkpointing is True else self.activation_checkpointing
+            apply_activation_checkpointing(self.model, policy=policy)
+        if self.zero_stage == 3:
+            # parameters are sharded for evaluation too: a meta-initialised model exists only as shards
+            self._engine = Stage3Engine(
+                self.model,
+                group=self.mesh.dp_group,
+                units=self.zero3_units,
+                reshard_after_forward=self.reshard_after_forward,
+                prefetch=self.prefetch,
+                reduce_op=resolve_reduce_op(self.reduce_op, self.mesh.dp_group),
+                find_unused_parameters=self.find_unused_parameters,
+            )
+            if trainer.state.fn == TrainerFn.FITTING:
+                self.setup_optimizers(trainer)
+                self._engine.shard_optimizers(self.optimizers)
+        elif trainer.state.fn == TrainerFn.FITTING:
             # Order of composition (ARCHITECTURE.md): TP, PP, checkpointing, then ZeRO over dp.
             self._engine = apply_zero(
                 self.model,
                 group=self.mesh.dp_group,
                 stage=self.zero_stage,
                 bucket_size_mb=self.bucket_size_mb,
-                grad_sync=self.grad_sync_policy,
+                grad_sync=self.grad_sync,
                 reduce_op=self.reduce_op,
                 find_unused_parameters=self.find_unused_parameters,
             )
             self.setup_optimizers(trainer)
             self._engine.shard_optimizers(self.optimizers)
-            plugin = self.precision_plugin
-            if isinstance(plugin, ParallelPrecision):
-                # each dp rank holds disjoint gradient pieces from stage 1 on: the clip norm sums over them
-                plugin.grad_norm_groups = (self.mesh.dp_group,) if self.zero_stage > 0 else ()
         else:
             broadcast_module_states(self.model, group=self.mesh.dp_group)
+        plugin = self.precision_plugin
+        if isinstance(plugin, ParallelPrecision):
+            # each dp rank holds disjoint gradient pieces from stage 1 on: the clip norm sums over them
+            plugin.grad_norm_groups = (self.mesh.dp_group,) if self.zero_stage > 0 else ()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -321,7 +365,53 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
+        if any(p.is_meta for p in self.model.parameters()):
+            if self.zero_stage != 3:
+                raise ValueError(
+                    "The model has meta-device parameters, which only zero_stage=3 materialises (shard by"
+                    " shard); create the model on a real device or use zero_stage=3."
+                )
+            return  # the stage-3 engine materialises each unit on this device
         self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3 with ``meta_init``: ``configure_model()`` builds the model on the meta device."""
+        if self.zero_stage == 3 and self.meta_init:
+            with torch.device("meta"):
+                yield
+        else:
+            yield
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # stage 3 loads parameters into shards, which exist only after setup()
+        return self.zero_stage == 3
+
+    def _step_context(self) -> AbstractContextManager[None]:
+        return self._engine.forward_context() if self._engine is not None else nullcontext()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().predict_step(*args, **kwargs)
 
     @contextmanager
     @override
@@ -359,7 +449,7 @@ class HybridParallelStrategy(ParallelStrategy):
             raise RuntimeError("token_normalized() is for training_step, after the strategy's setup().")
         if self._token_normalizer is None:
             self._token_normalizer = TokenNormalizer(group=self.mesh.dp_group)
-            self._engine.sync.on_synchronized(self._apply_token_normalization)
+            self._engine.on_synchronized(self._apply_token_normalization)
         self._token_normalizer.add(n_tokens)
         return loss_sum
 
@@ -370,7 +460,7 @@ class HybridParallelStrategy(ParallelStrategy):
         # Lightning divides each micro-batch loss by accumulate_grad_batches in automatic optimization
         loss_scale = 1.0 / module.trainer.accumulate_grad_batches if module.automatic_optimization else 1.0
         factor = self._token_normalizer.grad_scale(loss_scale=loss_scale, dp_size=self.mesh.dp_size)
-        self._engine.sync.scale_grads(factor)
+        self._engine.scale_grads(factor)
 
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients, optimizer state, buffers and communication buffers on this rank."""
@@ -407,9 +497,32 @@ class HybridParallelStrategy(ParallelStrategy):
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
+    def _sharded(self) -> bool:
+        return self._engine is not None and self._engine.sharded_state is not None
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._engine is not None and self._engine.stage == 3:
+            return {}  # each rank writes its shard of the parameters (see save_checkpoint)
+        return super().lightning_module_state_dict()
+
+    def consolidated_state_dict(self) -> dict[str, Tensor]:
+        """The full model state dict on global rank 0 (empty elsewhere) for export; at stage 3 it is
+        gathered one unit at a time, so no rank holds more than the result and one unit."""
+        assert self.lightning_module is not None
+        if isinstance(self._engine, Stage3Engine):
+            params = self._engine.full_state_dict(to_rank=0)
+            if not self.is_global_zero:
+                return {}
+            buffers = {n: b.detach().cpu() for n, b in self.lightning_module.named_buffers()}
+            return {**params, **buffers}
+        if not self.is_global_zero:
+            return {}
+        return {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._engine is not None and self._engine.sharded is not None:
+        if self._sharded():
             return {}  # sharded optimizer state is written per rank by save_checkpoint
         return super().optimizer_state(optimizer)
 
@@ -419,11 +532,11 @@ class HybridParallelStrategy(ParallelStrategy):
     ) -> None:
         assert self.lightning_module is not None
         checkpoint[METADATA_KEY] = self.layout_metadata()
-        if self._engine is None or self._engine.sharded is None:
+        if self._engine is None or not self._sharded():
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         if storage_options is not None:
-            raise TypeError("storage_options is not supported for sharded (ZeRO 1/2) checkpoints.")
+            raise TypeError("storage_options is not supported for sharded (ZeRO 1-3) checkpoints.")
         path = Path(self.broadcast(str(filepath)))
         if path.is_file():
             if self.is_global_zero:
@@ -467,6 +580,22 @@ class HybridParallelStrategy(ParallelStrategy):
         return checkpoint
 
     @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        module = self.lightning_module
+        if isinstance(self._engine, Stage3Engine):
+            rest = load_stage3_params(checkpoint, self._engine, self._sharded_source)
+            missing, unexpected = module.load_state_dict(rest, strict=False)
+            buffers = {n for n, _ in module.named_buffers()}
+            if strict and (set(missing) & buffers or unexpected):
+                raise KeyError(
+                    f"Buffers missing from the checkpoint: {sorted(set(missing) & buffers)};"
+                    f" unexpected keys: {sorted(unexpected)}."
+                )
+            return
+        module.load_state_dict(full_state_dict_of(dict(checkpoint), self._sharded_source), strict=strict)
+
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None
         load_optimizer_states(
@@ -491,6 +620,8 @@ class HybridParallelStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         if self._engine is not None:
+            if isinstance(self._engine, Stage3Engine) and self.unshard_on_teardown:
+                self._engine.unshard_all()  # leave a usable, whole model behind
             self._engine.remove()
             self._engine = None
         self._token_normalizer = None

@@ -13,11 +13,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_par.checkpoint.optimizer_state import (
     Pieces,
+    cut,
     fragment_pieces,
     group_hyperparams,
     load_fragments,
@@ -26,31 +27,38 @@ from lightning_par.checkpoint.optimizer_state import (
 )
 from lightning_par.checkpoint.sharded import (
     METADATA_KEY,
+    assemble_state_dict,
     check_params_match,
     mark_complete,
+    read_model_records,
     read_optimizer_records,
     write_meta,
     write_rank_file,
 )
-from lightning_par.zero.engine import ZeroEngine
+from lightning_par.zero.engine import Engine, ZeroEngine
+from lightning_par.zero.stage3 import Stage3Engine
 
 
 def layout_metadata(
     module: nn.Module,
     *,
-    engine: ZeroEngine | None,
+    engine: Engine | None,
     optimizers: Sequence[Optimizer],
     sizes: Mapping[str, int],
 ) -> dict[str, Any]:
     """What a checkpoint records about the model and the layout it was written with."""
     stage = engine.stage if engine is not None else 0
     names = {p: n for n, p in module.named_parameters()}
+    aliases: dict[str, list[str]] = {}
+    for alias, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(names[p], []).append(alias)
     meta: dict[str, Any] = {
         "format": "sharded" if stage > 0 else "full",
         "zero_stage": stage,
         **dict(sizes),
         "params": {n: list(p.shape) for n, p in module.named_parameters()},
-        "order": engine.sync.names if engine is not None else [],
+        "aliases": {n: a for n, a in aliases.items() if len(a) > 1},
+        "order": engine.sync.names if isinstance(engine, ZeroEngine) else [],
         "optimizers": [
             {"class": type(opt).__name__, "param_names": _group_names(opt, engine, names, k)}
             for k, opt in enumerate(optimizers)
@@ -60,40 +68,45 @@ def layout_metadata(
 
 
 def _group_names(
-    opt: Optimizer, engine: ZeroEngine | None, names: Mapping[nn.Parameter, str], index: int
+    opt: Optimizer, engine: Engine | None, names: Mapping[nn.Parameter, str], index: int
 ) -> list[list[str]]:
-    if engine is not None and engine.sharded is not None:
-        return [[names[p] for p in group] for group in engine.sharded.group_params(index)]
+    sharded = engine.sharded_state if engine is not None else None
+    if sharded is not None:
+        return [[names[p] for p in group] for group in sharded.group_params(index)]
     return [[names[p] for p in g["params"]] for g in opt.param_groups]
 
 
-def sharded_optimizer_payload(engine: ZeroEngine, optimizers: Sequence[Optimizer]) -> dict[str, Any]:
-    """This rank's optimizer records (stages 1/2)."""
-    assert engine.sharded is not None
+def sharded_payload(engine: Engine, optimizers: Sequence[Optimizer]) -> dict[str, Any]:
+    """This rank's records: optimizer state (stages 1-3) and, at stage 3, its slice of the parameters."""
+    sharded = engine.sharded_state
+    assert sharded is not None
     names = {p: n for n, p in engine.module.named_parameters()}
-    table = engine.sharded.fragment_table()
-    master_key = engine.sharded.master_key
-    return {
+    table = sharded.fragment_table()
+    master_key = sharded.master_key
+    payload: dict[str, Any] = {
         "optimizers": [
             {
                 "param_groups": [
                     {**hyper, "param_names": [names[p] for p in params]}
-                    for hyper, params in zip(
-                        group_hyperparams(opt), engine.sharded.group_params(k), strict=True
-                    )
+                    for hyper, params in zip(group_hyperparams(opt), sharded.group_params(k), strict=True)
                 ],
                 "records": fragment_pieces(opt, table, master_key=master_key),
             }
             for k, opt in enumerate(optimizers)
         ]
     }
+    if engine.stage == 3:
+        payload["model"] = [
+            (name, lo, hi, {"param": view.detach().cpu().clone()}) for name, lo, hi, view in table
+        ]
+    return payload
 
 
 def save_sharded(
     checkpoint: dict[str, Any],
     path: Path,
     *,
-    engine: ZeroEngine,
+    engine: Engine,
     optimizers: Sequence[Optimizer],
     rank: int,
     world_size: int,
@@ -103,7 +116,7 @@ def save_sharded(
     path.mkdir(parents=True, exist_ok=True)
     # "optimizer_states" stays as a list of placeholders (the strategy returns {} per optimizer): Lightning
     # checks for the key before it asks the strategy to restore optimizers.
-    write_rank_file(path, rank, sharded_optimizer_payload(engine, optimizers))
+    write_rank_file(path, rank, sharded_payload(engine, optimizers))
     if rank == 0:
         write_meta(path, checkpoint)
     barrier()
@@ -139,14 +152,15 @@ def load_optimizer_states(
     checkpoint: Mapping[str, Any],
     *,
     module: nn.Module,
-    engine: ZeroEngine | None,
+    engine: Engine | None,
     optimizers: Sequence[Optimizer],
     sharded_path: Path | None,
 ) -> None:
     """Restore ``optimizers`` (sharded or not) from a checkpoint of either format."""
     names = {p: n for n, p in module.named_parameters()}
     current = [_group_names(opt, engine, names, k) for k, opt in enumerate(optimizers)]
-    if engine is None or engine.sharded is None:
+    sharded = engine.sharded_state if engine is not None else None
+    if engine is None or sharded is None:
         if sharded_path is None:
             for opt, state in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
                 opt.load_state_dict(state)
@@ -157,14 +171,49 @@ def load_optimizer_states(
             load_unsharded(opt, pieces, hyper, names)
         return
     meta = checkpoint.get(METADATA_KEY) or {}
-    order = meta.get("order") or []
     # the optimizer now has state: freeze the bucket order (the checkpoint's, when it is ours)
-    engine.sync.set_order(order if sorted(order) == sorted(engine.sync.names) else engine.sync.names)
+    engine.freeze_order(meta.get("order") or [])
     sources = _sources(checkpoint, sharded_path, current)
     if len(sources) != len(optimizers):
         raise ValueError(
             f"The checkpoint holds {len(sources)} optimizer(s), the model configures {len(optimizers)}."
         )
-    table = engine.sharded.fragment_table()
+    table = sharded.fragment_table()
     for opt, (hyper, pieces) in zip(optimizers, sources, strict=True):
-        load_fragments(opt, pieces, hyper, table, master_key=engine.sharded.master_key)
+        load_fragments(opt, pieces, hyper, table, master_key=sharded.master_key)
+
+
+def full_state_dict_of(checkpoint: dict[str, Any], sharded_path: Path | None) -> dict[str, Any]:
+    """The checkpoint's full ``state_dict`` (assembled from ZeRO-3 records if that is how it was saved)."""
+    if sharded_path is not None:
+        model = read_model_records(sharded_path)
+        if model is not None:
+            return {
+                **checkpoint.get("state_dict", {}),
+                **assemble_state_dict(model, checkpoint[METADATA_KEY]),
+            }
+    state: dict[str, Any] = checkpoint.get("state_dict", {})
+    return state
+
+
+def load_stage3_params(
+    checkpoint: Mapping[str, Any], engine: Stage3Engine, sharded_path: Path | None
+) -> dict[str, Any]:
+    """Fill this rank's parameter shards from a checkpoint of any stage; return the non-parameter entries
+    of its state_dict (buffers), for ``load_state_dict`` of the rest."""
+    pieces = read_model_records(sharded_path) if sharded_path is not None else None
+    state = dict(checkpoint.get("state_dict", {}))
+    if pieces is None:
+        pieces = {
+            name: [(0, value.numel(), {"param": value.detach().reshape(-1)})]
+            for name, value in state.items()
+            if isinstance(value, Tensor)
+        }
+
+    def values(name: str, lo: int, hi: int) -> Tensor | None:
+        piece = cut(pieces.get(name, []), lo, hi)
+        return None if piece is None else piece["param"]
+
+    engine.load_fragments(values)
+    params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
+    return {k: v for k, v in state.items() if k not in params}

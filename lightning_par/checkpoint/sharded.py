@@ -86,6 +86,35 @@ def read_optimizer_records(path: str | os.PathLike[str]) -> list[tuple[list[dict
     return [(hyper, pieces_from_records(records)) for hyper, records in merged]
 
 
+def read_model_records(path: str | os.PathLike[str]) -> Pieces | None:
+    """Pieces ``{"param": values}`` of the model parameters when a ZeRO-3 run saved them per rank."""
+    p = Path(path)
+    world = int((p / COMPLETE_FILE).read_text().split()[0])
+    records: list[tuple[str, int, int, dict[str, Any]]] = []
+    for rank in range(world):
+        payload = torch.load(p / rank_file(rank), map_location="cpu", weights_only=False, mmap=True)
+        if "model" not in payload:
+            return None
+        records.extend(payload["model"])
+    return pieces_from_records(records)
+
+
+def assemble_state_dict(pieces: Pieces, meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Full parameters from ZeRO-3 model pieces, under every name a tied parameter is registered."""
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in meta["params"].items():
+        numel = 1
+        for s in shape:
+            numel *= s
+        piece = cut(pieces.get(name, []), 0, numel)
+        if piece is None:
+            raise ValueError(f"The sharded checkpoint has no values for parameter {name!r}.")
+        value = piece["param"].view(shape)
+        for alias in meta.get("aliases", {}).get(name, [name]):
+            out[alias] = value
+    return out
+
+
 def check_params_match(saved: Mapping[str, Any], current: Mapping[str, tuple[int, ...]]) -> None:
     """Raise a ``ValueError`` naming every parameter that is missing, unexpected or of another shape."""
     saved_shapes = {k: tuple(v) for k, v in saved.items()}
@@ -114,6 +143,12 @@ def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A single-file Lightning checkpoint (full ``optimizer_states`` in torch's own format) from a sharded
     directory, for export or for tools that expect one file. Reads rank files one at a time (mmap)."""
     checkpoint = read_meta(path)
+    model = read_model_records(path)
+    if model is not None:
+        checkpoint["state_dict"] = {
+            **checkpoint.get("state_dict", {}),
+            **assemble_state_dict(model, checkpoint[METADATA_KEY]),
+        }
     states = []
     for hyper, pieces in read_optimizer_records(path):
         state: dict[int, dict[str, Any]] = {}

@@ -68,14 +68,40 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
 
+def _residual_std(config: GPTConfig) -> float:
+    return _INIT_STD / math.sqrt(2 * config.n_layer)
+
+
+class InitLinear(nn.Linear):
+    """``nn.Linear`` whose ``reset_parameters`` is the GPT-2 law: weight ~ N(0, std), bias 0."""
+
+    def __init__(
+        self, in_features: int, out_features: int, *, bias: bool = True, std: float = _INIT_STD
+    ) -> None:
+        self.std = std  # read by reset_parameters, which nn.Linear.__init__ calls
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=getattr(self, "std", _INIT_STD))
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class InitEmbedding(nn.Embedding):
+    """``nn.Embedding`` initialised N(0, 0.02)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=_INIT_STD)
+
+
 class GPTEmbedding(nn.Module):
     """Token plus learned absolute position embedding: ``h[b, t] = tok[idx[b, t]] + pos[t]``."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.block_size = config.block_size
-        self.tok = nn.Embedding(config.vocab_size, config.n_embd)
-        self.pos = nn.Embedding(config.block_size, config.n_embd)
+        self.tok = InitEmbedding(config.vocab_size, config.n_embd)
+        self.pos = InitEmbedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, idx: Tensor) -> Tensor:
@@ -105,10 +131,10 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.head_dim = config.head_dim
         self.dropout = config.dropout
-        self.q_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.k_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.v_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.out_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.q_proj = InitLinear(config.n_embd, config.n_embd, bias=config.bias)
+        self.k_proj = InitLinear(config.n_embd, config.n_embd, bias=config.bias)
+        self.v_proj = InitLinear(config.n_embd, config.n_embd, bias=config.bias)
+        self.out_proj = InitLinear(config.n_embd, config.n_embd, bias=config.bias, std=_residual_std(config))
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -131,9 +157,9 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         hidden = config.mlp_ratio * config.n_embd
-        self.fc_in = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        self.fc_in = InitLinear(config.n_embd, hidden, bias=config.bias)
         self.act = nn.GELU(approximate="tanh")
-        self.fc_out = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.fc_out = InitLinear(hidden, config.n_embd, bias=config.bias, std=_residual_std(config))
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -163,7 +189,7 @@ class GPTHead(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = InitLinear(config.n_embd, config.vocab_size, bias=False)
 
     def forward(self, hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(hidden))
@@ -196,29 +222,17 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """GPT-2 initialisation, deterministic under ``torch.manual_seed``.
 
-        Linear/Embedding weights ~ N(0, 0.02), biases 0, LayerNorm (1, 0). The two projections that
-        write into the residual stream (``out_proj``, ``fc_out``) use std ``0.02 / sqrt(2 * n_layer)``
-        so the residual variance stays O(1) with depth (2 such additions per block).
+        Each parameter-owning module initialises itself (``InitLinear``/``InitEmbedding``: N(0, std),
+        biases 0; LayerNorm (1, 0)), so a model created on the meta device and materialised module by
+        module (ZeRO-3) follows the same law. ``std`` is 0.02, and ``0.02 / sqrt(2 * n_layer)`` for the
+        two projections that write into the residual stream (``out_proj``, ``fc_out``), so the residual
+        variance stays O(1) with depth.
         """
         self.tie_weights()
-        self.apply(self._init_weights)
-        residual_std = _INIT_STD / math.sqrt(2 * self.config.n_layer)
-        for block in self.blocks:
-            assert isinstance(block, Block)
-            nn.init.normal_(block.attn.out_proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.mlp.fc_out.weight, mean=0.0, std=residual_std)
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear | nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=_INIT_STD)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.LayerNorm):
-            if module.weight is not None:
-                nn.init.ones_(module.weight)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
+        for module in self.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if module is not self and callable(reset):
+                reset()
 
     def layers(self) -> list[nn.Module]:
         """``[embed, *blocks, head]``: a flat sequence whose composition equals :meth:`forward`."""

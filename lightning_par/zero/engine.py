@@ -16,14 +16,14 @@ Policies (``Literal`` strings, checked):
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
@@ -81,8 +81,54 @@ class ZeroEngine:
         with self.sync.no_sync():
             yield
 
+    @contextmanager
+    def forward_context(self) -> Iterator[None]:
+        yield  # parameters are always whole below stage 3
+
+    def on_synchronized(self, listener: Callable[[], None]) -> None:
+        self.sync.on_synchronized(listener)
+
+    def scale_grads(self, factor: float) -> None:
+        self.sync.scale_grads(factor)
+
+    def freeze_order(self, names: Sequence[str]) -> None:
+        """Fix the bucket order (a checkpoint's, if it names the same parameters) before loading state."""
+        self.sync.set_order(names if sorted(names) == sorted(self.sync.names) else self.sync.names)
+
+    @property
+    def sharded_state(self) -> ShardedOptimizer | None:
+        """Fragments and rebuilt optimizers (stages 1/2), for checkpoints; None at stage 0."""
+        return self.sharded
+
     def remove(self) -> None:
         self.sync.remove()
+
+
+class Engine(Protocol):
+    """What the strategy and the checkpoint code need of a ZeRO engine (stages 0-2 or 3)."""
+
+    stage: int
+    module: nn.Module
+
+    def shard_optimizers(self, optimizers: Sequence[Optimizer]) -> None: ...
+    def after_step(self) -> None: ...
+    def no_sync(self) -> AbstractContextManager[None]: ...
+    def forward_context(self) -> AbstractContextManager[None]: ...
+    def on_synchronized(self, listener: Callable[[], None]) -> None: ...
+    def scale_grads(self, factor: float) -> None: ...
+    def freeze_order(self, names: Sequence[str]) -> None: ...
+    @property
+    def sharded_state(self) -> ShardedState | None: ...
+    def remove(self) -> None: ...
+
+
+class ShardedState(Protocol):
+    """This rank's fragments of the parameters and the optimizers rebuilt over them."""
+
+    @property
+    def master_key(self) -> str | None: ...
+    def fragment_table(self) -> list[tuple[str, int, int, Tensor]]: ...
+    def group_params(self, index: int) -> list[list[nn.Parameter]]: ...
 
 
 def apply_zero(

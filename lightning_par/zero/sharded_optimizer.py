@@ -57,6 +57,50 @@ def check_shardable(optimizer: Optimizer) -> None:
         )
 
 
+def optimizer_group_params(
+    optimizers: Sequence[Optimizer], trainable: Sequence[nn.Parameter], param_names: dict[nn.Parameter, str]
+) -> list[list[list[nn.Parameter]]]:
+    """The module parameters of each group of each optimizer, checked to be trainable module parameters
+    that belong to one optimizer only."""
+    engine_params = set(map(id, trainable))
+    out: list[list[list[nn.Parameter]]] = []
+    owner: dict[int, int] = {}
+    for k, opt in enumerate(optimizers):
+        check_shardable(opt)
+        groups = []
+        for group in opt.param_groups:
+            params = list(group["params"])
+            for p in params:
+                if id(p) not in engine_params:
+                    name = param_names.get(p, "<a tensor outside the module>")
+                    raise ValueError(
+                        f"Optimizer {k} holds {name!r}, which is not a trainable parameter of the module"
+                        " (requires_grad=False or not registered); ZeRO can only shard module parameters."
+                    )
+                if owner.setdefault(id(p), k) != k:
+                    raise ValueError(f"Parameter {param_names[p]!r} is in two optimizers.")
+            groups.append(params)
+        out.append(groups)
+    return out
+
+
+def rebuild_optimizer(
+    opt: Optimizer, groups: list[list[nn.Parameter]], masters: dict[int, list[Tensor]]
+) -> None:
+    """Replace ``opt``'s parameters by the master fragments of its parameters (``masters[id(param)]``),
+    keeping the object, its hyper-parameters and its class; the state starts empty."""
+    new_groups: list[dict[str, Any]] = []
+    for group, params in zip(opt.param_groups, groups, strict=True):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        new_groups.append({**hyper, "params": [m for p in params for m in masters.get(id(p), [])]})
+    # A fresh instance runs the class's own state initialisation (Adagrad fills state eagerly from its
+    # constructor arguments, so those are passed again, as far as the constructor accepts them).
+    accepted = inspect.signature(type(opt).__init__).parameters
+    fresh = type(opt)(new_groups, **{k: v for k, v in opt.defaults.items() if k in accepted})
+    opt.param_groups = fresh.param_groups
+    opt.state = fresh.state
+
+
 class ShardedOptimizer:
     """Owns the flat parameter buffer, the fragments and the rebuilt optimizers of one module."""
 
@@ -70,29 +114,10 @@ class ShardedOptimizer:
     ) -> None:
         if not sync.shard:
             raise ValueError("ShardedOptimizer needs a sharded GradSync (shard=True).")
-        for opt in optimizers:
-            check_shardable(opt)
         self.sync = sync
         self.optimizers = list(optimizers)
         self.master_dtype = master_dtype or sync.dtype
-        engine_params = set(map(id, sync.params))
-        self._group_params: list[list[list[nn.Parameter]]] = []
-        owner: dict[int, int] = {}
-        for k, opt in enumerate(self.optimizers):
-            groups = []
-            for group in opt.param_groups:
-                params = list(group["params"])
-                for p in params:
-                    if id(p) not in engine_params:
-                        name = param_names.get(p, "<a tensor outside the module>")
-                        raise ValueError(
-                            f"Optimizer {k} holds {name!r}, which is not a trainable parameter of the module"
-                            " (requires_grad=False or not registered); ZeRO can only shard module parameters."
-                        )
-                    if owner.setdefault(id(p), k) != k:
-                        raise ValueError(f"Parameter {param_names[p]!r} is in two optimizers.")
-                groups.append(params)
-            self._group_params.append(groups)
+        self._group_params = optimizer_group_params(self.optimizers, sync.params, param_names)
         sync.on_relayout(self._relayout)
         sync.on_synchronized(self._attach_grads)
         self._relayout()
@@ -128,22 +153,7 @@ class ShardedOptimizer:
             self._master_slots.append((master, compute, f.slot))
         self._masters = masters
         for opt, groups in zip(self.optimizers, self._group_params, strict=True):
-            self._rebuild_optimizer(opt, groups, masters)
-
-    @staticmethod
-    def _rebuild_optimizer(
-        opt: Optimizer, groups: list[list[nn.Parameter]], masters: dict[int, list[Tensor]]
-    ) -> None:
-        new_groups: list[dict[str, Any]] = []
-        for group, params in zip(opt.param_groups, groups, strict=True):
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            new_groups.append({**hyper, "params": [m for p in params for m in masters.get(id(p), [])]})
-        # A fresh instance runs the class's own state initialisation (Adagrad fills state eagerly from its
-        # constructor arguments, so those are passed again, as far as the constructor accepts them).
-        accepted = inspect.signature(type(opt).__init__).parameters
-        fresh = type(opt)(new_groups, **{k: v for k, v in opt.defaults.items() if k in accepted})
-        opt.param_groups = fresh.param_groups
-        opt.state = fresh.state
+            rebuild_optimizer(opt, groups, masters)
 
     # ------------------------------------------------------------------ step
     def _attach_grads(self) -> None:

@@ -1,0 +1,598 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state all sharded 1/N; parameters gathered on use.
+
+Contract
+--------
+Each unit (see :mod:`lightning_par.zero.units`) keeps its parameters as one flat fp32 *shard*: slice ``r``
+of the unit's flat buffer (laid out by :class:`~lightning_par.zero.layout.FlatLayout`, one bucket padded
+to a multiple of N). Between uses a parameter's ``.data`` is a placeholder of the right shape backed by
+one element (optimizer grouping by ``p.dim()`` and model summaries still see true shapes). Around a
+unit's use:
+
+* forward pre-hook: all-gather the unit (waiting for a prefetch if one is in flight) and point every
+  parameter at its view of the gathered buffer; then prefetch the next unit in forward order;
+* forward post-hook: free the gathered storage (``reshard_after_forward``), unless running inside
+  backward (activation-checkpoint recomputation), and hook the outputs so that the first gradient
+  flowing into them re-gathers the unit (and prefetches the previous one) before its backward;
+* gradient hooks: each parameter's gradient is copied into a unit gradient buffer and released; when the
+  unit's last gradient arrives the buffer is reduced into the unit's gradient shard (reduce-scatter, or
+  all-reduce and slice on Gloo) and the gathered parameters are freed.
+
+After the window's final backward, ``grad_shard`` holds this rank's slice of ``(1/N) Σ_r Σ_k g_{r,k}``,
+exactly what stage 2 holds; the optimizer is the user's, rebuilt over the shard fragments, and the shard
+itself is the fp32 master. Gradients are reduced after every backward (the memory is the point of
+stage 3), so ``no_sync`` only marks non-final micro-batches. The root unit (what no unit owns: e.g.
+embeddings, final norm, tied head) is gathered by :meth:`Stage3Engine.forward_context` (the strategy
+wraps every step in it) or by a pre-hook on the root module, and stays gathered until its gradients are
+reduced.
+
+Parameters whose ``.data`` is replaced or that are modified in place while sharded (outside a forward)
+are detected at the next gather and refused with an error naming them, instead of being silently lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.autograd import Variable
+from torch.distributed import ProcessGroup
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from lightning_par.collectives import all_gather_flat, reduce_scatter_flat
+from lightning_par.zero.grad_sync import ReduceOp, UnusedParametersError
+from lightning_par.zero.layout import FlatLayout
+from lightning_par.zero.sharded_optimizer import optimizer_group_params, rebuild_optimizer
+from lightning_par.zero.units import UnitPolicy, plan_units
+
+_HUGE = 1 << 62  # one bucket per unit
+
+
+def _in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+@dataclass(eq=False)
+class Unit:
+    index: int
+    name: str
+    module: nn.Module
+    names: list[str]
+    params: list[nn.Parameter]
+    layout: FlatLayout
+    shard: Tensor
+    full: Tensor
+    grad_shard: Tensor
+    placeholders: list[Tensor] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    state: str = "sharded"  # "sharded" | "gathering" | "gathered"
+    work: Any = None
+    grad_buf: Tensor | None = None
+    pending: int = 0
+    reduced: bool = False
+
+    @property
+    def full_bytes(self) -> int:
+        return self.full.numel() * self.full.element_size()
+
+
+class Stage3Engine:
+    """Shards ``module``'s parameters over ``group`` in units (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        group: ProcessGroup,
+        units: UnitPolicy = None,
+        reshard_after_forward: bool = True,
+        prefetch: bool = True,
+        reduce_op: ReduceOp = "reduce_scatter",
+        find_unused_parameters: bool = False,
+        max_inflight: int = 2,
+        init_seed: int | None = None,
+    ) -> None:
+        self.module = module
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self.reduce_op: ReduceOp = reduce_op
+        self.find_unused_parameters = find_unused_parameters
+        self.max_inflight = max(1, max_inflight)
+        plan = [entry for entry in plan_units(module, units).units if entry[2]]
+        if not plan:
+            raise ValueError("ZeRO-3 got a module without trainable parameters.")
+        self.dtype = plan[0][2][0][1].dtype
+        self.device = _target_device(module)
+        seed = self._agree_seed(init_seed)
+        self.units: list[Unit] = []
+        for index, (name, unit_module, named) in enumerate(plan):
+            self.units.append(self._shard_unit(index, name, unit_module, named, seed))
+        self.root: Unit | None = self.units[-1] if self.units[-1].module is module else None
+        self._unit_of: dict[int, tuple[Unit, int]] = {
+            id(p): (u, i) for u in self.units for i, p in enumerate(u.params)
+        }
+        self._order: list[Unit] = []
+        self._recording = True
+        self._sync = True
+        self._callback_queued = False
+        self._inflight: list[tuple[Unit, Any, Tensor, Tensor | None]] = []
+        self._pool: dict[int, list[Tensor]] = {}
+        self._pool_bytes = 0
+        self._touched: dict[int, bool] = {id(p): False for u in self.units for p in u.params}
+        self.unused: frozenset[int] = frozenset()
+        self._sync_listeners: list[Callable[[], None]] = []
+        self._handles: list[RemovableHandle] = []
+        self._install_hooks()
+        if self.world > 1:
+            for buffer in module.buffers():  # buffers are replicated, as in stages 0-2
+                if not buffer.is_meta:
+                    dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
+        self.optimizers: list[Optimizer] = []
+        self._group_params: list[list[list[nn.Parameter]]] = []
+        self._masters: list[tuple[Unit, int, Tensor]] = []  # (unit, fragment index, master view)
+
+    # ------------------------------------------------------------------ construction
+    def _agree_seed(self, init_seed: int | None) -> int:
+        seed = torch.tensor([init_seed if init_seed is not None else int(torch.randint(0, 2**31 - 1, (1,)))])
+        if self.world > 1:
+            dist.broadcast(seed, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return int(seed.item())
+
+    def _shard_unit(
+        self, index: int, name: str, module: nn.Module, named: list[tuple[str, nn.Parameter]], seed: int
+    ) -> Unit:
+        params = [p for _, p in named]
+        layout = FlatLayout(
+            names=[n for n, _ in named],
+            shapes=[tuple(p.shape) for p in params],
+            bucket_numel=_HUGE,
+            shard_count=self.world,
+        )
+        full = torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
+        materialized = any(p.is_meta for p in params)
+        if materialized:  # seeded identically on every rank: no broadcast needed
+            params = materialize_unit(self.module, params, seed=seed + index, device=self.device)
+        with torch.no_grad():
+            for p, s in zip(params, layout.slots, strict=True):
+                full[s.offset : s.end].view(s.shape).copy_(p.detach())
+            if self.world > 1 and not materialized:  # every rank starts from rank 0's values
+                dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
+        lo, hi = layout.buckets[0].shard_range(self.rank, self.world)
+        shard = full[lo:hi].clone()
+        unit = Unit(
+            index=index,
+            name=name,
+            module=module,
+            names=[n for n, _ in named],
+            params=params,
+            layout=layout,
+            shard=shard,
+            full=full,
+            grad_shard=torch.zeros_like(shard),
+        )
+        # Placeholders keep each parameter's shape (optimizer grouping by p.dim(), model summaries) on one
+        # element of storage; writing to one fails, any change is caught by _check_untouched, and reading
+        # one outside a forward gives NaN rather than plausible numbers.
+        nan = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
+        unit.placeholders = [nan.clone().expand(p.shape) for p in params]
+        self._free(unit, force=True)
+        return unit
+
+    def _install_hooks(self) -> None:
+        for unit in self.units:
+            module = unit.module
+            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self._handles.append(module.register_forward_hook(self._make_post_forward(unit)))
+            for p in unit.params:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # ------------------------------------------------------------------ gather / free
+    def _check_untouched(self, unit: Unit) -> None:
+        for name, p, ph, version in zip(
+            unit.names, unit.params, unit.placeholders, unit.versions, strict=True
+        ):
+            if p.data.data_ptr() != ph.data_ptr() or p.data.shape != ph.shape or p._version != version:
+                raise RuntimeError(
+                    f"ZeRO-3: parameter {name!r} was replaced or modified outside a forward pass while it was"
+                    " sharded, so the change would be lost. Change parameters inside forward, in an optimizer"
+                    " step, or through load_state_dict / the strategy's checkpoint loading."
+                )
+
+    def _gather(self, unit: Unit) -> None:
+        if unit.state != "sharded":
+            return
+        self._check_untouched(unit)
+        unit.full.untyped_storage().resize_(unit.full_bytes)
+        unit.work = all_gather_flat(unit.full, unit.shard, group=self.group, async_op=True)
+        unit.state = "gathering"
+
+    def _wait(self, unit: Unit) -> None:
+        if unit.state == "sharded":
+            self._gather(unit)
+        if unit.state == "gathering":
+            unit.work.wait()
+            unit.work = None
+            for p, s in zip(unit.params, unit.layout.slots, strict=True):
+                p.data = unit.full[s.offset : s.end].view(s.shape)
+            unit.state = "gathered"
+
+    def _free(self, unit: Unit, *, force: bool = False) -> None:
+        if unit.state == "sharded" and not force:
+            return
+        if unit.state == "gathering":
+            unit.work.wait()
+            unit.work = None
+        for p, ph in zip(unit.params, unit.placeholders, strict=True):
+            p.data = ph
+        unit.versions = [p._version for p in unit.params]
+        unit.full.untyped_storage().resize_(0)
+        unit.state = "sharded"
+
+    # ------------------------------------------------------------------ forward hooks
+    def _make_pre_forward(self, unit: Unit) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._pre_forward(unit)
+
+        return hook
+
+    def _pre_forward(self, unit: Unit) -> None:
+        in_backward = _in_backward()
+        if self._recording and not in_backward and unit is not self.root and unit not in self._order:
+            self._order.append(unit)
+        self._wait(unit)
+        if self.prefetch and not in_backward and unit in self._order and not self._recording:
+            i = self._order.index(unit)
+            if i + 1 < len(self._order):
+                self._gather(self._order[i + 1])
+
+    def _make_post_forward(self, unit: Unit) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            return self._post_forward(unit, output)
+
+        return hook
+
+    def _post_forward(self, unit: Unit, output: Any) -> Any:
+        if torch.is_grad_enabled():
+            tensors = [t for t in _tensors(output) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads: self._pre_backward(unit), mode="any"
+                )
+        if unit is self.root:
+            if self._order:
+                self._recording = False  # the first full forward has been seen
+            if not torch.is_grad_enabled():
+                self._free(unit)
+            return output
+        if (self.reshard_after_forward or not torch.is_grad_enabled()) and not _in_backward():
+            self._free(unit)
+        return output
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self._queue_callback()
+        self._wait(unit)
+        if self.prefetch and unit in self._order:
+            i = self._order.index(unit)
+            if i > 0 and not self._order[i - 1].reduced:
+                self._gather(self._order[i - 1])
+
+    @contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """Gather the root unit around a step whose code may not call the root module's forward."""
+        if self.root is not None:
+            self._pre_forward(self.root)
+        try:
+            yield
+        finally:
+            if self._order:
+                self._recording = False
+            if self.root is not None and not torch.is_grad_enabled():
+                self._free(self.root)
+
+    # ------------------------------------------------------------------ backward
+    def _queue_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._finalize_backward)
+
+    def _on_grad(self, param: Tensor) -> None:
+        self._queue_callback()
+        unit, slot = self._unit_of[id(param)]
+        grad = param.grad
+        if unit.grad_buf is None:  # the unit's first gradient in this backward
+            unit.grad_buf = self._acquire(unit.layout.numel)
+            unit.pending = len(unit.params)
+        if grad is not None:
+            s = unit.layout.slots[slot]
+            unit.grad_buf[s.offset : s.end].view(s.shape).copy_(grad)
+            param.grad = None  # the full-size gradient is not kept
+            self._touched[id(param)] = True
+        unit.pending -= 1
+        if unit.pending == 0:
+            self._launch_in_order()
+
+    def _reduce_order(self) -> list[Unit]:
+        return [*reversed(self._order), *(u for u in self.units if u not in self._order)]
+
+    def _launch_in_order(self) -> None:
+        for unit in self._reduce_order():
+            if unit.reduced:
+                continue
+            if unit.grad_buf is None or unit.pending > 0:
+                return  # keep the collective order identical on every rank
+            self._launch(unit)
+
+    def _launch(self, unit: Unit) -> None:
+        buf = unit.grad_buf if unit.grad_buf is not None else self._acquire(unit.layout.numel)
+        unit.grad_buf = None
+        out: Tensor | None = None
+        if self.reduce_op == "reduce_scatter":
+            out = self._acquire(unit.shard.numel())
+            work = reduce_scatter_flat(out, buf, group=self.group, async_op=True)
+        else:
+            work = dist.all_reduce(buf, group=self.group, async_op=True)
+        self._inflight.append((unit, work, buf, out))
+        unit.reduced = True
+        self._free(unit)
+        if len(self._inflight) > self.max_inflight:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        unit, work, buf, out = self._inflight.pop(0)
+        work.wait()
+        n = unit.shard.numel()
+        mine = out if out is not None else buf[self.rank * n : (self.rank + 1) * n]
+        unit.grad_shard.add_(mine, alpha=1.0 / self.world)
+        self._release(buf)
+        if out is not None:
+            self._release(out)
+
+    def _finalize_backward(self) -> None:
+        self._callback_queued = False
+        self._recording = False
+        for unit in self._reduce_order():
+            if not unit.reduced:
+                self._launch(unit)  # every rank reduces every unit: collectives must match
+        missing = None
+        if self._sync:
+            ids = [id(p) for u in self.units for p in u.params]
+            missing = torch.tensor([0 if self._touched[i] else 1 for i in ids], dtype=torch.int32)
+            miss_work = dist.all_reduce(missing, group=self.group, async_op=True)
+        while self._inflight:
+            self._complete_oldest()
+        for unit in self.units:
+            unit.reduced = False
+            unit.pending = 0
+            self._free(unit)
+        if missing is not None:
+            miss_work.wait()
+            self._finish_window(missing.tolist())
+
+    def _finish_window(self, counts: list[int]) -> None:
+        params = [(n, p) for u in self.units for n, p in zip(u.names, u.params, strict=True)]
+        for _, p in params:
+            self._touched[id(p)] = False
+        if any(counts) and not self.find_unused_parameters:
+            names = [n for (n, _), c in zip(params, counts, strict=True) if c]
+            raise UnusedParametersError(
+                f"{len(names)} parameter(s) got no gradient on at least one data-parallel rank in this step:"
+                f" {names[:8]}{' ...' if len(names) > 8 else ''}. If that is intended, pass"
+                " find_unused_parameters=True to the strategy; otherwise use them in the loss or freeze them."
+            )
+        self.unused = frozenset(id(p) for (_, p), c in zip(params, counts, strict=True) if c == self.world)
+        self._attach_grads()
+        for listener in self._sync_listeners:
+            listener()
+
+    # ------------------------------------------------------------------ buffers
+    def _acquire(self, numel: int) -> Tensor:
+        free = self._pool.setdefault(numel, [])
+        if free:
+            return free.pop().zero_()
+        self._pool_bytes += numel * torch.tensor([], dtype=self.dtype).element_size()
+        return torch.zeros(numel, dtype=self.dtype, device=self.device)
+
+    def _release(self, buf: Tensor) -> None:
+        self._pool[buf.numel()].append(buf)
+
+    # ------------------------------------------------------------------ optimizer
+    def shard_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Rebuild ``optimizers`` over this rank's fragments of every unit's shard (the fp32 masters)."""
+        names = {p: n for u in self.units for n, p in zip(u.names, u.params, strict=True)}
+        trainable = [p for u in self.units for p in u.params]
+        self.optimizers = list(optimizers)
+        self._group_params = optimizer_group_params(self.optimizers, trainable, names)
+        masters: dict[int, list[Tensor]] = {}
+        self._masters = []
+        for unit in self.units:
+            for k, f in enumerate(unit.layout.fragments(self.rank)):
+                view = unit.shard[f.shard_lo : f.shard_lo + f.numel]
+                masters.setdefault(id(unit.params[f.slot]), []).append(view)
+                self._masters.append((unit, k, view))
+        for opt, groups in zip(self.optimizers, self._group_params, strict=True):
+            rebuild_optimizer(opt, groups, masters)
+
+    def _attach_grads(self) -> None:
+        for unit, k, master in self._masters:
+            f = unit.layout.fragments(self.rank)[k]
+            if id(unit.params[f.slot]) in self.unused:
+                master.grad = None
+            else:
+                master.grad = unit.grad_shard[f.shard_lo : f.shard_lo + f.numel]
+
+    def after_step(self) -> None:
+        """Open a new gradient window (the shards are updated in place; gathers read them next time)."""
+        for _, _, master in self._masters:
+            master.grad = None
+        for unit in self.units:
+            unit.grad_shard.zero_()
+
+    def group_params(self, index: int) -> list[list[nn.Parameter]]:
+        return self._group_params[index]
+
+    master_key: str | None = None  # the shard is the fp32 master: nothing extra to save
+    stage = 3
+
+    @property
+    def sharded_state(self) -> Stage3Engine | None:
+        return self if self.optimizers else None
+
+    def freeze_order(self, names: Sequence[str]) -> None:
+        """Nothing to freeze: units follow the module structure, not a recorded order."""
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Mark non-final micro-batches (gradients are still reduced into the shard every backward)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def on_synchronized(self, listener: Callable[[], None]) -> None:
+        self._sync_listeners.append(listener)
+
+    @torch.no_grad()
+    def scale_grads(self, factor: float) -> None:
+        for unit in self.units:
+            unit.grad_shard.mul_(factor)
+
+    # ------------------------------------------------------------------ state
+    def fragment_table(self) -> list[tuple[str, int, int, Tensor]]:
+        """``(param name, lo, hi, shard view)`` for every fragment this rank owns; the views are the
+        optimizer's parameters (optimizer state is keyed by them) once optimizers are sharded."""
+        if self._masters:
+            out = []
+            for unit, k, view in self._masters:
+                f = unit.layout.fragments(self.rank)[k]
+                out.append((unit.names[f.slot], f.param_lo, f.param_hi, view))
+            return out
+        return [
+            (unit.names[f.slot], f.param_lo, f.param_hi, unit.shard[f.shard_lo : f.shard_lo + f.numel])
+            for unit in self.units
+            for f in unit.layout.fragments(self.rank)
+        ]
+
+    @torch.no_grad()
+    def load_fragments(self, values: Callable[[str, int, int], Tensor | None]) -> None:
+        """Overwrite this rank's shard from ``values(name, lo, hi)`` (flattened elements; None = keep)."""
+        for name, lo, hi, view in self.fragment_table():
+            value = values(name, lo, hi)
+            if value is not None:
+                view.copy_(value.reshape(-1))
+
+    @torch.no_grad()
+    def full_state_dict(self, *, to_rank: int = 0) -> dict[str, Tensor]:
+        """All parameters, gathered one unit at a time (bounded memory), as CPU tensors on ``to_rank`` (other
+        ranks get an empty dict); every name under which a tied parameter is registered is filled."""
+        aliases: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        out: dict[str, Tensor] = {}
+        for unit in self.units:
+            was = unit.state
+            self._wait(unit)
+            if self.rank == to_rank:
+                for p in unit.params:
+                    value = p.detach().cpu().clone()
+                    for name in aliases[id(p)]:
+                        out[name] = value
+            if was == "sharded":
+                self._free(unit)
+        return out
+
+    def memory_bytes(self) -> dict[str, int]:
+        item = torch.tensor([], dtype=self.dtype).element_size()
+        shard = sum(u.shard.numel() for u in self.units) * item
+        live = sum(u.full_bytes for u in self.units if u.state != "sharded")
+        grads = sum(u.grad_shard.numel() for u in self.units) * item
+        largest = max(u.full_bytes for u in self.units)
+        return {
+            "param_shard": shard,
+            "live_units": live,
+            "grad_shard": grads,
+            "comm": self._pool_bytes,
+            "largest_unit": largest,
+        }
+
+    @torch.no_grad()
+    def unshard_all(self) -> None:
+        """Leave every parameter whole (e.g. after training, for use without the engine)."""
+        for unit in self.units:
+            self._wait(unit)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _tensors(output: Any) -> list[Tensor]:
+    if isinstance(output, Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors(item)]
+    return []
+
+
+def _target_device(module: nn.Module) -> torch.device:
+    for t in (*module.parameters(), *module.buffers()):
+        if not t.is_meta:
+            return t.device
+    return torch.device("cpu")
+
+
+def materialize_unit(
+    root: nn.Module, params: Sequence[nn.Parameter], *, seed: int, device: torch.device
+) -> list[nn.Parameter]:
+    """Replace meta ``params`` by real ones on ``device`` (everywhere they are registered, so ties hold)
+    and initialise them with their modules' own ``reset_parameters()`` under ``torch.manual_seed(seed)``:
+    the same values on every rank and for any world size, so a sharded init equals the full init sliced
+    (see :func:`materialize_model`). Returns the new parameters in the order of ``params``."""
+    wanted = {id(p): p for p in params if p.is_meta}
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    owners: list[nn.Module] = []
+    for _, m in root.named_modules(remove_duplicate=False):
+        for attr, p in m._parameters.items():
+            if p is not None and id(p) in wanted:
+                places.setdefault(id(p), []).append((m, attr))
+                if all(m is not o for o in owners):
+                    owners.append(m)
+    fresh: dict[int, nn.Parameter] = {}
+    for pid, old in wanted.items():
+        new = nn.Parameter(
+            torch.empty(old.shape, dtype=old.dtype, device=device), requires_grad=old.requires_grad
+        )
+        for m, attr in places[pid]:
+            m._parameters[attr] = new
+        fresh[pid] = new
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for m in owners:
+            reset = getattr(m, "reset_parameters", None)
+            if reset is None:
+                raise ValueError(
+                    f"{type(m).__name__} holds meta-device parameters but has no reset_parameters(), so"
+                    " ZeRO-3 cannot initialise its shard; give it one or create the model on a real device."
+                )
+            reset()
+    return [fresh.get(id(p), p) for p in params]
+
+
+def materialize_model(root: nn.Module, *, units: UnitPolicy = None, seed: int, device: torch.device) -> None:
+    """Unsharded twin of stage-3 initialisation: unit by unit, the same seeds, the whole model."""
+    plan = [entry for entry in plan_units(root, units).units if entry[2]]
+    for index, (_, _, named) in enumerate(plan):
+        params = [p for _, p in named]
+        if any(p.is_meta for p in params):
+            materialize_unit(root, params, seed=seed + index, device=device)
