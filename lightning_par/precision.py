@@ -46,3 +46,18 @@ class ParallelPrecision(Precision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
         clip_grad_norm_(grads, float(clip_val), groups=self.grad_norm_groups)
+
+
+def convert_precision_plugin(plugin: Precision | None, *, zero_stage: int) -> Precision | None:
+    """Map Lightning's precision plugins onto ours (the way Lightning's FSDP strategy enforces its own)."""
+    if plugin is None or isinstance(plugin, ParallelPrecision):
+        return plugin
+    if type(plugin) is Precision:  # Lightning's "32-true"
+        return ParallelPrecision("32-true")
+    if zero_stage == 0:
+        return plugin  # plain data parallel holds full gradients: Lightning's own plugins are exact
+    raise NotImplementedError(
+        f"{type(plugin).__name__} cannot be used with ZeRO stage {zero_stage}: the sharded optimizer needs"
+        " lightning_par's ParallelPrecision (precision='32-true' in this version), because clipping must use"
+        " the global gradient norm over all shards."
+    )

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,41 +43,16 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_par.collectives import all_gather_flat, reduce_scatter_flat
+from lightning_par.collectives import reduce_scatter_flat
 from lightning_par.zero.grad_sync import ReduceOp, UnusedParametersError
-from lightning_par.zero.layout import FlatLayout
+from lightning_par.zero.meta_init import materialize_unit, target_device
 from lightning_par.zero.sharded_optimizer import optimizer_group_params, rebuild_optimizer
+from lightning_par.zero.unit import Unit, build_unit
 from lightning_par.zero.units import UnitPolicy, plan_units
-
-_HUGE = 1 << 62  # one bucket per unit
 
 
 def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
-
-
-@dataclass(eq=False)
-class Unit:
-    index: int
-    name: str
-    module: nn.Module
-    names: list[str]
-    params: list[nn.Parameter]
-    layout: FlatLayout
-    shard: Tensor
-    full: Tensor
-    grad_shard: Tensor
-    placeholders: list[Tensor] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    state: str = "sharded"  # "sharded" | "gathering" | "gathered"
-    work: Any = None
-    grad_buf: Tensor | None = None
-    pending: int = 0
-    reduced: bool = False
-
-    @property
-    def full_bytes(self) -> int:
-        return self.full.numel() * self.full.element_size()
 
 
 class Stage3Engine:
@@ -110,7 +84,7 @@ class Stage3Engine:
         if not plan:
             raise ValueError("ZeRO-3 got a module without trainable parameters.")
         self.dtype = plan[0][2][0][1].dtype
-        self.device = _target_device(module)
+        self.device = target_device(module)
         seed = self._agree_seed(init_seed)
         self.units: list[Unit] = []
         for index, (name, unit_module, named) in enumerate(plan):
@@ -149,42 +123,22 @@ class Stage3Engine:
     def _shard_unit(
         self, index: int, name: str, module: nn.Module, named: list[tuple[str, nn.Parameter]], seed: int
     ) -> Unit:
-        params = [p for _, p in named]
-        layout = FlatLayout(
-            names=[n for n, _ in named],
-            shapes=[tuple(p.shape) for p in params],
-            bucket_numel=_HUGE,
-            shard_count=self.world,
-        )
-        full = torch.zeros(layout.numel, dtype=self.dtype, device=self.device)
-        materialized = any(p.is_meta for p in params)
+        materialized = any(p.is_meta for _, p in named)
         if materialized:  # seeded identically on every rank: no broadcast needed
-            params = materialize_unit(self.module, params, seed=seed + index, device=self.device)
-        with torch.no_grad():
-            for p, s in zip(params, layout.slots, strict=True):
-                full[s.offset : s.end].view(s.shape).copy_(p.detach())
-            if self.world > 1 and not materialized:  # every rank starts from rank 0's values
-                dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
-        lo, hi = layout.buckets[0].shard_range(self.rank, self.world)
-        shard = full[lo:hi].clone()
-        unit = Unit(
+            params = materialize_unit(
+                self.module, [p for _, p in named], seed=seed + index, device=self.device
+            )
+            named = [(n, p) for (n, _), p in zip(named, params, strict=True)]
+        return build_unit(
             index=index,
             name=name,
             module=module,
-            names=[n for n, _ in named],
-            params=params,
-            layout=layout,
-            shard=shard,
-            full=full,
-            grad_shard=torch.zeros_like(shard),
+            named=named,
+            group=self.group,
+            dtype=self.dtype,
+            device=self.device,
+            broadcast=not materialized,
         )
-        # Placeholders keep each parameter's shape (optimizer grouping by p.dim(), model summaries) on one
-        # element of storage; writing to one fails, any change is caught by _check_untouched, and reading
-        # one outside a forward gives NaN rather than plausible numbers.
-        nan = torch.full((1,), float("nan"), dtype=self.dtype, device=self.device)
-        unit.placeholders = [nan.clone().expand(p.shape) for p in params]
-        self._free(unit, force=True)
-        return unit
 
     def _install_hooks(self) -> None:
         for unit in self.units:
@@ -195,46 +149,14 @@ class Stage3Engine:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     # ------------------------------------------------------------------ gather / free
-    def _check_untouched(self, unit: Unit) -> None:
-        for name, p, ph, version in zip(
-            unit.names, unit.params, unit.placeholders, unit.versions, strict=True
-        ):
-            if p.data.data_ptr() != ph.data_ptr() or p.data.shape != ph.shape or p._version != version:
-                raise RuntimeError(
-                    f"ZeRO-3: parameter {name!r} was replaced or modified outside a forward pass while it was"
-                    " sharded, so the change would be lost. Change parameters inside forward, in an optimizer"
-                    " step, or through load_state_dict / the strategy's checkpoint loading."
-                )
-
     def _gather(self, unit: Unit) -> None:
-        if unit.state != "sharded":
-            return
-        self._check_untouched(unit)
-        unit.full.untyped_storage().resize_(unit.full_bytes)
-        unit.work = all_gather_flat(unit.full, unit.shard, group=self.group, async_op=True)
-        unit.state = "gathering"
+        unit.gather(self.group)
 
     def _wait(self, unit: Unit) -> None:
-        if unit.state == "sharded":
-            self._gather(unit)
-        if unit.state == "gathering":
-            unit.work.wait()
-            unit.work = None
-            for p, s in zip(unit.params, unit.layout.slots, strict=True):
-                p.data = unit.full[s.offset : s.end].view(s.shape)
-            unit.state = "gathered"
+        unit.wait(self.group)
 
-    def _free(self, unit: Unit, *, force: bool = False) -> None:
-        if unit.state == "sharded" and not force:
-            return
-        if unit.state == "gathering":
-            unit.work.wait()
-            unit.work = None
-        for p, ph in zip(unit.params, unit.placeholders, strict=True):
-            p.data = ph
-        unit.versions = [p._version for p in unit.params]
-        unit.full.untyped_storage().resize_(0)
-        unit.state = "sharded"
+    def _free(self, unit: Unit) -> None:
+        unit.free()
 
     # ------------------------------------------------------------------ forward hooks
     def _make_pre_forward(self, unit: Unit) -> Callable[..., None]:
@@ -543,56 +465,3 @@ def _tensors(output: Any) -> list[Tensor]:
     if isinstance(output, dict):
         return [t for item in output.values() for t in _tensors(item)]
     return []
-
-
-def _target_device(module: nn.Module) -> torch.device:
-    for t in (*module.parameters(), *module.buffers()):
-        if not t.is_meta:
-            return t.device
-    return torch.device("cpu")
-
-
-def materialize_unit(
-    root: nn.Module, params: Sequence[nn.Parameter], *, seed: int, device: torch.device
-) -> list[nn.Parameter]:
-    """Replace meta ``params`` by real ones on ``device`` (everywhere they are registered, so ties hold)
-    and initialise them with their modules' own ``reset_parameters()`` under ``torch.manual_seed(seed)``:
-    the same values on every rank and for any world size, so a sharded init equals the full init sliced
-    (see :func:`materialize_model`). Returns the new parameters in the order of ``params``."""
-    wanted = {id(p): p for p in params if p.is_meta}
-    places: dict[int, list[tuple[nn.Module, str]]] = {}
-    owners: list[nn.Module] = []
-    for _, m in root.named_modules(remove_duplicate=False):
-        for attr, p in m._parameters.items():
-            if p is not None and id(p) in wanted:
-                places.setdefault(id(p), []).append((m, attr))
-                if all(m is not o for o in owners):
-                    owners.append(m)
-    fresh: dict[int, nn.Parameter] = {}
-    for pid, old in wanted.items():
-        new = nn.Parameter(
-            torch.empty(old.shape, dtype=old.dtype, device=device), requires_grad=old.requires_grad
-        )
-        for m, attr in places[pid]:
-            m._parameters[attr] = new
-        fresh[pid] = new
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for m in owners:
-            reset = getattr(m, "reset_parameters", None)
-            if reset is None:
-                raise ValueError(
-                    f"{type(m).__name__} holds meta-device parameters but has no reset_parameters(), so"
-                    " ZeRO-3 cannot initialise its shard; give it one or create the model on a real device."
-                )
-            reset()
-    return [fresh.get(id(p), p) for p in params]
-
-
-def materialize_model(root: nn.Module, *, units: UnitPolicy = None, seed: int, device: torch.device) -> None:
-    """Unsharded twin of stage-3 initialisation: unit by unit, the same seeds, the whole model."""
-    plan = [entry for entry in plan_units(root, units).units if entry[2]]
-    for index, (_, _, named) in enumerate(plan):
-        params = [p for _, p in named]
-        if any(p.is_meta for p in params):
-            materialize_unit(root, params, seed=seed + index, device=device)

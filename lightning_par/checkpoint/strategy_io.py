@@ -1,0 +1,173 @@
+"""Checkpoint save/load of :class:`~lightning_par.HybridParallelStrategy`, for every ZeRO stage.
+
+Stage 0 (everything replicated) writes Lightning's usual single file from rank 0. Stages 1-3 write a
+sharded directory (:mod:`lightning_par.checkpoint.sharded`): every rank its optimizer records (and at
+stage 3 its slice of the parameters), rank 0 the rest. Either kind loads into any stage and data-parallel
+size; a checkpoint of other parameters is refused with their names. This base class holds those
+Lightning overrides so the strategy module stays about composition.
+"""
+
+from __future__ import annotations
+
+import shutil
+from abc import abstractmethod
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_par.checkpoint.io import (
+    check_model,
+    full_state_dict_of,
+    layout_metadata,
+    load_optimizer_states,
+    load_stage3_params,
+    save_sharded,
+)
+from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta
+from lightning_par.mesh import MeshLayout
+from lightning_par.zero.engine import Engine
+from lightning_par.zero.stage3 import Stage3Engine
+
+
+class ZeroCheckpointIO(ParallelStrategy):
+    """A ``ParallelStrategy`` whose checkpoints follow its ZeRO engine (see the module docstring)."""
+
+    zero_stage: int = 0
+    _engine: Engine | None = None
+    _sharded_source: Path | None = None
+
+    @property
+    @abstractmethod
+    def layout(self) -> MeshLayout:
+        """The strategy's mesh sizes, recorded in checkpoints."""
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # stage 3 loads parameters into shards, which exist only after setup()
+        return self.zero_stage == 3
+
+    def _sharded(self) -> bool:
+        return self._engine is not None and self._engine.sharded_state is not None
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._engine is not None and self._engine.stage == 3:
+            return {}  # each rank writes its shard of the parameters (see save_checkpoint)
+        return super().lightning_module_state_dict()
+
+    def consolidated_state_dict(self) -> dict[str, Tensor]:
+        """The full model state dict on global rank 0 (empty elsewhere) for export; at stage 3 it is
+        gathered one unit at a time, so no rank holds more than the result and one unit."""
+        assert self.lightning_module is not None
+        if isinstance(self._engine, Stage3Engine):
+            params = self._engine.full_state_dict(to_rank=0)
+            if not self.is_global_zero:
+                return {}
+            buffers = {n: b.detach().cpu() for n, b in self.lightning_module.named_buffers()}
+            return {**params, **buffers}
+        if not self.is_global_zero:
+            return {}
+        return {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._sharded():
+            return {}  # sharded optimizer state is written per rank by save_checkpoint
+        return super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        assert self.lightning_module is not None
+        checkpoint[METADATA_KEY] = self.layout_metadata()
+        if self._engine is None or not self._sharded():
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError("storage_options is not supported for sharded (ZeRO 1-3) checkpoints.")
+        path = Path(self.broadcast(str(filepath)))
+        if path.is_file():
+            if self.is_global_zero:
+                path.unlink()  # e.g. an older single-file checkpoint under the same name
+            self.barrier()
+        save_sharded(
+            checkpoint,
+            path,
+            engine=self._engine,
+            optimizers=self.optimizers,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            barrier=self.barrier,
+        )
+
+    def layout_metadata(self) -> dict[str, Any]:
+        """What a checkpoint records about the model and the layout it was written with."""
+        assert self.lightning_module is not None
+        layout = self.layout
+        sizes = {
+            "world_size": layout.world_size,
+            "dp": layout.data_parallel_size,
+            "tp": layout.tensor_parallel_size,
+            "pp": layout.pipeline_parallel_size,
+        }
+        return layout_metadata(
+            self.lightning_module, engine=self._engine, optimizers=self.optimizers, sizes=sizes
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        self._sharded_source = None
+        if is_sharded_checkpoint(path):
+            checkpoint = read_meta(path)
+            self._sharded_source = path
+        else:
+            checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        assert self.lightning_module is not None
+        check_model(checkpoint, self.lightning_module)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        module = self.lightning_module
+        if isinstance(self._engine, Stage3Engine):
+            rest = load_stage3_params(checkpoint, self._engine, self._sharded_source)
+            missing, unexpected = module.load_state_dict(rest, strict=False)
+            buffers = {n for n, _ in module.named_buffers()}
+            if strict and (set(missing) & buffers or unexpected):
+                raise KeyError(
+                    f"Buffers missing from the checkpoint: {sorted(set(missing) & buffers)};"
+                    f" unexpected keys: {sorted(unexpected)}."
+                )
+            return
+        module.load_state_dict(full_state_dict_of(dict(checkpoint), self._sharded_source), strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.lightning_module is not None
+        load_optimizer_states(
+            checkpoint,
+            module=self.lightning_module,
+            engine=self._engine,
+            optimizers=self.optimizers,
+            sharded_path=self._sharded_source,
+        )
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
