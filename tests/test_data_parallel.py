@@ -12,6 +12,7 @@ from torch import nn
 from lightning_par.models.gpt import GPT, GPTConfig
 from lightning_par.zero import FlatLayout, UnusedParametersError, apply_data_parallel
 from tests.distributed import run_distributed
+from tests.reference import data_parallel_backward
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
 GLOBAL_BATCH = 8
@@ -38,11 +39,10 @@ def _reference(
     losses = []
     for x, y in batches:
         opt.zero_grad()
-        loss = _loss(model, x, y)
-        loss.backward()
+        # unsharded, one process; gradients summed in the ranks' order (see tests/reference.py)
+        losses.append(sum(data_parallel_backward(model, _loss, x, y, world=2, micro=micro)) / 2)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(loss.item())
     return losses, model
 
 
@@ -139,9 +139,10 @@ def _unused(rank: int) -> dict[str, object]:
 def test_data_parallel_matches_single_process() -> None:
     results = run_distributed(_dp_cases, 2)
     batches = _batches(STEPS, GLOBAL_BATCH)
-    ref_losses, ref_model = _reference(batches)
-    ref_state = ref_model.state_dict()
-    for case in ("plain", "accum4", "one_bucket"):
+    refs = {micro: _reference(batches, micro=micro) for micro in (1, 4, 2)}
+    for case, micro in (("plain", 1), ("accum4", 4), ("one_bucket", 2)):
+        ref_losses, ref_model = refs[micro]
+        ref_state = ref_model.state_dict()
         for rank, res in enumerate(results):
             losses, state = res[case]  # type: ignore[index]
             torch.testing.assert_close(

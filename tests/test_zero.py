@@ -15,6 +15,7 @@ from lightning_par.models.gpt import GPT, GPTConfig
 from lightning_par.models.lit_gpt import warmup_cosine
 from lightning_par.zero import apply_zero, check_shardable
 from tests.distributed import run_distributed
+from tests.reference import data_parallel_backward
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
 GLOBAL_BATCH = 16
@@ -48,18 +49,24 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
-def _reference(kind: str, micro: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(
+    kind: str, micro: int, world: int, every: bool = False
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Unsharded, one process; gradients summed in the ranks' order (see tests/reference.py)."""
     torch.manual_seed(0)
     model = GPT(CFG)
     opt, sched = _optimizer(model, kind)
     losses = []
     for x, y in _batches():
         opt.zero_grad()
-        total = 0.0
-        for mx, my in zip(x.chunk(micro), y.chunk(micro), strict=True):
-            loss = _loss(model, mx, my) / micro
-            loss.backward()
-            total += loss.item()
+        total = (
+            sum(
+                data_parallel_backward(
+                    model, _loss, x, y, world=world, micro=micro, reduce_every_micro_batch=every
+                )
+            )
+            / world
+        )
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
@@ -135,17 +142,25 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def _all_cases(rank: int, world: int) -> dict[str, Any]:
-    return {name: _train_zero(rank, world, **kw) for name, kw in CASES}
+# 4 ranks: Gloo adds the ranks' gradients in its own order, so SGD (see tests/reference.py)
+CASES_FOUR: list[tuple[str, dict[str, Any]]] = [
+    ("s1_sgd_acc2", dict(stage=1, kind="sgd", micro=2, grad_sync=None)),
+    ("s2_sgd_acc2", dict(stage=2, kind="sgd", micro=2, grad_sync=None, reduce_op="reduce_scatter")),
+]
 
 
-def _check(results: list[dict[str, Any]], world: int) -> None:
-    refs: dict[tuple[str, int], tuple[list[float], dict[str, torch.Tensor]]] = {}
+def _all_cases(rank: int, world: int, cases: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    return {name: _train_zero(rank, world, **kw) for name, kw in cases}
+
+
+def _check(results: list[dict[str, Any]], world: int, cases: list[tuple[str, dict[str, Any]]]) -> None:
+    refs: dict[tuple[str, int, bool], tuple[list[float], dict[str, torch.Tensor]]] = {}
     full_numel = sum(p.numel() for p in GPT(CFG).parameters())
-    for name, kw in CASES:
-        key = (kw["kind"], kw["micro"])
+    for name, kw in cases:
+        every = (kw["grad_sync"] or ("every" if kw["stage"] == 2 else "boundary")) == "every"
+        key = (kw["kind"], kw["micro"], every)
         if key not in refs:
-            refs[key] = _reference(kw["kind"], kw["micro"])
+            refs[key] = _reference(kw["kind"], kw["micro"], world, every)
         ref_losses, ref_state = refs[key]
         for rank, res in enumerate(results):
             got = res[name]
@@ -163,22 +178,11 @@ def _check(results: list[dict[str, Any]], world: int) -> None:
 
 
 def test_zero12_match_single_process_two_ranks() -> None:
-    _check(run_distributed(_all_cases, 2), 2)
-
-
-def _tiny_four(rank: int, world: int) -> dict[str, Any]:
-    return {name: _train_zero(rank, world, **kw) for name, kw in CASES[:2]}
+    _check(run_distributed(_all_cases, 2, CASES), 2, CASES)
 
 
 def test_zero12_match_single_process_four_ranks() -> None:
-    results = run_distributed(_tiny_four, 4)
-    global CASES
-    saved = CASES
-    try:
-        CASES = saved[:2]
-        _check(results, 4)
-    finally:
-        CASES = saved
+    _check(run_distributed(_all_cases, 4, CASES_FOUR), 4, CASES_FOUR)
 
 
 def test_unshardable_optimizer_is_named() -> None:

@@ -18,6 +18,7 @@ from lightning_par.zero.meta_init import materialize_model
 from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.units import plan_units
 from tests.distributed import run_distributed
+from tests.reference import data_parallel_backward
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32, bias=False)
 BATCH, STEPS, MICRO = 8, 4, 2
@@ -35,12 +36,15 @@ def _checkpoint_blocks(model: GPT) -> None:
         block.forward = partial(checkpoint, inner, use_reentrant=False)  # type: ignore[method-assign]
 
 
-def _opt(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+def _opt(model: nn.Module, kind: str = "adamw") -> tuple[torch.optim.Optimizer, Any]:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=3e-3
-    )
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    opt: torch.optim.Optimizer
+    if kind == "adamw":
+        opt = torch.optim.AdamW(groups, lr=1e-2)
+    else:  # 4 ranks: see tests/reference.py
+        opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, partial(warmup_cosine, warmup_steps=2, total_steps=STEPS, min_ratio=0.1)
     )
@@ -51,18 +55,20 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
-def _reference() -> tuple[list[float], dict[str, torch.Tensor], torch.Tensor]:
+def _reference(
+    world: int = 2, kind: str = "adamw"
+) -> tuple[list[float], dict[str, torch.Tensor], torch.Tensor]:
+    """Unsharded, one process; gradients added in the order the units reduce them (tests/reference.py)."""
     torch.manual_seed(0)
     model = GPT(CFG)
-    opt, sched = _opt(model)
+    opt, sched = _opt(model, kind)
     losses = []
     for x, y in _batches():
         opt.zero_grad()
-        total = 0.0
-        for mx, my in zip(x.chunk(MICRO), y.chunk(MICRO), strict=True):
-            loss = _loss(model, mx, my) / MICRO
-            loss.backward()
-            total += loss.item()
+        parts = data_parallel_backward(
+            model, _loss, x, y, world=world, micro=MICRO, reduce_every_micro_batch=True
+        )
+        total = sum(parts) / world
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
@@ -73,7 +79,9 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor], torch.Tensor]:
     return losses, {k: v.clone() for k, v in model.state_dict().items()}, out
 
 
-def _train(rank: int, world: int, *, checkpointing: bool, reduce_op: str, reshard: bool) -> dict[str, Any]:
+def _train(
+    rank: int, world: int, *, checkpointing: bool, reduce_op: str, reshard: bool, kind: str = "adamw"
+) -> dict[str, Any]:
     torch.manual_seed(0)
     model = GPT(CFG)
     if checkpointing:
@@ -84,7 +92,7 @@ def _train(rank: int, world: int, *, checkpointing: bool, reduce_op: str, reshar
         reduce_op=reduce_op,  # type: ignore[arg-type]
         reshard_after_forward=reshard,
     )
-    opt, sched = _opt(model)
+    opt, sched = _opt(model, kind)
     engine.shard_optimizers([opt])
     per = BATCH // world
     losses = []
@@ -153,12 +161,14 @@ def test_zero3_matches_single_process_two_ranks() -> None:
 
 
 def _four(rank: int, world: int) -> dict[str, Any]:
-    return {"plain": _train(rank, world, checkpointing=True, reduce_op="reduce_scatter", reshard=True)}
+    return {
+        "plain": _train(rank, world, checkpointing=True, reduce_op="reduce_scatter", reshard=True, kind="sgd")
+    }
 
 
 def test_zero3_matches_single_process_four_ranks() -> None:
     results = run_distributed(_four, 4)
-    ref_losses, ref_state, _ = _reference()
+    ref_losses, ref_state, _ = _reference(world=4, kind="sgd")
     for rank, r in enumerate(results):
         torch.testing.assert_close(torch.tensor(r["plain"]["losses"]), torch.tensor(ref_losses))
         for k, v in ref_state.items():

@@ -1,0 +1,277 @@
+"""Shared helpers for the benchmarks: launching CPU/Gloo ranks, timing steps, peak memory, JSON results.
+
+What every benchmark measures with these helpers
+------------------------------------------------
+* **Step time**: wall clock (``time.perf_counter``) around one whole training step on each rank, with a
+  barrier (outside the timed region) before every step so ranks start together. The first ``warmup``
+  steps of each implementation are recorded in the JSON but excluded from the statistics.
+  Statistics are the median and the inter-quartile range (IQR = q75 - q25) because CPU timings on a
+  shared machine have heavy right tails; a mean would be dominated by them.
+* **CPU time** per step (``time.process_time``, all threads of the rank): the work done, without the
+  waiting; steadier than wall time when other programs share the cores.
+* **Peak RSS**: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of a rank, i.e. the *high-water mark* of
+  its resident set over the process' whole life. It never goes down, so two implementations measured in
+  one process share one number; compare implementations only when each ran in its own processes. A
+  forked rank's mark starts at the parent's resident size at fork time (the imported torch, ~150 MiB).
+* **Results**: one JSON file per run in ``benchmarks/results/<name>.json`` with the environment (torch
+  and lightning versions, CPU count, threads per rank, load average, date, command line) and all raw
+  step times.
+
+Ranks are forked (tens of milliseconds, against 1-2 s for spawn), each with one torch thread, and join
+a Gloo group through ``MASTER_ADDR``/``MASTER_PORT`` (``env://``), like ranks started by ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import shlex
+import socket
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+__all__ = [
+    "RESULTS_DIR",
+    "StepTimer",
+    "Summary",
+    "environment",
+    "free_port",
+    "launch",
+    "peak_rss_mib",
+    "summarize",
+    "write_result",
+]
+
+
+# ---------------------------------------------------------------------------------------------- launch
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    threads: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    queue: Any,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # hand every failure, assertions included, to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    threads_per_rank: int = 1,
+    timeout: float = 1800.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked Gloo ranks; return results by rank.
+
+    ``fn`` must return picklable plain Python data (lists, dicts, floats), not tensors. Each rank uses
+    ``threads_per_rank`` torch threads. A failing rank raises ``RuntimeError`` here with its traceback.
+    """
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, port, threads_per_rank, fn, args, queue))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, ok, payload = queue.get(timeout=timeout)
+            if not ok:
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break  # the other ranks are probably blocked in a collective
+            results[rank] = payload
+    except Exception as exc:  # queue.Empty on timeout
+        errors.append(f"no result from all ranks within {timeout:.0f} s ({exc!r})")
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("benchmark ranks failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
+
+
+# ---------------------------------------------------------------------------------------------- timing
+@dataclass(frozen=True)
+class Summary:
+    """Statistics of the measured (post-warmup) step times, in seconds."""
+
+    n: int
+    median: float
+    iqr: float
+    q25: float
+    q75: float
+    min: float
+    max: float
+    mean: float
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dict(self.__dict__)
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default) of already sorted values."""
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize(values: Sequence[float]) -> Summary:
+    """Median, IQR, extremes and mean of ``values`` (which must be non-empty)."""
+    if not values:
+        raise ValueError("summarize() needs at least one value.")
+    s = sorted(values)
+    q25, q75 = _quantile(s, 0.25), _quantile(s, 0.75)
+    return Summary(
+        n=len(s),
+        median=statistics.median(s),
+        iqr=q75 - q25,
+        q25=q25,
+        q75=q75,
+        min=s[0],
+        max=s[-1],
+        mean=statistics.fmean(s),
+    )
+
+
+@dataclass
+class StepTimer:
+    """Wall-clock times of successive steps; the first ``warmup`` are kept but not summarised.
+
+    Use ``with timer.step(): ...`` around one step, optionally ``timer.phase("backward")`` inside it to
+    split the step into named phases (their times are kept per step alongside the total).
+
+    ``cpu_times`` holds the CPU time of the whole process (all threads, communication threads included)
+    per step: it does not count time spent waiting, but also hardly grows when other programs compete for
+    the cores, so it is a steadier measure of the *work* per step on a busy machine than the wall time.
+    """
+
+    warmup: int = 0
+    times: list[float] = field(default_factory=list)
+    cpu_times: list[float] = field(default_factory=list)
+    phases: dict[str, list[float]] = field(default_factory=dict)
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.times.append(time.perf_counter() - start)
+            self.cpu_times.append(time.process_time() - cpu_start)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases.setdefault(name, []).append(time.perf_counter() - start)
+
+    @property
+    def measured(self) -> list[float]:
+        """Step times after the warmup."""
+        return self.times[self.warmup :]
+
+    def summary(self) -> Summary:
+        return summarize(self.measured)
+
+    def phase_medians(self) -> dict[str, float]:
+        """Median time of each phase over the measured steps."""
+        return {k: statistics.median(v[self.warmup :]) for k, v in self.phases.items() if v[self.warmup :]}
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def peak_rss_mib() -> float:
+    """High-water mark of this process' resident set size, in MiB (never decreases; see module doc)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes
+    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
+
+
+# ---------------------------------------------------------------------------------------------- results
+def _version(dist_name: str) -> str | None:
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(*, threads_per_rank: int, world_size: int) -> dict[str, Any]:
+    """What a result depends on besides the benchmark's own settings."""
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        # orig_argv keeps "-m package.module" (sys.argv[0] would be the module's file path)
+        "command": shlex.join([Path(sys.executable).name, *getattr(sys, "orig_argv", sys.argv)[1:]]),
+        "argv": list(sys.argv),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": _version("lightning"),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        # other work on the machine distorts CPU timings: a load above ~world_size means contention
+        "loadavg_1_5_15min": list(os.getloadavg()),
+        "world_size": world_size,
+        "threads_per_rank": threads_per_rank,
+        "backend": "gloo",
+    }
+
+
+def write_result(name: str, payload: dict[str, Any], out: str | Path | None = None) -> Path:
+    """Write ``payload`` as JSON to ``out`` (default ``benchmarks/results/<name>.json``); return the path."""
+    path = Path(out) if out is not None else RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    tmp.replace(path)
+    return path
