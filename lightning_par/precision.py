@@ -1,63 +1,246 @@
 """``ParallelPrecision``: the precision plugin of :class:`~lightning_par.HybridParallelStrategy`.
 
-Besides the numeric mode, the plugin owns gradient clipping, because under ZeRO (and later tensor and
-pipeline parallelism) the optimizer's parameters hold only pieces of the model: the norm used to clip is
-the *global* norm over all pieces (:func:`lightning_par.grad_norm.global_grad_norm`), computed with one
-all-reduce over the groups the strategy sets in :attr:`ParallelPrecision.grad_norm_groups`.
+Modes (Lightning's precision strings map onto them when our strategy is used at ZeRO stage >= 1):
+
+* ``"32-true"``: fp32 everywhere.
+* ``"bf16-mixed"`` / ``"16-mixed"``: parameters and gradients are bf16/fp16 on every rank, the forward
+  runs under ``torch.autocast`` (so precision-sensitive ops such as softmax and losses stay fp32), and the
+  fp32 master weights and optimizer state live only in this rank's ZeRO shard. Memory per parameter:
+  2 (params) + 2 (grads; 4/N when reduced in fp32 into the shard) + 12/N (fp32 master + Adam), the
+  DeepSpeed accounting, instead of autocast's 4 + 4 + 8/N with fp32 parameters.
+* ``"bf16-true"``: like ``"bf16-mixed"`` (bf16 parameters, fp32 masters in the shard) but without
+  autocast: floating inputs are cast to bf16 and every op, the loss included, runs in bf16 unless the
+  model upcasts itself. Faster and leaner, numerically rougher.
+
+Norm layers (``LayerNorm``, ``GroupNorm``, ``BatchNorm``, RMS-norm modules) compute in fp32 in the
+low-precision modes (``norms_in_fp32=True``): their parameters stay low-precision, their arithmetic does
+not. Gradients are reduced in ``reduce_dtype`` (fp32 by default, the accurate choice; ``"bf16"`` halves
+the traffic).
+
+fp16 uses dynamic loss scaling (:mod:`lightning_par.loss_scaler`): the loss is scaled before backward;
+after it, the gradients of every shard are unscaled and checked for inf/NaN with one all-reduce over the
+groups in :attr:`grad_norm_groups` (and the world), so every rank skips the same step. A skipped step
+leaves weights and optimizer state untouched; the strategy then neither steps the LR schedulers nor
+counts the step (see ``HybridParallelStrategy``).
+
+Clipping uses the *global* norm over all gradient pieces (:func:`lightning_par.grad_norm.clip_grad_norm_`)
+on unscaled fp32 values.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any, Literal
 
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision.amp import MixedPrecision
+from lightning.pytorch.plugins.precision.half import HalfPrecision
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par.grad_norm import clip_grad_norm_
+from lightning_par.loss_scaler import DynamicLossScaler
 
 PrecisionMode = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
+ReduceDtype = Literal["fp32", "bf16", "fp16"]
 _MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
 
 
 class ParallelPrecision(Precision):
-    """Precision plugin for sharded training.
+    """Precision plugin for sharded training (see the module docstring).
 
     Args:
-        precision: ``"32-true"``. (The low-precision modes with fp32 master weights in the ZeRO shards
-            are a separate feature and raise ``NotImplementedError`` until it lands.)
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``.
+        reduce_dtype: dtype of gradient reduction and of the gradient shard: ``"fp32"`` (default), or the
+            compute dtype's ``"bf16"``/``"fp16"`` to halve the traffic.
+        norms_in_fp32: compute norm layers in fp32 in the low-precision modes.
+        loss_scale: fp16 only: keyword arguments of :class:`~lightning_par.loss_scaler.DynamicLossScaler`.
     """
 
-    def __init__(self, precision: PrecisionMode = "32-true") -> None:
+    def __init__(
+        self,
+        precision: PrecisionMode = "32-true",
+        *,
+        reduce_dtype: ReduceDtype = "fp32",
+        norms_in_fp32: bool = True,
+        loss_scale: dict[str, Any] | None = None,
+    ) -> None:
         if precision not in _MODES:
             raise ValueError(f"precision must be one of {_MODES}, got {precision!r}.")
-        if precision != "32-true":
-            raise NotImplementedError(
-                f"precision={precision!r} with fp32 master weights in the ZeRO shards is not implemented in"
-                " this version of lightning_par; use precision='32-true' (or zero_stage=0, which accepts"
-                " Lightning's own mixed-precision plugins)."
-            )
+        if reduce_dtype not in _DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {tuple(_DTYPES)}, got {reduce_dtype!r}.")
         super().__init__()
         self.precision = precision
+        self.compute_dtype: torch.dtype = {
+            "32-true": torch.float32,
+            "bf16-mixed": torch.bfloat16,
+            "bf16-true": torch.bfloat16,
+            "16-mixed": torch.float16,
+        }[precision]
+        if reduce_dtype != "fp32" and _DTYPES[reduce_dtype] != self.compute_dtype:
+            raise ValueError(
+                f"reduce_dtype={reduce_dtype!r} with precision={precision!r}: reduce in fp32 or in the"
+                " compute dtype."
+            )
+        self.reduce_dtype: torch.dtype = _DTYPES[reduce_dtype]
+        self.norms_in_fp32 = norms_in_fp32
+        self.scaler = DynamicLossScaler(**(loss_scale or {})) if precision == "16-mixed" else None
         self.grad_norm_groups: tuple[ProcessGroup, ...] = ()
+        self.step_groups: tuple[ProcessGroup | None, ...] = (None,)
+        self.last_step_skipped = False
+
+    @property
+    def low_precision(self) -> bool:
+        return self.compute_dtype != torch.float32
+
+    # ------------------------------------------------------------------ module and inputs
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        # The module stays fp32 here: the ZeRO engine takes the fp32 masters from it before casting the
+        # compute copy, so masters start exact. Norm layers are set to compute in fp32.
+        if self.low_precision and self.norms_in_fp32:
+            for m in module.modules():
+                if isinstance(m, _NORMS) or type(m).__name__.lower().endswith("rmsnorm"):
+                    _compute_in_fp32(m)
+        return module
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.precision in ("bf16-mixed", "16-mixed"):
+            with torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=self.compute_dtype):
+                yield
+        else:
+            yield
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.precision != "bf16-true":
+            return data
+        return apply_to_collection(
+            data, dtype=Tensor, function=lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t
+        )
+
+    # ------------------------------------------------------------------ backward and step
+    @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self.scaler is not None:
+            tensor = self.scaler.scale_loss(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Optimizable,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        self.last_step_skipped = False
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            return None  # the training step returned None: nothing to unscale or step
+        assert isinstance(optimizer, Optimizer)
+        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
+        found_inf = self.scaler.unscale_and_check(grads, groups=self.step_groups)
+        if found_inf:
+            self.scaler.update(True)
+            self.last_step_skipped = True
+            optimizer.zero_grad(set_to_none=True)
+            return closure_result
+        self._after_closure(model, optimizer)  # hooks and clipping see unscaled gradients
+        output = optimizer.step(**kwargs)
+        self.scaler.update(False)
+        return output
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
         clip_grad_norm_(grads, float(clip_val), groups=self.grad_norm_groups)
 
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"precision": self.precision, **({"scaler": self.scaler.state_dict()} if self.scaler else {})}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and "scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["scaler"])
+
+
+def _compute_in_fp32(module: nn.Module) -> None:
+    """Run ``module``'s forward on fp32 copies of its inputs and parameters, cast back on the way out."""
+    if getattr(module, "_lightning_par_fp32", False):
+        return
+    inner = module.forward
+
+    def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if x.dtype == torch.float32 and all(
+            p.dtype == torch.float32 for p in module.parameters(recurse=False)
+        ):
+            return inner(x, *args, **kwargs)
+        with torch.autocast(x.device.type, enabled=False):
+            if isinstance(module, nn.LayerNorm):
+                weight = None if module.weight is None else module.weight.float()
+                bias = None if module.bias is None else module.bias.float()
+                out = F.layer_norm(x.float(), module.normalized_shape, weight, bias, module.eps)
+            else:
+                saved = {n: p.data for n, p in module.named_parameters(recurse=False)}
+                try:
+                    for p in module.parameters(recurse=False):
+                        p.data = p.data.float()
+                    out = inner(x.float(), *args, **kwargs)
+                finally:
+                    for n, p in module.named_parameters(recurse=False):
+                        p.data = saved[n]
+        return out.to(x.dtype)
+
+    module.forward = forward
+    module._lightning_par_fp32 = True  # type: ignore[assignment]
+
 
 def convert_precision_plugin(plugin: Precision | None, *, zero_stage: int) -> Precision | None:
-    """Map Lightning's precision plugins onto ours (the way Lightning's FSDP strategy enforces its own)."""
-    if plugin is None or isinstance(plugin, ParallelPrecision):
+    """Map Lightning's precision plugins onto ours (the way Lightning's FSDP strategy enforces its own).
+
+    Lightning's ``"32-true"`` becomes ``ParallelPrecision("32-true")``. At ZeRO stage >= 1, ``"bf16-mixed"``,
+    ``"16-mixed"`` and ``"bf16-true"`` become the matching ``ParallelPrecision`` (fp32 masters in the
+    shards). At stage 0 (full fp32 parameters on every rank) Lightning's own plugins are kept; a
+    low-precision ``ParallelPrecision`` needs shards for its masters and is refused. Any other plugin is
+    refused with its name.
+    """
+    if plugin is None:
+        return None
+    if isinstance(plugin, ParallelPrecision):
+        if zero_stage == 0 and plugin.low_precision:
+            raise ValueError(
+                f"ParallelPrecision({plugin.precision!r}) keeps fp32 master weights in ZeRO shards, so it"
+                " needs zero_stage >= 1; at zero_stage=0 pass Lightning's precision string instead (autocast"
+                " over fp32 parameters)."
+            )
         return plugin
     if type(plugin) is Precision:  # Lightning's "32-true"
         return ParallelPrecision("32-true")
     if zero_stage == 0:
         return plugin  # plain data parallel holds full gradients: Lightning's own plugins are exact
-    raise NotImplementedError(
-        f"{type(plugin).__name__} cannot be used with ZeRO stage {zero_stage}: the sharded optimizer needs"
-        " lightning_par's ParallelPrecision (precision='32-true' in this version), because clipping must use"
-        " the global gradient norm over all shards."
+    if type(plugin) is MixedPrecision and plugin.precision in ("bf16-mixed", "16-mixed"):
+        return ParallelPrecision(plugin.precision)
+    if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
+        return ParallelPrecision("bf16-true")
+    raise ValueError(
+        f"{type(plugin).__name__}({getattr(plugin, 'precision', '?')!r}) cannot be used with ZeRO stage"
+        f" {zero_stage}: lightning_par's ParallelPrecision supports {_MODES} there (fp32 masters in the"
+        " shards, global-norm clipping); pass one of those precision strings or a ParallelPrecision."
     )

@@ -325,10 +325,13 @@ class HybridParallelStrategy(ZeroCheckpointIO):
                 prefetch=self.prefetch,
                 reduce_op=resolve_reduce_op(self.reduce_op, self.mesh.dp_group),
                 find_unused_parameters=self.find_unused_parameters,
+                compute_dtype=self._dtypes()[0],
+                grad_dtype=self._dtypes()[1],
             )
             if trainer.state.fn == TrainerFn.FITTING:
                 self.setup_optimizers(trainer)
                 self._engine.shard_optimizers(self.optimizers)
+                self._guard_schedulers()
         elif trainer.state.fn == TrainerFn.FITTING:
             # Order of composition (ARCHITECTURE.md): TP, PP, checkpointing, then ZeRO over dp.
             self._engine = apply_zero(
@@ -339,11 +342,15 @@ class HybridParallelStrategy(ZeroCheckpointIO):
                 grad_sync=self.grad_sync,
                 reduce_op=self.reduce_op,
                 find_unused_parameters=self.find_unused_parameters,
+                compute_dtype=self._dtypes()[0],
+                grad_dtype=self._dtypes()[1],
             )
             self.setup_optimizers(trainer)
             self._engine.shard_optimizers(self.optimizers)
+            self._guard_schedulers()
         else:
             broadcast_module_states(self.model, group=self.mesh.dp_group)
+        self._cast_unmanaged()
         plugin = self.precision_plugin
         if isinstance(plugin, ParallelPrecision):
             # each dp rank holds disjoint gradient pieces from stage 1 on: the clip norm sums over them
@@ -418,7 +425,62 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._engine is not None:
             self._engine.after_step()  # stages 1/2: all-gather the updated parameters
+        if self._step_skipped():
+            self._uncount_step()
         return output
+
+    # ------------------------------------------------------------------ mixed precision
+    def _dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+        """(compute, reduction) dtypes for the engine; (None, None) in fp32: the parameters' own."""
+        plugin = self.precision_plugin
+        if isinstance(plugin, ParallelPrecision) and plugin.low_precision:
+            return plugin.compute_dtype, plugin.reduce_dtype
+        return None, None
+
+    def _cast_unmanaged(self) -> None:
+        """Frozen floating parameters (the engine casts the trainable ones) follow the compute dtype."""
+        compute, _ = self._dtypes()
+        if compute is None or self.model is None:
+            return
+        for p in self.model.parameters():
+            if not p.requires_grad and p.is_floating_point() and not p.is_meta:
+                p.data = p.data.to(compute)
+
+    def _step_skipped(self) -> bool:
+        plugin = self.precision_plugin
+        return isinstance(plugin, ParallelPrecision) and plugin.last_step_skipped
+
+    def _guard_schedulers(self) -> None:
+        """With fp16 loss scaling, per-step LR schedulers do not advance on a skipped step: the module's
+        ``lr_scheduler_step`` hook (through which Lightning steps them) is wrapped on this instance."""
+        plugin = self.precision_plugin
+        module = self.lightning_module
+        if not isinstance(plugin, ParallelPrecision) or plugin.scaler is None or module is None:
+            return
+        inner = module.lr_scheduler_step
+        if getattr(inner, "_lightning_par_guarded", False):
+            return
+
+        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+            step_interval = any(
+                c.scheduler is scheduler and c.interval == "step" for c in self.lr_scheduler_configs
+            )
+            if not (step_interval and self._step_skipped()):
+                inner(scheduler, metric)
+
+        lr_scheduler_step._lightning_par_guarded = True  # type: ignore[attr-defined]
+        module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
+
+    def _uncount_step(self) -> None:
+        """A skipped step is not a step: undo the optimizer-step count Lightning is about to complete
+        (``trainer.global_step``, which drives ``max_steps`` and step-based checkpointing)."""
+        module = self.lightning_module
+        if module is None or not module.automatic_optimization:
+            return
+        step = module.trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+        # Lightning increments "completed" right after this hook returns; take one off first
+        step.total.completed -= 1
+        step.current.completed -= 1
 
     def token_normalized(self, loss_sum: Tensor, n_tokens: int | Tensor) -> Tensor:
         """Token-exact accumulation: return this from ``training_step`` instead of a mean loss.
@@ -486,8 +548,9 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         if self._engine is not None:
             if isinstance(self._engine, Stage3Engine) and self.unshard_on_teardown:
                 self._engine.unshard_all()  # leave a usable, whole model behind
+            # hooks go; the engine stays so trainer.save_checkpoint() after fit still sees the shards
+            # (the next setup() builds a new one)
             self._engine.remove()
-            self._engine = None
         self._token_normalizer = None
         super().teardown()
 

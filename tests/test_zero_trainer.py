@@ -11,12 +11,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins import FSDPPrecision
 from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.checkpoint import consolidate, is_sharded_checkpoint
 from lightning_par.memory import estimate_memory
 from lightning_par.models import GPTModule
+from lightning_par.precision import ParallelPrecision
 from tests.distributed import run_distributed
 from tests.test_strategy import (
     MICRO,
@@ -210,5 +212,13 @@ def test_zero_stage_options_are_checked() -> None:
         HybridParallelStrategy(zero_stage=0, grad_sync="every")
     with pytest.raises(ValueError, match="reduce_op must be"):
         HybridParallelStrategy(zero_stage=1, reduce_op="broadcast")  # type: ignore[arg-type]
-    with pytest.raises(NotImplementedError, match="MixedPrecision cannot be used with ZeRO stage 2"):
-        pl.Trainer(strategy="zero2", accelerator="cpu", devices=2, precision="bf16-mixed")
+    # Lightning's precision strings become ParallelPrecision at stage >= 1 (fp32 masters in the shards)
+    trainer = pl.Trainer(strategy="zero2", accelerator="cpu", devices=2, precision="bf16-mixed")
+    assert isinstance(trainer.precision_plugin, ParallelPrecision)
+    assert trainer.precision_plugin.precision == "bf16-mixed"
+    with pytest.raises(
+        ValueError, match=r"keeps fp32 master weights in ZeRO shards, so it needs zero_stage >= 1"
+    ):
+        pl.Trainer(strategy="zero0", accelerator="cpu", devices=2, plugins=[ParallelPrecision("16-mixed")])
+    with pytest.raises(ValueError, match=r"FSDPPrecision\('bf16-mixed'\) cannot be used with ZeRO stage 3"):
+        pl.Trainer(strategy="zero3", accelerator="cpu", devices=2, plugins=[FSDPPrecision("bf16-mixed")])

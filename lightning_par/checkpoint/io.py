@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_par.checkpoint.optimizer_state import (
+    MASTER_KEY,
     Pieces,
     cut,
     fragment_pieces,
@@ -36,6 +37,7 @@ from lightning_par.checkpoint.sharded import (
     write_rank_file,
 )
 from lightning_par.zero.engine import Engine, ZeroEngine
+from lightning_par.zero.sharded_optimizer import ShardedOptimizer
 from lightning_par.zero.stage3 import Stage3Engine
 
 
@@ -181,18 +183,28 @@ def load_optimizer_states(
     table = sharded.fragment_table()
     for opt, (hyper, pieces) in zip(optimizers, sources, strict=True):
         load_fragments(opt, pieces, hyper, table, master_key=sharded.master_key)
+    if sharded.master_key is not None and isinstance(sharded, ShardedOptimizer):
+        sharded.refresh_params()  # the compute copy follows the restored fp32 masters
 
 
 def full_state_dict_of(checkpoint: dict[str, Any], sharded_path: Path | None) -> dict[str, Any]:
-    """The checkpoint's full ``state_dict`` (assembled from ZeRO-3 records if that is how it was saved)."""
-    if sharded_path is not None:
-        model = read_model_records(sharded_path)
-        if model is not None:
-            return {
-                **checkpoint.get("state_dict", {}),
-                **assemble_state_dict(model, checkpoint[METADATA_KEY]),
-            }
-    state: dict[str, Any] = checkpoint.get("state_dict", {})
+    """The checkpoint's full ``state_dict``: assembled from ZeRO-3 records if that is how it was saved, and
+    with the fp32 masters of a mixed-precision run in place of its low-precision parameters."""
+    state: dict[str, Any] = dict(checkpoint.get("state_dict", {}))
+    if sharded_path is None:
+        return state
+    meta = checkpoint[METADATA_KEY]
+    model = read_model_records(sharded_path)
+    if model is not None:
+        state.update(assemble_state_dict(model, meta))
+    masters: Pieces = {}
+    for _, pieces in read_optimizer_records(sharded_path):
+        for name, parts in pieces.items():
+            masters.setdefault(name, []).extend(
+                (lo, hi, {"param": s[MASTER_KEY]}) for lo, hi, s in parts if MASTER_KEY in s
+            )
+    if any(masters.values()):
+        state.update(assemble_state_dict(masters, meta, require_all=False))
     return state
 
 

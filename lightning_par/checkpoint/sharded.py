@@ -99,10 +99,14 @@ def read_model_records(path: str | os.PathLike[str]) -> Pieces | None:
     return pieces_from_records(records)
 
 
-def assemble_state_dict(pieces: Pieces, meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Full parameters from ZeRO-3 model pieces, under every name a tied parameter is registered."""
+def assemble_state_dict(
+    pieces: Pieces, meta: Mapping[str, Any], *, require_all: bool = True
+) -> dict[str, torch.Tensor]:
+    """Full parameters from ``{"param": ...}`` pieces, under every name a tied parameter is registered."""
     out: dict[str, torch.Tensor] = {}
     for name, shape in meta["params"].items():
+        if not require_all and not pieces.get(name):
+            continue
         numel = 1
         for s in shape:
             numel *= s

@@ -60,6 +60,7 @@ class ZeroEngine:
     sync: GradSync
     module: nn.Module
     master_dtype: torch.dtype | None = None
+    compute_dtype: torch.dtype | None = None
     sharded: ShardedOptimizer | None = field(default=None)
 
     def shard_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
@@ -68,7 +69,11 @@ class ZeroEngine:
             return
         names = {p: n for n, p in self.module.named_parameters()}
         self.sharded = ShardedOptimizer(
-            sync=self.sync, optimizers=optimizers, param_names=names, master_dtype=self.master_dtype
+            sync=self.sync,
+            optimizers=optimizers,
+            param_names=names,
+            master_dtype=self.master_dtype,
+            compute_dtype=self.compute_dtype,
         )
 
     def after_step(self) -> None:
@@ -83,7 +88,10 @@ class ZeroEngine:
 
     @contextmanager
     def forward_context(self) -> Iterator[None]:
-        yield  # parameters are always whole below stage 3
+        """Around a step: a new window's gradients go straight into the flat buffer (parameters are
+        always whole below stage 3, so nothing is gathered)."""
+        self.sync.prepare_window()
+        yield
 
     def on_synchronized(self, listener: Callable[[], None]) -> None:
         self.sync.on_synchronized(listener)
@@ -141,13 +149,25 @@ def apply_zero(
     reduce_op: ReduceChoice = "auto",
     find_unused_parameters: bool = False,
     master_dtype: torch.dtype | None = None,
+    compute_dtype: torch.dtype | None = None,
+    grad_dtype: torch.dtype | None = None,
     sync_module_states: bool = True,
 ) -> ZeroEngine:
-    """Install ZeRO ``stage`` (0, 1 or 2) on ``module`` over ``group``; see the module docstring."""
+    """Install ZeRO ``stage`` (0, 1 or 2) on ``module`` over ``group``; see the module docstring.
+
+    Mixed precision (stages 1/2): ``compute_dtype`` (bf16/fp16) is what forward and backward use; the
+    parameters' current dtype (fp32) becomes the master dtype kept only in this rank's shard;
+    ``grad_dtype`` is the reduction dtype (default: the parameters' current dtype).
+    """
     if isinstance(stage, bool) or stage not in (0, 1, 2):
         raise ValueError(f"apply_zero handles stages 0, 1 and 2, got {stage!r}.")
     if grad_sync is not None and grad_sync not in ("boundary", "every"):
         raise ValueError(f"grad_sync must be 'boundary' or 'every', got {grad_sync!r}.")
+    if stage == 0 and compute_dtype is not None:
+        raise ValueError(
+            "A low-precision compute dtype with fp32 masters needs the masters in ZeRO shards: use zero_stage"
+            " 1, 2 or 3, or Lightning's own autocast precision at stage 0."
+        )
     if stage == 0 and grad_sync == "every":
         raise ValueError("grad_sync='every' needs a sharded gradient: use zero_stage 1 or 2.")
     params = list(module.named_parameters())
@@ -163,8 +183,12 @@ def apply_zero(
         reduce_op=op,
         grad_sync=grad_sync or default_grad_sync(stage),
         find_unused_parameters=find_unused_parameters,
+        grad_dtype=grad_dtype,
     )
-    return ZeroEngine(stage=stage, sync=sync, module=module, master_dtype=master_dtype)
+    sync.attach_to(module)
+    return ZeroEngine(
+        stage=stage, sync=sync, module=module, master_dtype=master_dtype, compute_dtype=compute_dtype
+    )
 
 
 def apply_data_parallel(

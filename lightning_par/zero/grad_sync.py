@@ -72,6 +72,10 @@ class GradSync:
         grad_sync: ``"boundary"`` or ``"every"`` (sharded only), see the module docstring.
         find_unused_parameters: allow parameters without gradients.
         max_inflight: with ``grad_sync="every"``, buckets allowed in flight before the hook waits.
+        grad_dtype: dtype of the gradient buffers and of the reduction (default: the parameters'). With
+            low-precision parameters, fp32 reduces without rounding each rank's contribution to 8 bits of
+            mantissa; ``param.grad`` is then never a view of the buffer (dtypes differ), so each backward's
+            gradient is folded in and released.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class GradSync:
         find_unused_parameters: bool = False,
         rebuild_order: bool = True,
         max_inflight: int = 4,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         if grad_sync not in ("boundary", "every"):
             raise ValueError(f"grad_sync must be 'boundary' or 'every', got {grad_sync!r}.")
@@ -116,7 +121,7 @@ class GradSync:
         named.reverse()
         self._params: list[nn.Parameter] = [p for _, p in named]
         self._names: list[str] = [n for n, _ in named]
-        self.dtype = self._params[0].dtype
+        self.dtype = grad_dtype or self._params[0].dtype
         self.device = self._params[0].device
         self._sync = True
         self._order_pending = rebuild_order
@@ -159,7 +164,7 @@ class GradSync:
             for p, view, g in zip(self._params, self._views, old, strict=True):
                 if g is not None:
                     view.copy_(g)
-                    p.grad = view
+                    p.grad = view if p.dtype == view.dtype else None
         self.grad_shard: Tensor | None = None
         if self.shard:
             self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
@@ -224,7 +229,8 @@ class GradSync:
                     view.add_(grad)
                 else:
                     view.copy_(grad)
-                param.grad = view
+                # a view of another dtype cannot be .grad: release the folded gradient instead
+                param.grad = view if param.dtype == view.dtype else None
         else:
             start = self.layout.buckets[s.bucket].start
             self._bucket_buffer(s.bucket)[s.offset - start : s.end - start].view(s.shape).copy_(grad)
@@ -348,7 +354,8 @@ class GradSync:
             )
         self.unused = frozenset(i for i, c in enumerate(counts) if c == self.world)
         for i, p in enumerate(self._params):
-            p.grad = None if (self.shard or i in self.unused) else self._views[i]
+            keep = not self.shard and i not in self.unused and p.dtype == self.dtype
+            p.grad = self._views[i] if keep else None
         for listener in self._sync_listeners:
             listener()
 
@@ -376,6 +383,23 @@ class GradSync:
                 self._pending[self.layout.slots[slot].bucket] -= 1
 
     # ------------------------------------------------------------------ public
+    def prepare_window(self) -> None:
+        """Before a forward that starts a new window: point every ``param.grad`` at its (zeroed) view so
+        autograd accumulates straight into the flat buffer, with no per-step gradient allocation (page
+        faults) and no copy in the hook. Only when all ``.grad`` are None (``zero_grad(set_to_none=True)``,
+        Lightning's default): gradients someone keeps on purpose are left alone."""
+        if self.buffer is None or not torch.is_grad_enabled() or self.buffer.dtype != self._params[0].dtype:
+            return
+        if any(p.grad is not None for p in self._params):
+            return
+        self.buffer.zero_()
+        for p, view in zip(self._params, self._views, strict=True):
+            p.grad = view
+
+    def attach_to(self, module: nn.Module) -> None:
+        """Call :meth:`prepare_window` before every forward of ``module``."""
+        self._handles.append(module.register_forward_pre_hook(lambda _m, _a: self.prepare_window()))
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Mark the backward passes inside as non-final passes of an accumulation window."""

@@ -111,12 +111,15 @@ class ShardedOptimizer:
         optimizers: Sequence[Optimizer],
         param_names: dict[nn.Parameter, str],
         master_dtype: torch.dtype | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         if not sync.shard:
             raise ValueError("ShardedOptimizer needs a sharded GradSync (shard=True).")
         self.sync = sync
         self.optimizers = list(optimizers)
-        self.master_dtype = master_dtype or sync.dtype
+        first = sync.params[0].dtype
+        self.compute_dtype = compute_dtype or first
+        self.master_dtype = master_dtype or first
         self._group_params = optimizer_group_params(self.optimizers, sync.params, param_names)
         sync.on_relayout(self._relayout)
         sync.on_synchronized(self._attach_grads)
@@ -128,17 +131,22 @@ class ShardedOptimizer:
         if any(opt.state for opt in self.optimizers if hasattr(self, "_masters")):
             raise RuntimeError("The ZeRO layout changed after the optimizer took a step; this is a bug.")
         params = sync.params
+        self.fragments = layout.fragments(sync.rank)
+        self.master_flat: Tensor | None = None
+        if self.master_dtype != self.compute_dtype:
+            # masters are taken from the parameters as they are now (fp32 before the first cast), so a
+            # low-precision run starts from exact fp32 values, not from their rounded copies
+            self.master_flat = torch.zeros(layout.shard_numel, dtype=self.master_dtype, device=sync.device)
+            with torch.no_grad():
+                for f in self.fragments:
+                    value = params[f.slot].detach().reshape(-1)[f.param_lo : f.param_hi]
+                    self.master_flat[f.shard_lo : f.shard_lo + f.numel].copy_(value)
         with torch.no_grad():
-            self.param_flat = torch.zeros(layout.numel, dtype=sync.dtype, device=sync.device)
+            self.param_flat = torch.zeros(layout.numel, dtype=self.compute_dtype, device=sync.device)
             for p, s in zip(params, layout.slots, strict=True):
                 view = self.param_flat[s.offset : s.end].view(s.shape)
                 view.copy_(p.detach())
                 p.data = view  # the Parameter object (and autograd hooks on it) stays the same
-        self.fragments = layout.fragments(sync.rank)
-        separate_master = self.master_dtype != sync.dtype
-        self.master_flat: Tensor | None = None
-        if separate_master:
-            self.master_flat = torch.zeros(layout.shard_numel, dtype=self.master_dtype, device=sync.device)
         masters: dict[int, list[Tensor]] = {}
         self._master_slots: list[tuple[Tensor, Tensor, int]] = []
         for f in self.fragments:
@@ -146,7 +154,6 @@ class ShardedOptimizer:
             compute = self.param_flat[slot.offset + f.param_lo : slot.offset + f.param_hi]
             if self.master_flat is not None:
                 master = self.master_flat[f.shard_lo : f.shard_lo + f.numel]
-                master.copy_(compute)
             else:
                 master = compute
             masters.setdefault(id(params[f.slot]), []).append(master)
@@ -170,6 +177,14 @@ class ShardedOptimizer:
     @torch.no_grad()
     def after_step(self) -> None:
         """Copy masters into the compute parameters, all-gather every bucket, open a new window."""
+        self.refresh_params()
+        for master, _, _ in self._master_slots:
+            master.grad = None
+        self.sync.zero_grad_shard()
+
+    @torch.no_grad()
+    def refresh_params(self) -> None:
+        """Compute parameters := masters (cast), on every rank (one all-gather per bucket)."""
         if self.master_flat is not None:
             for master, compute, _ in self._master_slots:
                 compute.copy_(master)
@@ -183,9 +198,6 @@ class ShardedOptimizer:
         for work in works:
             assert work is not None
             work.wait()
-        for master, _, _ in self._master_slots:
-            master.grad = None
-        sync.zero_grad_shard()
 
     # ------------------------------------------------------------------ introspection
     def group_params(self, index: int) -> list[list[nn.Parameter]]:

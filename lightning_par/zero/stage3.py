@@ -43,7 +43,7 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_par.collectives import reduce_scatter_flat
+from lightning_par.collectives import all_gather_flat, reduce_scatter_flat
 from lightning_par.zero.grad_sync import ReduceOp, UnusedParametersError
 from lightning_par.zero.meta_init import materialize_unit, target_device
 from lightning_par.zero.sharded_optimizer import optimizer_group_params, rebuild_optimizer
@@ -70,6 +70,8 @@ class Stage3Engine:
         find_unused_parameters: bool = False,
         max_inflight: int = 2,
         init_seed: int | None = None,
+        compute_dtype: torch.dtype | None = None,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         self.module = module
         self.group = group
@@ -83,7 +85,9 @@ class Stage3Engine:
         plan = [entry for entry in plan_units(module, units).units if entry[2]]
         if not plan:
             raise ValueError("ZeRO-3 got a module without trainable parameters.")
-        self.dtype = plan[0][2][0][1].dtype
+        self.master_dtype = plan[0][2][0][1].dtype  # shards keep the parameters' dtype: fp32 masters
+        self.compute_dtype = compute_dtype or self.master_dtype
+        self.dtype = grad_dtype or self.master_dtype  # gradient buffers and reduction
         self.device = target_device(module)
         seed = self._agree_seed(init_seed)
         self.units: list[Unit] = []
@@ -135,7 +139,8 @@ class Stage3Engine:
             module=module,
             named=named,
             group=self.group,
-            dtype=self.dtype,
+            compute_dtype=self.compute_dtype,
+            grad_dtype=self.dtype,
             device=self.device,
             broadcast=not materialized,
         )
@@ -348,7 +353,8 @@ class Stage3Engine:
             if id(unit.params[f.slot]) in self.unused:
                 master.grad = None
             else:
-                master.grad = unit.grad_shard[f.shard_lo : f.shard_lo + f.numel]
+                g = unit.grad_shard[f.shard_lo : f.shard_lo + f.numel]
+                master.grad = g if g.dtype == master.dtype else g.to(master.dtype)
 
     def after_step(self) -> None:
         """Open a new gradient window (the shards are updated in place; gathers read them next time)."""
@@ -413,29 +419,27 @@ class Stage3Engine:
 
     @torch.no_grad()
     def full_state_dict(self, *, to_rank: int = 0) -> dict[str, Tensor]:
-        """All parameters, gathered one unit at a time (bounded memory), as CPU tensors on ``to_rank`` (other
-        ranks get an empty dict); every name under which a tied parameter is registered is filled."""
+        """All parameters at master precision (gathered from the shards one unit at a time: bounded
+        memory), as CPU tensors on ``to_rank`` (other ranks get an empty dict); every name under which a
+        tied parameter is registered is filled."""
         aliases: dict[int, list[str]] = {}
         for name, p in self.module.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
         out: dict[str, Tensor] = {}
         for unit in self.units:
-            was = unit.state
-            self._wait(unit)
+            full = torch.empty(unit.layout.numel, dtype=unit.shard.dtype, device=unit.shard.device)
+            all_gather_flat(full, unit.shard, group=self.group)
             if self.rank == to_rank:
-                for p in unit.params:
-                    value = p.detach().cpu().clone()
+                for p, s in zip(unit.params, unit.layout.slots, strict=True):
+                    value = full[s.offset : s.end].view(s.shape).cpu().clone()
                     for name in aliases[id(p)]:
                         out[name] = value
-            if was == "sharded":
-                self._free(unit)
         return out
 
     def memory_bytes(self) -> dict[str, int]:
-        item = torch.tensor([], dtype=self.dtype).element_size()
-        shard = sum(u.shard.numel() for u in self.units) * item
+        shard = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
         live = sum(u.full_bytes for u in self.units if u.state != "sharded")
-        grads = sum(u.grad_shard.numel() for u in self.units) * item
+        grads = sum(u.grad_shard.numel() * u.grad_shard.element_size() for u in self.units)
         largest = max(u.full_bytes for u in self.units)
         return {
             "param_shard": shard,
@@ -447,9 +451,14 @@ class Stage3Engine:
 
     @torch.no_grad()
     def unshard_all(self) -> None:
-        """Leave every parameter whole (e.g. after training, for use without the engine)."""
+        """Leave every parameter whole, at master precision (e.g. after training, for use without the
+        engine); the gathered buffers are released."""
         for unit in self.units:
-            self._wait(unit)
+            unit.free()
+            full = torch.empty(unit.layout.numel, dtype=unit.shard.dtype, device=unit.shard.device)
+            all_gather_flat(full, unit.shard, group=self.group)
+            for p, s in zip(unit.params, unit.layout.slots, strict=True):
+                p.data = full[s.offset : s.end].view(s.shape)
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -66,7 +66,8 @@ class Unit:
             return
         self.check_untouched()
         self.full.untyped_storage().resize_(self.full_bytes)
-        self.work = all_gather_flat(self.full, self.shard, group=group, async_op=True)
+        source = self.shard if self.shard.dtype == self.full.dtype else self.shard.to(self.full.dtype)
+        self.work = all_gather_flat(self.full, source, group=group, async_op=True)
         self.state = "gathering"
 
     def wait(self, group: ProcessGroup) -> None:
@@ -101,12 +102,15 @@ def build_unit(
     module: nn.Module,
     named: list[tuple[str, nn.Parameter]],
     group: ProcessGroup,
-    dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
     device: torch.device,
     broadcast: bool,
 ) -> Unit:
     """Pack ``named`` (real, materialised parameters) into a sharded unit; with ``broadcast`` every rank
-    starts from the values of the group's first rank."""
+    starts from the values of the group's first rank. The shard keeps the parameters' own dtype (the
+    fp32 master in mixed precision), gathers produce ``compute_dtype``, gradients reduce in
+    ``grad_dtype``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     params = [p for _, p in named]
     layout = FlatLayout(
@@ -115,14 +119,16 @@ def build_unit(
         bucket_numel=_HUGE,
         shard_count=world,
     )
-    full = torch.zeros(layout.numel, dtype=dtype, device=device)
+    packed = torch.zeros(layout.numel, dtype=params[0].dtype, device=device)
     with torch.no_grad():
         for p, s in zip(params, layout.slots, strict=True):
-            full[s.offset : s.end].view(s.shape).copy_(p.detach())
+            packed[s.offset : s.end].view(s.shape).copy_(p.detach())
         if world > 1 and broadcast:
-            dist.broadcast(full, src=dist.get_global_rank(group, 0), group=group)
+            dist.broadcast(packed, src=dist.get_global_rank(group, 0), group=group)
     lo, hi = layout.buckets[0].shard_range(rank, world)
-    shard = full[lo:hi].clone()
+    shard = packed[lo:hi].clone()
+    del packed
+    full = torch.zeros(layout.numel, dtype=compute_dtype, device=device)
     unit = Unit(
         index=index,
         name=name,
@@ -132,9 +138,9 @@ def build_unit(
         layout=layout,
         shard=shard,
         full=full,
-        grad_shard=torch.zeros_like(shard),
+        grad_shard=torch.zeros(shard.numel(), dtype=grad_dtype, device=device),
     )
-    nan = torch.full((1,), float("nan"), dtype=dtype, device=device)
+    nan = torch.full((1,), float("nan"), dtype=compute_dtype, device=device)
     unit.placeholders = [nan.clone().expand(p.shape) for p in params]
     unit.free(force=True)
     return unit

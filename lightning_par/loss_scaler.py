@@ -1,0 +1,107 @@
+"""Dynamic loss scaling for fp16, agreed across every rank that holds a piece of the gradient.
+
+fp16 has 5 exponent bits: small gradients underflow to zero unless the loss is multiplied by a scale
+``S`` before backward (gradients scale with it) and the gradients are divided by ``S`` before the
+optimizer uses them. ``S`` adapts:
+
+* if any gradient element on any rank is inf/NaN after unscaling, the step is skipped **on every rank**
+  (one all-reduce of a flag over the groups that partition the gradient) and, once ``hysteresis``
+  consecutive overflows have been seen, ``S`` is multiplied by ``backoff_factor``;
+* after ``growth_interval`` consecutive clean steps, ``S`` is multiplied by ``growth_factor``.
+
+Defaults follow ``torch.amp.GradScaler`` and DeepSpeed: ``S = 2**16``, growth 2 every 2000 clean steps,
+backoff 0.5; ``hysteresis=1`` backs off at the first overflow (DeepSpeed's default is 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+
+class DynamicLossScaler:
+    """Scale, unscale-and-check, and update (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float = 1.0,
+    ) -> None:
+        if not init_scale > 0:
+            raise ValueError(f"init_scale must be > 0, got {init_scale}.")
+        if not growth_factor > 1:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor}.")
+        if not 0 < backoff_factor < 1:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}.")
+        if growth_interval < 1 or hysteresis < 1:
+            raise ValueError(
+                f"growth_interval and hysteresis must be >= 1, got {growth_interval}, {hysteresis}."
+            )
+        self.scale = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.hysteresis = hysteresis
+        self.min_scale = min_scale
+        self._clean_steps = 0
+        self._overflows_left = hysteresis
+        self.skipped_steps = 0
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        return loss * self.scale
+
+    @torch.no_grad()
+    def unscale_and_check(self, grads: Sequence[Tensor], *, groups: Sequence[ProcessGroup | None]) -> bool:
+        """Divide ``grads`` by the scale in place; return True if any rank of ``groups`` saw inf/NaN.
+
+        ``groups`` are all-reduced in turn with MAX (pass ``[None]`` for the default world group), so every
+        rank that shares the step reaches the same verdict.
+        """
+        inv = 1.0 / self.scale
+        found = torch.zeros((), dtype=torch.float32)
+        for g in grads:
+            g.mul_(inv)
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float().cpu())
+        for group in groups:
+            if group is None or dist.get_world_size(group) > 1:
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item())
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.skipped_steps += 1
+            self._clean_steps = 0
+            self._overflows_left -= 1
+            if self._overflows_left <= 0:
+                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+                self._overflows_left = self.hysteresis
+            return
+        self._overflows_left = self.hysteresis
+        self._clean_steps += 1
+        if self._clean_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self._clean_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scale": self.scale,
+            "clean_steps": self._clean_steps,
+            "overflows_left": self._overflows_left,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self._clean_steps = int(state["clean_steps"])
+        self._overflows_left = int(state["overflows_left"])
+        self.skipped_steps = int(state["skipped_steps"])
