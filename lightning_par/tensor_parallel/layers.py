@@ -1,0 +1,298 @@
+"""Tensor-parallel layers (Megatron-LM style) over an explicit tensor-parallel group of size ``t``.
+
+* :class:`ColumnParallelLinear` ``Y = X A^T + b`` with ``A`` split by output rows: rank ``r`` holds
+  ``A_r`` (``out/t`` rows) and computes ``Y_r``; input enters with ``copy_to`` (gradients of the
+  replicated input are summed in backward). ``gather_output`` all-gathers ``Y`` (full output).
+* :class:`RowParallelLinear` ``Y = X A^T + b`` with ``A`` split by input columns: rank ``r`` holds
+  ``A_r`` (``in/t`` columns) and the matching slice ``X_r`` of a column-parallel output, computes the
+  partial sum ``X_r A_r^T`` and leaves with ``reduce_from`` (all-reduce); ``b`` is added once, after.
+* :class:`VocabParallelEmbedding`: rows ``[r V/t, (r+1) V/t)`` of the table; ids outside give zeros and
+  the all-reduce of the partial lookups is the full embedding.
+* :func:`vocab_parallel_cross_entropy`: cross-entropy of vocab-sharded logits without gathering them:
+  ``loss = log Σ_v exp(z_v - m) + m - z_target`` with the max ``m``, the sum and ``z_target`` each
+  all-reduced (MAX, SUM, SUM); the gradient is ``softmax - onehot`` on the local slice.
+
+With ``sequence_parallel`` the regions between tensor-parallel layers are split along the sequence
+(dim 1): a column-parallel layer receives the sequence already gathered by the preceding norm (see
+:func:`make_region_input`; no ``copy_to``), a row-parallel layer leaves with a reduce-scatter along
+the sequence, and parameters used on sequence shards (norm weights, row-parallel biases) get their
+partial gradients all-reduced over the group.
+
+Sharded parameters carry ``_lp_tp_dim`` (0: rows, 1: columns): the dimension along which the full
+tensor is the concatenation of the ranks' pieces, used by checkpoints and gradient norms.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from lightning_par.tensor_parallel.comm import (
+    copy_to,
+    gather_last,
+    gather_seq,
+    reduce_from,
+    reduce_scatter_seq,
+    scatter_seq,
+)
+
+TP_DIM_ATTR = "_lp_tp_dim"
+
+
+def _mark(param: nn.Parameter, dim: int) -> nn.Parameter:
+    setattr(param, TP_DIM_ATTR, dim)
+    return param
+
+
+def _divide(n: int, t: int, what: str, fix: str) -> int:
+    if n % t != 0:
+        raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={t}; {fix}")
+    return n // t
+
+
+class ColumnParallelLinear(nn.Module):
+    """``nn.Linear`` split by output features (see the module docstring)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: ProcessGroup,
+        bias: bool = True,
+        gather_output: bool = False,
+        copy_input: bool = True,
+        name: str = "",
+    ) -> None:
+        super().__init__()
+        self.group = group
+        t = dist.get_world_size(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.local_out = _divide(
+            out_features,
+            t,
+            f"{name or 'ColumnParallelLinear'}.out_features",
+            "choose sizes divisible by the tensor-parallel size (for a vocabulary: pad it to a multiple).",
+        )
+        self.gather_output = gather_output
+        self.copy_input = copy_input
+        self.weight = _mark(nn.Parameter(torch.empty(self.local_out, in_features)), 0)
+        self.bias = _mark(nn.Parameter(torch.zeros(self.local_out)), 0) if bias else None
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, *, group: ProcessGroup, name: str = "", **kw: Any
+    ) -> ColumnParallelLinear:
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            group=group,
+            bias=linear.bias is not None,
+            name=name,
+            **kw,
+        )
+        r = dist.get_rank(group)
+        with torch.no_grad():
+            layer.weight.data = linear.weight.detach()[
+                r * layer.local_out : (r + 1) * layer.local_out
+            ].clone()
+            if linear.bias is not None and layer.bias is not None:
+                layer.bias.data = linear.bias.detach()[
+                    r * layer.local_out : (r + 1) * layer.local_out
+                ].clone()
+        return layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = copy_to(x, self.group) if self.copy_input else x
+        y = F.linear(x, self.weight, self.bias)
+        return gather_last(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        t = dist.get_world_size(self.group)
+        return f"in={self.in_features}, out={self.out_features} ({self.local_out} per rank of {t})"
+
+
+class RowParallelLinear(nn.Module):
+    """``nn.Linear`` split by input features; the input is the matching column-parallel slice."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: ProcessGroup,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        name: str = "",
+    ) -> None:
+        super().__init__()
+        self.group = group
+        t = dist.get_world_size(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.local_in = _divide(
+            in_features,
+            t,
+            f"{name or 'RowParallelLinear'}.in_features",
+            "choose sizes divisible by the tensor-parallel size.",
+        )
+        self.sequence_parallel = sequence_parallel
+        self.weight = _mark(nn.Parameter(torch.empty(out_features, self.local_in)), 1)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # replicated
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, *, group: ProcessGroup, name: str = "", **kw: Any
+    ) -> RowParallelLinear:
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            group=group,
+            bias=linear.bias is not None,
+            name=name,
+            **kw,
+        )
+        r = dist.get_rank(group)
+        with torch.no_grad():
+            layer.weight.data = linear.weight.detach()[
+                :, r * layer.local_in : (r + 1) * layer.local_in
+            ].clone()
+            if linear.bias is not None and layer.bias is not None:
+                layer.bias.data = linear.bias.detach().clone()
+        return layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_seq(partial, self.group)
+            bias = None if self.bias is None else copy_to(self.bias, self.group)
+        else:
+            y = reduce_from(partial, self.group)
+            bias = self.bias
+        return y if bias is None else y + bias
+
+    def extra_repr(self) -> str:
+        t = dist.get_world_size(self.group)
+        return f"in={self.in_features} ({self.local_in} per rank of {t}), out={self.out_features}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding`` whose table rows (the vocabulary) are split over the group."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, *, group: ProcessGroup, name: str = ""
+    ) -> None:
+        super().__init__()
+        self.group = group
+        t = dist.get_world_size(group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        local = _divide(
+            num_embeddings,
+            t,
+            f"{name or 'VocabParallelEmbedding'}.num_embeddings",
+            f"pad the vocabulary to a multiple of {t} (e.g. {-(-num_embeddings // t) * t}).",
+        )
+        self.start = dist.get_rank(group) * local
+        self.end = self.start + local
+        self.weight = _mark(nn.Parameter(torch.empty(local, embedding_dim)), 0)
+
+    @classmethod
+    def from_embedding(
+        cls, emb: nn.Embedding, *, group: ProcessGroup, name: str = ""
+    ) -> VocabParallelEmbedding:
+        layer = cls(emb.num_embeddings, emb.embedding_dim, group=group, name=name)
+        with torch.no_grad():
+            layer.weight.data = emb.weight.detach()[layer.start : layer.end].clone()
+        return layer
+
+    def forward(self, ids: Tensor) -> Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from(out, self.group)
+
+
+def make_region_input(module: nn.Module, *, group: ProcessGroup, sequence_parallel: bool) -> nn.Module:
+    """Make ``module``'s output (a norm's) the input of a tensor-parallel region. Without sequence
+    parallelism: ``copy_to`` on the output, so the partial input gradients of all the column-parallel
+    layers that read it are summed by one all-reduce. With it: the module runs on this rank's sequence
+    shard, its parameters' gradients (which saw only part of the tokens) are all-reduced over the group,
+    and its output is all-gathered along the sequence. Hooks, not a wrapper: parameter names stay."""
+    if not sequence_parallel:
+        module.register_forward_hook(lambda _m, _a, out: copy_to(out, group))
+        return module
+    for p in module.parameters(recurse=False):
+        p.register_hook(lambda g: _all_reduce_grad(g, group))
+    module.register_forward_hook(lambda _m, _a, out: gather_seq(out, group))
+    return module
+
+
+def make_scatter_sequence(module: nn.Module, *, group: ProcessGroup) -> nn.Module:
+    """Keep this rank's slice of ``module``'s output along the sequence: sequence parallelism starts here
+    (the backward all-gathers)."""
+
+    def scatter(_m: nn.Module, _a: Any, out: Tensor) -> Tensor:
+        t = dist.get_world_size(group)
+        if out.shape[1] % t != 0:
+            raise ValueError(
+                f"Sequence parallelism splits the sequence over tensor_parallel_size={t} ranks, but the"
+                f" sequence length is {out.shape[1]}; use a length divisible by {t}."
+            )
+        return scatter_seq(out, group)
+
+    module.register_forward_hook(scatter)
+    return module
+
+
+def _all_reduce_grad(grad: Tensor, group: ProcessGroup) -> Tensor:
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, logits: Tensor, target: Tensor, group: ProcessGroup, start: int, ignore: int
+    ) -> Tensor:
+        logits = logits.float()
+        m = logits.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - m.unsqueeze(-1)
+        end = start + logits.shape[-1]
+        outside = (target < start) | (target >= end)
+        local = (target - start).masked_fill(outside, 0)
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        dist.all_reduce(picked, group=group)
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)
+        dist.all_reduce(total, group=group)
+        loss = total.log() - picked
+        ignored = target == ignore
+        loss = loss.masked_fill(ignored, 0.0)
+        ctx.save_for_backward(exp / total.unsqueeze(-1), local, outside, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+        softmax, local, outside, ignored = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(g.dtype).unsqueeze(-1))
+        g = g * grad.masked_fill(ignored, 0.0).unsqueeze(-1)
+        return g, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: Tensor, target: Tensor, *, group: ProcessGroup, ignore_index: int = -100
+) -> Tensor:
+    """Mean cross-entropy over non-ignored targets of vocab-sharded ``logits`` (``(..., V/t)``, rank ``r``
+    holding vocabulary ``[r V/t, (r+1) V/t)``), without gathering the logits."""
+    start = dist.get_rank(group) * logits.shape[-1]
+    flat_t = target.reshape(-1)
+    losses = _VocabParallelCE.apply(logits.reshape(-1, logits.shape[-1]), flat_t, group, start, ignore_index)
+    valid = (flat_t != ignore_index).sum().clamp(min=1)
+    return losses.sum() / valid
