@@ -48,6 +48,7 @@ from typing_extensions import override
 
 from lightning_par.grad_norm import clip_grad_norm_
 from lightning_par.loss_scaler import DynamicLossScaler
+from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 
 PrecisionMode = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 ReduceDtype = Literal["fp32", "bf16", "fp16"]
@@ -96,6 +97,9 @@ class ParallelPrecision(Precision):
         self.norms_in_fp32 = norms_in_fp32
         self.scaler = DynamicLossScaler(**(loss_scale or {})) if precision == "16-mixed" else None
         self.grad_norm_groups: tuple[ProcessGroup, ...] = ()
+        # tensor parallelism: main parameters without a tp dimension are replicated over the tp group
+        # and count once in the norm
+        self.tp_group: ProcessGroup | None = None
         self.step_groups: tuple[ProcessGroup | None, ...] = (None,)
         self.last_step_skipped = False
 
@@ -167,8 +171,18 @@ class ParallelPrecision(Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
-        clip_grad_norm_(grads, float(clip_val), groups=self.grad_norm_groups)
+        params = [p for p in self.main_params(optimizer) if p.grad is not None]
+        if self.tp_group is None:
+            clip_grad_norm_([p.grad for p in params], float(clip_val), groups=self.grad_norm_groups)  # type: ignore[misc]
+            return
+        sharded = [p.grad for p in params if hasattr(p, TP_DIM_ATTR)]
+        replicated = [p.grad for p in params if not hasattr(p, TP_DIM_ATTR)]
+        clip_grad_norm_(
+            sharded,  # type: ignore[arg-type]
+            float(clip_val),
+            groups=self.grad_norm_groups,
+            replicated=[(replicated, self.tp_group)],  # type: ignore[list-item]
+        )
 
     # ------------------------------------------------------------------ state
     @override

@@ -47,6 +47,7 @@ from lightning_par.loss import TokenNormalizer
 from lightning_par.memory import MemoryReport, measure_memory
 from lightning_par.mesh import MeshLayout, ParallelMesh
 from lightning_par.precision import ParallelPrecision, convert_precision_plugin
+from lightning_par.tensor_parallel import apply_tensor_parallel, resolve_plan
 from lightning_par.zero import apply_zero, broadcast_module_states
 from lightning_par.zero.engine import Engine, ReduceChoice, resolve_reduce_op
 from lightning_par.zero.grad_sync import GradSyncPolicy
@@ -92,7 +93,9 @@ class HybridParallelStrategy(ZeroCheckpointIO):
             the module is usable afterwards (turn off for models that do not fit one device).
         find_unused_parameters: allow parameters without gradients in a step (their ``.grad`` stays
             ``None`` when no rank used them); without it such parameters raise a clear error.
-        tp_plan: tensor-parallel plan name (``"gpt"``, ``"llama"``) or ``{module pattern: style}``.
+        tp_plan: tensor-parallel plan name (``"gpt"``, ``"llama"``) or ``{module pattern: style}``; default:
+            the LightningModule's ``tp_plan`` attribute. Applied when ``tensor_parallel_size > 1``.
+        sequence_parallel: split the activations between tensor-parallel regions along the sequence.
         num_microbatches: micro-batches per pipeline step.
         pipeline_schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
         process_group_backend: ``"nccl"``/``"gloo"``; default from the device (NCCL on CUDA, Gloo on CPU).
@@ -120,6 +123,7 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         activation_checkpointing: bool | UnitPolicy = False,
         unshard_on_teardown: bool = True,
         tp_plan: str | dict[str, str] | None = None,
+        sequence_parallel: bool = False,
         num_microbatches: int | None = None,
         pipeline_schedule: PipelineSchedule = "1f1b",
         process_group_backend: str | None = None,
@@ -139,11 +143,10 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        if tensor_parallel_size > 1 or tp_plan is not None:
-            raise NotImplementedError(
-                "Tensor parallelism is not implemented in this version of lightning_par;"
-                " use tensor_parallel_size=1 and no tp_plan."
-            )
+        if tp_plan is not None and not isinstance(tp_plan, str | dict):
+            raise ValueError(f"tp_plan must be a plan name or a dict of pattern -> style, got {tp_plan!r}.")
+        if isinstance(tp_plan, str):
+            resolve_plan(tp_plan)  # an unknown name fails here, before any process starts
         if pipeline_parallel_size > 1 or num_microbatches is not None:
             raise NotImplementedError(
                 "Pipeline parallelism is not implemented in this version of lightning_par;"
@@ -182,6 +185,8 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         self.reduce_op: ReduceChoice = reduce_op
         self.find_unused_parameters = find_unused_parameters
         self.zero3_units = zero3_units
+        self.tp_plan = tp_plan
+        self.sequence_parallel = sequence_parallel
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self.meta_init = meta_init
@@ -248,6 +253,10 @@ class HybridParallelStrategy(ZeroCheckpointIO):
             pipeline_parallel_size=self.pipeline_parallel_size,
         )
 
+    @override
+    def tp_coordinates(self) -> tuple[int, int]:
+        return (self._mesh.tp_rank if self._mesh is not None else 0), self.tensor_parallel_size
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -312,6 +321,8 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if self.tensor_parallel_size > 1:
+            self._apply_tensor_parallel()
         if self.activation_checkpointing is not False:
             policy = None if self.activation_checkpointing is True else self.activation_checkpointing
             apply_activation_checkpointing(self.model, policy=policy)
@@ -353,11 +364,39 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         self._cast_unmanaged()
         plugin = self.precision_plugin
         if isinstance(plugin, ParallelPrecision):
-            # each dp rank holds disjoint gradient pieces from stage 1 on: the clip norm sums over them
-            plugin.grad_norm_groups = (self.mesh.dp_group,) if self.zero_stage > 0 else ()
+            # each dp rank holds disjoint gradient pieces from stage 1 on, each tp rank its own tensor
+            # shards: the clip norm sums over both, counting tp-replicated parameters once
+            groups = [self.mesh.dp_group] if self.zero_stage > 0 else []
+            if self.tensor_parallel_size > 1:
+                groups.append(self.mesh.tp_group)
+                plugin.tp_group = self.mesh.tp_group
+            plugin.grad_norm_groups = tuple(groups)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _apply_tensor_parallel(self) -> None:
+        """Step 3 of the composition: the plan's modules become tensor-parallel over the tp group."""
+        assert self.model is not None
+        plan = self.tp_plan if self.tp_plan is not None else getattr(self.lightning_module, "tp_plan", None)
+        if plan is None:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} needs a plan: pass tp_plan ('gpt', 'llama'"
+                " or {module pattern: style}) or give the LightningModule a tp_plan attribute."
+            )
+        if any(p.is_meta for p in self.model.parameters()):
+            raise ValueError(
+                "Tensor parallelism slices real weights, but the model is on the meta device; with"
+                " zero_stage=3 pass meta_init=False."
+            )
+        applied = apply_tensor_parallel(
+            self.model, group=self.mesh.tp_group, plan=plan, sequence_parallel=self.sequence_parallel
+        )
+        log.info(
+            "lightning_par: tensor parallel over %d ranks: %d modules",
+            self.tensor_parallel_size,
+            len(applied),
+        )
 
     @override
     def model_to_device(self) -> None:

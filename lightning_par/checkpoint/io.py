@@ -36,6 +36,7 @@ from lightning_par.checkpoint.sharded import (
     write_meta,
     write_rank_file,
 )
+from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, localize
 from lightning_par.zero.engine import Engine, ZeroEngine
 from lightning_par.zero.sharded_optimizer import ShardedOptimizer
 from lightning_par.zero.stage3 import Stage3Engine
@@ -47,18 +48,21 @@ def layout_metadata(
     engine: Engine | None,
     optimizers: Sequence[Optimizer],
     sizes: Mapping[str, int],
+    tp: TPInfo,
 ) -> dict[str, Any]:
-    """What a checkpoint records about the model and the layout it was written with."""
+    """What a checkpoint records about the model (full parameter shapes) and the layout it was written
+    with."""
     stage = engine.stage if engine is not None else 0
     names = {p: n for n, p in module.named_parameters()}
     aliases: dict[str, list[str]] = {}
     for alias, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(names[p], []).append(alias)
     meta: dict[str, Any] = {
-        "format": "sharded" if stage > 0 else "full",
+        "format": "sharded" if stage > 0 or tp["size"] > 1 else "full",
         "zero_stage": stage,
         **dict(sizes),
-        "params": {n: list(p.shape) for n, p in module.named_parameters()},
+        "params": global_shapes(module, tp),
+        "tp_dims": dict(tp["dims"]),
         "aliases": {n: a for n, a in aliases.items() if len(a) > 1},
         "order": engine.sync.names if isinstance(engine, ZeroEngine) else [],
         "optimizers": [
@@ -78,38 +82,51 @@ def _group_names(
     return [[names[p] for p in g["params"]] for g in opt.param_groups]
 
 
-def sharded_payload(engine: Engine, optimizers: Sequence[Optimizer]) -> dict[str, Any]:
-    """This rank's records: optimizer state (stages 1-3) and, at stage 3, its slice of the parameters."""
-    sharded = engine.sharded_state
-    assert sharded is not None
-    names = {p: n for n, p in engine.module.named_parameters()}
-    table = sharded.fragment_table()
-    master_key = sharded.master_key
+def rank_payload(
+    module: nn.Module, engine: Engine | None, optimizers: Sequence[Optimizer], tp: TPInfo
+) -> dict[str, Any]:
+    """This rank's records in its local coordinates: optimizer state and, at stage 3 or under tensor
+    parallelism (where no single rank holds the whole model), its pieces of the parameters; plus its
+    tensor-parallel coordinates."""
+    sharded = engine.sharded_state if engine is not None else None
+    names = {p: n for n, p in module.named_parameters()}
+    if sharded is not None:
+        table = sharded.fragment_table()
+        master_key = sharded.master_key
+        group_params = [sharded.group_params(k) for k in range(len(optimizers))]
+    else:  # whole local parameters (stage 0 with tensor parallelism)
+        table = [(n, 0, p.numel(), p) for n, p in module.named_parameters()]
+        master_key = None
+        group_params = [[list(g["params"]) for g in opt.param_groups] for opt in optimizers]
     payload: dict[str, Any] = {
         "optimizers": [
             {
                 "param_groups": [
                     {**hyper, "param_names": [names[p] for p in params]}
-                    for hyper, params in zip(group_hyperparams(opt), sharded.group_params(k), strict=True)
+                    for hyper, params in zip(group_hyperparams(opt), group_params[k], strict=True)
                 ],
                 "records": fragment_pieces(opt, table, master_key=master_key),
             }
             for k, opt in enumerate(optimizers)
-        ]
+        ],
+        "tp": dict(tp),
     }
-    if engine.stage == 3:
-        payload["model"] = [
-            (name, lo, hi, {"param": view.detach().cpu().clone()}) for name, lo, hi, view in table
-        ]
+    if (engine is not None and engine.stage == 3) or tp["size"] > 1:
+        payload["model"] = [(name, lo, hi, {"param": _value(view, lo, hi)}) for name, lo, hi, view in table]
     return payload
+
+
+def _value(tensor: Tensor, lo: int, hi: int) -> Tensor:
+    """Elements ``[lo, hi)`` of a parameter given whole, or a fragment given as its own 1-D view."""
+    flat = tensor.detach().reshape(-1)
+    return (flat if flat.numel() == hi - lo else flat[lo:hi]).cpu().clone()
 
 
 def save_sharded(
     checkpoint: dict[str, Any],
     path: Path,
     *,
-    engine: Engine,
-    optimizers: Sequence[Optimizer],
+    payload: dict[str, Any],
     rank: int,
     world_size: int,
     barrier: Callable[[], None],
@@ -118,7 +135,7 @@ def save_sharded(
     path.mkdir(parents=True, exist_ok=True)
     # "optimizer_states" stays as a list of placeholders (the strategy returns {} per optimizer): Lightning
     # checks for the key before it asks the strategy to restore optimizers.
-    write_rank_file(path, rank, sharded_payload(engine, optimizers))
+    write_rank_file(path, rank, payload)
     if rank == 0:
         write_meta(path, checkpoint)
     barrier()
@@ -127,10 +144,11 @@ def save_sharded(
     barrier()
 
 
-def check_model(checkpoint: Mapping[str, Any], module: nn.Module) -> None:
+def check_model(checkpoint: Mapping[str, Any], module: nn.Module, tp: TPInfo) -> None:
     meta = checkpoint.get(METADATA_KEY)
     if meta and "params" in meta:
-        check_params_match(meta["params"], {n: tuple(p.shape) for n, p in module.named_parameters()})
+        current = {n: tuple(s) for n, s in global_shapes(module, tp).items()}
+        check_params_match(meta["params"], current)
 
 
 def _sources(
@@ -157,20 +175,22 @@ def load_optimizer_states(
     engine: Engine | None,
     optimizers: Sequence[Optimizer],
     sharded_path: Path | None,
+    tp: TPInfo,
 ) -> None:
-    """Restore ``optimizers`` (sharded or not) from a checkpoint of either format."""
+    """Restore ``optimizers`` (sharded or not) from a checkpoint of either format and any layout."""
     names = {p: n for n, p in module.named_parameters()}
     current = [_group_names(opt, engine, names, k) for k, opt in enumerate(optimizers)]
     sharded = engine.sharded_state if engine is not None else None
+    shapes = global_shapes(module, tp)
     if engine is None or sharded is None:
-        if sharded_path is None:
+        if sharded_path is None and tp["size"] == 1:
             for opt, state in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
                 opt.load_state_dict(state)
             return
         for opt, (hyper, pieces) in zip(
             optimizers, _sources(checkpoint, sharded_path, current), strict=False
         ):
-            load_unsharded(opt, pieces, hyper, names)
+            load_unsharded(opt, localize(pieces, shapes, tp), hyper, names)
         return
     meta = checkpoint.get(METADATA_KEY) or {}
     # the optimizer now has state: freeze the bucket order (the checkpoint's, when it is ours)
@@ -182,7 +202,7 @@ def load_optimizer_states(
         )
     table = sharded.fragment_table()
     for opt, (hyper, pieces) in zip(optimizers, sources, strict=True):
-        load_fragments(opt, pieces, hyper, table, master_key=sharded.master_key)
+        load_fragments(opt, localize(pieces, shapes, tp), hyper, table, master_key=sharded.master_key)
     if sharded.master_key is not None and isinstance(sharded, ShardedOptimizer):
         sharded.refresh_params()  # the compute copy follows the restored fp32 masters
 
@@ -209,10 +229,10 @@ def full_state_dict_of(checkpoint: dict[str, Any], sharded_path: Path | None) ->
 
 
 def load_stage3_params(
-    checkpoint: Mapping[str, Any], engine: Stage3Engine, sharded_path: Path | None
+    checkpoint: Mapping[str, Any], engine: Stage3Engine, sharded_path: Path | None, tp: TPInfo
 ) -> dict[str, Any]:
-    """Fill this rank's parameter shards from a checkpoint of any stage; return the non-parameter entries
-    of its state_dict (buffers), for ``load_state_dict`` of the rest."""
+    """Fill this rank's parameter shards from a checkpoint of any stage and layout; return the
+    non-parameter entries of its state_dict (buffers), for ``load_state_dict`` of the rest."""
     pieces = read_model_records(sharded_path) if sharded_path is not None else None
     state = dict(checkpoint.get("state_dict", {}))
     if pieces is None:
@@ -221,6 +241,7 @@ def load_stage3_params(
             for name, value in state.items()
             if isinstance(value, Tensor)
         }
+    pieces = localize(pieces, global_shapes(engine.module, tp), tp)
 
     def values(name: str, lo: int, hi: int) -> Tensor | None:
         piece = cut(pieces.get(name, []), lo, hi)

@@ -152,9 +152,9 @@ def fragment_pieces(
         if id(master) not in owned:
             continue
         saved = optimizer.state.get(master, {})
-        state = {k: v.detach().cpu().clone() if isinstance(v, Tensor) else v for k, v in saved.items()}
+        state = {k: _flat(v).cpu().clone() if isinstance(v, Tensor) else v for k, v in saved.items()}
         if master_key is not None:
-            state[master_key] = master.detach().float().cpu().clone()
+            state[master_key] = master.detach().float().reshape(-1).cpu().clone()
         if state:
             out.append((name, lo, hi, state))
     return out

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from lightning_par.checkpoint.optimizer_state import MASTER_KEY, Pieces, cut, pieces_from_records
+from lightning_par.checkpoint.optimizer_state import MASTER_KEY, Pieces, cut
+from lightning_par.checkpoint.tp_reshard import globalize
 
 META_FILE = "meta.pt"
 COMPLETE_FILE = "COMPLETE"
@@ -67,36 +68,44 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
-def read_optimizer_records(path: str | os.PathLike[str]) -> list[tuple[list[dict[str, Any]], Pieces]]:
-    """For each optimizer: (param-group hyper-parameters with ``param_names``, pieces of all ranks)."""
-    p = Path(path)
-    world = int((p / COMPLETE_FILE).read_text().split()[0])
-    merged: list[tuple[list[dict[str, Any]], list[tuple[str, int, int, dict[str, Any]]]]] = []
+def _payloads(path: Path) -> list[dict[str, Any]]:
+    world = int((path / COMPLETE_FILE).read_text().split()[0])
+    out = []
     for rank in range(world):
-        file = p / rank_file(rank)
+        file = path / rank_file(rank)
         if not file.is_file():
             raise ValueError(
-                f"Sharded checkpoint {p} lacks {file.name} although it was saved by {world} ranks."
+                f"Sharded checkpoint {path} lacks {file.name} although it was saved by {world} ranks."
             )
-        payload = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
-        for k, opt in enumerate(payload["optimizers"]):
-            if k == len(merged):
-                merged.append((opt["param_groups"], []))
-            merged[k][1].extend(opt["records"])
-    return [(hyper, pieces_from_records(records)) for hyper, records in merged]
+        out.append(torch.load(file, map_location="cpu", weights_only=False, mmap=True))
+    return out
+
+
+_NO_TP = {"rank": 0, "size": 1, "dims": {}}
+
+
+def read_optimizer_records(path: str | os.PathLike[str]) -> list[tuple[list[dict[str, Any]], Pieces]]:
+    """For each optimizer: (param-group hyper-parameters with ``param_names``, pieces of the *full*
+    parameters' state, assembled from all ranks whatever their data- and tensor-parallel layout)."""
+    p = Path(path)
+    shapes = read_meta(p)[METADATA_KEY]["params"]
+    payloads = _payloads(p)
+    out = []
+    for k, opt in enumerate(payloads[0]["optimizers"]):
+        per_rank = [(pl.get("tp", _NO_TP), pl["optimizers"][k]["records"]) for pl in payloads]
+        out.append((opt["param_groups"], globalize(per_rank, shapes)))
+    return out
 
 
 def read_model_records(path: str | os.PathLike[str]) -> Pieces | None:
-    """Pieces ``{"param": values}`` of the model parameters when a ZeRO-3 run saved them per rank."""
+    """Pieces ``{"param": values}`` of the full parameters when the ranks saved their pieces (ZeRO-3, or
+    tensor parallelism at any stage); None when the model was saved whole in ``meta.pt``."""
     p = Path(path)
-    world = int((p / COMPLETE_FILE).read_text().split()[0])
-    records: list[tuple[str, int, int, dict[str, Any]]] = []
-    for rank in range(world):
-        payload = torch.load(p / rank_file(rank), map_location="cpu", weights_only=False, mmap=True)
-        if "model" not in payload:
-            return None
-        records.extend(payload["model"])
-    return pieces_from_records(records)
+    payloads = _payloads(p)
+    if any("model" not in pl for pl in payloads):
+        return None
+    shapes = read_meta(p)[METADATA_KEY]["params"]
+    return globalize([(pl.get("tp", _NO_TP), pl["model"]) for pl in payloads], shapes)
 
 
 def assemble_state_dict(

@@ -27,10 +27,12 @@ from lightning_par.checkpoint.io import (
     layout_metadata,
     load_optimizer_states,
     load_stage3_params,
+    rank_payload,
     save_sharded,
 )
 from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta
-from lightning_par.mesh import MeshLayout
+from lightning_par.checkpoint.tp_reshard import TPInfo, gather_tensor_parallel, tp_info
+from lightning_par.mesh import MeshLayout, ParallelMesh
 from lightning_par.zero.engine import Engine
 from lightning_par.zero.stage3 import Stage3Engine
 
@@ -47,6 +49,20 @@ class ZeroCheckpointIO(ParallelStrategy):
     def layout(self) -> MeshLayout:
         """The strategy's mesh sizes, recorded in checkpoints."""
 
+    @abstractmethod
+    def tp_coordinates(self) -> tuple[int, int]:
+        """``(tp rank, tp size)`` of this process."""
+
+    @property
+    @abstractmethod
+    def mesh(self) -> ParallelMesh:
+        """The strategy's process groups."""
+
+    def _tp(self) -> TPInfo:
+        assert self.lightning_module is not None
+        rank, size = self.tp_coordinates()
+        return tp_info(self.lightning_module, rank=rank, size=size)
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -54,27 +70,32 @@ class ZeroCheckpointIO(ParallelStrategy):
         return self.zero_stage == 3
 
     def _sharded(self) -> bool:
+        """Written per rank: ZeRO shards, or tensor-parallel pieces (no rank holds the whole model)."""
+        if self.tp_coordinates()[1] > 1:
+            return True
         return self._engine is not None and self._engine.sharded_state is not None
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._engine is not None and self._engine.stage == 3:
-            return {}  # each rank writes its shard of the parameters (see save_checkpoint)
+        if (self._engine is not None and self._engine.stage == 3) or self.tp_coordinates()[1] > 1:
+            return {}  # each rank writes its pieces of the parameters (see save_checkpoint)
         return super().lightning_module_state_dict()
 
     def consolidated_state_dict(self) -> dict[str, Tensor]:
         """The full model state dict on global rank 0 (empty elsewhere) for export; at stage 3 it is
         gathered one unit at a time, so no rank holds more than the result and one unit."""
         assert self.lightning_module is not None
+        module = self.lightning_module
+        tp = self._tp()
         if isinstance(self._engine, Stage3Engine):
-            params = self._engine.full_state_dict(to_rank=0)
-            if not self.is_global_zero:
-                return {}
-            buffers = {n: b.detach().cpu() for n, b in self.lightning_module.named_buffers()}
-            return {**params, **buffers}
-        if not self.is_global_zero:
-            return {}
-        return {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+            # every dp rank gathers (to itself) so each tp rank holds its full tp-local tensors
+            state = self._engine.full_state_dict(to_rank=self._engine.rank)
+            state.update({n: b.detach().cpu() for n, b in module.named_buffers()})
+        else:
+            state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        if tp["size"] > 1:
+            state = gather_tensor_parallel(state, module, tp, group=self.mesh.tp_group)
+        return state if self.is_global_zero else {}
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -88,7 +109,7 @@ class ZeroCheckpointIO(ParallelStrategy):
     ) -> None:
         assert self.lightning_module is not None
         checkpoint[METADATA_KEY] = self.layout_metadata()
-        if self._engine is None or not self._sharded():
+        if not self._sharded():
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         if storage_options is not None:
@@ -101,8 +122,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         save_sharded(
             checkpoint,
             path,
-            engine=self._engine,
-            optimizers=self.optimizers,
+            payload=rank_payload(self.lightning_module, self._engine, self.optimizers, self._tp()),
             rank=self.global_rank,
             world_size=self.world_size,
             barrier=self.barrier,
@@ -119,7 +139,7 @@ class ZeroCheckpointIO(ParallelStrategy):
             "pp": layout.pipeline_parallel_size,
         }
         return layout_metadata(
-            self.lightning_module, engine=self._engine, optimizers=self.optimizers, sizes=sizes
+            self.lightning_module, engine=self._engine, optimizers=self.optimizers, sizes=sizes, tp=self._tp()
         )
 
     @override
@@ -132,7 +152,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         else:
             checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         assert self.lightning_module is not None
-        check_model(checkpoint, self.lightning_module)
+        check_model(checkpoint, self.lightning_module, self._tp())
         return checkpoint
 
     @override
@@ -140,7 +160,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         assert self.lightning_module is not None
         module = self.lightning_module
         if isinstance(self._engine, Stage3Engine):
-            rest = load_stage3_params(checkpoint, self._engine, self._sharded_source)
+            rest = load_stage3_params(checkpoint, self._engine, self._sharded_source, self._tp())
             missing, unexpected = module.load_state_dict(rest, strict=False)
             buffers = {n for n, _ in module.named_buffers()}
             if strict and (set(missing) & buffers or unexpected):
@@ -160,6 +180,7 @@ class ZeroCheckpointIO(ParallelStrategy):
             engine=self._engine,
             optimizers=self.optimizers,
             sharded_path=self._sharded_source,
+            tp=self._tp(),
         )
         _optimizers_to_device(self.optimizers, self.root_device)
 

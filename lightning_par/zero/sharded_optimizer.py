@@ -45,6 +45,15 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
 )
 
 
+def inherit_param_attrs(fragment: Tensor, param: nn.Parameter) -> None:
+    """A master fragment carries its parameter's parallelism marks (e.g. the tensor-parallel dimension),
+    so code that sees only the optimizer's tensors (global-norm clipping) can tell sharded from
+    replicated pieces."""
+    for attr in ("_lp_tp_dim",):
+        if hasattr(param, attr):
+            setattr(fragment, attr, getattr(param, attr))
+
+
 def check_shardable(optimizer: Optimizer) -> None:
     """Raise a ``TypeError`` naming the optimizer if its update is not known to be element-wise."""
     if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
@@ -156,6 +165,7 @@ class ShardedOptimizer:
                 master = self.master_flat[f.shard_lo : f.shard_lo + f.numel]
             else:
                 master = compute
+            inherit_param_attrs(master, params[f.slot])
             masters.setdefault(id(params[f.slot]), []).append(master)
             self._master_slots.append((master, compute, f.slot))
         self._masters = masters
@@ -200,6 +210,7 @@ class ShardedOptimizer:
             work.wait()
 
     # ------------------------------------------------------------------ introspection
+
     def group_params(self, index: int) -> list[list[nn.Parameter]]:
         """The module parameters of each param group of optimizer ``index``, as the user gave them."""
         return self._group_params[index]

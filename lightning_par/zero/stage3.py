@@ -46,7 +46,11 @@ from torch.utils.hooks import RemovableHandle
 from lightning_par.collectives import all_gather_flat, reduce_scatter_flat
 from lightning_par.zero.grad_sync import ReduceOp, UnusedParametersError
 from lightning_par.zero.meta_init import materialize_unit, target_device
-from lightning_par.zero.sharded_optimizer import optimizer_group_params, rebuild_optimizer
+from lightning_par.zero.sharded_optimizer import (
+    inherit_param_attrs,
+    optimizer_group_params,
+    rebuild_optimizer,
+)
 from lightning_par.zero.unit import Unit, build_unit
 from lightning_par.zero.units import UnitPolicy, plan_units
 
@@ -342,6 +346,7 @@ class Stage3Engine:
         for unit in self.units:
             for k, f in enumerate(unit.layout.fragments(self.rank)):
                 view = unit.shard[f.shard_lo : f.shard_lo + f.numel]
+                inherit_param_attrs(view, unit.params[f.slot])
                 masters.setdefault(id(unit.params[f.slot]), []).append(view)
                 self._masters.append((unit, k, view))
         for opt, groups in zip(self.optimizers, self._group_params, strict=True):
