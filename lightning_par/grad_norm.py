@@ -66,12 +66,13 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     eps: float = 1e-6,
     replicated: Sequence[tuple[Sequence[Tensor], ProcessGroup]] = (),
+    extra: Sequence[Tensor] = (),
 ) -> Tensor:
-    """Scale ``grads`` (and the ``replicated`` ones) in place so that the global norm is at most
-    ``max_norm``; return the norm. Same coefficient as ``torch.nn.utils.clip_grad_norm_``:
-    ``min(1, max_norm / (norm + eps))``."""
+    """Scale ``grads`` (and the ``replicated`` ones, and ``extra`` ones that the norm does not count, such
+    as second copies of tied parameters) in place so that the global norm is at most ``max_norm``; return
+    the norm. Same coefficient as ``torch.nn.utils.clip_grad_norm_``: ``min(1, max_norm / (norm + eps))``."""
     norm = global_grad_norm(grads, groups=groups, norm_type=norm_type, replicated=replicated)
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
-    for g in [*grads, *(t for tensors, _ in replicated for t in tensors)]:
+    for g in [*grads, *(t for tensors, _ in replicated for t in tensors), *extra]:
         g.mul_(coef.to(g.device, g.dtype))
     return norm

@@ -61,6 +61,8 @@ def _bytes(tensors: Sequence[Tensor]) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
+        if t.is_meta:
+            continue  # e.g. layers of other pipeline stages
         key = t.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)

@@ -48,6 +48,7 @@ from typing_extensions import override
 
 from lightning_par.grad_norm import clip_grad_norm_
 from lightning_par.loss_scaler import DynamicLossScaler
+from lightning_par.pipeline.apply import NORM_SKIP_ATTR
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 
 PrecisionMode = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
@@ -172,8 +173,12 @@ class ParallelPrecision(Precision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         params = [p for p in self.main_params(optimizer) if p.grad is not None]
+        # copies of a parameter tied across pipeline stages: scaled like the others, counted once
+        skip = [p.grad for p in params if getattr(p, NORM_SKIP_ATTR, False)]
+        params = [p for p in params if not getattr(p, NORM_SKIP_ATTR, False)]
         if self.tp_group is None:
-            clip_grad_norm_([p.grad for p in params], float(clip_val), groups=self.grad_norm_groups)  # type: ignore[misc]
+            grads = [p.grad for p in params]
+            clip_grad_norm_(grads, float(clip_val), groups=self.grad_norm_groups, extra=skip)  # type: ignore[arg-type]
             return
         sharded = [p.grad for p in params if hasattr(p, TP_DIM_ATTR)]
         replicated = [p.grad for p in params if not hasattr(p, TP_DIM_ATTR)]
@@ -182,6 +187,7 @@ class ParallelPrecision(Precision):
             float(clip_val),
             groups=self.grad_norm_groups,
             replicated=[(replicated, self.tp_group)],  # type: ignore[list-item]
+            extra=skip,  # type: ignore[arg-type]
         )
 
     # ------------------------------------------------------------------ state

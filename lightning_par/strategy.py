@@ -46,6 +46,12 @@ from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
 from lightning_par.loss import TokenNormalizer
 from lightning_par.memory import MemoryReport, measure_memory
 from lightning_par.mesh import MeshLayout, ParallelMesh
+from lightning_par.pipeline.apply import TiedGradients, apply_pipeline
+from lightning_par.pipeline.lightning import LightningPipeline, pipeline_layers_of
+from lightning_par.pipeline.partition import METHODS as PARTITION_METHODS
+from lightning_par.pipeline.partition import PartitionMethod
+from lightning_par.pipeline.runtime import PipelineRuntime, StepStats
+from lightning_par.pipeline.schedule import validate_sizes
 from lightning_par.precision import ParallelPrecision, convert_precision_plugin
 from lightning_par.tensor_parallel import apply_tensor_parallel, resolve_plan
 from lightning_par.zero import apply_zero, broadcast_module_states
@@ -96,8 +102,11 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         tp_plan: tensor-parallel plan name (``"gpt"``, ``"llama"``) or ``{module pattern: style}``; default:
             the LightningModule's ``tp_plan`` attribute. Applied when ``tensor_parallel_size > 1``.
         sequence_parallel: split the activations between tensor-parallel regions along the sequence.
-        num_microbatches: micro-batches per pipeline step.
+        num_microbatches: micro-batches per pipeline step (default ``2 * pipeline_parallel_size``).
         pipeline_schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        virtual_stages: model chunks per pipeline rank (``interleaved_1f1b`` needs >= 2).
+        partition_method: how layers are balanced over stages: ``"uniform"``, ``"parameters"`` or
+            ``"profile"`` (measured time; uses the LightningModule's ``example_input_array``).
         process_group_backend: ``"nccl"``/``"gloo"``; default from the device (NCCL on CUDA, Gloo on CPU).
         timeout_s: timeout of collective operations, in seconds.
         start_method: ``"popen"`` (re-run the command, like Lightning's ``"ddp"``), ``"spawn"``, ``"fork"``
@@ -126,6 +135,8 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         sequence_parallel: bool = False,
         num_microbatches: int | None = None,
         pipeline_schedule: PipelineSchedule = "1f1b",
+        virtual_stages: int = 1,
+        partition_method: PartitionMethod = "parameters",
         process_group_backend: str | None = None,
         timeout_s: float = 1800.0,
         start_method: StartMethod = "popen",
@@ -147,10 +158,23 @@ class HybridParallelStrategy(ZeroCheckpointIO):
             raise ValueError(f"tp_plan must be a plan name or a dict of pattern -> style, got {tp_plan!r}.")
         if isinstance(tp_plan, str):
             resolve_plan(tp_plan)  # an unknown name fails here, before any process starts
-        if pipeline_parallel_size > 1 or num_microbatches is not None:
-            raise NotImplementedError(
-                "Pipeline parallelism is not implemented in this version of lightning_par;"
-                " use pipeline_parallel_size=1 and no num_microbatches."
+        if pipeline_parallel_size > 1:
+            num_microbatches = num_microbatches or 2 * pipeline_parallel_size
+            validate_sizes(pipeline_schedule, p=pipeline_parallel_size, m=num_microbatches, v=virtual_stages)
+            if zero_stage == 3:
+                raise ValueError(
+                    "zero_stage=3 with pipeline_parallel_size > 1 is not supported: a stage's parameters are"
+                    " already 1/p of the model; use zero_stage 1 or 2 with the pipeline."
+                )
+            if grad_sync == "every":
+                raise ValueError(
+                    "grad_sync='every' with pipeline parallelism: the micro-batches of a pipeline step are"
+                    " reduced once, after the schedule (tied stage gradients are summed first); use"
+                    " grad_sync='boundary' or leave it unset."
+                )
+        if partition_method not in PARTITION_METHODS:
+            raise ValueError(
+                f"partition_method must be one of {PARTITION_METHODS}, got {partition_method!r}."
             )
         if pipeline_schedule not in _SCHEDULES:
             raise ValueError(f"pipeline_schedule must be one of {_SCHEDULES}, got {pipeline_schedule!r}.")
@@ -193,6 +217,11 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         self.activation_checkpointing = activation_checkpointing
         self.unshard_on_teardown = unshard_on_teardown
         self.pipeline_schedule = pipeline_schedule
+        self.num_microbatches = num_microbatches
+        self.virtual_stages = virtual_stages
+        self.partition_method: PartitionMethod = partition_method
+        self._pipeline: LightningPipeline | None = None
+        self._tied: TiedGradients | None = None
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=timeout_s)
         self._start_method: StartMethod = start_method
@@ -323,6 +352,8 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         self.model_to_device()
         if self.tensor_parallel_size > 1:
             self._apply_tensor_parallel()
+        if self.pipeline_parallel_size > 1:
+            self._apply_pipeline()
         if self.activation_checkpointing is not False:
             policy = None if self.activation_checkpointing is True else self.activation_checkpointing
             apply_activation_checkpointing(self.model, policy=policy)
@@ -350,7 +381,8 @@ class HybridParallelStrategy(ZeroCheckpointIO):
                 group=self.mesh.dp_group,
                 stage=self.zero_stage,
                 bucket_size_mb=self.bucket_size_mb,
-                grad_sync=self.grad_sync,
+                # a pipeline step's micro-batches are its accumulation window, reduced after the schedule
+                grad_sync="boundary" if self.pipeline_parallel_size > 1 else self.grad_sync,
                 reduce_op=self.reduce_op,
                 find_unused_parameters=self.find_unused_parameters,
                 compute_dtype=self._dtypes()[0],
@@ -367,6 +399,8 @@ class HybridParallelStrategy(ZeroCheckpointIO):
             # each dp rank holds disjoint gradient pieces from stage 1 on, each tp rank its own tensor
             # shards: the clip norm sums over both, counting tp-replicated parameters once
             groups = [self.mesh.dp_group] if self.zero_stage > 0 else []
+            if self.pipeline_parallel_size > 1:
+                groups.append(self.mesh.pp_group)  # each stage holds different layers
             if self.tensor_parallel_size > 1:
                 groups.append(self.mesh.tp_group)
                 plugin.tp_group = self.mesh.tp_group
@@ -398,6 +432,57 @@ class HybridParallelStrategy(ZeroCheckpointIO):
             len(applied),
         )
 
+    def _apply_pipeline(self) -> None:
+        """Step 4 of the composition: keep this rank's chunks; sum tied gradients over their holders."""
+        module = self.lightning_module
+        assert module is not None and self.num_microbatches is not None
+        layers = pipeline_layers_of(module)
+        sample = getattr(module, "example_input_array", None) if self.partition_method == "profile" else None
+        split = apply_pipeline(
+            layers,
+            pp_rank=self.mesh.pp_rank,
+            pp_size=self.pipeline_parallel_size,
+            virtual_stages=self.virtual_stages,
+            method=self.partition_method,
+            sample=sample,
+        )
+        runtime = PipelineRuntime(
+            chunks=split.chunks,
+            group=self.mesh.pp_group,
+            schedule=self.pipeline_schedule,
+            num_microbatches=self.num_microbatches,
+        )
+        tied = TiedGradients(
+            module, local=split.local, pp_group=self.mesh.pp_group, pp_groups=self.mesh.layout.groups("pp")
+        )
+        self._tied = tied
+        self._pipeline = LightningPipeline(module, runtime)
+        # Lightning zeroes gradients after training_step, which here has already run the backwards;
+        # the pipeline step zeroes them itself at the start of each accumulation window
+        module.optimizer_zero_grad = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        log.info(
+            "lightning_par: pipeline stage %d of %d holds layers %s",
+            self.mesh.pp_rank,
+            self.pipeline_parallel_size,
+            [
+                split.pieces[c * self.pipeline_parallel_size + self.mesh.pp_rank]
+                for c in range(self.virtual_stages)
+            ],
+        )
+
+    def _end_pipeline_window(self) -> None:
+        """After a pipeline step: at the last step of an accumulation window, sum tied gradients over
+        their stages, then reduce over dp (block_backward_sync disables both on the other steps)."""
+        assert self._engine is not None and self._tied is not None
+        if self._engine.sync_enabled:
+            self._tied.exchange()
+            self._engine.flush()
+
+    @property
+    def pipeline_stats(self) -> StepStats | None:
+        """Busy and total seconds of this rank's last pipeline step (bubble = 1 - busy / total)."""
+        return self._pipeline.runtime.last_stats if self._pipeline is not None else None
+
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -425,21 +510,60 @@ class HybridParallelStrategy(ZeroCheckpointIO):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            plugin = self.precision_plugin
+            scale = (
+                plugin.scaler.scale_loss if isinstance(plugin, ParallelPrecision) and plugin.scaler else None
+            )
+            engine = self._engine
+            assert engine is not None and self.lightning_module is not None
+            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+            if batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0:
+                # a new window: Lightning would zero the gradients after training_step, where the pipeline
+                # already put them (its optimizer_zero_grad hook is a no-op in pipeline mode)
+                for opt in self.optimizers:
+                    opt.zero_grad(set_to_none=True)
+                self.lightning_module.zero_grad(set_to_none=True)
+            with self.precision_plugin.train_step_context():
+                return self._pipeline.training_step(
+                    args[0],
+                    no_sync=engine.no_sync,
+                    end_window=self._end_pipeline_window,
+                    **({"loss_scale": scale} if scale is not None else {}),
+                )
         with self._step_context():
             return super().training_step(*args, **kwargs)
 
     @override
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        if self._pipeline is not None:
+            return closure_loss  # the pipeline ran every backward inside training_step
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            with self.precision_plugin.val_step_context():
+                return self._pipeline.eval_step(args[0], stage="val")
         with self._step_context():
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            with self.precision_plugin.test_step_context():
+                return self._pipeline.eval_step(args[0], stage="test")
         with self._step_context():
             return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            raise ValueError(
+                "predict with pipeline_parallel_size > 1 is not supported; export the model first."
+            )
         with self._step_context():
             return super().predict_step(*args, **kwargs)
 
@@ -591,7 +715,22 @@ class HybridParallelStrategy(ZeroCheckpointIO):
             # (the next setup() builds a new one)
             self._engine.remove()
         self._token_normalizer = None
-        super().teardown()
+        module = self.lightning_module
+        if module is None or not any(p.is_meta for p in module.parameters()):
+            super().teardown()
+            return
+        # Lightning's teardown moves the whole module to the CPU, which layers of other pipeline stages
+        # (meta placeholders) cannot do: move only real tensors, then release the rest as it does.
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        with torch.no_grad():
+            for t in (*module.parameters(), *module.buffers()):
+                if not t.is_meta:
+                    t.data = t.data.cpu()
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     @classmethod
     @override

@@ -83,7 +83,7 @@ def _group_names(
 
 
 def rank_payload(
-    module: nn.Module, engine: Engine | None, optimizers: Sequence[Optimizer], tp: TPInfo
+    module: nn.Module, engine: Engine | None, optimizers: Sequence[Optimizer], tp: TPInfo, *, with_model: bool
 ) -> dict[str, Any]:
     """This rank's records in its local coordinates: optimizer state and, at stage 3 or under tensor
     parallelism (where no single rank holds the whole model), its pieces of the parameters; plus its
@@ -95,7 +95,7 @@ def rank_payload(
         master_key = sharded.master_key
         group_params = [sharded.group_params(k) for k in range(len(optimizers))]
     else:  # whole local parameters (stage 0 with tensor parallelism)
-        table = [(n, 0, p.numel(), p) for n, p in module.named_parameters()]
+        table = [(n, 0, p.numel(), p) for n, p in module.named_parameters() if not p.is_meta]
         master_key = None
         group_params = [[list(g["params"]) for g in opt.param_groups] for opt in optimizers]
     payload: dict[str, Any] = {
@@ -111,7 +111,7 @@ def rank_payload(
         ],
         "tp": dict(tp),
     }
-    if (engine is not None and engine.stage == 3) or tp["size"] > 1:
+    if with_model:
         payload["model"] = [(name, lo, hi, {"param": _value(view, lo, hi)}) for name, lo, hi, view in table]
     return payload
 

@@ -69,15 +69,20 @@ class ZeroCheckpointIO(ParallelStrategy):
         # stage 3 loads parameters into shards, which exist only after setup()
         return self.zero_stage == 3
 
+    def _model_in_pieces(self) -> bool:
+        """No rank holds the whole model: ZeRO-3, tensor or pipeline parallelism."""
+        stage3 = self._engine is not None and self._engine.stage == 3
+        return stage3 or self.tp_coordinates()[1] > 1 or self.layout.pipeline_parallel_size > 1
+
     def _sharded(self) -> bool:
-        """Written per rank: ZeRO shards, or tensor-parallel pieces (no rank holds the whole model)."""
-        if self.tp_coordinates()[1] > 1:
-            return True
-        return self._engine is not None and self._engine.sharded_state is not None
+        """Written per rank: optimizer shards (ZeRO 1-3) or model pieces."""
+        return self._model_in_pieces() or (
+            self._engine is not None and self._engine.sharded_state is not None
+        )
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if (self._engine is not None and self._engine.stage == 3) or self.tp_coordinates()[1] > 1:
+        if self._model_in_pieces():
             return {}  # each rank writes its pieces of the parameters (see save_checkpoint)
         return super().lightning_module_state_dict()
 
@@ -122,7 +127,13 @@ class ZeroCheckpointIO(ParallelStrategy):
         save_sharded(
             checkpoint,
             path,
-            payload=rank_payload(self.lightning_module, self._engine, self.optimizers, self._tp()),
+            payload=rank_payload(
+                self.lightning_module,
+                self._engine,
+                self.optimizers,
+                self._tp(),
+                with_model=self._model_in_pieces(),
+            ),
             rank=self.global_rank,
             world_size=self.world_size,
             barrier=self.barrier,

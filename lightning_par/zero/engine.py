@@ -99,6 +99,14 @@ class ZeroEngine:
     def scale_grads(self, factor: float) -> None:
         self.sync.scale_grads(factor)
 
+    def flush(self) -> None:
+        """Reduce the window's accumulated gradients now (see :meth:`GradSync.flush`)."""
+        self.sync.flush()
+
+    @property
+    def sync_enabled(self) -> bool:
+        return self.sync.sync_enabled
+
     def freeze_order(self, names: Sequence[str]) -> None:
         """Fix the bucket order (a checkpoint's, if it names the same parameters) before loading state."""
         self.sync.set_order(names if sorted(names) == sorted(self.sync.names) else self.sync.names)
@@ -124,6 +132,9 @@ class Engine(Protocol):
     def forward_context(self) -> AbstractContextManager[None]: ...
     def on_synchronized(self, listener: Callable[[], None]) -> None: ...
     def scale_grads(self, factor: float) -> None: ...
+    def flush(self) -> None: ...
+    @property
+    def sync_enabled(self) -> bool: ...
     def freeze_order(self, names: Sequence[str]) -> None: ...
 
     @property

@@ -261,11 +261,12 @@ class GradSync:
         self._touched[slot] = True
         bucket = self.layout.slots[slot].bucket
         self._pending[bucket] -= 1
-        if self._communicating:
+        if self.communicating:
             self._launch_ready()
 
     @property
-    def _communicating(self) -> bool:
+    def communicating(self) -> bool:
+        """Whether the backward pass running now reduces its gradients."""
         return self._sync or self.grad_sync == "every"
 
     def _launch_ready(self) -> None:
@@ -320,7 +321,7 @@ class GradSync:
         try:
             if self._order_pending:
                 self._rebuild_from_ready_order()
-            if self._communicating:
+            if self.communicating:
                 while self._next_bucket < len(self.layout.buckets):
                     self._launch(self._next_bucket)
             if self._sync:
@@ -331,6 +332,30 @@ class GradSync:
                 self._finish_window(missing)
         finally:
             self._reset_backward_state()
+
+    def flush(self) -> None:
+        """End the accumulation window now, outside any backward pass: reduce what the window's backwards
+        accumulated under :meth:`no_sync` as if its final backward had just finished. Used where the last
+        backward cannot be the reducing one (a pipeline step sums tied gradients across stages first)."""
+        if self.buffer is None:
+            raise RuntimeError("flush() needs grad_sync='boundary' (the gradients must still be whole).")
+        previous, self._sync = self._sync, True
+        try:
+            self._reset_backward_state()
+            for i in range(len(self.layout.buckets)):
+                self._launch(i)
+            missing = self._start_missing_count()
+            while self._inflight:
+                self._complete_oldest()
+            self._finish_window(missing)
+        finally:
+            self._sync = previous
+            self._reset_backward_state()
+
+    @property
+    def sync_enabled(self) -> bool:
+        """False inside :meth:`no_sync` (a non-final pass of an accumulation window)."""
+        return self._sync
 
     def _start_missing_count(self) -> Tensor:
         missing = torch.tensor([0 if t else 1 for t in self._touched], dtype=torch.int32, device=self.device)
@@ -464,7 +489,7 @@ def broadcast_module_states(module: nn.Module, *, group: ProcessGroup, src_index
     if dist.get_world_size(group) == 1:
         return
     src = dist.get_global_rank(group, src_index)
-    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.numel() > 0]
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.numel() > 0 and not t.is_meta]
     by_key: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for t in tensors:
         by_key.setdefault((t.dtype, t.device), []).append(t)

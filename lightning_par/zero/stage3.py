@@ -393,6 +393,13 @@ class Stage3Engine:
     def on_synchronized(self, listener: Callable[[], None]) -> None:
         self._sync_listeners.append(listener)
 
+    def flush(self) -> None:
+        raise RuntimeError("ZeRO-3 reduces every backward; there is nothing to flush.")
+
+    @property
+    def sync_enabled(self) -> bool:
+        return self._sync
+
     @torch.no_grad()
     def scale_grads(self, factor: float) -> None:
         for unit in self.units:

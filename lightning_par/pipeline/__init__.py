@@ -1,0 +1,18 @@
+"""Pipeline parallelism: partitioning of an ordered layer list, schedules as data, and the runtime."""
+
+from lightning_par.pipeline.partition import METHODS, layer_costs, partition
+from lightning_par.pipeline.runtime import PipelineRuntime, StepStats
+from lightning_par.pipeline.schedule import SCHEDULES, Action, build_schedule, check_schedule, peak_in_flight
+
+__all__ = [
+    "METHODS",
+    "SCHEDULES",
+    "Action",
+    "PipelineRuntime",
+    "StepStats",
+    "build_schedule",
+    "check_schedule",
+    "layer_costs",
+    "partition",
+    "peak_in_flight",
+]

@@ -1,0 +1,115 @@
+"""Turning a model's ordered layers into this rank's pipeline chunks.
+
+:func:`apply_pipeline` cuts ``layers`` into ``p * v`` contiguous pieces (:mod:`.partition`), keeps the
+pieces of virtual stages ``c * p + s`` (chunks ``c = 0..v-1`` of pipeline rank ``s``) as
+``nn.Sequential`` chunks, and releases the others: their parameters become meta-device placeholders
+that do not require gradients, so they cost no memory and no engine touches them. A parameter shared
+by layers on different pipeline ranks (a tied embedding and LM head) stays real on each of them; its
+copies are kept equal by summing their gradients over the ranks that hold it (:class:`TiedGradients`,
+one all-reduce per tied parameter and step, after the step's backwards and before the data-parallel
+reduction: inside a backward it would deadlock, since the stages finish their backwards at different
+times), and all but the first copy are marked ``_lp_norm_skip`` so a global gradient norm counts it
+once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from lightning_par.pipeline.partition import PartitionMethod, layer_costs, partition
+
+NORM_SKIP_ATTR = "_lp_norm_skip"
+
+
+@dataclass
+class PipelineSplit:
+    chunks: list[nn.Module]
+    pieces: list[tuple[int, int]]
+    local: set[int] = field(default_factory=set)  # ids of parameters kept on this rank
+
+
+def apply_pipeline(
+    layers: Sequence[nn.Module],
+    *,
+    pp_rank: int,
+    pp_size: int,
+    virtual_stages: int = 1,
+    method: PartitionMethod = "parameters",
+    sample: Tensor | None = None,
+) -> PipelineSplit:
+    """This rank's chunks; the parameters of every other layer are released (see the module docstring)."""
+    pieces = partition(layer_costs(layers, method, sample=sample), pp_size * virtual_stages)
+    mine = [c * pp_size + pp_rank for c in range(virtual_stages)]
+    chunks: list[nn.Module] = [nn.Sequential(*layers[slice(*pieces[g])]) for g in mine]
+    local = {id(p) for chunk in chunks for p in chunk.parameters()}
+    kept = {i for g in mine for i in range(*pieces[g])}
+    for index, layer in enumerate(layers):
+        if index in kept:
+            continue
+        for module in layer.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and id(p) not in local:
+                    module._parameters[name] = nn.Parameter(
+                        torch.empty_like(p, device="meta"), requires_grad=False
+                    )
+    return PipelineSplit(chunks=chunks, pieces=pieces, local=local)
+
+
+class TiedGradients:
+    """Sums the gradient of each parameter held by several pipeline ranks over those ranks.
+
+    Built collectively by every rank of the world: ``pp_groups`` lists the global ranks of every pipeline
+    group (the same pattern of tied stages in each); ``names`` are this rank's local parameter names.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        local: set[int],
+        pp_group: ProcessGroup,
+        pp_groups: Sequence[Sequence[int]],
+    ) -> None:
+        names = {n for n, p in module.named_parameters() if id(p) in local}
+        gathered: list[set[str]] = [set() for _ in range(dist.get_world_size(pp_group))]
+        dist.all_gather_object(gathered, names, group=pp_group)
+        holders: dict[str, tuple[int, ...]] = {}
+        for name in sorted(set().union(*gathered)):
+            stages = tuple(s for s, have in enumerate(gathered) if name in have)
+            if len(stages) > 1:
+                holders[name] = stages
+        self.entries: list[tuple[nn.Parameter, ProcessGroup]] = []
+        by_name = dict(module.named_parameters())
+        my_stage = dist.get_rank(pp_group)
+        patterns = sorted(set(holders.values()))
+        # every rank creates every group (new_group is collective), in the same order
+        for stages in patterns:
+            group_of_mine = None
+            for ranks in pp_groups:
+                g = dist.new_group([ranks[s] for s in stages])
+                if my_stage in stages and dist.get_rank() in ranks:
+                    group_of_mine = g
+            for name, held in holders.items():
+                if held == stages and group_of_mine is not None:
+                    param = by_name[name]
+                    self.entries.append((param, group_of_mine))
+                    if my_stage != stages[0]:
+                        setattr(param, NORM_SKIP_ATTR, True)
+
+    @torch.no_grad()
+    def exchange(self) -> None:
+        """Sum each tied parameter's accumulated gradient over the ranks that hold it (call after the
+        pipeline step's backwards and before the data-parallel reduction)."""
+        for param, group in self.entries:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=group)
+
+    def __len__(self) -> int:
+        return len(self.entries)

@@ -1,0 +1,115 @@
+"""The pipeline inside Lightning's loop: one ``training_step`` runs the whole schedule for a batch.
+
+The LightningModule tells the strategy its network through three methods (the pipeline protocol):
+
+* ``pipeline_layers(self) -> Sequence[nn.Module]``: ordered; the output of layer ``i`` feeds ``i + 1``;
+* ``pipeline_input(self, batch)``: what enters layer 0 (default: ``batch[0]``);
+* ``pipeline_loss(self, output, batch) -> Tensor``: the loss of the last layer's output.
+
+:class:`LightningPipeline` splits each batch into ``m`` micro-batches (along dim 0 of every tensor),
+feeds them through :class:`~lightning_par.pipeline.runtime.PipelineRuntime` and returns the mean loss,
+identical on every pipeline rank, after all forwards and backwards: Lightning's own ``backward`` is then
+a no-op (the strategy skips it). Each micro-batch loss is divided by ``accumulate_grad_batches`` (what
+Lightning does to a step's loss) and, with fp16, multiplied by the loss scale. Validation and test run
+the pipeline forward only and log ``val_loss`` / ``test_loss``; the LightningModule's own
+``validation_step`` is not called (its outputs exist only on the last stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+from lightning_par.pipeline.runtime import PipelineRuntime
+
+
+def split_batch(batch: Any, m: int) -> list[Any]:
+    """``m`` micro-batches of ``batch``: every tensor split along dim 0 (which must divide evenly)."""
+    if isinstance(batch, Tensor):
+        if batch.shape[0] % m != 0:
+            raise ValueError(
+                f"A batch of {batch.shape[0]} samples does not split into num_microbatches={m}; use a batch"
+                f" size divisible by {m} (and drop_last=True for a ragged last batch)."
+            )
+        return list(batch.chunk(m))
+    if isinstance(batch, (list, tuple)):
+        parts = [split_batch(b, m) for b in batch]
+        return [type(batch)(p[i] for p in parts) for i in range(m)]
+    if isinstance(batch, dict):
+        parts_d = {k: split_batch(v, m) for k, v in batch.items()}
+        return [{k: v[i] for k, v in parts_d.items()} for i in range(m)]
+    return [batch] * m
+
+
+def pipeline_layers_of(module: pl.LightningModule) -> Sequence[nn.Module]:
+    layers = getattr(module, "pipeline_layers", None)
+    if not callable(layers):
+        raise TypeError(
+            f"Pipeline parallelism needs {type(module).__name__}.pipeline_layers() -> Sequence[nn.Module]"
+            " (the ordered layers; output of layer i feeds layer i+1) and pipeline_loss(output, batch); the"
+            " model does not expose its layers."
+        )
+    result = list(layers())
+    if not result or not all(isinstance(layer, nn.Module) for layer in result):
+        raise TypeError(f"{type(module).__name__}.pipeline_layers() must return a non-empty list of modules.")
+    return result
+
+
+class LightningPipeline:
+    """Runs training/evaluation steps of ``module`` through ``runtime``."""
+
+    def __init__(self, module: pl.LightningModule, runtime: PipelineRuntime) -> None:
+        self.module = module
+        self.runtime = runtime
+        if not callable(getattr(module, "pipeline_loss", None)):
+            raise TypeError(
+                f"Pipeline parallelism needs {type(module).__name__}.pipeline_loss(output, batch)."
+            )
+
+    def _inputs(self, micro: list[Any]) -> list[Any]:
+        to_input = getattr(self.module, "pipeline_input", None)
+        return [to_input(mb) if callable(to_input) else mb[0] for mb in micro]
+
+    def training_step(
+        self,
+        batch: Any,
+        *,
+        no_sync: Callable[[], AbstractContextManager[None]],
+        end_window: Callable[[], None],
+        loss_scale: Callable[[Tensor], Tensor] = lambda t: t,
+    ) -> Tensor:
+        """All micro-batches forward and backward (every backward without data-parallel reduction), then
+        ``end_window()`` (tied-gradient exchange and the reduction, at the last step of an accumulation
+        window); returns the mean loss."""
+        m = self.runtime.m
+        micro = split_batch(batch, m)
+        accumulate = self.module.trainer.accumulate_grad_batches
+
+        def loss_fn(output: Any, i: int) -> Tensor:
+            return loss_scale(self.module.pipeline_loss(output, micro[i]) / accumulate)  # type: ignore[operator]
+
+        mean = self.runtime.train_step(
+            inputs=self._inputs(micro), loss_fn=loss_fn, no_sync=no_sync, sync_last=False
+        )
+        end_window()
+        # undo the scaling of the returned number: it is the mean loss, for logging
+        value = mean * accumulate
+        scaled = loss_scale(torch.ones(()))
+        value = value / scaled
+        self.module.log("train_loss", value, prog_bar=True)
+        return value.detach()
+
+    def eval_step(self, batch: Any, *, stage: str) -> Tensor:
+        micro = split_batch(batch, self.runtime.m)
+
+        def loss_fn(output: Any, i: int) -> Tensor:
+            return self.module.pipeline_loss(output, micro[i])  # type: ignore[operator]
+
+        loss = self.runtime.forward_step(inputs=self._inputs(micro), loss_fn=loss_fn)
+        self.module.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=stage == "val")
+        return loss

@@ -1,0 +1,157 @@
+"""Pipeline schedules as data: for each pipeline rank, the ordered list of forward/backward actions.
+
+Terms: ``p`` pipeline ranks, ``m`` micro-batches, ``v`` model chunks per rank (``v > 1`` only for the
+interleaved schedule). Chunk ``c`` on rank ``s`` is *virtual stage* ``g = c * p + s``: the model is cut
+into ``p * v`` consecutive pieces and virtual stage ``g`` feeds ``g + 1``. An action ``F(c, i)`` /
+``B(c, i)`` runs the forward / backward of micro-batch ``i`` through chunk ``c``. Communication follows
+from the actions: a forward receives its input from virtual stage ``g - 1`` (unless ``g = 0``) and sends
+its output to ``g + 1`` (unless last); a backward receives the output gradient from ``g + 1`` and sends the
+input gradient to ``g - 1``.
+
+* ``gpipe``: all forwards, then all backwards. Bubble ``(p-1)/(m+p-1)``; activations of all ``m``
+  micro-batches alive at once.
+* ``1f1b``: ``p - s - 1`` warm-up forwards, then alternate one forward and one backward, then drain.
+  Same bubble; at most ``p - s`` micro-batches in flight on rank ``s`` (``p`` on rank 0).
+* ``interleaved_1f1b``: the same over ``v`` chunks per rank, in groups of ``p`` micro-batches
+  (``m`` must be a multiple of ``p``); the bubble shrinks to ``(p-1)/(v m + p - 1)``, about ``1/v``.
+
+:func:`check_schedule` simulates all ranks with blocking receives and reports a deadlock, a backward
+before its forward, a missing action, or sends that do not match receives; :func:`peak_in_flight`
+measures the activation memory bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Literal["F", "B"]
+    chunk: int
+    mb: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.chunk}.{self.mb}"
+
+
+def validate_sizes(name: str, *, p: int, m: int, v: int) -> None:
+    """Raise a ``ValueError`` naming the problem and a fix for an impossible (schedule, p, m, v)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule must be one of {SCHEDULES}, got {name!r}.")
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"pipeline sizes must be >= 1, got p={p}, m={m}, v={v}.")
+    if name != "interleaved_1f1b" and v != 1:
+        raise ValueError(f"{name!r} runs one chunk per rank; use interleaved_1f1b for v={v} chunks.")
+    if name == "interleaved_1f1b":
+        if v < 2:
+            raise ValueError("interleaved_1f1b needs at least 2 chunks per rank (virtual_stages >= 2).")
+        if m < p or m % p != 0:
+            raise ValueError(
+                f"interleaved_1f1b needs num_microbatches to be a multiple of the pipeline size (so m >= p):"
+                f" m={m}, p={p}; use m={max(p, -(-m // p) * p)}."
+            )
+
+
+def build_schedule(name: str, *, p: int, m: int, v: int = 1) -> list[list[Action]]:
+    """Per-rank action lists of the named schedule (see the module docstring)."""
+    validate_sizes(name, p=p, m=m, v=v)
+    if name == "gpipe":
+        return [
+            [Action("F", 0, i) for i in range(m)] + [Action("B", 0, i) for i in range(m)] for _ in range(p)
+        ]
+    if name == "1f1b":
+        return [_one_f_one_b(s, p=p, m=m) for s in range(p)]
+    return [_interleaved(s, p=p, m=m, v=v) for s in range(p)]
+
+
+def _one_f_one_b(s: int, *, p: int, m: int) -> list[Action]:
+    warmup = min(p - s - 1, m)
+    out = [Action("F", 0, i) for i in range(warmup)]
+    f, b = warmup, 0
+    while f < m:
+        out += [Action("F", 0, f), Action("B", 0, b)]
+        f, b = f + 1, b + 1
+    out += [Action("B", 0, i) for i in range(b, m)]
+    return out
+
+
+def _interleaved(s: int, *, p: int, m: int, v: int) -> list[Action]:
+    total = m * v
+
+    def forward(k: int) -> Action:
+        return Action("F", (k // p) % v, (k // (p * v)) * p + k % p)
+
+    def backward(k: int) -> Action:
+        return Action("B", v - 1 - (k // p) % v, (k // (p * v)) * p + k % p)
+
+    warmup = min((p - s - 1) * 2 + (v - 1) * p, total)
+    out = [forward(k) for k in range(warmup)]
+    f, b = warmup, 0
+    while f < total:
+        out += [forward(f), backward(b)]
+        f, b = f + 1, b + 1
+    out += [backward(k) for k in range(b, total)]
+    return out
+
+
+def check_schedule(schedule: list[list[Action]], *, p: int, m: int, v: int) -> None:
+    """Simulate every rank (blocking receives, buffered sends); raise ``ValueError`` if the schedule
+    deadlocks, runs a backward before its forward, misses or repeats an action, or if the order in which
+    a rank sends to a neighbour differs from the order in which that neighbour receives."""
+    last = p * v - 1
+    expected = {(k, c, i) for c in range(v) for i in range(m) for k in ("F", "B")}
+    for s, actions in enumerate(schedule):
+        got = [(a.kind, a.chunk, a.mb) for a in actions]
+        if sorted(got) != sorted(expected):
+            raise ValueError(
+                f"rank {s}: the actions are not each F and B of every (chunk, micro-batch) once."
+            )
+    done: set[tuple[str, int, int]] = set()  # (kind, virtual stage, mb)
+    pos = [0] * p
+    sent: dict[tuple[int, int, str], list[int]] = {}  # (from g, to g, kind) -> mbs in send order
+    recv: dict[tuple[int, int, str], list[int]] = {}
+    while any(pos[s] < len(schedule[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while pos[s] < len(schedule[s]):
+                a = schedule[s][pos[s]]
+                g = a.chunk * p + s
+                if a.kind == "F":
+                    ready = g == 0 or ("F", g - 1, a.mb) in done
+                    if ready and g > 0:
+                        recv.setdefault((g - 1, g, "act"), []).append(a.mb)
+                    if ready and g < last:
+                        sent.setdefault((g, g + 1, "act"), []).append(a.mb)
+                else:
+                    if ("F", g, a.mb) not in done:
+                        raise ValueError(f"rank {s}: {a} before its forward.")
+                    ready = g == last or ("B", g + 1, a.mb) in done
+                    if ready and g < last:
+                        recv.setdefault((g + 1, g, "grad"), []).append(a.mb)
+                    if ready and g > 0:
+                        sent.setdefault((g, g - 1, "grad"), []).append(a.mb)
+                if not ready:
+                    break
+                done.add((a.kind, g, a.mb))
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            stuck = {s: schedule[s][pos[s]] for s in range(p) if pos[s] < len(schedule[s])}
+            raise ValueError(f"the schedule deadlocks: ranks wait forever at {stuck}.")
+    for key, order in sent.items():
+        if recv.get(key) != order:
+            raise ValueError(f"sends {key} in order {order} are received in order {recv.get(key)}.")
+
+
+def peak_in_flight(actions: list[Action]) -> int:
+    """Largest number of (chunk, micro-batch) forwards whose backward has not run yet."""
+    live = peak = 0
+    for a in actions:
+        live += 1 if a.kind == "F" else -1
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,148 @@
+"""Pipeline parallelism: schedules as data, partitioning, and the runtime against the unsharded model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_par.models.gpt import GPT, GPTConfig
+from lightning_par.pipeline import (
+    PipelineRuntime,
+    build_schedule,
+    check_schedule,
+    layer_costs,
+    partition,
+    peak_in_flight,
+)
+from lightning_par.pipeline.schedule import Action, validate_sizes
+from tests.distributed import run_distributed
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_every_valid_schedule_is_valid(name: str) -> None:
+    checked = 0
+    for p in range(1, 7):
+        for m in range(1, 17):
+            for v in (1,) if name != "interleaved_1f1b" else (2, 3, 4):
+                try:
+                    validate_sizes(name, p=p, m=m, v=v)
+                except ValueError:
+                    continue
+                schedule = build_schedule(name, p=p, m=m, v=v)
+                check_schedule(schedule, p=p, m=m, v=v)
+                if name == "1f1b":  # memory bound: at most p - s micro-batches in flight on rank s
+                    assert [peak_in_flight(a) for a in schedule] == [min(p - s, m) for s in range(p)]
+                checked += 1
+    assert checked > 40
+
+
+def test_schedule_checks_catch_bad_schedules() -> None:
+    good = build_schedule("1f1b", p=2, m=2)
+    assert good[0] == [Action("F", 0, 0), Action("F", 0, 1), Action("B", 0, 0), Action("B", 0, 1)]
+    with pytest.raises(ValueError, match="not each F and B"):
+        check_schedule([[Action("B", 0, 0), *good[0][1:]], good[1]], p=2, m=2, v=1)
+    swapped = [good[0], [good[1][1], good[1][0], *good[1][2:]]]  # B before F on the last stage
+    with pytest.raises(ValueError, match="before its forward"):
+        check_schedule(swapped, p=2, m=2, v=1)
+    # rank 1 waits for a micro-batch that rank 0 only sends after waiting for rank 1: deadlock
+    cyclic = [
+        [Action("F", 0, 1), Action("F", 0, 0), Action("B", 0, 0), Action("B", 0, 1)],
+        [Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)],
+    ]
+    with pytest.raises(ValueError, match="order"):
+        check_schedule(cyclic, p=2, m=2, v=1)
+    with pytest.raises(ValueError, match=r"multiple of the pipeline size.*m=3, p=2; use m=4"):
+        validate_sizes("interleaved_1f1b", p=2, m=3, v=2)
+    with pytest.raises(ValueError, match="one chunk per rank"):
+        validate_sizes("1f1b", p=2, m=4, v=2)
+
+
+def test_partition_balances_and_names_impossible_cuts() -> None:
+    assert partition([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
+    assert partition([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 6)]
+    assert partition([1, 2, 3, 4, 5, 6], 3) == [(0, 3), (3, 5), (5, 6)]
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    costs = layer_costs(model.layers(), "parameters")
+    assert costs[0] == 64 * 32 + 16 * 32 and costs[-1] == 2 * 32  # the tied head table counted once
+    profiled = layer_costs(model.layers(), "profile", sample=torch.randint(0, 64, (2, 16)))
+    assert len(profiled) == 4 and all(c > 0 for c in profiled)
+    with pytest.raises(ValueError, match="Cannot cut 2 layers into 3 pipeline pieces"):
+        partition([1, 1], 3)
+
+
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
+M = 4
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 64, (3, 8, 17), generator=g)
+    return [(d[:, :-1], d[:, 1:]) for d in data]
+
+
+def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    losses = []
+    for x, y in _batches():
+        opt.zero_grad()
+        loss = sum(
+            F.cross_entropy(model(mx).flatten(0, 1), my.flatten()) / M
+            for mx, my in zip(x.chunk(M), y.chunk(M), strict=True)
+        )
+        loss.backward()  # type: ignore[union-attr]
+        opt.step()
+        losses.append(float(loss))
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _pipeline(rank: int, world: int, schedule: str, v: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    layers = model.layers()
+    pieces = partition(layer_costs(layers, "uniform"), world * v)
+    chunks = [nn.Sequential(*layers[slice(*pieces[c * world + rank])]) for c in range(v)]
+    local = {id(p) for c in chunks for p in c.parameters()}
+    runtime = PipelineRuntime(chunks=chunks, group=dist.group.WORLD, schedule=schedule, num_microbatches=M)
+    params = [p for p in model.parameters() if id(p) in local]
+    opt = torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    tied = model.embed.tok.weight
+    losses = []
+    for x, y in _batches():
+        opt.zero_grad()
+        xs, ys = x.chunk(M), y.chunk(M)
+        loss = runtime.train_step(
+            inputs=xs, loss_fn=lambda out, i, ys=ys: F.cross_entropy(out.flatten(0, 1), ys[i].flatten())
+        )
+        # the tied embedding / head table lives on the first and the last stage: sum their gradients
+        grad = tied.grad if tied.grad is not None else torch.zeros_like(tied)
+        dist.all_reduce(grad)
+        tied.grad = grad
+        opt.step()
+        losses.append(float(loss))
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {
+        "losses": losses,
+        "state": {names[id(p)]: p.detach().clone() for p in params},
+        "bubble": runtime.last_stats.bubble,
+    }
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_pipeline_runtime_matches_unsharded(schedule: str, v: int) -> None:
+    results = run_distributed(_pipeline, 2, schedule, v)
+    ref_losses, ref_state = _reference()
+    merged: dict[str, torch.Tensor] = {}
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses))
+        merged.update(r["state"])
+        assert 0.0 <= r["bubble"] < 1.0
+    assert set(merged) == set(ref_state)
+    for k, v_ in ref_state.items():
+        torch.testing.assert_close(merged[k], v_, msg=k)

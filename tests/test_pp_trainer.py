@@ -1,0 +1,185 @@
+"""Pipeline parallelism inside the Trainer against the single-process Trainer: GPipe, 1F1B, interleaved
+1F1B, and compositions with ZeRO-1/2 and tensor parallelism (3-D on a world of 4), with global-norm
+clipping; validation through the pipeline; a checkpoint reloaded at another pipeline size."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_par import HybridParallelStrategy
+from lightning_par.models import GPTModule
+from tests.distributed import run_distributed
+from tests.test_strategy import LossRecorder, Tokens
+from tests.test_tensor_parallel import gather_full
+
+KW: dict[str, Any] = dict(
+    vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, bias=False, max_steps=8
+)
+GLOBAL, N, SEED = 8, 32, 5
+
+
+class SGDGPT(GPTModule):
+    """SGD: the pipeline and tp re-associate fp32 sums; Adam would amplify that (tests/reference.py)."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.3, momentum=0.9)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Collect(pl.Callback):
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] = {}
+        self.bubble = -1.0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        stats = trainer.strategy.pipeline_stats  # type: ignore[attr-defined]
+        self.bubble = stats.bubble if stats is not None else -1.0
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        local = {n: p for n, p in module.named_parameters() if not p.is_meta}
+        full = gather_full(module, trainer.strategy.mesh.tp_group)  # type: ignore[attr-defined]
+        self.state = {n: v for n, v in full.items() if n in local}
+
+
+def _module() -> GPTModule:
+    pl.seed_everything(SEED)
+    m = SGDGPT(**KW)
+    m.configure_model()
+    return m
+
+
+def _trainer(
+    strategy: Any, devices: int, tmp: str, callbacks: list[pl.Callback], epochs: int = 1
+) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=epochs,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=1,
+        default_root_dir=tmp,
+        callbacks=callbacks,
+    )
+
+
+def _run(
+    rank: int,
+    world: int,
+    tmp: str,
+    kw: dict[str, Any],
+    epochs: int = 1,
+    resume: str | None = None,
+    save: str | None = None,
+) -> dict[str, Any]:
+    rec, col = LossRecorder(), Collect()
+    strategy = HybridParallelStrategy(**kw)
+    dp = world // (kw.get("pipeline_parallel_size", 1) * kw.get("tensor_parallel_size", 1))
+    trainer = _trainer(strategy, world, tmp, [rec, col], epochs)
+    train = DataLoader(Tokens(N), batch_size=GLOBAL // dp, shuffle=True)
+    val = DataLoader(Tokens(8), batch_size=8 // dp)
+    trainer.fit(_module(), train, val, ckpt_path=resume)
+    if save:
+        trainer.save_checkpoint(save)
+    return {
+        "losses": rec.losses,
+        "state": col.state,
+        "bubble": col.bubble,
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+    }
+
+
+def _reference(tmp: Path, epochs: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
+    rec = LossRecorder()
+    module = _module()
+    orders = []
+    for epoch in range(epochs):
+        sampler = DistributedSampler(Tokens(N), num_replicas=1, rank=0, shuffle=True, seed=SEED)
+        sampler.set_epoch(epoch)
+        perm = list(sampler)
+        orders += [perm[i : i + GLOBAL] for i in range(0, N, GLOBAL)]
+    trainer = _trainer("auto", 1, str(tmp / "ref"), [rec])
+    trainer.fit(module, DataLoader(Tokens(N), batch_sampler=orders), DataLoader(Tokens(8), batch_size=8))
+    return (
+        torch.tensor(rec.losses),
+        {k: v.detach() for k, v in module.named_parameters()},
+        float(trainer.callback_metrics["val_loss"]),
+    )
+
+
+CASES = [
+    (2, dict(pipeline_parallel_size=2, num_microbatches=4, pipeline_schedule="gpipe")),
+    (2, dict(pipeline_parallel_size=2, num_microbatches=4, pipeline_schedule="1f1b", zero_stage=1)),
+    (
+        2,
+        dict(
+            pipeline_parallel_size=2,
+            num_microbatches=4,
+            pipeline_schedule="interleaved_1f1b",
+            virtual_stages=2,
+            partition_method="uniform",
+        ),
+    ),
+    (4, dict(pipeline_parallel_size=2, num_microbatches=2, zero_stage=1)),
+    (4, dict(pipeline_parallel_size=2, num_microbatches=2, zero_stage=2)),
+    (4, dict(pipeline_parallel_size=2, tensor_parallel_size=2, tp_plan="gpt", num_microbatches=4)),
+]
+
+
+@pytest.mark.parametrize(("world", "kw"), CASES, ids=[str(sorted(kw.items())) for _, kw in CASES])
+def test_pipeline_trainer_matches_single_process(world: int, kw: dict[str, Any], tmp_path: Path) -> None:
+    results = run_distributed(_run, world, str(tmp_path), kw, init_group=False)
+    ref_losses, ref_state, ref_val = _reference(tmp_path)
+    # every rank of a pipeline (and tp group) reports the same loss, so the mean over all ranks is the mean
+    # over the data-parallel replicas: the global loss
+    losses = torch.tensor([r["losses"] for r in results])
+    torch.testing.assert_close(losses.mean(0), ref_losses)
+    merged: dict[str, torch.Tensor] = {}
+    for r in results:
+        merged.update(r["state"])
+        assert 0.0 <= r["bubble"] < 1.0
+        assert r["val_loss"] == pytest.approx(ref_val, rel=1e-5)
+    assert set(merged) == set(ref_state)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(merged[k], v, msg=k)
+
+
+def test_pipeline_checkpoint_reloads_at_another_pipeline_size(tmp_path: Path) -> None:
+    ckpt = os.path.join(str(tmp_path), "pp.ckpt")
+    first = dict(pipeline_parallel_size=2, num_microbatches=4, zero_stage=1)
+    saved = run_distributed(_run, 2, str(tmp_path), first, 1, None, ckpt, init_group=False)
+    # continue on a single pipeline stage with data parallelism over 2 ranks
+    resumed = run_distributed(_run, 2, str(tmp_path), dict(zero_stage=2), 2, ckpt, init_group=False)
+    ref_losses, ref_state, _ = _reference(tmp_path, epochs=2)
+    half = len(ref_losses) // 2
+    torch.testing.assert_close(torch.tensor(saved[0]["losses"]), ref_losses[:half])
+    torch.testing.assert_close(torch.tensor([r["losses"] for r in resumed]).mean(0), ref_losses[half:])
+    for k, v in ref_state.items():
+        torch.testing.assert_close(resumed[0]["state"][k], v, msg=k)
+
+
+def test_pipeline_bad_input_is_named() -> None:
+    with pytest.raises(ValueError, match=r"multiple of the pipeline size.*m=3, p=2; use m=4"):
+        HybridParallelStrategy(
+            pipeline_parallel_size=2,
+            num_microbatches=3,
+            pipeline_schedule="interleaved_1f1b",
+            virtual_stages=2,
+        )
+    with pytest.raises(ValueError, match="zero_stage=3 with pipeline_parallel_size > 1 is not supported"):
+        HybridParallelStrategy(pipeline_parallel_size=2, zero_stage=3)
+    with pytest.raises(ValueError, match="partition_method must be one of"):
+        HybridParallelStrategy(pipeline_parallel_size=2, partition_method="random")  # type: ignore[arg-type]
