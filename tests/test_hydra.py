@@ -359,4 +359,4 @@ def test_help_lists_config_groups(
     run = run_main(["--help"], tmp_path, monkeypatch, capfd)
     assert run.returncode == 0, run
     assert f"{PROG} is powered by Hydra" in run.stdout
-    assert "strategy: dp, lightning_ddp, zero1, zero2, zero3" in run.stdout
+    assert "strategy: dp, hybrid, lightning_ddp, zero1, zero2, zero3" in run.stdout
