@@ -75,7 +75,7 @@ def _state(module: GPTModule) -> dict[str, torch.Tensor]:
 
 def _runs_two(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for stage in (1, 2):
+    for stage in (0, 1, 2):
         probe = MemoryProbe()
         strategy = HybridParallelStrategy(zero_stage=stage, bucket_size_mb=0.01)
         rec, module, _ = _fit(strategy, 2, tmp, world, probe=probe)
@@ -122,6 +122,13 @@ def test_zero12_trainer_equivalence_resume_and_memory(tmp_path: Path) -> None:
     results = run_distributed(_runs_two, WORLD, str(tmp_path), init_group=False)
     ref_losses, ref_state = _reference(tmp_path)
     steps_per_epoch = len(ref_losses) // 2
+    # stage 0: every rank holds everything; the estimate (and the planner built on it) match the report
+    n_params = _module().gpt.num_parameters()
+    for r in results:
+        rep, est = r["s0"]["report"], r["s0"]["estimate"]
+        assert rep["optimizer_state"] == pytest.approx(8 * n_params, rel=0.02)
+        for key in ("parameters", "gradients", "optimizer_state"):
+            assert rep[key] == pytest.approx(est[key], rel=0.05), (key, rep, est)
 
     for stage in (1, 2):
         for rank, r in enumerate(results):
