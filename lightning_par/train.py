@@ -43,6 +43,7 @@ import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
@@ -170,6 +171,12 @@ def build(cfg: DictConfig) -> TrainingRun:
         "fault_tolerance", cfg.get("fault_tolerance")
     )
     loggers = instantiate_named("logger", cfg.get("logger"))
+    if not loggers:
+        # LearningRateMonitor refuses a Trainer without a logger; logger=none means "log nothing"
+        kept = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+        if len(kept) != len(callbacks):
+            log.info("logger=none: the LearningRateMonitor callback is dropped (it needs a logger)")
+        callbacks = kept
     # _partial_: the Trainer's own arguments come from YAML, the objects above are passed in Python so
     # that OmegaConf never has to hold (or copy) them.
     make_trainer = instantiate_group("trainer", cfg.trainer, _partial_=True)
@@ -268,6 +275,10 @@ def _task(cfg: DictConfig) -> float:
     try:
         return train(cfg)
     except ConfigError as exc:
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            # in a sweep the job fails, is reported in the sweep summary, and the next job runs
+            print(f"{PROG}: {_one_line(str(exc))}", file=sys.stderr)
+            raise
         _fail(str(exc))
 
 

@@ -1,0 +1,63 @@
+"""Hydra sweeps of multi-process jobs: one summary of every job's outcome in the sweep directory.
+
+``lightning-par-train -m strategy=zero1,zero2 precision=32-true,bf16-mixed`` runs the jobs one after the
+other, each with its own ranks (CPU: Lightning starts the second process for the first job; that process
+runs the same sweep in lockstep, see ``lightning_par/train.py``) and its own output folder
+``<sweep dir>/<job number>``. :class:`SweepSummary` (a Hydra callback, configured in
+``conf/hydra/default.yaml``) appends each finished or failed job to ``<sweep dir>/summary.json`` and
+``summary.csv``: job number, overrides, status, the final metrics of its ``metrics.json``, and the error
+of a failed job in one line. A failed job does not stop the sweep; Hydra reports it when the sweep ends.
+
+Only global rank 0 writes (ranks > 0 run the same sweep).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+class SweepSummary(Callback):
+    """Appends one row per job to ``summary.json`` / ``summary.csv`` in the sweep directory."""
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        hydra_cfg = job_return.hydra_cfg.hydra if job_return.hydra_cfg is not None else None
+        if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN or not _is_rank_zero():
+            return
+        sweep_dir = Path(str(hydra_cfg.sweep.dir))
+        job_dir = Path(str(hydra_cfg.runtime.output_dir))
+        row: dict[str, Any] = {
+            "job": int(hydra_cfg.job.num),
+            "overrides": " ".join(job_return.overrides or []),
+            "status": "completed" if job_return.status == JobStatus.COMPLETED else "failed",
+            "output_dir": str(job_dir),
+        }
+        metrics = job_dir / "metrics.json"
+        if metrics.is_file():
+            row.update(json.loads(metrics.read_text()))
+        if job_return.status == JobStatus.FAILED:
+            error = job_return._return_value
+            row["error"] = " ".join(f"{type(error).__name__}: {error}".split())
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        summary = sweep_dir / "summary.json"
+        rows = json.loads(summary.read_text()) if summary.is_file() else []
+        rows = [r for r in rows if r.get("job") != row["job"]] + [row]
+        rows.sort(key=lambda r: r["job"])
+        summary.write_text(json.dumps(rows, indent=2) + "\n")
+        columns = sorted({k for r in rows for k in r}, key=lambda k: (k not in row, k))
+        with (sweep_dir / "summary.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)

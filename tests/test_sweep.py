@@ -1,0 +1,68 @@
+"""Hydra multirun over multi-process jobs: a 2 x 2 sweep through the console script, each job with its
+own 2 ranks and folder, the metrics of all four in the sweep summary; a job with an invalid value fails
+with its message while the others finish."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _command() -> list[str]:
+    script = shutil.which("lightning-par-train")
+    return [script] if script else [sys.executable, "-m", "lightning_par.train"]
+
+
+def test_sweep_of_strategies_and_precisions(tmp_path: Path) -> None:
+    """examples/sweep.sh: 2 strategies x 2 precisions through the console script."""
+    sweep = tmp_path / "sweep"
+    script = Path(__file__).resolve().parent.parent / "examples" / "sweep.sh"
+    run = subprocess.run(
+        ["bash", str(script), "logger=none", f"hydra.sweep.dir={sweep}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((sweep / "summary.json").read_text())
+    assert [r["job"] for r in rows] == [0, 1, 2, 3]
+    combos = {
+        (r["overrides"].split("strategy=")[1].split()[0], r["overrides"].split("precision=")[1].split()[0])
+        for r in rows
+    }
+    assert combos == {(s, p) for s in ("zero1", "zero2") for p in ("32-true", "bf16-mixed")}
+    for r in rows:
+        assert r["status"] == "completed" and r["world_size"] == 2 and r["global_step"] == 4
+        assert math.isfinite(r["val_loss"])
+        assert Path(r["output_dir"]).parent == sweep
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]
+    assert (sweep / "summary.csv").read_text().count("\n") == 5
+
+
+def test_sweep_job_with_invalid_value_fails_alone(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    run = subprocess.run(
+        [
+            *_command(),
+            "-m",
+            "experiment=smoke",
+            "strategy=zero1",
+            "strategy.bucket_size_mb=-1,25",
+            "logger=none",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert run.returncode != 0  # Hydra reports the failed job when the sweep ends
+    rows = json.loads((sweep / "summary.json").read_text())
+    assert [r["status"] for r in rows] == ["failed", "completed"]
+    assert "bucket_size_mb must be > 0" in rows[0]["error"] and "\n" not in rows[0]["error"]
+    assert math.isfinite(rows[1]["val_loss"])
