@@ -176,7 +176,12 @@ def _check_run(group: str, option: str, cfg: DictConfig, run: TrainingRun, outpu
         assert Path(cfg.paths.checkpoint_dir) == output_dir / "checkpoints"
     elif group == "experiment":
         assert cfg.task_name == option
-        assert trainer.max_steps == cfg.trainer.max_steps <= 10, "an experiment preset must win over defaults"
+        # the preset wins over the defaults it overrides
+        assert trainer.max_steps == cfg.trainer.max_steps
+        assert trainer.num_devices == cfg.trainer.devices
+        if isinstance(trainer.strategy, HybridParallelStrategy):
+            for key in ("zero_stage", "tensor_parallel_size", "pipeline_parallel_size"):
+                assert getattr(trainer.strategy, key) == cfg.strategy[key], key
     else:
         raise AssertionError(f"no check for group {group!r}")
 
