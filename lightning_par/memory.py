@@ -14,12 +14,15 @@ where the live units are the root unit (gathered for the whole step) plus a bloc
 successor. E.g. mixed-precision AdamW (P=G=2, M=4, S=8): stage 1 ≈ 4Ψ + 12Ψ/N, stage 2 ≈ 2Ψ + 14Ψ/N,
 stage 3 ≈ 16Ψ/N, as in ARCHITECTURE.md. With ``grad_sync="boundary"`` stage 2 keeps the full local
 buffer like stage 1.
-Communication buffers are bounded: at most ``max_inflight + 1`` buckets, each at most the larger of
-``bucket_size_mb`` and the largest parameter; ``comm_buffers`` of the estimate is that bound.
+Communication buffers are bounded: at most ``max_inflight + 1`` pooled buckets (never more than there
+are buckets), each the size of the largest bucket (at most the larger of ``bucket_size_mb`` and the
+largest parameter) plus its ``1/N`` reduce-scatter output; ``comm_buffers`` of the estimate is that
+bound, computed from the real bucket layout when a model is given.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal, TypedDict
 
@@ -27,6 +30,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_par.zero.engine import Engine, ZeroEngine, default_grad_sync
+from lightning_par.zero.grad_sync import bucket_numel_for
+from lightning_par.zero.layout import FlatLayout
 from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.units import plan_units
 
@@ -105,6 +110,21 @@ def measure_memory(module: nn.Module, engine: Engine | None, optimizers: Sequenc
     )
 
 
+def _bucket_shape(model: nn.Module, bucket_size_mb: float, g_bytes: int) -> tuple[int, int]:
+    """(bucket count, largest bucket numel) of the gradient layout, taking the worse of the two likely
+    parameter orders (registration, and its reverse, which is roughly when gradients become ready)."""
+    named = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        return 0, 0
+    numel = bucket_numel_for(bucket_size_mb, g_bytes)
+    worst = (0, 0)
+    for order in (named, named[::-1]):
+        layout = FlatLayout(names=[n for n, _ in order], shapes=[s for _, s in order], bucket_numel=numel)
+        shape = (len(layout.buckets), max(b.numel for b in layout.buckets))
+        worst = max(worst, shape, key=lambda cb: cb[0] * cb[1])
+    return worst
+
+
 def estimate_memory(
     model_or_param_count: nn.Module | int,
     *,
@@ -158,9 +178,15 @@ def estimate_memory(
         opt = (m_bytes + s_bytes) * psi / dp
         grads = g_bytes * psi / dp + (g_bytes * psi if policy == "boundary" else 0.0)
         if policy == "every":
-            # upper bound: a bucket holds at most max(bucket size, largest parameter)
-            bucket = min(max(bucket_size_mb * 1024 * 1024, g_bytes * largest), g_bytes * psi)
-            comm = min(max_inflight + 1, max(1.0, g_bytes * psi / bucket)) * bucket
+            # pooled buffers all have the largest bucket's size (plus a 1/N reduce-scatter output each);
+            # there are at most as many as buckets and at most max_inflight + 1 at once
+            if isinstance(model_or_param_count, nn.Module):
+                count, biggest = _bucket_shape(model_or_param_count, bucket_size_mb, g_bytes)
+                per_rank = 1 / (tp * pp)
+            else:
+                biggest = int(min(max(bucket_numel_for(bucket_size_mb, g_bytes), largest), psi))
+                count, per_rank = (math.ceil(psi / biggest) if biggest else 0), 1.0
+            comm = min(max_inflight + 1, count) * biggest * g_bytes * (1 + 1 / dp) * per_rank
     total = params + live + grads + opt + comm
     return MemoryReport(
         parameters=int(params),
