@@ -170,7 +170,12 @@ def estimate_memory(
             root, blocks = sizes[-1], sizes[:-1] or [0]
             # the root unit stays gathered for the step; a block and its prefetched successor
             live = p_bytes * (root + 2 * max(blocks)) / (tp * pp)
-            comm = g_bytes * (stage3_inflight + 1) * max(sizes) * (1 + 1 / dp) / (tp * pp)
+            # gradient buffers are pooled by size (each unit padded to a multiple of N): per distinct size
+            # at most as many as units of that size, and at most stage3_inflight + 1 in flight
+            padded = [-(-n // dp) * dp for n in sizes]
+            comm = sum(
+                min(padded.count(n), stage3_inflight + 1) * n * g_bytes * (1 + 1 / dp) for n in set(padded)
+            ) / (tp * pp)
     elif zero_stage == 0:
         grads, opt = g_bytes * psi, (m_bytes + s_bytes) * psi
     else:
