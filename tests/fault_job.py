@@ -1,0 +1,222 @@
+"""A small training job for the fault-injection tests: run under torchrun, or in forked ranks (reference).
+
+    python -m torch.distributed.run --standalone --nproc-per-node=2 --max-restarts=2 tests/fault_job.py CFG
+
+``CFG`` is a JSON file (a positional argument: torchrun would parse options after the script that look
+like its own). Keys: ``out`` (directory), ``strategy`` ("zero2", "ddp", ...), ``steps``, ``every``,
+``persist``, ``keep_last``, ``devices``, ``num_nodes``, ``flash`` (bool), ``watchdog_s`` (or null),
+``shm_dir`` (default ``$FT_SHM_DIR``), ``clear_shm_attempts`` (attempts that start without this
+rank's memory snapshots, like a replaced node), and ``faults``: a list of
+``{"kind": "kill" | "kill_persist" | "stall" | "node_kill", "attempt": a, "rank": r, "step": s}``.
+Fault ``i`` fires once, in attempt ``a`` (``TORCHELASTIC_RESTART_COUNT``), on rank ``r`` (``node_kill``:
+on the node named by ``$FT_NODE``), and writes ``out/fault{i}.json`` (time, pid, step) before it acts:
+``kill`` SIGKILLs the rank after step ``s``; ``kill_persist`` SIGKILLs it halfway through writing the
+first snapshot persisted at or after step ``s``; ``stall`` blocks it before step ``s + 1``;
+``node_kill`` blocks it so that the test can kill the node's agent and worker.
+
+Every attempt writes ``out/resume_attempt{a}_rank{r}.json`` when training starts (what was resumed, the
+process start time) and, if it finishes, ``out/attempt{a}_rank{r}.json`` (snapshot timings, persist
+errors, the time of its first completed step) and ``out/final_rank{r}.pt`` (the state dict).
+"""
+
+from __future__ import annotations
+
+import time
+
+PROCESS_START = time.time()  # before the slow imports: restart time includes them
+
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from lightning_par.callbacks import FlashCheckpoint, HangWatchdog  # noqa: E402
+from lightning_par.callbacks import disk as disk_module  # noqa: E402
+from lightning_par.models import GPTModule  # noqa: E402
+
+MODEL = dict(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, bias=False, learning_rate=1e-2)
+SAMPLES = 48  # 12 batches of 2 per rank at world 2: several epochs, resumes land mid-epoch
+
+
+class Tokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, n: int) -> None:
+        self.data = torch.randint(0, 64, (n, 17), generator=torch.Generator().manual_seed(123))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, :-1], self.data[i, 1:]
+
+
+def _attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def stall_here(seconds: float) -> None:
+    """A rank that stops making progress (the watchdog's stack dump names this function)."""
+    time.sleep(seconds)
+
+
+class Fault(pl.Callback):
+    """Injects fault ``index`` of the config once (see the module docstring)."""
+
+    def __init__(self, fault: dict[str, Any], index: int, out: Path) -> None:
+        self.fault = fault
+        self.marker = out / f"fault{index}.json"
+        self.armed = fault.get("attempt", 0) == _attempt() and not self.marker.exists()
+
+    def _mine(self, trainer: pl.Trainer) -> bool:
+        if self.fault["kind"] == "node_kill":
+            return os.environ.get("FT_NODE") == self.fault.get("node", "B")
+        return trainer.global_rank == self.fault.get("rank")
+
+    def _mark(self, trainer: pl.Trainer) -> None:
+        record = {
+            "time": time.time(),
+            "pid": os.getpid(),
+            "rank": trainer.global_rank,
+            "step": trainer.global_step,
+        }
+        self.marker.write_text(json.dumps(record))
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not (self.armed and self.fault["kind"] == "kill_persist" and self._mine(trainer)):
+            return
+        real = disk_module.write_bytes
+        step = self.fault["step"]
+
+        def write_bytes(fd: int, data: memoryview) -> None:
+            if trainer.global_step >= step and len(data) > 1024:
+                real(fd, data[: len(data) // 2])
+                self._mark(trainer)
+                os.kill(os.getpid(), signal.SIGKILL)  # during a persist: half the file is written
+            real(fd, data)
+
+        disk_module.write_bytes = write_bytes
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int
+    ) -> None:
+        stall = self.armed and self.fault["kind"] == "stall" and self._mine(trainer)
+        if stall and trainer.global_step == self.fault["step"]:
+            self._mark(trainer)
+            stall_here(3600)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not (self.armed and self._mine(trainer) and trainer.global_step == self.fault.get("step")):
+            return
+        if self.fault["kind"] == "kill":
+            self._mark(trainer)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.fault["kind"] == "node_kill":
+            self._mark(trainer)
+            stall_here(120)  # the test kills this node's agent and this worker now
+
+
+class ResumeRecord(pl.Callback):
+    """Writes what this attempt resumed from, once training starts (after FlashCheckpoint's resume)."""
+
+    def __init__(self, out: Path, flash: FlashCheckpoint | None) -> None:
+        self.out = out
+        self.flash = flash
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        record = {
+            "attempt": _attempt(),
+            "rank": trainer.global_rank,
+            "node": os.environ.get("FT_NODE"),
+            "process_start": PROCESS_START,
+            "resumed": self.flash.resumed if self.flash else None,
+        }
+        (self.out / f"resume_attempt{_attempt()}_rank{trainer.global_rank}.json").write_text(
+            json.dumps(record)
+        )
+
+
+class FirstStep(pl.Callback):
+    def __init__(self) -> None:
+        self.time: float | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self.time is None:
+            self.time = time.time()
+
+
+def train(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run the job described by ``cfg`` on this rank; return its final state dict and what happened."""
+    torch.set_num_threads(1)
+    out = Path(cfg["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    shm_dir = Path(cfg.get("shm_dir") or os.environ.get("FT_SHM_DIR", "/dev/shm"))
+    if _attempt() in cfg.get("clear_shm_attempts", []):
+        for d in shm_dir.glob(f"lightning_par_flash/*/rank{rank:05d}"):
+            shutil.rmtree(d)  # a replaced node: its memory snapshots are gone
+    first = FirstStep()
+    callbacks: list[pl.Callback] = [Fault(f, i, out) for i, f in enumerate(cfg.get("faults", []))]
+    callbacks.append(first)
+    flash = None
+    if cfg.get("flash", True):
+        flash = FlashCheckpoint(
+            out / "flash",
+            every_n_steps=cfg.get("every", 2),
+            persist_every_n_steps=cfg.get("persist", 6),
+            keep_last=cfg.get("keep_last", 2),
+            shm_dir=shm_dir,
+            flush_timeout_s=10.0,
+        )
+        callbacks.append(flash)
+    callbacks.append(ResumeRecord(out, flash))
+    if cfg.get("watchdog_s"):
+        callbacks.append(HangWatchdog(timeout_s=cfg["watchdog_s"], flush_timeout_s=5.0))
+    pl.seed_everything(7, verbose=False)
+    module = GPTModule(**MODEL, warmup_steps=2, max_steps=cfg["steps"])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=cfg.get("devices", 2),
+        num_nodes=cfg.get("num_nodes", 1),
+        strategy=cfg.get("strategy", "zero2"),
+        max_steps=cfg["steps"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=str(out),
+        callbacks=callbacks,
+    )
+    started = time.time()
+    trainer.fit(module, DataLoader(Tokens(SAMPLES), batch_size=2, shuffle=True))
+    result = {
+        "attempt": _attempt(),
+        "rank": trainer.global_rank,
+        "started": started,
+        "first_step": first.time,
+        "resumed": flash.resumed if flash else None,
+        "stats": flash.stats if flash else [],
+        "errors": flash.errors if flash else [],
+        "global_step": trainer.global_step,
+    }
+    return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "result": result}
+
+
+def main() -> None:
+    cfg = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(cfg["out"])
+    done = train(cfg)
+    rank = done["result"]["rank"]
+    (out / f"attempt{_attempt()}_rank{rank}.json").write_text(json.dumps(done["result"], default=str))
+    torch.save(done["state"], out / f"final_rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
