@@ -27,11 +27,10 @@ report its peak RSS (a high-water mark, so it cannot be separated inside the int
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -40,7 +39,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.common import StepTimer, environment, launch, peak_rss_mib, summarize, write_result
+from benchmarks.common import (
+    StepTimer,
+    config_from_args,
+    config_parser,
+    environment,
+    launch,
+    peak_rss_mib,
+    slowest,
+    summarize,
+    write_result,
+)
 from lightning_par.models.gpt import GPT, GPTConfig
 from lightning_par.zero import apply_data_parallel
 
@@ -198,26 +207,16 @@ def rank_main(rank: int, world: int, cfg: BenchConfig, impls: tuple[str, ...]) -
 
 
 # ---------------------------------------------------------------------------------------------- report
-def _slowest(per_rank: list[dict[str, Any]], *keys: str) -> list[float]:
-    """Per step, the largest value over ranks of ``rank_data[keys[0]][keys[1]]...`` (a list per rank)."""
-    series = []
-    for r in per_rank:
-        for k in keys:
-            r = r[k]
-        series.append(r)
-    return [max(values) for values in zip(*series, strict=True)]
-
-
 def _aggregate(cfg: BenchConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-step slowest-rank times, summaries, ratios and loss agreement from all ranks' raw data."""
     w = cfg.warmup
     impls: dict[str, Any] = {}
     for name in per_rank[0]["times"]:
-        step_times = _slowest(per_rank, "times", name)
+        step_times = slowest(per_rank, "times", name)
         # every rank's loss is the mean over its equally sized micro-batch: their mean is the global loss
         losses = [statistics.fmean(v) for v in zip(*(r["losses"][name] for r in per_rank), strict=True)]
         phases = {
-            ph: statistics.median(_slowest(per_rank, "phases", name, ph)[w:])
+            ph: statistics.median(slowest(per_rank, "phases", name, ph)[w:])
             for ph in per_rank[0]["phases"][name]
         }
         cpu = [statistics.fmean(v) for v in zip(*(r["cpu_times"][name] for r in per_rank), strict=True)]
@@ -303,18 +302,10 @@ def _print_table(cfg: BenchConfig, nparams: int, agg: dict[str, Any], memory: di
 # ---------------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str | None, bool]:
     """``(config, --out, --quick)`` from the command line (``argv`` defaults to ``sys.argv[1:]``)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny smoke configuration (overrides the defaults)")
-    defaults = BenchConfig()
-    for f in fields(BenchConfig):
-        typ = type(getattr(defaults, f.name))
-        flag = "--" + f.name.replace("_", "-")
-        p.add_argument(flag, type=typ, default=None, dest=f.name, metavar=typ.__name__.upper())
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/dp[_quick].json)")
+    p = config_parser(BenchConfig, name="dp")
     ns = p.parse_args(argv)
     base = QUICK if ns.quick else BenchConfig()
-    overrides = {k: v for k, v in vars(ns).items() if k not in ("quick", "out") and v is not None}
-    cfg = replace(base, **overrides)
+    cfg = config_from_args(ns, base)
     if cfg.steps < 1 or cfg.warmup < 0 or cfg.block < 1 or cfg.world_size < 1:
         p.error("need --steps >= 1, --warmup >= 0, --block >= 1, --world-size >= 1")
     return cfg, ns.out, ns.quick

@@ -50,7 +50,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,19 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.bench_dp import BenchConfig, make_batches
-from benchmarks.common import StepTimer, environment, launch, peak_rss_mib, summarize, write_result
+from benchmarks.common import (
+    StepTimer,
+    config_from_args,
+    config_parser,
+    environment,
+    launch,
+    load_summary,
+    peak_rss_mib,
+    run_alone,
+    slowest,
+    summarize,
+    write_result,
+)
 from lightning_par.memory import estimate_memory, measure_memory
 from lightning_par.models.gpt import GPT
 from lightning_par.zero import apply_zero
@@ -321,16 +333,6 @@ def rank_main(rank: int, world: int, cfg: ZeroConfig, impls: tuple[str, ...]) ->
 
 
 # ---------------------------------------------------------------------------------------------- report
-def _slowest(per_rank: list[dict[str, Any]], *keys: str) -> list[float]:
-    """Per step, the largest value over ranks of ``rank_data[keys[0]][keys[1]]...`` (a list per rank)."""
-    series = []
-    for r in per_rank:
-        for k in keys:
-            r = r[k]
-        series.append(r)
-    return [max(values) for values in zip(*series, strict=True)]
-
-
 def compare(impls: dict[str, Any], a: str, b: str, w: int, target: float | None) -> dict[str, Any]:
     """Timing ratios and loss agreement of implementation ``a`` against reference ``b``."""
     da, db = impls[a], impls[b]
@@ -359,11 +361,11 @@ def aggregate(cfg: ZeroConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]
     w = cfg.warmup
     impls: dict[str, Any] = {}
     for name in per_rank[0]["times"]:
-        step_times = _slowest(per_rank, "times", name)
+        step_times = slowest(per_rank, "times", name)
         # every rank's loss is the mean over its equally sized micro-batch: their mean is the global loss
         losses = [statistics.fmean(v) for v in zip(*(r["losses"][name] for r in per_rank), strict=True)]
         phases = {
-            ph: statistics.median(_slowest(per_rank, "phases", name, ph)[w:])
+            ph: statistics.median(slowest(per_rank, "phases", name, ph)[w:])
             for ph in per_rank[0]["phases"][name]
         }
         cpu = [statistics.fmean(v) for v in zip(*(r["cpu_times"][name] for r in per_rank), strict=True)]
@@ -406,25 +408,18 @@ def aggregate(cfg: ZeroConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]
         "loss_rtol": LOSS_RTOL,
         "losses_agree": all(c["losses_agree"] for c in loss_vs_ddp.values()),
         "order_rank0": per_rank[0]["order"],
-        "loadavg_1min_during_run": {
-            "min": min(load),
-            "median": statistics.median(load),
-            "max": max(load),
-            "note": "includes the benchmark's own 2 busy ranks (an otherwise idle machine reads ~2)",
-        },
+        "loadavg_1min_during_run": load_summary(load),
         "interleaved_peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in per_rank],
     }
 
 
 def memory_runs(cfg: ZeroConfig, impls: tuple[str, ...]) -> dict[str, Any]:
     """Peak RSS of each implementation alone, in fresh processes (``cfg.memory_steps`` steps each)."""
-    alone = replace(cfg, steps=cfg.memory_steps, warmup=0)
     out: dict[str, Any] = {"steps": cfg.memory_steps}
     for name in impls:
-        per_rank = launch(rank_main, cfg.world_size, alone, (name,), threads_per_rank=cfg.threads_per_rank)
+        per_rank, rss = run_alone(rank_main, cfg, name)
         out[name] = {
-            "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in per_rank],
-            "rss_at_start_mib_per_rank": [r["rss_at_start_mib"] for r in per_rank],
+            **rss,
             "peak_rss_after_step_mib_per_rank": [r["peak_rss_after_step_mib"][name] for r in per_rank],
             "model_state_bytes_rank0": per_rank[0]["model_state_bytes"][name],
         }
@@ -504,14 +499,7 @@ def print_table(cfg: ZeroConfig, nparams: int, agg: dict[str, Any], memory: dict
 # ---------------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> tuple[ZeroConfig, argparse.Namespace]:
     """``(config, namespace)`` from the command line (``argv`` defaults to ``sys.argv[1:]``)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny smoke configuration (overrides the defaults)")
-    defaults = ZeroConfig()
-    for f in fields(ZeroConfig):
-        typ = type(getattr(defaults, f.name))
-        flag = "--" + f.name.replace("_", "-")
-        p.add_argument(flag, type=typ, default=None, dest=f.name, metavar=typ.__name__.upper())
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/zero[_quick].json)")
+    p = config_parser(ZeroConfig, name="zero")
     p.add_argument(
         "--deepspeed-json",
         default=None,
@@ -519,9 +507,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ZeroConfig, argparse.Name
     )
     ns = p.parse_args(argv)
     base = QUICK if ns.quick else ZeroConfig()
-    skip = ("quick", "out", "deepspeed_json")
-    overrides = {k: v for k, v in vars(ns).items() if k not in skip and v is not None}
-    cfg = replace(base, **overrides)
+    cfg = config_from_args(ns, base)
     if cfg.steps < 1 or cfg.warmup < 0 or cfg.block < 1 or cfg.world_size < 1:
         p.error("need --steps >= 1, --warmup >= 0, --block >= 1, --world-size >= 1")
     try:

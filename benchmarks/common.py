@@ -23,6 +23,8 @@ a Gloo group through ``MASTER_ADDR``/``MASTER_PORT`` (``env://``), like ranks st
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import datetime as _dt
 import json
 import multiprocessing as mp
@@ -51,10 +53,15 @@ __all__ = [
     "RESULTS_DIR",
     "StepTimer",
     "Summary",
+    "config_from_args",
+    "config_parser",
     "environment",
     "free_port",
     "launch",
+    "load_summary",
     "peak_rss_mib",
+    "run_alone",
+    "slowest",
     "summarize",
     "write_result",
 ]
@@ -164,6 +171,70 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(sorted_values) - 1)
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def slowest(per_rank: Sequence[Any], *keys: str | int) -> list[float]:
+    """Per step, the largest value over ranks of ``per_rank[r][keys[0]][keys[1]]...`` (a list per rank):
+    a synchronous step takes as long as its slowest rank."""
+    series = []
+    for r in per_rank:
+        for k in keys:
+            r = r[k]
+        series.append(r)
+    return [max(values) for values in zip(*series, strict=True)]
+
+
+def _bool_flag(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def config_parser(config_cls: type, *, name: str) -> argparse.ArgumentParser:
+    """An argument parser with ``--quick``, ``--out`` and one flag per field of the dataclass
+    ``config_cls`` (``--n-layer`` for ``n_layer``; booleans take true/false); see :func:`config_from_args`."""
+    p = argparse.ArgumentParser(description=(sys.modules[config_cls.__module__].__doc__ or "").split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny smoke configuration (overrides the defaults)")
+    defaults = config_cls()
+    for f in dataclasses.fields(config_cls):
+        typ = type(getattr(defaults, f.name))
+        conv: Any = _bool_flag if typ is bool else typ
+        flag = "--" + f.name.replace("_", "-")
+        p.add_argument(flag, type=conv, default=None, dest=f.name, metavar=typ.__name__.upper())
+    p.add_argument("--out", default=None, help=f"JSON path (default benchmarks/results/{name}[_quick].json)")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace, base: Any) -> Any:
+    """``base`` (a dataclass) with every config flag that was given on the command line applied."""
+    names = {f.name for f in dataclasses.fields(base)}
+    overrides = {k: v for k, v in vars(ns).items() if k in names and v is not None}
+    return dataclasses.replace(base, **overrides)
+
+
+def load_summary(load: Sequence[float]) -> dict[str, Any]:
+    """Min, median and max of the 1-minute load averages sampled during a run."""
+    return {
+        "min": min(load),
+        "median": statistics.median(load),
+        "max": max(load),
+        "note": "includes the benchmark's own 2 busy ranks (an otherwise idle machine reads ~2)",
+    }
+
+
+def run_alone(rank_main: Callable[..., Any], cfg: Any, name: str) -> tuple[list[Any], dict[str, Any]]:
+    """Run implementation ``name`` alone in fresh processes for ``cfg.memory_steps`` steps (no warmup):
+    every rank's result and the peak and start RSS per rank (``peak_rss_mib`` / ``rss_at_start_mib`` of
+    the rank results)."""
+    alone = dataclasses.replace(cfg, steps=cfg.memory_steps, warmup=0)
+    per_rank = launch(rank_main, cfg.world_size, alone, (name,), threads_per_rank=cfg.threads_per_rank)
+    rss = {
+        "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in per_rank],
+        "rss_at_start_mib_per_rank": [r["rss_at_start_mib"] for r in per_rank],
+    }
+    return per_rank, rss
 
 
 def summarize(values: Sequence[float]) -> Summary:
