@@ -142,6 +142,7 @@ class FlashCheckpoint(Callback):
         self._last_step = -1
         self._failed = False
         self._cuda_stream: Any = None
+        self._pin = False
         self._saved_resume_start: Any = None
         self._saved_sigterm: Any = None
 
@@ -227,7 +228,8 @@ class FlashCheckpoint(Callback):
             lineage=lambda: self.lineage,
         )
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-copy")
-        if trainer.strategy.root_device.type == "cuda":
+        self._pin = trainer.strategy.root_device.type == "cuda"  # page-locked buffers for device-to-host
+        if self._pin:
             self._cuda_stream = torch.cuda.Stream(device=trainer.strategy.root_device)
         if self.auto_resume:
             self._found = find_snapshot(
@@ -374,21 +376,26 @@ class FlashCheckpoint(Callback):
             "time": time.time(),
         }
         slot = self._claim_slot()
-        try:
-            buffer = self._reserve(slot, plan.nbytes, trainer)
-        except OSError as exc:
-            log.error(
-                "FlashCheckpoint: rank %d cannot hold snapshots (%s); step %d is not saved",
-                trainer.global_rank,
-                exc,
-                step,
-            )
-            return
         deferred = [
             i for i, t in enumerate(plan.sources) if t.numel() and t.untyped_storage().data_ptr() in live
         ]
         chosen = set(deferred)
-        snapshot.copy_into(buffer, plan, [i for i in range(len(plan.sources)) if i not in chosen])
+        now = [i for i in range(len(plan.sources)) if i not in chosen]
+        buffer: torch.Tensor | None = None
+        if self._prealloc is None:
+            # The first snapshot of this process: its slot is allocated by the copy thread too (touching
+            # a fresh buffer costs ~1.4 s/GB). The few tensors the next step may change (buffers, RNG
+            # states) are cloned now instead of copied; all the rest waits at most for the fence.
+            for i in now:
+                plan.sources[i] = plan.sources[i].clone()
+            deferred = list(range(len(plan.sources)))
+        else:
+            try:
+                buffer = self._reserve(slot, plan.nbytes)
+            except OSError as exc:
+                self._not_saved(header, exc)
+                return
+            snapshot.copy_into(buffer, plan, now)
         event = None
         if any(t.is_cuda for t in plan.sources):
             torch.cuda.current_stream().synchronize()  # the small copies above
@@ -405,8 +412,7 @@ class FlashCheckpoint(Callback):
         else:
             self._complete(*job)
         if self._prealloc is None:  # first snapshot: allocate the other slots off the training thread
-            pin = trainer.strategy.root_device.type == "cuda"
-            self._prealloc = self._copier.submit(self._reserve_all, plan.nbytes, pin)
+            self._prealloc = self._copier.submit(self._reserve_all, plan.nbytes)
         record["capture_s"] = time.perf_counter() - start
 
     def _claim_slot(self) -> int:
@@ -419,9 +425,18 @@ class FlashCheckpoint(Callback):
                     return slot
             self._persister.wait_idle()  # one slot, being persisted
 
-    def _reserve(self, slot: int, nbytes: int, trainer: pl.Trainer) -> torch.Tensor:
+    @staticmethod
+    def _not_saved(header: dict[str, Any], exc: OSError) -> None:
+        log.error(
+            "FlashCheckpoint: rank %d cannot hold snapshots (%s); step %d is not saved",
+            header["rank"],
+            exc,
+            header["step"],
+        )
+
+    def _reserve(self, slot: int, nbytes: int) -> torch.Tensor:
         assert self._memory is not None
-        pin = trainer.strategy.root_device.type == "cuda"
+        pin = self._pin
         try:
             return self._memory.reserve(slot, nbytes, pin=pin)
         except NoRoom as exc:
@@ -432,13 +447,13 @@ class FlashCheckpoint(Callback):
                 self._memory.invalidate(slot)
             return self._memory.reserve(slot, nbytes, pin=pin)
 
-    def _reserve_all(self, nbytes: int, pin: bool) -> None:
+    def _reserve_all(self, nbytes: int) -> None:
         """Copy thread: give every slot its buffer now, so no later snapshot pays the first touch."""
         memory = self._memory
         assert memory is not None
         for k in range(self.memory_slots):
             try:
-                memory.reserve(k, nbytes, pin=pin)
+                memory.reserve(k, nbytes, pin=self._pin)
             except OSError as exc:  # the snapshot that needs this slot falls back, with its warning
                 log.info("FlashCheckpoint: slot %d not pre-allocated (%s)", k, exc)
                 return
@@ -446,7 +461,7 @@ class FlashCheckpoint(Callback):
     def _complete(
         self,
         slot: int,
-        buffer: torch.Tensor,
+        buffer: torch.Tensor | None,
         plan: Plan,
         deferred: list[int],
         header: dict[str, Any],
@@ -455,9 +470,18 @@ class FlashCheckpoint(Callback):
         event: Any,
         record: dict[str, Any],
     ) -> None:
-        """Copy thread (or inline): the big copies, the commit, the hand-over to the persist thread."""
+        """Copy thread (or inline): the slot's allocation at the first snapshot (``buffer`` None), the big
+        copies, the commit, the hand-over to the persist thread."""
         assert self._memory is not None and self._persister is not None
         start = time.perf_counter()
+        if buffer is None:
+            try:
+                buffer = self._reserve(slot, plan.nbytes)
+            except OSError as exc:
+                self._not_saved(header, exc)
+                if persist:
+                    self._persister.withdraw()
+                return
         try:
             if event is not None:
                 with torch.cuda.stream(self._cuda_stream):
