@@ -191,7 +191,7 @@ def draw(
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    """Console script ``lightning-par-plan``."""
+    """Print the ranked layouts for the command line ``argv``; return them as dicts (see :func:`cli`)."""
     p = argparse.ArgumentParser(prog="lightning-par-plan", description=__doc__.splitlines()[0])
     p.add_argument("--n-layer", type=int, required=True)
     p.add_argument("--n-embd", type=int, required=True)
@@ -239,5 +239,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     return rows
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console script ``lightning-par-plan`` (returns nothing: a console script's return value becomes
+    its exit status)."""
     main()
+
+
+if __name__ == "__main__":
+    cli()

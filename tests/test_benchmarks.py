@@ -129,3 +129,25 @@ def test_bench_zero_rejects_bad_stages() -> None:
         bench_zero.parse_args(["--stages", "4"])
     cfg, _ = bench_zero.parse_args(["--quick", "--stages", "3"])
     assert cfg.impls() == ("ddp", "fsdp2", "ours_s3", "ours_s3_rs")
+
+
+def test_report_writes_markdown_and_every_plot_from_the_committed_results(tmp_path: Path) -> None:
+    """``python -m benchmarks.report`` on the committed JSON files: one section per result file, every
+    figure read from them (spot-checked against the JSON), and the four PNGs it links."""
+    results = report.RESULTS_DIR
+    present = [n for n in report.RESULT_NAMES if (results / f"{n}.json").exists()]
+    assert {"dp", "zero", "tp", "pp", "checkpoint"} <= set(present)
+    text = report.main(["--out-dir", str(tmp_path)])
+    assert (tmp_path / "REPORT.md").read_text() == text
+    for name in present:
+        assert f"(`{name}.json`)" in text or name == "deepspeed", name
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    plots = ("step_time_ratios", "memory_per_rank", "bubble_vs_microbatches", "checkpoint_blocking")
+    assert pngs == sorted(f"{name}.png" for name in plots)
+    for png in pngs:
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({png})" in text
+    tp = json.loads((results / "tp.json").read_text())
+    assert f"{tp['comparisons']['tp2/tp1']['ratio_of_medians']:.3f}" in text
+    ckpt = json.loads((results / "checkpoint.json").read_text())
+    assert f"{ckpt['blocking_and_throughput']['summary']['flash_over_torch_save']:.4f}" in text

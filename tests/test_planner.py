@@ -36,11 +36,14 @@ def test_plan_enumerates_valid_layouts_and_predicts_model_states() -> None:
 def test_plan_png_and_console_script(tmp_path: Path) -> None:
     png = draw(plan(SHAPE, world=4, memory_gib=0.05), tmp_path / "plan.png", memory_gib=0.05)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # what pip's generated `lightning-par-plan` script does: sys.exit(<entry point>()), so the entry point
+    # must return None for a zero exit status
+    console_script = "import sys; from lightning_par.planner import cli; sys.exit(cli())"
     out = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "lightning_par.planner",
+            "-c",
+            console_script,
             "--n-layer",
             "4",
             "--n-embd",
