@@ -79,7 +79,8 @@ class FlashCheckpoint(Callback):
         memory_slots: 2 keeps the previous snapshot while the next is written; 1 halves the memory.
         snapshot_copy: ``"overlap"`` copies the weights and optimizer state while the next step computes,
             ``"blocking"`` copies everything before the training thread continues.
-        flush_on_exit: write the newest memory snapshot to disk on SIGTERM and exceptions.
+        flush_on_exit: write the newest memory snapshot to disk on SIGTERM, on exceptions and when ``fit``
+            ends (a finished run frees its shared memory).
         flush_timeout_s: the longest such a flush may delay the exit.
     """
 
@@ -534,6 +535,11 @@ class FlashCheckpoint(Callback):
         try:
             if not self._failed:
                 self._fence()
+                if self.flush_on_exit and self._persister is not None:
+                    # a finished run frees its shared memory: its newest snapshot goes to disk first, so
+                    # running the command again with more steps continues from where this run ended
+                    self._persister.wait_idle()
+                    self.flush()
         finally:
             if self._copier is not None:
                 self._copier.shutdown(wait=True)
