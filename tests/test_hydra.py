@@ -347,14 +347,22 @@ def test_bad_value_is_one_line_and_exit_2(
     assert not list(tmp_path.rglob("metrics.json"))
 
 
+@pytest.mark.parametrize(
+    ("group", "bad", "listed"), [("strategy", "zero9", "dp"), ("experiment", "nope", "smoke")]
+)
 def test_unknown_option_lists_the_available_ones(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    group: str,
+    bad: str,
+    listed: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
-    run = run_main(["strategy=zero9"], tmp_path, monkeypatch, capfd)
+    run = run_main([f"{group}={bad}"], tmp_path, monkeypatch, capfd)
     assert run.returncode == 1, run
     assert "Traceback" not in run.stderr, run
-    assert "Could not find 'strategy/zero9'" in run.stderr
-    assert "Available options in 'strategy'" in run.stderr and "\tdp\n" in run.stderr
+    assert f"Could not find '{group}/{bad}'" in run.stderr
+    assert f"Available options in '{group}'" in run.stderr and f"\t{listed}\n" in run.stderr
     assert not list(tmp_path.iterdir()), "nothing may be created for a config that does not compose"
 
 
