@@ -16,7 +16,7 @@ How a snapshot is taken (rank by rank, at the end of every ``every_n_steps``-th 
    hands it to the persist thread (:mod:`.persister`), which writes it atomically to ``dirpath``
    (:mod:`.disk`: temp file, fsync, rename, meta file last as commit marker, CRC-32) and keeps the last
    ``keep_last``. A persist still running at the next persist step is waited for, so every rank persists
-   the same steps.
+   the same steps. Steps 2-4 are :class:`.writer.SnapshotWriter`'s.
 
 On SIGTERM, on an exception and from the hang watchdog, the newest complete memory snapshot is written to
 disk if it is not there yet (bounded by ``flush_timeout_s``). On start with ``auto_resume`` (torchrun
@@ -28,19 +28,16 @@ exact remaining batches. A snapshot, when found, wins over ``trainer.fit(ckpt_pa
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import signal
 import time
 import uuid
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, get_args
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
@@ -50,12 +47,11 @@ from lightning_par.callbacks.disk import DiskStore
 from lightning_par.callbacks.memory import MemoryStore, NoRoom
 from lightning_par.callbacks.persister import Persister
 from lightning_par.callbacks.resume import Found, find_snapshot
-from lightning_par.callbacks.snapshot import Plan
+from lightning_par.callbacks.writer import SnapshotCopy, SnapshotWriter
 
 log = logging.getLogger(__name__)
 
-SnapshotCopy = Literal["overlap", "blocking"]
-_COPY_MODES = ("overlap", "blocking")
+_COPY_MODES = get_args(SnapshotCopy)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -134,16 +130,12 @@ class FlashCheckpoint(Callback):
         self._memories: list[MemoryStore] = []
         self._staging: Path | None = None
         self._persister: Persister | None = None
-        self._copier: ThreadPoolExecutor | None = None
-        self._copy: Future[None] | None = None
-        self._prealloc: Future[None] | None = None
+        self._writer: SnapshotWriter | None = None
         self._found: Found | None = None
         self._lineage = ("", 0.0)
         self._fingerprint: dict[str, Any] = {}
         self._last_step = -1
         self._failed = False
-        self._cuda_stream: Any = None
-        self._pin = False
         self._saved_resume_start: Any = None
         self._saved_sigterm: Any = None
 
@@ -162,9 +154,8 @@ class FlashCheckpoint(Callback):
         Safe from any thread and from signal handlers (never a collective)."""
         timeout = self.flush_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        if self._copy is not None:
-            with contextlib.suppress(Exception):
-                self._copy.result(timeout)
+        if self._writer is not None:
+            self._writer.wait(timeout)
         if self._persister is None:
             return False
         return self._persister.flush(max(0.0, deadline - time.monotonic()))
@@ -228,10 +219,15 @@ class FlashCheckpoint(Callback):
             keep_last=self.keep_last,
             lineage=lambda: self.lineage,
         )
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-copy")
-        self._pin = trainer.strategy.root_device.type == "cuda"  # page-locked buffers for device-to-host
-        if self._pin:
-            self._cuda_stream = torch.cuda.Stream(device=trainer.strategy.root_device)
+        self._writer = SnapshotWriter(
+            memory=self._active_memory,
+            fall_back=self._no_room,
+            persister=self._persister,
+            slots=self.memory_slots,
+            copy=self.snapshot_copy,
+            device=trainer.strategy.root_device,
+            stats=self.stats,
+        )
         if self.auto_resume:
             self._found = find_snapshot(
                 memories=self._memories, disk=self._disk, world_size=trainer.world_size
@@ -242,6 +238,13 @@ class FlashCheckpoint(Callback):
     def _active_memory(self) -> MemoryStore:
         assert self._memory is not None
         return self._memory
+
+    def _no_room(self, exc: NoRoom) -> bool:
+        """The writer's fallback: move the memory snapshots to disk, unless they are there already."""
+        if self._memory is not None and self._memory.directory == self._staging:
+            return False
+        self._fall_back(f"no room in {self.shm_dir} ({exc.strerror})")
+        return True
 
     def _fall_back(self, why: str) -> None:
         assert self._staging is not None
@@ -338,23 +341,13 @@ class FlashCheckpoint(Callback):
         self._fence()
 
     def _fence(self) -> None:
-        """Wait until the copy thread has read the tensors an optimizer step is about to change."""
-        if self._copy is None:
-            return
-        start = time.perf_counter()
-        try:
-            self._copy.result()
-        finally:
-            self._copy = None
-            if self.stats:
-                self.stats[-1]["fence_wait_s"] += time.perf_counter() - start
+        if self._writer is not None:
+            self._writer.fence()
 
     def snapshot(self, trainer: pl.Trainer, step: int) -> None:
         """Take a snapshot now (collective when it is a persist step: all ranks call it at that step)."""
-        assert self._persister is not None and self._memory is not None
-        self._fence()
-        if self._prealloc is not None:
-            self._prealloc.result()  # the other slots' allocation after the first snapshot (long done)
+        assert self._persister is not None and self._writer is not None
+        self._writer.ready()
         start = time.perf_counter()
         persist = step % self.persist_every_n_steps == 0
         safe: int | None = None
@@ -376,133 +369,9 @@ class FlashCheckpoint(Callback):
             "fingerprint": self._fingerprint,
             "time": time.time(),
         }
-        slot = self._claim_slot()
-        deferred = [
-            i for i, t in enumerate(plan.sources) if t.numel() and t.untyped_storage().data_ptr() in live
-        ]
-        chosen = set(deferred)
-        now = [i for i in range(len(plan.sources)) if i not in chosen]
-        buffer: torch.Tensor | None = None
-        if self._prealloc is None:
-            # The first snapshot of this process: its slot is allocated by the copy thread too (touching
-            # a fresh buffer costs ~1.4 s/GB). The few tensors the next step may change (buffers, RNG
-            # states) are cloned now instead of copied; all the rest waits at most for the fence.
-            for i in now:
-                plan.sources[i] = plan.sources[i].clone()
-            deferred = list(range(len(plan.sources)))
-        else:
-            try:
-                buffer = self._reserve(slot, plan.nbytes)
-            except OSError as exc:
-                self._not_saved(header, exc)
-                return
-            snapshot.copy_into(buffer, plan, now)
-        event = None
-        if any(t.is_cuda for t in plan.sources):
-            torch.cuda.current_stream().synchronize()  # the small copies above
-            event = torch.cuda.Event()
-            event.record()
-        if persist:
-            self._persister.announce()
-        record = {"step": step, "bytes": plan.nbytes, "persist": persist, "fence_wait_s": 0.0}
-        self.stats.append(record)
-        job = (slot, buffer, plan, deferred, header, persist, safe, event, record)
-        assert self._copier is not None
-        if self.snapshot_copy == "overlap":
-            self._copy = self._copier.submit(self._complete, *job)
-        else:
-            self._complete(*job)
-        if self._prealloc is None:  # first snapshot: allocate the other slots off the training thread
-            self._prealloc = self._copier.submit(self._reserve_all, plan.nbytes)
-        record["capture_s"] = time.perf_counter() - start
-
-    def _claim_slot(self) -> int:
-        assert self._memory is not None and self._persister is not None
-        while True:
-            with self._memory.lock:
-                slot = self._memory.choose()
-                if slot is not None:
-                    self._memory.invalidate(slot)
-                    return slot
-            self._persister.wait_idle()  # one slot, being persisted
-
-    @staticmethod
-    def _not_saved(header: dict[str, Any], exc: OSError) -> None:
-        log.error(
-            "FlashCheckpoint: rank %d cannot hold snapshots (%s); step %d is not saved",
-            header["rank"],
-            exc,
-            header["step"],
-        )
-
-    def _reserve(self, slot: int, nbytes: int) -> torch.Tensor:
-        assert self._memory is not None
-        pin = self._pin
-        try:
-            return self._memory.reserve(slot, nbytes, pin=pin)
-        except NoRoom as exc:
-            if self._memory.directory == self._staging:
-                raise
-            self._fall_back(f"no room in {self.shm_dir} ({exc.strerror})")
-            with self._memory.lock:
-                self._memory.invalidate(slot)
-            return self._memory.reserve(slot, nbytes, pin=pin)
-
-    def _reserve_all(self, nbytes: int) -> None:
-        """Copy thread: give every slot its buffer now, so no later snapshot pays the first touch."""
-        memory = self._memory
-        assert memory is not None
-        for k in range(self.memory_slots):
-            try:
-                memory.reserve(k, nbytes, pin=self._pin)
-            except OSError as exc:  # the snapshot that needs this slot falls back, with its warning
-                log.info("FlashCheckpoint: slot %d not pre-allocated (%s)", k, exc)
-                return
-
-    def _complete(
-        self,
-        slot: int,
-        buffer: torch.Tensor | None,
-        plan: Plan,
-        deferred: list[int],
-        header: dict[str, Any],
-        persist: bool,
-        safe: int | None,
-        event: Any,
-        record: dict[str, Any],
-    ) -> None:
-        """Copy thread (or inline): the slot's allocation at the first snapshot (``buffer`` None), the big
-        copies, the commit, the hand-over to the persist thread."""
-        assert self._memory is not None and self._persister is not None
-        start = time.perf_counter()
-        if buffer is None:
-            try:
-                buffer = self._reserve(slot, plan.nbytes)
-            except OSError as exc:
-                self._not_saved(header, exc)
-                if persist:
-                    self._persister.withdraw()
-                return
-        try:
-            if event is not None:
-                with torch.cuda.stream(self._cuda_stream):
-                    self._cuda_stream.wait_event(event)
-                    snapshot.copy_into(buffer, plan, deferred)
-                self._cuda_stream.synchronize()
-            else:
-                snapshot.copy_into(buffer, plan, deferred)
-            with self._memory.lock:
-                self._memory.commit(slot, header)
-                if persist:
-                    self._memory.set_busy(slot, True)
-        except Exception:
-            log.exception("FlashCheckpoint: rank %d failed to copy step %d", header["rank"], header["step"])
-            if persist:
-                self._persister.withdraw()
-            raise
-        record["copy_s"] = time.perf_counter() - start
-        if persist:
-            self._persister.submit(slot, header, safe)
+        record = self._writer.write(plan=plan, live=live, header=header, persist=persist, safe=safe)
+        if record is not None:
+            record["capture_s"] = time.perf_counter() - start
 
     # ------------------------------------------------------------------ failures and the end
     def _on_sigterm(self, signum: int, frame: Any) -> None:
@@ -541,8 +410,8 @@ class FlashCheckpoint(Callback):
                     self._persister.wait_idle()
                     self.flush()
         finally:
-            if self._copier is not None:
-                self._copier.shutdown(wait=True)
+            if self._writer is not None:
+                self._writer.close()
             if self._persister is not None:
                 self._persister.stop(drain=not self._failed)
             for memory in self._memories:
