@@ -15,7 +15,7 @@ from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -48,12 +48,11 @@ from lightning_par.memory import MemoryReport, measure_memory
 from lightning_par.mesh import MeshLayout, ParallelMesh
 from lightning_par.pipeline.apply import TiedGradients, apply_pipeline
 from lightning_par.pipeline.lightning import LightningPipeline, pipeline_layers_of
-from lightning_par.pipeline.partition import METHODS as PARTITION_METHODS
 from lightning_par.pipeline.partition import PartitionMethod
 from lightning_par.pipeline.runtime import PipelineRuntime, StepStats
-from lightning_par.pipeline.schedule import validate_sizes
 from lightning_par.precision import ParallelPrecision, convert_precision_plugin
-from lightning_par.tensor_parallel import apply_tensor_parallel, resolve_plan
+from lightning_par.strategy_options import PipelineSchedule, StartMethod, check_options
+from lightning_par.tensor_parallel import apply_tensor_parallel
 from lightning_par.zero import apply_zero, broadcast_module_states
 from lightning_par.zero.engine import Engine, ReduceChoice, resolve_reduce_op
 from lightning_par.zero.grad_sync import GradSyncPolicy
@@ -65,11 +64,6 @@ if TYPE_CHECKING:
     from lightning.pytorch.accelerators import Accelerator
 
 log = logging.getLogger(__name__)
-
-StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
-_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 class HybridParallelStrategy(ZeroCheckpointIO):
@@ -146,54 +140,21 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
-        for name, value in (
-            ("tensor_parallel_size", tensor_parallel_size),
-            ("pipeline_parallel_size", pipeline_parallel_size),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        if tp_plan is not None and not isinstance(tp_plan, str | dict):
-            raise ValueError(f"tp_plan must be a plan name or a dict of pattern -> style, got {tp_plan!r}.")
-        if isinstance(tp_plan, str):
-            resolve_plan(tp_plan)  # an unknown name fails here, before any process starts
-        if pipeline_parallel_size > 1:
-            num_microbatches = num_microbatches or 2 * pipeline_parallel_size
-            validate_sizes(pipeline_schedule, p=pipeline_parallel_size, m=num_microbatches, v=virtual_stages)
-            if zero_stage == 3:
-                raise ValueError(
-                    "zero_stage=3 with pipeline_parallel_size > 1 is not supported: a stage's parameters are"
-                    " already 1/p of the model; use zero_stage 1 or 2 with the pipeline."
-                )
-            if grad_sync == "every":
-                raise ValueError(
-                    "grad_sync='every' with pipeline parallelism: the micro-batches of a pipeline step are"
-                    " reduced once, after the schedule (tied stage gradients are summed first); use"
-                    " grad_sync='boundary' or leave it unset."
-                )
-        if partition_method not in PARTITION_METHODS:
-            raise ValueError(
-                f"partition_method must be one of {PARTITION_METHODS}, got {partition_method!r}."
-            )
-        if pipeline_schedule not in _SCHEDULES:
-            raise ValueError(f"pipeline_schedule must be one of {_SCHEDULES}, got {pipeline_schedule!r}.")
-        if not bucket_size_mb > 0:
-            raise ValueError(
-                f"bucket_size_mb must be > 0 (the gradient bucket size in MiB), got {bucket_size_mb!r}."
-            )
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}.")
-        if grad_sync is not None and grad_sync not in ("boundary", "every"):
-            raise ValueError(f"grad_sync must be 'boundary', 'every' or None, got {grad_sync!r}.")
-        if grad_sync == "every" and zero_stage == 0:
-            raise ValueError("grad_sync='every' reduces into a gradient shard: use zero_stage 1 or 2.")
-        if reduce_op not in ("auto", "all_reduce", "reduce_scatter"):
-            raise ValueError(
-                f"reduce_op must be 'auto', 'all_reduce' or 'reduce_scatter', got {reduce_op!r}."
-            )
-        if start_method not in _START_METHODS:
-            raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}.")
+        num_microbatches = check_options(
+            zero_stage=zero_stage,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            bucket_size_mb=bucket_size_mb,
+            grad_sync=grad_sync,
+            reduce_op=reduce_op,
+            tp_plan=tp_plan,
+            num_microbatches=num_microbatches,
+            pipeline_schedule=pipeline_schedule,
+            virtual_stages=virtual_stages,
+            partition_method=partition_method,
+            timeout_s=timeout_s,
+            start_method=start_method,
+        )
         self.zero_stage = zero_stage  # read by the precision_plugin setter, which the base class calls
         super().__init__(
             accelerator=accelerator,
