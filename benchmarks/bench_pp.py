@@ -400,7 +400,7 @@ class Runner:
                     self.total_s.append(busy)
                     self.bubble.append(0.0)
                 with timer.phase("tied"):
-                    pass
+                    pass  # nothing to exchange unpipelined; timed empty so every runner has the same phases
             else:
                 with timer.phase("pipeline"):
                     total = self.runtime.train_step(inputs=xs, loss_fn=self._loss_fn(ys))
