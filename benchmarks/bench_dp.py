@@ -45,9 +45,11 @@ from benchmarks.common import (
     config_parser,
     environment,
     launch,
+    loss_agreement,
     peak_rss_mib,
-    slowest,
-    summarize,
+    per_impl,
+    time_ratios,
+    timing,
     write_result,
 )
 from lightning_par.models.gpt import GPT, GPTConfig
@@ -212,41 +214,22 @@ def _aggregate(cfg: BenchConfig, per_rank: list[dict[str, Any]]) -> dict[str, An
     w = cfg.warmup
     impls: dict[str, Any] = {}
     for name in per_rank[0]["times"]:
-        step_times = slowest(per_rank, "times", name)
-        # every rank's loss is the mean over its equally sized micro-batch: their mean is the global loss
-        losses = [statistics.fmean(v) for v in zip(*(r["losses"][name] for r in per_rank), strict=True)]
-        phases = {
-            ph: statistics.median(slowest(per_rank, "phases", name, ph)[w:])
-            for ph in per_rank[0]["phases"][name]
-        }
-        cpu = [statistics.fmean(v) for v in zip(*(r["cpu_times"][name] for r in per_rank), strict=True)]
         impls[name] = {
-            "summary": summarize(step_times[w:]).as_dict(),
-            "cpu_summary": summarize(cpu[w:]).as_dict(),
-            "cpu_times_per_rank_s": [r["cpu_times"][name] for r in per_rank],
-            "phase_medians_s": phases,
-            "step_times_s": step_times,
-            "step_times_per_rank_s": [r["times"][name] for r in per_rank],
-            "losses": losses,
+            **timing(per_impl(per_rank, name), w),
+            # every rank's loss is the mean over its equally sized micro-batch: their mean is the global loss
+            "losses": [statistics.fmean(v) for v in zip(*(r["losses"][name] for r in per_rank), strict=True)],
             "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in per_rank],
         }
     result: dict[str, Any] = {"implementations": impls}
     if set(impls) == set(IMPLS):
         ours, ddp = impls["ours"], impls["ddp"]
-        # the k-th measured steps of the two run next to each other in time (ABBA order)
-        pairs = [a / b for a, b in zip(ours["step_times_s"][w:], ddp["step_times_s"][w:], strict=True)]
-        diffs = [abs(a - b) for a, b in zip(ours["losses"], ddp["losses"], strict=True)]
-        rel = [d / max(abs(b), 1e-12) for d, b in zip(diffs, ddp["losses"], strict=True)]
+        agreement = loss_agreement(ours["losses"], ddp["losses"], rtol=LOSS_RTOL)
         result["comparison"] = {
-            "ratio_of_medians": ours["summary"]["median"] / ddp["summary"]["median"],
-            "median_paired_ratio": statistics.median(pairs),
-            "cpu_ratio_of_medians": ours["cpu_summary"]["median"] / ddp["cpu_summary"]["median"],
-            "paired_ratios": pairs,
+            # the k-th measured steps of the two run next to each other in time (ABBA order)
+            **time_ratios(ours, ddp, w),
             "target_ratio": 1.05,
-            "loss_max_abs_diff": max(diffs),
-            "loss_max_rel_diff": max(rel),
+            **agreement,
             "loss_rtol": LOSS_RTOL,
-            "losses_agree": max(rel) <= LOSS_RTOL,
             "final_param_max_abs_diff": max(r["final_param_max_abs_diff"] for r in per_rank),
             "order_rank0": per_rank[0]["order"],
         }

@@ -74,8 +74,8 @@ from benchmarks.common import (
     load_summary,
     peak_rss_mib,
     run_alone,
-    slowest,
-    summarize,
+    time_ratios,
+    timing,
     write_result,
 )
 from lightning_par.mesh import ParallelMesh
@@ -518,17 +518,10 @@ def aggregate(cfg: PPConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         if name not in per_rank[0]["runners"]:
             continue
         rs = [r["runners"][name] for r in per_rank]
-        step_times = slowest(rs, "times")
-        cpu = [statistics.fmean(v) for v in zip(*(r["cpu_times"] for r in rs), strict=True)]
-        phases = {ph: statistics.median(slowest(rs, "phases", ph)[w:]) for ph in rs[0]["phases"]}
         d: dict[str, Any] = {
             "schedule": schedule,
             "microbatches": m,
-            "summary": summarize(step_times[w:]).as_dict(),
-            "cpu_summary": summarize(cpu[w:]).as_dict(),
-            "phase_medians_s": phases,
-            "step_times_s": step_times,
-            "step_times_per_rank_s": [r["times"] for r in rs],
+            **timing(rs, w),
             "losses": rs[0]["losses"],
             "local_parameters_per_rank": [r["local_parameters"] for r in rs],
             "peak_forwards_in_flight_per_rank": [max(r["peak_forwards_in_flight"]) for r in rs],
@@ -573,11 +566,11 @@ def aggregate(cfg: PPConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         ref = impls.get(f"unpipelined_m{d['microbatches']}")
         if d["schedule"] == "unpipelined" or ref is None:
             continue
-        pairs = [b / a for a, b in zip(d["step_times_s"][w:], ref["step_times_s"][w:], strict=True)]
-        speedup = ref["summary"]["median"] / d["summary"]["median"]
+        inverse = time_ratios(ref, d, w)
+        speedup = inverse["ratio_of_medians"]
         d["speedup_vs_unpipelined"] = {
             "ratio_of_medians": speedup,
-            "median_paired_ratio": statistics.median(pairs),
+            "median_paired_ratio": inverse["median_paired_ratio"],
             "ideal": p * (1 - d["bubble_analytic"]),
             "efficiency": speedup / p,
         }

@@ -71,9 +71,11 @@ from benchmarks.common import (
     launch,
     load_summary,
     peak_rss_mib,
+    per_impl,
     run_alone,
     slowest,
-    summarize,
+    time_ratios,
+    timing,
     write_result,
 )
 from lightning_par.mesh import ParallelMesh
@@ -380,26 +382,15 @@ def aggregate(cfg: TPConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     predicted = predicted_param_bytes(cfg.gpt_config(), cfg.world_size)
     impls: dict[str, Any] = {}
     for name in per_rank[0]["times"]:
-        step_times = slowest(per_rank, "times", name)
-        cpu = [statistics.fmean(v) for v in zip(*(r["cpu_times"][name] for r in per_rank), strict=True)]
         comm = slowest(per_rank, "comm_s", name)
-        phases = {
-            ph: statistics.median(slowest(per_rank, "phases", name, ph)[w:])
-            for ph in per_rank[0]["phases"][name]
-        }
         tp = 1 if name == "tp1" else cfg.world_size
         impls[name] = {
             "tensor_parallel_size": tp,
             "sequence_parallel": name.endswith("_sp"),
-            "summary": summarize(step_times[w:]).as_dict(),
-            "cpu_summary": summarize(cpu[w:]).as_dict(),
-            "phase_medians_s": phases,
+            **timing(per_impl(per_rank, name), w),
             "comm_median_s": statistics.median(comm[w:]),
             "comm_counts_per_step": per_rank[0]["comm_counts_per_step"][name],
             "comm_bytes_per_step": per_rank[0]["comm_bytes_per_step"][name],
-            "step_times_s": step_times,
-            "step_times_per_rank_s": [r["times"][name] for r in per_rank],
-            "cpu_times_per_rank_s": [r["cpu_times"][name] for r in per_rank],
             "comm_s_per_rank": [r["comm_s"][name] for r in per_rank],
             "losses": per_rank[0]["losses"][name],
             "losses_per_rank": [r["losses"][name] for r in per_rank],
@@ -414,12 +405,8 @@ def aggregate(cfg: TPConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     for a, b in (("tp2", "tp1"), ("tp2_sp", "tp1"), ("tp2_sp", "tp2")):
         if a in impls and b in impls:
             da, db = impls[a], impls[b]
-            pairs = [x / y for x, y in zip(da["step_times_s"][w:], db["step_times_s"][w:], strict=True)]
             comparisons[f"{a}/{b}"] = {
-                "ratio_of_medians": da["summary"]["median"] / db["summary"]["median"],
-                "median_paired_ratio": statistics.median(pairs),
-                "cpu_ratio_of_medians": da["cpu_summary"]["median"] / db["cpu_summary"]["median"],
-                "paired_ratios": pairs,
+                **time_ratios(da, db, w),
                 "param_bytes_ratio": da["param_bytes_per_rank"][0]["total"]
                 / db["param_bytes_per_rank"][0]["total"],
             }

@@ -68,10 +68,12 @@ from benchmarks.common import (
     environment,
     launch,
     load_summary,
+    loss_agreement,
     peak_rss_mib,
+    per_impl,
     run_alone,
-    slowest,
-    summarize,
+    time_ratios,
+    timing,
     write_result,
 )
 from lightning_par.memory import estimate_memory, measure_memory
@@ -335,24 +337,14 @@ def rank_main(rank: int, world: int, cfg: ZeroConfig, impls: tuple[str, ...]) ->
 # ---------------------------------------------------------------------------------------------- report
 def compare(impls: dict[str, Any], a: str, b: str, w: int, target: float | None) -> dict[str, Any]:
     """Timing ratios and loss agreement of implementation ``a`` against reference ``b``."""
-    da, db = impls[a], impls[b]
-    # the k-th steps of a and b ran in the same rotation round
-    pairs = [x / y for x, y in zip(da["step_times_s"][w:], db["step_times_s"][w:], strict=True)]
-    diffs = [abs(x - y) for x, y in zip(da["losses"], db["losses"], strict=True)]
-    rel = [d / max(abs(y), 1e-12) for d, y in zip(diffs, db["losses"], strict=True)]
-    ratio = da["summary"]["median"] / db["summary"]["median"]
+    ratios = time_ratios(impls[a], impls[b], w)  # the k-th steps of a and b ran in the same rotation round
     return {
         "impl": a,
         "reference": b,
-        "ratio_of_medians": ratio,
-        "median_paired_ratio": statistics.median(pairs),
-        "cpu_ratio_of_medians": da["cpu_summary"]["median"] / db["cpu_summary"]["median"],
-        "paired_ratios": pairs,
+        **ratios,
         "target_ratio": target,
-        "meets_target": None if target is None else ratio <= target,
-        "loss_max_abs_diff": max(diffs),
-        "loss_max_rel_diff": max(rel),
-        "losses_agree": max(rel) <= LOSS_RTOL,
+        "meets_target": None if target is None else ratios["ratio_of_medians"] <= target,
+        **loss_agreement(impls[a]["losses"], impls[b]["losses"], rtol=LOSS_RTOL),
     }
 
 
@@ -361,22 +353,10 @@ def aggregate(cfg: ZeroConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]
     w = cfg.warmup
     impls: dict[str, Any] = {}
     for name in per_rank[0]["times"]:
-        step_times = slowest(per_rank, "times", name)
-        # every rank's loss is the mean over its equally sized micro-batch: their mean is the global loss
-        losses = [statistics.fmean(v) for v in zip(*(r["losses"][name] for r in per_rank), strict=True)]
-        phases = {
-            ph: statistics.median(slowest(per_rank, "phases", name, ph)[w:])
-            for ph in per_rank[0]["phases"][name]
-        }
-        cpu = [statistics.fmean(v) for v in zip(*(r["cpu_times"][name] for r in per_rank), strict=True)]
         impls[name] = {
-            "summary": summarize(step_times[w:]).as_dict(),
-            "cpu_summary": summarize(cpu[w:]).as_dict(),
-            "cpu_times_per_rank_s": [r["cpu_times"][name] for r in per_rank],
-            "phase_medians_s": phases,
-            "step_times_s": step_times,
-            "step_times_per_rank_s": [r["times"][name] for r in per_rank],
-            "losses": losses,
+            **timing(per_impl(per_rank, name), w),
+            # every rank's loss is the mean over its equally sized micro-batch: their mean is the global loss
+            "losses": [statistics.fmean(v) for v in zip(*(r["losses"][name] for r in per_rank), strict=True)],
             "model_state_bytes_rank0": per_rank[0]["model_state_bytes"][name],
         }
     comparisons = {

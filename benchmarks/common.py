@@ -59,10 +59,14 @@ __all__ = [
     "free_port",
     "launch",
     "load_summary",
+    "loss_agreement",
     "peak_rss_mib",
+    "per_impl",
     "run_alone",
     "slowest",
     "summarize",
+    "time_ratios",
+    "timing",
     "write_result",
 ]
 
@@ -190,6 +194,50 @@ def _bool_flag(text: str) -> bool:
     if text.lower() in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def timing(rs: Sequence[Any], warmup: int) -> dict[str, Any]:
+    """Timing of one implementation from its per-rank records (each with ``times``, ``cpu_times`` and
+    ``phases`` lists, one entry per step): the slowest rank's step times and their summary after
+    ``warmup``, the CPU time (mean over ranks), the median of each phase (slowest rank), raw series."""
+    step_times = slowest(rs, "times")
+    cpu = [statistics.fmean(v) for v in zip(*(r["cpu_times"] for r in rs), strict=True)]
+    return {
+        "summary": summarize(step_times[warmup:]).as_dict(),
+        "cpu_summary": summarize(cpu[warmup:]).as_dict(),
+        "phase_medians_s": {
+            ph: statistics.median(slowest(rs, "phases", ph)[warmup:]) for ph in rs[0]["phases"]
+        },
+        "step_times_s": step_times,
+        "step_times_per_rank_s": [r["times"] for r in rs],
+        "cpu_times_per_rank_s": [r["cpu_times"] for r in rs],
+    }
+
+
+def per_impl(per_rank: Sequence[Any], name: str) -> list[dict[str, Any]]:
+    """The ``times``/``cpu_times``/``phases`` records of implementation ``name`` of every rank, from rank
+    results keyed by implementation (``r["times"][name]``), for :func:`timing`."""
+    return [{k: r[k][name] for k in ("times", "cpu_times", "phases")} for r in per_rank]
+
+
+def time_ratios(a: Any, b: Any, warmup: int) -> dict[str, Any]:
+    """Step time of implementation ``a`` over reference ``b`` (both :func:`timing` results of the same
+    interleaved run): ratio of medians, median of the per-round ratios (the k-th measured steps of both
+    ran next to each other), and the CPU-time ratio of medians."""
+    pairs = [x / y for x, y in zip(a["step_times_s"][warmup:], b["step_times_s"][warmup:], strict=True)]
+    return {
+        "ratio_of_medians": a["summary"]["median"] / b["summary"]["median"],
+        "median_paired_ratio": statistics.median(pairs),
+        "cpu_ratio_of_medians": a["cpu_summary"]["median"] / b["cpu_summary"]["median"],
+        "paired_ratios": pairs,
+    }
+
+
+def loss_agreement(losses: Sequence[float], reference: Sequence[float], *, rtol: float) -> dict[str, Any]:
+    """Largest absolute and relative difference of two loss trajectories, and whether they agree."""
+    diffs = [abs(x - y) for x, y in zip(losses, reference, strict=True)]
+    rel = [d / max(abs(y), 1e-12) for d, y in zip(diffs, reference, strict=True)]
+    return {"loss_max_abs_diff": max(diffs), "loss_max_rel_diff": max(rel), "losses_agree": max(rel) <= rtol}
 
 
 def config_parser(config_cls: type, *, name: str) -> argparse.ArgumentParser:
