@@ -6,8 +6,9 @@ data parallelism and ZeRO 0-2, so it measures the rank's own speed; a whole step
 gradient collectives) and its whole step. Every ``every_n_steps`` steps one gather brings all ranks'
 means to every rank, and ranks slower than ``slow_factor`` x the median are logged with host and figure.
 
-``LossGuard`` checks every micro-batch's loss before backward with *one* all-reduce of
-``[sum of finite losses, number of non-finite ones]``, so every rank reaches the same verdict: the step is
+``LossGuard`` keeps every micro-batch's loss and judges them before the optimizer step with *one*
+all-reduce of ``[sum of finite losses, number of non-finite ones]`` per micro-batch, so every rank
+reaches the same verdict: the step is
 bad if any rank's loss is NaN/Inf, or if the mean loss exceeds ``spike_factor`` x its running mean (an
 exponential moving average of good steps, after ``warmup_steps``). A bad step is then, on all ranks:
 
@@ -21,12 +22,12 @@ exponential moving average of good steps, after ``warmup_steps``). A bad step is
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -160,6 +161,7 @@ class LossGuard(Callback):
         self._ema: float | None = None
         self._good_steps = 0
         self._window: list[float] = []
+        self._pending: list[Tensor] = []
         self._bad: str | None = None
         self._consecutive = 0
         self._flash: FlashCheckpoint | None = None
@@ -181,34 +183,43 @@ class LossGuard(Callback):
         self._good_steps = int(state_dict.get("good_steps", 0))
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        value = float(loss.detach().float())
-        finite = math.isfinite(value)
-        total, nonfinite = _dist.all_reduce(
-            [value if finite else 0.0, 0.0 if finite else 1.0], op="sum", device=trainer.strategy.root_device
-        )
+        # kept on its device and judged with the step's other micro-batches: no sync per micro-batch
+        self._pending.append(loss.detach().float().reshape(()))
+
+    def _judge(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The verdict on this step's micro-batches, agreed by all ranks through one all-reduce of
+        ``[finite loss or 0, non-finite flag]`` per micro-batch."""
+        if not self._pending:
+            return
+        losses = torch.stack(self._pending).double()
+        self._pending = []
+        finite = torch.isfinite(losses)
+        local = torch.cat([torch.where(finite, losses, torch.zeros_like(losses)), (~finite).double()])
+        totals = _dist.all_reduce(local.tolist(), op="sum", device=trainer.strategy.root_device)
+        k = len(losses)
         # Lightning hands backward the loss divided by the accumulation steps: judge the micro-batch's own
-        mean = (
-            total
-            / trainer.world_size
-            * (trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1)
-        )
-        if nonfinite:
-            self._bad = self._bad or f"non-finite loss on {int(nonfinite)} rank(s)"
-        elif (
-            self.spike_factor is not None
-            and self._ema is not None
-            and self._good_steps >= self.warmup_steps
-            and mean > self.spike_factor * self._ema
-        ):
-            self._bad = (
-                self._bad or f"loss spike: {mean:.4g} > {self.spike_factor:g} x running mean {self._ema:.4g}"
-            )
-        else:
-            self._window.append(mean)
+        scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        for total, nonfinite in zip(totals[:k], totals[k:], strict=True):
+            mean = total / trainer.world_size * scale
+            if nonfinite:
+                self._bad = self._bad or f"non-finite loss on {int(nonfinite)} rank(s)"
+            elif (
+                self.spike_factor is not None
+                and self._ema is not None
+                and self._good_steps >= self.warmup_steps
+                and mean > self.spike_factor * self._ema
+            ):
+                self._bad = (
+                    self._bad
+                    or f"loss spike: {mean:.4g} > {self.spike_factor:g} x running mean {self._ema:.4g}"
+                )
+            else:
+                self._window.append(mean)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
+        self._judge(trainer, pl_module)
         if self._bad is None:
             return
         restored = None
@@ -235,6 +246,7 @@ class LossGuard(Callback):
     ) -> None:
         if trainer.fit_loop.epoch_loop._should_accumulate():
             return
+        self._judge(trainer, pl_module)  # a step whose optimizer step did not run is judged here
         if self._bad is None and self._window:
             loss = sum(self._window) / len(self._window)
             self._ema = (
