@@ -70,6 +70,7 @@ from benchmarks.common import (
     config_from_args,
     config_parser,
     environment,
+    fmt,
     launch,
     load_summary,
     peak_rss_mib,
@@ -672,10 +673,6 @@ def run(cfg: PPConfig) -> dict[str, Any]:
     }
 
 
-def _fmt(value: float | None, spec: str = ".3f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def print_table(cfg: PPConfig, result: dict[str, Any], memory: dict[str, Any] | None = None) -> None:
     impls = result["implementations"]
     p = cfg.world_size
@@ -697,18 +694,18 @@ def print_table(cfg: PPConfig, result: dict[str, Any], memory: dict[str, Any] | 
         piped = d["schedule"] != "unpipelined"
         row = [
             str(d["microbatches"]),
-            _fmt(d["summary"]["median"]),
-            _fmt(d["summary"]["iqr"]),
-            _fmt(d["speedup_vs_unpipelined"]["ratio_of_medians"], ".2f") if piped else "1",
-            _fmt(d["bubble_measured"]) if piped else "-",
-            _fmt(d["bubble_analytic"]) if piped else "-",
-            _fmt(d["bubble_modelled_from_stage_times"]) if piped else "-",
+            fmt(d["summary"]["median"]),
+            fmt(d["summary"]["iqr"]),
+            fmt(d["speedup_vs_unpipelined"]["ratio_of_medians"], ".2f") if piped else "1",
+            fmt(d["bubble_measured"]) if piped else "-",
+            fmt(d["bubble_analytic"]) if piped else "-",
+            fmt(d["bubble_modelled_from_stage_times"]) if piped else "-",
             "/".join(f"{b:.2f}" for b in d["bubble_measured_per_rank"]) if piped else "-",
             "/".join(f"{b:.2f}" for b in d["idle_split_s_per_rank"]["recv"]) if piped else "-",
             "/".join(str(n) for n in d["peak_forwards_in_flight_per_rank"]),
             "/".join(f"{b:.1f}" for b in d["peak_saved_mib_per_rank"]),
-            "ref" if not piped else _fmt(corr["loss_max_abs_diff"], ".1e"),
-            "ref" if not piped else _fmt(corr["first_step_grad_max_abs_diff"], ".1e"),
+            "ref" if not piped else fmt(corr["loss_max_abs_diff"], ".1e"),
+            "ref" if not piped else fmt(corr["first_step_grad_max_abs_diff"], ".1e"),
         ]
         print(f"{d['schedule']:<18}" + "".join(f"{v:>{wd}}" for v, wd in zip(row, widths, strict=True)))
     verdict = "agree" if result["correct"] else "DISAGREE"

@@ -68,6 +68,7 @@ from benchmarks.common import (
     config_from_args,
     config_parser,
     environment,
+    fmt,
     launch,
     load_summary,
     peak_rss_mib,
@@ -481,10 +482,6 @@ def memory_runs(cfg: TPConfig, impls: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def _fmt(value: float | None, spec: str = ".3f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def print_table(cfg: TPConfig, nparams: int, agg: dict[str, Any], memory: dict[str, Any] | None) -> None:
     impls = agg["implementations"]
     print(
@@ -501,20 +498,20 @@ def print_table(cfg: TPConfig, nparams: int, agg: dict[str, Any], memory: dict[s
         rss = max(memory[name]["peak_rss_mib_per_rank"]) if memory and name in memory else None
         corr = agg["correctness"].get(name)
         row = [
-            _fmt(s["median"]),
-            _fmt(s["iqr"]),
-            _fmt(d["cpu_summary"]["median"]),
-            _fmt(ph["forward"]),
-            _fmt(ph["backward"]),
-            _fmt(ph["optimizer"]),
-            _fmt(d["comm_median_s"]),
-            _fmt(max(m["total"] for m in d["param_bytes_per_rank"]) / 2**20, ".2f"),
-            _fmt(max(m["total"] for m in d["model_state_bytes_per_rank"]) / 2**20, ".2f"),
-            _fmt(max(d["peak_saved_activation_mib_per_rank"]), ".1f"),
-            _fmt(rss, ".0f"),
-            "ref" if corr is None else _fmt(corr["loss_max_abs_diff"], ".1e"),
-            "ref" if corr is None else _fmt(corr["first_step_grad_max_abs_diff"], ".1e"),
-            "ref" if corr is None else _fmt(corr["final_weight_max_abs_diff"], ".1e"),
+            fmt(s["median"]),
+            fmt(s["iqr"]),
+            fmt(d["cpu_summary"]["median"]),
+            fmt(ph["forward"]),
+            fmt(ph["backward"]),
+            fmt(ph["optimizer"]),
+            fmt(d["comm_median_s"]),
+            fmt(max(m["total"] for m in d["param_bytes_per_rank"]) / 2**20, ".2f"),
+            fmt(max(m["total"] for m in d["model_state_bytes_per_rank"]) / 2**20, ".2f"),
+            fmt(max(d["peak_saved_activation_mib_per_rank"]), ".1f"),
+            fmt(rss, ".0f"),
+            "ref" if corr is None else fmt(corr["loss_max_abs_diff"], ".1e"),
+            "ref" if corr is None else fmt(corr["first_step_grad_max_abs_diff"], ".1e"),
+            "ref" if corr is None else fmt(corr["final_weight_max_abs_diff"], ".1e"),
         ]
         print(f"{name:<8}" + "".join(f"{v:>{wd}}" for v, wd in zip(row, widths, strict=True)))
     for key, c in agg["comparisons"].items():

@@ -66,6 +66,7 @@ from benchmarks.common import (
     config_from_args,
     config_parser,
     environment,
+    fmt,
     launch,
     load_summary,
     loss_agreement,
@@ -428,10 +429,6 @@ def git_state() -> dict[str, Any]:
     }
 
 
-def _fmt(value: float | None, spec: str = ".3f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def print_table(cfg: ZeroConfig, nparams: int, agg: dict[str, Any], memory: dict[str, Any] | None) -> None:
     """Print the per-implementation table and the comparisons."""
     impls = agg["implementations"]
@@ -448,14 +445,14 @@ def print_table(cfg: ZeroConfig, nparams: int, agg: dict[str, Any], memory: dict
         rss = max(memory[name]["peak_rss_mib_per_rank"]) if memory and name in memory else None
         diff = agg["loss_agreement_vs_ddp"].get(name, {}).get("loss_max_abs_diff")
         row = [
-            _fmt(s["median"]),
-            _fmt(s["iqr"]),
-            _fmt(d["cpu_summary"]["median"]),
-            _fmt(ph["forward"]),
-            _fmt(ph["backward"]),
-            _fmt(ph["optimizer"]),
-            _fmt(rss, ".0f"),
-            "ref" if name == "ddp" else _fmt(diff, ".1e"),
+            fmt(s["median"]),
+            fmt(s["iqr"]),
+            fmt(d["cpu_summary"]["median"]),
+            fmt(ph["forward"]),
+            fmt(ph["backward"]),
+            fmt(ph["optimizer"]),
+            fmt(rss, ".0f"),
+            "ref" if name == "ddp" else fmt(diff, ".1e"),
         ]
         print(f"{name:<11}" + "".join(f"{v:>{wd}}" for v, wd in zip(row, widths, strict=True)))
     print(f"{'ratio':<22}{'of medians':>12}{'paired':>9}{'CPU':>8}{'target':>9}")
@@ -464,7 +461,7 @@ def print_table(cfg: ZeroConfig, nparams: int, agg: dict[str, Any], memory: dict
         verdict = "" if target is None else ("  OK" if c["meets_target"] else "  MISSED")
         print(
             f"{key:<22}{c['ratio_of_medians']:>12.3f}{c['median_paired_ratio']:>9.3f}"
-            f"{c['cpu_ratio_of_medians']:>8.3f}{_fmt(target, '<.2f') if target else '-':>9}{verdict}"
+            f"{c['cpu_ratio_of_medians']:>8.3f}{fmt(target, '<.2f') if target else '-':>9}{verdict}"
         )
     worst = max((v["loss_max_abs_diff"] for v in agg["loss_agreement_vs_ddp"].values()), default=0.0)
     verdict = "all agree" if agg["losses_agree"] else "DISAGREE"

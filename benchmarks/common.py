@@ -56,6 +56,7 @@ __all__ = [
     "config_from_args",
     "config_parser",
     "environment",
+    "fmt",
     "free_port",
     "launch",
     "load_summary",
@@ -238,6 +239,11 @@ def loss_agreement(losses: Sequence[float], reference: Sequence[float], *, rtol:
     diffs = [abs(x - y) for x, y in zip(losses, reference, strict=True)]
     rel = [d / max(abs(y), 1e-12) for d, y in zip(diffs, reference, strict=True)]
     return {"loss_max_abs_diff": max(diffs), "loss_max_rel_diff": max(rel), "losses_agree": max(rel) <= rtol}
+
+
+def fmt(value: float | None, spec: str = ".3f") -> str:
+    """``value`` formatted with ``spec``, or ``-`` when it is missing (tables)."""
+    return "-" if value is None else format(value, spec)
 
 
 def config_parser(config_cls: type, *, name: str) -> argparse.ArgumentParser:

@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS_DIR
+from benchmarks.common import RESULTS_DIR, fmt
 
 # DeepSpeed ZeRO stage -> (ours at that stage, torch's implementation of it)
 OURS_OF_DS_STAGE = {1: ("ours_s1", "zero_opt"), 2: ("ours_s2", "zero_opt"), 3: ("ours_s3", "fsdp2")}
@@ -132,16 +132,12 @@ def deepspeed_beside_ours(zero: dict[str, Any], ds: dict[str, Any]) -> dict[str,
     return out
 
 
-def _f(value: float | None, spec: str = ".3f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def print_deepspeed(d: dict[str, Any]) -> None:
     """Plain-text summary of :func:`deepspeed_beside_ours`."""
     ddp = d["ddp_median_s"]
     print(
         f"\nDeepSpeed {d['deepspeed_version']} (separate run; DDP median there "
-        f"{_f(ddp['bench_deepspeed'])} s, here {_f(ddp['bench_zero'])} s; "
+        f"{fmt(ddp['bench_deepspeed'])} s, here {fmt(ddp['bench_zero'])} s; "
         f"same model and data: {d['same_model_and_data']})"
     )
     if not d["same_model_and_data"]:
@@ -150,9 +146,9 @@ def print_deepspeed(d: dict[str, Any]) -> None:
     print(f"{'impl':<7}" + "".join(f"{h:>{w}}" for h, w in header))
     for name, s in d["stages"].items():
         print(
-            f"{name:<7}{_f(s['median_s_raw']):>10}{_f(s['ds_over_ddp']):>8}{_f(s['ours_over_ddp']):>10}"
-            f"{_f(s['ds_over_ours_via_ddp']):>9}{_f(s['ds_over_torch_reference_via_ddp']):>10}"
-            f"{_f(s['rss_minus_ddp_mib'], '.0f'):>9}"
+            f"{name:<7}{fmt(s['median_s_raw']):>10}{fmt(s['ds_over_ddp']):>8}{fmt(s['ours_over_ddp']):>10}"
+            f"{fmt(s['ds_over_ours_via_ddp']):>9}{fmt(s['ds_over_torch_reference_via_ddp']):>10}"
+            f"{fmt(s['rss_minus_ddp_mib'], '.0f'):>9}"
         )
 
 
@@ -192,7 +188,7 @@ def markdown(zero: dict[str, Any], ds: dict[str, Any] | None = None) -> str:
                     (f"{_pair(vs_ref)} vs FSDP2" if vs_ref else "-"),
                     "-" if target is None else f"≤ {target:.2f} {'✓' if met else '✗'}",
                     "-" if rss is None else " / ".join(f"{v:.0f}" for v in rss),
-                    "ref." if name == "ddp" else _f(loss, ".1e"),
+                    "ref." if name == "ddp" else fmt(loss, ".1e"),
                 ]
             )
             + " |"
@@ -226,16 +222,16 @@ def markdown(zero: dict[str, Any], ds: dict[str, Any] | None = None) -> str:
                         DESCRIPTIONS[name],
                         f"{d['summary']['median']:.2f} ({d['summary']['iqr']:.2f})",
                         f"{d['cpu_summary']['median']:.2f}",
-                        f"{_f(st['ds_over_ddp'])} (paired {_f(st['ds_over_ddp_paired'])},"
-                        f" CPU {_f(st['ds_over_ddp_cpu'])})",
-                        f"{_f(st['ours_over_ddp'])} ({DESCRIPTIONS[st['ours']]})",
-                        f"{_f(st['ds_over_ours_via_ddp'])} (paired {_f(st['ds_over_ours_via_ddp_paired'])},"
-                        f" CPU {_f(st['ds_over_ours_via_ddp_cpu'])})",
-                        f"{_f(st['ds_over_torch_reference_via_ddp'])} (vs {ref})",
+                        f"{fmt(st['ds_over_ddp'])} (paired {fmt(st['ds_over_ddp_paired'])},"
+                        f" CPU {fmt(st['ds_over_ddp_cpu'])})",
+                        f"{fmt(st['ours_over_ddp'])} ({DESCRIPTIONS[st['ours']]})",
+                        f"{fmt(st['ds_over_ours_via_ddp'])} (paired {fmt(st['ds_over_ours_via_ddp_paired'])},"
+                        f" CPU {fmt(st['ds_over_ours_via_ddp_cpu'])})",
+                        f"{fmt(st['ds_over_torch_reference_via_ddp'])} (vs {ref})",
                         ("-" if rss is None else " / ".join(f"{v:.0f}" for v in rss))
-                        + f" ({_f(st['rss_minus_ddp_mib'], '+.0f')};"
-                        + f" {_f(st['ours_rss_minus_ddp_mib'], '+.0f')})",
-                        _f(st["loss_max_abs_diff_vs_ddp"], ".1e"),
+                        + f" ({fmt(st['rss_minus_ddp_mib'], '+.0f')};"
+                        + f" {fmt(st['ours_rss_minus_ddp_mib'], '+.0f')})",
+                        fmt(st["loss_max_abs_diff_vs_ddp"], ".1e"),
                     ]
                 )
                 + " |"

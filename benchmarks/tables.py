@@ -11,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-
-def _f(value: float | None, spec: str = ".3f") -> str:
-    return "-" if value is None else format(value, spec)
+from benchmarks.common import fmt
 
 
 def _load(payload: Mapping[str, Any]) -> str:
@@ -28,7 +26,7 @@ def dp_section(dp: Mapping[str, Any]) -> list[str]:
     c = dp["comparison"]
     return [
         f"Data parallel (stage 0) ÷ torch DDP: {c['ratio_of_medians']:.3f} (ratio of medians; paired "
-        f"{_f(c.get('median_paired_ratio'))}, CPU time {_f(c.get('cpu_ratio_of_medians'))}), "
+        f"{fmt(c.get('median_paired_ratio'))}, CPU time {fmt(c.get('cpu_ratio_of_medians'))}), "
         f"GPT {dp['model']['num_parameters'] / 1e6:.1f}M, 2 ranks x 1 thread.",
     ]
 
@@ -62,9 +60,9 @@ def tp_section(tp: Mapping[str, Any]) -> list[str]:
                     f"{s['median']:.3f} ({s['iqr']:.3f})",
                     "1"
                     if c is None
-                    else f"{c['ratio_of_medians']:.3f} ({_f(c.get('median_paired_ratio'))}, "
-                    f"{_f(c.get('cpu_ratio_of_medians'))})",
-                    _f(d.get("comm_median_s")),
+                    else f"{c['ratio_of_medians']:.3f} ({fmt(c.get('median_paired_ratio'))}, "
+                    f"{fmt(c.get('cpu_ratio_of_medians'))})",
+                    fmt(d.get("comm_median_s")),
                     f"{max(pm['measured_bytes_per_rank']) / 2**20:.1f} MiB ({pm['fraction_of_full']:.3f}; "
                     f"{'✓' if pm['matches_prediction'] else '✗'})",
                     "-" if not saved else " / ".join(f"{v:.1f}" for v in saved),
@@ -109,9 +107,9 @@ def pp_section(pp: Mapping[str, Any]) -> list[str]:
                     d["schedule"],
                     str(m),
                     f"{d['summary']['median']:.3f}",
-                    _f(ratio),
-                    _f(d.get("bubble_measured")),
-                    _f(d.get("bubble_analytic")),
+                    fmt(ratio),
+                    fmt(d.get("bubble_measured")),
+                    fmt(d.get("bubble_analytic")),
                     str(d.get("peak_forwards_in_flight_per_rank", "-")),
                     "-" if not saved else " / ".join(f"{v:.1f}" for v in saved),
                     "-" if ok is None else ("✓" if ok else "✗"),
@@ -157,12 +155,12 @@ def checkpoint_section(ckpt: Mapping[str, Any]) -> list[str]:
         f"| FlashCheckpoint (first save: {s['flash_first_blocking_s']:.3f} s) | "
         f"{s['flash_blocking_after_first_s']:.4f} | {s['flash_over_torch_save']:.4f} "
         f"(target ≤ {s['target_flash_over_torch_save']}) | {tput['flash']:.3f} "
-        f"({_f(steady.get('flash'))}; target ≥ {s['target_flash_throughput']}) |",
+        f"({fmt(steady.get('flash'))}; target ≥ {s['target_flash_throughput']}) |",
         f"| torch.save (page cache; with fsync {s['torch_save_fsync_s']:.3f} s) | "
-        f"{s['torch_save_s']:.3f} | 1 | {tput['torch_save']:.3f} ({_f(steady.get('torch_save'))}) |",
+        f"{s['torch_save_s']:.3f} | 1 | {tput['torch_save']:.3f} ({fmt(steady.get('torch_save'))}) |",
         f"| Lightning ModelCheckpoint | {s['model_checkpoint_s']:.3f} | "
         f"{s['model_checkpoint_s'] / s['torch_save_s']:.3f} | {tput['model_checkpoint']:.3f} "
-        f"({_f(steady.get('model_checkpoint'))}) |",
+        f"({fmt(steady.get('model_checkpoint'))}) |",
     ]
     none_runs = ckpt["blocking_and_throughput"]["step_times_s"].get("none", [])
     if len(none_runs) > 1:
