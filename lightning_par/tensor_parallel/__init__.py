@@ -1,4 +1,5 @@
-"""Tensor parallelism: Megatron-style sharded layers, their communication, and plans that apply them."""
+"""Tensor parallelism: Megatron-style sharded layers, their communication, and plans that apply them
+(PEFT-style LoRA layers included, see :mod:`lightning_par.tensor_parallel.lora`)."""
 
 from lightning_par.tensor_parallel.layers import (
     TP_DIM_ATTR,
@@ -7,16 +8,25 @@ from lightning_par.tensor_parallel.layers import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from lightning_par.tensor_parallel.plan import PLANS, STYLES, apply_tensor_parallel, resolve_plan
+from lightning_par.tensor_parallel.lora import is_lora_wrapper
+from lightning_par.tensor_parallel.plan import (
+    PLANS,
+    STYLES,
+    TP_STATE_ATTR,
+    apply_tensor_parallel,
+    resolve_plan,
+)
 
 __all__ = [
     "PLANS",
     "STYLES",
     "TP_DIM_ATTR",
+    "TP_STATE_ATTR",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "apply_tensor_parallel",
+    "is_lora_wrapper",
     "resolve_plan",
     "vocab_parallel_cross_entropy",
 ]

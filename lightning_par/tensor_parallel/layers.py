@@ -49,6 +49,15 @@ def _mark(param: nn.Parameter, dim: int) -> nn.Parameter:
     return param
 
 
+def _keep_requires_grad(new: nn.Module, old: nn.Module) -> None:
+    """The sharded twin trains what the original trained: a frozen weight (a LoRA base layer, a frozen
+    embedding) stays frozen, weight and bias each as they were (fresh Parameters would require grad)."""
+    for pname, p in new.named_parameters(recurse=False):
+        before = getattr(old, pname, None)
+        if isinstance(before, torch.Tensor):
+            p.requires_grad_(before.requires_grad)
+
+
 def _divide(n: int, t: int, what: str, fix: str) -> int:
     if n % t != 0:
         raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={t}; {fix}")
@@ -88,14 +97,15 @@ class ColumnParallelLinear(nn.Module):
     def from_linear(
         cls, linear: nn.Linear, *, group: ProcessGroup, name: str = "", **kw: Any
     ) -> ColumnParallelLinear:
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            group=group,
-            bias=linear.bias is not None,
-            name=name,
-            **kw,
-        )
+        with torch.device(linear.weight.device):  # a meta (not yet loaded) weight gives a meta slice
+            layer = cls(
+                linear.in_features,
+                linear.out_features,
+                group=group,
+                bias=linear.bias is not None,
+                name=name,
+                **kw,
+            )
         r = dist.get_rank(group)
         with torch.no_grad():
             layer.weight.data = linear.weight.detach()[
@@ -105,6 +115,7 @@ class ColumnParallelLinear(nn.Module):
                 layer.bias.data = linear.bias.detach()[
                     r * layer.local_out : (r + 1) * layer.local_out
                 ].clone()
+        _keep_requires_grad(layer, linear)
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
@@ -148,14 +159,15 @@ class RowParallelLinear(nn.Module):
     def from_linear(
         cls, linear: nn.Linear, *, group: ProcessGroup, name: str = "", **kw: Any
     ) -> RowParallelLinear:
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            group=group,
-            bias=linear.bias is not None,
-            name=name,
-            **kw,
-        )
+        with torch.device(linear.weight.device):  # a meta (not yet loaded) weight gives a meta slice
+            layer = cls(
+                linear.in_features,
+                linear.out_features,
+                group=group,
+                bias=linear.bias is not None,
+                name=name,
+                **kw,
+            )
         r = dist.get_rank(group)
         with torch.no_grad():
             layer.weight.data = linear.weight.detach()[
@@ -163,6 +175,7 @@ class RowParallelLinear(nn.Module):
             ].clone()
             if linear.bias is not None and layer.bias is not None:
                 layer.bias.data = linear.bias.detach().clone()
+        _keep_requires_grad(layer, linear)
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
@@ -204,9 +217,11 @@ class VocabParallelEmbedding(nn.Module):
     def from_embedding(
         cls, emb: nn.Embedding, *, group: ProcessGroup, name: str = ""
     ) -> VocabParallelEmbedding:
-        layer = cls(emb.num_embeddings, emb.embedding_dim, group=group, name=name)
+        with torch.device(emb.weight.device):
+            layer = cls(emb.num_embeddings, emb.embedding_dim, group=group, name=name)
         with torch.no_grad():
             layer.weight.data = emb.weight.detach()[layer.start : layer.end].clone()
+        _keep_requires_grad(layer, emb)
         return layer
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -226,16 +241,43 @@ def make_region_input(module: nn.Module, *, group: ProcessGroup, sequence_parall
         module.register_forward_hook(lambda _m, _a, out: copy_to(out, group))
         return module
     for p in module.parameters(recurse=False):
-        p.register_hook(lambda g: _all_reduce_grad(g, group))
+        sum_grad_over_group(module, p, group=group)
     module.register_forward_hook(lambda _m, _a, out: gather_seq(out, group))
     return module
 
 
-def make_scatter_sequence(module: nn.Module, *, group: ProcessGroup) -> nn.Module:
-    """Keep this rank's slice of ``module``'s output along the sequence: sequence parallelism starts here
-    (the backward all-gathers)."""
+def sum_grad_over_group(owner: nn.Module, param: Tensor, *, group: ProcessGroup) -> None:
+    """All-reduce (sum) the gradient of ``param`` (used by ``owner``) over ``group`` as it is computed: for
+    a replicated parameter whose gradient on each rank is only a partial sum (it saw a sequence shard, or
+    was reached through a column-parallel slice), so that every rank then holds the full, identical one.
 
-    def scatter(_m: nn.Module, _a: Any, out: Tensor) -> Tensor:
+    A tensor hook cannot be put on a frozen parameter (a PEFT model's norms, an inactive adapter), so such
+    a parameter gets it at the first forward of ``owner`` in which it requires grad: unfreezing it later
+    still sums its gradient."""
+
+    def attach() -> bool:
+        if not param.requires_grad:
+            return False
+        param.register_hook(lambda g: _all_reduce_grad(g, group))
+        return True
+
+    if attach():
+        return
+
+    def pre_hook(_m: nn.Module, _args: Any) -> None:
+        if attach():
+            handle.remove()
+
+    handle = owner.register_forward_pre_hook(pre_hook)
+
+
+def make_scatter_sequence(module: nn.Module, *, group: ProcessGroup, at_input: bool = False) -> nn.Module:
+    """Keep this rank's slice of ``module``'s output along the sequence: sequence parallelism starts here
+    (the backward all-gathers). ``at_input``: slice its input instead (the first positional argument, or
+    ``hidden_states=``), for models that derive positions and attention masks from the length of the
+    embedding's output (Hugging Face decoders: SP then starts at the first decoder layer)."""
+
+    def scatter(out: Tensor) -> Tensor:
         t = dist.get_world_size(group)
         if out.shape[1] % t != 0:
             raise ValueError(
@@ -244,7 +286,22 @@ def make_scatter_sequence(module: nn.Module, *, group: ProcessGroup) -> nn.Modul
             )
         return scatter_seq(out, group)
 
-    module.register_forward_hook(scatter)
+    def scatter_input(
+        _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args:
+            return (scatter(args[0]), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), Tensor):
+            return args, {**kwargs, "hidden_states": scatter(kwargs["hidden_states"])}
+        raise ValueError(
+            f"scatter_sequence_input on {type(module).__name__}: it was called without a positional input"
+            " or hidden_states=, so there is no sequence to split."
+        )
+
+    if at_input:
+        module.register_forward_pre_hook(scatter_input, with_kwargs=True)
+    else:
+        module.register_forward_hook(lambda _m, _a, out: scatter(out))
     return module
 
 

@@ -13,6 +13,8 @@ and ``model.blocks.3.attn.q_proj``). Styles:
                    ``copy_to`` (one gradient all-reduce for all the column-parallel layers that read it);
                    with SP the module runs on sequence shards and its output is all-gathered
 ``scatter_sequence`` any module -> output split along the sequence (SP only: where SP starts)
+``scatter_sequence_input`` any module -> its input split along the sequence (SP only: where SP starts,
+                   for models that compute positions and masks from the embedding's output length)
 ================== ==================================================================================
 
 Styles combine with ``+`` and apply left to right (``"vocab+scatter_sequence"``).
@@ -23,6 +25,10 @@ model's outputs those of the unsharded model: full logits. With ``sequence_paral
 entries are added. Weights are sliced from the existing modules, so a seeded or pretrained model keeps
 its function; tied weights (embedding and head) stay tied when both sides shard the vocabulary alike.
 Attention modules whose projections become column-parallel get their head-count attributes divided.
+The Llama plan's SP starts at the first decoder layer's input, so it also fits Hugging Face's
+``LlamaForCausalLM``. PEFT LoRA layers (``lora.Linear``: ``base_layer`` + ``lora_A``/``lora_B``) matched by
+a linear style are sharded inside their wrapper (:mod:`lightning_par.tensor_parallel.lora`). Parameters
+keep their ``requires_grad``. A model is converted once (see :func:`apply_tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -42,8 +48,22 @@ from lightning_par.tensor_parallel.layers import (
     make_region_input,
     make_scatter_sequence,
 )
+from lightning_par.tensor_parallel.lora import (
+    PARALLEL_TYPES,
+    check_lora,
+    convert_lora_linear,
+    is_lora_wrapper,
+)
 
-Style = Literal["colwise", "colwise_gather", "rowwise", "vocab", "region_input", "scatter_sequence"]
+Style = Literal[
+    "colwise",
+    "colwise_gather",
+    "rowwise",
+    "vocab",
+    "region_input",
+    "scatter_sequence",
+    "scatter_sequence_input",
+]
 STYLES: tuple[str, ...] = (
     "colwise",
     "colwise_gather",
@@ -51,6 +71,7 @@ STYLES: tuple[str, ...] = (
     "vocab",
     "region_input",
     "scatter_sequence",
+    "scatter_sequence_input",
 )
 
 GPT_PLAN: dict[str, Style] = {
@@ -81,11 +102,20 @@ LLAMA_PLAN: dict[str, Style] = {
     "*.mlp.down_proj": "rowwise",
     "*.lm_head": "colwise_gather",
 }
-LLAMA_SP: dict[str, str] = {"*.embed_tokens": "vocab+scatter_sequence"}
+# SP starts at the first decoder layer's input, not at the embedding's output: Hugging Face's LlamaModel
+# builds position ids, rotary tables and the causal mask from the embedding output's length, which must
+# stay the full sequence (the attention sees the full sequence, gathered by input_layernorm)
+LLAMA_SP: dict[str, str] = {"*.layers.0": "scatter_sequence_input"}
 PLANS: dict[str, tuple[dict[str, Style], dict[str, str]]] = {
     "gpt": (GPT_PLAN, GPT_SP),
     "llama": (LLAMA_PLAN, LLAMA_SP),
 }
+# set on the root module by apply_tensor_parallel: {"plan", "resolved", "size", "sequence_parallel",
+# "applied"}; a second application compares against it (the conversion is in place and not repeatable)
+TP_STATE_ATTR = "_lp_tensor_parallel"
+# set on every module a style was applied to (the root record does not see a sub-model converted alone)
+_STYLE_ATTR = "_lp_tp_style"
+_LINEAR_STYLES = ("colwise", "colwise_gather", "rowwise")
 _HEAD_ATTRS = (
     "n_head",
     "n_heads",
@@ -126,11 +156,26 @@ def apply_tensor_parallel(
 ) -> dict[str, str]:
     """Replace the modules ``plan`` names by their tensor-parallel versions over ``group``, in place.
 
-    Returns ``{module name: style}`` of what was applied. Raises a ``ValueError`` for a pattern that
-    matches nothing, a style applied to the wrong kind of module, or sizes not divisible by the group.
+    Returns ``{module name: style}`` of what was applied (a module matched by several patterns gets their
+    styles joined by ``+``, in plan order). PEFT-style LoRA layers keep their wrapper and are sharded as
+    described in :mod:`lightning_par.tensor_parallel.lora`; every parameter keeps its ``requires_grad``.
+    Raises a ``ValueError`` for a pattern that matches nothing, a style applied to the wrong kind of
+    module, a LoRA layer that cannot be sharded exactly, or sizes not divisible by the group. The
+    conversion is in place: applying the same plan, group size and ``sequence_parallel`` again is a no-op
+    that returns the same dict; another layout is a ``ValueError`` (build a fresh model for it).
     """
     resolved = resolve_plan(plan, sequence_parallel=sequence_parallel)
     t = dist.get_world_size(group)
+    done = getattr(module, TP_STATE_ATTR, None)
+    if isinstance(done, dict):
+        if (done["resolved"], done["size"], done["sequence_parallel"]) == (resolved, t, sequence_parallel):
+            return dict(done["applied"])
+        raise ValueError(
+            f"The model is already tensor-parallel with tp_plan={done['plan']!r},"
+            f" tensor_parallel_size={done['size']}, sequence_parallel={done['sequence_parallel']}; asked"
+            f" for tp_plan={plan!r}, tensor_parallel_size={t}, sequence_parallel={sequence_parallel}. Its"
+            " layers were sharded in place: build a fresh model for another layout."
+        )
     # column-parallel layers read a region input (copy_to or SP gather already applied) when the plan
     # has such entries; otherwise each applies copy_to to its own input
     in_region = sequence_parallel or any("region_input" in s.split("+") for s in resolved.values())
@@ -139,9 +184,7 @@ def apply_tensor_parallel(
     for name, m in modules.items():
         for pname, p in m.named_parameters(recurse=False):
             tied.setdefault(id(p), []).append((name, pname))
-    applied: dict[str, str] = {}
-    # deepest first: a module is converted after the modules inside it
-    targets: list[tuple[str, str]] = []
+    hit_styles: dict[str, list[str]] = {}
     for pattern, style in resolved.items():
         hits = [n for n in modules if n and _matches(n, pattern)]
         if not hits:
@@ -149,8 +192,21 @@ def apply_tensor_parallel(
             raise ValueError(
                 f"tp_plan pattern {pattern!r} ({style}) matches no module; module names look like {examples}."
             )
-        targets.extend((n, style) for n in hits)
-    targets.sort(key=lambda item: item[0].count("."), reverse=True)
+        for n in hits:
+            hit_styles.setdefault(n, []).append(style)
+    # deepest first: a module is converted after the modules inside it
+    targets = sorted(
+        ((n, "+".join(styles)) for n, styles in hit_styles.items()),
+        key=lambda item: item[0].count("."),
+        reverse=True,
+    )
+    # refusals before any change, so a refused model is left as it was
+    for name, style in targets:
+        _refuse_parallel(modules[name], name)
+        if is_lora_wrapper(modules[name]):
+            for part in style.split("+"):
+                check_lora(modules[name], name=name, style=part)
+    applied: dict[str, str] = {}
     for name, style in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
@@ -158,17 +214,43 @@ def apply_tensor_parallel(
         for part in style.split("+"):
             new = _convert(new, name, part, group, sequence_parallel, in_region)
             if part in ("colwise", "colwise_gather") and t > 1:
+                # the parent of a projection (a LoRA wrapper included) is the attention module
                 _divide_heads(parent, t, name)
+        setattr(new, _STYLE_ATTR, style)
         setattr(parent, attr, new)
         applied[name] = style
     _retie(module, tied)
+    record = {
+        "plan": plan if isinstance(plan, str) else dict(plan),
+        "resolved": resolved,
+        "size": t,
+        "sequence_parallel": sequence_parallel,
+        "applied": dict(applied),
+    }
+    setattr(module, TP_STATE_ATTR, record)
     return applied
+
+
+def _refuse_parallel(old: nn.Module, name: str) -> None:
+    style = getattr(old, _STYLE_ATTR, None)
+    if style is not None or isinstance(old, PARALLEL_TYPES):
+        what = f"style {style!r}" if style is not None else type(old).__name__
+        raise ValueError(
+            f"{name!r} is already tensor-parallel ({what}); a model is converted once: build a fresh"
+            " model for another layout."
+        )
 
 
 def _convert(
     old: nn.Module, name: str, style: str, group: ProcessGroup, sp: bool, in_region: bool
 ) -> nn.Module:
-    if style in ("colwise", "colwise_gather", "rowwise"):
+    if style in _LINEAR_STYLES or style == "vocab":
+        _refuse_parallel(old, name)
+        if is_lora_wrapper(old):
+            return convert_lora_linear(
+                old, name=name, style=style, group=group, sequence_parallel=sp, in_region=in_region
+            )
+    if style in _LINEAR_STYLES:
         if not isinstance(old, nn.Linear):
             raise ValueError(
                 f"tp_plan style {style!r} needs an nn.Linear, but {name!r} is {type(old).__name__}."
@@ -188,7 +270,7 @@ def _convert(
         return make_region_input(old, group=group, sequence_parallel=sp)
     if not sp:
         raise ValueError(f"tp_plan style {style!r} on {name!r} needs sequence_parallel=True.")
-    return make_scatter_sequence(old, group=group)
+    return make_scatter_sequence(old, group=group, at_input=style == "scatter_sequence_input")
 
 
 def _divide_heads(attention: nn.Module, t: int, name: str) -> None:
