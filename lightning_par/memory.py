@@ -10,6 +10,10 @@ parameters are the masters) and ``S`` the optimizer's state bytes per element (A
     stage 2:  params PΨ   grads GΨ/N + buckets  optimizer (M+S)Ψ/N     (grad_sync="every")
     stage 3:  params PΨ/N + live units   grads GΨ/N   optimizer (M+S)Ψ/N
 
+Frozen parameters (``requires_grad=False``, e.g. a LoRA model's base) add ``P Φ`` to the parameters
+(``P Φ/N`` at stage 3, ``Φ`` the frozen count per tensor/pipeline rank) and nothing to gradients or
+optimizer state: they have no gradient, no master and no optimizer state.
+
 where the live units are the root unit (gathered for the whole step) plus a block and its prefetched
 successor. E.g. mixed-precision AdamW (P=G=2, M=4, S=8): stage 1 ≈ 4Ψ + 12Ψ/N, stage 2 ≈ 2Ψ + 14Ψ/N,
 stage 3 ≈ 16Ψ/N, as in ARCHITECTURE.md. With ``grad_sync="boundary"`` stage 2 keeps the full local
@@ -138,12 +142,16 @@ def estimate_memory(
     bucket_size_mb: float = 25.0,
     max_inflight: int = 4,
     stage3_inflight: int = 2,
+    frozen_params: int = 0,
 ) -> MemoryReport:
-    """Predicted bytes per rank of model states (see the module docstring for the formulas)."""
+    """Predicted bytes per rank of model states (see the module docstring for the formulas). Given a
+    parameter count, ``frozen_params`` is the number of frozen parameters besides it; given a model, its
+    parameters with ``requires_grad=False`` are."""
     largest = 0
     if isinstance(model_or_param_count, nn.Module):
         trainable = [p for p in model_or_param_count.parameters() if p.requires_grad]
         total_params = sum(p.numel() for p in trainable)
+        frozen_params = sum(p.numel() for p in model_or_param_count.parameters() if not p.requires_grad)
         largest = max((p.numel() for p in trainable), default=0)
     else:
         total_params = int(model_or_param_count)
@@ -157,22 +165,24 @@ def estimate_memory(
         if size < 1:
             raise ValueError(f"{name} must be >= 1, got {size}.")
     psi = total_params / (tp * pp)
+    phi = frozen_params / (tp * pp)
     p_bytes, g_bytes, m_bytes = _PRECISION_BYTES[precision]
     s_bytes = _STATE_BYTES[optimizer]
-    params = p_bytes * psi
+    params = p_bytes * (psi + phi)
     comm = live = 0.0
     if zero_stage == 3:
-        params, grads, opt = p_bytes * psi / dp, g_bytes * psi / dp, (m_bytes + s_bytes) * psi / dp
+        params, grads, opt = p_bytes * (psi + phi) / dp, g_bytes * psi / dp, (m_bytes + s_bytes) * psi / dp
         if isinstance(model_or_param_count, nn.Module):
-            sizes = [
-                sum(p.numel() for _, p in named) for _, _, named in plan_units(model_or_param_count).units
-            ]
+            units = plan_units(model_or_param_count).units
+            sizes = [sum(p.numel() for _, p in named) for _, _, named in units]
             root, blocks = sizes[-1], sizes[:-1] or [0]
             # the root unit stays gathered for the step; a block and its prefetched successor
             live = p_bytes * (root + 2 * max(blocks)) / (tp * pp)
-            # gradient buffers are pooled by size (each unit padded to a multiple of N): per distinct size
-            # at most as many as units of that size, and at most stage3_inflight + 1 in flight
-            padded = [-(-n // dp) * dp for n in sizes]
+            # gradient buffers (trainable parameters only) are pooled by size (each unit padded to a
+            # multiple of N): per distinct size at most as many as units of that size, and at most
+            # stage3_inflight + 1 in flight
+            trainable_sizes = [sum(p.numel() for _, p in named if p.requires_grad) for _, _, named in units]
+            padded = [-(-n // dp) * dp for n in trainable_sizes if n]
             comm = sum(
                 min(padded.count(n), stage3_inflight + 1) * n * g_bytes * (1 + 1 / dp) for n in set(padded)
             ) / (tp * pp)

@@ -1,61 +1,48 @@
 """``HybridParallelStrategy``: the Lightning adapter that composes the parallel mechanisms.
 
-The strategy is thin on purpose. It launches processes and initialises ``torch.distributed`` the way
-Lightning's DDP does (``popen``/``spawn``/``fork`` launchers, or processes created externally by
-``torchrun`` or SLURM via Lightning's cluster environments), builds one :class:`ParallelMesh`, and then
-applies the mechanisms in the documented order (see ARCHITECTURE.md): tensor parallel, pipeline split,
-activation checkpointing, ZeRO over the dp group, precision, optimizer. Every mechanism lives in its own
-module and can be used without a ``Trainer``.
+The strategy is thin on purpose. Its base (:mod:`lightning_par.strategy_env`) launches processes,
+initialises ``torch.distributed`` and builds one :class:`~lightning_par.mesh.ParallelMesh`; here the
+mechanisms are applied in the documented order (``docs/architecture.md``): tensor parallel, pipeline
+split, activation checkpointing (:func:`lightning_par.compose.compose`, once per model), pretrained
+weights, ZeRO over the dp group, precision, optimizer. Every mechanism lives in its own module and can be
+used without a ``Trainer``. Nothing of the user's LightningModule is replaced for longer than a run: the
+hooks wrapped for a run (:mod:`lightning_par.lightning_hooks`) are restored at teardown.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from datetime import timedelta
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par.activation_checkpointing import apply_activation_checkpointing
-from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
+from lightning_par import lightning_hooks
+from lightning_par.checkpoint.load_pretrained import PretrainedPlan, PretrainedSource, load_pretrained_once
+from lightning_par.compose import ComposeOptions, compose
 from lightning_par.loss import TokenNormalizer
 from lightning_par.memory import MemoryReport, measure_memory
-from lightning_par.mesh import MeshLayout, ParallelMesh
-from lightning_par.pipeline.apply import TiedGradients, apply_pipeline
-from lightning_par.pipeline.lightning import LightningPipeline, pipeline_layers_of
+from lightning_par.pipeline.lightning import LightningPipeline, build_pipeline, pipeline_layers_of
 from lightning_par.pipeline.partition import PartitionMethod
-from lightning_par.pipeline.runtime import PipelineRuntime, StepStats
+from lightning_par.pipeline.runtime import StepStats
 from lightning_par.precision import ParallelPrecision, convert_precision_plugin
-from lightning_par.strategy_options import PipelineSchedule, StartMethod, check_options
-from lightning_par.tensor_parallel import apply_tensor_parallel
+from lightning_par.strategy_env import MeshStrategy
+from lightning_par.strategy_options import PipelineSchedule, StartMethod, check_fit_setup, check_options
 from lightning_par.zero import apply_zero, broadcast_module_states
+from lightning_par.zero.buffers import BufferSync
 from lightning_par.zero.engine import Engine, ReduceChoice, resolve_reduce_op
 from lightning_par.zero.grad_sync import GradSyncPolicy
+from lightning_par.zero.meta_init import ValuesFn, materialize_local, params_on_meta
 from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.units import UnitPolicy
 
@@ -66,7 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class HybridParallelStrategy(ZeroCheckpointIO):
+class HybridParallelStrategy(MeshStrategy):
     """Data, ZeRO, tensor and pipeline parallelism for the Lightning ``Trainer``.
 
     Args:
@@ -84,8 +71,22 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         reshard_after_forward: stage 3: free gathered parameters after each unit's forward (re-gather in
             backward: 3Ψ traffic, least memory) or keep them until backward (2Ψ traffic).
         prefetch: stage 3: gather the next unit while the current one computes.
-        meta_init: stage 3: run ``configure_model()`` on the meta device and materialise only this rank's
-            shard, unit by unit, with each module's ``reset_parameters()``.
+        meta_init: stage 3 (or with ``pretrained``): run ``configure_model()`` with parameters on the meta
+            device (buffers stay real) and materialise only this rank's shard or slice, unit by unit, from
+            ``pretrained`` or with each module's ``reset_parameters()``.
+        pretrained: a full state dict to start from, read lazily and cut to this rank's ZeRO-3 shards and
+            tensor-parallel slices: a ``torch.save`` file, a ``.safetensors`` file or index, a Hugging Face
+            ``save_pretrained`` directory, or a mapping. Names may differ by a prefix (``model.``) or PEFT's
+            ``.base_layer.``; trainable parameters the file lacks (LoRA adapters) are initialised.
+        pretrained_strict: refuse file entries that match no model name.
+        save_distributed_checkpoint: ``True`` (default): ZeRO 1-3, TP and PP checkpoints are directories
+            written by every rank. ``False``: one ordinary Lightning checkpoint file written by rank 0
+            (full weights and optimizer state, gathered one rank at a time), which
+            ``LightningModule.load_from_checkpoint`` and ``torch.load`` read and any layout resumes from.
+        broadcast_buffers: as DDP: before a forward that follows a synchronising training step, every
+            rank takes the first data-parallel rank's buffers (BatchNorm statistics).
+        allow_untested_optimizer: accept optimizers outside the built-in element-wise list at stages 1-3
+            on your word that their update is element-wise (LBFGS-like ones are refused even then).
         activation_checkpointing: recompute each selected layer in backward instead of keeping its
             activations: ``True`` for every child of an ``nn.ModuleList`` (the blocks), or module classes /
             name patterns.
@@ -134,6 +135,11 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         process_group_backend: str | None = None,
         timeout_s: float = 1800.0,
         start_method: StartMethod = "popen",
+        pretrained: PretrainedSource | None = None,
+        pretrained_strict: bool = True,
+        save_distributed_checkpoint: bool = True,
+        broadcast_buffers: bool = True,
+        allow_untested_optimizer: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -157,14 +163,17 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         )
         self.zero_stage = zero_stage  # read by the precision_plugin setter, which the base class calls
         super().__init__(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            process_group_backend=process_group_backend,
+            timeout_s=timeout_s,
+            start_method=start_method,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.tensor_parallel_size = tensor_parallel_size
-        self.pipeline_parallel_size = pipeline_parallel_size
         self.bucket_size_mb = float(bucket_size_mb)
         self.grad_sync = grad_sync
         self.reduce_op: ReduceChoice = reduce_op
@@ -182,15 +191,18 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         self.virtual_stages = virtual_stages
         self.partition_method: PartitionMethod = partition_method
         self._pipeline: LightningPipeline | None = None
-        self._tied: TiedGradients | None = None
-        self._process_group_backend = process_group_backend
-        self._timeout = timedelta(seconds=timeout_s)
-        self._start_method: StartMethod = start_method
-        self._num_nodes = 1
-        self._mesh: ParallelMesh | None = None
         self._engine: Engine | None = None
         self._sharded_source: Path | None = None
         self._token_normalizer: TokenNormalizer | None = None
+        self.pretrained = pretrained
+        self.pretrained_strict = pretrained_strict
+        self._pretrained: PretrainedPlan | None = None
+        self.save_distributed_checkpoint = save_distributed_checkpoint
+        self.broadcast_buffers = broadcast_buffers
+        self.allow_untested_optimizer = allow_untested_optimizer
+        self._buffer_sync = BufferSync(nn.Module(), group=None, enabled=False)  # type: ignore[arg-type]
+        self._synced_batchnorm = False
+        self._patched: list[str] = []  # hooks set on the user's LightningModule for a run, undone at teardown
 
     # ------------------------------------------------------------------ precision
     @property
@@ -204,120 +216,102 @@ class HybridParallelStrategy(ZeroCheckpointIO):
     def precision_plugin(self, plugin: Precision | None) -> None:
         self._precision_plugin = convert_precision_plugin(plugin, zero_stage=self.zero_stage)
 
-    # ------------------------------------------------------------------ topology
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:
-        # Lightning asks custom strategies this to decide on distributed samplers.
-        return True
-
-    @property
-    def mesh(self) -> ParallelMesh:
-        if self._mesh is None:
-            raise RuntimeError("The parallel mesh exists only after the strategy's setup_environment().")
-        return self._mesh
-
-    @property
-    def layout(self) -> MeshLayout:
-        """Mesh sizes; available before process groups exist (validated against the world size)."""
-        return MeshLayout(
-            world_size=self.num_nodes * self.num_processes,
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-        )
-
-    @override
-    def tp_coordinates(self) -> tuple[int, int]:
-        return (self._mesh.tp_rank if self._mesh is not None else 0), self.tensor_parallel_size
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Ranks of one tensor/pipeline group consume the same samples: split the data over dp only.
-        if self._mesh is not None:
-            return {"num_replicas": self._mesh.dp_size, "rank": self._mesh.dp_rank}
-        coords = self.layout.coords(self.global_rank)
-        return {"num_replicas": self.layout.data_parallel_size, "rank": coords.dp}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
     @property
     def engine(self) -> Engine | None:
-        """The ZeRO engine (after ``setup`` for fitting), else ``None``."""
+        """The ZeRO engine (after ``setup`` for fitting, and at stage 3 for evaluation too), else None."""
         return self._engine
 
-    # ------------------------------------------------------------------ launch and init
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
-    @override
-    def setup_environment(self) -> None:
-        # Validate the layout before any process group exists: a bad size fails fast on every rank.
-        _ = self.layout
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = (
-            self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        )
-        assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self._mesh = ParallelMesh(
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            timeout=self._timeout,
-        )
-        log.info("lightning_par: %r", self._mesh)
-
+    # ------------------------------------------------------------------ composition
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        """The composition, in the order of ``docs/architecture.md``; safe to run again on the same model
+        (``fit`` then ``test``, a second ``fit``, another ``Trainer``): what rewrites the model (TP, PP,
+        checkpointing) is applied once (:func:`lightning_par.compose.compose`), the rest is per run."""
         assert self.accelerator is not None
-        assert self.model is not None
+        assert self.model is not None and self.lightning_module is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:  # callbacks that cannot serve this layout are refused before anything is built
+            check_fit_setup(
+                trainer,
+                zero_stage=self.zero_stage,
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                masters_separate=self._dtypes()[0] is not None,
+            )
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if self.tensor_parallel_size > 1:
-            self._apply_tensor_parallel()
-        if self.pipeline_parallel_size > 1:
-            self._apply_pipeline()
-        if self.activation_checkpointing is not False:
-            policy = None if self.activation_checkpointing is True else self.activation_checkpointing
-            apply_activation_checkpointing(self.model, policy=policy)
+        if self._layer_sync is not None and fitting:  # as Lightning's DDP: for fitting only
+            # BatchNorm statistics are synchronised over the data-parallel group only: tp ranks see the
+            # same samples, and pipeline stages hold different layers
+            self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model, process_group=self.mesh.dp_group)
+            self._synced_batchnorm = True
+        module = self.lightning_module
+        profile = self.partition_method == "profile"
+        composition = compose(
+            module,
+            options=self._compose_options(),
+            tp_group=self.mesh.tp_group if self.tensor_parallel_size > 1 else None,
+            tp_rank=self.mesh.tp_rank,
+            pp_rank=self.mesh.pp_rank,
+            layers=(lambda: pipeline_layers_of(module)) if self.pipeline_parallel_size > 1 else None,
+            sample=getattr(module, "example_input_array", None) if profile else None,
+        )
+        if composition.pipeline is not None:
+            assert self.num_microbatches is not None
+            self._pipeline = build_pipeline(
+                module,
+                composition.pipeline,
+                mesh=self.mesh,
+                schedule=self.pipeline_schedule,
+                num_microbatches=self.num_microbatches,
+            )
+        plan: PretrainedPlan | None = None
+        if self.pretrained is not None:
+            plan = load_pretrained_once(
+                self.model,
+                self.pretrained,
+                tp_rank=self.mesh.tp_rank,
+                tp_size=self.tensor_parallel_size,
+                strict=self.pretrained_strict,
+            )
+        try:
+            values = plan.value if plan is not None else None
+            if self.zero_stage != 3:  # stage 3 materialises unit by unit, into its shards
+                seed = int(torch.initial_seed()) % (2**31)
+                materialize_local(self.model, device=self.root_device, values=values, seed=seed)
+            self._build_engine(fitting, values)
+        finally:
+            if plan is not None:  # the weights are in the model or its shards now
+                plan.close()
+        self._buffer_sync = BufferSync(
+            self.model, group=self.mesh.dp_group, enabled=self.broadcast_buffers and fitting
+        )
+        if fitting:
+            assert self._engine is not None
+            self.setup_optimizers(trainer)
+            self._engine.shard_optimizers(self.optimizers)
+            self._guard_hooks()
+        self._cast_unmanaged()
+        self._setup_precision_groups()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _compose_options(self) -> ComposeOptions:
+        return ComposeOptions(
+            tensor_parallel_size=self.tensor_parallel_size,
+            tp_plan=self.tp_plan,
+            sequence_parallel=self.sequence_parallel,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            virtual_stages=self.virtual_stages,
+            partition_method=self.partition_method,
+            activation_checkpointing=self.activation_checkpointing,
+        )
+
+    def _build_engine(self, fitting: bool, values: ValuesFn | None) -> None:
+        """Step 6 of the composition: ZeRO over the dp group (stage 3 for evaluation too)."""
+        assert self.model is not None
+        compute, reduce = self._dtypes()
         if self.zero_stage == 3:
             # parameters are sharded for evaluation too: a meta-initialised model exists only as shards
             self._engine = Stage3Engine(
@@ -328,15 +322,12 @@ class HybridParallelStrategy(ZeroCheckpointIO):
                 prefetch=self.prefetch,
                 reduce_op=resolve_reduce_op(self.reduce_op, self.mesh.dp_group),
                 find_unused_parameters=self.find_unused_parameters,
-                compute_dtype=self._dtypes()[0],
-                grad_dtype=self._dtypes()[1],
+                compute_dtype=compute,
+                grad_dtype=reduce,
+                values=values,
+                allow_untested_optimizer=self.allow_untested_optimizer,
             )
-            if trainer.state.fn == TrainerFn.FITTING:
-                self.setup_optimizers(trainer)
-                self._engine.shard_optimizers(self.optimizers)
-                self._guard_schedulers()
-        elif trainer.state.fn == TrainerFn.FITTING:
-            # Order of composition (ARCHITECTURE.md): TP, PP, checkpointing, then ZeRO over dp.
+        elif fitting:
             self._engine = apply_zero(
                 self.model,
                 group=self.mesh.dp_group,
@@ -346,15 +337,35 @@ class HybridParallelStrategy(ZeroCheckpointIO):
                 grad_sync="boundary" if self.pipeline_parallel_size > 1 else self.grad_sync,
                 reduce_op=self.reduce_op,
                 find_unused_parameters=self.find_unused_parameters,
-                compute_dtype=self._dtypes()[0],
-                grad_dtype=self._dtypes()[1],
+                compute_dtype=compute,
+                grad_dtype=reduce,
+                allow_untested_optimizer=self.allow_untested_optimizer,
             )
-            self.setup_optimizers(trainer)
-            self._engine.shard_optimizers(self.optimizers)
-            self._guard_schedulers()
         else:
+            self._engine = None
             broadcast_module_states(self.model, group=self.mesh.dp_group)
-        self._cast_unmanaged()
+
+    def _guard_hooks(self) -> None:
+        """Hooks of the LightningModule adapted for this run (see :mod:`lightning_par.lightning_hooks`)."""
+        module = self.lightning_module
+        plugin = self.precision_plugin
+        assert module is not None and self._engine is not None
+        if isinstance(plugin, ParallelPrecision) and plugin.scaler is not None:
+            self._patched += lightning_hooks.guard_schedulers(
+                module,
+                skipped=self._step_skipped,
+                step_schedulers=lambda s: any(
+                    c.scheduler is s and c.interval == "step" for c in self.lr_scheduler_configs
+                ),
+            )
+        sharded = self._engine.sharded_state
+        if sharded is not None and not module.automatic_optimization:
+            self._patched += lightning_hooks.guard_toggling(
+                module, sharded=sharded, optimizers=self.optimizers
+            )
+
+    def _setup_precision_groups(self) -> None:
+        """Step 7: the groups over which the precision plugin's clip norm and fp16 verdicts agree."""
         plugin = self.precision_plugin
         if isinstance(plugin, ParallelPrecision):
             # each dp rank holds disjoint gradient pieces from stage 1 on, each tp rank its own tensor
@@ -367,77 +378,6 @@ class HybridParallelStrategy(ZeroCheckpointIO):
                 plugin.tp_group = self.mesh.tp_group
             plugin.grad_norm_groups = tuple(groups)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _apply_tensor_parallel(self) -> None:
-        """Step 3 of the composition: the plan's modules become tensor-parallel over the tp group."""
-        assert self.model is not None
-        plan = self.tp_plan if self.tp_plan is not None else getattr(self.lightning_module, "tp_plan", None)
-        if plan is None:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} needs a plan: pass tp_plan ('gpt', 'llama'"
-                " or {module pattern: style}) or give the LightningModule a tp_plan attribute."
-            )
-        if any(p.is_meta for p in self.model.parameters()):
-            raise ValueError(
-                "Tensor parallelism slices real weights, but the model is on the meta device; with"
-                " zero_stage=3 pass meta_init=False."
-            )
-        applied = apply_tensor_parallel(
-            self.model, group=self.mesh.tp_group, plan=plan, sequence_parallel=self.sequence_parallel
-        )
-        log.info(
-            "lightning_par: tensor parallel over %d ranks: %d modules",
-            self.tensor_parallel_size,
-            len(applied),
-        )
-
-    def _apply_pipeline(self) -> None:
-        """Step 4 of the composition: keep this rank's chunks; sum tied gradients over their holders."""
-        module = self.lightning_module
-        assert module is not None and self.num_microbatches is not None
-        layers = pipeline_layers_of(module)
-        sample = getattr(module, "example_input_array", None) if self.partition_method == "profile" else None
-        split = apply_pipeline(
-            layers,
-            pp_rank=self.mesh.pp_rank,
-            pp_size=self.pipeline_parallel_size,
-            virtual_stages=self.virtual_stages,
-            method=self.partition_method,
-            sample=sample,
-        )
-        runtime = PipelineRuntime(
-            chunks=split.chunks,
-            group=self.mesh.pp_group,
-            schedule=self.pipeline_schedule,
-            num_microbatches=self.num_microbatches,
-        )
-        tied = TiedGradients(
-            module, local=split.local, pp_group=self.mesh.pp_group, pp_groups=self.mesh.layout.groups("pp")
-        )
-        self._tied = tied
-        self._pipeline = LightningPipeline(module, runtime)
-        # Lightning zeroes gradients after training_step, which here has already run the backwards;
-        # the pipeline step zeroes them itself at the start of each accumulation window
-        module.optimizer_zero_grad = lambda *args, **kwargs: None  # type: ignore[method-assign]
-        log.info(
-            "lightning_par: pipeline stage %d of %d holds layers %s",
-            self.mesh.pp_rank,
-            self.pipeline_parallel_size,
-            [
-                split.pieces[c * self.pipeline_parallel_size + self.mesh.pp_rank]
-                for c in range(self.virtual_stages)
-            ],
-        )
-
-    def _end_pipeline_window(self) -> None:
-        """After a pipeline step: at the last step of an accumulation window, sum tied gradients over
-        their stages, then reduce over dp (block_backward_sync disables both on the other steps)."""
-        assert self._engine is not None and self._tied is not None
-        if self._engine.sync_enabled:
-            self._tied.exchange()
-            self._engine.flush()
 
     @property
     def pipeline_stats(self) -> StepStats | None:
@@ -446,67 +386,73 @@ class HybridParallelStrategy(ZeroCheckpointIO):
 
     @override
     def model_to_device(self) -> None:
+        """Real parameters and buffers move to this rank's device; meta parameters (meta init, other
+        pipeline stages) stay where they are, to be materialised by the engine or pretrained weights."""
         assert self.model is not None
-        if any(p.is_meta for p in self.model.parameters()):
-            if self.zero_stage != 3:
-                raise ValueError(
-                    "The model has meta-device parameters, which only zero_stage=3 materialises (shard by"
-                    " shard); create the model on a real device or use zero_stage=3."
-                )
-            return  # the stage-3 engine materialises each unit on this device
-        self.model.to(self.root_device)
+        if not any(p.is_meta for p in self.model.parameters()):
+            self.model.to(self.root_device)
+            return
+        with torch.no_grad():
+            for t in (*self.model.parameters(), *self.model.buffers()):
+                if not t.is_meta:
+                    t.data = t.data.to(self.root_device)
 
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Stage 3 with ``meta_init``: ``configure_model()`` builds the model on the meta device."""
-        if self.zero_stage == 3 and self.meta_init:
-            with torch.device("meta"):
+        """With ``meta_init`` at stage 3, or with pretrained weights to load, ``configure_model()`` builds
+        the parameters on the meta device (buffers stay real): no rank ever holds the initialised model."""
+        if self.meta_init and (self.zero_stage == 3 or self.pretrained is not None):
+            with params_on_meta():
                 yield
         else:
             yield
 
-    def _step_context(self) -> AbstractContextManager[None]:
-        return self._engine.forward_context() if self._engine is not None else nullcontext()
+    # ------------------------------------------------------------------ steps
+    @contextmanager
+    def _step_context(self, *, training: bool = False) -> Generator[None, None, None]:
+        """Around every step: the ZeRO-3 root unit gathered, buffers synchronised as DDP would."""
+        engine = self._engine
+        with engine.forward_context() if engine is not None else nullcontext():
+            self._buffer_sync.before_forward()
+            yield
+            synchronising = training and (engine is None or engine.sync_enabled)
+            self._buffer_sync.after_forward(synchronising=synchronising)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            plugin = self.precision_plugin
-            scale = (
-                plugin.scaler.scale_loss if isinstance(plugin, ParallelPrecision) and plugin.scaler else None
+        if self._pipeline is None:
+            with self._step_context(training=True):
+                return super().training_step(*args, **kwargs)
+        plugin = self.precision_plugin
+        scaler = plugin.scaler if isinstance(plugin, ParallelPrecision) else None
+        assert self._engine is not None
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        with self.precision_plugin.train_step_context(), self._step_context(training=True):
+            return self._pipeline.training_step(
+                args[0],
+                batch_idx,
+                engine=self._engine,
+                optimizers=self.optimizers,
+                **({"loss_scale": scaler.scale_loss} if scaler is not None else {}),
             )
-            engine = self._engine
-            assert engine is not None and self.lightning_module is not None
-            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-            if batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0:
-                # a new window: Lightning would zero the gradients after training_step, where the pipeline
-                # already put them (its optimizer_zero_grad hook is a no-op in pipeline mode)
-                for opt in self.optimizers:
-                    opt.zero_grad(set_to_none=True)
-                self.lightning_module.zero_grad(set_to_none=True)
-            with self.precision_plugin.train_step_context():
-                return self._pipeline.training_step(
-                    args[0],
-                    no_sync=engine.no_sync,
-                    end_window=self._end_pipeline_window,
-                    **({"loss_scale": scale} if scale is not None else {}),
-                )
-        with self._step_context():
-            return super().training_step(*args, **kwargs)
 
     @override
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
         if self._pipeline is not None:
-            return closure_loss  # the pipeline ran every backward inside training_step
+            # the pipeline ran every backward inside training_step; Lightning has zeroed the optimizers'
+            # gradients since (a new window), which leaves the engine's buffer alone: reduce it now
+            assert self._engine is not None
+            self._pipeline.end_window(self._engine)
+            return closure_loss
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
-            with self.precision_plugin.val_step_context():
+            with self.precision_plugin.val_step_context(), self._step_context():
                 return self._pipeline.eval_step(args[0], stage="val")
         with self._step_context():
             return super().validation_step(*args, **kwargs)
@@ -514,7 +460,7 @@ class HybridParallelStrategy(ZeroCheckpointIO):
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
-            with self.precision_plugin.test_step_context():
+            with self.precision_plugin.test_step_context(), self._step_context():
                 return self._pipeline.eval_step(args[0], stage="test")
         with self._step_context():
             return super().test_step(*args, **kwargs)
@@ -522,9 +468,8 @@ class HybridParallelStrategy(ZeroCheckpointIO):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
-            raise ValueError(
-                "predict with pipeline_parallel_size > 1 is not supported; export the model first."
-            )
+            with self.precision_plugin.predict_step_context(), self._step_context():
+                return self._pipeline.predict_step(args[0])
         with self._step_context():
             return super().predict_step(*args, **kwargs)
 
@@ -549,8 +494,8 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._engine is not None:
             self._engine.after_step()  # stages 1/2: all-gather the updated parameters
-        if self._step_skipped():
-            self._uncount_step()
+        if self._step_skipped() and self.lightning_module is not None:
+            lightning_hooks.uncount_step(self.lightning_module)
         return output
 
     # ------------------------------------------------------------------ mixed precision
@@ -573,38 +518,6 @@ class HybridParallelStrategy(ZeroCheckpointIO):
     def _step_skipped(self) -> bool:
         plugin = self.precision_plugin
         return isinstance(plugin, ParallelPrecision) and plugin.last_step_skipped
-
-    def _guard_schedulers(self) -> None:
-        """With fp16 loss scaling, per-step LR schedulers do not advance on a skipped step: the module's
-        ``lr_scheduler_step`` hook (through which Lightning steps them) is wrapped on this instance."""
-        plugin = self.precision_plugin
-        module = self.lightning_module
-        if not isinstance(plugin, ParallelPrecision) or plugin.scaler is None or module is None:
-            return
-        inner = module.lr_scheduler_step
-        if getattr(inner, "_lightning_par_guarded", False):
-            return
-
-        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
-            step_interval = any(
-                c.scheduler is scheduler and c.interval == "step" for c in self.lr_scheduler_configs
-            )
-            if not (step_interval and self._step_skipped()):
-                inner(scheduler, metric)
-
-        lr_scheduler_step._lightning_par_guarded = True  # type: ignore[attr-defined]
-        module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
-
-    def _uncount_step(self) -> None:
-        """A skipped step is not a step: undo the optimizer-step count Lightning is about to complete
-        (``trainer.global_step``, which drives ``max_steps`` and step-based checkpointing)."""
-        module = self.lightning_module
-        if module is None or not module.automatic_optimization:
-            return
-        step = module.trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
-        # Lightning increments "completed" right after this hook returns; take one off first
-        step.total.completed -= 1
-        step.current.completed -= 1
 
     def token_normalized(self, loss_sum: Tensor, n_tokens: int | Tensor) -> Tensor:
         """Token-exact accumulation: return this from ``training_step`` instead of a mean loss.
@@ -637,35 +550,6 @@ class HybridParallelStrategy(ZeroCheckpointIO):
         assert self.lightning_module is not None
         return measure_memory(self.lightning_module, self._engine, self.optimizers)
 
-    # ------------------------------------------------------------------ collectives
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
-    @override
-    def reduce(
-        self,
-        tensor: Tensor | Any,
-        group: Any | None = None,
-        reduce_op: ReduceOp | str | None = "mean",
-    ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
@@ -676,6 +560,13 @@ class HybridParallelStrategy(ZeroCheckpointIO):
             # (the next setup() builds a new one)
             self._engine.remove()
         self._token_normalizer = None
+        if self.lightning_module is not None:
+            lightning_hooks.restore(self.lightning_module, self._patched)  # the class's own methods again
+        self._patched = []
+        if self._synced_batchnorm and self._layer_sync is not None and self.model is not None:
+            self.model = self._layer_sync.revert(self.model)
+        self._synced_batchnorm = False
+        self._buffer_sync = BufferSync(nn.Module(), group=None, enabled=False)  # type: ignore[arg-type]
         module = self.lightning_module
         if module is None or not any(p.is_meta for p in module.parameters()):
             super().teardown()

@@ -3,7 +3,7 @@ bad value fails with the option's name and what would work."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from lightning_par.pipeline.partition import METHODS as PARTITION_METHODS
 from lightning_par.pipeline.partition import PartitionMethod
@@ -11,6 +11,9 @@ from lightning_par.pipeline.schedule import validate_sizes
 from lightning_par.tensor_parallel import resolve_plan
 from lightning_par.zero.engine import ReduceChoice
 from lightning_par.zero.grad_sync import GradSyncPolicy
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -81,3 +84,65 @@ def check_options(
     if start_method not in _START_METHODS:
         raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}.")
     return num_microbatches
+
+
+def check_fit_setup(
+    trainer: pl.Trainer,
+    *,
+    zero_stage: int,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    masters_separate: bool,
+) -> None:
+    """Refuse, before anything is built, Lightning callbacks that cannot serve this layout.
+
+    Weight averaging (``StochasticWeightAveraging``, ``WeightAveraging``/``EMAWeightAveraging``) keeps an
+    unsharded copy of the LightningModule and reads and writes ``module.parameters()`` directly: right
+    where every rank holds the whole model in the parameters (ZeRO 0-2 without tensor or pipeline
+    parallelism, fp32 parameters that are their own masters), wrong elsewhere (ZeRO-3 placeholders,
+    tensor-parallel slices, other stages' meta layers, low-precision copies of fp32 masters).
+    ``StochasticWeightAveraging`` on a model with BatchNorm is refused at stages 1/2 as well: its final
+    statistics epoch calls ``optimizer.step()`` without a new backward, which Lightning's 'ddp' (gradients
+    kept until ``zero_grad``) and these stages (gradients released after each step) answer differently."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+
+    callbacks = getattr(trainer, "callbacks", [])
+    averaging = [c for c in callbacks if isinstance(c, StochasticWeightAveraging | WeightAveraging)]
+    if not averaging:
+        return
+    name = type(averaging[0]).__name__
+    reason = None
+    advice = (
+        "Use it with zero_stage 0, 1 or 2 in precision='32-true' without tensor or pipeline parallelism"
+        " (where it gives the same result as Lightning's 'ddp'), or average the exported weights after"
+        " training."
+    )
+    module = getattr(trainer, "lightning_module", None)
+    swa_statistics_epoch = (
+        any(isinstance(c, StochasticWeightAveraging) for c in averaging)
+        and getattr(trainer, "max_epochs", None) != -1
+        and module is not None
+        and StochasticWeightAveraging.pl_module_contains_batch_norm(module)
+    )
+    if zero_stage == 3:
+        reason = "ZeRO stage 3 holds the parameters as shards, the module's tensors are placeholders"
+    elif tensor_parallel_size > 1:
+        reason = "tensor parallelism leaves each rank a slice of the parameters the callback copied whole"
+    elif pipeline_parallel_size > 1:
+        reason = "pipeline parallelism leaves other stages' layers on the meta device"
+    elif masters_separate:
+        reason = (
+            f"ZeRO stage {zero_stage} with low-precision parameters keeps the fp32 masters in shards, which"
+            " the averaged weights would not reach"
+        )
+    elif zero_stage in (1, 2) and swa_statistics_epoch:
+        name = "StochasticWeightAveraging"
+        reason = (
+            "on a model with BatchNorm it ends with an extra epoch that skips backward and zero_grad but"
+            " still calls optimizer.step(), which under 'ddp' re-applies the last step's gradients (and"
+            f" momentum); ZeRO stage {zero_stage} releases the gradients after every step, so that step"
+            " changes nothing and the final weights would differ from 'ddp'"
+        )
+        advice = "Use zero_stage=0 (which matches 'ddp'), or EMAWeightAveraging / WeightAveraging."
+    if reason is not None:
+        raise ValueError(f"{name} cannot be used with this layout: {reason}. {advice}")

@@ -187,7 +187,14 @@ def test_zero12_match_single_process_four_ranks() -> None:
 
 def test_unshardable_optimizer_is_named() -> None:
     p = nn.Parameter(torch.zeros(2))
-    with pytest.raises(TypeError, match=r"cannot shard torch\.optim\.lbfgs\.LBFGS.*AdamW"):
+    with pytest.raises(TypeError, match=r"cannot shard torch\.optim\.lbfgs\.LBFGS.*whole flattened"):
         check_shardable(torch.optim.LBFGS([p]))
+    # LBFGS needs whole gradients: refused even on the user's word
+    with pytest.raises(TypeError, match=r"LBFGS.*allow_untested_optimizer does not change that"):
+        check_shardable(torch.optim.LBFGS([p]), allow_untested=True)
+    # an element-wise optimizer outside the tested list: refused, unless the user vouches for it
+    with pytest.raises(TypeError, match=r"cannot shard torch\.optim\.rprop\.Rprop.*AdamW.*allow_untested"):
+        check_shardable(torch.optim.Rprop([p]))
+    check_shardable(torch.optim.Rprop([p]), allow_untested=True)
     with pytest.raises(ValueError, match="handles stages 0, 1 and 2, got 5"):
         apply_zero(nn.Linear(2, 2), group=None, stage=5)  # type: ignore[arg-type]

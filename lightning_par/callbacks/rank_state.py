@@ -13,7 +13,8 @@ the differences named; use a sharded checkpoint, which reshards, for that). The 
                   or {"kind": "fragments", ...} under ZeRO 1-3: for each optimizer its param-group
                   hyper-parameters and the records (name, lo, hi, {state}) of the fragments this rank owns
                   (the format of lightning_par.checkpoint.optimizer_state, with fp32 masters when they are
-                  separate), the bucket order, and at stage 3 the parameter shards themselves,
+                  separate), the bucket order, and at stage 3 the parameter shards themselves
+                  (trainable and frozen),
      "rng":       torch / CUDA / numpy / Python generator states,
      "data":      epoch and number of batches of the current epoch already trained on,
      "fingerprint": model parameter names and shapes, optimizers, strategy and layout}
@@ -125,7 +126,8 @@ def capture(trainer: pl.Trainer) -> tuple[dict[str, Any], set[int]]:
         if isinstance(engine, Stage3Engine):
             params = _param_names(module)
             model = OrderedDict((k, v) for k, v in model.items() if k not in params)
-            optim["shards"] = [(n, lo, hi, {"param": view.detach()}) for n, lo, hi, view in table]
+            # every parameter piece this rank holds, trainable and frozen
+            optim["shards"] = [(n, lo, hi, {"param": v.detach()}) for n, lo, hi, v in engine.shard_table()]
     else:
         optim = {"kind": "torch", "optimizers": [opt.state_dict() for opt in trainer.optimizers]}
     progress = trainer.fit_loop.epoch_loop.batch_progress
@@ -141,6 +143,8 @@ def capture(trainer: pl.Trainer) -> tuple[dict[str, Any], set[int]]:
         },
     }
     live: list[Tensor] = [p for p in module.parameters() if not p.is_meta]
+    if isinstance(engine, Stage3Engine):
+        live += [view for _, _, _, view in engine.shard_table()]
     for opt in trainer.optimizers:
         live += [p for g in opt.param_groups for p in g["params"]]
         live += [v for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_par.checkpoint.full import model_records, torch_optimizer_state
 from lightning_par.checkpoint.optimizer_state import (
     MASTER_KEY,
     Pieces,
@@ -28,11 +30,17 @@ from lightning_par.checkpoint.optimizer_state import (
 )
 from lightning_par.checkpoint.sharded import (
     METADATA_KEY,
+    _payloads,
     assemble_state_dict,
     check_params_match,
     mark_complete,
+    prepare_staging,
+    read_meta,
     read_model_records,
     read_optimizer_records,
+    resolve_checkpoint_dir,
+    staging_dir,
+    swap_into_place,
     write_meta,
     write_rank_file,
 )
@@ -83,10 +91,17 @@ def _group_names(
 
 
 def rank_payload(
-    module: nn.Module, engine: Engine | None, optimizers: Sequence[Optimizer], tp: TPInfo, *, with_model: bool
+    module: nn.Module,
+    engine: Engine | None,
+    optimizers: Sequence[Optimizer],
+    tp: TPInfo,
+    *,
+    with_model: bool,
+    dp_rank: int = 0,
 ) -> dict[str, Any]:
-    """This rank's records in its local coordinates: optimizer state and, at stage 3 or under tensor
-    parallelism (where no single rank holds the whole model), its pieces of the parameters; plus its
+    """This rank's records in its local coordinates: optimizer state and, where no single rank holds the
+    whole model (ZeRO-3, tensor or pipeline parallelism), its share of the parameters, trainable and
+    frozen, and of the buffers (see :func:`lightning_par.checkpoint.full.model_records`); plus its
     tensor-parallel coordinates."""
     sharded = engine.sharded_state if engine is not None else None
     names = {p: n for n, p in module.named_parameters()}
@@ -112,8 +127,19 @@ def rank_payload(
         "tp": dict(tp),
     }
     if with_model:
-        payload["model"] = [(name, lo, hi, {"param": _value(view, lo, hi)}) for name, lo, hi, view in table]
+        share = model_records(module, engine, dp_rank=dp_rank, tp_rank=int(tp["rank"]))
+        payload["model"] = share["params"]
+        payload["buffers"] = share["extras"]
     return payload
+
+
+def read_buffers(path: Path) -> dict[str, Any]:
+    """The buffers (and other non-parameter entries) the ranks of a sharded checkpoint wrote."""
+    out: dict[str, Any] = {}
+    for payload in _payloads(path):
+        for k, v in payload.get("buffers", {}).items():
+            out.setdefault(k, v)
+    return out
 
 
 def _value(tensor: Tensor, lo: int, hi: int) -> Tensor:
@@ -131,17 +157,32 @@ def save_sharded(
     world_size: int,
     barrier: Callable[[], None],
 ) -> None:
-    """Every rank writes its records; rank 0 writes the rest and, after all are done, the marker."""
-    path.mkdir(parents=True, exist_ok=True)
-    # "optimizer_states" stays as a list of placeholders (the strategy returns {} per optimizer): Lightning
-    # checks for the key before it asks the strategy to restore optimizers.
-    write_rank_file(path, rank, payload)
+    """Save a sharded checkpoint to ``path`` atomically (see :mod:`lightning_par.checkpoint.sharded`).
+
+    Every rank writes its records, rank 0 ``meta.pt``, all into a staging directory that every rank
+    derives from ``path`` (the same broadcast path on all ranks) and the global step; after a barrier rank
+    0 writes the ``COMPLETE`` manifest and swaps the staging directory in for whatever is at ``path``. A
+    crash at any point leaves ``path`` (or its ``.previous`` fallback) holding a complete checkpoint, the
+    old one or the new one. A checkpoint without ``"optimizer_states"`` (Lightning's ``save_weights_only``)
+    gets no optimizer records in the rank files. Collective: every rank calls it with the same ``path``.
+    """
+    step = checkpoint.get("global_step", 0)
+    staging = staging_dir(path, step=step if isinstance(step, int) else 0)
+    if "optimizer_states" not in checkpoint:
+        payload = {**payload, "optimizers": []}  # weights only: the optimizer state must not leak in
+    # "optimizer_states", when present, stays as a list of placeholders (the strategy returns {} per
+    # optimizer): Lightning checks for the key before it asks the strategy to restore optimizers.
     if rank == 0:
-        write_meta(path, checkpoint)
+        prepare_staging(path, staging=staging)
+    barrier()  # the staging directory exists, empty, before any rank writes into it
+    write_rank_file(staging, rank, payload)
+    if rank == 0:
+        write_meta(staging, checkpoint)
     barrier()
     if rank == 0:
-        mark_complete(path, world_size)
-    barrier()
+        mark_complete(staging, world_size)
+        swap_into_place(staging, path=path)
+    barrier()  # nobody reads path (or saves it again) before the swap is done
 
 
 def check_model(checkpoint: Mapping[str, Any], module: nn.Module, tp: TPInfo) -> None:
@@ -214,6 +255,7 @@ def full_state_dict_of(checkpoint: dict[str, Any], sharded_path: Path | None) ->
     if sharded_path is None:
         return state
     meta = checkpoint[METADATA_KEY]
+    state.update(read_buffers(sharded_path))
     model = read_model_records(sharded_path)
     if model is not None:
         state.update(assemble_state_dict(model, meta))
@@ -235,6 +277,8 @@ def load_stage3_params(
     non-parameter entries of its state_dict (buffers), for ``load_state_dict`` of the rest."""
     pieces = read_model_records(sharded_path) if sharded_path is not None else None
     state = dict(checkpoint.get("state_dict", {}))
+    if sharded_path is not None:
+        state.update(read_buffers(sharded_path))
     if pieces is None:
         pieces = {
             name: [(0, value.numel(), {"param": value.detach().reshape(-1)})]
@@ -250,3 +294,22 @@ def load_stage3_params(
     engine.load_fragments(values)
     params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
     return {k: v for k, v in state.items() if k not in params}
+
+
+def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A single-file Lightning checkpoint from a sharded directory, for export or for tools that expect
+    one file (``LightningModule.load_from_checkpoint``): the full ``state_dict`` (trainable parameters at
+    their fp32 master values, frozen ones, buffers) and the full ``optimizer_states`` in torch's own
+    format. Reads rank files one at a time (mmap)."""
+    source = resolve_checkpoint_dir(path)
+    checkpoint = read_meta(source)
+    meta = checkpoint[METADATA_KEY]
+    checkpoint["state_dict"] = full_state_dict_of(checkpoint, source)
+    states = [
+        torch_optimizer_state(hyper, pieces, meta["params"])
+        for hyper, pieces in read_optimizer_records(source)
+    ]
+    if states or "optimizer_states" in checkpoint:
+        checkpoint["optimizer_states"] = states
+    checkpoint[METADATA_KEY] = {**meta, "format": "full"}
+    return checkpoint

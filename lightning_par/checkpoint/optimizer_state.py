@@ -17,8 +17,9 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_par.zero.sharded_optimizer import MASTER_KEY as MASTER_KEY  # re-exported for the format
+
 Piece = tuple[int, int, dict[str, Any]]
-MASTER_KEY = "master"  # fp32 master weights saved beside the optimizer state of low-precision models
 Pieces = dict[str, list[Piece]]
 
 

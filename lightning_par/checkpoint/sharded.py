@@ -8,8 +8,26 @@ Layout of ``<path>/``::
                          shapes, bucket order, and for each optimizer its class and parameter names
     optim_rank00000.pt   each rank: for each optimizer, the param groups' hyper-parameters and the
     optim_rank00001.pt   rank's state records (name, lo, hi, {key: slice or scalar}), see
-    ...                  :mod:`lightning_par.checkpoint.optimizer_state`
+    ...                  :mod:`lightning_par.checkpoint.optimizer_state`; no optimizer records in a
+                         weights-only checkpoint (Lightning's ``save_weights_only``)
     COMPLETE             written by rank 0 last, after a barrier: a directory without it is partial
+
+``COMPLETE`` is the manifest. Its first line is the world size (all an older reader parses); the second
+is JSON ``{"manifest": 1, "files": {"meta.pt": {"size": bytes, "crc32": int}, "optim_rank00000.pt":
+...}}``. Every file is written through :func:`lightning_par.checkpoint.files.save_with_digest` (CRC-32
+computed while writing, fsync, rename) and its writer leaves ``<file>.crc``; rank 0 collects those into
+``COMPLETE`` and removes them. Readers check each file's size and CRC-32 before unpickling it and raise a
+``ValueError`` naming the damaged file; a ``COMPLETE`` holding only the world size (written before the
+manifest existed) is read without checks.
+
+Saving is atomic at the directory level. All ranks write into the staging directory
+``<path>.partial-step<global step>`` (a name every rank derives from the broadcast path and the step);
+rank 0 marks it complete, then swaps it in: ``<path>`` (a directory, or a single-file checkpoint of the
+same name) is renamed to ``<path>.previous``, the staging directory to ``<path>``, and ``.previous`` is
+deleted. A crash therefore leaves ``<path>`` holding either the previous or the new complete checkpoint;
+a crash between the two renames leaves only ``<path>.previous``, which :func:`resolve_checkpoint_dir`
+falls back to with a warning. The next save of ``<path>`` removes the staging directories of crashed
+saves and a stale ``.previous``.
 
 Loading reads the records of all ranks (memory-mapped) and cuts out what the current layout owns, so the
 data-parallel size and the ZeRO stage may differ between saving and loading.
@@ -17,67 +35,206 @@ data-parallel size and the ZeRO stage may differ between saving and loading.
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
+import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_par.checkpoint.optimizer_state import MASTER_KEY, Pieces, cut
+from lightning_par.checkpoint.files import (
+    DAMAGED_HINT,
+    FileDigest,
+    fsync_dir,
+    read_digest,
+    remove_path,
+    save_with_digest,
+    verify_file,
+    write_digest,
+    write_text_atomic,
+)
+from lightning_par.checkpoint.optimizer_state import Pieces, cut
 from lightning_par.checkpoint.tp_reshard import globalize
 
 META_FILE = "meta.pt"
 COMPLETE_FILE = "COMPLETE"
 METADATA_KEY = "lightning_par"
+MANIFEST_VERSION = 1
+PREVIOUS_SUFFIX = ".previous"
 
 
 def rank_file(rank: int) -> str:
     return f"optim_rank{rank:05d}.pt"
 
 
+# ---------------------------------------------------------------------------------------------- naming
+def staging_dir(path: Path, *, step: int) -> Path:
+    """Where the save of ``path`` at global step ``step`` is written before it is swapped in: a sibling,
+    so the final rename stays within one file system, named without Lightning's ``.ckpt`` suffix, so
+    ``ModelCheckpoint`` never takes it for a checkpoint."""
+    return path.with_name(f"{path.name}.partial-step{step:09d}")
+
+
+def previous_dir(path: Path) -> Path:
+    """Where the checkpoint being replaced at ``path`` waits while the new one is renamed in."""
+    return path.with_name(path.name + PREVIOUS_SUFFIX)
+
+
+def resolve_checkpoint_dir(path: str | os.PathLike[str]) -> Path:
+    """``path``, or ``<path>.previous`` when ``path`` is missing and that is a sharded checkpoint (a save
+    crashed between its two renames, see the module docstring); the fallback is announced with a
+    warning naming both."""
+    p = Path(path)
+    if p.exists():
+        return p
+    previous = previous_dir(p)
+    if previous.is_dir() and (previous / META_FILE).is_file():
+        warnings.warn(
+            f"Sharded checkpoint {p} is missing but {previous} exists: a save was interrupted while"
+            f" swapping the new checkpoint in, so {previous} (the previous checkpoint) is read instead.",
+            stacklevel=3,
+        )
+        return previous
+    return p
+
+
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
-    return Path(path).is_dir() and (Path(path) / META_FILE).is_file()
+    p = resolve_checkpoint_dir(path)
+    return p.is_dir() and (p / META_FILE).is_file()
 
 
-def write_rank_file(path: Path, rank: int, payload: Mapping[str, Any]) -> None:
-    tmp = path / (rank_file(rank) + ".tmp")
-    torch.save(dict(payload), tmp)
-    os.replace(tmp, path / rank_file(rank))
+# ---------------------------------------------------------------------------------------------- writing
+def write_rank_file(path: Path, rank: int, payload: Mapping[str, Any]) -> FileDigest:
+    """Write this rank's records into the directory ``path`` and its ``.crc`` record; return the digest."""
+    file = path / rank_file(rank)
+    digest = save_with_digest(dict(payload), file)
+    write_digest(file, digest)
+    return digest
 
 
-def write_meta(path: Path, checkpoint: Mapping[str, Any]) -> None:
-    tmp = path / (META_FILE + ".tmp")
-    torch.save(dict(checkpoint), tmp)
-    os.replace(tmp, path / META_FILE)
+def write_meta(path: Path, checkpoint: Mapping[str, Any]) -> FileDigest:
+    """Write ``meta.pt`` (rank 0) into the directory ``path`` and its ``.crc`` record; return the digest."""
+    file = path / META_FILE
+    digest = save_with_digest(dict(checkpoint), file)
+    write_digest(file, digest)
+    return digest
 
 
 def mark_complete(path: Path, world_size: int) -> None:
-    (path / COMPLETE_FILE).write_text(f"{world_size}\n")
+    """Rank 0, after a barrier that follows every rank's writes: collect the ``.crc`` records into the
+    ``COMPLETE`` manifest (written atomically, last), then drop them.
+
+    Raises:
+        ValueError: a rank's ``.crc`` record is missing (that rank did not finish its file).
+    """
+    names = [META_FILE] + [rank_file(r) for r in range(world_size)]
+    files = {name: read_digest(path / name) for name in names}
+    manifest = {"manifest": MANIFEST_VERSION, "files": files}
+    write_text_atomic(path / COMPLETE_FILE, f"{world_size}\n{json.dumps(manifest, sort_keys=True)}\n")
+    for name in names:
+        (path / (name + ".crc")).unlink(missing_ok=True)
+    fsync_dir(path)
 
 
-def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The checkpoint dict (without optimizer states) of a complete sharded checkpoint."""
-    p = Path(path)
-    if not (p / COMPLETE_FILE).is_file():
+def prepare_staging(path: Path, *, staging: Path) -> None:
+    """Rank 0, before any rank writes: delete what crashed saves of ``path`` left (staging directories,
+    ``staging`` itself included) and create ``staging`` empty. ``path`` and ``<path>.previous`` are left
+    alone: one of them is the newest complete checkpoint until the new one is swapped in."""
+    leftover = re.compile(re.escape(path.name) + r"\.partial-step\d+")
+    if path.parent.is_dir():
+        for entry in path.parent.iterdir():
+            if leftover.fullmatch(entry.name):
+                remove_path(entry)
+    staging.mkdir(parents=True)
+
+
+def swap_into_place(staging: Path, *, path: Path) -> None:
+    """Rank 0, after ``staging`` is marked complete: make it ``path`` (see the module docstring).
+
+    Between the steps a crash leaves ``path`` complete (old or new) or, between the two renames, only a
+    complete ``<path>.previous`` (the reader's fallback). Whatever sits at ``path`` (a directory, a
+    single-file checkpoint, a symlink) is moved aside, never deleted before the new one is in place.
+    """
+    previous = previous_dir(path)
+    if path.exists() or path.is_symlink():
+        # <path> is complete, so an existing .previous is older still (a crash after an earlier swap)
+        remove_path(previous)
+        os.replace(path, previous)
+    os.replace(staging, path)
+    fsync_dir(path.parent)  # both renames are durable before the old checkpoint goes
+    remove_path(previous)
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def _read_complete(p: Path) -> tuple[int, dict[str, FileDigest] | None]:
+    """(world size, manifest or None for a checkpoint written before manifests) from ``COMPLETE``."""
+    marker = p / COMPLETE_FILE
+    if not marker.is_file():
         raise ValueError(
             f"{p} is an incomplete sharded checkpoint (no {COMPLETE_FILE} marker: a save was interrupted);"
             " load an earlier checkpoint."
         )
-    meta: dict[str, Any] = torch.load(p / META_FILE, map_location="cpu", weights_only=False)
+    try:
+        first, _, rest = marker.read_text(encoding="utf-8").partition("\n")
+        world = int(first.split()[0])
+        if not rest.strip():
+            return world, None
+        files = json.loads(rest)["files"]
+        return world, {n: {"size": int(d["size"]), "crc32": int(d["crc32"])} for n, d in files.items()}
+    except (ValueError, IndexError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(
+            f"Sharded checkpoint {p}: {COMPLETE_FILE} is unreadable ({exc}). {DAMAGED_HINT}"
+        ) from exc
+
+
+def _load_checked(p: Path, name: str, manifest: dict[str, FileDigest] | None, *, mmap: bool) -> Any:
+    """``torch.load`` of ``p / name`` after its manifest check; every failure is a ``ValueError`` that
+    names the file (torch's own errors name none)."""
+    file = p / name
+    if manifest is not None:
+        if name not in manifest:
+            raise ValueError(
+                f"Sharded checkpoint {p}: {name} is not listed in its {COMPLETE_FILE} manifest."
+                f" {DAMAGED_HINT}"
+            )
+        verify_file(file, manifest[name], checkpoint=p)
+    try:
+        return torch.load(file, map_location="cpu", weights_only=False, mmap=mmap)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        raise ValueError(f"Sharded checkpoint {p}: {name} is unreadable ({exc}). {DAMAGED_HINT}") from exc
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The checkpoint dict (without optimizer states) of a complete sharded checkpoint.
+
+    Raises:
+        ValueError: the checkpoint is incomplete, or ``meta.pt`` is missing, of another size than
+            written, fails its checksum or cannot be unpickled; the message names the file.
+    """
+    p = resolve_checkpoint_dir(path)
+    _, manifest = _read_complete(p)
+    if not (p / META_FILE).is_file():
+        raise ValueError(f"Sharded checkpoint {p} lacks {META_FILE}. {DAMAGED_HINT}")
+    meta: dict[str, Any] = _load_checked(p, META_FILE, manifest, mmap=False)
     return meta
 
 
-def _payloads(path: Path) -> list[dict[str, Any]]:
-    world = int((path / COMPLETE_FILE).read_text().split()[0])
+def _payloads(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every rank's payload (memory-mapped), each file checked against the manifest first."""
+    p = resolve_checkpoint_dir(path)
+    world, manifest = _read_complete(p)
     out = []
     for rank in range(world):
-        file = path / rank_file(rank)
+        file = p / rank_file(rank)
         if not file.is_file():
             raise ValueError(
-                f"Sharded checkpoint {path} lacks {file.name} although it was saved by {world} ranks."
+                f"Sharded checkpoint {p} lacks {file.name} although it was saved by {world} ranks."
             )
-        out.append(torch.load(file, map_location="cpu", weights_only=False, mmap=True))
+        out.append(_load_checked(p, file.name, manifest, mmap=True))
     return out
 
 
@@ -91,7 +248,8 @@ def read_optimizer_records(path: str | os.PathLike[str]) -> list[tuple[list[dict
     shapes = read_meta(p)[METADATA_KEY]["params"]
     payloads = _payloads(p)
     out = []
-    for k, opt in enumerate(payloads[0]["optimizers"]):
+    # a weights-only checkpoint has none (see save_sharded)
+    for k, opt in enumerate(payloads[0].get("optimizers", [])):
         per_rank = [(pl.get("tp", _NO_TP), pl["optimizers"][k]["records"]) for pl in payloads]
         out.append((opt["param_groups"], globalize(per_rank, shapes)))
     return out
@@ -150,41 +308,3 @@ def check_params_match(saved: Mapping[str, Any], current: Mapping[str, tuple[int
             "The checkpoint does not match the model (" + "; ".join(parts) + "). Load it into the model"
             " configuration it was saved from."
         )
-
-
-def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A single-file Lightning checkpoint (full ``optimizer_states`` in torch's own format) from a sharded
-    directory, for export or for tools that expect one file. Reads rank files one at a time (mmap)."""
-    checkpoint = read_meta(path)
-    model = read_model_records(path)
-    if model is not None:
-        checkpoint["state_dict"] = {
-            **checkpoint.get("state_dict", {}),
-            **assemble_state_dict(model, checkpoint[METADATA_KEY]),
-        }
-    states = []
-    for hyper, pieces in read_optimizer_records(path):
-        state: dict[int, dict[str, Any]] = {}
-        groups = []
-        index = 0
-        shapes = checkpoint[METADATA_KEY]["params"]
-        for group in hyper:
-            ids = []
-            for name in group["param_names"]:
-                numel = 1
-                for s in shapes[name]:
-                    numel *= s
-                piece = cut(pieces.get(name, []), 0, numel)
-                if piece is not None:
-                    state[index] = {
-                        k: v.view(shapes[name]) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                        for k, v in piece.items()
-                        if k != MASTER_KEY
-                    }
-                ids.append(index)
-                index += 1
-            groups.append({**{k: v for k, v in group.items() if k != "param_names"}, "params": ids})
-        states.append({"state": state, "param_groups": groups})
-    checkpoint["optimizer_states"] = states
-    checkpoint[METADATA_KEY] = {**checkpoint[METADATA_KEY], "format": "full"}
-    return checkpoint

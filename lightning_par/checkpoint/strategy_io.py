@@ -15,13 +15,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_par.checkpoint.full import gather_full_optimizer_state, gather_full_state_dict
 from lightning_par.checkpoint.io import (
+    _group_names,
     check_model,
     full_state_dict_of,
     layout_metadata,
@@ -31,7 +35,7 @@ from lightning_par.checkpoint.io import (
     save_sharded,
 )
 from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta
-from lightning_par.checkpoint.tp_reshard import TPInfo, gather_tensor_parallel, tp_info
+from lightning_par.checkpoint.tp_reshard import TPInfo, localize_state_dict, tp_info
 from lightning_par.mesh import MeshLayout, ParallelMesh
 from lightning_par.zero.engine import Engine
 from lightning_par.zero.stage3 import Stage3Engine
@@ -80,33 +84,66 @@ class ZeroCheckpointIO(ParallelStrategy):
             self._engine is not None and self._engine.sharded_state is not None
         )
 
+    save_distributed_checkpoint: bool = True
+
+    def _full_file(self) -> bool:
+        """Checkpoints are one ordinary file from rank 0 (everything replicated, or asked for)."""
+        return not self._sharded() or not self.save_distributed_checkpoint
+
+    def _dp_rank(self) -> int:
+        try:
+            return self.mesh.dp_rank
+        except RuntimeError:  # no process groups yet (a single process)
+            return 0
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._model_in_pieces():
-            return {}  # each rank writes its pieces of the parameters (see save_checkpoint)
-        return super().lightning_module_state_dict()
-
-    def consolidated_state_dict(self) -> dict[str, Tensor]:
-        """The full model state dict on global rank 0 (empty elsewhere) for export; at stage 3 it is
-        gathered one unit at a time, so no rank holds more than the result and one unit."""
+        """Replicated models: Lightning's own. Otherwise, with ``save_distributed_checkpoint=False``: the
+        full state dict on global rank 0 (``{}`` elsewhere; collective); with distributed checkpoints:
+        the buffers and other non-parameter entries (the parameters are in each rank's file)."""
+        if not self._sharded():
+            return super().lightning_module_state_dict()
+        if not self.save_distributed_checkpoint:
+            return self.consolidated_state_dict()
         assert self.lightning_module is not None
         module = self.lightning_module
-        tp = self._tp()
-        if isinstance(self._engine, Stage3Engine):
-            # every dp rank gathers (to itself) so each tp rank holds its full tp-local tensors
-            state = self._engine.full_state_dict(to_rank=self._engine.rank)
-            state.update({n: b.detach().cpu() for n, b in module.named_buffers()})
-        else:
-            state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-        if tp["size"] > 1:
-            state = gather_tensor_parallel(state, module, tp, group=self.mesh.tp_group)
-        return state if self.is_global_zero else {}
+        if not self._model_in_pieces():
+            return super().lightning_module_state_dict()
+        params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        return {
+            k: v
+            for k, v in module.state_dict().items()
+            if k not in params and not (isinstance(v, Tensor) and v.is_meta)
+        }
+
+    def consolidated_state_dict(self) -> dict[str, Any]:
+        """The full model state dict (parameters, trainable ones at master precision, and buffers) on
+        global rank 0, ``{}`` elsewhere; collective. Every rank sends its share in turn (see
+        :mod:`lightning_par.checkpoint.full`), so no rank holds more than the result and one share."""
+        assert self.lightning_module is not None
+        return gather_full_state_dict(
+            self.lightning_module, self._engine, tp=self._tp(), dp_rank=self._dp_rank(), group=None
+        )
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._sharded():
+        if not self._sharded():
+            return super().optimizer_state(optimizer)
+        if self.save_distributed_checkpoint:
             return {}  # sharded optimizer state is written per rank by save_checkpoint
-        return super().optimizer_state(optimizer)
+        assert self.lightning_module is not None
+        module = self.lightning_module
+        index = next(k for k, opt in enumerate(self.optimizers) if opt is optimizer)
+        names = {p: n for n, p in module.named_parameters()}
+        return gather_full_optimizer_state(
+            optimizer,
+            module=module,
+            engine=self._engine,
+            param_names=_group_names(optimizer, self._engine, names, index),
+            tp=self._tp(),
+            dp_rank=self._dp_rank(),
+            group=None,
+        )
 
     @override
     def save_checkpoint(
@@ -114,16 +151,15 @@ class ZeroCheckpointIO(ParallelStrategy):
     ) -> None:
         assert self.lightning_module is not None
         checkpoint[METADATA_KEY] = self.layout_metadata()
-        if not self._sharded():
+        if self._full_file():
+            # one ordinary Lightning file: the state dict and optimizer states are already full (rank 0)
+            checkpoint[METADATA_KEY]["format"] = "full"
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         if storage_options is not None:
             raise TypeError("storage_options is not supported for sharded (ZeRO 1-3) checkpoints.")
+        # an older checkpoint under the same name (a directory or a single file) is replaced atomically
         path = Path(self.broadcast(str(filepath)))
-        if path.is_file():
-            if self.is_global_zero:
-                path.unlink()  # e.g. an older single-file checkpoint under the same name
-            self.barrier()
         save_sharded(
             checkpoint,
             path,
@@ -133,6 +169,7 @@ class ZeroCheckpointIO(ParallelStrategy):
                 self.optimizers,
                 self._tp(),
                 with_model=self._model_in_pieces(),
+                dp_rank=self._dp_rank(),
             ),
             rank=self.global_rank,
             world_size=self.world_size,
@@ -160,6 +197,9 @@ class ZeroCheckpointIO(ParallelStrategy):
         if is_sharded_checkpoint(path):
             checkpoint = read_meta(path)
             self._sharded_source = path
+        elif type(self.checkpoint_io) is TorchCheckpointIO and path.is_file():
+            # memory-mapped: each rank reads only the slices it keeps, not the whole file into memory
+            checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
         else:
             checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         assert self.lightning_module is not None
@@ -180,7 +220,17 @@ class ZeroCheckpointIO(ParallelStrategy):
                     f" unexpected keys: {sorted(unexpected)}."
                 )
             return
-        module.load_state_dict(full_state_dict_of(dict(checkpoint), self._sharded_source), strict=strict)
+        state = full_state_dict_of(dict(checkpoint), self._sharded_source)
+        # a model already made tensor-parallel (a second fit in the same process) takes its slices
+        state = localize_state_dict(state, module, self._tp())
+        remote = {n for n, p in module.named_parameters(remove_duplicate=False) if p.is_meta}
+        state = {k: v for k, v in state.items() if k not in remote}  # other pipeline stages' layers
+        missing, unexpected = module.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k not in remote]
+        if strict and (missing or unexpected):
+            raise KeyError(
+                f"The checkpoint's state_dict lacks {missing[:8]} and has unexpected {unexpected[:8]}."
+            )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -3,18 +3,20 @@
 :func:`apply_pipeline` cuts ``layers`` into ``p * v`` contiguous pieces (:mod:`.partition`), keeps the
 pieces of virtual stages ``c * p + s`` (chunks ``c = 0..v-1`` of pipeline rank ``s``) as
 ``nn.Sequential`` chunks, and releases the others: their parameters become meta-device placeholders
-that do not require gradients, so they cost no memory and no engine touches them. A parameter shared
-by layers on different pipeline ranks (a tied embedding and LM head) stays real on each of them; its
-copies are kept equal by summing their gradients over the ranks that hold it (:class:`TiedGradients`,
-one all-reduce per tied parameter and step, after the step's backwards and before the data-parallel
-reduction: inside a backward it would deadlock, since the stages finish their backwards at different
-times), and all but the first copy are marked ``_lp_norm_skip`` so a global gradient norm counts it
-once.
+marked ``_lp_remote`` (with the ``requires_grad`` they had, so the user's ``configure_optimizers()``
+builds the same groups on every stage), which cost no memory, get no gradient, and no engine touches.
+
+A parameter shared by layers on different pipeline ranks (a tied embedding and LM head) stays real on
+each of them; its copies are kept equal by summing their gradients over the ranks that hold it
+(:class:`TiedGradients`, one all-reduce per tied parameter and step, after the step's backwards and
+before the data-parallel reduction: inside a backward it would deadlock, since the stages finish their
+backwards at different times), and all but the first copy are marked ``_lp_norm_skip`` so a global
+gradient norm counts it once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +25,8 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_par.pipeline.partition import PartitionMethod, layer_costs, partition
+from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
+from lightning_par.zero.units import REMOTE_ATTR
 
 NORM_SKIP_ATTR = "_lp_norm_skip"
 
@@ -55,9 +59,15 @@ def apply_pipeline(
         for module in layer.modules():
             for name, p in list(module._parameters.items()):
                 if p is not None and id(p) not in local:
-                    module._parameters[name] = nn.Parameter(
-                        torch.empty_like(p, device="meta"), requires_grad=False
+                    # requires_grad as it was: the user's configure_optimizers() sees the same model on
+                    # every stage, so optimizer groups (and checkpoints of them) agree across stages
+                    placeholder = nn.Parameter(
+                        torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
                     )
+                    setattr(placeholder, REMOTE_ATTR, True)
+                    if hasattr(p, TP_DIM_ATTR):  # full shapes (checkpoints) are known on every stage
+                        setattr(placeholder, TP_DIM_ATTR, getattr(p, TP_DIM_ATTR))
+                    module._parameters[name] = placeholder
     return PipelineSplit(chunks=chunks, pieces=pieces, local=local)
 
 
@@ -103,13 +113,18 @@ class TiedGradients:
                         setattr(param, NORM_SKIP_ATTR, True)
 
     @torch.no_grad()
-    def exchange(self) -> None:
+    def exchange(self, grad_of: Callable[[nn.Parameter], Tensor | None] | None = None) -> None:
         """Sum each tied parameter's accumulated gradient over the ranks that hold it (call after the
-        pipeline step's backwards and before the data-parallel reduction)."""
+        pipeline step's backwards and before the data-parallel reduction). ``grad_of`` gives where the
+        gradient is accumulated (the engine's buffer, in the dtype it is reduced in); default
+        ``param.grad``."""
         for param, group in self.entries:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=group)
+            grad = grad_of(param) if grad_of is not None else param.grad
+            if grad is None:
+                if grad_of is not None:
+                    raise RuntimeError("The engine keeps no gradient for a tied parameter (this is a bug).")
+                grad = param.grad = torch.zeros_like(param)
+            dist.all_reduce(grad, group=group)
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -12,20 +12,24 @@ identical on every pipeline rank, after all forwards and backwards: Lightning's 
 a no-op (the strategy skips it). Each micro-batch loss is divided by ``accumulate_grad_batches`` (what
 Lightning does to a step's loss) and, with fp16, multiplied by the loss scale. Validation and test run
 the pipeline forward only and log ``val_loss`` / ``test_loss``; the LightningModule's own
-``validation_step`` is not called (its outputs exist only on the last stage).
+``validation_step`` is not called (its outputs exist only on the last stage). Prediction returns the last
+layer's outputs for the whole batch on every pipeline rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
+from lightning_par.mesh import ParallelMesh
+from lightning_par.pipeline.apply import PipelineSplit, TiedGradients
 from lightning_par.pipeline.runtime import PipelineRuntime
+from lightning_par.zero.engine import Engine
 
 
 def split_batch(batch: Any, m: int) -> list[Any]:
@@ -61,11 +65,19 @@ def pipeline_layers_of(module: pl.LightningModule) -> Sequence[nn.Module]:
 
 
 class LightningPipeline:
-    """Runs training/evaluation steps of ``module`` through ``runtime``."""
+    """Runs training/evaluation steps of ``module`` through ``runtime``; ``tied`` keeps the copies of
+    parameters shared by several stages equal."""
 
-    def __init__(self, module: pl.LightningModule, runtime: PipelineRuntime) -> None:
+    def __init__(self, module: pl.LightningModule, runtime: PipelineRuntime, tied: TiedGradients) -> None:
         self.module = module
         self.runtime = runtime
+        self.tied = tied
+        if not module.automatic_optimization:
+            raise ValueError(
+                "Manual optimization with pipeline_parallel_size > 1 is not supported: the pipeline runs"
+                " every micro-batch's forward and backward inside one training_step. Use automatic"
+                " optimization, or pipeline_parallel_size=1."
+            )
         if not callable(getattr(module, "pipeline_loss", None)):
             raise TypeError(
                 f"Pipeline parallelism needs {type(module).__name__}.pipeline_loss(output, batch)."
@@ -78,14 +90,22 @@ class LightningPipeline:
     def training_step(
         self,
         batch: Any,
+        batch_idx: int,
         *,
-        no_sync: Callable[[], AbstractContextManager[None]],
-        end_window: Callable[[], None],
+        engine: Engine,
+        optimizers: Sequence[Optimizer],
         loss_scale: Callable[[Tensor], Tensor] = lambda t: t,
     ) -> Tensor:
-        """All micro-batches forward and backward (every backward without data-parallel reduction), then
-        ``end_window()`` (tied-gradient exchange and the reduction, at the last step of an accumulation
-        window); returns the mean loss."""
+        """All micro-batches forward and backward (every backward without data-parallel reduction);
+        returns the mean loss. The caller ends the accumulation window afterwards with
+        :meth:`end_window`: the strategy does it in ``backward``, which Lightning calls after it has
+        zeroed the optimizers' gradients of a new window (the engine's buffer keeps them)."""
+        if batch_idx % self.module.trainer.accumulate_grad_batches == 0:
+            # a new window: the engine's buffer must not hold the previous window's gradients
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            self.module.zero_grad(set_to_none=True)
+        no_sync = engine.no_sync
         m = self.runtime.m
         micro = split_batch(batch, m)
         accumulate = self.module.trainer.accumulate_grad_batches
@@ -96,13 +116,24 @@ class LightningPipeline:
         mean = self.runtime.train_step(
             inputs=self._inputs(micro), loss_fn=loss_fn, no_sync=no_sync, sync_last=False
         )
-        end_window()
         # undo the scaling of the returned number: it is the mean loss, for logging
         value = mean * accumulate
         scaled = loss_scale(torch.ones(()))
         value = value / scaled
         self.module.log("train_loss", value, prog_bar=True)
         return value.detach()
+
+    def end_window(self, engine: Engine) -> None:
+        """At the last step of an accumulation window: sum tied gradients over their stages, then reduce
+        over dp (``block_backward_sync`` disables both on the other steps)."""
+        if engine.sync_enabled:
+            self.tied.exchange(grad_of=engine.grad_view)
+            engine.flush()
+
+    def predict_step(self, batch: Any) -> Tensor:
+        """The last stage's outputs for ``batch`` (micro-batch outputs concatenated), on every rank."""
+        micro = split_batch(batch, self.runtime.m)
+        return self.runtime.predict_step(inputs=self._inputs(micro))
 
     def eval_step(self, batch: Any, *, stage: str) -> Tensor:
         micro = split_batch(batch, self.runtime.m)
@@ -113,3 +144,22 @@ class LightningPipeline:
         loss = self.runtime.forward_step(inputs=self._inputs(micro), loss_fn=loss_fn)
         self.module.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=stage == "val")
         return loss
+
+
+def build_pipeline(
+    module: pl.LightningModule,
+    split: PipelineSplit,
+    *,
+    mesh: ParallelMesh,
+    schedule: str,
+    num_microbatches: int,
+) -> LightningPipeline:
+    """This rank's pipeline over its chunks of ``split``; tied parameters summed over their holders
+    (collective over the world: every rank creates every tied group)."""
+    runtime = PipelineRuntime(
+        chunks=split.chunks, group=mesh.pp_group, schedule=schedule, num_microbatches=num_microbatches
+    )
+    tied = TiedGradients(
+        module, local=split.local, pp_group=mesh.pp_group, pp_groups=mesh.layout.groups("pp")
+    )
+    return LightningPipeline(module, runtime, tied)

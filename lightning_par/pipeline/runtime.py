@@ -63,6 +63,8 @@ class PipelineRuntime:
         self.actions: list[Action] = build_schedule(schedule, p=self.p, m=self.m, v=self.v)[self.s]
         self.last = self.p * self.v - 1
         self.last_stats = StepStats()
+        first = next((t for chunk in self.chunks for t in chunk.parameters() if not t.is_meta), None)
+        self.device = first.device if first is not None else torch.device("cpu")
 
     # ------------------------------------------------------------------ p2p
     def _peer(self, g: int) -> int:
@@ -160,6 +162,42 @@ class PipelineRuntime:
         for work, _ in works:
             work.wait()
         return self._broadcast_loss(losses.mean())
+
+    @torch.no_grad()
+    def predict_step(self, *, inputs: Sequence[Any] | None) -> Tensor:
+        """Forward only: the last virtual stage's outputs of all micro-batches, concatenated along dim 0
+        and broadcast, so every pipeline rank returns the same tensor (one header and one broadcast)."""
+        works: list[Any] = []
+        outputs: list[Tensor] = []
+        for i in range(self.m):
+            for c in range(self.v):
+                g = c * self.p + self.s
+                x = self._input(g, i, inputs, grad=False)
+                out = self.chunks[c](x)
+                if g == self.last:
+                    if not isinstance(out, Tensor):
+                        raise TypeError(
+                            "predict under pipeline parallelism needs the last layer to return a tensor, got"
+                            f" {type(out).__name__}."
+                        )
+                    outputs.append(out)
+                else:
+                    self._send(out, to_g=g + 1, from_g=g, mb=i, kind="act", works=works)
+        for work, _ in works:
+            work.wait()
+        src = self._peer(self.last)
+        header = torch.zeros(8, dtype=torch.int64, device=self.device)
+        result = torch.cat(outputs).contiguous() if outputs else None
+        if result is not None:
+            header[0], header[1] = result.dim(), _DTYPES.index(result.dtype)
+            header[2 : 2 + result.dim()] = torch.tensor(result.shape, device=self.device)
+        dist.broadcast(header, src=src, group=self.group)
+        if result is None:
+            ndim = int(header[0])
+            shape = torch.Size(header[2 : 2 + ndim].tolist())
+            result = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=self.device)
+        dist.broadcast(result, src=src, group=self.group)
+        return result
 
     def _input(self, g: int, mb: int, inputs: Sequence[Any] | None, *, grad: bool = True) -> Any:
         if g == 0:

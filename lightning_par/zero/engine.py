@@ -61,6 +61,7 @@ class ZeroEngine:
     module: nn.Module
     master_dtype: torch.dtype | None = None
     compute_dtype: torch.dtype | None = None
+    allow_untested_optimizer: bool = False
     sharded: ShardedOptimizer | None = field(default=None)
 
     def shard_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
@@ -74,6 +75,7 @@ class ZeroEngine:
             param_names=names,
             master_dtype=self.master_dtype,
             compute_dtype=self.compute_dtype,
+            allow_untested_optimizer=self.allow_untested_optimizer,
         )
 
     def after_step(self) -> None:
@@ -102,6 +104,10 @@ class ZeroEngine:
     def flush(self) -> None:
         """Reduce the window's accumulated gradients now (see :meth:`GradSync.flush`)."""
         self.sync.flush()
+
+    def grad_view(self, param: nn.Parameter) -> Tensor | None:
+        """Where ``param``'s gradient accumulates before the reduction (see :meth:`GradSync.grad_view`)."""
+        return self.sync.grad_view(param)
 
     @property
     def sync_enabled(self) -> bool:
@@ -133,6 +139,7 @@ class Engine(Protocol):
     def on_synchronized(self, listener: Callable[[], None]) -> None: ...
     def scale_grads(self, factor: float) -> None: ...
     def flush(self) -> None: ...
+    def grad_view(self, param: nn.Parameter) -> Tensor | None: ...
     @property
     def sync_enabled(self) -> bool: ...
     def freeze_order(self, names: Sequence[str]) -> None: ...
@@ -164,6 +171,7 @@ def apply_zero(
     compute_dtype: torch.dtype | None = None,
     grad_dtype: torch.dtype | None = None,
     sync_module_states: bool = True,
+    allow_untested_optimizer: bool = False,
 ) -> ZeroEngine:
     """Install ZeRO ``stage`` (0, 1 or 2) on ``module`` over ``group``; see the module docstring.
 
@@ -199,7 +207,12 @@ def apply_zero(
     )
     sync.attach_to(module)
     return ZeroEngine(
-        stage=stage, sync=sync, module=module, master_dtype=master_dtype, compute_dtype=compute_dtype
+        stage=stage,
+        sync=sync,
+        module=module,
+        master_dtype=master_dtype,
+        compute_dtype=compute_dtype,
+        allow_untested_optimizer=allow_untested_optimizer,
     )
 
 

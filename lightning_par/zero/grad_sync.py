@@ -63,7 +63,8 @@ class GradSync:
     """Reduces the gradients of ``named_params`` over ``group`` during backward (see module docstring).
 
     Args:
-        named_params: the parameters (those not requiring grad are ignored), in registration order.
+        named_params: the parameters (those not requiring grad, and meta placeholders, are ignored), in
+            registration order.
         group: the data-parallel process group.
         bucket_numel: elements per communication bucket.
         shard: reduce into this rank's shard (ZeRO 1/2) instead of averaging everywhere (ZeRO 0).
@@ -107,7 +108,8 @@ class GradSync:
         self.find_unused_parameters = find_unused_parameters
         self.max_inflight = max(1, max_inflight)
         self._bucket_numel = bucket_numel
-        named = [(n, p) for n, p in named_params if p.requires_grad]
+        # meta tensors (other pipeline stages' layers) have no gradient here
+        named = [(n, p) for n, p in named_params if p.requires_grad and not p.is_meta]
         if not named:
             raise ValueError("GradSync got no parameters that require gradients.")
         dtypes = {p.dtype for _, p in named}
@@ -457,6 +459,17 @@ class GradSync:
         if self.grad_shard is not None:
             self.grad_shard.zero_()
 
+    def grad_view(self, param: nn.Parameter) -> Tensor | None:
+        """Where ``param``'s gradient accumulates in the flat buffer (``grad_sync="boundary"``), in the
+        reduction dtype; None for a parameter this engine does not manage or without a full buffer."""
+        slot = self._slot_of.get(id(param))
+        if slot is None or self.buffer is None:
+            return None
+        if not self._touched[slot]:
+            self._views[slot].zero_()  # stale values of an earlier window
+            self._touched[slot] = True
+        return self._views[slot]
+
     @property
     def params(self) -> list[nn.Parameter]:
         """Parameters in layout order."""
@@ -481,18 +494,30 @@ class GradSync:
         self._handles = []
 
 
-def broadcast_module_states(module: nn.Module, *, group: ProcessGroup, src_index: int = 0) -> None:
-    """Make every rank of ``group`` hold the parameters and buffers of its ``src_index``-th rank.
+def broadcast_module_states(
+    module: nn.Module, *, group: ProcessGroup, src_index: int = 0, params: bool = True, buffers: bool = True
+) -> None:
+    """Make every rank of ``group`` hold the parameters and/or buffers of its ``src_index``-th rank
+    (meta tensors, such as layers of other pipeline stages, are skipped).
 
     Tensors are coalesced per dtype into one flat broadcast each, so this costs one collective per dtype.
     """
     if dist.get_world_size(group) == 1:
         return
+    chosen = [*(module.parameters() if params else ()), *(module.buffers() if buffers else ())]
+    broadcast_tensors(chosen, group=group, src_index=src_index)
+
+
+def broadcast_tensors(tensors: Sequence[Tensor], *, group: ProcessGroup, src_index: int = 0) -> None:
+    """Overwrite ``tensors`` in place with the ``src_index``-th rank's values, one flat broadcast per
+    (dtype, device)."""
+    if dist.get_world_size(group) == 1:
+        return
     src = dist.get_global_rank(group, src_index)
-    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.numel() > 0 and not t.is_meta]
     by_key: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for t in tensors:
-        by_key.setdefault((t.dtype, t.device), []).append(t)
+        if t.numel() > 0 and not t.is_meta:
+            by_key.setdefault((t.dtype, t.device), []).append(t)
     with torch.no_grad():
         for items in by_key.values():
             flat = torch.cat([t.detach().reshape(-1) for t in items])

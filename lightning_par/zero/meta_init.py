@@ -1,20 +1,32 @@
 """Large-model initialisation for ZeRO-3: meta-device parameters materialised one unit at a time.
 
 A model built on the meta device has shapes but no storage. Each unit in turn gets real storage, is
-initialised by its modules' own ``reset_parameters()`` under a seed derived from the unit's index (the
-same on every rank and for any world size), is sliced into shards, and is released, so no rank ever
-holds more than one unit in full. :func:`materialize_model` does the same for the whole model in one
-process: the unsharded twin used to check that a sharded init equals the full init sliced.
+filled from pretrained weights where a source has them, otherwise initialised by its modules' own
+``reset_parameters()`` under a seed derived from the unit's index (the same on every rank and for any
+world size), is sliced into shards, and is released, so no rank ever holds more than one unit in full.
+Trainable and frozen parameters are materialised alike. PEFT LoRA layers (modules with
+``reset_lora_parameters``) get their adapters re-initialised the way PEFT's default does (A as
+``nn.Linear``, B zero), so an adapter starts as the identity. :func:`materialize_model` does the same
+for the whole model in one process: the unsharded twin used to check that a sharded init equals the
+full init sliced.
+
+:func:`params_on_meta` is the context the strategy runs ``configure_model()`` in: parameters are created
+on the meta device, buffers on the CPU, because buffers are small and often computed in ``__init__``
+(rotary frequencies, masks) where no ``reset_parameters()`` could recreate them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from lightning_par.zero.units import UnitPolicy, plan_units
+from lightning_par.zero.units import REMOTE_ATTR, UnitPolicy, plan_units
+
+# A parameter's values from a pretrained source (None: not in the source, initialise it).
+ValuesFn = Callable[[str], Tensor | None]
 
 
 def target_device(module: nn.Module) -> torch.device:
@@ -25,47 +37,140 @@ def target_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+@contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device and buffers where they would be anyway (see the module
+    docstring). ``nn.Module.register_parameter`` is wrapped for the duration only."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)  # attributes such as a tensor-parallel mark
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
 def materialize_unit(
-    root: nn.Module, params: Sequence[nn.Parameter], *, seed: int, device: torch.device
+    root: nn.Module,
+    params: Sequence[nn.Parameter],
+    *,
+    seed: int,
+    device: torch.device,
+    names: Sequence[str] | None = None,
+    values: ValuesFn | None = None,
 ) -> list[nn.Parameter]:
-    """Replace meta ``params`` by real ones on ``device`` (everywhere they are registered, so ties hold)
-    and initialise them with their modules' own ``reset_parameters()`` under ``torch.manual_seed(seed)``:
-    the same values on every rank and for any world size, so a sharded init equals the full init sliced
-    (see :func:`materialize_model`). Returns the new parameters in the order of ``params``."""
+    """Replace meta ``params`` by real ones on ``device`` (everywhere they are registered, so ties hold).
+
+    With ``values`` (and ``names``, the parameters' names), a parameter whose values the source has is
+    filled from it; the others are initialised by their modules' ``reset_parameters()`` under
+    ``torch.manual_seed(seed)``: the same values on every rank and for any world size, so a sharded init
+    equals the full init sliced (see :func:`materialize_model`). A module whose parameters are all loaded
+    needs no ``reset_parameters()``; one that must be initialised and has none is named in a
+    ``ValueError``. Returns the new parameters in the order of ``params``."""
     wanted = {id(p): p for p in params if p.is_meta}
+    name_of = dict(zip(map(id, params), names, strict=True)) if names is not None else {}
     places: dict[int, list[tuple[nn.Module, str]]] = {}
-    owners: list[nn.Module] = []
-    for _, m in root.named_modules(remove_duplicate=False):
+    owners: list[tuple[str, nn.Module, set[int]]] = []  # (name, module, ids of the meta params it holds)
+    for module_name, m in root.named_modules(remove_duplicate=False):
+        held = {id(p) for p in m._parameters.values() if p is not None and id(p) in wanted}
         for attr, p in m._parameters.items():
             if p is not None and id(p) in wanted:
                 places.setdefault(id(p), []).append((m, attr))
-                if all(m is not o for o in owners):
-                    owners.append(m)
+        if held and all(m is not o for _, o, _ in owners):
+            owners.append((module_name, m, held))
+    loaded: dict[int, Tensor] = {}
+    if values is not None:
+        for pid in wanted:
+            value = values(name_of[pid]) if pid in name_of else None
+            if value is not None:
+                loaded[pid] = value
+    to_init = [(module_name, m) for module_name, m, held in owners if held - loaded.keys()]
+    for module_name, m in to_init:  # checked before anything is replaced
+        if not callable(getattr(m, "reset_parameters", None)):
+            missing = [attr for attr, p in m._parameters.items() if p is not None and id(p) not in loaded]
+            raise ValueError(
+                f"Module {module_name or '<root>'!r} ({type(m).__name__}) holds meta-device parameters"
+                f" {missing} that no pretrained weights fill, but it has no reset_parameters(), so ZeRO-3"
+                " cannot initialise its shard; give it one, load its weights (pretrained=...), or create"
+                " the model on a real device."
+            )
+    for pid, value in loaded.items():
+        if tuple(value.shape) != tuple(wanted[pid].shape):
+            raise ValueError(
+                f"Pretrained weight {name_of[pid]!r} has shape {tuple(value.shape)}, the model's parameter"
+                f" {tuple(wanted[pid].shape)}."
+            )
     fresh: dict[int, nn.Parameter] = {}
     for pid, old in wanted.items():
         new = nn.Parameter(
             torch.empty(old.shape, dtype=old.dtype, device=device), requires_grad=old.requires_grad
         )
+        new.__dict__.update(old.__dict__)
         for m, attr in places[pid]:
             m._parameters[attr] = new
         fresh[pid] = new
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for m in owners:
-            reset = getattr(m, "reset_parameters", None)
-            if reset is None:
-                raise ValueError(
-                    f"{type(m).__name__} holds meta-device parameters but has no reset_parameters(), so"
-                    " ZeRO-3 cannot initialise its shard; give it one or create the model on a real device."
-                )
-            reset()
+        for _, m in to_init:
+            m.reset_parameters()  # type: ignore[operator]
+        _reset_lora(root, {id(p) for p in fresh.values()} - {id(fresh[pid]) for pid in loaded})
+    with torch.no_grad():
+        for pid, value in loaded.items():
+            fresh[pid].copy_(value)
     return [fresh.get(id(p), p) for p in params]
 
 
-def materialize_model(root: nn.Module, *, units: UnitPolicy = None, seed: int, device: torch.device) -> None:
+def _reset_lora(root: nn.Module, initialised: set[int]) -> None:
+    """PEFT LoRA layers whose adapter weights were just initialised: A as nn.Linear, B zero."""
+    for m in root.modules():
+        reset = getattr(m, "reset_lora_parameters", None)
+        lora_a = getattr(m, "lora_A", None)
+        if not callable(reset) or not isinstance(lora_a, nn.ModuleDict):
+            continue
+        for adapter, layer in lora_a.items():
+            if any(id(p) in initialised for p in layer.parameters()):
+                reset(adapter, True)
+
+
+def materialize_model(
+    root: nn.Module,
+    *,
+    units: UnitPolicy = None,
+    seed: int,
+    device: torch.device,
+    values: ValuesFn | None = None,
+) -> None:
     """Unsharded twin of stage-3 initialisation: unit by unit, the same seeds, the whole model."""
     plan = [entry for entry in plan_units(root, units).units if entry[2]]
     for index, (_, _, named) in enumerate(plan):
         params = [p for _, p in named]
         if any(p.is_meta for p in params):
-            materialize_unit(root, params, seed=seed + index, device=device)
+            materialize_unit(
+                root, params, seed=seed + index, device=device, names=[n for n, _ in named], values=values
+            )
+
+
+def materialize_local(root: nn.Module, *, device: torch.device, values: ValuesFn | None, seed: int) -> int:
+    """Below ZeRO-3 (no shards): materialise every meta parameter of ``root`` this rank holds (not the
+    placeholders of other pipeline stages) on ``device``, from ``values`` or ``reset_parameters()``;
+    returns how many. Meta parameters without ``values`` to fill them are refused."""
+    local = [(n, p) for n, p in root.named_parameters() if p.is_meta and not getattr(p, REMOTE_ATTR, False)]
+    if not local:
+        return 0
+    if values is None:
+        raise ValueError(
+            "The model has meta-device parameters, which only zero_stage=3 materialises (shard by shard) or"
+            " pretrained weights fill; create the model on a real device, use zero_stage=3, or pass"
+            " pretrained=... ."
+        )
+    materialize_unit(
+        root, [p for _, p in local], seed=seed, device=device, names=[n for n, _ in local], values=values
+    )
+    return len(local)

@@ -26,9 +26,12 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_par.checkpoint.optimizer_state import MASTER_KEY
 from lightning_par.collectives import all_gather_flat
 from lightning_par.zero.grad_sync import GradSync
+
+# Checkpoint key of fp32 master weights saved beside the optimizer state of low-precision models (the
+# engine names it, so the checkpoint code depends on the engine and not the other way round).
+MASTER_KEY = "master"
 
 # Optimizers whose update is element-wise, hence exact on any slice of a parameter.
 ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
@@ -54,37 +57,84 @@ def inherit_param_attrs(fragment: Tensor, param: nn.Parameter) -> None:
             setattr(fragment, attr, getattr(param, attr))
 
 
-def check_shardable(optimizer: Optimizer) -> None:
-    """Raise a ``TypeError`` naming the optimizer if its update is not known to be element-wise."""
-    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
-        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+# Optimizers that change meaning on a slice of a parameter, refused even with allow_untested_optimizer.
+_WHOLE_TENSOR: dict[type[Optimizer], str] = {
+    torch.optim.LBFGS: "it keeps a history of whole flattened gradients and re-evaluates the loss (closure)",
+    torch.optim.Adafactor: "it factors each matrix's second moment into row and column statistics",
+    torch.optim.SparseAdam: "it needs sparse gradients, which the flat gradient buffers are not",
+}
+if hasattr(torch.optim, "Muon"):
+    _WHOLE_TENSOR[torch.optim.Muon] = "it orthogonalises each whole weight matrix"
+
+
+def _whole_tensor_reason(optimizer: Optimizer) -> str | None:
+    """Why ``optimizer`` cannot run on slices of parameters, if we know it cannot."""
+    for cls, reason in _WHOLE_TENSOR.items():
+        if isinstance(optimizer, cls):
+            return reason
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        return "its step() requires a closure (it re-evaluates the loss on the whole model)"
+    return None
+
+
+def check_shardable(optimizer: Optimizer, *, allow_untested: bool = False) -> None:
+    """Raise a ``TypeError`` naming the optimizer if its update is not known to be element-wise.
+
+    With ``allow_untested`` (DeepSpeed's ``zero_allow_untested_optimizer``), optimizers outside
+    :data:`ELEMENTWISE_OPTIMIZERS` are accepted on the user's word that their update is element-wise (a
+    user's own Lion, or an optimizer from another package); those known to need whole tensors (LBFGS,
+    Adafactor, SparseAdam, Muon, or any whose ``step()`` requires a closure) are refused even then."""
+    name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    reason = _whole_tensor_reason(optimizer)
+    if reason is not None:
         raise TypeError(
-            f"ZeRO stages 1-3 cannot shard {type(optimizer).__module__}.{type(optimizer).__qualname__}: its"
-            " update is not known to be element-wise (optimizers that use whole-tensor statistics, such as"
-            " LBFGS, LAMB or Adafactor, change meaning on a slice). Element-wise optimizers that shard"
-            f" exactly: {names}. Use one of them, or zero_stage=0."
+            f"ZeRO stages 1-3 cannot shard {name}: {reason}, so on this rank's slice of each parameter it"
+            " would compute something else (allow_untested_optimizer does not change that). Use an"
+            " element-wise optimizer, or zero_stage=0."
         )
+    if type(optimizer) in ELEMENTWISE_OPTIMIZERS or allow_untested:
+        return
+    names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    raise TypeError(
+        f"ZeRO stages 1-3 cannot shard {name}: its update is not known to be element-wise (optimizers that"
+        " use whole-tensor statistics, such as LBFGS, LAMB or Adafactor, change meaning on a slice)."
+        f" Element-wise optimizers that shard exactly: {names}. Use one of them, pass"
+        " allow_untested_optimizer=True if every update of an element depends only on that element's"
+        " parameter, gradient and state (e.g. Lion), or use zero_stage=0."
+    )
 
 
 def optimizer_group_params(
-    optimizers: Sequence[Optimizer], trainable: Sequence[nn.Parameter], param_names: dict[nn.Parameter, str]
+    optimizers: Sequence[Optimizer],
+    trainable: Sequence[nn.Parameter],
+    param_names: dict[nn.Parameter, str],
+    *,
+    allow_untested: bool = False,
 ) -> list[list[list[nn.Parameter]]]:
-    """The module parameters of each group of each optimizer, checked to be trainable module parameters
-    that belong to one optimizer only."""
+    """The module parameters of each group of each optimizer, checked to be module parameters that
+    belong to one optimizer only. Frozen parameters (``requires_grad=False``, not in ``trainable``) are
+    allowed, as torch optimizers skip parameters without gradients: they get no fragment and no state."""
     engine_params = set(map(id, trainable))
+    module_params = set(map(id, param_names))
     out: list[list[list[nn.Parameter]]] = []
     owner: dict[int, int] = {}
     for k, opt in enumerate(optimizers):
-        check_shardable(opt)
+        check_shardable(opt, allow_untested=allow_untested)
         groups = []
         for group in opt.param_groups:
             params = list(group["params"])
             for p in params:
-                if id(p) not in engine_params:
-                    name = param_names.get(p, "<a tensor outside the module>")
+                if id(p) not in module_params:
                     raise ValueError(
-                        f"Optimizer {k} holds {name!r}, which is not a trainable parameter of the module"
-                        " (requires_grad=False or not registered); ZeRO can only shard module parameters."
+                        f"Optimizer {k} holds a tensor of shape {tuple(p.shape)} that is not a parameter of"
+                        " the module; ZeRO can only shard module parameters (register it as an"
+                        " nn.Parameter of the LightningModule)."
+                    )
+                if id(p) not in engine_params and p.requires_grad and not p.is_meta:
+                    raise ValueError(
+                        f"Optimizer {k} holds {param_names[p]!r}, which the ZeRO engine does not manage"
+                        " (its requires_grad changed after setup?); set requires_grad before training."
                     )
                 if owner.setdefault(id(p), k) != k:
                     raise ValueError(f"Parameter {param_names[p]!r} is in two optimizers.")
@@ -121,6 +171,7 @@ class ShardedOptimizer:
         param_names: dict[nn.Parameter, str],
         master_dtype: torch.dtype | None = None,
         compute_dtype: torch.dtype | None = None,
+        allow_untested_optimizer: bool = False,
     ) -> None:
         if not sync.shard:
             raise ValueError("ShardedOptimizer needs a sharded GradSync (shard=True).")
@@ -129,7 +180,9 @@ class ShardedOptimizer:
         first = sync.params[0].dtype
         self.compute_dtype = compute_dtype or first
         self.master_dtype = master_dtype or first
-        self._group_params = optimizer_group_params(self.optimizers, sync.params, param_names)
+        self._group_params = optimizer_group_params(
+            self.optimizers, sync.params, param_names, allow_untested=allow_untested_optimizer
+        )
         sync.on_relayout(self._relayout)
         sync.on_synchronized(self._attach_grads)
         self._relayout()

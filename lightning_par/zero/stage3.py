@@ -25,6 +25,13 @@ embeddings, final norm, tied head) is gathered by :meth:`Stage3Engine.forward_co
 wraps every step in it) or by a pre-hook on the root module, and stays gathered until its gradients are
 reduced.
 
+Frozen parameters (``requires_grad=False``, e.g. the base weights of a LoRA model) are sharded in their
+units like the others (1/N per rank) and gathered for forward and backward, but they get no gradient
+buffer, no master and no optimizer state (see :mod:`lightning_par.zero.unit`). Because a unit's last
+trainable gradient may arrive while backward still needs its frozen weights (a LoRA adapter's gradient
+is computed before the frozen projection beside it has passed the input gradient on), a unit with
+frozen parameters whose inputs require gradients is freed only once the gradients of its inputs exist.
+
 Parameters whose ``.data`` is replaced or that are modified in place while sharded (outside a forward)
 are detected at the next gather and refused with an error naming them, instead of being silently lost.
 """
@@ -43,15 +50,17 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_par.collectives import all_gather_flat, reduce_scatter_flat
-from lightning_par.zero.grad_sync import ReduceOp, UnusedParametersError
-from lightning_par.zero.meta_init import materialize_unit, target_device
+from lightning_par.collectives import reduce_scatter_flat
+from lightning_par.zero.grad_sync import ReduceOp, UnusedParametersError, broadcast_module_states
+from lightning_par.zero.layout import Fragment
+from lightning_par.zero.meta_init import ValuesFn, materialize_unit, target_device
 from lightning_par.zero.sharded_optimizer import (
     inherit_param_attrs,
     optimizer_group_params,
     rebuild_optimizer,
 )
-from lightning_par.zero.unit import Unit, build_unit
+from lightning_par.zero.stage3_state import Stage3State
+from lightning_par.zero.unit import Part, Unit, build_unit
 from lightning_par.zero.units import UnitPolicy, plan_units
 
 
@@ -59,7 +68,7 @@ def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
-class Stage3Engine:
+class Stage3Engine(Stage3State):
     """Shards ``module``'s parameters over ``group`` in units (see the module docstring)."""
 
     def __init__(
@@ -76,8 +85,12 @@ class Stage3Engine:
         init_seed: int | None = None,
         compute_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
+        values: ValuesFn | None = None,
+        allow_untested_optimizer: bool = False,
     ) -> None:
         self.module = module
+        self._values = values
+        self.allow_untested_optimizer = allow_untested_optimizer
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -88,8 +101,10 @@ class Stage3Engine:
         self.max_inflight = max(1, max_inflight)
         plan = [entry for entry in plan_units(module, units).units if entry[2]]
         if not plan:
-            raise ValueError("ZeRO-3 got a module without trainable parameters.")
-        self.master_dtype = plan[0][2][0][1].dtype  # shards keep the parameters' dtype: fp32 masters
+            raise ValueError("ZeRO-3 got a module without parameters.")
+        trainable = [p for _, _, named in plan for _, p in named if p.requires_grad]
+        # shards keep the parameters' dtype: fp32 masters
+        self.master_dtype = trainable[0].dtype if trainable else plan[0][2][0][1].dtype
         self.compute_dtype = compute_dtype or self.master_dtype
         self.dtype = grad_dtype or self.master_dtype  # gradient buffers and reduction
         self.device = target_device(module)
@@ -103,6 +118,7 @@ class Stage3Engine:
         }
         self._order: list[Unit] = []
         self._recording = True
+        self._in_step = 0  # inside forward_context (a training/eval step)
         self._sync = True
         self._callback_queued = False
         self._inflight: list[tuple[Unit, Any, Tensor, Tensor | None]] = []
@@ -113,17 +129,15 @@ class Stage3Engine:
         self._sync_listeners: list[Callable[[], None]] = []
         self._handles: list[RemovableHandle] = []
         self._install_hooks()
-        if self.world > 1:
-            for buffer in module.buffers():  # buffers are replicated, as in stages 0-2
-                if not buffer.is_meta:
-                    dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
+        broadcast_module_states(module, group=group, params=False)  # buffers are replicated
         self.optimizers: list[Optimizer] = []
         self._group_params: list[list[list[nn.Parameter]]] = []
-        self._masters: list[tuple[Unit, int, Tensor]] = []  # (unit, fragment index, master view)
+        self._masters: list[tuple[Unit, Fragment, Tensor]] = []  # (unit, fragment, master view)
 
     # ------------------------------------------------------------------ construction
     def _agree_seed(self, init_seed: int | None) -> int:
-        seed = torch.tensor([init_seed if init_seed is not None else int(torch.randint(0, 2**31 - 1, (1,)))])
+        value = init_seed if init_seed is not None else int(torch.randint(0, 2**31 - 1, (1,)))
+        seed = torch.tensor([value], device=self.device)
         if self.world > 1:
             dist.broadcast(seed, src=dist.get_global_rank(self.group, 0), group=self.group)
         return int(seed.item())
@@ -132,9 +146,14 @@ class Stage3Engine:
         self, index: int, name: str, module: nn.Module, named: list[tuple[str, nn.Parameter]], seed: int
     ) -> Unit:
         materialized = any(p.is_meta for _, p in named)
-        if materialized:  # seeded identically on every rank: no broadcast needed
+        if materialized:  # seeded (or loaded) identically on every rank: no broadcast needed
             params = materialize_unit(
-                self.module, [p for _, p in named], seed=seed + index, device=self.device
+                self.module,
+                [p for _, p in named],
+                seed=seed + index,
+                device=self.device,
+                names=[n for n, _ in named],
+                values=self._values,
             )
             named = [(n, p) for (n, _), p in zip(named, params, strict=True)]
         return build_unit(
@@ -152,7 +171,9 @@ class Stage3Engine:
     def _install_hooks(self) -> None:
         for unit in self.units:
             module = unit.module
-            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self._handles.append(
+                module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True)
+            )
             self._handles.append(module.register_forward_hook(self._make_post_forward(unit)))
             for p in unit.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -167,12 +188,34 @@ class Stage3Engine:
     def _free(self, unit: Unit) -> None:
         unit.free()
 
+    def _free_if_done(self, unit: Unit) -> None:
+        """Free after backward: once the unit's gradients are launched (if it has trainable parameters)
+        and, for a unit with frozen parameters, once backward no longer needs them."""
+        if (unit.train is None or unit.reduced) and unit.backward_done:
+            self._free(unit)
+
     # ------------------------------------------------------------------ forward hooks
     def _make_pre_forward(self, unit: Unit) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             self._pre_forward(unit)
+            if unit.has_frozen and torch.is_grad_enabled() and not _in_backward():
+                self._watch_inputs(unit, [args, kwargs])
 
         return hook
+
+    def _watch_inputs(self, unit: Unit, inputs: Any) -> None:
+        """Mark the unit's backward as done when the gradients of all its inputs are computed."""
+        tensors = [t for t in _tensors(inputs) if t.requires_grad]
+        if not tensors:
+            unit.backward_done = True  # no backward path through frozen weights to the inputs
+            return
+        unit.backward_done = False
+
+        def done(grads: Any) -> None:
+            unit.backward_done = True
+            self._free_if_done(unit)
+
+        torch.autograd.graph.register_multi_grad_hook(tensors, done, mode="all")
 
     def _pre_forward(self, unit: Unit) -> None:
         in_backward = _in_backward()
@@ -193,6 +236,8 @@ class Stage3Engine:
     def _post_forward(self, unit: Unit, output: Any) -> Any:
         if torch.is_grad_enabled():
             tensors = [t for t in _tensors(output) if t.requires_grad]
+            if not _in_backward():
+                unit.needs_backward = bool(tensors)
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads: self._pre_backward(unit), mode="any"
@@ -212,17 +257,22 @@ class Stage3Engine:
         self._wait(unit)
         if self.prefetch and unit in self._order:
             i = self._order.index(unit)
-            if i > 0 and not self._order[i - 1].reduced:
-                self._gather(self._order[i - 1])
+            previous = self._order[i - 1] if i > 0 else None
+            if previous is not None and previous.needs_backward and not previous.reduced:
+                self._gather(previous)
 
     @contextmanager
     def forward_context(self) -> Iterator[None]:
-        """Gather the root unit around a step whose code may not call the root module's forward."""
+        """Gather the root unit around a step whose code may not call the root module's forward; inside
+        the step it stays gathered across backwards and optimizer steps (manual optimization runs several
+        forwards, backwards and steps in one ``training_step``, calling submodules directly)."""
         if self.root is not None:
             self._pre_forward(self.root)
+        self._in_step += 1
         try:
             yield
         finally:
+            self._in_step -= 1
             if self._order:
                 self._recording = False
             if self.root is not None and not torch.is_grad_enabled():
@@ -239,10 +289,10 @@ class Stage3Engine:
         unit, slot = self._unit_of[id(param)]
         grad = param.grad
         if unit.grad_buf is None:  # the unit's first gradient in this backward
-            unit.grad_buf = self._acquire(unit.layout.numel)
+            unit.grad_buf = self._acquire(_train(unit).layout.numel)
             unit.pending = len(unit.params)
         if grad is not None:
-            s = unit.layout.slots[slot]
+            s = _train(unit).layout.slots[slot]
             unit.grad_buf[s.offset : s.end].view(s.shape).copy_(grad)
             param.grad = None  # the full-size gradient is not kept
             self._touched[id(param)] = True
@@ -251,7 +301,9 @@ class Stage3Engine:
             self._launch_in_order()
 
     def _reduce_order(self) -> list[Unit]:
-        return [*reversed(self._order), *(u for u in self.units if u not in self._order)]
+        """Units with gradients, in the order their reductions are issued (the same on every rank)."""
+        order = [*reversed(self._order), *(u for u in self.units if u not in self._order)]
+        return [u for u in order if u.train is not None]
 
     def _launch_in_order(self) -> None:
         for unit in self._reduce_order():
@@ -262,25 +314,27 @@ class Stage3Engine:
             self._launch(unit)
 
     def _launch(self, unit: Unit) -> None:
-        buf = unit.grad_buf if unit.grad_buf is not None else self._acquire(unit.layout.numel)
+        train = _train(unit)
+        buf = unit.grad_buf if unit.grad_buf is not None else self._acquire(train.layout.numel)
         unit.grad_buf = None
         out: Tensor | None = None
         if self.reduce_op == "reduce_scatter":
-            out = self._acquire(unit.shard.numel())
+            out = self._acquire(train.shard.numel())
             work = reduce_scatter_flat(out, buf, group=self.group, async_op=True)
         else:
             work = dist.all_reduce(buf, group=self.group, async_op=True)
         self._inflight.append((unit, work, buf, out))
         unit.reduced = True
-        self._free(unit)
+        self._free_if_done(unit)
         if len(self._inflight) > self.max_inflight:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
         unit, work, buf, out = self._inflight.pop(0)
         work.wait()
-        n = unit.shard.numel()
+        n = _train(unit).shard.numel()
         mine = out if out is not None else buf[self.rank * n : (self.rank + 1) * n]
+        assert unit.grad_shard is not None
         unit.grad_shard.add_(mine, alpha=1.0 / self.world)
         self._release(buf)
         if out is not None:
@@ -295,14 +349,19 @@ class Stage3Engine:
         missing = None
         if self._sync:
             ids = [id(p) for u in self.units for p in u.params]
-            missing = torch.tensor([0 if self._touched[i] else 1 for i in ids], dtype=torch.int32)
+            missing = torch.tensor(
+                [0 if self._touched[i] else 1 for i in ids], dtype=torch.int32, device=self.device
+            )
             miss_work = dist.all_reduce(missing, group=self.group, async_op=True)
         while self._inflight:
             self._complete_oldest()
         for unit in self.units:
             unit.reduced = False
             unit.pending = 0
+            unit.backward_done = True
             self._free(unit)
+        if self._in_step and self.root is not None:
+            self._wait(self.root)  # the step goes on (manual optimization): its next forward needs the root
         if missing is not None:
             miss_work.wait()
             self._finish_window(missing.tolist())
@@ -336,28 +395,33 @@ class Stage3Engine:
 
     # ------------------------------------------------------------------ optimizer
     def shard_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
-        """Rebuild ``optimizers`` over this rank's fragments of every unit's shard (the fp32 masters)."""
-        names = {p: n for u in self.units for n, p in zip(u.names, u.params, strict=True)}
+        """Rebuild ``optimizers`` over this rank's fragments of every unit's trainable shard (the fp32
+        masters); frozen parameters the optimizers hold get no fragment and no state."""
+        names = {p: n for n, p in self.module.named_parameters()}
         trainable = [p for u in self.units for p in u.params]
         self.optimizers = list(optimizers)
-        self._group_params = optimizer_group_params(self.optimizers, trainable, names)
+        self._group_params = optimizer_group_params(
+            self.optimizers, trainable, names, allow_untested=self.allow_untested_optimizer
+        )
         masters: dict[int, list[Tensor]] = {}
         self._masters = []
         for unit in self.units:
-            for k, f in enumerate(unit.layout.fragments(self.rank)):
-                view = unit.shard[f.shard_lo : f.shard_lo + f.numel]
+            if unit.train is None:
+                continue
+            for f in unit.train.layout.fragments(self.rank):
+                view = unit.train.shard[f.shard_lo : f.shard_lo + f.numel]
                 inherit_param_attrs(view, unit.params[f.slot])
                 masters.setdefault(id(unit.params[f.slot]), []).append(view)
-                self._masters.append((unit, k, view))
+                self._masters.append((unit, f, view))
         for opt, groups in zip(self.optimizers, self._group_params, strict=True):
             rebuild_optimizer(opt, groups, masters)
 
     def _attach_grads(self) -> None:
-        for unit, k, master in self._masters:
-            f = unit.layout.fragments(self.rank)[k]
+        for unit, f, master in self._masters:
             if id(unit.params[f.slot]) in self.unused:
                 master.grad = None
             else:
+                assert unit.grad_shard is not None
                 g = unit.grad_shard[f.shard_lo : f.shard_lo + f.numel]
                 master.grad = g if g.dtype == master.dtype else g.to(master.dtype)
 
@@ -366,7 +430,11 @@ class Stage3Engine:
         for _, _, master in self._masters:
             master.grad = None
         for unit in self.units:
-            unit.grad_shard.zero_()
+            if unit.grad_shard is not None:
+                unit.grad_shard.zero_()
+        if self._in_step and self.root is not None and self.root.state != "sharded":
+            self._free(self.root)  # an optimizer step inside training_step: gather the updated shards
+            self._wait(self.root)
 
     def group_params(self, index: int) -> list[list[nn.Parameter]]:
         return self._group_params[index]
@@ -396,6 +464,10 @@ class Stage3Engine:
     def flush(self) -> None:
         raise RuntimeError("ZeRO-3 reduces every backward; there is nothing to flush.")
 
+    def grad_view(self, param: nn.Parameter) -> Tensor | None:
+        """None: stage 3 keeps no full gradient between backwards."""
+        return None
+
     @property
     def sync_enabled(self) -> bool:
         return self._sync
@@ -403,79 +475,19 @@ class Stage3Engine:
     @torch.no_grad()
     def scale_grads(self, factor: float) -> None:
         for unit in self.units:
-            unit.grad_shard.mul_(factor)
-
-    # ------------------------------------------------------------------ state
-    def fragment_table(self) -> list[tuple[str, int, int, Tensor]]:
-        """``(param name, lo, hi, shard view)`` for every fragment this rank owns; the views are the
-        optimizer's parameters (optimizer state is keyed by them) once optimizers are sharded."""
-        if self._masters:
-            out = []
-            for unit, k, view in self._masters:
-                f = unit.layout.fragments(self.rank)[k]
-                out.append((unit.names[f.slot], f.param_lo, f.param_hi, view))
-            return out
-        return [
-            (unit.names[f.slot], f.param_lo, f.param_hi, unit.shard[f.shard_lo : f.shard_lo + f.numel])
-            for unit in self.units
-            for f in unit.layout.fragments(self.rank)
-        ]
-
-    @torch.no_grad()
-    def load_fragments(self, values: Callable[[str, int, int], Tensor | None]) -> None:
-        """Overwrite this rank's shard from ``values(name, lo, hi)`` (flattened elements; None = keep)."""
-        for name, lo, hi, view in self.fragment_table():
-            value = values(name, lo, hi)
-            if value is not None:
-                view.copy_(value.reshape(-1))
-
-    @torch.no_grad()
-    def full_state_dict(self, *, to_rank: int = 0) -> dict[str, Tensor]:
-        """All parameters at master precision (gathered from the shards one unit at a time: bounded
-        memory), as CPU tensors on ``to_rank`` (other ranks get an empty dict); every name under which a
-        tied parameter is registered is filled."""
-        aliases: dict[int, list[str]] = {}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-        out: dict[str, Tensor] = {}
-        for unit in self.units:
-            full = torch.empty(unit.layout.numel, dtype=unit.shard.dtype, device=unit.shard.device)
-            all_gather_flat(full, unit.shard, group=self.group)
-            if self.rank == to_rank:
-                for p, s in zip(unit.params, unit.layout.slots, strict=True):
-                    value = full[s.offset : s.end].view(s.shape).cpu().clone()
-                    for name in aliases[id(p)]:
-                        out[name] = value
-        return out
-
-    def memory_bytes(self) -> dict[str, int]:
-        shard = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
-        live = sum(u.full_bytes for u in self.units if u.state != "sharded")
-        grads = sum(u.grad_shard.numel() * u.grad_shard.element_size() for u in self.units)
-        largest = max(u.full_bytes for u in self.units)
-        return {
-            "param_shard": shard,
-            "live_units": live,
-            "grad_shard": grads,
-            "comm": self._pool_bytes,
-            "largest_unit": largest,
-        }
-
-    @torch.no_grad()
-    def unshard_all(self) -> None:
-        """Leave every parameter whole, at master precision (e.g. after training, for use without the
-        engine); the gathered buffers are released."""
-        for unit in self.units:
-            unit.free()
-            full = torch.empty(unit.layout.numel, dtype=unit.shard.dtype, device=unit.shard.device)
-            all_gather_flat(full, unit.shard, group=self.group)
-            for p, s in zip(unit.params, unit.layout.slots, strict=True):
-                p.data = full[s.offset : s.end].view(s.shape)
+            if unit.grad_shard is not None:
+                unit.grad_shard.mul_(factor)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _train(unit: Unit) -> Part:
+    """The trainable part of a unit that receives gradients."""
+    assert unit.train is not None
+    return unit.train
 
 
 def _tensors(output: Any) -> list[Tensor]:

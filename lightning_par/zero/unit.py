@@ -1,12 +1,16 @@
-"""One ZeRO-3 unit: its flat shard, its gathered buffer, and the gather/free state machine.
+"""One ZeRO-3 unit: its flat shards, its gathered buffers, and the gather/free state machine.
 
-A unit's parameters are packed by a :class:`FlatLayout` with one bucket padded to a multiple of N; rank
-``r`` keeps slice ``r`` (the *shard*, fp32 master and optimizer target). Gathering all-gathers the shards
-into ``full`` (whose storage is otherwise resized to zero) and points each parameter's ``.data`` at its
-view; freeing points them back at *placeholders*: tensors of the right shape backed by one NaN element,
-so optimizer grouping by ``p.dim()`` and model summaries see true shapes, writing to one fails, and
-reading one outside a forward gives NaN rather than plausible numbers. A replacement of ``.data`` while
-sharded is caught at the next gather, with the parameter's name.
+A unit's parameters are packed into *parts*, one flat buffer each: the trainable part (the fp32 master
+shard, optimizer target, with a gradient shard beside it) and one frozen part per dtype (parameters with
+``requires_grad=False``: sharded and gathered like the others, but with no gradient, no master and no
+optimizer state; in mixed precision they are kept in the compute dtype). Each part is laid out by a
+:class:`FlatLayout` with one bucket padded to a multiple of N; rank ``r`` keeps slice ``r`` (the
+*shard*). Gathering all-gathers every part's shards into its ``full`` buffer (whose storage is otherwise
+resized to zero) and points each parameter's ``.data`` at its view; freeing points them back at
+*placeholders*: tensors of the right shape backed by one NaN element (an integer frozen parameter's
+placeholder holds 0), so optimizer grouping by ``p.dim()`` and model summaries see true shapes, writing
+to one fails, and reading one outside a forward gives NaN rather than plausible numbers. A replacement of
+``.data`` while sharded is caught at the next gather, with the parameter's name.
 """
 
 from __future__ import annotations
@@ -22,7 +26,33 @@ from torch.distributed import ProcessGroup
 from lightning_par.collectives import all_gather_flat
 from lightning_par.zero.layout import FlatLayout
 
-_HUGE = 1 << 62  # one bucket per unit
+_HUGE = 1 << 62  # one bucket per part
+
+
+@dataclass(eq=False)
+class Part:
+    """Parameters of one unit that share a flat buffer (and a dtype)."""
+
+    names: list[str]
+    params: list[nn.Parameter]
+    layout: FlatLayout
+    shard: Tensor
+    full: Tensor
+    trainable: bool
+    placeholders: list[Tensor] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    work: Any = None
+
+    @property
+    def full_bytes(self) -> int:
+        return self.full.numel() * self.full.element_size()
+
+    def fragments(self, rank: int) -> list[tuple[str, int, int, Tensor]]:
+        """``(name, lo, hi, shard view)`` of every parameter piece in this rank's shard."""
+        return [
+            (self.names[f.slot], f.param_lo, f.param_hi, self.shard[f.shard_lo : f.shard_lo + f.numel])
+            for f in self.layout.fragments(rank)
+        ]
 
 
 @dataclass(eq=False)
@@ -30,44 +60,60 @@ class Unit:
     index: int
     name: str
     module: nn.Module
-    names: list[str]
-    params: list[nn.Parameter]
-    layout: FlatLayout
-    shard: Tensor
-    full: Tensor
-    grad_shard: Tensor
-    placeholders: list[Tensor] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    parts: list[Part]
+    grad_shard: Tensor | None
     state: str = "sharded"  # "sharded" | "gathering" | "gathered"
-    work: Any = None
     grad_buf: Tensor | None = None
     pending: int = 0
     reduced: bool = False
+    backward_done: bool = True  # see Stage3Engine: frozen weights may be needed after the last gradient
+    needs_backward: bool = True  # its outputs required gradients in the latest forward
+
+    @property
+    def train(self) -> Part | None:
+        """The trainable part (None for a unit of frozen parameters only)."""
+        return self.parts[0] if self.parts and self.parts[0].trainable else None
+
+    @property
+    def has_frozen(self) -> bool:
+        return any(not part.trainable for part in self.parts)
+
+    @property
+    def names(self) -> list[str]:
+        """Trainable parameter names, in the order of the trainable layout."""
+        return self.train.names if self.train is not None else []
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """Trainable parameters, in the order of the trainable layout."""
+        return self.train.params if self.train is not None else []
 
     @property
     def full_bytes(self) -> int:
-        return self.full.numel() * self.full.element_size()
+        return sum(part.full_bytes for part in self.parts)
 
     # ------------------------------------------------------------------ state machine
     def check_untouched(self) -> None:
-        for name, p, ph, version in zip(
-            self.names, self.params, self.placeholders, self.versions, strict=True
-        ):
-            if p.data.data_ptr() != ph.data_ptr() or p.data.shape != ph.shape or p._version != version:
-                raise RuntimeError(
-                    f"ZeRO-3: parameter {name!r} was replaced or modified outside a forward pass while it was"
-                    " sharded, so the change would be lost. Change parameters inside forward, in an optimizer"
-                    " step, or through load_state_dict / the strategy's checkpoint loading."
-                )
+        for part in self.parts:
+            for name, p, ph, version in zip(
+                part.names, part.params, part.placeholders, part.versions, strict=True
+            ):
+                if p.data.data_ptr() != ph.data_ptr() or p.data.shape != ph.shape or p._version != version:
+                    raise RuntimeError(
+                        f"ZeRO-3: parameter {name!r} was replaced or modified outside a forward pass while it"
+                        " was sharded, so the change would be lost. Change parameters inside forward, in an"
+                        " optimizer step, or through load_state_dict / the strategy's checkpoint loading."
+                    )
 
     def gather(self, group: ProcessGroup) -> None:
-        """Start the all-gather (no-op unless sharded)."""
+        """Start the all-gathers (no-op unless sharded)."""
         if self.state != "sharded":
             return
         self.check_untouched()
-        self.full.untyped_storage().resize_(self.full_bytes)
-        source = self.shard if self.shard.dtype == self.full.dtype else self.shard.to(self.full.dtype)
-        self.work = all_gather_flat(self.full, source, group=group, async_op=True)
+        for part in self.parts:
+            part.full.untyped_storage().resize_(part.full_bytes)
+            source = part.shard if part.shard.dtype == part.full.dtype else part.shard.to(part.full.dtype)
+            part.work = all_gather_flat(part.full, source, group=group, async_op=True)
         self.state = "gathering"
 
     def wait(self, group: ProcessGroup) -> None:
@@ -75,24 +121,67 @@ class Unit:
         if self.state == "sharded":
             self.gather(group)
         if self.state == "gathering":
-            self.work.wait()
-            self.work = None
-            for p, s in zip(self.params, self.layout.slots, strict=True):
-                p.data = self.full[s.offset : s.end].view(s.shape)
+            for part in self.parts:
+                part.work.wait()
+                part.work = None
+                for p, s in zip(part.params, part.layout.slots, strict=True):
+                    p.data = part.full[s.offset : s.end].view(s.shape)
             self.state = "gathered"
 
     def free(self, *, force: bool = False) -> None:
         """Point the parameters at their placeholders and release the gathered storage."""
         if self.state == "sharded" and not force:
             return
-        if self.state == "gathering":
-            self.work.wait()
-            self.work = None
-        for p, ph in zip(self.params, self.placeholders, strict=True):
-            p.data = ph
-        self.versions = [p._version for p in self.params]
-        self.full.untyped_storage().resize_(0)
+        for part in self.parts:
+            if part.work is not None:
+                part.work.wait()
+                part.work = None
+            for p, ph in zip(part.params, part.placeholders, strict=True):
+                p.data = ph
+            part.versions = [p._version for p in part.params]
+            part.full.untyped_storage().resize_(0)
         self.state = "sharded"
+
+
+def _build_part(
+    named: list[tuple[str, nn.Parameter]],
+    *,
+    group: ProcessGroup,
+    shard_dtype: torch.dtype,
+    full_dtype: torch.dtype,
+    device: torch.device,
+    broadcast: bool,
+    trainable: bool,
+) -> Part:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    params = [p for _, p in named]
+    layout = FlatLayout(
+        names=[n for n, _ in named],
+        shapes=[tuple(p.shape) for p in params],
+        bucket_numel=_HUGE,
+        shard_count=world,
+    )
+    packed = torch.zeros(layout.numel, dtype=shard_dtype, device=device)
+    with torch.no_grad():
+        for p, s in zip(params, layout.slots, strict=True):
+            packed[s.offset : s.end].view(s.shape).copy_(p.detach())
+        if world > 1 and broadcast:
+            dist.broadcast(packed, src=dist.get_global_rank(group, 0), group=group)
+    lo, hi = layout.buckets[0].shard_range(rank, world)
+    shard = packed[lo:hi].clone()
+    del packed
+    part = Part(
+        names=[n for n, _ in named],
+        params=params,
+        layout=layout,
+        shard=shard,
+        full=torch.zeros(layout.numel, dtype=full_dtype, device=device),
+        trainable=trainable,
+    )
+    fill = float("nan") if full_dtype.is_floating_point or full_dtype.is_complex else 0
+    placeholder = torch.full((1,), fill, dtype=full_dtype, device=device)
+    part.placeholders = [placeholder.clone().expand(p.shape) for p in params]
+    return part
 
 
 def build_unit(
@@ -108,39 +197,35 @@ def build_unit(
     broadcast: bool,
 ) -> Unit:
     """Pack ``named`` (real, materialised parameters) into a sharded unit; with ``broadcast`` every rank
-    starts from the values of the group's first rank. The shard keeps the parameters' own dtype (the
-    fp32 master in mixed precision), gathers produce ``compute_dtype``, gradients reduce in
-    ``grad_dtype``."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    params = [p for _, p in named]
-    layout = FlatLayout(
-        names=[n for n, _ in named],
-        shapes=[tuple(p.shape) for p in params],
-        bucket_numel=_HUGE,
-        shard_count=world,
-    )
-    packed = torch.zeros(layout.numel, dtype=params[0].dtype, device=device)
-    with torch.no_grad():
-        for p, s in zip(params, layout.slots, strict=True):
-            packed[s.offset : s.end].view(s.shape).copy_(p.detach())
-        if world > 1 and broadcast:
-            dist.broadcast(packed, src=dist.get_global_rank(group, 0), group=group)
-    lo, hi = layout.buckets[0].shard_range(rank, world)
-    shard = packed[lo:hi].clone()
-    del packed
-    full = torch.zeros(layout.numel, dtype=compute_dtype, device=device)
-    unit = Unit(
-        index=index,
-        name=name,
-        module=module,
-        names=[n for n, _ in named],
-        params=params,
-        layout=layout,
-        shard=shard,
-        full=full,
-        grad_shard=torch.zeros(shard.numel(), dtype=grad_dtype, device=device),
-    )
-    nan = torch.full((1,), float("nan"), dtype=compute_dtype, device=device)
-    unit.placeholders = [nan.clone().expand(p.shape) for p in params]
+    starts from the values of the group's first rank. The trainable shard keeps the parameters' own dtype
+    (the fp32 master in mixed precision), gathers produce ``compute_dtype``, gradients reduce in
+    ``grad_dtype``. Frozen floating parameters are kept in ``compute_dtype`` (shard and gather: they need
+    no master), frozen parameters of other dtypes in their own."""
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    frozen: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+    for n, p in named:
+        if not p.requires_grad:
+            dtype = compute_dtype if p.is_floating_point() else p.dtype
+            frozen.setdefault(dtype, []).append((n, p))
+    parts: list[Part] = []
+    groups: list[tuple[list[tuple[str, nn.Parameter]], torch.dtype, torch.dtype, bool]] = []
+    if trainable:
+        groups.append((trainable, trainable[0][1].dtype, compute_dtype, True))
+    groups += [(items, dtype, dtype, False) for dtype, items in frozen.items()]
+    for items, shard_dtype, full_dtype, is_trainable in groups:
+        part = _build_part(
+            items,
+            group=group,
+            shard_dtype=shard_dtype,
+            full_dtype=full_dtype,
+            device=device,
+            broadcast=broadcast,
+            trainable=is_trainable,
+        )
+        parts.append(part)
+    grad_shard = None
+    if trainable:
+        grad_shard = torch.zeros(parts[0].shard.numel(), dtype=grad_dtype, device=device)
+    unit = Unit(index=index, name=name, module=module, parts=parts, grad_shard=grad_shard)
     unit.free(force=True)
     return unit

@@ -5,6 +5,10 @@ The default policy takes every direct child of an ``nn.ModuleList`` (the transfo
 every model); a policy may instead name module classes or ``fnmatch`` patterns of module names. What no
 unit owns belongs to the root unit (embeddings, final norm, head), which stays gathered for the step.
 
+Every parameter takes part, trainable or frozen (``requires_grad=False``: sharded and gathered the same
+way, without gradient or optimizer state), except the meta placeholders that stand for layers of other
+pipeline stages (marked ``_lp_remote``), which this rank does not hold.
+
 Ownership: a parameter belongs to the deepest unit whose subtree holds *every* place it is registered,
 so a weight tied across two units (an embedding and an LM head) has one owner, the common ancestor, and
 is gathered, reduced and counted once.
@@ -19,11 +23,13 @@ from dataclasses import dataclass
 from torch import nn
 
 UnitPolicy = Sequence[str | type[nn.Module]] | None
+REMOTE_ATTR = "_lp_remote"  # a meta placeholder for a parameter that lives on another pipeline stage
 
 
 @dataclass
 class UnitPlan:
-    """``(unit name, module, [(canonical param name, param)])``, root (name ``""``) last."""
+    """``(unit name, module, [(canonical param name, param)])``, root (name ``""``) last; units without
+    parameters are left out, except the root."""
 
     units: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]
 
@@ -59,13 +65,13 @@ def match_modules(root: nn.Module, policy: UnitPolicy) -> list[str]:
 
 
 def plan_units(root: nn.Module, policy: UnitPolicy = None) -> UnitPlan:
-    """Split the trainable parameters of ``root`` into units (see the module docstring)."""
+    """Split the parameters of ``root`` into units (see the module docstring)."""
     picks = match_modules(root, policy)
     modules = dict(root.named_modules())
     places: dict[int, list[str]] = {}
     canonical: dict[int, tuple[str, nn.Parameter]] = {}
     for name, param in root.named_parameters(remove_duplicate=False):
-        if not param.requires_grad:
+        if getattr(param, REMOTE_ATTR, False):
             continue
         places.setdefault(id(param), []).append(name)
         canonical.setdefault(id(param), (name, param))

@@ -1,0 +1,170 @@
+"""Pretrained weights (a full state dict on disk) into a parallelised model, slice by slice.
+
+:func:`plan_pretrained` matches the model's parameter and persistent-buffer names against a
+:class:`~lightning_par.checkpoint.pretrained.WeightSource` (exact names, a common prefix added or
+stripped, PEFT's ``.base_layer.``) and checks everything before a single value is written: shapes are
+compared with the model's *full* shapes (tensor-parallel parameters count at their unsharded size), file
+entries that match nothing are refused (``strict``), and frozen parameters the file lacks are refused
+(nothing would ever set them). Trainable parameters the file lacks (a LoRA adapter, a new head) are
+initialised as usual, and named in a warning.
+
+The plan then hands out values one parameter at a time, already cut to this rank's tensor-parallel slice
+(:meth:`PretrainedPlan.value`), so ZeRO-3's meta-device initialisation fills each unit straight from the
+file (:mod:`lightning_par.zero.meta_init`) and a rank never holds more than its result plus one tensor;
+:meth:`PretrainedPlan.load_local` copies into parameters and buffers that already exist on this rank.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lightning_par.checkpoint.pretrained import WeightSource, match_names
+from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
+from lightning_par.zero.units import REMOTE_ATTR
+
+PretrainedSource = str | os.PathLike[str] | Mapping[str, Tensor]
+LOADED_ATTR = "_lightning_par_pretrained_loaded"  # on the model: its pretrained weights are in
+_LIST = 8
+
+
+@dataclass
+class PretrainedPlan:
+    source: WeightSource
+    names: dict[str, str]  # model name (full, as in the unsharded model) -> name in the source
+    tp_rank: int
+    tp_size: int
+    dims: dict[str, int]  # tensor-parallel dimension of sharded parameters
+
+    def value(self, name: str) -> Tensor | None:
+        """The values of model parameter or buffer ``name`` for this rank (its tensor-parallel slice), or
+        None when the source does not have it."""
+        file_name = self.names.get(name)
+        if file_name is None:
+            return None
+        dim = self.dims.get(name)
+        if dim is None or self.tp_size == 1:
+            return self.source.get(file_name)
+        return self.source.get_slice(file_name, dim=dim, index=self.tp_rank, parts=self.tp_size)
+
+    @torch.no_grad()
+    def load_local(self, module: nn.Module) -> int:
+        """Copy the source's values into this rank's real (non-meta) parameters and buffers; returns how
+        many tensors were written."""
+        count = 0
+        targets = [*module.named_parameters(), *module.named_buffers()]
+        for name, tensor in targets:
+            if tensor.is_meta:
+                continue
+            value = self.value(name)
+            if value is not None:
+                tensor.copy_(value.to(tensor.dtype))
+                count += 1
+        return count
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def _expected(module: nn.Module, tp_size: int) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+    """Full shapes of the parameters and persistent buffers, and the tp dimension of sharded ones."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    dims: dict[str, int] = {}
+    for name, p in module.named_parameters():
+        shape = list(p.shape)
+        if tp_size > 1 and hasattr(p, TP_DIM_ATTR):
+            dim = int(getattr(p, TP_DIM_ATTR))
+            shape[dim] *= tp_size
+            dims[name] = dim
+        shapes[name] = tuple(shape)
+    persistent = set(module.state_dict(keep_vars=True))
+    for name, b in module.named_buffers():
+        if name in persistent:
+            shapes[name] = tuple(b.shape)
+    return shapes, dims
+
+
+def plan_pretrained(
+    module: nn.Module, source: PretrainedSource, *, tp_rank: int = 0, tp_size: int = 1, strict: bool = True
+) -> PretrainedPlan:
+    """Open ``source`` and check it against ``module`` (see the module docstring); raises a
+    ``ValueError`` listing every mismatch before anything is written."""
+    weights = WeightSource.open(source)
+    try:
+        shapes, dims = _expected(module, tp_size)
+        names = match_names(weights.keys(), list(shapes))
+        problems = []
+        reshaped = [
+            f"{m}: file {weights.shape(f)} vs model {shapes[m]}"
+            for m, f in sorted(names.items())
+            if tuple(weights.shape(f)) != shapes[m]
+        ]
+        if reshaped:
+            problems.append(f"{len(reshaped)} of other shapes: {reshaped[:_LIST]}")
+        unexpected = sorted(set(weights.keys()) - set(names.values()))
+        if unexpected and strict:
+            problems.append(f"{len(unexpected)} in the file match no model name: {unexpected[:_LIST]}")
+        params = dict(module.named_parameters())
+        frozen_missing = sorted(
+            n for n, p in params.items() if n not in names and not p.requires_grad and not _remote(p)
+        )
+        if frozen_missing:
+            problems.append(
+                f"{len(frozen_missing)} frozen parameters are not in the file (nothing would set them):"
+                f" {frozen_missing[:_LIST]}"
+            )
+        new = sorted(n for n, p in params.items() if n not in names and p.requires_grad and not _remote(p))
+        if problems and new:  # the other side of a renamed or misplaced entry
+            problems.append(
+                f"{len(new)} trainable parameters are not in the file (they would be initialised):"
+                f" {new[:_LIST]}"
+            )
+        if problems:
+            raise ValueError(
+                f"The pretrained weights {_label(source)} do not fit the model: " + "; ".join(problems) + "."
+                " Load the weights of this architecture, pass the right file, or (for extra entries in"
+                " the file) pretrained_strict=False."
+            )
+        if new:
+            warnings.warn(
+                f"{len(new)} trainable parameters are not in the pretrained weights and are initialised"
+                f" instead: {new[:_LIST]}",
+                stacklevel=2,
+            )
+    except BaseException:
+        weights.close()
+        raise
+    return PretrainedPlan(source=weights, names=names, tp_rank=tp_rank, tp_size=tp_size, dims=dims)
+
+
+def load_pretrained_once(
+    module: nn.Module, source: PretrainedSource, *, tp_rank: int, tp_size: int, strict: bool
+) -> PretrainedPlan | None:
+    """Check ``source`` against the (composed) ``module`` and copy it into every real parameter and
+    buffer; return the plan, whose :meth:`~PretrainedPlan.value` fills the meta parameters still to be
+    materialised (the caller closes it). A model that got its weights in an earlier setup (``fit`` then
+    ``test``) has trained since: it is left alone (None)."""
+    pending = any(p.is_meta and not _remote(p) for p in module.parameters())
+    if getattr(module, LOADED_ATTR, False) and not pending:
+        return None
+    plan = plan_pretrained(module, source, tp_rank=tp_rank, tp_size=tp_size, strict=strict)
+    try:
+        plan.load_local(module)
+    except BaseException:
+        plan.close()
+        raise
+    setattr(module, LOADED_ATTR, True)
+    return plan
+
+
+def _remote(p: nn.Parameter) -> bool:
+    return bool(getattr(p, REMOTE_ATTR, False))
+
+
+def _label(source: PretrainedSource) -> str:
+    return "(in memory)" if isinstance(source, Mapping) else repr(os.fspath(source))

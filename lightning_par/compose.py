@@ -1,0 +1,135 @@
+"""The model-changing part of the composition, applied once per model: tensor parallel, pipeline split,
+activation checkpointing (steps 3-5 of the order in ``docs/architecture.md``).
+
+These steps rewrite the module in place (layers become tensor-parallel, other stages' layers become
+meta placeholders), so running them again on the same model would slice slices. :func:`compose` records
+what it applied on the module and, called again with the same layout (``fit`` then ``test``, or a
+second ``Trainer`` with a fresh strategy), returns the record instead of re-applying; another layout is
+refused with what the model already has. The ZeRO engine, precision and optimizers are per run and are
+built by the caller after this, every time. Lightning-free: the strategy for the ``Trainer`` and a
+Fabric strategy call the same function.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from lightning_par.activation_checkpointing import apply_activation_checkpointing
+from lightning_par.pipeline.apply import PipelineSplit, apply_pipeline
+from lightning_par.pipeline.partition import PartitionMethod
+from lightning_par.tensor_parallel import apply_tensor_parallel
+from lightning_par.zero.units import UnitPolicy
+
+log = logging.getLogger(__name__)
+COMPOSITION_ATTR = "_lightning_par_composition"
+
+
+@dataclass(frozen=True)
+class ComposeOptions:
+    """What shapes the model: the same options give the same model."""
+
+    tensor_parallel_size: int = 1
+    tp_plan: str | Mapping[str, str] | None = None
+    sequence_parallel: bool = False
+    pipeline_parallel_size: int = 1
+    virtual_stages: int = 1
+    partition_method: PartitionMethod = "parameters"
+    activation_checkpointing: bool | UnitPolicy = False
+
+    def key(self, *, tp_rank: int, pp_rank: int) -> tuple[Any, ...]:
+        plan = sorted(self.tp_plan.items()) if isinstance(self.tp_plan, Mapping) else self.tp_plan
+        policy = self.activation_checkpointing
+        if not isinstance(policy, bool) and policy is not None:
+            policy = tuple(p if isinstance(p, str) else p.__qualname__ for p in policy)
+        return (
+            self.tensor_parallel_size,
+            repr(plan),
+            self.sequence_parallel,
+            self.pipeline_parallel_size,
+            self.virtual_stages,
+            self.partition_method,
+            repr(policy),
+            tp_rank,
+            pp_rank,
+        )
+
+
+@dataclass
+class Composition:
+    """What :func:`compose` applied to a model."""
+
+    key: tuple[Any, ...]
+    tensor_parallel: dict[str, str] = field(default_factory=dict)
+    pipeline: PipelineSplit | None = None
+    checkpointed: list[str] = field(default_factory=list)
+
+
+def compose(
+    module: nn.Module,
+    *,
+    options: ComposeOptions,
+    tp_group: ProcessGroup | None,
+    tp_rank: int,
+    pp_rank: int,
+    layers: Callable[[], Sequence[nn.Module]] | None = None,
+    sample: Tensor | None = None,
+) -> Composition:
+    """Apply tensor parallelism (over ``tp_group``), the pipeline split (this rank's stage ``pp_rank`` of
+    the ordered ``layers()``) and activation checkpointing to ``module``, once (see the module
+    docstring)."""
+    key = options.key(tp_rank=tp_rank, pp_rank=pp_rank)
+    done: Composition | None = getattr(module, COMPOSITION_ATTR, None)
+    if done is not None:
+        if done.key != key:
+            raise ValueError(
+                "The model was already parallelised by lightning_par with another layout"
+                f" ({_describe(done.key)}); now asked for {_describe(key)}. Tensor and pipeline"
+                " parallelism rewrite the model in place: build a fresh model for another layout."
+            )
+        return done
+    composition = Composition(key=key)
+    if options.tensor_parallel_size > 1:
+        plan = options.tp_plan if options.tp_plan is not None else getattr(module, "tp_plan", None)
+        if plan is None:
+            raise ValueError(
+                f"tensor_parallel_size={options.tensor_parallel_size} needs a plan: pass tp_plan ('gpt',"
+                " 'llama' or {module pattern: style}) or give the LightningModule a tp_plan attribute."
+            )
+        assert tp_group is not None
+        composition.tensor_parallel = apply_tensor_parallel(
+            module, group=tp_group, plan=plan, sequence_parallel=options.sequence_parallel
+        )
+        log.info(
+            "lightning_par: tensor parallel over %d ranks: %d modules",
+            options.tensor_parallel_size,
+            len(composition.tensor_parallel),
+        )
+    if options.pipeline_parallel_size > 1:
+        assert layers is not None
+        composition.pipeline = apply_pipeline(
+            layers(),
+            pp_rank=pp_rank,
+            pp_size=options.pipeline_parallel_size,
+            virtual_stages=options.virtual_stages,
+            method=options.partition_method,
+            sample=sample,
+        )
+    if options.activation_checkpointing is not False:
+        policy = None if options.activation_checkpointing is True else options.activation_checkpointing
+        composition.checkpointed = apply_activation_checkpointing(module, policy=policy)
+    setattr(module, COMPOSITION_ATTR, composition)
+    return composition
+
+
+def _describe(key: tuple[Any, ...]) -> str:
+    tp, plan, sp, pp, v, method, ac, _, _ = key
+    return (
+        f"tensor_parallel_size={tp}, tp_plan={plan}, sequence_parallel={sp}, pipeline_parallel_size={pp},"
+        f" virtual_stages={v}, partition_method={method!r}, activation_checkpointing={ac}"
+    )

@@ -1,0 +1,93 @@
+"""LightningModule hooks the Trainer strategy adapts for one run, and the loop bookkeeping it corrects.
+
+Each ``guard_*`` function sets an instance attribute on the user's LightningModule (shadowing the class's
+method) and returns the names it set; the strategy deletes them at teardown, so the class's own methods
+show through again and nothing outlives the run.
+
+* :func:`guard_schedulers`: with fp16 loss scaling a skipped step is not a step, so per-step LR
+  schedulers must not advance on it (Lightning steps them through ``lr_scheduler_step``).
+* :func:`guard_toggling`: manual optimization at ZeRO 1-3. Lightning's ``toggle_optimizer`` freezes the
+  other optimizers' parameters by walking ``optimizer.param_groups``, which the engine has replaced by
+  this rank's fragments; the guarded version freezes the module's parameters, as with ``"ddp"``.
+* :func:`uncount_step`: takes a skipped step off Lightning's optimizer-step count (``global_step``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_par.zero.engine import ShardedState
+
+_GUARDED = "_lightning_par_guarded"
+
+
+def guard_schedulers(
+    module: pl.LightningModule, *, skipped: Callable[[], bool], step_schedulers: Callable[[Any], bool]
+) -> list[str]:
+    """Wrap ``module.lr_scheduler_step`` so that a scheduler for which ``step_schedulers(scheduler)``
+    (its interval is ``"step"``) does not advance when ``skipped()``."""
+    inner = module.lr_scheduler_step
+    if getattr(inner, _GUARDED, False):
+        return []
+
+    def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+        if not (step_schedulers(scheduler) and skipped()):
+            inner(scheduler, metric)
+
+    setattr(lr_scheduler_step, _GUARDED, True)
+    module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
+    return ["lr_scheduler_step"]
+
+
+def guard_toggling(
+    module: pl.LightningModule, *, sharded: ShardedState, optimizers: Sequence[Optimizer]
+) -> list[str]:
+    """Make ``toggle_optimizer``/``untoggle_optimizer`` act on the module parameters each optimizer was
+    given (``sharded.group_params``), not on the fragments it now holds."""
+    owned: dict[int, list[nn.Parameter]] = {
+        id(opt): [p for group in sharded.group_params(k) for p in group] for k, opt in enumerate(optimizers)
+    }
+
+    def toggle_optimizer(optimizer: Any) -> None:
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps ours
+        state: dict[Any, bool] = {}  # Lightning's own attribute, keyed by parameter
+        for params in owned.values():
+            for p in params:
+                state.setdefault(p, p.requires_grad)
+                p.requires_grad = False
+        for p in owned.get(id(inner), []):
+            p.requires_grad = state[p]
+        module._param_requires_grad_state = state
+
+    def untoggle_optimizer(optimizer: Any) -> None:
+        saved: dict[Any, bool] = module._param_requires_grad_state
+        for p, requires_grad in saved.items():
+            p.requires_grad = requires_grad
+        module._param_requires_grad_state = {}
+
+    module.toggle_optimizer = toggle_optimizer  # type: ignore[method-assign]
+    module.untoggle_optimizer = untoggle_optimizer  # type: ignore[method-assign]
+    return ["toggle_optimizer", "untoggle_optimizer"]
+
+
+def uncount_step(module: pl.LightningModule) -> None:
+    """A skipped step is not a step: undo the optimizer-step count Lightning is about to complete
+    (``trainer.global_step``, which drives ``max_steps`` and step-based checkpointing)."""
+    if not module.automatic_optimization:
+        return
+    step = module.trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+    # Lightning increments "completed" right after this hook returns; take one off first
+    step.total.completed -= 1
+    step.current.completed -= 1
+
+
+def restore(obj: Any, names: Sequence[str]) -> None:
+    """Undo the ``guard_*`` functions: delete the instance attributes they set."""
+    for name in names:
+        if name in vars(obj):
+            delattr(obj, name)

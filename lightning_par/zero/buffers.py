@@ -1,0 +1,36 @@
+"""Buffers kept equal across the data-parallel group, the way ``DistributedDataParallel`` keeps them.
+
+Buffers (BatchNorm running statistics, step counters) are not reduced like gradients: each rank updates
+its own in forward. DDP with ``broadcast_buffers=True`` overwrites every rank's buffers with the first
+rank's before a forward, when the previous forward was a synchronising training forward (gradients
+enabled and not inside ``no_sync``); the very first forward syncs too. :class:`BufferSync` reproduces
+that rule exactly, so a model with BatchNorm trained by our strategy ends with the buffers Lightning's
+``"ddp"`` gives it: once per optimizer step (at the first forward of the next accumulation window), not
+after evaluation forwards, and never in a run that only validates or tests.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from lightning_par.zero.grad_sync import broadcast_module_states
+
+
+class BufferSync:
+    """Call :meth:`before_forward` / :meth:`after_forward` around each step's forward."""
+
+    def __init__(self, module: nn.Module, *, group: ProcessGroup, enabled: bool = True) -> None:
+        self.module = module
+        self.group = group
+        self.enabled = enabled and any(b.numel() > 0 for b in module.buffers())
+        self._pending = True  # DDP syncs before its first forward
+
+    def before_forward(self) -> None:
+        if self.enabled and self._pending:
+            broadcast_module_states(self.module, group=self.group, params=False)
+
+    def after_forward(self, *, synchronising: bool) -> None:
+        """``synchronising``: this step's backward reduces gradients (not a ``no_sync`` micro-batch)."""
+        self._pending = torch.is_grad_enabled() and synchronising

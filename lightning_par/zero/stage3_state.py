@@ -1,0 +1,101 @@
+"""The state side of a ZeRO-3 engine: what a checkpoint, a snapshot or an export reads and writes.
+
+:class:`Stage3State` is the base of :class:`~lightning_par.zero.stage3.Stage3Engine`; it holds no state of
+its own and works on the engine's units (see :mod:`lightning_par.zero.unit`): the fragments the
+optimizer owns (trainable parts), every piece this rank holds (trainable and frozen parts), loading them,
+gathering the whole model one unit at a time, and the bytes held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from lightning_par.collectives import all_gather_flat
+from lightning_par.zero.layout import Fragment
+from lightning_par.zero.unit import Unit
+
+
+class Stage3State:
+    """Checkpoint/export access to a ZeRO-3 engine's shards (see the module docstring)."""
+
+    module: nn.Module
+    group: ProcessGroup
+    rank: int
+    units: list[Unit]
+    _masters: list[tuple[Unit, Fragment, Tensor]]
+    _pool_bytes: int
+
+    def fragment_table(self) -> list[tuple[str, int, int, Tensor]]:
+        """``(param name, lo, hi, shard view)`` for every trainable fragment this rank owns; the views are
+        the optimizer's parameters (optimizer state is keyed by them) once optimizers are sharded."""
+        if self._masters:
+            return [(unit.names[f.slot], f.param_lo, f.param_hi, view) for unit, f, view in self._masters]
+        return [row for u in self.units if u.train is not None for row in u.train.fragments(self.rank)]
+
+    def shard_table(self) -> list[tuple[str, int, int, Tensor]]:
+        """``(param name, lo, hi, shard view)`` for every parameter piece this rank holds, trainable and
+        frozen: the model's share of a checkpoint or snapshot."""
+        return [row for u in self.units for part in u.parts for row in part.fragments(self.rank)]
+
+    @torch.no_grad()
+    def load_fragments(self, values: Callable[[str, int, int], Tensor | None]) -> None:
+        """Overwrite this rank's shards (trainable and frozen) from ``values(name, lo, hi)`` (flattened
+        elements; None = keep)."""
+        for name, lo, hi, view in self.shard_table():
+            value = values(name, lo, hi)
+            if value is not None:
+                view.copy_(value.reshape(-1))
+
+    @torch.no_grad()
+    def full_state_dict(self, *, to_rank: int = 0) -> dict[str, Tensor]:
+        """All parameters, trainable at master precision and frozen in their shard dtype (gathered from
+        the shards one unit at a time: bounded memory), as CPU tensors on ``to_rank`` (other ranks get an
+        empty dict); every name under which a tied parameter is registered is filled."""
+        aliases: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        out: dict[str, Tensor] = {}
+        for unit in self.units:
+            for part in unit.parts:
+                full = torch.empty(part.layout.numel, dtype=part.shard.dtype, device=part.shard.device)
+                all_gather_flat(full, part.shard, group=self.group)
+                if self.rank == to_rank:
+                    for p, s in zip(part.params, part.layout.slots, strict=True):
+                        value = full[s.offset : s.end].view(s.shape).cpu().clone()
+                        for name in aliases[id(p)]:
+                            out[name] = value
+        return out
+
+    def memory_bytes(self) -> dict[str, int]:
+        parts = [part for u in self.units for part in u.parts]
+        shard = sum(part.shard.numel() * part.shard.element_size() for part in parts)
+        frozen = sum(part.shard.numel() * part.shard.element_size() for part in parts if not part.trainable)
+        live = sum(u.full_bytes for u in self.units if u.state != "sharded")
+        grads = sum(
+            u.grad_shard.numel() * u.grad_shard.element_size() for u in self.units if u.grad_shard is not None
+        )
+        largest = max(u.full_bytes for u in self.units)
+        return {
+            "param_shard": shard,
+            "frozen_shard": frozen,
+            "live_units": live,
+            "grad_shard": grads,
+            "comm": self._pool_bytes,
+            "largest_unit": largest,
+        }
+
+    @torch.no_grad()
+    def unshard_all(self) -> None:
+        """Leave every parameter whole, trainable ones at master precision (e.g. after training, for use
+        without the engine); the gathered buffers are released."""
+        for unit in self.units:
+            unit.free()
+            for part in unit.parts:
+                full = torch.empty(part.layout.numel, dtype=part.shard.dtype, device=part.shard.device)
+                all_gather_flat(full, part.shard, group=self.group)
+                for p, s in zip(part.params, part.layout.slots, strict=True):
+                    p.data = full[s.offset : s.end].view(s.shape)
