@@ -1,5 +1,5 @@
 """The benchmark report: ``REPORT.md`` plus PNG plots from every result JSON present (``dp``, ``zero``,
-``deepspeed``, ``tp``, ``pp``, ``checkpoint``), written next to them in ``benchmarks/results/``.
+``deepspeed``, ``tp``, ``pp``, ``checkpoint``, ``lora``), written next to them in ``benchmarks/results/``.
 
 Run (from the repository root)::
 
@@ -7,8 +7,8 @@ Run (from the repository root)::
     python -m benchmarks.report --zero-json A.json --out-dir /tmp/report
 
 The plots are step-time ratios against each reference, memory per rank per ZeRO implementation, pipeline
-bubble against micro-batches, and checkpoint blocking time (``plots.py``); the tables of TP, PP, DP and
-checkpoints are in ``tables.py``; the ZeRO/DeepSpeed table is here.
+bubble against micro-batches, and checkpoint blocking time (``plots.py``); the tables of TP, PP, DP,
+checkpoints and LoRA are in ``tables.py``; the ZeRO/DeepSpeed table is here.
 
 DeepSpeed runs in another process run (other minutes, other machine load) than ``bench_zero``, so its
 step times are set beside ours in two ways: raw seconds (comparable only if both runs saw the same load)
@@ -293,6 +293,7 @@ def full_report(results: dict[str, dict[str, Any]], out_dir: Path) -> str:
         ("Tensor parallel", "tp", tables.tp_section),
         ("Pipeline parallel", "pp", tables.pp_section),
         ("Checkpoints", "checkpoint", tables.checkpoint_section),
+        ("LoRA at ZeRO-3", "lora", tables.lora_section),
     )
     for title, key, section in sections:
         if results.get(key) is not None:
@@ -302,7 +303,7 @@ def full_report(results: dict[str, dict[str, Any]], out_dir: Path) -> str:
     return text
 
 
-RESULT_NAMES = ("dp", "zero", "deepspeed", "tp", "pp", "checkpoint")
+RESULT_NAMES = ("dp", "zero", "deepspeed", "tp", "pp", "checkpoint", "lora")
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -1,5 +1,6 @@
-"""Markdown sections of the benchmark report for ``bench_dp``, ``bench_tp``, ``bench_pp`` and
-``bench_checkpoint`` results (``report.py`` holds the ZeRO/DeepSpeed table and assembles the report).
+"""Markdown sections of the benchmark report for ``bench_dp``, ``bench_tp``, ``bench_pp``,
+``bench_checkpoint`` and ``bench_lora`` results (``report.py`` holds the ZeRO/DeepSpeed table and
+assembles the report).
 
 Each function takes one parsed JSON result and returns markdown lines; every figure is read from the
 JSON, nothing is typed in by hand, so the README table can always be regenerated from
@@ -12,6 +13,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from benchmarks.common import fmt
+
+LORA_CATEGORIES = ("parameters", "gradients", "optimizer_state")
+
+
+def mib(n: float) -> str:
+    """Bytes as MiB with one decimal."""
+    return f"{n / 2**20:.1f}"
 
 
 def _load(payload: Mapping[str, Any]) -> str:
@@ -181,4 +189,53 @@ def checkpoint_section(ckpt: Mapping[str, Any]) -> list[str]:
             for where, r in restart.items()
         ]
         lines += ["", "SIGKILL → restart under `torchrun --max-restarts`: " + "; ".join(parts) + "."]
+    return lines
+
+
+def lora_section(payload: Mapping[str, Any]) -> list[str]:
+    """LoRA and full fine-tuning at ZeRO-3, ours against FSDP2: bytes per rank measured against the
+    analytic expectation, step time, peak RSS, time ratios and the correctness check (also printed by
+    ``bench_lora`` itself)."""
+    cfg, counts = payload["config"], payload["model"]
+    lines = [
+        f"Llama {counts['total_parameters'] / 1e6:.1f}M (hidden {cfg['hidden']}, {cfg['layers']} layers, "
+        f"vocab {cfg['vocab']}, tied embeddings {cfg['tie_embeddings']}) + LoRA r={cfg['lora_r']} on "
+        f"q/k/v/o ({counts['lora_parameters'] / 1e6:.2f}M trainable), fp32, AdamW over all parameters, "
+        f"{cfg['world_size']} ranks x {cfg['threads_per_rank']} thread, batch {cfg['micro_batch']} x "
+        f"{cfg['seq']} per rank{_load(payload)}. Bytes per rank after one step; expected = (4 B per "
+        "parameter, 4 B grads and 8 B AdamW per trainable parameter) / ranks.",
+        "",
+        "| config | parameters MiB (expected) | gradients MiB (expected) | AdamW state MiB (expected) | "
+        "frozen share MiB | comm buffers held MiB | median s/step | peak RSS MiB/rank |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, res in payload["results"].items():
+        exp = res["expected_bytes_per_rank"]
+        cells = [name]
+        for cat in LORA_CATEGORIES:
+            got = max(r["bytes"][cat] for r in res["per_rank"])
+            cells.append(f"{mib(got)} ({mib(exp[cat])})")
+        cells.append(mib(max(r["bytes"]["frozen"] for r in res["per_rank"])))
+        comm = [r["detail"].get("measure_memory", {}).get("comm_buffers") for r in res["per_rank"]]
+        cells.append("-" if None in comm else mib(max(comm)))  # type: ignore[type-var]
+        cells.append(fmt(res["timing"]["summary"]["median"]))
+        cells.append(f"{max(r['peak_rss_mib'] for r in res['per_rank']):.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    for name, err in payload["refused"].items():
+        lines.append(f"| {name} | refused: `{err}` | | | | | | |")
+    lines.append("")
+    for key, r in payload["time_ratios"].items():
+        lines.append(
+            f"- step time {key}: {r['ratio_of_medians']:.3f} (CPU time {r['cpu_ratio_of_medians']:.3f})"
+        )
+    c = payload["correctness"]
+    if "losses_agree" in c:
+        lines.append(
+            f"- ours_lora vs {c['reference']}: losses max rel diff {c['loss_max_rel_diff']:.1e} "
+            f"(rtol {c['loss_rtol']:g}), final adapters max |diff| "
+            f"{fmt(c.get('adapter_max_abs_diff'), '.1e')}; "
+            "frozen base unchanged: "
+            + ", ".join(f"{n} {'yes' if f['unchanged'] else 'NO'}" for n, f in c["frozen_base"].items())
+            + f" — {'PASSED' if c['passed'] else 'FAILED'}"
+        )
     return lines
