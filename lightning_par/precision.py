@@ -1,30 +1,38 @@
-"""``ParallelPrecision``: the precision plugin of :class:`~lightning_par.HybridParallelStrategy`.
+"""``ParallelPrecision``: the precision plugin of :class:`~lightning_par.HybridParallelStrategy`, at every
+ZeRO stage, with or without tensor and pipeline parallelism (Lightning's precision strings map onto it, so
+clipping norms and fp16 verdicts always go over the right groups).
 
-Modes (Lightning's precision strings map onto them when our strategy is used at ZeRO stage >= 1):
+Modes:
 
 * ``"32-true"``: fp32 everywhere.
-* ``"bf16-mixed"`` / ``"16-mixed"``: parameters and gradients are bf16/fp16 on every rank, the forward
-  runs under ``torch.autocast`` (so precision-sensitive ops such as softmax and losses stay fp32), and the
-  fp32 master weights and optimizer state live only in this rank's ZeRO shard. Memory per parameter:
-  2 (params) + 2 (grads; 4/N when reduced in fp32 into the shard) + 12/N (fp32 master + Adam), the
-  DeepSpeed accounting, instead of autocast's 4 + 4 + 8/N with fp32 parameters.
-* ``"bf16-true"``: like ``"bf16-mixed"`` (bf16 parameters, fp32 masters in the shard) but without
-  autocast: floating inputs are cast to bf16 and every op, the loss included, runs in bf16 unless the
-  model upcasts itself. Faster and leaner, numerically rougher.
+* ``"bf16-mixed"`` / ``"16-mixed"`` with fp32 master weights (the default at ZeRO stages 1-3): parameters
+  and gradients are bf16/fp16 on every rank, the forward runs under ``torch.autocast`` (so
+  precision-sensitive ops such as softmax and losses stay fp32), and the fp32 master weights and
+  optimizer state live only in this rank's ZeRO shard. Memory per parameter: 2 (params) + 2 (grads; 4/N
+  when reduced in fp32 into the shard) + 12/N (fp32 master + Adam), the DeepSpeed accounting.
+* the same without masters (the default at stage 0, where nothing is sharded; ``master_weights=False``
+  at any stage): fp32 parameters and gradients, the forward under autocast, like Lightning's own
+  ``"bf16-mixed"``; memory 4 + 4 + 8/N.
+* ``"bf16-true"``: bf16 parameters without autocast: floating inputs are cast to bf16 and every op, the
+  loss included, runs in bf16 unless the model upcasts itself. With masters (stages 1-3) the fp32 masters
+  are in the shard; without (stage 0) the optimizer updates the bf16 parameters, as Lightning's does.
+* fp32 masters at stage 0 (``master_weights=True``) are refused: use ZeRO-1, which keeps them at the
+  same communication volume and shards them.
 
-Norm layers (``LayerNorm``, ``GroupNorm``, ``BatchNorm``, RMS-norm modules) compute in fp32 in the
-low-precision modes (``norms_in_fp32=True``): their parameters stay low-precision, their arithmetic does
-not. Gradients are reduced in ``reduce_dtype`` (fp32 by default, the accurate choice; ``"bf16"`` halves
-the traffic).
+Norm layers (``LayerNorm``, ``GroupNorm``, ``BatchNorm``, RMS-norm modules) compute in fp32 where their
+parameters are low-precision (``norms_in_fp32=True``). Gradients are reduced in ``reduce_dtype`` (fp32 by
+default, the accurate choice; ``"bf16"`` halves the traffic).
+
+Gradient pipeline, in this order at every stage and precision: reduce (the engine, in ``reduce_dtype``)
+-> attach (cast into the dtype the optimizer reads: the fp32 masters, or ``param.grad``) -> rescale
+(token-exact normalisation, on the attached gradients, so no second rounding in the reduction dtype) ->
+unscale and check (fp16: one verdict over every rank) -> clip (the global norm over the groups in
+:attr:`grad_norm_groups`, tensor-parallel replicas and tied copies counted once) -> step.
 
 fp16 uses dynamic loss scaling (:mod:`lightning_par.loss_scaler`): the loss is scaled before backward;
 after it, the gradients of every shard are unscaled and checked for inf/NaN with one all-reduce over the
-groups in :attr:`grad_norm_groups` (and the world), so every rank skips the same step. A skipped step
-leaves weights and optimizer state untouched; the strategy then neither steps the LR schedulers nor
-counts the step (see ``HybridParallelStrategy``).
-
-Clipping uses the *global* norm over all gradient pieces (:func:`lightning_par.grad_norm.clip_grad_norm_`)
-on unscaled fp32 values.
+world, so every rank skips the same step. A skipped step leaves weights and optimizer state untouched;
+the strategy then neither steps the LR schedulers nor counts the step (see ``HybridParallelStrategy``).
 """
 
 from __future__ import annotations
@@ -65,8 +73,11 @@ class ParallelPrecision(Precision):
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``.
         reduce_dtype: dtype of gradient reduction and of the gradient shard: ``"fp32"`` (default), or the
             compute dtype's ``"bf16"``/``"fp16"`` to halve the traffic.
-        norms_in_fp32: compute norm layers in fp32 in the low-precision modes.
+        norms_in_fp32: compute norm layers in fp32 where their parameters are low-precision.
         loss_scale: fp16 only: keyword arguments of :class:`~lightning_par.loss_scaler.DynamicLossScaler`.
+        master_weights: low-precision parameters with fp32 masters in the ZeRO shards (``True``), or fp32
+            parameters under autocast (``False``; for ``"bf16-true"``: bf16 parameters updated as they
+            are); default: masters at ZeRO stages 1-3, none at stage 0.
     """
 
     def __init__(
@@ -76,6 +87,7 @@ class ParallelPrecision(Precision):
         reduce_dtype: ReduceDtype = "fp32",
         norms_in_fp32: bool = True,
         loss_scale: dict[str, Any] | None = None,
+        master_weights: bool | None = None,
     ) -> None:
         if precision not in _MODES:
             raise ValueError(f"precision must be one of {_MODES}, got {precision!r}.")
@@ -103,17 +115,52 @@ class ParallelPrecision(Precision):
         self.tp_group: ProcessGroup | None = None
         self.step_groups: tuple[ProcessGroup | None, ...] = (None,)
         self.last_step_skipped = False
+        self.last_grad_norm: Tensor | None = None  # the global norm the latest clip used
+        self.requested_master_weights = master_weights
+        self.master_weights = bool(master_weights) if master_weights is not None else self.low_precision
+        self.device_type = "cpu"
 
     @property
     def low_precision(self) -> bool:
         return self.compute_dtype != torch.float32
 
+    @property
+    def uses_masters(self) -> bool:
+        """Low-precision parameters whose fp32 masters live in the ZeRO shards."""
+        return self.low_precision and self.master_weights
+
+    def configure(self, *, zero_stage: int, device_type: str) -> None:
+        """Resolve the stage-dependent defaults (see the module docstring); called by the strategy at
+        setup, before ``convert_module``."""
+        if self.requested_master_weights and zero_stage == 0 and self.low_precision:
+            raise ValueError(
+                f"ParallelPrecision({self.precision!r}, master_weights=True) keeps fp32 masters in ZeRO"
+                " shards, which zero_stage=0 does not have: use zero_stage=1 (the same communication as"
+                " stage 0, masters sharded 1/N), or master_weights=False."
+            )
+        requested = self.requested_master_weights
+        self.master_weights = self.low_precision and (zero_stage > 0 if requested is None else requested)
+        fp32_params = not self.master_weights and self.precision in ("bf16-mixed", "16-mixed")
+        if fp32_params and self.reduce_dtype != torch.float32:
+            raise ValueError(
+                f"reduce_dtype={self.reduce_dtype} with fp32 parameters ({self.precision!r} without"
+                " masters): gradients are fp32, reduce them in fp32."
+            )
+        self.device_type = device_type
+
     # ------------------------------------------------------------------ module and inputs
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        # The module stays fp32 here: the ZeRO engine takes the fp32 masters from it before casting the
-        # compute copy, so masters start exact. Norm layers are set to compute in fp32.
-        if self.low_precision and self.norms_in_fp32:
+        # With masters the module stays fp32 here: the ZeRO engine takes the fp32 masters from it before
+        # casting the compute copy, so masters start exact. Without, "bf16-true" parameters are bf16 now
+        # and mixed modes keep fp32 parameters under autocast (which runs norms in fp32 by itself).
+        if self.precision == "bf16-true" and not self.master_weights:
+            module = module.to(self.compute_dtype)
+        if (
+            self.low_precision
+            and self.norms_in_fp32
+            and (self.master_weights or self.precision == "bf16-true")
+        ):
             for m in module.modules():
                 if isinstance(m, _NORMS) or type(m).__name__.lower().endswith("rmsnorm"):
                     _compute_in_fp32(m)
@@ -123,7 +170,7 @@ class ParallelPrecision(Precision):
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         if self.precision in ("bf16-mixed", "16-mixed"):
-            with torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=self.compute_dtype):
+            with torch.autocast(self.device_type, dtype=self.compute_dtype):
                 yield
         else:
             yield
@@ -152,6 +199,7 @@ class ParallelPrecision(Precision):
         **kwargs: Any,
     ) -> Any:
         self.last_step_skipped = False
+        self.last_grad_norm = None  # set again if this step clips
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
@@ -178,11 +226,16 @@ class ParallelPrecision(Precision):
         params = [p for p in params if not getattr(p, NORM_SKIP_ATTR, False)]
         if self.tp_group is None:
             grads = [p.grad for p in params]
-            clip_grad_norm_(grads, float(clip_val), groups=self.grad_norm_groups, extra=skip)  # type: ignore[arg-type]
+            self.last_grad_norm = clip_grad_norm_(
+                grads,  # type: ignore[arg-type]
+                float(clip_val),
+                groups=self.grad_norm_groups,
+                extra=skip,  # type: ignore[arg-type]
+            )
             return
         sharded = [p.grad for p in params if hasattr(p, TP_DIM_ATTR)]
         replicated = [p.grad for p in params if not hasattr(p, TP_DIM_ATTR)]
-        clip_grad_norm_(
+        self.last_grad_norm = clip_grad_norm_(
             sharded,  # type: ignore[arg-type]
             float(clip_val),
             groups=self.grad_norm_groups,
@@ -235,30 +288,23 @@ def _compute_in_fp32(module: nn.Module) -> None:
 def convert_precision_plugin(plugin: Precision | None, *, zero_stage: int) -> Precision | None:
     """Map Lightning's precision plugins onto ours (the way Lightning's FSDP strategy enforces its own).
 
-    Lightning's ``"32-true"`` becomes ``ParallelPrecision("32-true")``. At ZeRO stage >= 1, ``"bf16-mixed"``,
-    ``"16-mixed"`` and ``"bf16-true"`` become the matching ``ParallelPrecision`` (fp32 masters in the
-    shards). At stage 0 (full fp32 parameters on every rank) Lightning's own plugins are kept; a
-    low-precision ``ParallelPrecision`` needs shards for its masters and is refused. Any other plugin is
-    refused with its name.
+    At every stage, Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` and ``"bf16-true"`` become
+    the matching ``ParallelPrecision`` (masters or not follow the stage: see the module docstring), so
+    the clip norm and the fp16 verdict are global whatever the layout. Any other plugin (``"64-true"``,
+    ``"16-true"``, third-party ones) is kept at stage 0, where every rank holds whole gradients, and the
+    strategy refuses it at setup under tensor or pipeline parallelism, where its norm would be a rank's
+    local one; at stages 1-3 it is refused here with its name.
     """
-    if plugin is None:
-        return None
-    if isinstance(plugin, ParallelPrecision):
-        if zero_stage == 0 and plugin.low_precision:
-            raise ValueError(
-                f"ParallelPrecision({plugin.precision!r}) keeps fp32 master weights in ZeRO shards, so it"
-                " needs zero_stage >= 1; at zero_stage=0 pass Lightning's precision string instead (autocast"
-                " over fp32 parameters)."
-            )
+    if plugin is None or isinstance(plugin, ParallelPrecision):
         return plugin
     if type(plugin) is Precision:  # Lightning's "32-true"
         return ParallelPrecision("32-true")
-    if zero_stage == 0:
-        return plugin  # plain data parallel holds full gradients: Lightning's own plugins are exact
     if type(plugin) is MixedPrecision and plugin.precision in ("bf16-mixed", "16-mixed"):
         return ParallelPrecision(plugin.precision)
     if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
         return ParallelPrecision("bf16-true")
+    if zero_stage == 0:
+        return plugin
     raise ValueError(
         f"{type(plugin).__name__}({getattr(plugin, 'precision', '?')!r}) cannot be used with ZeRO stage"
         f" {zero_stage}: lightning_par's ParallelPrecision supports {_MODES} there (fp32 masters in the"

@@ -230,6 +230,7 @@ class HybridParallelStrategy(MeshStrategy):
         assert self.accelerator is not None
         assert self.model is not None and self.lightning_module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self._configure_precision()
         if fitting:  # callbacks that cannot serve this layout are refused before anything is built
             check_fit_setup(
                 trainer,
@@ -411,9 +412,13 @@ class HybridParallelStrategy(MeshStrategy):
     # ------------------------------------------------------------------ steps
     @contextmanager
     def _step_context(self, *, training: bool = False) -> Generator[None, None, None]:
-        """Around every step: the ZeRO-3 root unit gathered, buffers synchronised as DDP would."""
+        """Around every step: the engine's step context (the ZeRO-3 root unit gathered, a new window's
+        gradients pointed into the flat buffer), buffers synchronised as DDP would. Under pipeline
+        parallelism the pipeline manages its windows itself (it zeroes at a window's start, and Lightning
+        zeroes ``param.grad`` after its backwards, which must not empty the buffer)."""
         engine = self._engine
-        with engine.forward_context() if engine is not None else nullcontext():
+        engine_context = engine.forward_context() if engine is not None and self._pipeline is None else None
+        with engine_context if engine_context is not None else nullcontext():
             self._buffer_sync.before_forward()
             yield
             synchronising = training and (engine is None or engine.sync_enabled)
@@ -499,16 +504,35 @@ class HybridParallelStrategy(MeshStrategy):
         return output
 
     # ------------------------------------------------------------------ mixed precision
-    def _dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
-        """(compute, reduction) dtypes for the engine; (None, None) in fp32: the parameters' own."""
+    def _configure_precision(self) -> None:
+        """One precision path at every stage: ours resolves its stage-dependent defaults; a plugin that is
+        not ours (kept only at stage 0) is refused where its clip norm would be a rank's local one."""
         plugin = self.precision_plugin
-        if isinstance(plugin, ParallelPrecision) and plugin.low_precision:
+        if isinstance(plugin, ParallelPrecision):
+            plugin.configure(zero_stage=self.zero_stage, device_type=self.root_device.type)
+            return
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"{type(plugin).__name__}({getattr(plugin, 'precision', '?')!r}) with tensor or pipeline"
+                " parallelism would clip by each rank's local gradient norm and decide fp16 overflows per"
+                " rank: use precision '32-true', 'bf16-mixed', '16-mixed' or 'bf16-true' (lightning_par's"
+                " ParallelPrecision)."
+            )
+
+    def _dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+        """(compute, reduction) dtypes for the engine: the compute dtype only where fp32 masters live in
+        the shards (the engine casts the compute copy), the reduction dtype wherever gradients are low
+        precision; None: the parameters' own."""
+        plugin = self.precision_plugin
+        if not isinstance(plugin, ParallelPrecision) or not plugin.low_precision:
+            return None, None
+        if plugin.uses_masters:
             return plugin.compute_dtype, plugin.reduce_dtype
-        return None, None
+        return None, (plugin.reduce_dtype if plugin.precision == "bf16-true" else None)
 
     def _cast_unmanaged(self) -> None:
         """Frozen floating parameters (the engine casts the trainable ones) follow the compute dtype."""
-        compute, _ = self._dtypes()
+        compute = self._dtypes()[0]
         if compute is None or self.model is None:
             return
         for p in self.model.parameters():

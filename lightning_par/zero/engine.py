@@ -99,7 +99,10 @@ class ZeroEngine:
         self.sync.on_synchronized(listener)
 
     def scale_grads(self, factor: float) -> None:
+        """Multiply the window's reduced gradients by ``factor``, wherever the optimizer reads them."""
         self.sync.scale_grads(factor)
+        if self.sharded is not None:
+            self.sharded.scale_attached(factor)
 
     def flush(self) -> None:
         """Reduce the window's accumulated gradients now (see :meth:`GradSync.flush`)."""

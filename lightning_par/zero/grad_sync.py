@@ -130,6 +130,7 @@ class GradSync:
         self._ready_order: list[int] = []
         self._callback_queued = False
         self._relayout_listeners: list[Callable[[], None]] = []
+        self._attachers: list[Callable[[], None]] = []
         self._sync_listeners: list[Callable[[], None]] = []
         # Free communication buffers, keyed by capacity (a full bucket, or one rank's slice of it). Every
         # pooled buffer has the largest bucket's size, so the pool never holds more buffers than were
@@ -137,13 +138,23 @@ class GradSync:
         self._pool: dict[int, list[Tensor]] = {}
         self._all_pooled: list[Tensor] = []
         self.layout: FlatLayout
+        self.buffer: Tensor | None = None
+        self._views: list[Tensor] = []
+        self._touched: list[bool] = []
         self.unused: frozenset[int] = frozenset()
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
         self._build(list(range(len(self._params))))
 
     # ------------------------------------------------------------------ layout
     def _build(self, order: list[int]) -> None:
-        """(Re)build buffers for parameters in ``order`` (indices into the current lists)."""
+        """(Re)build buffers for parameters in ``order`` (indices into the current lists), carrying over
+        what the old buffer accumulated (it may hold a gradient whose ``param.grad`` was released: a
+        reduction dtype other than the parameters')."""
+        carried: dict[int, Tensor] = {}
+        if self.buffer is not None:
+            for i, p in enumerate(self._params):
+                if self._touched[i]:
+                    carried[id(p)] = self._views[i].clone()
         self._params = [self._params[i] for i in order]
         self._names = [self._names[i] for i in order]
         self._slot_of = {id(p): i for i, p in enumerate(self._params)}
@@ -158,9 +169,9 @@ class GradSync:
             shard_offsets.append(off)
             off += b.numel // self.layout.shard_count
         self._shard_offsets = shard_offsets
-        self.buffer: Tensor | None = None
+        self.buffer = None
         if self.grad_sync == "boundary":
-            old = [p.grad for p in self._params]
+            old = [carried.get(id(p), p.grad) for p in self._params]
             self.buffer = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
             self._views = [self.buffer[s.offset : s.end].view(s.shape) for s in self.layout.slots]
             for p, view, g in zip(self._params, self._views, old, strict=True):
@@ -380,9 +391,16 @@ class GradSync:
                 " (requires_grad=False) before training."
             )
         self.unused = frozenset(i for i, c in enumerate(counts) if c == self.world)
+        # the gradient pipeline, in this order (see lightning_par.precision): attach (param.grad, or the
+        # sharded optimizer's masters), then whoever rescales what was attached (token normalisation)
         for i, p in enumerate(self._params):
-            keep = not self.shard and i not in self.unused and p.dtype == self.dtype
-            p.grad = self._views[i] if keep else None
+            if self.shard or i in self.unused:
+                p.grad = None
+            else:  # a view when the dtypes agree, else a copy in the parameter's dtype
+                view = self._views[i]
+                p.grad = view if p.dtype == self.dtype else view.to(p.dtype)
+        for attach in self._attachers:
+            attach()
         for listener in self._sync_listeners:
             listener()
 
@@ -440,19 +458,29 @@ class GradSync:
         """Call ``listener()`` after the layout (parameter order) changes."""
         self._relayout_listeners.append(listener)
 
+    def on_reduced(self, attach: Callable[[], None]) -> None:
+        """Call ``attach()`` when a window's gradients are reduced, before any :meth:`on_synchronized`
+        listener: it hands them to whoever reads them (the sharded optimizer's masters)."""
+        self._attachers.append(attach)
+
     def on_synchronized(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` when the final backward of a window has reduced all gradients."""
+        """Call ``listener()`` when the final backward of a window has reduced all gradients and they have
+        been attached (``param.grad``, then the :meth:`on_reduced` attachers)."""
         self._sync_listeners.append(listener)
 
     @torch.no_grad()
     def scale_grads(self, factor: float) -> None:
-        """Multiply the reduced gradients of the finished window by ``factor``."""
+        """Multiply the reduced gradients of the finished window by ``factor``: the shard (stages 1/2;
+        attached copies are the sharded optimizer's to scale), or every ``param.grad`` (stage 0)."""
         if self.shard:
             assert self.grad_shard is not None
             self.grad_shard.mul_(factor)
-        else:
-            assert self.buffer is not None
-            self.buffer.mul_(factor)
+            return
+        assert self.buffer is not None
+        self.buffer.mul_(factor)
+        for p, view in zip(self._params, self._views, strict=True):
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                p.grad.mul_(factor)  # a copy in the parameter's dtype
 
     def zero_grad_shard(self) -> None:
         """Start a new accumulation window of the sharded gradient (after the optimizer step)."""

@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_par.collectives import all_gather_flat
 from lightning_par.zero.grad_sync import GradSync
+from lightning_par.zero.layout import FlatLayout, Fragment
 
 # Checkpoint key of fp32 master weights saved beside the optimizer state of low-precision models (the
 # engine names it, so the checkpoint code depends on the engine and not the other way round).
@@ -184,7 +185,7 @@ class ShardedOptimizer:
             self.optimizers, sync.params, param_names, allow_untested=allow_untested_optimizer
         )
         sync.on_relayout(self._relayout)
-        sync.on_synchronized(self._attach_grads)
+        sync.on_reduced(self._attach_grads)
         self._relayout()
 
     # ------------------------------------------------------------------ layout
@@ -193,16 +194,23 @@ class ShardedOptimizer:
         if any(opt.state for opt in self.optimizers if hasattr(self, "_masters")):
             raise RuntimeError("The ZeRO layout changed after the optimizer took a step; this is a bug.")
         params = sync.params
+        old_layout, old_masters = getattr(self, "_layout", None), getattr(self, "master_flat", None)
         self.fragments = layout.fragments(sync.rank)
         self.master_flat: Tensor | None = None
         if self.master_dtype != self.compute_dtype:
-            # masters are taken from the parameters as they are now (fp32 before the first cast), so a
-            # low-precision run starts from exact fp32 values, not from their rounded copies
             self.master_flat = torch.zeros(layout.shard_numel, dtype=self.master_dtype, device=sync.device)
-            with torch.no_grad():
-                for f in self.fragments:
-                    value = params[f.slot].detach().reshape(-1)[f.param_lo : f.param_hi]
-                    self.master_flat[f.shard_lo : f.shard_lo + f.numel].copy_(value)
+            if old_layout is not None and old_masters is not None:
+                # a new bucket order (after the first backward): the parameters are low-precision copies
+                # now, the exact values are the old masters, spread over the ranks
+                self._carry_masters(old_layout, old_masters)
+            else:
+                # at construction the parameters are still fp32: a low-precision run starts from exact
+                # fp32 values, not from their rounded copies
+                with torch.no_grad():
+                    for f in self.fragments:
+                        value = params[f.slot].detach().reshape(-1)[f.param_lo : f.param_hi]
+                        self.master_flat[f.shard_lo : f.shard_lo + f.numel].copy_(value)
+        self._layout = layout
         with torch.no_grad():
             self.param_flat = torch.zeros(layout.numel, dtype=self.compute_dtype, device=sync.device)
             for p, s in zip(params, layout.slots, strict=True):
@@ -225,6 +233,28 @@ class ShardedOptimizer:
         for opt, groups in zip(self.optimizers, self._group_params, strict=True):
             rebuild_optimizer(opt, groups, masters)
 
+    @torch.no_grad()
+    def _carry_masters(self, old: FlatLayout, old_masters: Tensor) -> None:
+        """Fill this rank's new master fragments from the old layout's masters, one old bucket at a time
+        (one all-gather each: no rank ever holds more than a bucket of fp32 values beyond its shard)."""
+        assert self.master_flat is not None
+        sync, layout = self.sync, self.sync.layout
+        wanted: dict[str, list[Fragment]] = {}
+        for f in self.fragments:
+            wanted.setdefault(layout.slots[f.slot].name, []).append(f)
+        offset = 0
+        for bucket in old.buckets:
+            size = bucket.numel // sync.world
+            full = torch.empty(bucket.numel, dtype=old_masters.dtype, device=old_masters.device)
+            all_gather_flat(full, old_masters[offset : offset + size].contiguous(), group=sync.group)
+            offset += size
+            for i in bucket.slots:
+                slot = old.slots[i]
+                start = slot.offset - bucket.start
+                for f in wanted.get(slot.name, []):
+                    piece = full[start + f.param_lo : start + f.param_hi]
+                    self.master_flat[f.shard_lo : f.shard_lo + f.numel].copy_(piece)
+
     # ------------------------------------------------------------------ step
     def _attach_grads(self) -> None:
         """Point each master fragment's ``.grad`` at its slice of the reduced gradient shard."""
@@ -236,6 +266,17 @@ class ShardedOptimizer:
                 continue
             g = grad_shard[f.shard_lo : f.shard_lo + f.numel]
             master.grad = g if g.dtype == master.dtype else g.to(master.dtype)
+
+    @torch.no_grad()
+    def scale_attached(self, factor: float) -> None:
+        """Multiply the master gradients that are copies (a reduction dtype other than the masters');
+        views of the gradient shard are scaled with it (:meth:`GradSync.scale_grads`)."""
+        grad_shard = self.sync.grad_shard
+        assert grad_shard is not None
+        for master, _, _ in self._master_slots:
+            g = master.grad
+            if g is not None and g.untyped_storage().data_ptr() != grad_shard.untyped_storage().data_ptr():
+                g.mul_(factor)
 
     @torch.no_grad()
     def after_step(self) -> None:

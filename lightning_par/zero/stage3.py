@@ -378,6 +378,7 @@ class Stage3Engine(Stage3State):
                 " find_unused_parameters=True to the strategy; otherwise use them in the loss or freeze them."
             )
         self.unused = frozenset(id(p) for (_, p), c in zip(params, counts, strict=True) if c == self.world)
+        # the gradient pipeline (see lightning_par.precision): attach to the masters, then rescale
         self._attach_grads()
         for listener in self._sync_listeners:
             listener()
@@ -474,14 +475,24 @@ class Stage3Engine(Stage3State):
 
     @torch.no_grad()
     def scale_grads(self, factor: float) -> None:
+        """Multiply the window's reduced gradients by ``factor``, wherever the optimizer reads them: the
+        gradient shards, and master gradients that are copies of them (another dtype)."""
         for unit in self.units:
             if unit.grad_shard is not None:
                 unit.grad_shard.mul_(factor)
+        for unit, _, master in self._masters:
+            g, shard = master.grad, unit.grad_shard
+            if g is not None and shard is not None and not _shares_storage(g, shard):
+                g.mul_(factor)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _shares_storage(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _train(unit: Unit) -> Part:

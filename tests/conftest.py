@@ -1,0 +1,14 @@
+"""Session-wide test settings.
+
+The distributed tests fork ranks from the pytest process (tests/distributed.py), and several tests run
+their single-process reference in that process first. GNU OpenMP is not fork-safe: once the parent has
+run a parallel region with more than one thread (MKL's vectorised ``cos`` in a Hugging Face rotary
+embedding, for instance), a forked child can block forever in its first parallel region, even with
+``torch.set_num_threads(1)`` in the child (seen here: a rank stuck in ``libgomp`` under ``vmsCos``). One
+intra-op thread in the parent keeps the OpenMP pool from ever starting, so forking stays safe; the
+references are small, and the ranks run one thread each anyway.
+"""
+
+import torch
+
+torch.set_num_threads(1)
