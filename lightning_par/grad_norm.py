@@ -23,15 +23,24 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 
-def _local_sum(grads: Iterable[Tensor], norm_type: float) -> Tensor:
-    total = torch.zeros((), dtype=torch.float32)
-    for g in grads:
-        g32 = g.detach().float()
-        if math.isinf(norm_type):
-            part = g32.abs().max() if g32.numel() else torch.zeros((), device=g.device)
-            total = torch.maximum(total.to(part.device), part)
-        else:
-            total = total.to(g.device) + g32.abs().pow(norm_type).sum()
+def _by_device_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    out: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            out.setdefault((t.device, t.dtype), []).append(t.detach())
+    return out
+
+
+def _local_sum(grads: Iterable[Tensor], norm_type: float, device: torch.device) -> Tensor:
+    """``Σ |g_i|^p`` (``max |g_i|`` for p = inf) over ``grads`` as an fp32 scalar on ``device``: one fused
+    per-tensor norm kernel per (device, dtype), accumulated in fp32, and no host synchronisation."""
+    is_inf = math.isinf(norm_type)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for (_, _), tensors in _by_device_dtype(grads).items():
+        norms = torch._foreach_norm(tensors, norm_type, dtype=torch.float32)
+        stacked = torch.stack(norms).to(device)
+        part = stacked.max() if is_inf else stacked.pow(norm_type).sum()
+        total = torch.maximum(total, part) if is_inf else total + part
     return total
 
 
@@ -41,14 +50,19 @@ def global_grad_norm(
     groups: Sequence[ProcessGroup] = (),
     norm_type: float = 2.0,
     replicated: Sequence[tuple[Sequence[Tensor], ProcessGroup]] = (),
+    device: torch.device | None = None,
 ) -> Tensor:
-    """The p-norm of all gradient elements held by the ranks of ``groups`` (see the module docstring)."""
+    """The p-norm of all gradient elements held by the ranks of ``groups`` (see the module docstring), an
+    fp32 scalar on ``device`` (the communication device; default: the first gradient's, else the CPU)."""
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}.")
-    total = _local_sum(grads, norm_type)
+    if device is None:
+        first = next((g for g in (*grads, *(t for ts, _ in replicated for t in ts))), None)
+        device = first.device if first is not None else torch.device("cpu")
+    total = _local_sum(grads, norm_type, device)
     is_inf = math.isinf(norm_type)
     for tensors, group in replicated:
-        part = _local_sum(tensors, norm_type).to(total.device)
+        part = _local_sum(tensors, norm_type, device)
         total = torch.maximum(total, part) if is_inf else total + part / dist.get_world_size(group)
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
     for group in groups:
@@ -67,12 +81,14 @@ def clip_grad_norm_(
     eps: float = 1e-6,
     replicated: Sequence[tuple[Sequence[Tensor], ProcessGroup]] = (),
     extra: Sequence[Tensor] = (),
+    device: torch.device | None = None,
 ) -> Tensor:
     """Scale ``grads`` (and the ``replicated`` ones, and ``extra`` ones that the norm does not count, such
     as second copies of tied parameters) in place so that the global norm is at most ``max_norm``; return
     the norm. Same coefficient as ``torch.nn.utils.clip_grad_norm_``: ``min(1, max_norm / (norm + eps))``."""
-    norm = global_grad_norm(grads, groups=groups, norm_type=norm_type, replicated=replicated)
-    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
-    for g in [*grads, *(t for tensors, _ in replicated for t in tensors), *extra]:
-        g.mul_(coef.to(g.device, g.dtype))
+    norm = global_grad_norm(grads, groups=groups, norm_type=norm_type, replicated=replicated, device=device)
+    coef = torch.clamp(max_norm / (norm + eps), max=1.0)  # on the device: no host read of the norm
+    everything = [*grads, *(t for tensors, _ in replicated for t in tensors), *extra]
+    for (dev, _), tensors in _by_device_dtype(everything).items():
+        torch._foreach_mul_(tensors, coef.to(dev))
     return norm

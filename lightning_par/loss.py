@@ -39,33 +39,45 @@ def token_loss_sum(logits: Tensor, targets: Tensor, *, ignore_index: int = -100)
 
 class TokenNormalizer:
     """Counts valid tokens over an accumulation window and turns summed-loss gradients into the
-    gradient of the global token mean (see the module docstring)."""
+    gradient of the global token mean (see the module docstring).
 
-    def __init__(self, *, group: ProcessGroup | None) -> None:
+    The count lives on ``device`` (the communication device) and the factor ``N / (c T)`` is computed
+    there, so a window costs one small all-reduce and no host synchronisation. A window without a valid
+    token on any rank has a zero gradient (its loss is a sum over no tokens); ``T`` is clamped to 1 there,
+    so the factor stays finite and the gradient stays zero instead of becoming NaN."""
+
+    def __init__(self, *, group: ProcessGroup | None, device: torch.device | None = None) -> None:
         self.group = group
-        self._count = 0
+        self.device = device if device is not None else torch.device("cpu")
+        self._count: Tensor | None = None
+        self._host_count = 0  # counts given as Python ints
 
     def add(self, n_tokens: int | Tensor) -> None:
-        self._count += int(n_tokens)
+        if isinstance(n_tokens, Tensor):
+            n = n_tokens.detach().reshape(()).to(self.device, torch.int64, non_blocking=True)
+            self._count = n if self._count is None else self._count + n
+        else:
+            self._host_count += int(n_tokens)
+
+    def _local(self) -> Tensor:
+        local = torch.full((), self._host_count, dtype=torch.int64, device=self.device)
+        return local if self._count is None else local + self._count
 
     @property
-    def local_count(self) -> int:
-        return self._count
+    def local_count(self) -> Tensor:
+        """This rank's valid tokens in the window so far (a tensor on the device)."""
+        return self._local()
 
-    def global_count(self) -> int:
-        """``T`` over the window and the group; resets the window."""
-        total = torch.tensor([self._count], dtype=torch.int64)
+    def global_count(self) -> Tensor:
+        """``T`` over the window and the group (an int64 scalar on the device); resets the window."""
+        total = self._local()
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(total, group=self.group)
-        self._count = 0
-        return int(total.item())
+        self._count, self._host_count = None, 0
+        return total
 
-    def grad_scale(self, *, loss_scale: float, dp_size: int) -> float:
-        """The factor ``N / (c T)`` for gradients reduced as ``(c/N) Σ ∇S``; resets the window."""
-        tokens = self.global_count()
-        if tokens == 0:
-            raise ValueError(
-                "No valid tokens in this optimizer step on any rank: every target is ignore_index. Check"
-                " the masking of the batch."
-            )
-        return dp_size / (loss_scale * tokens)
+    def grad_scale(self, *, loss_scale: float, dp_size: int) -> Tensor:
+        """The factor ``N / (c T)`` for gradients reduced as ``(c/N) Σ ∇S`` (an fp32 scalar on the device,
+        rounded once from fp64 as a Python float would be); resets the window."""
+        tokens = self.global_count().clamp(min=1).to(torch.float64)
+        return ((dp_size / loss_scale) / tokens).to(torch.float32)

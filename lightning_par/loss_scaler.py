@@ -61,21 +61,34 @@ class DynamicLossScaler:
         return loss * self.scale
 
     @torch.no_grad()
-    def unscale_and_check(self, grads: Sequence[Tensor], *, groups: Sequence[ProcessGroup | None]) -> bool:
+    def unscale_and_check(
+        self,
+        grads: Sequence[Tensor],
+        *,
+        groups: Sequence[ProcessGroup | None],
+        device: torch.device,
+    ) -> bool:
         """Divide ``grads`` by the scale in place; return True if any rank of ``groups`` saw inf/NaN.
 
-        ``groups`` are all-reduced in turn with MAX (pass ``[None]`` for the default world group), so every
-        rank that shares the step reaches the same verdict.
+        One fused non-finite check and unscale per (device, dtype) of ``grads`` on the device, one
+        all-reduce (MAX) of the flag per group of ``groups`` (``[None]`` for the default world group), so
+        every rank that shares the step reaches the same verdict, and one host read of it: the step's only
+        host synchronisation under fp16. ``device`` is the communication device, where the flag lives.
         """
-        inv = 1.0 / self.scale
-        found = torch.zeros((), dtype=torch.float32)
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for g in grads:
-            g.mul_(inv)
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float().cpu())
+            by_key.setdefault((g.device, g.dtype), []).append(g)
+        for (dev, _), tensors in by_key.items():
+            flag = found if dev == found.device else torch.zeros(1, dtype=torch.float32, device=dev)
+            inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv)
+            if flag is not found:
+                found = torch.maximum(found, flag.to(found.device, non_blocking=True))
         for group in groups:
             if group is None or dist.get_world_size(group) > 1:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        return bool(found.item())
+        return bool(found.item())  # the verdict must reach the host: it decides whether to step
 
     def update(self, found_inf: bool) -> None:
         if found_inf:

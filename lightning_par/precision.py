@@ -118,7 +118,12 @@ class ParallelPrecision(Precision):
         self.last_grad_norm: Tensor | None = None  # the global norm the latest clip used
         self.requested_master_weights = master_weights
         self.master_weights = bool(master_weights) if master_weights is not None else self.low_precision
-        self.device_type = "cpu"
+        self.device = torch.device("cpu")  # the communication device, set by configure()
+
+    @property
+    def device_type(self) -> str:
+        """Autocast's device type: the model's (the strategy's root device)."""
+        return self.device.type
 
     @property
     def low_precision(self) -> bool:
@@ -129,8 +134,9 @@ class ParallelPrecision(Precision):
         """Low-precision parameters whose fp32 masters live in the ZeRO shards."""
         return self.low_precision and self.master_weights
 
-    def configure(self, *, zero_stage: int, device_type: str) -> None:
-        """Resolve the stage-dependent defaults (see the module docstring); called by the strategy at
+    def configure(self, *, zero_stage: int, device: torch.device) -> None:
+        """Resolve the stage-dependent defaults (see the module docstring) and take the strategy's root
+        device (autocast's device type, and where the fp16 verdict is agreed); called by the strategy at
         setup, before ``convert_module``."""
         if self.requested_master_weights and zero_stage == 0 and self.low_precision:
             raise ValueError(
@@ -146,7 +152,7 @@ class ParallelPrecision(Precision):
                 f"reduce_dtype={self.reduce_dtype} with fp32 parameters ({self.precision!r} without"
                 " masters): gradients are fp32, reduce them in fp32."
             )
-        self.device_type = device_type
+        self.device = torch.device(device)
 
     # ------------------------------------------------------------------ module and inputs
     @override
@@ -207,7 +213,7 @@ class ParallelPrecision(Precision):
             return None  # the training step returned None: nothing to unscale or step
         assert isinstance(optimizer, Optimizer)
         grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
-        found_inf = self.scaler.unscale_and_check(grads, groups=self.step_groups)
+        found_inf = self.scaler.unscale_and_check(grads, groups=self.step_groups, device=self.device)
         if found_inf:
             self.scaler.update(True)
             self.last_step_skipped = True
@@ -231,6 +237,7 @@ class ParallelPrecision(Precision):
                 float(clip_val),
                 groups=self.grad_norm_groups,
                 extra=skip,  # type: ignore[arg-type]
+                device=self.device,
             )
             return
         sharded = [p.grad for p in params if hasattr(p, TP_DIM_ATTR)]
@@ -241,6 +248,7 @@ class ParallelPrecision(Precision):
             groups=self.grad_norm_groups,
             replicated=[(replicated, self.tp_group)],  # type: ignore[list-item]
             extra=skip,  # type: ignore[arg-type]
+            device=self.device,
         )
 
     # ------------------------------------------------------------------ state

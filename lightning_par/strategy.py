@@ -30,6 +30,7 @@ from typing_extensions import override
 from lightning_par import lightning_hooks
 from lightning_par.checkpoint.load_pretrained import PretrainedPlan, PretrainedSource, load_pretrained_once
 from lightning_par.compose import ComposeOptions, compose
+from lightning_par.device_checks import check_optimizer_kernels
 from lightning_par.loss import TokenNormalizer
 from lightning_par.memory import MemoryReport, measure_memory
 from lightning_par.pipeline.lightning import LightningPipeline, build_pipeline, pipeline_layers_of
@@ -102,7 +103,9 @@ class HybridParallelStrategy(MeshStrategy):
         virtual_stages: model chunks per pipeline rank (``interleaved_1f1b`` needs >= 2).
         partition_method: how layers are balanced over stages: ``"uniform"``, ``"parameters"`` or
             ``"profile"`` (measured time; uses the LightningModule's ``example_input_array``).
-        process_group_backend: ``"nccl"``/``"gloo"``; default from the device (NCCL on CUDA, Gloo on CPU).
+        process_group_backend: default ``"gloo"`` on CPUs and ``"cpu:gloo,cuda:nccl"`` on CUDA (NCCL for
+            the step, Gloo for CPU-side objects); a backend that cannot move the root device's tensors
+            (``"nccl"`` without CUDA, a Gloo-only group for a CUDA model) is refused at setup.
         timeout_s: timeout of collective operations, in seconds.
         start_method: ``"popen"`` (re-run the command, like Lightning's ``"ddp"``), ``"spawn"``, ``"fork"``
             or ``"forkserver"``. Ignored when processes are created externally (torchrun, SLURM).
@@ -291,6 +294,7 @@ class HybridParallelStrategy(MeshStrategy):
         if fitting:
             assert self._engine is not None
             self.setup_optimizers(trainer)
+            check_optimizer_kernels(self.optimizers, device=self.root_device)
             self._engine.shard_optimizers(self.optimizers)
             self._guard_hooks()
         self._cast_unmanaged()
@@ -327,6 +331,7 @@ class HybridParallelStrategy(MeshStrategy):
                 grad_dtype=reduce,
                 values=values,
                 allow_untested_optimizer=self.allow_untested_optimizer,
+                device=self.root_device,
             )
         elif fitting:
             self._engine = apply_zero(
@@ -509,7 +514,7 @@ class HybridParallelStrategy(MeshStrategy):
         not ours (kept only at stage 0) is refused where its clip norm would be a rank's local one."""
         plugin = self.precision_plugin
         if isinstance(plugin, ParallelPrecision):
-            plugin.configure(zero_stage=self.zero_stage, device_type=self.root_device.type)
+            plugin.configure(zero_stage=self.zero_stage, device=self.root_device)
             return
         if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
             raise ValueError(
@@ -555,7 +560,7 @@ class HybridParallelStrategy(MeshStrategy):
         if self._engine is None:
             raise RuntimeError("token_normalized() is for training_step, after the strategy's setup().")
         if self._token_normalizer is None:
-            self._token_normalizer = TokenNormalizer(group=self.mesh.dp_group)
+            self._token_normalizer = TokenNormalizer(group=self.mesh.dp_group, device=self.root_device)
             self._engine.on_synchronized(self._apply_token_normalization)
         self._token_normalizer.add(n_tokens)
         return loss_sum

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
@@ -35,6 +34,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
+from lightning_par.device_checks import resolve_backend
 from lightning_par.mesh import MeshLayout, ParallelMesh
 from lightning_par.strategy_options import StartMethod
 
@@ -151,14 +151,13 @@ class MeshStrategy(ZeroCheckpointIO):
 
     @override
     def setup_environment(self) -> None:
-        # Validate the layout before any process group exists: a bad size fails fast on every rank.
+        # Validate the layout and the backend before any process group exists: a bad size or a backend
+        # that cannot move this device's tensors fails fast on every rank.
         _ = self.layout
+        self._process_group_backend = resolve_backend(self._process_group_backend, self.root_device)
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = (
-            self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        )
         assert self.cluster_environment is not None
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
@@ -178,7 +177,7 @@ class MeshStrategy(ZeroCheckpointIO):
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
+        if "nccl" in str(dist.get_backend()) and self.root_device.type == "cuda":
             dist.barrier(device_ids=[self.root_device.index])
         else:
             dist.barrier()

@@ -225,7 +225,7 @@ def test_loss_scaler_policy_and_bad_values() -> None:
     scaler.update(False)
     assert scaler.scale == 8.0 and scaler.skipped_steps == 2
     g = torch.tensor([1.0, float("inf")])
-    assert DynamicLossScaler().unscale_and_check([g], groups=()) is True
+    assert DynamicLossScaler().unscale_and_check([g], groups=(), device=g.device) is True
     with pytest.raises(ValueError, match="backoff_factor must be in"):
         DynamicLossScaler(backoff_factor=2.0)
     with pytest.raises(ValueError, match="precision must be one of"):

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -110,8 +109,18 @@ def test_token_normalized_accumulation_equals_global_token_mean(tmp_path: Path) 
                 torch.testing.assert_close(r[strategy][n], expected, msg=f"{strategy} rank {rank} {n}")
 
 
-def test_token_normalizer_refuses_an_all_masked_step() -> None:
+def test_token_normalizer_all_masked_step_keeps_a_zero_gradient() -> None:
+    """No valid token anywhere: the summed loss has a zero gradient, and the factor (computed on the device,
+    with no host read) stays finite, so the gradient stays zero instead of becoming NaN."""
     norm = TokenNormalizer(group=None)
+    logits = torch.randn(2, 3, 5, requires_grad=True)
+    s, n = token_loss_sum(logits, torch.full((2, 3), -100))
+    norm.add(n)
     norm.add(0)
-    with pytest.raises(ValueError, match="No valid tokens"):
-        norm.grad_scale(loss_scale=1.0, dp_size=1)
+    s.backward()
+    factor = norm.grad_scale(loss_scale=1.0, dp_size=1)
+    assert logits.grad is not None and bool(torch.isfinite(factor))
+    assert torch.equal(logits.grad * factor, torch.zeros_like(logits))
+    norm.add(torch.tensor(6))
+    norm.add(2)
+    assert float(norm.grad_scale(loss_scale=0.5, dp_size=2)) == 2 / (0.5 * 8)

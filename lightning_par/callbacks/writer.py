@@ -123,7 +123,8 @@ class SnapshotWriter:
             snapshot.copy_into(buffer, plan, now)
         event = None
         if any(t.is_cuda for t in plan.sources):
-            torch.cuda.current_stream().synchronize()  # the small copies above
+            # recorded after the copies above: the copy thread's stream waits for it, then that thread
+            # synchronises before committing, so the training thread never waits for the device here
             event = torch.cuda.Event()
             event.record()
         if persist:

@@ -118,7 +118,7 @@ class LightningPipeline:
         )
         # undo the scaling of the returned number: it is the mean loss, for logging
         value = mean * accumulate
-        scaled = loss_scale(torch.ones(()))
+        scaled = loss_scale(torch.ones((), device=value.device))
         value = value / scaled
         self.module.log("train_loss", value, prog_bar=True)
         return value.detach()

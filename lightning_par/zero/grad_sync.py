@@ -50,13 +50,12 @@ from torch.distributed import ProcessGroup
 
 from lightning_par.collectives import reduce_scatter_flat
 from lightning_par.zero.layout import FlatLayout
+from lightning_par.zero.unused import MissingGradients, UnusedParametersError
+
+__all__ = ["GradSync", "UnusedParametersError", "broadcast_module_states"]
 
 GradSyncPolicy = Literal["boundary", "every"]
 ReduceOp = Literal["all_reduce", "reduce_scatter"]
-
-
-class UnusedParametersError(RuntimeError):
-    """Some parameters received no gradient in an accumulation window."""
 
 
 class GradSync:
@@ -192,7 +191,6 @@ class GradSync:
         self._next_bucket = 0
         self._bucket_bufs: dict[int, Tensor] = {}
         self._inflight: list[tuple[int, dist.Work, Tensor, Tensor | None]] = []
-        self._misc_works: list[dist.Work] = []
 
     def set_order(self, names: Sequence[str]) -> None:
         """Adopt a parameter order (e.g. a checkpoint's) and stop the first-backward rebuild."""
@@ -370,27 +368,18 @@ class GradSync:
         """False inside :meth:`no_sync` (a non-final pass of an accumulation window)."""
         return self._sync
 
-    def _start_missing_count(self) -> Tensor:
-        missing = torch.tensor([0 if t else 1 for t in self._touched], dtype=torch.int32, device=self.device)
-        work = dist.all_reduce(missing, group=self.group, async_op=True)
-        assert work is not None
-        self._misc_works.append(work)
-        return missing
+    def _start_missing_count(self) -> MissingGradients:
+        return MissingGradients(
+            self._touched,
+            names=self._names,
+            group=self.group,
+            device=self.device,
+            find_unused_parameters=self.find_unused_parameters,
+        )
 
-    def _finish_window(self, missing: Tensor) -> None:
-        for work in self._misc_works:
-            work.wait()
+    def _finish_window(self, missing: MissingGradients) -> None:
         self._touched = [False] * len(self._params)
-        counts = missing.tolist()
-        if any(counts) and not self.find_unused_parameters:
-            names = [n for n, c in zip(self._names, counts, strict=True) if c]
-            raise UnusedParametersError(
-                f"{len(names)} parameter(s) got no gradient on at least one data-parallel rank in this step:"
-                f" {names[:8]}{' ...' if len(names) > 8 else ''}. If that is intended, pass"
-                " find_unused_parameters=True to the strategy; otherwise use them in the loss or freeze them"
-                " (requires_grad=False) before training."
-            )
-        self.unused = frozenset(i for i, c in enumerate(counts) if c == self.world)
+        self.unused = missing.finish()  # raises, naming them, if gradients are missing and not allowed
         # the gradient pipeline, in this order (see lightning_par.precision): attach (param.grad, or the
         # sharded optimizer's masters), then whoever rescales what was attached (token normalisation)
         for i, p in enumerate(self._params):
@@ -469,7 +458,7 @@ class GradSync:
         self._sync_listeners.append(listener)
 
     @torch.no_grad()
-    def scale_grads(self, factor: float) -> None:
+    def scale_grads(self, factor: float | Tensor) -> None:
         """Multiply the reduced gradients of the finished window by ``factor``: the shard (stages 1/2;
         attached copies are the sharded optimizer's to scale), or every ``param.grad`` (stage 0)."""
         if self.shard:
@@ -509,7 +498,7 @@ class GradSync:
 
     def grad_bytes(self) -> dict[str, int]:
         """Bytes of gradient storage held by the engine on this rank."""
-        item = torch.tensor([], dtype=self.dtype).element_size()
+        item = self.dtype.itemsize
         full = self.buffer.numel() * item if self.buffer is not None else 0
         shard = self.grad_shard.numel() * item if self.grad_shard is not None else 0
         pooled = sum(t.numel() * t.element_size() for t in self._all_pooled)

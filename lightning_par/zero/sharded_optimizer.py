@@ -268,7 +268,7 @@ class ShardedOptimizer:
             master.grad = g if g.dtype == master.dtype else g.to(master.dtype)
 
     @torch.no_grad()
-    def scale_attached(self, factor: float) -> None:
+    def scale_attached(self, factor: float | Tensor) -> None:
         """Multiply the master gradients that are copies (a reduction dtype other than the masters');
         views of the gradient shard are scaled with it (:meth:`GradSync.scale_grads`)."""
         grad_shard = self.sync.grad_shard
@@ -297,7 +297,9 @@ class ShardedOptimizer:
         for bucket in layout.buckets:
             lo, hi = bucket.shard_range(sync.rank, sync.world)
             full = self.param_flat[bucket.start : bucket.end]
-            work = all_gather_flat(full, self.param_flat[lo:hi].clone(), group=sync.group, async_op=True)
+            # in place: this rank's input is its own slice of the output (NCCL's in-place all-gather;
+            # Gloo stages through its own buffer), so no per-step copy of the shard is made
+            work = all_gather_flat(full, self.param_flat[lo:hi], group=sync.group, async_op=True)
             works.append(work)
         for work in works:
             assert work is not None

@@ -34,6 +34,15 @@ frozen parameters whose inputs require gradients is freed only once the gradient
 
 Parameters whose ``.data`` is replaced or that are modified in place while sharded (outside a forward)
 are detected at the next gather and refused with an error naming them, instead of being silently lost.
+
+Devices and streams: every buffer handed to a collective is created on ``device`` (the strategy's root
+device). Under NCCL each asynchronous collective runs on NCCL's own stream: launching it makes that stream
+wait for the work already queued on the compute stream, and ``work.wait()`` makes the compute stream wait
+for it (an event: the host does not block). A prefetch launched in the previous unit's forward thus
+overlaps that unit's compute, and no use can run before its gather lands. Every tensor a collective reads
+or writes stays referenced until its wait (a cast send buffer on its part, bucket buffers in the in-flight
+queue), and gathered storage is released only after its last use, on the compute stream, which orders the
+release after the collective. Nothing in a step synchronises the device with the host.
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_par.collectives import reduce_scatter_flat
-from lightning_par.zero.grad_sync import ReduceOp, UnusedParametersError, broadcast_module_states
+from lightning_par.zero.grad_sync import ReduceOp, broadcast_module_states
 from lightning_par.zero.layout import Fragment
 from lightning_par.zero.meta_init import ValuesFn, materialize_unit, target_device
 from lightning_par.zero.sharded_optimizer import (
@@ -62,6 +71,7 @@ from lightning_par.zero.sharded_optimizer import (
 from lightning_par.zero.stage3_state import Stage3State
 from lightning_par.zero.unit import Part, Unit, build_unit
 from lightning_par.zero.units import UnitPolicy, plan_units
+from lightning_par.zero.unused import MissingGradients
 
 
 def _in_backward() -> bool:
@@ -87,6 +97,7 @@ class Stage3Engine(Stage3State):
         grad_dtype: torch.dtype | None = None,
         values: ValuesFn | None = None,
         allow_untested_optimizer: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         self.module = module
         self._values = values
@@ -107,7 +118,9 @@ class Stage3Engine(Stage3State):
         self.master_dtype = trainable[0].dtype if trainable else plan[0][2][0][1].dtype
         self.compute_dtype = compute_dtype or self.master_dtype
         self.dtype = grad_dtype or self.master_dtype  # gradient buffers and reduction
-        self.device = target_device(module)
+        # the communication device: the strategy's root device (a model wholly on the meta device has
+        # no other to tell), else where the model's real tensors are
+        self.device = device if device is not None else target_device(module)
         seed = self._agree_seed(init_seed)
         self.units: list[Unit] = []
         for index, (name, unit_module, named) in enumerate(plan):
@@ -348,11 +361,14 @@ class Stage3Engine(Stage3State):
                 self._launch(unit)  # every rank reduces every unit: collectives must match
         missing = None
         if self._sync:
-            ids = [id(p) for u in self.units for p in u.params]
-            missing = torch.tensor(
-                [0 if self._touched[i] else 1 for i in ids], dtype=torch.int32, device=self.device
+            params = [(n, p) for u in self.units for n, p in zip(u.names, u.params, strict=True)]
+            missing = MissingGradients(
+                [self._touched[id(p)] for _, p in params],
+                names=[n for n, _ in params],
+                group=self.group,
+                device=self.device,
+                find_unused_parameters=self.find_unused_parameters,
             )
-            miss_work = dist.all_reduce(missing, group=self.group, async_op=True)
         while self._inflight:
             self._complete_oldest()
         for unit in self.units:
@@ -363,21 +379,14 @@ class Stage3Engine(Stage3State):
         if self._in_step and self.root is not None:
             self._wait(self.root)  # the step goes on (manual optimization): its next forward needs the root
         if missing is not None:
-            miss_work.wait()
-            self._finish_window(missing.tolist())
+            self._finish_window(missing)
 
-    def _finish_window(self, counts: list[int]) -> None:
-        params = [(n, p) for u in self.units for n, p in zip(u.names, u.params, strict=True)]
-        for _, p in params:
+    def _finish_window(self, missing: MissingGradients) -> None:
+        params = [p for u in self.units for p in u.params]
+        for p in params:
             self._touched[id(p)] = False
-        if any(counts) and not self.find_unused_parameters:
-            names = [n for (n, _), c in zip(params, counts, strict=True) if c]
-            raise UnusedParametersError(
-                f"{len(names)} parameter(s) got no gradient on at least one data-parallel rank in this step:"
-                f" {names[:8]}{' ...' if len(names) > 8 else ''}. If that is intended, pass"
-                " find_unused_parameters=True to the strategy; otherwise use them in the loss or freeze them."
-            )
-        self.unused = frozenset(id(p) for (_, p), c in zip(params, counts, strict=True) if c == self.world)
+        unused = missing.finish()  # raises, naming them, if gradients are missing and not allowed
+        self.unused = frozenset(id(params[i]) for i in unused)
         # the gradient pipeline (see lightning_par.precision): attach to the masters, then rescale
         self._attach_grads()
         for listener in self._sync_listeners:
@@ -388,7 +397,7 @@ class Stage3Engine(Stage3State):
         free = self._pool.setdefault(numel, [])
         if free:
             return free.pop().zero_()
-        self._pool_bytes += numel * torch.tensor([], dtype=self.dtype).element_size()
+        self._pool_bytes += numel * self.dtype.itemsize
         return torch.zeros(numel, dtype=self.dtype, device=self.device)
 
     def _release(self, buf: Tensor) -> None:
@@ -474,7 +483,7 @@ class Stage3Engine(Stage3State):
         return self._sync
 
     @torch.no_grad()
-    def scale_grads(self, factor: float) -> None:
+    def scale_grads(self, factor: float | Tensor) -> None:
         """Multiply the window's reduced gradients by ``factor``, wherever the optimizer reads them: the
         gradient shards, and master gradients that are copies of them (another dtype)."""
         for unit in self.units:

@@ -42,6 +42,7 @@ class Part:
     placeholders: list[Tensor] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     work: Any = None
+    send: Tensor | None = None  # the gather's input while it is in flight (a cast copy must outlive it)
 
     @property
     def full_bytes(self) -> int:
@@ -113,6 +114,7 @@ class Unit:
         for part in self.parts:
             part.full.untyped_storage().resize_(part.full_bytes)
             source = part.shard if part.shard.dtype == part.full.dtype else part.shard.to(part.full.dtype)
+            part.send = source
             part.work = all_gather_flat(part.full, source, group=group, async_op=True)
         self.state = "gathering"
 
@@ -122,8 +124,8 @@ class Unit:
             self.gather(group)
         if self.state == "gathering":
             for part in self.parts:
-                part.work.wait()
-                part.work = None
+                part.work.wait()  # on CUDA: the compute stream waits for the gather, the host does not
+                part.work, part.send = None, None
                 for p, s in zip(part.params, part.layout.slots, strict=True):
                     p.data = part.full[s.offset : s.end].view(s.shape)
             self.state = "gathered"
@@ -135,7 +137,7 @@ class Unit:
         for part in self.parts:
             if part.work is not None:
                 part.work.wait()
-                part.work = None
+                part.work, part.send = None, None
             for p, ph in zip(part.params, part.placeholders, strict=True):
                 p.data = ph
             part.versions = [p._version for p in part.params]
