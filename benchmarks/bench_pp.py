@@ -270,8 +270,9 @@ class Tracked(nn.Module):
 # ---------------------------------------------------------------------------------------------- p2p
 @dataclass
 class P2PCounter:
-    """Wall time inside the runtime's blocking ``dist.recv`` (transfer + waiting for the sender: most of
-    the idle time) and ``dist.isend`` (posting), with the received messages and bytes, per step."""
+    """Per step: wall time waiting for the runtime's p2p batches (``work.wait()`` after
+    ``batch_isend_irecv``: transfer + waiting for the peer, most of the idle time; ``recv_s``), time
+    posting them (``send_s``), and the received messages and bytes."""
 
     recv_s: float = 0.0
     send_s: float = 0.0
@@ -284,25 +285,33 @@ class P2PCounter:
 
     @contextmanager
     def patched(self) -> Iterator[None]:
-        recv, isend = dist.recv, dist.isend
+        post = dist.batch_isend_irecv
+        counter = self
 
-        def timed_recv(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+        class TimedWork:
+            def __init__(self, work: Any) -> None:
+                self.work = work
+
+            def wait(self) -> Any:
+                start = time.perf_counter()
+                try:
+                    return self.work.wait()
+                finally:
+                    counter.recv_s += time.perf_counter() - start
+
+        def timed_post(ops: list[Any]) -> list[Any]:
             start = time.perf_counter()
             try:
-                return recv(tensor, *args, **kwargs)
-            finally:
-                self.recv_s += time.perf_counter() - start
-                self.recv_messages += 1
-                self.recv_bytes += tensor.numel() * tensor.element_size()
-
-        def timed_isend(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return isend(*args, **kwargs)
+                works = post(ops)
             finally:
                 self.send_s += time.perf_counter() - start
+            for op in ops:
+                if op.op is dist.irecv:
+                    self.recv_messages += 1
+                    self.recv_bytes += op.tensor.numel() * op.tensor.element_size()
+            return [TimedWork(w) for w in works]
 
-        with mock.patch.object(dist, "recv", timed_recv), mock.patch.object(dist, "isend", timed_isend):
+        with mock.patch.object(dist, "batch_isend_irecv", timed_post):
             yield
 
 

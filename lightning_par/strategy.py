@@ -269,6 +269,7 @@ class HybridParallelStrategy(MeshStrategy):
                 mesh=self.mesh,
                 schedule=self.pipeline_schedule,
                 num_microbatches=self.num_microbatches,
+                device=self.root_device,
             )
         plan: PretrainedPlan | None = None
         if self.pretrained is not None:

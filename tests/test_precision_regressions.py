@@ -34,6 +34,7 @@ from tests.third_party import LoraLlama
 from tests.third_party import Tokens as LlamaTokens
 
 TIED_STEPS, LLAMA_STEPS, CLIP = 20, 6, 0.05
+CPU = torch.device("cpu")
 
 
 class SGDLlama(LoraLlama):
@@ -159,10 +160,10 @@ def test_stage0_precision_mapping() -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="zero0", precision="bf16-mixed", logger=False)
     plugin = trainer.strategy.precision_plugin
     assert isinstance(plugin, ParallelPrecision) and plugin.precision == "bf16-mixed"
-    plugin.configure(zero_stage=0, device=torch.device("cpu"))
+    plugin.configure(zero_stage=0, device=CPU)
     assert not plugin.uses_masters
     masters = ParallelPrecision("bf16-mixed", master_weights=True)
     with pytest.raises(ValueError, match=r"master_weights=True.*zero_stage=0.*use zero_stage=1"):
-        masters.configure(zero_stage=0, device=torch.device("cpu"))
+        masters.configure(zero_stage=0, device=CPU)
     with pytest.raises(ValueError, match=r"reduce_dtype=.*fp32 parameters"):
-        ParallelPrecision("bf16-mixed", reduce_dtype="bf16").configure(zero_stage=0, device=torch.device("cpu"))
+        ParallelPrecision("bf16-mixed", reduce_dtype="bf16").configure(zero_stage=0, device=CPU)

@@ -153,11 +153,17 @@ def build_pipeline(
     mesh: ParallelMesh,
     schedule: str,
     num_microbatches: int,
+    device: torch.device,
 ) -> LightningPipeline:
-    """This rank's pipeline over its chunks of ``split``; tied parameters summed over their holders
+    """This rank's pipeline over its chunks of ``split``, communicating on ``device`` (the strategy's root
+    device: the chunks may still be on the meta device here); tied parameters summed over their holders
     (collective over the world: every rank creates every tied group)."""
     runtime = PipelineRuntime(
-        chunks=split.chunks, group=mesh.pp_group, schedule=schedule, num_microbatches=num_microbatches
+        chunks=split.chunks,
+        group=mesh.pp_group,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        device=device,
     )
     tied = TiedGradients(
         module, local=split.local, pp_group=mesh.pp_group, pp_groups=mesh.layout.groups("pp")

@@ -3,12 +3,28 @@
 Contract of :meth:`PipelineRuntime.train_step`: with micro-batches ``0..m-1`` and ``loss_fn(output, i)``
 the loss of micro-batch ``i`` on the last virtual stage, the gradients accumulated in every chunk's
 parameters equal those of ``(1/m) Σ_i loss_i`` through the whole model, and the returned value is that
-mean (broadcast so every pipeline rank returns the same number). Transfers are asynchronous sends and
-blocking receives with a tag per (kind, virtual stage, micro-batch), so no ordering between different
-transfers is needed; the schedule's dependency order makes progress certain (see
-:func:`~lightning_par.pipeline.schedule.check_schedule`). Every activation is preceded by a small
-shape header (8 integers), so micro-batch shapes may differ between training and evaluation; a gradient
-has the shape of the receiver's own output.
+mean (a tensor on :attr:`PipelineRuntime.device`, broadcast so every pipeline rank returns the same
+number). The tensor that leaves a chunk towards another rank must be one tensor.
+
+Transfers (NCCL rules, the same code on Gloo): every transfer goes through
+``torch.distributed.batch_isend_irecv`` in the batches of :mod:`lightning_par.pipeline.p2p`, one batch
+after each unit round of the schedule, matched by order and never by tag; the plan of every rank is
+checked (pairing and absence of deadlock, simulated in pure Python) before its first use, so a plan that
+could hang is refused with a ``ValueError`` instead of run. Each batch is waited for before the next
+compute; under NCCL that wait only orders the compute stream after the transfers, the host runs on.
+Every tensor handed to a p2p op or a collective lives on :attr:`PipelineRuntime.device`.
+
+Shapes are agreed once per shape change, not per micro-batch. Each step (training or evaluation) starts
+with ONE broadcast of one int64 from pipeline rank 0: the id of the step's input signature (kind of step,
+shapes and dtypes of the micro-batch inputs), which ranks ``> 0`` read on the host (the one host read per
+step; it also makes a collective over the whole group the group's first call, which NCCL requires
+before partial batches of p2p ops). A signature seen before reuses the activation shapes learnt then;
+a new one (the first step, the first evaluation, a ragged last batch) makes that step send a shape header
+(8 int64s on the device) before every activation, each read once on the host. So activation shapes must
+follow from the input signature: a sender checks every activation against the shape agreed for it
+(metadata, no device sync) and raises if it differs (its peers then wait until the group's timeout).
+Gradients have the receiver's own output shape. Micro-batch losses accumulate in a tensor on the
+device; nothing is copied to the host per micro-batch (prediction reads its result's header once).
 
 Time spent computing is recorded per step (``last_stats``: busy and total seconds), so the bubble
 fraction ``1 - busy / total`` of each rank can be reported.
@@ -19,7 +35,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -27,9 +44,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lightning_par.pipeline.p2p import Batch, Item, Transfer, check_plan, forward_only, plan
 from lightning_par.pipeline.schedule import Action, build_schedule
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+_DTYPES = [
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool,
+]  # fmt: skip
+_HEADER = 8  # int64s: ndim, dtype index, up to 6 sizes
+Layout = dict[Transfer, tuple[torch.Size, torch.dtype]]
 
 
 @dataclass
@@ -42,9 +65,24 @@ class StepStats:
         return 1.0 - self.busy_s / self.total_s if self.total_s > 0 else 0.0
 
 
+@dataclass
+class _Mail:
+    """One step's tensors in transit: ``outbox`` (computed, waiting for their batch), ``inbox`` (received
+    or handed over, waiting for their action), and the activation shapes (``layout``) of this rank's
+    transfers, learnt from headers when ``learn``."""
+
+    layout: Layout
+    learn: bool
+    inbox: dict[Transfer, Tensor] = field(default_factory=dict)
+    outbox: dict[Transfer, Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (stage, mb) -> output, for grads
+
+
 class PipelineRuntime:
     """Runs ``schedule`` (name) over ``chunks``, this rank's model chunks (chunk ``c`` is virtual stage
-    ``c * p + s``), on the pipeline group ``group``."""
+    ``c * p + s``), on the pipeline group ``group``. ``device`` (communication device) defaults to the
+    device of the chunks' first real parameter or buffer (the strategy's root device), else the current
+    CUDA device under NCCL, else the CPU."""
 
     def __init__(
         self,
@@ -53,6 +91,7 @@ class PipelineRuntime:
         group: ProcessGroup,
         schedule: str,
         num_microbatches: int,
+        device: torch.device | None = None,
     ) -> None:
         self.group = group
         self.p = dist.get_world_size(group)
@@ -60,40 +99,102 @@ class PipelineRuntime:
         self.v = len(chunks)
         self.m = num_microbatches
         self.chunks = list(chunks)
-        self.actions: list[Action] = build_schedule(schedule, p=self.p, m=self.m, v=self.v)[self.s]
+        self._schedules = {
+            "train": build_schedule(schedule, p=self.p, m=self.m, v=self.v),
+            "forward": forward_only(p=self.p, m=self.m, v=self.v),
+        }
+        self.actions: list[Action] = self._schedules["train"][self.s]
         self.last = self.p * self.v - 1
         self.last_stats = StepStats()
-        first = next((t for chunk in self.chunks for t in chunk.parameters() if not t.is_meta), None)
-        self.device = first.device if first is not None else torch.device("cpu")
+        self.device = device if device is not None else _comm_device(self.chunks, group)
+        self._programs: dict[tuple[str, bool], list[Item]] = {}
+        self._ids: dict[Any, int] = {}  # pipeline rank 0: (kind, input signature) -> shape id
+        self._layouts: dict[int, Layout] = {}  # shape id -> activation shapes of this rank's transfers
 
     # ------------------------------------------------------------------ p2p
-    def _peer(self, g: int) -> int:
-        return dist.get_global_rank(self.group, g % self.p)
+    def _peer(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank)
 
-    def _tag(self, kind: int, g: int, mb: int) -> int:
-        return (mb * (self.last + 1) + g) * 4 + kind
+    def _program(self, kind: str, *, headers: bool) -> list[Item]:
+        """This rank's items, planned and checked for every rank on first use (milliseconds)."""
+        key = (kind, headers)
+        if key not in self._programs:
+            programs = plan(self._schedules[kind], p=self.p, v=self.v, headers=headers)
+            check_plan(programs, p=self.p, v=self.v)
+            self._programs[key] = programs[self.s]
+        return self._programs[key]
 
-    def _send(self, t: Tensor, *, to_g: int, from_g: int, mb: int, kind: str, works: list[Any]) -> None:
-        t = t.detach().contiguous()
-        if kind == "act":  # the receiver knows gradient shapes (its own output's), not activation shapes
-            header = torch.zeros(8, dtype=torch.int64)
-            header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
-            header[2 : 2 + t.dim()] = torch.tensor(t.shape)
-            works.append((dist.isend(header, self._peer(to_g), tag=self._tag(2, from_g, mb)), header))
-        tag = self._tag(0 if kind == "act" else 1, from_g, mb)
-        works.append((dist.isend(t, self._peer(to_g), tag=tag), t))  # the tensor lives until the wait
+    def _begin(self, kind: str, inputs: Sequence[Any] | None) -> tuple[int, _Mail]:
+        """Agree on the step's shape id (module docstring); a new id means this step learns shapes."""
+        ident = -1
+        if self.s == 0:
+            if inputs is None:
+                raise ValueError("The first pipeline stage needs the micro-batch inputs.")
+            signature = (kind, tuple(_signature(x) for x in inputs))
+            ident = self._ids.setdefault(signature, len(self._ids))
+        if self.p > 1:
+            flag = torch.full((1,), ident, dtype=torch.int64, device=self.device)
+            dist.broadcast(flag, src=self._peer(0), group=self.group)
+            ident = int(flag.item()) if self.s != 0 else ident  # the one host read of a step
+        known = ident in self._layouts
+        return ident, _Mail(layout=self._layouts[ident] if known else {}, learn=not known)
 
-    def _recv(self, *, from_g: int, mb: int, kind: str, like: Tensor | None = None) -> Tensor:
-        if like is not None:
-            shape, dtype = like.shape, like.dtype
-        else:
-            header = torch.zeros(8, dtype=torch.int64)
-            dist.recv(header, self._peer(from_g), tag=self._tag(2, from_g, mb))
-            ndim = int(header[0])
-            shape, dtype = torch.Size(header[2 : 2 + ndim].tolist()), _DTYPES[int(header[1])]
-        buf = torch.empty(shape, dtype=dtype)
-        dist.recv(buf, self._peer(from_g), tag=self._tag(0 if kind == "act" else 1, from_g, mb))
-        return buf
+    def _send(self, t: Transfer, value: Any, *, mail: _Mail) -> None:
+        if not isinstance(value, Tensor):
+            raise TypeError(f"A pipeline stage must pass one tensor to the next, got {type(value).__name__}.")
+        tensor = value.detach()
+        if t.dst % self.p == self.s:  # the next virtual stage is on this rank (p = 1): no transfer
+            mail.inbox[t] = tensor.clone()
+            return
+        tensor = tensor.contiguous()
+        if t.kind == "act":
+            if mail.learn:
+                mail.layout[t] = (tensor.shape, tensor.dtype)
+                mail.outbox[Transfer("hdr", t.src, t.dst, t.mb)] = self._header(tensor)
+            elif mail.layout[t] != (tensor.shape, tensor.dtype):
+                raise RuntimeError(
+                    f"Virtual stage {t.src} produced {tuple(tensor.shape)} {tensor.dtype} for micro-batch"
+                    f" {t.mb}, but {tuple(mail.layout[t][0])} {mail.layout[t][1]} was agreed for inputs"
+                    " of this signature: activation shapes must follow from the input shapes."
+                )
+        mail.outbox[t] = tensor
+
+    def _header(self, tensor: Tensor) -> Tensor:
+        if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
+            raise TypeError(f"Cannot send a {tensor.dim()}-d {tensor.dtype} tensor between pipeline stages.")
+        values = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
+        return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64, device=self.device)
+
+    def _buffer(self, t: Transfer, mail: _Mail) -> Tensor:
+        if t.kind == "hdr":
+            return torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        if t.kind == "grad":  # the gradient of this rank's own output
+            out = mail.outputs[(t.dst, t.mb)]
+            return torch.empty(out.shape, dtype=out.dtype, device=self.device)
+        shape, dtype = mail.layout[t]
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _exchange(self, batch: Batch, mail: _Mail) -> None:
+        """Post ``batch`` in one ``batch_isend_irecv`` and wait for it; read the headers it received."""
+        ops = []
+        for op in batch.ops:
+            if op.send:
+                tensor = mail.outbox.pop(op.transfer)
+            else:
+                tensor = mail.inbox[op.transfer] = self._buffer(op.transfer, mail)
+            send_or_recv = dist.isend if op.send else dist.irecv
+            ops.append(dist.P2POp(send_or_recv, tensor, self._peer(op.peer), self.group))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for op in batch.ops:
+            t = op.transfer
+            if not op.send and t.kind == "hdr":  # learning steps only: one host read per header
+                ndim, dtype, *sizes = mail.inbox.pop(t).tolist()
+                mail.layout[Transfer("act", t.src, t.dst, t.mb)] = (torch.Size(sizes[:ndim]), _DTYPES[dtype])
+
+    def _finish(self, ident: int, mail: _Mail) -> None:
+        if mail.learn:
+            self._layouts[ident] = mail.layout
 
     # ------------------------------------------------------------------ steps
     def train_step(
@@ -109,14 +210,18 @@ class PipelineRuntime:
         ``sync_last`` (else the caller ends the window itself, e.g. with a flush)."""
         start = time.perf_counter()
         busy = 0.0
-        works: list[Any] = []
+        ident, mail = self._begin("train", inputs)
         saved: dict[tuple[int, int], tuple[Any, Tensor]] = {}
-        losses = torch.zeros(self.m)
-        last_backward = max(i for i, a in enumerate(self.actions) if a.kind == "B")
-        for index, action in enumerate(self.actions):
+        losses = torch.zeros(self.m, device=self.device)
+        last_backward = [a for a in self.actions if a.kind == "B"][-1]
+        for item in self._program("train", headers=mail.learn):
+            if isinstance(item, Batch):
+                self._exchange(item, mail)
+                continue
+            action = item.action
             g = action.chunk * self.p + self.s
             if action.kind == "F":
-                x = self._input(g, action.mb, inputs)
+                x = self._input(g, action.mb, inputs, mail, grad=True)
                 t0 = time.perf_counter()
                 out = self.chunks[action.chunk](x)
                 if g == self.last:
@@ -125,91 +230,117 @@ class PipelineRuntime:
                     out = loss
                 busy += time.perf_counter() - t0
                 if g < self.last:
-                    self._send(out, to_g=g + 1, from_g=g, mb=action.mb, kind="act", works=works)
+                    mail.outputs[(g, action.mb)] = out
+                    self._send(Transfer("act", g, g + 1, action.mb), out, mail=mail)
                 saved[(action.chunk, action.mb)] = (x, out)
             else:
                 x, out = saved.pop((action.chunk, action.mb))
-                grad = (
-                    None if g == self.last else self._recv(from_g=g + 1, mb=action.mb, kind="grad", like=out)
-                )
-                context = nullcontext() if index == last_backward and sync_last else no_sync()
+                mail.outputs.pop((g, action.mb), None)
+                grad = None if g == self.last else mail.inbox.pop(Transfer("grad", g + 1, g, action.mb))
+                context = nullcontext() if action == last_backward and sync_last else no_sync()
                 t0 = time.perf_counter()
                 with context:
                     torch.autograd.backward(out, grad)
                 busy += time.perf_counter() - t0
-                if g > 0 and isinstance(x, Tensor) and x.grad is not None:
-                    self._send(x.grad, to_g=g - 1, from_g=g, mb=action.mb, kind="grad", works=works)
-        for work, _ in works:
-            work.wait()
+                if g > 0:  # the upstream stage waits for a gradient in any case: zeros if x got none
+                    dx = x.grad if x.grad is not None else torch.zeros_like(x)
+                    self._send(Transfer("grad", g, g - 1, action.mb), dx, mail=mail)
+        self._finish(ident, mail)
         loss = self._broadcast_loss(losses.sum())
         self.last_stats = StepStats(busy_s=busy, total_s=time.perf_counter() - start)
         return loss
 
+    def _forward_only(self, inputs: Sequence[Any] | None, on_last: Callable[[Any, int], None]) -> None:
+        """Every micro-batch through this rank's chunks (no grad); ``on_last(output, i)`` on the last
+        virtual stage."""
+        ident, mail = self._begin("forward", inputs)
+        for item in self._program("forward", headers=mail.learn):
+            if isinstance(item, Batch):
+                self._exchange(item, mail)
+                continue
+            g, mb = item.action.chunk * self.p + self.s, item.action.mb
+            out = self.chunks[item.action.chunk](self._input(g, mb, inputs, mail, grad=False))
+            if g == self.last:
+                on_last(out, mb)
+            else:
+                self._send(Transfer("act", g, g + 1, mb), out, mail=mail)
+        self._finish(ident, mail)
+
     @torch.no_grad()
     def forward_step(self, *, inputs: Sequence[Any] | None, loss_fn: Callable[[Any, int], Tensor]) -> Tensor:
         """Forward only (evaluation): the mean of ``loss_fn`` over the micro-batches, on every rank."""
-        works: list[Any] = []
-        losses = torch.zeros(self.m)
-        for i in range(self.m):
-            for c in range(self.v):
-                g = c * self.p + self.s
-                x = self._input(g, i, inputs, grad=False)
-                out = self.chunks[c](x)
-                if g == self.last:
-                    losses[i] = loss_fn(out, i).float()
-                else:
-                    self._send(out, to_g=g + 1, from_g=g, mb=i, kind="act", works=works)
-        for work, _ in works:
-            work.wait()
+        losses = torch.zeros(self.m, device=self.device)
+
+        def record(out: Any, i: int) -> None:
+            losses[i] = loss_fn(out, i).float()
+
+        self._forward_only(inputs, record)
         return self._broadcast_loss(losses.mean())
 
     @torch.no_grad()
     def predict_step(self, *, inputs: Sequence[Any] | None) -> Tensor:
         """Forward only: the last virtual stage's outputs of all micro-batches, concatenated along dim 0
-        and broadcast, so every pipeline rank returns the same tensor (one header and one broadcast)."""
-        works: list[Any] = []
+        and broadcast, so every pipeline rank returns the same tensor (one header, read on the host once
+        per call, and one broadcast)."""
         outputs: list[Tensor] = []
-        for i in range(self.m):
-            for c in range(self.v):
-                g = c * self.p + self.s
-                x = self._input(g, i, inputs, grad=False)
-                out = self.chunks[c](x)
-                if g == self.last:
-                    if not isinstance(out, Tensor):
-                        raise TypeError(
-                            "predict under pipeline parallelism needs the last layer to return a tensor, got"
-                            f" {type(out).__name__}."
-                        )
-                    outputs.append(out)
-                else:
-                    self._send(out, to_g=g + 1, from_g=g, mb=i, kind="act", works=works)
-        for work, _ in works:
-            work.wait()
-        src = self._peer(self.last)
-        header = torch.zeros(8, dtype=torch.int64, device=self.device)
+
+        def record(out: Any, i: int) -> None:
+            if not isinstance(out, Tensor):
+                raise TypeError(
+                    "predict under pipeline parallelism needs the last layer to return a tensor, got"
+                    f" {type(out).__name__}."
+                )
+            outputs.append(out)
+
+        self._forward_only(inputs, record)
+        src = self._peer(self.last % self.p)
         result = torch.cat(outputs).contiguous() if outputs else None
-        if result is not None:
-            header[0], header[1] = result.dim(), _DTYPES.index(result.dtype)
-            header[2 : 2 + result.dim()] = torch.tensor(result.shape, device=self.device)
+        header = (
+            self._header(result)
+            if result is not None
+            else torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        )
         dist.broadcast(header, src=src, group=self.group)
         if result is None:
-            ndim = int(header[0])
-            shape = torch.Size(header[2 : 2 + ndim].tolist())
-            result = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=self.device)
+            ndim, dtype, *sizes = header.tolist()
+            result = torch.empty(torch.Size(sizes[:ndim]), dtype=_DTYPES[dtype], device=self.device)
         dist.broadcast(result, src=src, group=self.group)
         return result
 
-    def _input(self, g: int, mb: int, inputs: Sequence[Any] | None, *, grad: bool = True) -> Any:
+    def _input(self, g: int, mb: int, inputs: Sequence[Any] | None, mail: _Mail, *, grad: bool) -> Any:
         if g == 0:
             if inputs is None:
                 raise ValueError("The first pipeline stage needs the micro-batch inputs.")
             return inputs[mb]
-        x = self._recv(from_g=g - 1, mb=mb, kind="act")
+        x = mail.inbox.pop(Transfer("act", g - 1, g, mb))
         if grad and x.is_floating_point():
             x.requires_grad_(True)
         return x
 
     def _broadcast_loss(self, value: Tensor) -> Tensor:
         out = value.detach().float().reshape(1).clone()
-        dist.broadcast(out, src=self._peer(self.last), group=self.group)
+        dist.broadcast(out, src=self._peer(self.last % self.p), group=self.group)
         return out[0]
+
+
+def _comm_device(chunks: Sequence[nn.Module], group: ProcessGroup) -> torch.device:
+    for tensor in chain.from_iterable(chain(c.parameters(), c.buffers()) for c in chunks):
+        if not tensor.is_meta:
+            return tensor.device
+    if "nccl" in str(dist.get_backend(group)):  # a chunk without real tensors still talks over CUDA
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _signature(value: Any) -> Any:
+    """What decides the activation shapes of a micro-batch input: tensor shapes and dtypes, the
+    structure around them, and small exact scalars (sequence lengths, flags); not float values."""
+    if isinstance(value, Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_signature(x) for x in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((repr(k), _signature(x)) for k, x in value.items()))
+    if value is None or isinstance(value, (bool, int, str)):
+        return repr(value)
+    return type(value).__qualname__
