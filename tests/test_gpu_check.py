@@ -1,58 +1,95 @@
-"""The GPU check script's CPU path (the same code the GPU run uses), in subprocesses."""
+"""The GPU check's CPU path: the whole script (every part, the same code the GPU run uses) on tiny
+models with Gloo, in a subprocess that cannot import hydra or omegaconf (the GPU machine has neither);
+the assertions read the JSON it writes."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-TINY = [
-    "--device",
-    "cpu",
-    "--n-layer",
-    "1",
-    "--n-embd",
-    "32",
-    "--n-head",
-    "2",
-    "--seq",
-    "16",
-    "--batch",
-    "4",
-    "--steps",
-    "5",
-    "--warmup",
-    "2",
-]
+ROOT = Path(__file__).resolve().parents[1]
+NO_HYDRA = "import sys\nsys.modules['hydra'] = None\nsys.modules['omegaconf'] = None\n"
 
 
 def test_gpu_check_cpu_path(tmp_path: Path) -> None:
-    outs = {}
-    for impl in ("ours", "lightning"):
-        out = tmp_path / f"{impl}.json"
-        subprocess.run(
-            [sys.executable, "-m", "benchmarks.gpu_check", "--impl", impl, "--out", str(out), *TINY],
-            check=True,
-            capture_output=True,
-            timeout=180,
-        )
-        outs[impl] = json.loads(out.read_text())
-        assert outs[impl]["tokens_per_s"] > 0 and outs[impl]["steps"] == 3
-    assert outs["ours"]["precision"] == "ParallelPrecision"
-    assert outs["lightning"]["precision"] == "MixedPrecision"
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_HYDRA)  # imported first by every process the check starts
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "OUT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"  # tiny models: one thread per process is as fast, and never oversubscribes
+    out = tmp_path / "out"
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.gpu_check",
-            "--compare",
-            str(tmp_path / "ours.json"),
-            str(tmp_path / "lightning.json"),
-        ],
-        check=True,
+        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--quick", "--out-dir", str(out)],
+        cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
     )
-    assert json.loads(done.stdout)["throughput_ratio"] > 0
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert summary["ok"] and summary["failures"] == []
+    assert summary["env"]["hydra_loaded"] is False
+    assert set(summary["parts"]) == {"matrix", "meta_init", "flash", "health", "throughput"}
+
+    # 1. the matrix: 4 stages x 3 precisions x token off/on and Lightning's own reference (not fp16), all
+    # with SGD; AdamW at 32-true on the 4 stages
+    rows = summary["parts"]["matrix"]["combinations"]
+    assert len(rows) == 4 * 3 * 2 + 2 * 2 + 4
+    for stage in (1, 2, 3):  # the same bits on the CPU
+        assert rows[f"zero{stage}-32-true-adamw"]["max_dw_vs_stage0"] <= 1e-6
+        assert rows[f"zero{stage}-32-true-adamw"]["optimizer"].startswith("AdamW")
+    for name, row in rows.items():
+        assert all(math.isfinite(x) for x in row["losses"]), name
+        assert row["max_dw_vs_stage0"] <= row["tol_vs_stage0"], name
+        if not name.startswith("lightning"):
+            assert row["plugin"] == "ParallelPrecision", name
+    for suffix in ("32-true", "32-true-token"):  # fp32: every stage and Lightning agree to 1e-6
+        for who in ("zero1", "zero2", "zero3", "lightning"):
+            assert rows[f"{who}-{suffix}"]["max_dw_vs_stage0"] <= 1e-6
+            assert abs(rows[f"{who}-{suffix}"]["losses"][0] - rows[f"zero0-{suffix}"]["losses"][0]) <= 1e-6
+    for suffix in ("bf16-mixed", "bf16-mixed-token", "16-mixed", "16-mixed-token"):
+        base = rows[f"zero0-{suffix}"]
+        for stage in (1, 2, 3):
+            row = rows[f"zero{stage}-{suffix}"]
+            assert 0 < row["tol_vs_stage0"] < 1e-2 and row["skipped"] == base["skipped"]
+            if stage > 1:  # stages 1-3 compute alike (16-bit weights, fp32 masters)
+                assert row["max_dw_vs_stage1"] <= row["tol_vs_stage1"]
+    # token-exact normalisation changed the weights, and matched Lightning with the known token counts
+    assert summary["parts"]["matrix"]["token_effect_32_true"] > 1e-4
+
+    # 2. meta init at ZeRO-3
+    meta = summary["parts"]["meta_init"]
+    assert all(meta["checks"].values()), meta["checks"]
+    assert meta["built_on_meta"] and meta["shard_devices_after_setup"] == ["cpu"]
+    assert meta["initial_vs_twin_max_diff"] == 0.0 and meta["final_vs_eager_run_max_diff"] <= 1e-6
+    assert meta["engine"] == "Stage3Engine"
+
+    # 3. FlashCheckpoint: SIGKILLed after step 5, resumed from step 4, bitwise equal to a run never killed
+    flash = summary["parts"]["flash"]
+    assert flash["child_returncode"] == -9 and flash["killed_after_step"] == 5
+    assert flash["resumed"]["step"] == 4 and flash["resumed_final_step"] == 8
+    assert flash["final_bitwise_equal"] and flash["final_max_abs_diff_vs_uninterrupted"] == 0.0
+    assert [s["step"] for s in flash["snapshots_before_kill"]] == [2, 4]
+    assert [s["step"] for s in flash["snapshots_after_resume"]] == [6, 8]
+    for snap in flash["snapshots_before_kill"] + flash["snapshots_after_resume"]:
+        assert snap["bytes"] > 0 and snap["blocked_s"] >= 0 and snap["copy_s"] > 0
+
+    # 4. NodeHealthCheck
+    health = summary["parts"]["health"]
+    assert health["verdict"] == "healthy" and health["results"][0]["matmul_gflops"] > 0
+
+    # 5. throughput, each implementation in its own process
+    ours = json.loads((out / "gpu_ours.json").read_text())
+    ref = json.loads((out / "gpu_lightning.json").read_text())
+    assert ours["precision"] == "ParallelPrecision" and ref["precision"] == "MixedPrecision"
+    assert ours["steps"] == ref["steps"] == 3 and ours["params"] == ref["params"]
+    assert math.isfinite(ours["final_loss"]) and math.isfinite(ref["final_loss"])
+    compare = json.loads((out / "gpu_compare.json").read_text())
+    assert compare["throughput_ratio"] == ours["tokens_per_s"] / ref["tokens_per_s"] > 0
+    assert summary["parts"]["throughput"]["throughput_ratio"] == compare["throughput_ratio"]
