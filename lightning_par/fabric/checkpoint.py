@@ -1,0 +1,239 @@
+"""``fabric.save`` / ``fabric.load`` / ``fabric.load_raw`` under lightning_par's Fabric strategy.
+
+Two formats, both read back into any ZeRO stage and any data-parallel size:
+
+* a **sharded directory** (stages 1-3, ``save_distributed_checkpoint=True``): the package's directory
+  format (:mod:`lightning_par.checkpoint.sharded`: rank files, ``meta.pt``, a CRC manifest, written into
+  staging and swapped in atomically). ``meta.pt`` holds the entries of ``state`` that are neither the
+  module nor its optimizers (``"extras"``), the module's non-parameter entries (its whole state dict at
+  stages 1/2, where every rank holds the parameters) and the layout; each rank file holds its optimizer
+  fragments and, at stage 3, its parameter shards.
+* **one torch file** (stage 0, or ``save_distributed_checkpoint=False``), written by global rank 0:
+  ``{module key: full state dict, optimizer key: full state in torch's format, ...extras}`` plus the
+  layout, as Fabric's FSDP writes with ``state_dict_type="full"``; the full state is gathered one rank at
+  a time (:mod:`lightning_par.checkpoint.full`).
+
+``fabric.load_raw(path, model)`` reads a plain state dict (a ``torch.save`` of ``model.state_dict()``)
+into the shards: each rank copies only its slices, from a memory-mapped file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_par.checkpoint.full import gather_full_optimizer_state, gather_full_state_dict
+from lightning_par.checkpoint.io import (
+    _group_names,
+    check_model,
+    full_state_dict_of,
+    layout_metadata,
+    load_optimizer_states,
+    load_stage3_params,
+    rank_payload,
+    save_sharded,
+)
+from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta
+from lightning_par.checkpoint.tp_reshard import TPInfo, tp_info
+from lightning_par.zero.stage3 import Stage3Engine
+
+if TYPE_CHECKING:
+    from lightning_par.fabric.strategy import HybridParallelStrategy
+
+KEYS = "fabric_keys"  # which entries of the saved state were the module and its optimizers
+
+
+def _split(strategy: HybridParallelStrategy, state: Mapping[str, Any]) -> tuple[str | None, list[str]]:
+    """The key of the module and the keys of its optimizers in ``state`` (checked to be the ones this
+    strategy set up)."""
+    modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
+    if len(modules) > 1 or (modules and state[modules[0]] is not strategy.module):
+        raise ValueError(
+            "The state holds a module this strategy did not set up (or several): pass the module returned"
+            " by fabric.setup()."
+        )
+    optimizers = [k for k, v in state.items() if isinstance(v, Optimizer)]
+    for k in optimizers:
+        if not any(state[k] is opt for opt in strategy.optimizers):
+            raise ValueError(f"state[{k!r}] is not an optimizer set up by fabric.setup() with this module.")
+    return (modules[0] if modules else None), optimizers
+
+
+def _tp(module: nn.Module) -> TPInfo:
+    return tp_info(module, rank=0, size=1)
+
+
+def _extras(state: Mapping[str, Any], skip: set[str]) -> dict[str, Any]:
+    out = {}
+    for k, v in state.items():
+        if k in skip:
+            continue
+        stateful = callable(getattr(v, "state_dict", None)) and not isinstance(v, (Tensor, dict))
+        out[k] = v.state_dict() if stateful else v
+    return out
+
+
+def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any]) -> None:
+    """Write ``state`` to ``path`` (collective; see the module docstring for the format)."""
+    module_key, opt_keys = _split(strategy, state)
+    module, engine = strategy.module, strategy.engine
+    if module is None or engine is None:
+        raise RuntimeError("fabric.save needs the module set up first (fabric.setup).")
+    optimizers = [state[k] for k in opt_keys]
+    tp, rank, world = _tp(module), strategy.global_rank, strategy.world_size
+    sizes = {"world_size": world, "dp": world, "tp": 1, "pp": 1}
+    meta = layout_metadata(module, engine=engine, optimizers=optimizers, sizes=sizes, tp=tp)
+    keys = {"module": module_key, "optimizers": opt_keys}
+    extras = _extras(state, {*opt_keys, *([module_key] if module_key else [])})
+    if engine.stage > 0 and strategy.save_distributed_checkpoint:
+        in_pieces = engine.stage == 3
+        params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        model_state = {k: v for k, v in module.state_dict().items() if not in_pieces or k not in params}
+        checkpoint = {
+            "state_dict": model_state,
+            "optimizer_states": [{} for _ in optimizers],
+            KEYS: keys,
+            "extras": extras,
+            METADATA_KEY: meta,
+        }
+        payload = rank_payload(module, engine, optimizers, tp, with_model=in_pieces, dp_rank=rank)
+        save_sharded(checkpoint, path, payload=payload, rank=rank, world_size=world, barrier=strategy.barrier)
+        return
+    meta["format"] = "full"
+    if engine.stage == 0:
+        full_model: dict[str, Any] = module.state_dict()
+        full_optimizers = [opt.state_dict() for opt in optimizers]
+    else:
+        names = {p: n for n, p in module.named_parameters()}
+        full_model = gather_full_state_dict(module, engine, tp=tp, dp_rank=rank, group=None)
+        full_optimizers = [
+            gather_full_optimizer_state(
+                opt,
+                module=module,
+                engine=engine,
+                param_names=_group_names(opt, engine, names, k),
+                tp=tp,
+                dp_rank=rank,
+                group=None,
+            )
+            for k, opt in enumerate(optimizers)
+        ]
+    if strategy.is_global_zero:
+        content = {
+            **extras,
+            **dict(zip(opt_keys, full_optimizers, strict=True)),
+            KEYS: keys,
+            METADATA_KEY: meta,
+        }
+        if module_key is not None:
+            content[module_key] = full_model
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(content, path)
+    strategy.barrier()
+
+
+def load(
+    strategy: HybridParallelStrategy,
+    path: Path,
+    state: nn.Module | Optimizer | dict[str, Any] | None,
+    *,
+    strict: bool,
+) -> dict[str, Any]:
+    """Restore ``state`` in place from ``path`` (either format, any stage and dp size); return what the
+    checkpoint holds beyond ``state`` (Fabric's contract)."""
+    if not path.exists():
+        raise FileNotFoundError(f"No checkpoint at {str(path)!r}.")
+    if isinstance(state, nn.Module):
+        _load_raw(strategy, path, state, strict=strict)
+        return {}
+    if isinstance(state, Optimizer):
+        raise TypeError(
+            "fabric.load_raw of an optimizer state is not supported under ZeRO (its state lives in shards):"
+            " save and load it with fabric.save / fabric.load."
+        )
+    state = {} if state is None else state
+    source: Path | None = path if is_sharded_checkpoint(path) else None
+    if source is not None:
+        checkpoint = read_meta(path)
+        keys, extras = checkpoint.get(KEYS, {}), dict(checkpoint.get("extras", {}))
+    else:
+        raw = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        keys = raw.get(KEYS) or {
+            "module": next((k for k, v in state.items() if isinstance(v, nn.Module)), None),
+            "optimizers": [k for k, v in state.items() if isinstance(v, Optimizer)],
+        }
+        saved = {*([keys["module"]] if keys["module"] else []), *keys["optimizers"]}
+        checkpoint = {
+            "state_dict": raw.get(keys["module"], {}) if keys["module"] else {},
+            "optimizer_states": [raw[k] for k in keys["optimizers"] if k in raw],
+            METADATA_KEY: raw.get(METADATA_KEY),
+        }
+        extras = {k: v for k, v in raw.items() if k not in saved and k not in (KEYS, METADATA_KEY)}
+    module_key, opt_keys = _split(strategy, state)
+    module = strategy.module
+    if module_key is not None:
+        assert module is not None
+        check_model(checkpoint, module, _tp(module))
+        _load_module(strategy, checkpoint, source, strict=strict)
+    if opt_keys:
+        assert module is not None
+        optimizers = [state[k] for k in opt_keys]
+        load_optimizer_states(
+            checkpoint, module=module, engine=strategy.engine, optimizers=optimizers, sharded_path=source,
+            tp=_tp(module),
+        )  # fmt: skip
+        _optimizers_to_device(optimizers, strategy.root_device)
+    for k in [k for k in state if k != module_key and k not in opt_keys]:
+        if k not in extras:
+            if strict:
+                raise KeyError(f"state[{k!r}] is not in the checkpoint {str(path)!r} (pass strict=False).")
+            continue
+        target = state[k]
+        if callable(getattr(target, "load_state_dict", None)) and not isinstance(target, (Tensor, dict)):
+            target.load_state_dict(extras[k])
+        else:
+            state[k] = extras[k]
+    return {k: v for k, v in extras.items() if k not in state}
+
+
+def _load_module(
+    strategy: HybridParallelStrategy, checkpoint: Mapping[str, Any], source: Path | None, *, strict: bool
+) -> None:
+    module, engine = strategy.module, strategy.engine
+    assert module is not None and engine is not None
+    if engine.stage == 3:
+        assert isinstance(engine, Stage3Engine)
+        rest = load_stage3_params(checkpoint, engine, source, _tp(module))
+        missing, unexpected = module.load_state_dict(rest, strict=False)
+        buffers = {n for n, _ in module.named_buffers()}
+        if strict and (set(missing) & buffers or unexpected):
+            raise KeyError(
+                f"Buffers missing: {sorted(set(missing) & buffers)}; unexpected: {sorted(unexpected)}."
+            )
+        return
+    state = full_state_dict_of(dict(checkpoint), source)
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if strict and (missing or unexpected):
+        raise KeyError(f"The checkpoint lacks {missing[:8]} and has unexpected {unexpected[:8]}.")
+
+
+def _load_raw(strategy: HybridParallelStrategy, path: Path, module: nn.Module, *, strict: bool) -> None:
+    if module is not strategy.module:
+        raise ValueError("fabric.load_raw: pass the module returned by fabric.setup().")
+    if is_sharded_checkpoint(path):
+        raise ValueError(f"{str(path)!r} is a sharded checkpoint directory: read it with fabric.load.")
+    sharded = strategy.engine.sharded_state if strategy.engine is not None else None
+    if strategy.zero_stage in (1, 2) and sharded is not None and sharded.master_key is not None:
+        raise NotImplementedError(
+            "fabric.load_raw into ZeRO 1/2 with separate fp32 masters would leave the masters stale: load"
+            " the weights before fabric.setup(), or use zero_stage=3 (its shards are the masters)."
+        )
+    raw = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    state = raw.get("state_dict", raw) if isinstance(raw, dict) else raw
+    _load_module(strategy, {"state_dict": state}, None, strict=strict)

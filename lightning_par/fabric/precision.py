@@ -1,0 +1,32 @@
+"""Fabric's precision plugins mapped onto :class:`~lightning_par.precision.ParallelPrecision`.
+
+``Fabric(precision="bf16-mixed")`` builds Fabric's own ``MixedPrecision``; the Fabric strategy replaces it
+by the matching ``ParallelPrecision``, whose clip norm and fp16 verdict are global over the shards (the
+same mapping the Trainer strategy applies to Lightning's plugins). ``ParallelPrecision`` is a Fabric
+``Precision`` too, so Fabric's module wrapper uses its ``forward_context`` and ``convert_input``.
+"""
+
+from __future__ import annotations
+
+from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+from lightning_par.precision import ParallelPrecision
+
+_MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+
+
+def to_parallel_precision(plugin: Precision) -> ParallelPrecision:
+    """``plugin`` as a ``ParallelPrecision``; a plugin with no equivalent is refused with its name."""
+    if isinstance(plugin, ParallelPrecision):
+        return plugin
+    if type(plugin) is Precision:  # Fabric's "32-true"
+        return ParallelPrecision("32-true")
+    if type(plugin) is MixedPrecision and plugin.precision in ("bf16-mixed", "16-mixed"):
+        return ParallelPrecision(plugin.precision)
+    if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
+        return ParallelPrecision("bf16-true")
+    raise ValueError(
+        f"{type(plugin).__name__}({getattr(plugin, 'precision', '?')!r}) cannot be used with lightning_par's"
+        f" Fabric strategy: it supports precision {_MODES} (fp32 masters in the shards, global-norm"
+        " clipping); pass one of those, or a lightning_par ParallelPrecision plugin."
+    )

@@ -1,0 +1,404 @@
+"""The Fabric front door: ZeRO stages 0-3 and mixed precision for ``Fabric(strategy=...)`` loops.
+
+``Fabric(strategy=HybridParallelStrategy(zero_stage=3), precision="bf16-mixed")`` or, after
+``import lightning_par``, ``Fabric(strategy="zero2")``. The mechanisms are the ones the Trainer strategy
+composes (``lightning_par.zero``, ``lightning_par.precision``, ``lightning_par.checkpoint``); this class
+only maps Fabric's calls onto them:
+
+* ``fabric.setup(model, optimizer)`` / ``setup_module`` + ``setup_optimizers``: the ZeRO engine over the
+  data-parallel group, the optimizers rebuilt over this rank's shards (their ``fused``/``foreach``
+  options kept). The user's module keeps its parameter objects (ZeRO replaces ``.data``), so optimizers
+  may be created before or after ``setup_module``. A module is set up once.
+* ``fabric.backward(loss)``: fp16 loss scaling, then autograd; the engine reduces during backward.
+  ``fabric.no_backward_sync(model, enabled=True)`` marks non-final accumulation passes.
+* ``fabric.clip_gradients(model, optimizer, max_norm=...)``: the global norm over the shards (fp16:
+  gradients are unscaled and the overflow verdict agreed first, once per step).
+* ``optimizer.step()``: skipped on every rank after an fp16 overflow; then the engine's ``after_step``
+  (stages 1/2 all-gather the updated parameters).
+* ``fabric.init_module(empty_init=True)`` at stage 3 builds parameters on the meta device; the engine
+  materialises this rank's shards unit by unit (see :mod:`lightning_par.zero.meta_init`).
+* ``fabric.save`` / ``fabric.load`` / ``fabric.load_raw``: see :mod:`lightning_par.fabric.checkpoint`.
+
+Refused at construction: pipeline parallelism (a schedule must own the forward and backward calls that a
+Fabric loop makes itself) and, for now, tensor parallelism (use the Trainer strategy for both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_par.device_checks import check_optimizer_kernels, resolve_backend
+from lightning_par.fabric import checkpoint as fabric_checkpoint
+from lightning_par.fabric.precision import to_parallel_precision
+from lightning_par.grad_norm import clip_grad_norm_
+from lightning_par.mesh import ParallelMesh
+from lightning_par.precision import ParallelPrecision
+from lightning_par.zero import apply_zero
+from lightning_par.zero.engine import Engine, resolve_reduce_op
+from lightning_par.zero.meta_init import params_on_meta
+from lightning_par.zero.stage3 import Stage3Engine
+from lightning_par.zero.units import UnitPolicy
+
+SETUP_ATTR = "_lightning_par_fabric_setup"  # set on a module this strategy has set up
+
+
+class _EngineSyncControl(_BackwardSyncControl):
+    def __init__(self, strategy: HybridParallelStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager[None]:
+        engine = self._strategy.engine
+        return engine.no_sync() if enabled and engine is not None else nullcontext()
+
+
+class HybridParallelStrategy(DDPStrategy):
+    """ZeRO stages 0-3 with ``ParallelPrecision`` for Lightning Fabric (see the module docstring).
+
+    Args:
+        zero_stage: 0 (replicated, bucketed all-reduce), 1, 2 or 3.
+        bucket_size_mb, grad_sync, reduce_op, find_unused_parameters, zero3_units, reshard_after_forward,
+        prefetch, allow_untested_optimizer: as for the Trainer's ``lightning_par.HybridParallelStrategy``.
+        meta_init: at stage 3, ``fabric.init_module(empty_init=True)`` builds on the meta device.
+        save_distributed_checkpoint: ``fabric.save`` writes a sharded directory (default) or, with
+            ``False``, one torch file with the full state dict and full optimizer state in torch's format.
+        tensor_parallel_size, pipeline_parallel_size: must be 1 under Fabric (see the module docstring).
+        process_group_backend: as for the Trainer strategy (checked against the root device at setup).
+    """
+
+    def __init__(
+        self,
+        *,
+        zero_stage: int = 0,
+        bucket_size_mb: float = 25.0,
+        grad_sync: Literal["boundary", "every"] | None = None,
+        reduce_op: Literal["auto", "all_reduce", "reduce_scatter"] = "auto",
+        find_unused_parameters: bool = False,
+        zero3_units: UnitPolicy = None,
+        reshard_after_forward: bool = True,
+        prefetch: bool = True,
+        meta_init: bool = True,
+        save_distributed_checkpoint: bool = True,
+        allow_untested_optimizer: bool = False,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout_s: float = 1800.0,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
+        if pipeline_parallel_size != 1:
+            raise ValueError(
+                "pipeline_parallel_size > 1 is not available under Fabric: a pipeline schedule must run the"
+                " forward and backward of every micro-batch itself, which a Fabric loop does by hand. Use"
+                " the Trainer strategy lightning_par.HybridParallelStrategy for pipeline parallelism."
+            )
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                "tensor_parallel_size > 1 is not available under Fabric yet; use the Trainer strategy"
+                " lightning_par.HybridParallelStrategy, or tensor_parallel_size=1."
+            )
+        self.zero_stage = zero_stage
+        self.bucket_size_mb = float(bucket_size_mb)
+        self.grad_sync = grad_sync
+        self.reduce_op = reduce_op
+        self.find_unused_parameters = find_unused_parameters
+        self.zero3_units = zero3_units
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self.meta_init = meta_init
+        self.save_distributed_checkpoint = save_distributed_checkpoint
+        self.allow_untested_optimizer = allow_untested_optimizer
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=timeout_s),
+            start_method=start_method,
+        )
+        self._backward_sync_control = _EngineSyncControl(self)
+        self._mesh: ParallelMesh | None = None
+        self.engine: Engine | None = None
+        self.module: nn.Module | None = None
+        self.optimizers: list[Optimizer] = []
+        self._found_inf: bool | None = None  # this step's fp16 verdict, once gradients are unscaled
+
+    # ------------------------------------------------------------------ precision and processes
+    @property
+    def precision(self) -> ParallelPrecision:
+        if self._precision is None:  # before Fabric's connector hands over the chosen plugin
+            self._precision = ParallelPrecision("32-true")
+        assert isinstance(self._precision, ParallelPrecision)
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: Precision | None) -> None:
+        self._precision = to_parallel_precision(precision) if precision is not None else None
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        return resolve_backend(self._process_group_backend, self.root_device)
+
+    @override
+    def setup_environment(self) -> None:
+        resolve_backend(self._process_group_backend, self.root_device)  # before any process group
+        super().setup_environment()
+        if self._mesh is None:
+            self._mesh = ParallelMesh(tensor_parallel_size=1, pipeline_parallel_size=1, timeout=self._timeout)
+        self.precision.configure(zero_stage=self.zero_stage, device=self.root_device)
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        if self._mesh is None:
+            raise RuntimeError("The parallel mesh exists only after fabric.launch().")
+        return self._mesh
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[None]:
+        if empty_init and self.meta_init and self.zero_stage == 3:
+            return params_on_meta()  # buffers stay real; the engine materialises the shards
+        return self._on_device()
+
+    @contextmanager
+    def _on_device(self) -> Generator[None, None, None]:
+        with self.root_device, self.precision.module_init_context():
+            yield
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        """Real tensors move to the root device; meta parameters wait for the engine (stage 3)."""
+        with torch.no_grad():
+            for t in (*module.parameters(), *module.buffers()):
+                if not t.is_meta:
+                    t.data = t.data.to(self.root_device)
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
+        module = self.setup_module(module)
+        self._setup_optimizers(optimizers)
+        return module, optimizers, scheduler
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]
+        if getattr(module, SETUP_ATTR, False):
+            raise ValueError(
+                "This module was already set up by lightning_par's Fabric strategy: call fabric.setup() (or"
+                " setup_module()) once per module and keep the returned object."
+            )
+        if self.module is not None:
+            raise ValueError(
+                "lightning_par's Fabric strategy sets up one module per Fabric (its ZeRO engine and"
+                " checkpoints follow that module); wrap several networks in one nn.Module."
+            )
+        self.module_to_device(module)
+        compute, reduce = self._dtypes()
+        group = self.mesh.dp_group
+        if self.zero_stage == 3:
+            self.engine = Stage3Engine(
+                module,
+                group=group,
+                units=self.zero3_units,
+                reshard_after_forward=self.reshard_after_forward,
+                prefetch=self.prefetch,
+                reduce_op=resolve_reduce_op(self.reduce_op, group),
+                find_unused_parameters=self.find_unused_parameters,
+                compute_dtype=compute,
+                grad_dtype=reduce,
+                allow_untested_optimizer=self.allow_untested_optimizer,
+                device=self.root_device,
+            )
+        else:
+            meta = [n for n, p in module.named_parameters() if p.is_meta]
+            if meta:
+                raise ValueError(
+                    f"{len(meta)} parameter(s) are on the meta device (e.g. {meta[0]!r}): only zero_stage=3"
+                    " materialises them; create the model with fabric.init_module() (empty_init=False) or"
+                    " use zero_stage=3."
+                )
+            self.engine = apply_zero(
+                module,
+                group=group,
+                stage=self.zero_stage,
+                bucket_size_mb=self.bucket_size_mb,
+                grad_sync=self.grad_sync,
+                reduce_op=self.reduce_op,
+                find_unused_parameters=self.find_unused_parameters,
+                compute_dtype=compute,
+                grad_dtype=reduce,
+                allow_untested_optimizer=self.allow_untested_optimizer,
+            )
+        for p in module.parameters():  # frozen floating parameters follow the compute dtype
+            if compute is not None and not p.requires_grad and p.is_floating_point() and not p.is_meta:
+                p.data = p.data.to(compute)
+        setattr(module, SETUP_ATTR, True)
+        self.module = module
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        self._setup_optimizers([optimizer])
+        return optimizer
+
+    def _setup_optimizers(self, optimizers: list[Optimizer]) -> None:
+        if self.engine is None:
+            raise RuntimeError("Set up the module first: fabric.setup(model, optimizer) or setup_module().")
+        if self.optimizers:
+            raise ValueError(
+                "The optimizers of this module are already set up; pass all of them in one"
+                " fabric.setup(model, *optimizers) or setup_optimizers(*optimizers) call."
+            )
+        if any(p.is_meta for opt in optimizers for g in opt.param_groups for p in g["params"]):
+            raise ValueError(
+                "An optimizer holds meta-device parameters: with fabric.init_module(empty_init=True) the"
+                " ZeRO-3 engine replaces them by their materialised shards, so create the optimizer after"
+                " model = fabric.setup_module(model), from model.parameters(), then call"
+                " fabric.setup_optimizers(optimizer)."
+            )
+        check_optimizer_kernels(optimizers, device=self.root_device)
+        self.engine.shard_optimizers(optimizers)
+        _optimizers_to_device(optimizers, self.root_device)
+        self.optimizers = list(optimizers)
+        # stage 1 on: each dp rank holds disjoint gradient pieces, the norm sums over the dp group
+        self.precision.grad_norm_groups = (self.mesh.dp_group,) if self.zero_stage > 0 else ()
+
+    def _dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+        plugin = self.precision
+        if not plugin.low_precision:
+            return None, None
+        if plugin.uses_masters:
+            return plugin.compute_dtype, plugin.reduce_dtype
+        return None, (plugin.reduce_dtype if plugin.precision == "bf16-true" else None)
+
+    # ------------------------------------------------------------------ step
+    @override
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        scaler = self.precision.scaler
+        if scaler is not None:
+            tensor = scaler.scale_loss(tensor)
+        self._found_inf = None  # new gradients: the next clip or step unscales them
+        tensor.backward(*args, **kwargs)
+
+    def _unscaled(self, optimizer: Optimizer) -> bool:
+        """fp16: unscale this step's gradients once and agree on overflow over every rank; True if the
+        step must be skipped."""
+        scaler = self.precision.scaler
+        if scaler is None:
+            return False
+        if self._found_inf is None:
+            grads = [p.grad for p in self.precision.main_params(optimizer) if p.grad is not None]
+            self._found_inf = scaler.unscale_and_check(
+                grads, groups=self.precision.step_groups, device=self.root_device
+            )
+        return self._found_inf
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the global norm over every rank's shard; returns that norm (on the device)."""
+        if self._unscaled(optimizer):
+            return torch.full((), float("inf"), device=self.root_device)  # the step will be skipped
+        grads = [p.grad for p in self.precision.main_params(optimizer) if p.grad is not None]
+        norm = clip_grad_norm_(
+            grads,
+            float(max_norm),
+            groups=self.precision.grad_norm_groups,
+            norm_type=float(norm_type),
+            device=self.root_device,
+        )
+        if error_if_nonfinite and not bool(torch.isfinite(norm)):  # asked for: one host read
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} of the gradients is non-finite; pass"
+                " error_if_nonfinite=False to clip anyway."
+            )
+        return norm
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = None
+        scaler = self.precision.scaler
+        if self._unscaled(optimizer):
+            assert scaler is not None
+            scaler.update(True)  # skipped on every rank (the verdict is agreed)
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            output = optimizer.step(**kwargs)
+            if scaler is not None:
+                scaler.update(False)
+        self._found_inf = None
+        if self.engine is not None:
+            self.engine.after_step()
+        return output
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(
+        self,
+        path: str | Path,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Any] | None = None,
+    ) -> None:
+        if storage_options is not None or filter is not None:
+            raise TypeError(
+                "storage_options and filter are not supported by lightning_par's Fabric strategy."
+            )
+        fabric_checkpoint.save(self, Path(self.broadcast(str(path))), state)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: str | Path,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        return fabric_checkpoint.load(self, Path(self.broadcast(str(path))), state, strict=strict)
+
+    @override
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.remove()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for stage in (0, 1, 2, 3):
+            name = f"zero{stage}"
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name, cls, description=f"lightning_par ZeRO stage {stage} (Fabric)", zero_stage=stage
+                )

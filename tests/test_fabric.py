@@ -1,0 +1,215 @@
+"""Lightning Fabric loops on lightning_par's Fabric strategy, with litgpt's GPT as the client.
+
+A litgpt ``GPT`` (the pythia-14m config cut to 2 layers, 256-token vocabulary; no weights downloaded) is
+trained by a loop shaped like litgpt's pretrain loop (``fabric.no_backward_sync`` over accumulation
+micro-batches, ``fabric.backward``, ``fabric.clip_gradients``, ``optimizer.step``) on 2 Gloo ranks, and
+compared with the same loop in one process on Fabric's own single-device strategy:
+
+* ``"zero2"`` and ``"zero3"`` (names registered in Fabric's registry): losses and final weights equal;
+* ZeRO-3 with ``fabric.init_module(empty_init=True)`` and ``fabric.load_raw`` of the reference's initial
+  weights: equal too;
+* ``fabric.save`` at ZeRO-3 on 2 ranks after 2 steps, ``fabric.load`` at ZeRO-1 in one process, 2 more
+  steps: the final weights equal the uninterrupted run; the same from a single file
+  (``save_distributed_checkpoint=False``);
+* bad input: a module set up twice, an optimizer made from meta parameters before ``setup_module`` at
+  ZeRO-3 (the rule: create it after), pipeline or tensor parallelism under Fabric, a Fabric precision
+  plugin without an equivalent.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# litgpt is installed with --no-deps by the README's test command (its pins would replace other packages)
+import litgpt.config as litgpt_config
+import litgpt.model as litgpt_model
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import DoublePrecision
+
+import lightning_par  # noqa: F401  (registers "zero0".."zero3" with Fabric)
+from lightning_par.fabric import HybridParallelStrategy
+from lightning_par.fabric.precision import to_parallel_precision
+from tests.distributed import run_distributed
+
+WORLD, MICRO, ACCUM, STEPS, SEQ, LR = 2, 2, 2, 4, 32, 3e-3
+
+
+def _config() -> Any:
+    return litgpt_config.Config.from_name(
+        "pythia-14m", n_layer=2, block_size=SEQ, vocab_size=256, padded_vocab_size=256
+    )
+
+
+def _adamw(model: Any) -> torch.optim.Optimizer:
+    # eps well above round-off: the key bias gets an exactly-zero gradient (softmax ignores it), whose
+    # round-off noise (different summation orders over ranks) AdamW would otherwise blow up to lr-size steps
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=1e-5)
+
+
+def _batches() -> torch.Tensor:
+    g = torch.Generator().manual_seed(11)
+    return torch.randint(0, 256, (STEPS, ACCUM, WORLD * MICRO, SEQ + 1), generator=g)
+
+
+def _state(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in ("cos", "sin")}
+
+
+def _loop(fabric: Fabric, model: Any, optimizer: Any, *, rank: int, world: int, steps: range) -> list[float]:
+    """litgpt's pretrain inner loop, on this rank's slice of every global micro-batch."""
+    losses = []
+    data = _batches()
+    per = WORLD * MICRO // world
+    for step in steps:
+        total = torch.zeros(())
+        for k in range(ACCUM):
+            chunk = data[step, k, rank * per : (rank + 1) * per]
+            x, y = chunk[:, :-1], chunk[:, 1:]
+            with fabric.no_backward_sync(model, enabled=k < ACCUM - 1):
+                logits = model(x)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+                fabric.backward(loss / ACCUM)
+            total += loss.detach() / ACCUM
+        fabric.clip_gradients(model, optimizer, max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(fabric.all_reduce(total, reduce_op="mean")))
+    return losses
+
+
+def _fabric(strategy: Any, devices: int) -> Fabric:
+    fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy, precision="32-true")
+    fabric.launch()
+    return fabric
+
+
+def _run(
+    rank: int, world: int, strategy: Any, *, raw: str | None = None, save: str | None = None
+) -> dict[str, Any]:
+    fabric = _fabric(strategy, world)
+    fabric.seed_everything(0)
+    with fabric.init_module(empty_init=raw is not None):
+        model = litgpt_model.GPT(_config())
+    if raw is None:
+        optimizer = _adamw(model)
+        model, optimizer = fabric.setup(model, optimizer)
+    else:  # meta parameters become shards in setup_module: the optimizer is made from them after (the rule)
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(_adamw(model))
+        fabric.load_raw(raw, model)
+    losses = _loop(fabric, model, optimizer, rank=rank, world=world, steps=range(2))
+    if save is not None:
+        fabric.save(save, {"model": model, "optimizer": optimizer, "step": 2})
+    losses += _loop(fabric, model, optimizer, rank=rank, world=world, steps=range(2, STEPS))
+    return {"losses": losses, "state": _full_state(fabric, model)}
+
+
+def _full_state(fabric: Fabric, model: Any) -> dict[str, torch.Tensor]:
+    strategy = fabric.strategy
+    if isinstance(strategy, HybridParallelStrategy) and strategy.zero_stage == 3:
+        assert strategy.engine is not None
+        full = strategy.engine.full_state_dict(to_rank=fabric.global_rank)  # type: ignore[attr-defined]
+        return {k: v.clone() for k, v in full.items() if k not in ("cos", "sin")}
+    return _state(model)
+
+
+def _resume(rank: int, world: int, path: str) -> dict[str, Any]:
+    """ZeRO-1 in one process, from the ZeRO-3 checkpoint of 2 ranks, for the last 2 steps."""
+    fabric = _fabric(HybridParallelStrategy(zero_stage=1), 1)
+    with fabric.init_module():
+        model = litgpt_model.GPT(_config())
+    optimizer = _adamw(model)
+    model, optimizer = fabric.setup(model, optimizer)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    rest = fabric.load(path, state)
+    assert state["step"] == 2 and rest == {}
+    losses = _loop(fabric, model, optimizer, rank=0, world=1, steps=range(2, STEPS))
+    return {"losses": losses, "state": _state(model)}
+
+
+def _two_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return {
+        "zero2": _run(rank, world, "zero2"),
+        "zero3": _run(rank, world, HybridParallelStrategy(zero_stage=3, zero3_units=[litgpt_model.Block])),
+        "zero3_meta": _run(
+            rank, world, HybridParallelStrategy(zero_stage=3), raw=str(Path(tmp) / "initial.pt")
+        ),
+        "zero3_saved": _run(rank, world, "zero3", save=str(Path(tmp) / "sharded")),
+        "zero3_saved_file": _run(
+            rank,
+            world,
+            HybridParallelStrategy(zero_stage=3, save_distributed_checkpoint=False),
+            save=str(Path(tmp) / "full.pt"),
+        ),
+    }
+
+
+def _reference(tmp: str) -> dict[str, Any]:
+    """One process, Fabric's own single-device strategy, the global micro-batches whole."""
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    fabric.seed_everything(0)
+    with fabric.init_module():
+        model = litgpt_model.GPT(_config())
+    torch.save(model.state_dict(), Path(tmp) / "initial.pt")
+    optimizer = _adamw(model)
+    model, optimizer = fabric.setup(model, optimizer)
+    losses = _loop(fabric, model, optimizer, rank=0, world=1, steps=range(STEPS))
+    return {"losses": losses, "state": _state(model)}
+
+
+def _assert_equal(run: dict[str, Any], ref: dict[str, Any], what: str) -> None:
+    losses = torch.tensor(run["losses"]), torch.tensor(ref["losses"])
+    torch.testing.assert_close(*losses, msg=lambda m: f"{what}: losses\n{m}")
+    assert set(run["state"]) == set(ref["state"]), what
+    for name, value in ref["state"].items():
+        torch.testing.assert_close(run["state"][name], value, msg=lambda m, n=name: f"{what}: {n}\n{m}")
+
+
+def test_litgpt_fabric_loops_equal_the_single_process_run() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = _reference(tmp)
+        results = run_distributed(_two_ranks, WORLD, tmp, init_group=False, timeout=400)
+        resumed = run_distributed(_resume, 1, str(Path(tmp) / "sharded"), init_group=False)[0]
+        resumed_file = run_distributed(_resume, 1, str(Path(tmp) / "full.pt"), init_group=False)[0]
+    for rank, r in enumerate(results):
+        for name in ("zero2", "zero3", "zero3_meta", "zero3_saved", "zero3_saved_file"):
+            _assert_equal(r[name], ref, f"rank {rank} {name}")
+    # continued from the checkpoint of step 2: the last two steps and the final weights
+    tail = {"losses": ref["losses"][2:], "state": ref["state"]}
+    _assert_equal(resumed, tail, "zero3 directory -> zero1 one process")
+    _assert_equal(resumed_file, tail, "zero3 single file -> zero1 one process")
+
+
+def _setup_twice(rank: int, world: int) -> list[str]:
+    fabric = _fabric(HybridParallelStrategy(zero_stage=2), world)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fabric.setup(model, optimizer)
+    with pytest.raises(ValueError, match="already set up") as twice:
+        fabric.setup(model, optimizer)
+    fabric = _fabric(HybridParallelStrategy(zero_stage=3), world)
+    with fabric.init_module(empty_init=True):
+        meta = litgpt_model.GPT(_config())
+    with pytest.raises(ValueError, match="holds meta-device parameters") as early:
+        fabric.setup(meta, torch.optim.AdamW(meta.parameters()))
+    return [str(twice.value), str(early.value)]
+
+
+def test_fabric_bad_input() -> None:
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not available under Fabric"):
+        HybridParallelStrategy(pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not available under Fabric"):
+        HybridParallelStrategy(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="cannot be used with lightning_par's Fabric strategy"):
+        to_parallel_precision(DoublePrecision())
+    assert to_parallel_precision(Fabric(accelerator="cpu", precision="bf16-mixed")._precision).precision == (
+        "bf16-mixed"
+    )
+    twice, early = run_distributed(_setup_twice, 1, init_group=False)[0]
+    assert "fabric.setup() (or setup_module()) once per module" in twice
+    assert "create the optimizer after model = fabric.setup_module(model)" in early
