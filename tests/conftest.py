@@ -9,6 +9,22 @@ intra-op thread in the parent keeps the OpenMP pool from ever starting, so forki
 references are small, and the ranks run one thread each anyway.
 """
 
+import os
+from collections.abc import Iterator
+
+import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ() -> Iterator[None]:
+    """Lightning's launcher writes ``MASTER_PORT``, ``LOCAL_RANK`` and the like into ``os.environ`` when a
+    Trainer runs in the pytest process; left behind, ``LOCAL_RANK`` makes every later Lightning script
+    started from this process believe its processes were created externally, and wait for ranks that
+    never come. Each test gets the environment back as it found it."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

@@ -31,6 +31,8 @@ from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import DoublePrecision
 
 import lightning_par  # noqa: F401  (registers "zero0".."zero3" with Fabric)
+from lightning_par.checkpoint.full import gather_full_state_dict
+from lightning_par.checkpoint.tp_reshard import tp_info
 from lightning_par.fabric import HybridParallelStrategy
 from lightning_par.fabric.precision import to_parallel_precision
 from tests.distributed import run_distributed
@@ -48,6 +50,11 @@ def _adamw(model: Any) -> torch.optim.Optimizer:
     # eps well above round-off: the key bias gets an exactly-zero gradient (softmax ignores it), whose
     # round-off noise (different summation orders over ranks) AdamW would otherwise blow up to lr-size steps
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=1e-5)
+
+
+def _sgd(model: Any) -> torch.optim.Optimizer:
+    # for the bf16 comparison: an update linear in the gradient, so rounding differences stay rounding-sized
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
 def _batches() -> torch.Tensor:
@@ -81,21 +88,28 @@ def _loop(fabric: Fabric, model: Any, optimizer: Any, *, rank: int, world: int, 
     return losses
 
 
-def _fabric(strategy: Any, devices: int) -> Fabric:
-    fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy, precision="32-true")
+def _fabric(strategy: Any, devices: int, precision: str = "32-true") -> Fabric:
+    fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy, precision=precision)  # type: ignore[arg-type]
     fabric.launch()
     return fabric
 
 
 def _run(
-    rank: int, world: int, strategy: Any, *, raw: str | None = None, save: str | None = None
+    rank: int,
+    world: int,
+    strategy: Any,
+    *,
+    raw: str | None = None,
+    save: str | None = None,
+    precision: str = "32-true",
+    make_optimizer: Any = _adamw,
 ) -> dict[str, Any]:
-    fabric = _fabric(strategy, world)
+    fabric = _fabric(strategy, world, precision)
     fabric.seed_everything(0)
     with fabric.init_module(empty_init=raw is not None):
         model = litgpt_model.GPT(_config())
     if raw is None:
-        optimizer = _adamw(model)
+        optimizer = make_optimizer(model)
         model, optimizer = fabric.setup(model, optimizer)
     else:  # meta parameters become shards in setup_module: the optimizer is made from them after (the rule)
         model = fabric.setup_module(model)
@@ -108,12 +122,20 @@ def _run(
     return {"losses": losses, "state": _full_state(fabric, model)}
 
 
-def _full_state(fabric: Fabric, model: Any) -> dict[str, torch.Tensor]:
+def _full_state(fabric: Fabric, model: Any) -> dict[str, torch.Tensor] | None:
+    """The weights at master precision: ZeRO-3's shards gathered on every rank; at stages 1/2 with fp32
+    masters the full state gathered on rank 0 (None elsewhere); else the module's own."""
     strategy = fabric.strategy
     if isinstance(strategy, HybridParallelStrategy) and strategy.zero_stage == 3:
         assert strategy.engine is not None
         full = strategy.engine.full_state_dict(to_rank=fabric.global_rank)  # type: ignore[attr-defined]
         return {k: v.clone() for k, v in full.items() if k not in ("cos", "sin")}
+    if isinstance(strategy, HybridParallelStrategy) and strategy.precision.uses_masters:
+        module = strategy.module
+        assert module is not None
+        tp = tp_info(module, rank=0, size=1)
+        full = gather_full_state_dict(module, strategy.engine, tp=tp, dp_rank=fabric.global_rank, group=None)
+        return {k: v.clone() for k, v in full.items() if k not in ("cos", "sin")} if full else None
     return _state(model)
 
 
@@ -149,14 +171,14 @@ def _two_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
     }
 
 
-def _reference(tmp: str) -> dict[str, Any]:
+def _reference(tmp: str, precision: str = "32-true", make_optimizer: Any = _adamw) -> dict[str, Any]:
     """One process, Fabric's own single-device strategy, the global micro-batches whole."""
-    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    fabric = Fabric(accelerator="cpu", devices=1, precision=precision)  # type: ignore[arg-type]
     fabric.seed_everything(0)
     with fabric.init_module():
         model = litgpt_model.GPT(_config())
     torch.save(model.state_dict(), Path(tmp) / "initial.pt")
-    optimizer = _adamw(model)
+    optimizer = make_optimizer(model)
     model, optimizer = fabric.setup(model, optimizer)
     losses = _loop(fabric, model, optimizer, rank=0, world=1, steps=range(STEPS))
     return {"losses": losses, "state": _state(model)}
@@ -183,6 +205,39 @@ def test_litgpt_fabric_loops_equal_the_single_process_run() -> None:
     tail = {"losses": ref["losses"][2:], "state": ref["state"]}
     _assert_equal(resumed, tail, "zero3 directory -> zero1 one process")
     _assert_equal(resumed_file, tail, "zero3 single file -> zero1 one process")
+
+
+def _bf16_runs(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return {
+        stage: _run(
+            rank, world, HybridParallelStrategy(zero_stage=stage), precision="bf16-mixed", make_optimizer=_sgd
+        )
+        for stage in (0, 2, 3)
+    }
+
+
+def test_litgpt_fabric_bf16_mixed_within_bf16_tolerance() -> None:
+    """bf16-mixed: stage 0 keeps fp32 parameters under autocast (Fabric's own numerics), stages 2/3 bf16
+    parameters with fp32 masters; each is within 16 u max|W_T - W_0| (u = 2^-8) of Fabric's single-device
+    bf16-mixed run (SGD with momentum: AdamW would turn bf16 round-off in near-zero gradients into
+    lr-sized steps), and the runs moved the weights (the bound is not vacuous)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = _reference(tmp, "bf16-mixed", _sgd)
+        initial = torch.load(Path(tmp) / "initial.pt")
+    results = run_distributed(_bf16_runs, WORLD, init_group=False, timeout=400)
+    moved = max(float((ref["state"][n] - initial[n]).abs().max()) for n in ref["state"])
+    assert moved > 1e-3
+    tolerance = 16 * 2.0**-8 * moved
+    for r in results:
+        for stage, run in r.items():
+            if run["state"] is None:  # stages 1/2 with masters: gathered on rank 0
+                continue
+            worst = max(float((run["state"][n] - v).abs().max()) for n, v in ref["state"].items())
+            assert worst <= tolerance, (stage, worst, tolerance)
+            torch.testing.assert_close(
+                torch.tensor(run["losses"]), torch.tensor(ref["losses"]), rtol=0.02, atol=0
+            )
 
 
 def _setup_twice(rank: int, world: int) -> list[str]:
