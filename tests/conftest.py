@@ -23,8 +23,11 @@ def _restore_environ() -> Iterator[None]:
     """Lightning's launcher writes ``MASTER_PORT``, ``LOCAL_RANK`` and the like into ``os.environ`` when a
     Trainer runs in the pytest process; left behind, ``LOCAL_RANK`` makes every later Lightning script
     started from this process believe its processes were created externally, and wait for ranks that
-    never come. Each test gets the environment back as it found it."""
+    never come. The same launcher calls ``torch.set_num_threads`` (cores / processes), which would start
+    the OpenMP pool in this process and make later forks unsafe (see above). Each test gets the
+    environment and one intra-op thread back."""
     saved = dict(os.environ)
     yield
     os.environ.clear()
     os.environ.update(saved)
+    torch.set_num_threads(1)
