@@ -7,16 +7,16 @@ only maps Fabric's calls onto them:
 
 * ``fabric.setup(model, optimizer)`` / ``setup_module`` + ``setup_optimizers``: the ZeRO engine over the
   data-parallel group, the optimizers rebuilt over this rank's shards (their ``fused``/``foreach``
-  options kept). The user's module keeps its parameter objects (ZeRO replaces ``.data``), so optimizers
-  may be created before or after ``setup_module``. A module is set up once.
+  options kept). The module keeps its parameter objects (ZeRO replaces ``.data``), so an optimizer may
+  be made before ``setup_module``, but not from meta parameters (stage 3 replaces those; refused, with
+  the rule). A module is set up once.
 * ``fabric.backward(loss)``: fp16 loss scaling, then autograd; the engine reduces during backward.
   ``fabric.no_backward_sync(model, enabled=True)`` marks non-final accumulation passes.
 * ``fabric.clip_gradients(model, optimizer, max_norm=...)``: the global norm over the shards (fp16:
   gradients are unscaled and the overflow verdict agreed first, once per step).
 * ``optimizer.step()``: skipped on every rank after an fp16 overflow; then the engine's ``after_step``
   (stages 1/2 all-gather the updated parameters).
-* ``fabric.init_module(empty_init=True)`` at stage 3 builds parameters on the meta device; the engine
-  materialises this rank's shards unit by unit (see :mod:`lightning_par.zero.meta_init`).
+* ``fabric.init_module(empty_init=True)`` at stage 3: meta parameters, materialised shard by shard.
 * ``fabric.save`` / ``fabric.load`` / ``fabric.load_raw``: see :mod:`lightning_par.fabric.checkpoint`.
 
 Refused at construction: pipeline parallelism (a schedule must own the forward and backward calls that a
