@@ -105,7 +105,7 @@ def _run(
     make_optimizer: Any = _adamw,
 ) -> dict[str, Any]:
     fabric = _fabric(strategy, world, precision)
-    fabric.seed_everything(0)
+    fabric.seed_everything(0 if raw is None else 1)  # with raw weights, the module's own init must not matter
     with fabric.init_module(empty_init=raw is not None):
         model = litgpt_model.GPT(_config())
     if raw is None:
@@ -113,7 +113,7 @@ def _run(
         model, optimizer = fabric.setup(model, optimizer)
     else:  # meta parameters become shards in setup_module: the optimizer is made from them after (the rule)
         model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(_adamw(model))
+        optimizer = fabric.setup_optimizers(make_optimizer(model))
         fabric.load_raw(raw, model)
     losses = _loop(fabric, model, optimizer, rank=rank, world=world, steps=range(2))
     if save is not None:
@@ -207,25 +207,36 @@ def test_litgpt_fabric_loops_equal_the_single_process_run() -> None:
     _assert_equal(resumed_file, tail, "zero3 single file -> zero1 one process")
 
 
-def _bf16_runs(rank: int, world: int) -> dict[str, Any]:
+def _bf16_runs(rank: int, world: int, tmp: str) -> dict[Any, Any]:
     torch.set_num_threads(1)
-    return {
+    out: dict[Any, Any] = {
         stage: _run(
             rank, world, HybridParallelStrategy(zero_stage=stage), precision="bf16-mixed", make_optimizer=_sgd
         )
         for stage in (0, 2, 3)
     }
+    # full weights into ZeRO-2's fp32 masters (the bf16 compute copy alone would round them)
+    out["2_load_raw"] = _run(
+        rank,
+        world,
+        HybridParallelStrategy(zero_stage=2),
+        precision="bf16-mixed",
+        make_optimizer=_sgd,
+        raw=str(Path(tmp) / "initial.pt"),
+    )
+    return out
 
 
 def test_litgpt_fabric_bf16_mixed_within_bf16_tolerance() -> None:
-    """bf16-mixed: stage 0 keeps fp32 parameters under autocast (Fabric's own numerics), stages 2/3 bf16
-    parameters with fp32 masters; each is within 16 u max|W_T - W_0| (u = 2^-8) of Fabric's single-device
-    bf16-mixed run (SGD with momentum: AdamW would turn bf16 round-off in near-zero gradients into
-    lr-sized steps), and the runs moved the weights (the bound is not vacuous)."""
+    """bf16-mixed, stage 0 (fp32 parameters under autocast, Fabric's own numerics) and stages 2/3 (bf16
+    parameters, fp32 masters; at stage 2 also with the initial weights given by fabric.load_raw): each
+    within 16 u max|W_T - W_0| (u = 2^-8) of Fabric's single-device bf16-mixed run. SGD with momentum:
+    AdamW would turn bf16 round-off in near-zero gradients into lr-sized steps. The runs moved the
+    weights, so the bound is not vacuous."""
     with tempfile.TemporaryDirectory() as tmp:
         ref = _reference(tmp, "bf16-mixed", _sgd)
         initial = torch.load(Path(tmp) / "initial.pt")
-    results = run_distributed(_bf16_runs, WORLD, init_group=False, timeout=400)
+        results = run_distributed(_bf16_runs, WORLD, tmp, init_group=False, timeout=400)
     moved = max(float((ref["state"][n] - initial[n]).abs().max()) for n in ref["state"])
     assert moved > 1e-3
     tolerance = 16 * 2.0**-8 * moved

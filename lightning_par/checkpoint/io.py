@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -44,7 +45,7 @@ from lightning_par.checkpoint.sharded import (
     write_meta,
     write_rank_file,
 )
-from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, localize
+from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, localize, localize_state_dict
 from lightning_par.zero.engine import Engine, ZeroEngine
 from lightning_par.zero.sharded_optimizer import ShardedOptimizer
 from lightning_par.zero.stage3 import Stage3Engine
@@ -294,6 +295,49 @@ def load_stage3_params(
     engine.load_fragments(values)
     params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
     return {k: v for k, v in state.items() if k not in params}
+
+
+def load_module_state(
+    checkpoint: Mapping[str, Any],
+    module: nn.Module,
+    engine: Engine | None,
+    *,
+    sharded_path: Path | None,
+    tp: TPInfo,
+    strict: bool,
+) -> None:
+    """Load a checkpoint's model state (either format, any layout) into ``module`` as ``engine`` holds it:
+    ZeRO-3 shards are filled directly; otherwise the full state dict is cut to this rank's tensor-parallel
+    pieces (other pipeline stages' layers skipped), loaded, and, where ZeRO 1/2 keeps separate fp32
+    masters, copied into them at full precision (the compute copy alone would be rounded)."""
+    if isinstance(engine, Stage3Engine):
+        rest = load_stage3_params(checkpoint, engine, sharded_path, tp)
+        missing, unexpected = module.load_state_dict(rest, strict=False)
+        buffers = {n for n, _ in module.named_buffers()}
+        if strict and (set(missing) & buffers or unexpected):
+            raise KeyError(
+                f"Buffers missing from the checkpoint: {sorted(set(missing) & buffers)};"
+                f" unexpected keys: {sorted(unexpected)}."
+            )
+        return
+    state = full_state_dict_of(dict(checkpoint), sharded_path)
+    # a model already made tensor-parallel (a second fit in the same process) takes its slices
+    state = localize_state_dict(state, module, tp)
+    remote = {n for n, p in module.named_parameters(remove_duplicate=False) if p.is_meta}
+    state = {k: v for k, v in state.items() if k not in remote}  # other pipeline stages' layers
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in remote]
+    if strict and (missing or unexpected):
+        raise KeyError(
+            f"The checkpoint's state_dict lacks {missing[:8]} and has unexpected {unexpected[:8]}."
+        )
+    sharded = engine.sharded_state if engine is not None else None
+    if isinstance(sharded, ShardedOptimizer) and sharded.master_key is not None:
+        with torch.no_grad():
+            for name, lo, hi, master in sharded.fragment_table():
+                if isinstance(state.get(name), Tensor):
+                    master.copy_(state[name].detach().reshape(-1)[lo:hi])
+        sharded.refresh_params()  # the compute copy follows the masters on every rank
 
 
 def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -27,18 +27,16 @@ from lightning_par.checkpoint.full import gather_full_optimizer_state, gather_fu
 from lightning_par.checkpoint.io import (
     _group_names,
     check_model,
-    full_state_dict_of,
     layout_metadata,
+    load_module_state,
     load_optimizer_states,
-    load_stage3_params,
     rank_payload,
     save_sharded,
 )
 from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta
-from lightning_par.checkpoint.tp_reshard import TPInfo, localize_state_dict, tp_info
+from lightning_par.checkpoint.tp_reshard import TPInfo, tp_info
 from lightning_par.mesh import MeshLayout, ParallelMesh
 from lightning_par.zero.engine import Engine
-from lightning_par.zero.stage3 import Stage3Engine
 
 
 class ZeroCheckpointIO(ParallelStrategy):
@@ -209,28 +207,14 @@ class ZeroCheckpointIO(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
-        module = self.lightning_module
-        if isinstance(self._engine, Stage3Engine):
-            rest = load_stage3_params(checkpoint, self._engine, self._sharded_source, self._tp())
-            missing, unexpected = module.load_state_dict(rest, strict=False)
-            buffers = {n for n, _ in module.named_buffers()}
-            if strict and (set(missing) & buffers or unexpected):
-                raise KeyError(
-                    f"Buffers missing from the checkpoint: {sorted(set(missing) & buffers)};"
-                    f" unexpected keys: {sorted(unexpected)}."
-                )
-            return
-        state = full_state_dict_of(dict(checkpoint), self._sharded_source)
-        # a model already made tensor-parallel (a second fit in the same process) takes its slices
-        state = localize_state_dict(state, module, self._tp())
-        remote = {n for n, p in module.named_parameters(remove_duplicate=False) if p.is_meta}
-        state = {k: v for k, v in state.items() if k not in remote}  # other pipeline stages' layers
-        missing, unexpected = module.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k not in remote]
-        if strict and (missing or unexpected):
-            raise KeyError(
-                f"The checkpoint's state_dict lacks {missing[:8]} and has unexpected {unexpected[:8]}."
-            )
+        load_module_state(
+            checkpoint,
+            self.lightning_module,
+            self._engine,
+            sharded_path=self._sharded_source,
+            tp=self._tp(),
+            strict=strict,
+        )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -32,16 +32,14 @@ from lightning_par.checkpoint.full import gather_full_optimizer_state, gather_fu
 from lightning_par.checkpoint.io import (
     _group_names,
     check_model,
-    full_state_dict_of,
     layout_metadata,
+    load_module_state,
     load_optimizer_states,
-    load_stage3_params,
     rank_payload,
     save_sharded,
 )
 from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta
 from lightning_par.checkpoint.tp_reshard import TPInfo, tp_info
-from lightning_par.zero.stage3 import Stage3Engine
 
 if TYPE_CHECKING:
     from lightning_par.fabric.strategy import HybridParallelStrategy
@@ -205,22 +203,15 @@ def load(
 def _load_module(
     strategy: HybridParallelStrategy, checkpoint: Mapping[str, Any], source: Path | None, *, strict: bool
 ) -> None:
-    module, engine = strategy.module, strategy.engine
-    assert module is not None and engine is not None
-    if engine.stage == 3:
-        assert isinstance(engine, Stage3Engine)
-        rest = load_stage3_params(checkpoint, engine, source, _tp(module))
-        missing, unexpected = module.load_state_dict(rest, strict=False)
-        buffers = {n for n, _ in module.named_buffers()}
-        if strict and (set(missing) & buffers or unexpected):
-            raise KeyError(
-                f"Buffers missing: {sorted(set(missing) & buffers)}; unexpected: {sorted(unexpected)}."
-            )
-        return
-    state = full_state_dict_of(dict(checkpoint), source)
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if strict and (missing or unexpected):
-        raise KeyError(f"The checkpoint lacks {missing[:8]} and has unexpected {unexpected[:8]}.")
+    assert strategy.module is not None
+    load_module_state(
+        checkpoint,
+        strategy.module,
+        strategy.engine,
+        sharded_path=source,
+        tp=_tp(strategy.module),
+        strict=strict,
+    )
 
 
 def _load_raw(strategy: HybridParallelStrategy, path: Path, module: nn.Module, *, strict: bool) -> None:
@@ -228,12 +219,6 @@ def _load_raw(strategy: HybridParallelStrategy, path: Path, module: nn.Module, *
         raise ValueError("fabric.load_raw: pass the module returned by fabric.setup().")
     if is_sharded_checkpoint(path):
         raise ValueError(f"{str(path)!r} is a sharded checkpoint directory: read it with fabric.load.")
-    sharded = strategy.engine.sharded_state if strategy.engine is not None else None
-    if strategy.zero_stage in (1, 2) and sharded is not None and sharded.master_key is not None:
-        raise NotImplementedError(
-            "fabric.load_raw into ZeRO 1/2 with separate fp32 masters would leave the masters stale: load"
-            " the weights before fabric.setup(), or use zero_stage=3 (its shards are the masters)."
-        )
     raw = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     state = raw.get("state_dict", raw) if isinstance(raw, dict) else raw
     _load_module(strategy, {"state_dict": state}, None, strict=strict)
