@@ -23,7 +23,9 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 
-def _by_device_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+def by_device_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    """Non-empty ``tensors`` (detached views, same storage) grouped for the fused foreach kernels, which
+    take one device and dtype per call."""
     out: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for t in tensors:
         if t.numel():
@@ -36,7 +38,7 @@ def _local_sum(grads: Iterable[Tensor], norm_type: float, device: torch.device) 
     per-tensor norm kernel per (device, dtype), accumulated in fp32, and no host synchronisation."""
     is_inf = math.isinf(norm_type)
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for (_, _), tensors in _by_device_dtype(grads).items():
+    for (_, _), tensors in by_device_dtype(grads).items():
         norms = torch._foreach_norm(tensors, norm_type, dtype=torch.float32)
         stacked = torch.stack(norms).to(device)
         part = stacked.max() if is_inf else stacked.pow(norm_type).sum()
@@ -89,6 +91,6 @@ def clip_grad_norm_(
     norm = global_grad_norm(grads, groups=groups, norm_type=norm_type, replicated=replicated, device=device)
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)  # on the device: no host read of the norm
     everything = [*grads, *(t for tensors, _ in replicated for t in tensors), *extra]
-    for (dev, _), tensors in _by_device_dtype(everything).items():
+    for (dev, _), tensors in by_device_dtype(everything).items():
         torch._foreach_mul_(tensors, coef.to(dev))
     return norm

@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_par.grad_norm import by_device_dtype
+
 
 class DynamicLossScaler:
     """Scale, unscale-and-check, and update (see the module docstring)."""
@@ -76,10 +78,7 @@ class DynamicLossScaler:
         host synchronisation under fp16. ``device`` is the communication device, where the flag lives.
         """
         found = torch.zeros(1, dtype=torch.float32, device=device)
-        by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        for g in grads:
-            by_key.setdefault((g.device, g.dtype), []).append(g)
-        for (dev, _), tensors in by_key.items():
+        for (dev, _), tensors in by_device_dtype(grads).items():
             flag = found if dev == found.device else torch.zeros(1, dtype=torch.float32, device=dev)
             inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=dev)
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv)

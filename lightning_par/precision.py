@@ -129,6 +129,16 @@ class ParallelPrecision(Precision):
     def low_precision(self) -> bool:
         return self.compute_dtype != torch.float32
 
+    def engine_dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+        """(compute, reduction) dtypes for the ZeRO engine: the compute dtype only where fp32 masters live
+        in the shards (the engine casts the compute copy), the reduction dtype wherever gradients are low
+        precision; None: the parameters' own."""
+        if not self.low_precision:
+            return None, None
+        if self.uses_masters:
+            return self.compute_dtype, self.reduce_dtype
+        return None, (self.reduce_dtype if self.precision == "bf16-true" else None)
+
     @property
     def uses_masters(self) -> bool:
         """Low-precision parameters whose fp32 masters live in the ZeRO shards."""
@@ -291,6 +301,15 @@ def _compute_in_fp32(module: nn.Module) -> None:
 
     module.forward = forward
     module._lightning_par_fp32 = True  # type: ignore[assignment]
+
+
+def cast_frozen(module: nn.Module, dtype: torch.dtype | None) -> None:
+    """Frozen floating parameters (the engine casts the trainable ones) follow the compute ``dtype``."""
+    if dtype is None:
+        return
+    for p in module.parameters():
+        if not p.requires_grad and p.is_floating_point() and not p.is_meta:
+            p.data = p.data.to(dtype)
 
 
 def convert_precision_plugin(plugin: Precision | None, *, zero_stage: int) -> Precision | None:

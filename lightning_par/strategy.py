@@ -36,14 +36,14 @@ from lightning_par.memory import MemoryReport, measure_memory
 from lightning_par.pipeline.lightning import LightningPipeline, build_pipeline, pipeline_layers_of
 from lightning_par.pipeline.partition import PartitionMethod
 from lightning_par.pipeline.runtime import StepStats
-from lightning_par.precision import ParallelPrecision, convert_precision_plugin
+from lightning_par.precision import ParallelPrecision, cast_frozen, convert_precision_plugin
 from lightning_par.strategy_env import MeshStrategy
 from lightning_par.strategy_options import PipelineSchedule, StartMethod, check_fit_setup, check_options
 from lightning_par.zero import apply_zero, broadcast_module_states
 from lightning_par.zero.buffers import BufferSync
 from lightning_par.zero.engine import Engine, ReduceChoice, resolve_reduce_op
 from lightning_par.zero.grad_sync import GradSyncPolicy
-from lightning_par.zero.meta_init import ValuesFn, materialize_local, params_on_meta
+from lightning_par.zero.meta_init import ValuesFn, materialize_local, move_real_tensors, params_on_meta
 from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.units import UnitPolicy
 
@@ -298,7 +298,8 @@ class HybridParallelStrategy(MeshStrategy):
             check_optimizer_kernels(self.optimizers, device=self.root_device)
             self._engine.shard_optimizers(self.optimizers)
             self._guard_hooks()
-        self._cast_unmanaged()
+        if self.model is not None:
+            cast_frozen(self.model, self._dtypes()[0])
         self._setup_precision_groups()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -396,13 +397,7 @@ class HybridParallelStrategy(MeshStrategy):
         """Real parameters and buffers move to this rank's device; meta parameters (meta init, other
         pipeline stages) stay where they are, to be materialised by the engine or pretrained weights."""
         assert self.model is not None
-        if not any(p.is_meta for p in self.model.parameters()):
-            self.model.to(self.root_device)
-            return
-        with torch.no_grad():
-            for t in (*self.model.parameters(), *self.model.buffers()):
-                if not t.is_meta:
-                    t.data = t.data.to(self.root_device)
+        move_real_tensors(self.model, self.root_device)
 
     @contextmanager
     @override
@@ -526,24 +521,9 @@ class HybridParallelStrategy(MeshStrategy):
             )
 
     def _dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
-        """(compute, reduction) dtypes for the engine: the compute dtype only where fp32 masters live in
-        the shards (the engine casts the compute copy), the reduction dtype wherever gradients are low
-        precision; None: the parameters' own."""
+        """(compute, reduction) dtypes for the engine (see ``ParallelPrecision.engine_dtypes``)."""
         plugin = self.precision_plugin
-        if not isinstance(plugin, ParallelPrecision) or not plugin.low_precision:
-            return None, None
-        if plugin.uses_masters:
-            return plugin.compute_dtype, plugin.reduce_dtype
-        return None, (plugin.reduce_dtype if plugin.precision == "bf16-true" else None)
-
-    def _cast_unmanaged(self) -> None:
-        """Frozen floating parameters (the engine casts the trainable ones) follow the compute dtype."""
-        compute = self._dtypes()[0]
-        if compute is None or self.model is None:
-            return
-        for p in self.model.parameters():
-            if not p.requires_grad and p.is_floating_point() and not p.is_meta:
-                p.data = p.data.to(compute)
+        return plugin.engine_dtypes() if isinstance(plugin, ParallelPrecision) else (None, None)
 
     def _step_skipped(self) -> bool:
         plugin = self.precision_plugin

@@ -47,10 +47,10 @@ from lightning_par.fabric import checkpoint as fabric_checkpoint
 from lightning_par.fabric.precision import to_parallel_precision
 from lightning_par.grad_norm import clip_grad_norm_
 from lightning_par.mesh import ParallelMesh
-from lightning_par.precision import ParallelPrecision
+from lightning_par.precision import ParallelPrecision, cast_frozen
 from lightning_par.zero import apply_zero
 from lightning_par.zero.engine import Engine, resolve_reduce_op
-from lightning_par.zero.meta_init import params_on_meta
+from lightning_par.zero.meta_init import move_real_tensors, params_on_meta
 from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.units import UnitPolicy
 
@@ -192,10 +192,7 @@ class HybridParallelStrategy(DDPStrategy):
     @override
     def module_to_device(self, module: nn.Module) -> None:
         """Real tensors move to the root device; meta parameters wait for the engine (stage 3)."""
-        with torch.no_grad():
-            for t in (*module.parameters(), *module.buffers()):
-                if not t.is_meta:
-                    t.data = t.data.to(self.root_device)
+        move_real_tensors(module, self.root_device)
 
     @override
     def setup_module_and_optimizers(
@@ -218,7 +215,7 @@ class HybridParallelStrategy(DDPStrategy):
                 " checkpoints follow that module); wrap several networks in one nn.Module."
             )
         self.module_to_device(module)
-        compute, reduce = self._dtypes()
+        compute, reduce = self.precision.engine_dtypes()
         group = self.mesh.dp_group
         if self.zero_stage == 3:
             self.engine = Stage3Engine(
@@ -254,9 +251,7 @@ class HybridParallelStrategy(DDPStrategy):
                 grad_dtype=reduce,
                 allow_untested_optimizer=self.allow_untested_optimizer,
             )
-        for p in module.parameters():  # frozen floating parameters follow the compute dtype
-            if compute is not None and not p.requires_grad and p.is_floating_point() and not p.is_meta:
-                p.data = p.data.to(compute)
+        cast_frozen(module, compute)
         setattr(module, SETUP_ATTR, True)
         self.module = module
         return module
@@ -287,14 +282,6 @@ class HybridParallelStrategy(DDPStrategy):
         self.optimizers = list(optimizers)
         # stage 1 on: each dp rank holds disjoint gradient pieces, the norm sums over the dp group
         self.precision.grad_norm_groups = (self.mesh.dp_group,) if self.zero_stage > 0 else ()
-
-    def _dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
-        plugin = self.precision
-        if not plugin.low_precision:
-            return None, None
-        if plugin.uses_masters:
-            return plugin.compute_dtype, plugin.reduce_dtype
-        return None, (plugin.reduce_dtype if plugin.precision == "bf16-true" else None)
 
     # ------------------------------------------------------------------ step
     @override

@@ -37,6 +37,18 @@ def target_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def move_real_tensors(module: nn.Module, device: torch.device) -> None:
+    """Move ``module``'s real parameters and buffers to ``device``; meta ones (meta init, other pipeline
+    stages' layers) stay, to be materialised by the engine or by pretrained weights."""
+    if not any(p.is_meta for p in module.parameters()):
+        module.to(device)
+        return
+    with torch.no_grad():
+        for t in (*module.parameters(), *module.buffers()):
+            if not t.is_meta:
+                t.data = t.data.to(device)
+
+
 @contextmanager
 def params_on_meta() -> Iterator[None]:
     """Create parameters on the meta device and buffers where they would be anyway (see the module
