@@ -108,12 +108,11 @@ _DIST_OPS = (
 
 class Collectives:
     """Records ``(name, numel)`` of every collective/p2p call (``torch.distributed`` functions and the
-    package's flat wrappers) while active."""
+    package's flat wrappers) inside the context."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
         self._saved: list[tuple[Any, str, Any]] = []
-        self.active = True
 
     def reset(self) -> None:
         self.calls = []
@@ -122,10 +121,8 @@ class Collectives:
         probe = self
 
         def op(*args: Any, **kwargs: Any) -> Any:
-            if probe.active:
-                first = args[0] if args else None
-                numel = first.numel() if isinstance(first, torch.Tensor) else 0
-                probe.calls.append((name, numel))
+            first = args[0] if args else None
+            probe.calls.append((name, first.numel() if isinstance(first, torch.Tensor) else 0))
             return original(*args, **kwargs)
 
         return op
@@ -147,6 +144,3 @@ class Collectives:
         for owner, name, original in reversed(self._saved):
             setattr(owner, name, original)
         self._saved = []
-
-    def count(self, *names: str) -> int:
-        return sum(1 for n, _ in self.calls if not names or n in names)

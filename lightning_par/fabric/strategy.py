@@ -160,12 +160,9 @@ class HybridParallelStrategy(DDPStrategy):
         self._precision = to_parallel_precision(precision) if precision is not None else None
 
     @override
-    def _get_process_group_backend(self) -> str:
-        return resolve_backend(self._process_group_backend, self.root_device)
-
-    @override
     def setup_environment(self) -> None:
-        resolve_backend(self._process_group_backend, self.root_device)  # before any process group
+        # checked before any process group exists; DDPStrategy then uses the resolved name
+        self._process_group_backend = resolve_backend(self._process_group_backend, self.root_device)
         super().setup_environment()
         if self._mesh is None:
             self._mesh = ParallelMesh(tensor_parallel_size=1, pipeline_parallel_size=1, timeout=self._timeout)
