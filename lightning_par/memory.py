@@ -33,10 +33,9 @@ from typing import Literal, TypedDict
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_par.zero.engine import Engine, ZeroEngine, default_grad_sync
+from lightning_par.zero.engine import Engine, default_grad_sync
 from lightning_par.zero.grad_sync import bucket_numel_for
 from lightning_par.zero.layout import FlatLayout
-from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.units import plan_units
 
 OptimizerKind = Literal["adamw", "adam", "sgd", "sgd_momentum", "adagrad", "rmsprop"]
@@ -81,27 +80,22 @@ def _bytes(tensors: Sequence[Tensor]) -> int:
 
 def measure_memory(module: nn.Module, engine: Engine | None, optimizers: Sequence[Optimizer]) -> MemoryReport:
     """Bytes this rank holds now, by category (storages counted once)."""
-    params = _bytes([p for p in module.parameters()])
+    held = engine.memory_bytes() if engine is not None else {}
+    params = held.get("parameters", _bytes([p for p in module.parameters()]))
     buffers = _bytes([b for b in module.buffers()])
-    live = 0
-    if isinstance(engine, Stage3Engine):
-        m = engine.memory_bytes()
-        params, live, grads, comm = m["param_shard"], m["live_units"], m["grad_shard"], m["comm"]
-    elif isinstance(engine, ZeroEngine):
-        g = engine.sync.grad_bytes()
-        grads, comm = g["full"] + g["shard"], g["bucket_pool"]
-    else:
-        grads, comm = _bytes([p.grad for p in module.parameters() if p.grad is not None]), 0
-    if isinstance(engine, ZeroEngine) and engine.sharded is not None:
-        opt_state = engine.sharded.optimizer_state_bytes()
-    else:
-        opt_state = sum(
+    live = held.get("live_units", 0)
+    grads = held.get("gradients", _bytes([p.grad for p in module.parameters() if p.grad is not None]))
+    comm = held.get("comm", 0)
+    opt_state = held.get(
+        "optimizer_state",
+        sum(
             v.numel() * v.element_size()
             for opt in optimizers
             for state in opt.state.values()
             for v in state.values()
             if isinstance(v, Tensor)
-        )
+        ),
+    )
     total = params + live + grads + opt_state + buffers + comm
     return MemoryReport(
         parameters=params,

@@ -219,11 +219,6 @@ class HybridParallelStrategy(MeshStrategy):
     def precision_plugin(self, plugin: Precision | None) -> None:
         self._precision_plugin = convert_precision_plugin(plugin, zero_stage=self.zero_stage)
 
-    @property
-    def engine(self) -> Engine | None:
-        """The ZeRO engine (after ``setup`` for fitting, and at stage 3 for evaluation too), else None."""
-        return self._engine
-
     # ------------------------------------------------------------------ composition
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -564,8 +559,8 @@ class HybridParallelStrategy(MeshStrategy):
     @override
     def teardown(self) -> None:
         if self._engine is not None:
-            if isinstance(self._engine, Stage3Engine) and self.unshard_on_teardown:
-                self._engine.unshard_all()  # leave a usable, whole model behind
+            if self.unshard_on_teardown:
+                self._engine.unshard_all()  # leave a usable, whole model behind (a no-op below stage 3)
             # hooks go; the engine stays so trainer.save_checkpoint() after fit still sees the shards
             # (the next setup() builds a new one)
             self._engine.remove()

@@ -1,4 +1,6 @@
-"""What one rank must save to continue training exactly, and how it is put back: the snapshot adapter.
+"""What one rank must save to continue training exactly, and how it is put back: the Trainer's snapshot
+adapter (Fabric's is :mod:`lightning_par.fabric.flash`; both share
+:mod:`lightning_par.checkpoint.rank_state`).
 
 A snapshot is *per rank* and *same layout*: rank ``r`` saves what it holds and, after a restart with the
 same world size, model and parallel layout, rank ``r`` loads it back (a change of layout is refused with
@@ -7,14 +9,7 @@ the differences named; use a sharded checkpoint, which reshards, for that). The 
     {"lightning": Lightning's checkpoint dict (trainer._checkpoint_connector.dump_checkpoint()) without
                   the model and optimizer entries: loop progress, callbacks' state, LR schedulers,
                   precision plugin (loss scaler), hyper-parameters, datamodule state, user hooks' keys,
-     "model":     this rank's module.state_dict(): replicated weights (DDP, ZeRO 0-2), or this rank's
-                  tensor-parallel pieces; at ZeRO-3 only the buffers (the parameters are shards, below),
-     "optim":     {"kind": "torch", "optimizers": [optimizer.state_dict(), ...]} for unsharded optimizers,
-                  or {"kind": "fragments", ...} under ZeRO 1-3: for each optimizer its param-group
-                  hyper-parameters and the records (name, lo, hi, {state}) of the fragments this rank owns
-                  (the format of lightning_par.checkpoint.optimizer_state, with fp32 masters when they are
-                  separate), the bucket order, and at stage 3 the parameter shards themselves
-                  (trainable and frozen),
+     "model", "optim": this rank's model and optimizer trees (lightning_par.checkpoint.rank_state),
      "rng":       torch / CUDA / numpy / Python generator states,
      "data":      epoch and number of batches of the current epoch already trained on,
      "fingerprint": model parameter names and shapes, optimizers, strategy and layout}
@@ -25,41 +20,30 @@ training thread has moved on, until the next optimizer step. :func:`restore` put
 Lightning's own restore methods (loops, callbacks, schedulers, precision) and loads model and optimizer
 state directly (same layout, so positions and fragments match). Supported strategies:
 ``HybridParallelStrategy`` (ZeRO 0-3, tensor parallel) and Lightning's DDP and single-device strategies.
+Two private pieces of Lightning are used because no public hook does their job: the checkpoint
+connector (the checkpoint dict without a file, and restoring loops and callbacks from a dict) and the fit
+loop's data fetcher (moving a resumed epoch to the batch where the snapshot was taken).
 """
 
 from __future__ import annotations
 
 import itertools
 import warnings
-from collections import OrderedDict
-from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor, nn
-from torch.optim import Optimizer
 from torch.utils.data import RandomSampler
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
-from lightning_par.checkpoint.optimizer_state import (
-    cut,
-    group_hyperparams,
-    load_fragments,
-    pieces_from_records,
-)
+from lightning_par.checkpoint import rank_state as core
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
-from lightning_par.zero.engine import ZeroEngine
-from lightning_par.zero.sharded_optimizer import ShardedOptimizer
-from lightning_par.zero.stage3 import Stage3Engine
-
-Record = tuple[str, int, int, dict[str, Any]]
+from lightning_par.zero.engine import Engine
 
 
 def check_supported(strategy: Any) -> None:
@@ -72,64 +56,20 @@ def check_supported(strategy: Any) -> None:
     )
 
 
-def _engine(trainer: pl.Trainer) -> Any:
+def _engine(trainer: pl.Trainer) -> Engine | None:
     strategy = trainer.strategy
-    return getattr(strategy, "_engine", None) if isinstance(strategy, ZeroCheckpointIO) else None
-
-
-def _param_names(module: nn.Module) -> set[str]:
-    return {n for n, _ in module.named_parameters(remove_duplicate=False)}
-
-
-def _records(
-    opt: Optimizer, table: Sequence[tuple[str, int, int, Tensor]], master_key: str | None
-) -> list[Record]:
-    """This rank's fragment records of ``opt`` as views of the live tensors (the format of
-    :func:`lightning_par.checkpoint.optimizer_state.fragment_pieces`, without its CPU copies)."""
-    owned = {id(p) for g in opt.param_groups for p in g["params"]}
-    out: list[Record] = []
-    for name, lo, hi, master in table:
-        if id(master) not in owned:
-            continue
-        state = {
-            k: v.detach().reshape(-1) if isinstance(v, Tensor) and v.dim() > 0 else v
-            for k, v in opt.state.get(master, {}).items()
-        }
-        if master_key is not None:
-            state[master_key] = master.detach().reshape(-1)
-        if state:
-            out.append((name, lo, hi, state))
-    return out
+    return strategy.engine if isinstance(strategy, ZeroCheckpointIO) else None
 
 
 def capture(trainer: pl.Trainer) -> tuple[dict[str, Any], set[int]]:
     """This rank's training state (live tensors) and the storages safe to copy until the next step."""
     module = trainer.lightning_module
     assert module is not None
+    # Lightning offers no public way to get its checkpoint dict without writing a file
     lightning = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
     lightning.pop("state_dict", None)
     lightning.pop("optimizer_states", None)
-    engine = _engine(trainer)
-    sharded = engine.sharded_state if engine is not None else None
-    model = OrderedDict((k, v) for k, v in module.state_dict().items() if not v.is_meta)
-    optim: dict[str, Any]
-    if sharded is not None:
-        table = sharded.fragment_table()
-        optim = {
-            "kind": "fragments",
-            "order": list(engine.sync.names) if isinstance(engine, ZeroEngine) else [],
-            "optimizers": [
-                {"param_groups": group_hyperparams(opt), "records": _records(opt, table, sharded.master_key)}
-                for opt in trainer.optimizers
-            ],
-        }
-        if isinstance(engine, Stage3Engine):
-            params = _param_names(module)
-            model = OrderedDict((k, v) for k, v in model.items() if k not in params)
-            # every parameter piece this rank holds, trainable and frozen
-            optim["shards"] = [(n, lo, hi, {"param": v.detach()}) for n, lo, hi, v in engine.shard_table()]
-    else:
-        optim = {"kind": "torch", "optimizers": [opt.state_dict() for opt in trainer.optimizers]}
+    model, optim, step_tensors = core.capture(module, _engine(trainer), trainer.optimizers)
     progress = trainer.fit_loop.epoch_loop.batch_progress
     state = {
         "lightning": lightning,
@@ -142,14 +82,7 @@ def capture(trainer: pl.Trainer) -> tuple[dict[str, Any], set[int]]:
             "epoch_end": bool(progress.is_last_batch),
         },
     }
-    live: list[Tensor] = [p for p in module.parameters() if not p.is_meta]
-    if isinstance(engine, Stage3Engine):
-        live += [view for _, _, _, view in engine.shard_table()]
-    for opt in trainer.optimizers:
-        live += [p for g in opt.param_groups for p in g["params"]]
-        live += [v for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
-    storages = {t.untyped_storage().data_ptr() for t in live if t.numel() and not t.is_meta}
-    return state, storages
+    return state, core.storages(step_tensors)
 
 
 def fingerprint(trainer: pl.Trainer) -> dict[str, Any]:
@@ -157,53 +90,17 @@ def fingerprint(trainer: pl.Trainer) -> dict[str, Any]:
     strategy = trainer.strategy
     module = trainer.lightning_module
     assert module is not None
-    if isinstance(strategy, ZeroCheckpointIO):
-        meta = strategy.layout_metadata()
-        keys = ("zero_stage", "world_size", "dp", "tp", "pp", "params", "optimizers")
-        return {"strategy": type(strategy).__name__, **{k: meta[k] for k in keys if k in meta}}
-    names = {id(p): n for n, p in module.named_parameters()}
-    return {
-        "strategy": type(strategy).__name__,
-        "world_size": trainer.world_size,
-        "params": {n: list(p.shape) for n, p in module.named_parameters()},
-        "optimizers": [
-            {
-                "class": type(opt).__name__,
-                "param_names": [
-                    [names.get(id(p), "<not a module parameter>") for p in g["params"]]
-                    for g in opt.param_groups
-                ],
-            }
-            for opt in trainer.optimizers
-        ],
-    }
+    layout = strategy.layout_metadata() if isinstance(strategy, ZeroCheckpointIO) else None
+    return core.fingerprint(
+        module,
+        trainer.optimizers,
+        strategy=type(strategy).__name__,
+        world_size=trainer.world_size,
+        layout=layout,
+    )
 
 
-def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Human-readable differences between two fingerprints (empty if the snapshot fits)."""
-    if saved.get("strategy") != current.get("strategy"):
-        return [f"strategy: snapshot {saved.get('strategy')}, now {current.get('strategy')}"]
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key), current.get(key)
-        if a == b:
-            continue
-        if key == "params" and isinstance(a, dict) and isinstance(b, dict):
-            missing = sorted(set(b) - set(a))[:5]
-            extra = sorted(set(a) - set(b))[:5]
-            shapes = [f"{n}: {a[n]} vs {b[n]}" for n in sorted(set(a) & set(b)) if a[n] != b[n]][:5]
-            for label, items in (
-                ("not in the snapshot", missing),
-                ("not in the model", extra),
-                ("shapes", shapes),
-            ):
-                if items:
-                    out.append(f"parameters {label}: {items}")
-        elif key == "optimizers":
-            out.append("optimizers (class or parameter groups) differ")
-        else:
-            out.append(f"{key}: snapshot {a!r}, now {b!r}")
-    return out
+differences = core.differences
 
 
 def restore(trainer: pl.Trainer, state: dict[str, Any], *, full: bool) -> None:
@@ -216,6 +113,8 @@ def restore(trainer: pl.Trainer, state: dict[str, Any], *, full: bool) -> None:
     """
     module = trainer.lightning_module
     assert module is not None
+    # Lightning's restore_* methods read the checkpoint they are handed through the connector; there is
+    # no public entry point that restores loops and callbacks from a dict
     connector = trainer._checkpoint_connector
     checkpoint = dict(state["lightning"])
     checkpoint["state_dict"] = state["model"]
@@ -224,7 +123,7 @@ def restore(trainer: pl.Trainer, state: dict[str, Any], *, full: bool) -> None:
         if full:
             connector.restore_datamodule()
             call._call_lightning_module_hook(trainer, "on_load_checkpoint", checkpoint)
-        _load_model_and_optimizers(trainer, checkpoint["state_dict"], state["optim"])
+        core.load(module, _engine(trainer), trainer.optimizers, checkpoint["state_dict"], state["optim"])
         if full:
             connector.restore_callbacks()
             connector.restore_loops()
@@ -232,44 +131,6 @@ def restore(trainer: pl.Trainer, state: dict[str, Any], *, full: bool) -> None:
         connector.restore_lr_schedulers()
     finally:
         connector._loaded_checkpoint = {}
-
-
-def _load_model_and_optimizers(trainer: pl.Trainer, model: dict[str, Any], optim: dict[str, Any]) -> None:
-    module = trainer.lightning_module
-    assert module is not None
-    engine = _engine(trainer)
-    if isinstance(engine, ZeroEngine) and optim.get("order"):
-        engine.freeze_order(optim["order"])  # the saved bucket layout, before fragments are matched
-    if isinstance(engine, Stage3Engine):
-        shards = pieces_from_records(optim["shards"])
-
-        def values(name: str, lo: int, hi: int) -> Tensor | None:
-            piece = cut(shards.get(name, []), lo, hi)
-            return None if piece is None else piece["param"]
-
-        engine.load_fragments(values)
-    meta = {n for n, t in itertools.chain(module.named_parameters(), module.named_buffers()) if t.is_meta}
-    skip = meta | (_param_names(module) if isinstance(engine, Stage3Engine) else set())
-    missing, unexpected = module.load_state_dict(model, strict=False)
-    missing = [k for k in missing if k not in skip]
-    if missing or unexpected:
-        raise KeyError(f"The snapshot's model state lacks {missing[:8]} and has unexpected {unexpected[:8]}.")
-    if optim["kind"] == "fragments":
-        sharded = engine.sharded_state if engine is not None else None
-        if sharded is None:
-            raise ValueError(
-                "The snapshot holds ZeRO optimizer shards, but the strategy shards no optimizer."
-            )
-        table = sharded.fragment_table()
-        for opt, saved in zip(trainer.optimizers, optim["optimizers"], strict=True):
-            pieces = pieces_from_records(saved["records"])
-            load_fragments(opt, pieces, saved["param_groups"], table, master_key=sharded.master_key)
-        if sharded.master_key is not None and isinstance(sharded, ShardedOptimizer):
-            sharded.refresh_params()  # compute copies := restored fp32 masters, on every rank
-        return
-    for opt, saved_state in zip(trainer.optimizers, optim["optimizers"], strict=True):
-        opt.load_state_dict(saved_state)
-    _optimizers_to_device(trainer.optimizers, trainer.strategy.root_device)
 
 
 def resume_data_and_rng(trainer: pl.Trainer, state: dict[str, Any]) -> str:

@@ -39,7 +39,6 @@ from lightning_par.checkpoint.optimizer_state import (
 )
 from lightning_par.checkpoint.tp_reshard import Record, TPInfo, global_shapes, globalize
 from lightning_par.zero.engine import Engine
-from lightning_par.zero.stage3 import Stage3Engine
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -79,8 +78,8 @@ def model_records(module: nn.Module, engine: Engine | None, *, dp_rank: int, tp_
     non-parameter state."""
     params: list[Record] = []
     masters: list[Record] = []
-    if isinstance(engine, Stage3Engine):
-        params = [(n, lo, hi, {"param": _cpu(view)}) for n, lo, hi, view in engine.shard_table()]
+    if engine is not None and engine.shards_params:
+        params = [(n, lo, hi, {"param": _cpu(view)}) for n, lo, hi, view in engine.param_shards()]
     else:
         if dp_rank == 0:
             params = [

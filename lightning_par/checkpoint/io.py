@@ -46,9 +46,7 @@ from lightning_par.checkpoint.sharded import (
     write_rank_file,
 )
 from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, localize, localize_state_dict
-from lightning_par.zero.engine import Engine, ZeroEngine
-from lightning_par.zero.sharded_optimizer import ShardedOptimizer
-from lightning_par.zero.stage3 import Stage3Engine
+from lightning_par.zero.engine import Engine
 
 
 def layout_metadata(
@@ -73,7 +71,7 @@ def layout_metadata(
         "params": global_shapes(module, tp),
         "tp_dims": dict(tp["dims"]),
         "aliases": {n: a for n, a in aliases.items() if len(a) > 1},
-        "order": engine.sync.names if isinstance(engine, ZeroEngine) else [],
+        "order": engine.bucket_order() if engine is not None else [],
         "optimizers": [
             {"class": type(opt).__name__, "param_names": _group_names(opt, engine, names, k)}
             for k, opt in enumerate(optimizers)
@@ -245,8 +243,7 @@ def load_optimizer_states(
     table = sharded.fragment_table()
     for opt, (hyper, pieces) in zip(optimizers, sources, strict=True):
         load_fragments(opt, localize(pieces, shapes, tp), hyper, table, master_key=sharded.master_key)
-    if sharded.master_key is not None and isinstance(sharded, ShardedOptimizer):
-        sharded.refresh_params()  # the compute copy follows the restored fp32 masters
+    engine.masters_changed()  # the compute copy follows the restored fp32 masters
 
 
 def full_state_dict_of(checkpoint: dict[str, Any], sharded_path: Path | None) -> dict[str, Any]:
@@ -272,7 +269,7 @@ def full_state_dict_of(checkpoint: dict[str, Any], sharded_path: Path | None) ->
 
 
 def load_stage3_params(
-    checkpoint: Mapping[str, Any], engine: Stage3Engine, sharded_path: Path | None, tp: TPInfo
+    checkpoint: Mapping[str, Any], engine: Engine, sharded_path: Path | None, tp: TPInfo
 ) -> dict[str, Any]:
     """Fill this rank's parameter shards from a checkpoint of any stage and layout; return the
     non-parameter entries of its state_dict (buffers), for ``load_state_dict`` of the rest."""
@@ -292,7 +289,7 @@ def load_stage3_params(
         piece = cut(pieces.get(name, []), lo, hi)
         return None if piece is None else piece["param"]
 
-    engine.load_fragments(values)
+    engine.load_param_shards(values)
     params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
     return {k: v for k, v in state.items() if k not in params}
 
@@ -310,7 +307,7 @@ def load_module_state(
     ZeRO-3 shards are filled directly; otherwise the full state dict is cut to this rank's tensor-parallel
     pieces (other pipeline stages' layers skipped), loaded, and, where ZeRO 1/2 keeps separate fp32
     masters, copied into them at full precision (the compute copy alone would be rounded)."""
-    if isinstance(engine, Stage3Engine):
+    if engine is not None and engine.shards_params:
         rest = load_stage3_params(checkpoint, engine, sharded_path, tp)
         missing, unexpected = module.load_state_dict(rest, strict=False)
         buffers = {n for n, _ in module.named_buffers()}
@@ -332,12 +329,12 @@ def load_module_state(
             f"The checkpoint's state_dict lacks {missing[:8]} and has unexpected {unexpected[:8]}."
         )
     sharded = engine.sharded_state if engine is not None else None
-    if isinstance(sharded, ShardedOptimizer) and sharded.master_key is not None:
+    if engine is not None and sharded is not None and sharded.master_key is not None:
         with torch.no_grad():
             for name, lo, hi, master in sharded.fragment_table():
                 if isinstance(state.get(name), Tensor):
                     master.copy_(state[name].detach().reshape(-1)[lo:hi])
-        sharded.refresh_params()  # the compute copy follows the masters on every rank
+        engine.masters_changed()  # the compute copy follows the masters on every rank
 
 
 def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:

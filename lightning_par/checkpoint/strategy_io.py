@@ -47,6 +47,11 @@ class ZeroCheckpointIO(ParallelStrategy):
     _sharded_source: Path | None = None
 
     @property
+    def engine(self) -> Engine | None:
+        """The ZeRO engine (after ``setup`` for fitting, and at stage 3 for evaluation too), else None."""
+        return self._engine
+
+    @property
     @abstractmethod
     def layout(self) -> MeshLayout:
         """The strategy's mesh sizes, recorded in checkpoints."""

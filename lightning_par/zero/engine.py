@@ -125,12 +125,56 @@ class ZeroEngine:
         """Fragments and rebuilt optimizers (stages 1/2), for checkpoints; None at stage 0."""
         return self.sharded
 
+    # -- state access (checkpoints, snapshots, memory reports): the same methods at every stage
+    shards_params = False  # parameters are whole on every rank below stage 3
+
+    def bucket_order(self) -> list[str]:
+        """The flat bucket order of the parameters (checkpoints record it so fragments match on load)."""
+        return list(self.sync.names)
+
+    def param_shards(self) -> list[tuple[str, int, int, Tensor]]:
+        """Parameter pieces held as shards: none below stage 3 (the parameters are whole)."""
+        return []
+
+    def load_param_shards(self, values: Callable[[str, int, int], Tensor | None]) -> None:
+        """Nothing to load below stage 3: whole parameters load through ``module.load_state_dict``."""
+
+    def masters_changed(self) -> None:
+        """The fp32 masters were written from outside (a checkpoint, a snapshot): the compute copies of
+        every rank follow them (one all-gather); nothing to do without separate masters."""
+        if self.sharded is not None and self.sharded.master_key is not None:
+            self.sharded.refresh_params()
+
+    def unshard_all(self) -> None:
+        """Parameters are whole below stage 3; nothing to gather."""
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes the engine holds on this rank: ``gradients`` (full buffer and shard), ``comm`` (the bucket
+        pool) and, when optimizers are sharded, ``optimizer_state`` (with the fp32 masters)."""
+        g = self.sync.grad_bytes()
+        out = {"gradients": g["full"] + g["shard"], "comm": g["bucket_pool"]}
+        if self.sharded is not None:
+            out["optimizer_state"] = self.sharded.optimizer_state_bytes()
+        return out
+
     def remove(self) -> None:
         self.sync.remove()
 
 
 class Engine(Protocol):
-    """What the strategy and the checkpoint code need of a ZeRO engine (stages 0-2 or 3)."""
+    """What the front doors, the checkpoint code and the snapshot code need of a ZeRO engine (stages 0-2
+    or 3). Every method means the same at every stage, so no caller outside ``zero/`` branches on the
+    engine's class:
+
+    * ``shards_params``: whether parameters live as shards (stage 3); ``param_shards()`` lists them as
+      ``(name, lo, hi, view)`` (empty below stage 3) and ``load_param_shards(values)`` overwrites them.
+    * ``sharded_state``: the optimizer fragments (stages 1-3), None when optimizers are not sharded.
+    * ``bucket_order()``: the flat order fragments follow (empty at stage 3, whose units follow the
+      module), restored by ``freeze_order`` before fragments are loaded.
+    * ``masters_changed()``: after fp32 masters were written, the compute copies follow.
+    * ``unshard_all()``: leave whole parameters behind (a no-op below stage 3).
+    * ``memory_bytes()``: bytes by category; keys present override what a caller would count itself.
+    """
 
     stage: int
     module: nn.Module
@@ -149,6 +193,16 @@ class Engine(Protocol):
 
     @property
     def sharded_state(self) -> ShardedState | None: ...
+
+    # state access, identical in meaning at stages 0-3 (callers never ask which engine they hold)
+    shards_params: bool
+
+    def bucket_order(self) -> list[str]: ...
+    def param_shards(self) -> list[tuple[str, int, int, Tensor]]: ...
+    def load_param_shards(self, values: Callable[[str, int, int], Tensor | None]) -> None: ...
+    def masters_changed(self) -> None: ...
+    def unshard_all(self) -> None: ...
+    def memory_bytes(self) -> dict[str, int]: ...
     def remove(self) -> None: ...
 
 

@@ -472,7 +472,7 @@ class Stage3Engine(Stage3State):
         self._sync_listeners.append(listener)
 
     def flush(self) -> None:
-        raise RuntimeError("ZeRO-3 reduces every backward; there is nothing to flush.")
+        """Nothing is held back: ZeRO-3 reduces into the shard at the end of every backward."""
 
     def grad_view(self, param: nn.Parameter) -> Tensor | None:
         """None: stage 3 keeps no full gradient between backwards."""

@@ -36,6 +36,24 @@ class Stage3State:
             return [(unit.names[f.slot], f.param_lo, f.param_hi, view) for unit, f, view in self._masters]
         return [row for u in self.units if u.train is not None for row in u.train.fragments(self.rank)]
 
+    shards_params = True
+
+    def bucket_order(self) -> list[str]:
+        """Empty: units follow the module structure, not a recorded flat order."""
+        return []
+
+    def param_shards(self) -> list[tuple[str, int, int, Tensor]]:
+        """The engine protocol's name for :meth:`shard_table`."""
+        return self.shard_table()
+
+    def load_param_shards(self, values: Callable[[str, int, int], Tensor | None]) -> None:
+        """The engine protocol's name for :meth:`load_fragments`."""
+        self.load_fragments(values)
+
+    def masters_changed(self) -> None:
+        """Nothing to refresh: the shard is what forward gathers (masters are the shard or cast from it
+        at every step)."""
+
     def shard_table(self) -> list[tuple[str, int, int, Tensor]]:
         """``(param name, lo, hi, shard view)`` for every parameter piece this rank holds, trainable and
         frozen: the model's share of a checkpoint or snapshot."""
@@ -81,9 +99,11 @@ class Stage3State:
         largest = max(u.full_bytes for u in self.units)
         return {
             "param_shard": shard,
+            "parameters": shard,
             "frozen_shard": frozen,
             "live_units": live,
             "grad_shard": grads,
+            "gradients": grads,
             "comm": self._pool_bytes,
             "largest_unit": largest,
         }
