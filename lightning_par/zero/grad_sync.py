@@ -32,6 +32,9 @@ checks unused parameters with one small all-reduce of per-parameter "missing" co
 the same verdict: a clear error naming them, or (``find_unused_parameters=True``) parameters that no
 rank used keep ``grad=None`` while partially used ones are averaged with zeros. Never a hang.
 
+The layout, the buffers and the reductions in flight are :class:`~lightning_par.zero.grad_buckets.GradBuckets`
+(the base class); :mod:`lightning_par.zero.broadcast` holds the module-state broadcast.
+
 Limits: one backward per pass (accumulate with :meth:`no_sync`); reentrant activation checkpointing
 (``use_reentrant=True``) is not supported, the non-reentrant kind is.
 """
@@ -40,7 +43,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -48,17 +50,23 @@ from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 
-from lightning_par.collectives import reduce_scatter_flat
+from lightning_par.zero.broadcast import broadcast_module_states, broadcast_tensors
+from lightning_par.zero.grad_buckets import GradBuckets, GradSyncPolicy, ReduceOp, bucket_numel_for
 from lightning_par.zero.layout import FlatLayout
 from lightning_par.zero.unused import MissingGradients, UnusedParametersError
 
-__all__ = ["GradSync", "UnusedParametersError", "broadcast_module_states"]
+__all__ = [
+    "GradSync",
+    "GradSyncPolicy",
+    "ReduceOp",
+    "UnusedParametersError",
+    "broadcast_module_states",
+    "broadcast_tensors",
+    "bucket_numel_for",
+]
 
-GradSyncPolicy = Literal["boundary", "every"]
-ReduceOp = Literal["all_reduce", "reduce_scatter"]
 
-
-class GradSync:
+class GradSync(GradBuckets):
     """Reduces the gradients of ``named_params`` over ``group`` during backward (see module docstring).
 
     Args:
@@ -145,53 +153,6 @@ class GradSync:
         self._build(list(range(len(self._params))))
 
     # ------------------------------------------------------------------ layout
-    def _build(self, order: list[int]) -> None:
-        """(Re)build buffers for parameters in ``order`` (indices into the current lists), carrying over
-        what the old buffer accumulated (it may hold a gradient whose ``param.grad`` was released: a
-        reduction dtype other than the parameters')."""
-        carried: dict[int, Tensor] = {}
-        if self.buffer is not None:
-            for i, p in enumerate(self._params):
-                if self._touched[i]:
-                    carried[id(p)] = self._views[i].clone()
-        self._params = [self._params[i] for i in order]
-        self._names = [self._names[i] for i in order]
-        self._slot_of = {id(p): i for i, p in enumerate(self._params)}
-        self.layout = FlatLayout(
-            names=self._names,
-            shapes=[tuple(p.shape) for p in self._params],
-            bucket_numel=self._bucket_numel,
-            shard_count=self.world if self.shard else 1,
-        )
-        shard_offsets, off = [], 0
-        for b in self.layout.buckets:
-            shard_offsets.append(off)
-            off += b.numel // self.layout.shard_count
-        self._shard_offsets = shard_offsets
-        self.buffer = None
-        if self.grad_sync == "boundary":
-            old = [carried.get(id(p), p.grad) for p in self._params]
-            self.buffer = torch.zeros(self.layout.numel, dtype=self.dtype, device=self.device)
-            self._views = [self.buffer[s.offset : s.end].view(s.shape) for s in self.layout.slots]
-            for p, view, g in zip(self._params, self._views, old, strict=True):
-                if g is not None:
-                    view.copy_(g)
-                    p.grad = view if p.dtype == view.dtype else None
-        self.grad_shard: Tensor | None = None
-        if self.shard:
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
-        self._pool = {}
-        self._all_pooled = []
-        self._touched = [False] * len(self._params)
-        self._reset_backward_state()
-
-    def _reset_backward_state(self) -> None:
-        self._pending = [len(b.slots) for b in self.layout.buckets]
-        self._ready_in_backward = [False] * len(self._params)
-        self._next_bucket = 0
-        self._bucket_bufs: dict[int, Tensor] = {}
-        self._inflight: list[tuple[int, dist.Work, Tensor, Tensor | None]] = []
-
     def set_order(self, names: Sequence[str]) -> None:
         """Adopt a parameter order (e.g. a checkpoint's) and stop the first-backward rebuild."""
         index = {n: i for i, n in enumerate(self._names)}
@@ -203,49 +164,6 @@ class GradSync:
             self._build(order)
             for listener in self._relayout_listeners:
                 listener()
-
-    # ------------------------------------------------------------------ buffers
-    def _acquire(self, numel: int, *, slice_of_bucket: bool = False) -> Tensor:
-        biggest = max(b.numel for b in self.layout.buckets)
-        cap = biggest // self.world if slice_of_bucket else biggest
-        free = self._pool.setdefault(cap, [])
-        if free:
-            base = free.pop()
-        else:
-            base = torch.empty(cap, dtype=self.dtype, device=self.device)
-            self._all_pooled.append(base)
-        return base[:numel].zero_()
-
-    def _release(self, buf: Tensor) -> None:
-        base = next(b for b in self._all_pooled if b.data_ptr() == buf.data_ptr())
-        self._pool.setdefault(base.numel(), []).append(base)
-
-    def _bucket_buffer(self, index: int) -> Tensor:
-        if self.buffer is not None:
-            b = self.layout.buckets[index]
-            return self.buffer[b.start : b.end]
-        buf = self._bucket_bufs.get(index)
-        if buf is None:
-            buf = self._bucket_bufs[index] = self._acquire(self.layout.buckets[index].numel)
-        return buf
-
-    def _fold(self, slot: int, grad: Tensor) -> None:
-        """Put one parameter's fresh gradient into its bucket (copy the first time, then add)."""
-        s = self.layout.slots[slot]
-        param = self._params[slot]
-        if self.buffer is not None:
-            view = self._views[slot]
-            if grad.data_ptr() != view.data_ptr():
-                if self._touched[slot]:
-                    view.add_(grad)
-                else:
-                    view.copy_(grad)
-                # a view of another dtype cannot be .grad: release the folded gradient instead
-                param.grad = view if param.dtype == view.dtype else None
-        else:
-            start = self.layout.buckets[s.bucket].start
-            self._bucket_buffer(s.bucket)[s.offset - start : s.end - start].view(s.shape).copy_(grad)
-            param.grad = None  # the full-size gradient is not kept: that is the point of "every"
 
     # ------------------------------------------------------------------ hooks
     def _on_grad_ready(self, param: Tensor) -> None:
@@ -279,52 +197,6 @@ class GradSync:
     def communicating(self) -> bool:
         """Whether the backward pass running now reduces its gradients."""
         return self._sync or self.grad_sync == "every"
-
-    def _launch_ready(self) -> None:
-        while self._next_bucket < len(self.layout.buckets) and self._pending[self._next_bucket] == 0:
-            self._launch(self._next_bucket)
-
-    def _launch(self, index: int) -> None:
-        bucket = self.layout.buckets[index]
-        if self.buffer is not None:
-            for i in bucket.slots:
-                if not self._touched[i] and self._params[i].grad is None:
-                    self._views[i].zero_()  # stale values of an earlier window must not be reduced
-        flat = self._bucket_buffer(index)
-        if self.buffer is None:
-            for i in bucket.slots:
-                grad = self._params[i].grad
-                if grad is not None:  # deferred in the first pass, which only recorded the order
-                    self._fold(i, grad)
-        out: Tensor | None = None
-        if self.reduce_op == "reduce_scatter":
-            out = self._acquire(bucket.numel // self.world, slice_of_bucket=True)
-            work = reduce_scatter_flat(out, flat, group=self.group, async_op=True)
-        else:
-            op = dist.ReduceOp.SUM if self.shard else dist.ReduceOp.AVG
-            work = dist.all_reduce(flat, op=op, group=self.group, async_op=True)
-        assert work is not None
-        self._inflight.append((index, work, flat, out))
-        self._next_bucket = index + 1
-        if self.buffer is None and len(self._inflight) > self.max_inflight:
-            self._complete_oldest()  # back-pressure keeps at most max_inflight bucket buffers alive
-
-    def _complete_oldest(self) -> None:
-        index, work, flat, out = self._inflight.pop(0)
-        work.wait()
-        if self.shard:
-            assert self.grad_shard is not None
-            bucket = self.layout.buckets[index]
-            size = bucket.numel // self.world
-            mine = out if out is not None else flat[self.rank * size : (self.rank + 1) * size]
-            off = self._shard_offsets[index]
-            # SUM then scale: Gloo's reduce-scatter has no AVG; the scale rides on the accumulation.
-            self.grad_shard[off : off + size].add_(mine, alpha=1.0 / self.world)
-            if out is not None:
-                self._release(out)
-        if self.buffer is None:
-            self._release(flat)
-            self._bucket_bufs.pop(index, None)
 
     # ------------------------------------------------------------------ end of backward
     def _finalize_backward(self) -> None:
@@ -509,43 +381,3 @@ class GradSync:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-def broadcast_module_states(
-    module: nn.Module, *, group: ProcessGroup, src_index: int = 0, params: bool = True, buffers: bool = True
-) -> None:
-    """Make every rank of ``group`` hold the parameters and/or buffers of its ``src_index``-th rank
-    (meta tensors, such as layers of other pipeline stages, are skipped).
-
-    Tensors are coalesced per dtype into one flat broadcast each, so this costs one collective per dtype.
-    """
-    if dist.get_world_size(group) == 1:
-        return
-    chosen = [*(module.parameters() if params else ()), *(module.buffers() if buffers else ())]
-    broadcast_tensors(chosen, group=group, src_index=src_index)
-
-
-def broadcast_tensors(tensors: Sequence[Tensor], *, group: ProcessGroup, src_index: int = 0) -> None:
-    """Overwrite ``tensors`` in place with the ``src_index``-th rank's values, one flat broadcast per
-    (dtype, device)."""
-    if dist.get_world_size(group) == 1:
-        return
-    src = dist.get_global_rank(group, src_index)
-    by_key: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for t in tensors:
-        if t.numel() > 0 and not t.is_meta:
-            by_key.setdefault((t.dtype, t.device), []).append(t)
-    with torch.no_grad():
-        for items in by_key.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in items])
-            dist.broadcast(flat, src=src, group=group)
-            offset = 0
-            for t in items:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-
-def bucket_numel_for(bucket_size_mb: float, element_size: int) -> int:
-    if not bucket_size_mb > 0:
-        raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}.")
-    return max(1, int(bucket_size_mb * 1024 * 1024) // element_size)

@@ -43,6 +43,10 @@ overlaps that unit's compute, and no use can run before its gather lands. Every 
 or writes stays referenced until its wait (a cast send buffer on its part, bucket buffers in the in-flight
 queue), and gathered storage is released only after its last use, on the compute stream, which orders the
 release after the collective. Nothing in a step synchronises the device with the host.
+
+This module holds construction and the forward/gather hooks; the bases hold the gradient hooks, the
+reduction queue and the window's end (:mod:`~lightning_par.zero.stage3_reduce`), the optimizer sharding
+(:mod:`~lightning_par.zero.stage3_optim`) and checkpoint access (:mod:`~lightning_par.zero.stage3_state`).
 """
 
 from __future__ import annotations
@@ -54,31 +58,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_par.collectives import reduce_scatter_flat
-from lightning_par.zero.grad_sync import ReduceOp, broadcast_module_states
+from lightning_par.zero.broadcast import broadcast_module_states
+from lightning_par.zero.grad_buckets import ReduceOp
 from lightning_par.zero.layout import Fragment
 from lightning_par.zero.meta_init import ValuesFn, materialize_unit, target_device
-from lightning_par.zero.sharded_optimizer import (
-    inherit_param_attrs,
-    optimizer_group_params,
-    rebuild_optimizer,
-)
-from lightning_par.zero.stage3_state import Stage3State
-from lightning_par.zero.unit import Part, Unit, build_unit
+from lightning_par.zero.stage3_reduce import Stage3Reduce
+from lightning_par.zero.unit import Unit, build_unit
 from lightning_par.zero.units import UnitPolicy, plan_units
-from lightning_par.zero.unused import MissingGradients
 
 
 def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
-class Stage3Engine(Stage3State):
+class Stage3Engine(Stage3Reduce):
     """Shards ``module``'s parameters over ``group`` in units (see the module docstring)."""
 
     def __init__(
@@ -191,22 +188,6 @@ class Stage3Engine(Stage3State):
             for p in unit.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
-    # ------------------------------------------------------------------ gather / free
-    def _gather(self, unit: Unit) -> None:
-        unit.gather(self.group)
-
-    def _wait(self, unit: Unit) -> None:
-        unit.wait(self.group)
-
-    def _free(self, unit: Unit) -> None:
-        unit.free()
-
-    def _free_if_done(self, unit: Unit) -> None:
-        """Free after backward: once the unit's gradients are launched (if it has trainable parameters)
-        and, for a unit with frozen parameters, once backward no longer needs them."""
-        if (unit.train is None or unit.reduced) and unit.backward_done:
-            self._free(unit)
-
     # ------------------------------------------------------------------ forward hooks
     def _make_pre_forward(self, unit: Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -291,150 +272,6 @@ class Stage3Engine(Stage3State):
             if self.root is not None and not torch.is_grad_enabled():
                 self._free(self.root)
 
-    # ------------------------------------------------------------------ backward
-    def _queue_callback(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            Variable._execution_engine.queue_callback(self._finalize_backward)
-
-    def _on_grad(self, param: Tensor) -> None:
-        self._queue_callback()
-        unit, slot = self._unit_of[id(param)]
-        grad = param.grad
-        if unit.grad_buf is None:  # the unit's first gradient in this backward
-            unit.grad_buf = self._acquire(_train(unit).layout.numel)
-            unit.pending = len(unit.params)
-        if grad is not None:
-            s = _train(unit).layout.slots[slot]
-            unit.grad_buf[s.offset : s.end].view(s.shape).copy_(grad)
-            param.grad = None  # the full-size gradient is not kept
-            self._touched[id(param)] = True
-        unit.pending -= 1
-        if unit.pending == 0:
-            self._launch_in_order()
-
-    def _reduce_order(self) -> list[Unit]:
-        """Units with gradients, in the order their reductions are issued (the same on every rank)."""
-        order = [*reversed(self._order), *(u for u in self.units if u not in self._order)]
-        return [u for u in order if u.train is not None]
-
-    def _launch_in_order(self) -> None:
-        for unit in self._reduce_order():
-            if unit.reduced:
-                continue
-            if unit.grad_buf is None or unit.pending > 0:
-                return  # keep the collective order identical on every rank
-            self._launch(unit)
-
-    def _launch(self, unit: Unit) -> None:
-        train = _train(unit)
-        buf = unit.grad_buf if unit.grad_buf is not None else self._acquire(train.layout.numel)
-        unit.grad_buf = None
-        out: Tensor | None = None
-        if self.reduce_op == "reduce_scatter":
-            out = self._acquire(train.shard.numel())
-            work = reduce_scatter_flat(out, buf, group=self.group, async_op=True)
-        else:
-            work = dist.all_reduce(buf, group=self.group, async_op=True)
-        self._inflight.append((unit, work, buf, out))
-        unit.reduced = True
-        self._free_if_done(unit)
-        if len(self._inflight) > self.max_inflight:
-            self._complete_oldest()
-
-    def _complete_oldest(self) -> None:
-        unit, work, buf, out = self._inflight.pop(0)
-        work.wait()
-        n = _train(unit).shard.numel()
-        mine = out if out is not None else buf[self.rank * n : (self.rank + 1) * n]
-        assert unit.grad_shard is not None
-        unit.grad_shard.add_(mine, alpha=1.0 / self.world)
-        self._release(buf)
-        if out is not None:
-            self._release(out)
-
-    def _finalize_backward(self) -> None:
-        self._callback_queued = False
-        self._recording = False
-        for unit in self._reduce_order():
-            if not unit.reduced:
-                self._launch(unit)  # every rank reduces every unit: collectives must match
-        missing = None
-        if self._sync:
-            params = [(n, p) for u in self.units for n, p in zip(u.names, u.params, strict=True)]
-            missing = MissingGradients(
-                [self._touched[id(p)] for _, p in params],
-                names=[n for n, _ in params],
-                group=self.group,
-                device=self.device,
-                find_unused_parameters=self.find_unused_parameters,
-            )
-        while self._inflight:
-            self._complete_oldest()
-        for unit in self.units:
-            unit.reduced = False
-            unit.pending = 0
-            unit.backward_done = True
-            self._free(unit)
-        if self._in_step and self.root is not None:
-            self._wait(self.root)  # the step goes on (manual optimization): its next forward needs the root
-        if missing is not None:
-            self._finish_window(missing)
-
-    def _finish_window(self, missing: MissingGradients) -> None:
-        params = [p for u in self.units for p in u.params]
-        for p in params:
-            self._touched[id(p)] = False
-        unused = missing.finish()  # raises, naming them, if gradients are missing and not allowed
-        self.unused = frozenset(id(params[i]) for i in unused)
-        # the gradient pipeline (see lightning_par.precision): attach to the masters, then rescale
-        self._attach_grads()
-        for listener in self._sync_listeners:
-            listener()
-
-    # ------------------------------------------------------------------ buffers
-    def _acquire(self, numel: int) -> Tensor:
-        free = self._pool.setdefault(numel, [])
-        if free:
-            return free.pop().zero_()
-        self._pool_bytes += numel * self.dtype.itemsize
-        return torch.zeros(numel, dtype=self.dtype, device=self.device)
-
-    def _release(self, buf: Tensor) -> None:
-        self._pool[buf.numel()].append(buf)
-
-    # ------------------------------------------------------------------ optimizer
-    def shard_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
-        """Rebuild ``optimizers`` over this rank's fragments of every unit's trainable shard (the fp32
-        masters); frozen parameters the optimizers hold get no fragment and no state."""
-        names = {p: n for n, p in self.module.named_parameters()}
-        trainable = [p for u in self.units for p in u.params]
-        self.optimizers = list(optimizers)
-        self._group_params = optimizer_group_params(
-            self.optimizers, trainable, names, allow_untested=self.allow_untested_optimizer
-        )
-        masters: dict[int, list[Tensor]] = {}
-        self._masters = []
-        for unit in self.units:
-            if unit.train is None:
-                continue
-            for f in unit.train.layout.fragments(self.rank):
-                view = unit.train.shard[f.shard_lo : f.shard_lo + f.numel]
-                inherit_param_attrs(view, unit.params[f.slot])
-                masters.setdefault(id(unit.params[f.slot]), []).append(view)
-                self._masters.append((unit, f, view))
-        for opt, groups in zip(self.optimizers, self._group_params, strict=True):
-            rebuild_optimizer(opt, groups, masters)
-
-    def _attach_grads(self) -> None:
-        for unit, f, master in self._masters:
-            if id(unit.params[f.slot]) in self.unused:
-                master.grad = None
-            else:
-                assert unit.grad_shard is not None
-                g = unit.grad_shard[f.shard_lo : f.shard_lo + f.numel]
-                master.grad = g if g.dtype == master.dtype else g.to(master.dtype)
-
     def after_step(self) -> None:
         """Open a new gradient window (the shards are updated in place; gathers read them next time)."""
         for _, _, master in self._masters:
@@ -445,9 +282,6 @@ class Stage3Engine(Stage3State):
         if self._in_step and self.root is not None and self.root.state != "sharded":
             self._free(self.root)  # an optimizer step inside training_step: gather the updated shards
             self._wait(self.root)
-
-    def group_params(self, index: int) -> list[list[nn.Parameter]]:
-        return self._group_params[index]
 
     master_key: str | None = None  # the shard is the fp32 master: nothing extra to save
     stage = 3
@@ -482,32 +316,10 @@ class Stage3Engine(Stage3State):
     def sync_enabled(self) -> bool:
         return self._sync
 
-    @torch.no_grad()
-    def scale_grads(self, factor: float | Tensor) -> None:
-        """Multiply the window's reduced gradients by ``factor``, wherever the optimizer reads them: the
-        gradient shards, and master gradients that are copies of them (another dtype)."""
-        for unit in self.units:
-            if unit.grad_shard is not None:
-                unit.grad_shard.mul_(factor)
-        for unit, _, master in self._masters:
-            g, shard = master.grad, unit.grad_shard
-            if g is not None and shard is not None and not _shares_storage(g, shard):
-                g.mul_(factor)
-
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-def _shares_storage(a: Tensor, b: Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _train(unit: Unit) -> Part:
-    """The trainable part of a unit that receives gradients."""
-    assert unit.train is not None
-    return unit.train
 
 
 def _tensors(output: Any) -> list[Tensor]:

@@ -1,0 +1,87 @@
+"""The optimizer side of a ZeRO-3 engine: the user's optimizers over this rank's shards.
+
+Contract
+--------
+:class:`Stage3Optim` is a base of :class:`~lightning_par.zero.stage3.Stage3Engine` and declares the engine
+attributes it works on. :meth:`~Stage3Optim.shard_optimizers` rebuilds each optimizer over this rank's
+fragments of every unit's trainable shard: views of the shard itself, so the shard is the fp32 master and
+an optimizer step updates exactly what the next gather reads (frozen parameters get no fragment and no
+state). After a window's final backward the reduced gradient shard is attached to the masters: a view
+when the dtypes agree, else a copy in the master's dtype, and ``None`` for parameters no rank used.
+:meth:`~Stage3Optim.scale_grads` multiplies wherever the optimizer reads: the shards, and the copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_par.zero.sharded_optimizer import (
+    inherit_param_attrs,
+    optimizer_group_params,
+    rebuild_optimizer,
+)
+from lightning_par.zero.stage3_state import Stage3State
+
+
+class Stage3Optim(Stage3State):
+    """Optimizer sharding and gradient attachment of a ZeRO-3 engine (see the module docstring)."""
+
+    allow_untested_optimizer: bool
+    optimizers: list[Optimizer]
+    _group_params: list[list[list[nn.Parameter]]]
+    unused: frozenset[int]
+
+    # ------------------------------------------------------------------ optimizer
+    def shard_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Rebuild ``optimizers`` over this rank's fragments of every unit's trainable shard (the fp32
+        masters); frozen parameters the optimizers hold get no fragment and no state."""
+        names = {p: n for n, p in self.module.named_parameters()}
+        trainable = [p for u in self.units for p in u.params]
+        self.optimizers = list(optimizers)
+        self._group_params = optimizer_group_params(
+            self.optimizers, trainable, names, allow_untested=self.allow_untested_optimizer
+        )
+        masters: dict[int, list[Tensor]] = {}
+        self._masters = []
+        for unit in self.units:
+            if unit.train is None:
+                continue
+            for f in unit.train.layout.fragments(self.rank):
+                view = unit.train.shard[f.shard_lo : f.shard_lo + f.numel]
+                inherit_param_attrs(view, unit.params[f.slot])
+                masters.setdefault(id(unit.params[f.slot]), []).append(view)
+                self._masters.append((unit, f, view))
+        for opt, groups in zip(self.optimizers, self._group_params, strict=True):
+            rebuild_optimizer(opt, groups, masters)
+
+    def _attach_grads(self) -> None:
+        for unit, f, master in self._masters:
+            if id(unit.params[f.slot]) in self.unused:
+                master.grad = None
+            else:
+                assert unit.grad_shard is not None
+                g = unit.grad_shard[f.shard_lo : f.shard_lo + f.numel]
+                master.grad = g if g.dtype == master.dtype else g.to(master.dtype)
+
+    def group_params(self, index: int) -> list[list[nn.Parameter]]:
+        return self._group_params[index]
+
+    @torch.no_grad()
+    def scale_grads(self, factor: float | Tensor) -> None:
+        """Multiply the window's reduced gradients by ``factor``, wherever the optimizer reads them: the
+        gradient shards, and master gradients that are copies of them (another dtype)."""
+        for unit in self.units:
+            if unit.grad_shard is not None:
+                unit.grad_shard.mul_(factor)
+        for unit, _, master in self._masters:
+            g, shard = master.grad, unit.grad_shard
+            if g is not None and shard is not None and not _shares_storage(g, shard):
+                g.mul_(factor)
+
+
+def _shares_storage(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -1,0 +1,195 @@
+"""The backward side of a ZeRO-3 engine: gradient buckets, the reduction queue and the window's end.
+
+Contract
+--------
+:class:`Stage3Reduce` is a base of :class:`~lightning_par.zero.stage3.Stage3Engine` and declares the
+engine attributes it works on.
+
+* Gradient hook: a parameter's gradient is copied into its unit's gradient buffer (pooled, keyed by size)
+  and ``param.grad`` released; when the unit's count of pending parameters reaches zero, reductions are
+  launched.
+* Ordering rule: units are reduced in one order on every rank, the reverse of the recorded forward order,
+  then the units forward never reached; a unit still waiting for gradients holds back the ones after it,
+  so all ranks issue the same collectives in the same order.
+* Math: a unit's buffer is SUM-reduced (reduce-scatter, or all-reduce and slice ``r``) and ``(1/N)`` of
+  rank ``r``'s slice is added to the unit's ``grad_shard``. At most ``max_inflight`` reductions stay in
+  flight; they complete first in, first out.
+* End of backward (an autograd callback): every unit not reduced yet is launched (zeros where it got no
+  gradient: collectives must match across ranks), the queue is drained, every gathered unit is freed (the
+  root is gathered again inside a step), and a synchronising backward settles unused parameters, attaches
+  the gradients to the masters and calls the listeners.
+* Gather/free: a unit is freed after backward once its gradients are launched and, with frozen
+  parameters, once backward no longer needs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd import Variable
+
+from lightning_par.collectives import reduce_scatter_flat
+from lightning_par.zero.grad_buckets import ReduceOp
+from lightning_par.zero.stage3_optim import Stage3Optim
+from lightning_par.zero.unit import Part, Unit
+from lightning_par.zero.unused import MissingGradients
+
+
+class Stage3Reduce(Stage3Optim):
+    """Gradient reduction of a ZeRO-3 engine's units (see the module docstring)."""
+
+    world: int
+    reduce_op: ReduceOp
+    find_unused_parameters: bool
+    max_inflight: int
+    dtype: torch.dtype
+    device: torch.device
+    root: Unit | None
+    _unit_of: dict[int, tuple[Unit, int]]
+    _order: list[Unit]
+    _recording: bool
+    _in_step: int
+    _sync: bool
+    _callback_queued: bool
+    _inflight: list[tuple[Unit, Any, Tensor, Tensor | None]]
+    _pool: dict[int, list[Tensor]]
+    _touched: dict[int, bool]
+    _sync_listeners: list[Callable[[], None]]
+
+    # ------------------------------------------------------------------ gather / free
+    def _gather(self, unit: Unit) -> None:
+        unit.gather(self.group)
+
+    def _wait(self, unit: Unit) -> None:
+        unit.wait(self.group)
+
+    def _free(self, unit: Unit) -> None:
+        unit.free()
+
+    def _free_if_done(self, unit: Unit) -> None:
+        """Free after backward: once the unit's gradients are launched (if it has trainable parameters)
+        and, for a unit with frozen parameters, once backward no longer needs them."""
+        if (unit.train is None or unit.reduced) and unit.backward_done:
+            self._free(unit)
+
+    # ------------------------------------------------------------------ backward
+    def _queue_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._finalize_backward)
+
+    def _on_grad(self, param: Tensor) -> None:
+        self._queue_callback()
+        unit, slot = self._unit_of[id(param)]
+        grad = param.grad
+        if unit.grad_buf is None:  # the unit's first gradient in this backward
+            unit.grad_buf = self._acquire(_train(unit).layout.numel)
+            unit.pending = len(unit.params)
+        if grad is not None:
+            s = _train(unit).layout.slots[slot]
+            unit.grad_buf[s.offset : s.end].view(s.shape).copy_(grad)
+            param.grad = None  # the full-size gradient is not kept
+            self._touched[id(param)] = True
+        unit.pending -= 1
+        if unit.pending == 0:
+            self._launch_in_order()
+
+    def _reduce_order(self) -> list[Unit]:
+        """Units with gradients, in the order their reductions are issued (the same on every rank)."""
+        order = [*reversed(self._order), *(u for u in self.units if u not in self._order)]
+        return [u for u in order if u.train is not None]
+
+    def _launch_in_order(self) -> None:
+        for unit in self._reduce_order():
+            if unit.reduced:
+                continue
+            if unit.grad_buf is None or unit.pending > 0:
+                return  # keep the collective order identical on every rank
+            self._launch(unit)
+
+    def _launch(self, unit: Unit) -> None:
+        train = _train(unit)
+        buf = unit.grad_buf if unit.grad_buf is not None else self._acquire(train.layout.numel)
+        unit.grad_buf = None
+        out: Tensor | None = None
+        if self.reduce_op == "reduce_scatter":
+            out = self._acquire(train.shard.numel())
+            work = reduce_scatter_flat(out, buf, group=self.group, async_op=True)
+        else:
+            work = dist.all_reduce(buf, group=self.group, async_op=True)
+        self._inflight.append((unit, work, buf, out))
+        unit.reduced = True
+        self._free_if_done(unit)
+        if len(self._inflight) > self.max_inflight:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        unit, work, buf, out = self._inflight.pop(0)
+        work.wait()
+        n = _train(unit).shard.numel()
+        mine = out if out is not None else buf[self.rank * n : (self.rank + 1) * n]
+        assert unit.grad_shard is not None
+        unit.grad_shard.add_(mine, alpha=1.0 / self.world)
+        self._release(buf)
+        if out is not None:
+            self._release(out)
+
+    def _finalize_backward(self) -> None:
+        self._callback_queued = False
+        self._recording = False
+        for unit in self._reduce_order():
+            if not unit.reduced:
+                self._launch(unit)  # every rank reduces every unit: collectives must match
+        missing = None
+        if self._sync:
+            params = [(n, p) for u in self.units for n, p in zip(u.names, u.params, strict=True)]
+            missing = MissingGradients(
+                [self._touched[id(p)] for _, p in params],
+                names=[n for n, _ in params],
+                group=self.group,
+                device=self.device,
+                find_unused_parameters=self.find_unused_parameters,
+            )
+        while self._inflight:
+            self._complete_oldest()
+        for unit in self.units:
+            unit.reduced = False
+            unit.pending = 0
+            unit.backward_done = True
+            self._free(unit)
+        if self._in_step and self.root is not None:
+            self._wait(self.root)  # the step goes on (manual optimization): its next forward needs the root
+        if missing is not None:
+            self._finish_window(missing)
+
+    def _finish_window(self, missing: MissingGradients) -> None:
+        params = [p for u in self.units for p in u.params]
+        for p in params:
+            self._touched[id(p)] = False
+        unused = missing.finish()  # raises, naming them, if gradients are missing and not allowed
+        self.unused = frozenset(id(params[i]) for i in unused)
+        # the gradient pipeline (see lightning_par.precision): attach to the masters, then rescale
+        self._attach_grads()
+        for listener in self._sync_listeners:
+            listener()
+
+    # ------------------------------------------------------------------ buffers
+    def _acquire(self, numel: int) -> Tensor:
+        free = self._pool.setdefault(numel, [])
+        if free:
+            return free.pop().zero_()
+        self._pool_bytes += numel * self.dtype.itemsize
+        return torch.zeros(numel, dtype=self.dtype, device=self.device)
+
+    def _release(self, buf: Tensor) -> None:
+        self._pool[buf.numel()].append(buf)
+
+
+def _train(unit: Unit) -> Part:
+    """The trainable part of a unit that receives gradients."""
+    assert unit.train is not None
+    return unit.train
