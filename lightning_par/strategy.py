@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par import lightning_hooks
+from lightning_par.build import ZeroOptions, build_engine, precision_groups
 from lightning_par.checkpoint.load_pretrained import PretrainedPlan, PretrainedSource, load_pretrained_once
 from lightning_par.compose import ComposeOptions, compose
 from lightning_par.device_checks import check_optimizer_kernels
@@ -39,12 +40,10 @@ from lightning_par.pipeline.runtime import StepStats
 from lightning_par.precision import ParallelPrecision, cast_frozen, convert_precision_plugin
 from lightning_par.strategy_env import MeshStrategy
 from lightning_par.strategy_options import PipelineSchedule, StartMethod, check_fit_setup, check_options
-from lightning_par.zero import apply_zero, broadcast_module_states
 from lightning_par.zero.buffers import BufferSync
-from lightning_par.zero.engine import Engine, ReduceChoice, resolve_reduce_op
+from lightning_par.zero.engine import Engine, ReduceChoice
 from lightning_par.zero.grad_sync import GradSyncPolicy
 from lightning_par.zero.meta_init import ValuesFn, materialize_local, move_real_tensors, params_on_meta
-from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.units import UnitPolicy
 
 if TYPE_CHECKING:
@@ -314,39 +313,17 @@ class HybridParallelStrategy(MeshStrategy):
         """Step 6 of the composition: ZeRO over the dp group (stage 3 for evaluation too)."""
         assert self.model is not None
         compute, reduce = self._dtypes()
-        if self.zero_stage == 3:
-            # parameters are sharded for evaluation too: a meta-initialised model exists only as shards
-            self._engine = Stage3Engine(
-                self.model,
-                group=self.mesh.dp_group,
-                units=self.zero3_units,
-                reshard_after_forward=self.reshard_after_forward,
-                prefetch=self.prefetch,
-                reduce_op=resolve_reduce_op(self.reduce_op, self.mesh.dp_group),
-                find_unused_parameters=self.find_unused_parameters,
-                compute_dtype=compute,
-                grad_dtype=reduce,
-                values=values,
-                allow_untested_optimizer=self.allow_untested_optimizer,
-                device=self.root_device,
-            )
-        elif fitting:
-            self._engine = apply_zero(
-                self.model,
-                group=self.mesh.dp_group,
-                stage=self.zero_stage,
-                bucket_size_mb=self.bucket_size_mb,
-                # a pipeline step's micro-batches are its accumulation window, reduced after the schedule
-                grad_sync="boundary" if self.pipeline_parallel_size > 1 else self.grad_sync,
-                reduce_op=self.reduce_op,
-                find_unused_parameters=self.find_unused_parameters,
-                compute_dtype=compute,
-                grad_dtype=reduce,
-                allow_untested_optimizer=self.allow_untested_optimizer,
-            )
-        else:
-            self._engine = None
-            broadcast_module_states(self.model, group=self.mesh.dp_group)
+        self._engine = build_engine(
+            self.model,
+            options=ZeroOptions.of(self),
+            group=self.mesh.dp_group,
+            device=self.root_device,
+            compute_dtype=compute,
+            grad_dtype=reduce,
+            fitting=fitting,
+            values=values,
+            pipelined=self.pipeline_parallel_size > 1,
+        )
 
     def _guard_hooks(self) -> None:
         """Hooks of the LightningModule adapted for this run (see :mod:`lightning_par.lightning_hooks`)."""
@@ -371,15 +348,9 @@ class HybridParallelStrategy(MeshStrategy):
         """Step 7: the groups over which the precision plugin's clip norm and fp16 verdicts agree."""
         plugin = self.precision_plugin
         if isinstance(plugin, ParallelPrecision):
-            # each dp rank holds disjoint gradient pieces from stage 1 on, each tp rank its own tensor
-            # shards: the clip norm sums over both, counting tp-replicated parameters once
-            groups = [self.mesh.dp_group] if self.zero_stage > 0 else []
-            if self.pipeline_parallel_size > 1:
-                groups.append(self.mesh.pp_group)  # each stage holds different layers
+            plugin.grad_norm_groups = precision_groups(self.mesh, zero_stage=self.zero_stage)
             if self.tensor_parallel_size > 1:
-                groups.append(self.mesh.tp_group)
                 plugin.tp_group = self.mesh.tp_group
-            plugin.grad_norm_groups = tuple(groups)
         self.setup_precision_plugin()
 
     @property

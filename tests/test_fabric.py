@@ -12,8 +12,8 @@ compared with the same loop in one process on Fabric's own single-device strateg
   steps: the final weights equal the uninterrupted run; the same from a single file
   (``save_distributed_checkpoint=False``);
 * bad input: a module set up twice, an optimizer made from meta parameters before ``setup_module`` at
-  ZeRO-3 (the rule: create it after), pipeline or tensor parallelism under Fabric, a Fabric precision
-  plugin without an equivalent.
+  ZeRO-3 (the rule: create it after), pipeline parallelism under Fabric, a Fabric precision plugin
+  without an equivalent. Tensor parallelism under Fabric: ``tests/test_fabric_tp.py``.
 """
 
 from __future__ import annotations
@@ -269,8 +269,6 @@ def _setup_twice(rank: int, world: int) -> list[str]:
 def test_fabric_bad_input() -> None:
     with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not available under Fabric"):
         HybridParallelStrategy(pipeline_parallel_size=2)
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not available under Fabric"):
-        HybridParallelStrategy(tensor_parallel_size=2)
     with pytest.raises(ValueError, match="cannot be used with lightning_par's Fabric strategy"):
         to_parallel_precision(DoublePrecision())
     assert to_parallel_precision(Fabric(accelerator="cpu", precision="bf16-mixed")._precision).precision == (

@@ -2,16 +2,17 @@
 
 Two formats, both read back into any ZeRO stage and any data-parallel size:
 
-* a **sharded directory** (stages 1-3, ``save_distributed_checkpoint=True``): the package's directory
-  format (:mod:`lightning_par.checkpoint.sharded`: rank files, ``meta.pt``, a CRC manifest, written into
-  staging and swapped in atomically). ``meta.pt`` holds the entries of ``state`` that are neither the
-  module nor its optimizers (``"extras"``), the module's non-parameter entries (its whole state dict at
-  stages 1/2, where every rank holds the parameters) and the layout; each rank file holds its optimizer
-  fragments and, at stage 3, its parameter shards.
-* **one torch file** (stage 0, or ``save_distributed_checkpoint=False``), written by global rank 0:
-  ``{module key: full state dict, optimizer key: full state in torch's format, ...extras}`` plus the
-  layout, as Fabric's FSDP writes with ``state_dict_type="full"``; the full state is gathered one rank at
-  a time (:mod:`lightning_par.checkpoint.full`).
+* a **sharded directory** (stages 1-3 or tensor parallel, ``save_distributed_checkpoint=True``): the
+  package's directory format (:mod:`lightning_par.checkpoint.sharded`: rank files, ``meta.pt``, a CRC
+  manifest, written into staging and swapped in atomically). ``meta.pt`` holds the entries of ``state``
+  that are neither the module nor its optimizers (``"extras"``), the module's non-parameter entries
+  (its whole state dict at stages 1/2, where every rank holds the parameters) and the layout; each
+  rank file holds its optimizer fragments and, at stage 3 or under tensor parallelism, its share of
+  the parameters.
+* **one torch file** (stage 0 without tensor parallelism, or ``save_distributed_checkpoint=False``),
+  written by global rank 0: ``{module key: full state dict, optimizer key: full state in torch's
+  format, ...extras}`` plus the layout, as Fabric's FSDP writes with ``state_dict_type="full"``; the
+  full state is gathered one rank at a time (:mod:`lightning_par.checkpoint.full`).
 
 ``fabric.load_raw(path, model)`` reads a plain state dict (a ``torch.save`` of ``model.state_dict()``)
 into the shards: each rank copies only its slices, from a memory-mapped file.
@@ -63,8 +64,10 @@ def _split(strategy: HybridParallelStrategy, state: Mapping[str, Any]) -> tuple[
     return (modules[0] if modules else None), optimizers
 
 
-def _tp(module: nn.Module) -> TPInfo:
-    return tp_info(module, rank=0, size=1)
+def _tp(strategy: HybridParallelStrategy) -> TPInfo:
+    assert strategy.module is not None
+    mesh = strategy.mesh
+    return tp_info(strategy.module, rank=mesh.tp_rank, size=mesh.tp_size)
 
 
 def _extras(state: Mapping[str, Any], skip: set[str]) -> dict[str, Any]:
@@ -84,13 +87,14 @@ def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any])
     if module is None or engine is None:
         raise RuntimeError("fabric.save needs the module set up first (fabric.setup).")
     optimizers = [state[k] for k in opt_keys]
-    tp, rank, world = _tp(module), strategy.global_rank, strategy.world_size
-    sizes = {"world_size": world, "dp": world, "tp": 1, "pp": 1}
+    tp, rank, world, mesh = _tp(strategy), strategy.global_rank, strategy.world_size, strategy.mesh
+    sizes = {"world_size": world, "dp": mesh.dp_size, "tp": mesh.tp_size, "pp": 1}
     meta = layout_metadata(module, engine=engine, optimizers=optimizers, sizes=sizes, tp=tp)
     keys = {"module": module_key, "optimizers": opt_keys}
     extras = _extras(state, {*opt_keys, *([module_key] if module_key else [])})
-    if engine.stage > 0 and strategy.save_distributed_checkpoint:
-        in_pieces = engine.stage == 3
+    # no rank holds the whole model at stage 3 or under tensor parallelism: the parameters go in pieces
+    in_pieces = engine.shards_params or mesh.tp_size > 1
+    if (engine.stage > 0 or in_pieces) and strategy.save_distributed_checkpoint:
         params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         model_state = {k: v for k, v in module.state_dict().items() if not in_pieces or k not in params}
         checkpoint = {
@@ -100,16 +104,16 @@ def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any])
             "extras": extras,
             METADATA_KEY: meta,
         }
-        payload = rank_payload(module, engine, optimizers, tp, with_model=in_pieces, dp_rank=rank)
+        payload = rank_payload(module, engine, optimizers, tp, with_model=in_pieces, dp_rank=mesh.dp_rank)
         save_sharded(checkpoint, path, payload=payload, rank=rank, world_size=world, barrier=strategy.barrier)
         return
     meta["format"] = "full"
-    if engine.stage == 0:
+    if engine.stage == 0 and not in_pieces:
         full_model: dict[str, Any] = module.state_dict()
         full_optimizers = [opt.state_dict() for opt in optimizers]
     else:
         names = {p: n for n, p in module.named_parameters()}
-        full_model = gather_full_state_dict(module, engine, tp=tp, dp_rank=rank, group=None)
+        full_model = gather_full_state_dict(module, engine, tp=tp, dp_rank=mesh.dp_rank, group=None)
         full_optimizers = [
             gather_full_optimizer_state(
                 opt,
@@ -117,7 +121,7 @@ def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any])
                 engine=engine,
                 param_names=_group_names(opt, engine, names, k),
                 tp=tp,
-                dp_rank=rank,
+                dp_rank=mesh.dp_rank,
                 group=None,
             )
             for k, opt in enumerate(optimizers)
@@ -177,14 +181,14 @@ def load(
     module = strategy.module
     if module_key is not None:
         assert module is not None
-        check_model(checkpoint, module, _tp(module))
+        check_model(checkpoint, module, _tp(strategy))
         _load_module(strategy, checkpoint, source, strict=strict)
     if opt_keys:
         assert module is not None
         optimizers = [state[k] for k in opt_keys]
         load_optimizer_states(
             checkpoint, module=module, engine=strategy.engine, optimizers=optimizers, sharded_path=source,
-            tp=_tp(module),
+            tp=_tp(strategy),
         )  # fmt: skip
         _optimizers_to_device(optimizers, strategy.root_device)
     for k in [k for k in state if k != module_key and k not in opt_keys]:
@@ -209,7 +213,7 @@ def _load_module(
         strategy.module,
         strategy.engine,
         sharded_path=source,
-        tp=_tp(strategy.module),
+        tp=_tp(strategy),
         strict=strict,
     )
 

@@ -18,14 +18,19 @@ only maps Fabric's calls onto them:
   (stages 1/2 all-gather the updated parameters).
 * ``fabric.init_module(empty_init=True)`` at stage 3: meta parameters, materialised shard by shard.
 * ``fabric.save`` / ``fabric.load`` / ``fabric.load_raw``: see :mod:`lightning_par.fabric.checkpoint`.
+* ``tensor_parallel_size > 1`` with ``tp_plan`` (a shipped plan name or ``{pattern: style}``): the module
+  is made tensor-parallel in ``setup_module`` by the same :func:`lightning_par.compose.compose` the
+  Trainer strategy calls (once per module), ZeRO then shards over the data-parallel group, the clip norm
+  sums over dp and tp, and Fabric's distributed sampler splits data over the dp ranks only.
 
-Refused at construction: pipeline parallelism (a schedule must own the forward and backward calls that a
-Fabric loop makes itself) and, for now, tensor parallelism (use the Trainer strategy for both).
+Refused at construction: pipeline parallelism. A schedule must own the forward and backward of every
+micro-batch, while a Fabric loop makes those calls itself; a step helper would be a second training loop
+hidden inside Fabric's, so use the Trainer strategy (which runs the schedule inside Lightning's loop).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -42,16 +47,17 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_par.build import ZeroOptions, build_engine, precision_groups
+from lightning_par.compose import ComposeOptions, compose
 from lightning_par.device_checks import check_optimizer_kernels, resolve_backend
 from lightning_par.fabric import checkpoint as fabric_checkpoint
 from lightning_par.fabric.precision import to_parallel_precision
 from lightning_par.grad_norm import clip_grad_norm_
 from lightning_par.mesh import ParallelMesh
 from lightning_par.precision import ParallelPrecision, cast_frozen
-from lightning_par.zero import apply_zero
-from lightning_par.zero.engine import Engine, resolve_reduce_op
+from lightning_par.tensor_parallel.plan import resolve_plan
+from lightning_par.zero.engine import Engine
 from lightning_par.zero.meta_init import move_real_tensors, params_on_meta
-from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.units import UnitPolicy
 
 SETUP_ATTR = "_lightning_par_fabric_setup"  # set on a module this strategy has set up
@@ -77,7 +83,9 @@ class HybridParallelStrategy(DDPStrategy):
         meta_init: at stage 3, ``fabric.init_module(empty_init=True)`` builds on the meta device.
         save_distributed_checkpoint: ``fabric.save`` writes a sharded directory (default) or, with
             ``False``, one torch file with the full state dict and full optimizer state in torch's format.
-        tensor_parallel_size, pipeline_parallel_size: must be 1 under Fabric (see the module docstring).
+        tensor_parallel_size, tp_plan, sequence_parallel, activation_checkpointing: as for the Trainer
+            strategy (see the module docstring).
+        pipeline_parallel_size: must be 1 under Fabric (see the module docstring).
         process_group_backend: as for the Trainer strategy (checked against the root device at setup).
     """
 
@@ -96,6 +104,9 @@ class HybridParallelStrategy(DDPStrategy):
         save_distributed_checkpoint: bool = True,
         allow_untested_optimizer: bool = False,
         tensor_parallel_size: int = 1,
+        tp_plan: str | Mapping[str, str] | None = None,
+        sequence_parallel: bool = False,
+        activation_checkpointing: bool | UnitPolicy = False,
         pipeline_parallel_size: int = 1,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -114,12 +125,25 @@ class HybridParallelStrategy(DDPStrategy):
                 " forward and backward of every micro-batch itself, which a Fabric loop does by hand. Use"
                 " the Trainer strategy lightning_par.HybridParallelStrategy for pipeline parallelism."
             )
-        if tensor_parallel_size != 1:
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
             raise ValueError(
-                "tensor_parallel_size > 1 is not available under Fabric yet; use the Trainer strategy"
-                " lightning_par.HybridParallelStrategy, or tensor_parallel_size=1."
+                f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}."
             )
+        if tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}."
+            )
+        if sequence_parallel and tensor_parallel_size == 1:
+            raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
+        if tp_plan is not None and not isinstance(tp_plan, str | Mapping):
+            raise ValueError(f"tp_plan must be a plan name or a dict of pattern -> style, got {tp_plan!r}.")
+        if isinstance(tp_plan, str):
+            resolve_plan(tp_plan)  # an unknown name fails here, before any process starts
         self.zero_stage = zero_stage
+        self.tensor_parallel_size = tensor_parallel_size
+        self.tp_plan = tp_plan
+        self.sequence_parallel = sequence_parallel
+        self.activation_checkpointing = activation_checkpointing
         self.bucket_size_mb = float(bucket_size_mb)
         self.grad_sync = grad_sync
         self.reduce_op = reduce_op
@@ -146,6 +170,9 @@ class HybridParallelStrategy(DDPStrategy):
         self.module: nn.Module | None = None
         self.optimizers: list[Optimizer] = []
         self._found_inf: bool | None = None  # this step's fp16 verdict, once gradients are unscaled
+        # parameters that tensor parallelism replaced, by their old identity: an optimizer made before
+        # setup_module is pointed at the replacements (kept until the optimizers are set up)
+        self._replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
 
     # ------------------------------------------------------------------ precision and processes
     @property
@@ -165,8 +192,19 @@ class HybridParallelStrategy(DDPStrategy):
         self._process_group_backend = resolve_backend(self._process_group_backend, self.root_device)
         super().setup_environment()
         if self._mesh is None:
-            self._mesh = ParallelMesh(tensor_parallel_size=1, pipeline_parallel_size=1, timeout=self._timeout)
+            self._mesh = ParallelMesh(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=1,
+                timeout=self._timeout,
+            )
         self.precision.configure(zero_stage=self.zero_stage, device=self.root_device)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data is split over the data-parallel ranks only: the ranks of a tensor-parallel group compute
+        on the same samples."""
+        return {"num_replicas": self.mesh.dp_size, "rank": self.mesh.dp_rank}
 
     @property
     def mesh(self) -> ParallelMesh:
@@ -212,23 +250,7 @@ class HybridParallelStrategy(DDPStrategy):
                 " checkpoints follow that module); wrap several networks in one nn.Module."
             )
         self.module_to_device(module)
-        compute, reduce = self.precision.engine_dtypes()
-        group = self.mesh.dp_group
-        if self.zero_stage == 3:
-            self.engine = Stage3Engine(
-                module,
-                group=group,
-                units=self.zero3_units,
-                reshard_after_forward=self.reshard_after_forward,
-                prefetch=self.prefetch,
-                reduce_op=resolve_reduce_op(self.reduce_op, group),
-                find_unused_parameters=self.find_unused_parameters,
-                compute_dtype=compute,
-                grad_dtype=reduce,
-                allow_untested_optimizer=self.allow_untested_optimizer,
-                device=self.root_device,
-            )
-        else:
+        if self.zero_stage != 3:
             meta = [n for n, p in module.named_parameters() if p.is_meta]
             if meta:
                 raise ValueError(
@@ -236,18 +258,32 @@ class HybridParallelStrategy(DDPStrategy):
                     " materialises them; create the model with fabric.init_module() (empty_init=False) or"
                     " use zero_stage=3."
                 )
-            self.engine = apply_zero(
-                module,
-                group=group,
-                stage=self.zero_stage,
-                bucket_size_mb=self.bucket_size_mb,
-                grad_sync=self.grad_sync,
-                reduce_op=self.reduce_op,
-                find_unused_parameters=self.find_unused_parameters,
-                compute_dtype=compute,
-                grad_dtype=reduce,
-                allow_untested_optimizer=self.allow_untested_optimizer,
-            )
+        # the model-changing steps (tensor parallel, activation checkpointing), once per model, as the
+        # Trainer strategy applies them
+        before = dict(module.named_parameters())
+        compose(
+            module,
+            options=ComposeOptions(
+                tensor_parallel_size=self.tensor_parallel_size,
+                tp_plan=self.tp_plan,
+                sequence_parallel=self.sequence_parallel,
+                activation_checkpointing=self.activation_checkpointing,
+            ),
+            tp_group=self.mesh.tp_group if self.tensor_parallel_size > 1 else None,
+            tp_rank=self.mesh.tp_rank,
+            pp_rank=0,
+        )
+        after = dict(module.named_parameters())
+        self._replaced = {id(p): (p, after[n]) for n, p in before.items() if n in after and after[n] is not p}
+        compute, reduce = self.precision.engine_dtypes()
+        self.engine = build_engine(
+            module,
+            options=ZeroOptions.of(self),
+            group=self.mesh.dp_group,
+            device=self.root_device,
+            compute_dtype=compute,
+            grad_dtype=reduce,
+        )
         cast_frozen(module, compute)
         setattr(module, SETUP_ATTR, True)
         self.module = module
@@ -273,12 +309,31 @@ class HybridParallelStrategy(DDPStrategy):
                 " model = fabric.setup_module(model), from model.parameters(), then call"
                 " fabric.setup_optimizers(optimizer)."
             )
+        self._follow_replaced(optimizers)
         check_optimizer_kernels(optimizers, device=self.root_device)
         self.engine.shard_optimizers(optimizers)
         _optimizers_to_device(optimizers, self.root_device)
         self.optimizers = list(optimizers)
-        # stage 1 on: each dp rank holds disjoint gradient pieces, the norm sums over the dp group
-        self.precision.grad_norm_groups = (self.mesh.dp_group,) if self.zero_stage > 0 else ()
+        self.precision.grad_norm_groups = precision_groups(self.mesh, zero_stage=self.zero_stage)
+        self.precision.tp_group = self.mesh.tp_group if self.tensor_parallel_size > 1 else None
+
+    def _follow_replaced(self, optimizers: list[Optimizer]) -> None:
+        """Point optimizers made before ``setup_module`` at the tensor-parallel slices that replaced their
+        parameters (an optimizer without state only holds references); refuse one with state."""
+        replaced, self._replaced = self._replaced, {}
+        for opt in optimizers:
+            for group in opt.param_groups:
+                for i, p in enumerate(group["params"]):
+                    old_new = replaced.get(id(p))
+                    if old_new is None or old_new[0] is not p:
+                        continue
+                    if opt.state.get(p):
+                        raise ValueError(
+                            "An optimizer with state holds parameters that tensor parallelism replaced by"
+                            " their slices; create the optimizer after model = fabric.setup_module(model),"
+                            " from model.parameters(), or before any optimizer step."
+                        )
+                    group["params"][i] = old_new[1]
 
     # ------------------------------------------------------------------ step
     @override

@@ -1,0 +1,113 @@
+"""The per-run part of the composition, shared by both front doors: the ZeRO engine over the
+data-parallel group, built from one options record.
+
+The model-changing steps (tensor parallel, pipeline split, activation checkpointing) are
+:func:`lightning_par.compose.compose`'s, applied once per model; the engine, the precision groups and the
+optimizers are built again for every run by :func:`build_engine` and :func:`precision_groups`, so the
+Trainer strategy (``lightning_par.strategy``) and the Fabric strategy (``lightning_par.fabric.strategy``)
+compose the same mechanisms in the same order. Lightning-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from lightning_par.mesh import ParallelMesh
+from lightning_par.zero.engine import Engine, ReduceChoice, apply_zero, resolve_reduce_op
+from lightning_par.zero.grad_sync import GradSyncPolicy, broadcast_module_states
+from lightning_par.zero.meta_init import ValuesFn
+from lightning_par.zero.stage3 import Stage3Engine
+from lightning_par.zero.units import UnitPolicy
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    """How the engine shards and reduces (the strategies' constructor arguments of the same names)."""
+
+    stage: int
+    bucket_size_mb: float = 25.0
+    grad_sync: GradSyncPolicy | None = None
+    reduce_op: ReduceChoice = "auto"
+    find_unused_parameters: bool = False
+    zero3_units: UnitPolicy = None
+    reshard_after_forward: bool = True
+    prefetch: bool = True
+    allow_untested_optimizer: bool = False
+
+    @classmethod
+    def of(cls, strategy: Any) -> ZeroOptions:
+        """The options of a strategy that keeps them as attributes of the same names (``zero_stage`` for
+        ``stage``), as both front doors do."""
+        values = {f.name: getattr(strategy, f.name) for f in fields(cls) if f.name != "stage"}
+        return cls(stage=strategy.zero_stage, **values)
+
+
+def build_engine(
+    module: nn.Module,
+    *,
+    options: ZeroOptions,
+    group: ProcessGroup,
+    device: torch.device,
+    compute_dtype: torch.dtype | None,
+    grad_dtype: torch.dtype | None,
+    fitting: bool = True,
+    values: ValuesFn | None = None,
+    pipelined: bool = False,
+) -> Engine | None:
+    """The ZeRO engine of ``module`` over ``group`` (``None`` when evaluating below stage 3, after the
+    module states were broadcast so every rank evaluates the same weights).
+
+    Stage 3 is built for evaluation too, because a meta-initialised model exists only as shards; it
+    materialises meta parameters from ``values(name)`` (pretrained weights) or their initialisers on
+    ``device``. Under a pipeline (``pipelined``) a step's micro-batches are its accumulation window, so
+    stages 1/2 reduce once at the window's end.
+    """
+    if options.stage == 3:
+        return Stage3Engine(
+            module,
+            group=group,
+            units=options.zero3_units,
+            reshard_after_forward=options.reshard_after_forward,
+            prefetch=options.prefetch,
+            reduce_op=resolve_reduce_op(options.reduce_op, group),
+            find_unused_parameters=options.find_unused_parameters,
+            compute_dtype=compute_dtype,
+            grad_dtype=grad_dtype,
+            values=values,
+            allow_untested_optimizer=options.allow_untested_optimizer,
+            device=device,
+        )
+    if not fitting:
+        broadcast_module_states(module, group=group)
+        return None
+    return apply_zero(
+        module,
+        group=group,
+        stage=options.stage,
+        bucket_size_mb=options.bucket_size_mb,
+        grad_sync="boundary" if pipelined else options.grad_sync,
+        reduce_op=options.reduce_op,
+        find_unused_parameters=options.find_unused_parameters,
+        compute_dtype=compute_dtype,
+        grad_dtype=grad_dtype,
+        allow_untested_optimizer=options.allow_untested_optimizer,
+    )
+
+
+def precision_groups(mesh: ParallelMesh, *, zero_stage: int) -> tuple[ProcessGroup, ...]:
+    """The groups a clip norm (and an fp16 overflow verdict) must sum over to be the global one.
+
+    From stage 1 on, each dp rank holds disjoint gradient pieces; each pipeline stage holds other layers;
+    each tp rank its own tensor shards (tp-replicated parameters are counted once by the norm itself).
+    """
+    groups = [mesh.dp_group] if zero_stage > 0 else []
+    if mesh.pp_size > 1:
+        groups.append(mesh.pp_group)
+    if mesh.tp_size > 1:
+        groups.append(mesh.tp_group)
+    return tuple(groups)
