@@ -43,7 +43,7 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -52,7 +52,7 @@ from lightning_par.compose import ComposeOptions, compose
 from lightning_par.device_checks import check_optimizer_kernels, resolve_backend
 from lightning_par.fabric import checkpoint as fabric_checkpoint
 from lightning_par.fabric.precision import to_parallel_precision
-from lightning_par.grad_norm import clip_grad_norm_
+from lightning_par.fabric.steps import FabricSteps
 from lightning_par.mesh import ParallelMesh
 from lightning_par.precision import ParallelPrecision, cast_frozen
 from lightning_par.tensor_parallel.plan import resolve_plan
@@ -73,7 +73,7 @@ class _EngineSyncControl(_BackwardSyncControl):
         return engine.no_sync() if enabled and engine is not None else nullcontext()
 
 
-class HybridParallelStrategy(DDPStrategy):
+class HybridParallelStrategy(FabricSteps, DDPStrategy):
     """ZeRO stages 0-3 with ``ParallelPrecision`` for Lightning Fabric (see the module docstring).
 
     Args:
@@ -334,72 +334,6 @@ class HybridParallelStrategy(DDPStrategy):
                             " from model.parameters(), or before any optimizer step."
                         )
                     group["params"][i] = old_new[1]
-
-    # ------------------------------------------------------------------ step
-    @override
-    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        scaler = self.precision.scaler
-        if scaler is not None:
-            tensor = scaler.scale_loss(tensor)
-        self._found_inf = None  # new gradients: the next clip or step unscales them
-        tensor.backward(*args, **kwargs)
-
-    def _unscaled(self, optimizer: Optimizer) -> bool:
-        """fp16: unscale this step's gradients once and agree on overflow over every rank; True if the
-        step must be skipped."""
-        scaler = self.precision.scaler
-        if scaler is None:
-            return False
-        if self._found_inf is None:
-            grads = [p.grad for p in self.precision.main_params(optimizer) if p.grad is not None]
-            self._found_inf = scaler.unscale_and_check(
-                grads, groups=self.precision.step_groups, device=self.root_device
-            )
-        return self._found_inf
-
-    @override
-    def clip_gradients_norm(
-        self,
-        module: nn.Module,
-        optimizer: Optimizer,
-        max_norm: float | int,
-        norm_type: float | int = 2.0,
-        error_if_nonfinite: bool = True,
-    ) -> Tensor:
-        """Clip by the global norm over every rank's shard; returns that norm (on the device)."""
-        if self._unscaled(optimizer):
-            return torch.full((), float("inf"), device=self.root_device)  # the step will be skipped
-        grads = [p.grad for p in self.precision.main_params(optimizer) if p.grad is not None]
-        norm = clip_grad_norm_(
-            grads,
-            float(max_norm),
-            groups=self.precision.grad_norm_groups,
-            norm_type=float(norm_type),
-            device=self.root_device,
-        )
-        if error_if_nonfinite and not bool(torch.isfinite(norm)):  # asked for: one host read
-            raise RuntimeError(
-                f"The total norm of order {float(norm_type)} of the gradients is non-finite; pass"
-                " error_if_nonfinite=False to clip anyway."
-            )
-        return norm
-
-    @override
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        output = None
-        scaler = self.precision.scaler
-        if self._unscaled(optimizer):
-            assert scaler is not None
-            scaler.update(True)  # skipped on every rank (the verdict is agreed)
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            output = optimizer.step(**kwargs)
-            if scaler is not None:
-                scaler.update(False)
-        self._found_inf = None
-        if self.engine is not None:
-            self.engine.after_step()
-        return output
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -1,0 +1,101 @@
+"""The step side of lightning_par's Fabric strategy: ``fabric.backward``, ``fabric.clip_gradients`` and
+``optimizer.step()`` mapped onto the engine and ``ParallelPrecision``.
+
+One fp16 rule holds at every stage: a step's gradients are unscaled once, and the overflow verdict is
+agreed over every rank (``precision.step_groups``), at the first of ``clip_gradients`` or
+``optimizer.step()``; a skipped step is skipped on every rank, and the loss scale moves the same way
+everywhere. The clip norm is the global one: the sum over the groups that hold disjoint gradient
+pieces (``precision.grad_norm_groups``: dp from stage 1 on, tp under tensor parallelism).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_par.grad_norm import clip_grad_norm_
+
+if TYPE_CHECKING:
+    from lightning_par.precision import ParallelPrecision
+    from lightning_par.zero.engine import Engine
+
+
+class FabricSteps:
+    """Mixin of :class:`lightning_par.fabric.HybridParallelStrategy`, first in its bases so these methods
+    override Fabric's ``Strategy`` ones (see the module docstring)."""
+
+    engine: Engine | None
+    _found_inf: bool | None  # this step's fp16 verdict, once gradients are unscaled
+
+    if TYPE_CHECKING:
+
+        @property
+        def precision(self) -> ParallelPrecision: ...
+
+        @property
+        def root_device(self) -> torch.device: ...
+
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        scaler = self.precision.scaler
+        if scaler is not None:
+            tensor = scaler.scale_loss(tensor)
+        self._found_inf = None  # new gradients: the next clip or step unscales them
+        tensor.backward(*args, **kwargs)
+
+    def _unscaled(self, optimizer: Optimizer) -> bool:
+        """fp16: unscale this step's gradients once and agree on overflow over every rank; True if the
+        step must be skipped."""
+        scaler = self.precision.scaler
+        if scaler is None:
+            return False
+        if self._found_inf is None:
+            grads = [p.grad for p in self.precision.main_params(optimizer) if p.grad is not None]
+            self._found_inf = scaler.unscale_and_check(
+                grads, groups=self.precision.step_groups, device=self.root_device
+            )
+        return self._found_inf
+
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the global norm over every rank's shard; returns that norm (on the device)."""
+        if self._unscaled(optimizer):
+            return torch.full((), float("inf"), device=self.root_device)  # the step will be skipped
+        grads = [p.grad for p in self.precision.main_params(optimizer) if p.grad is not None]
+        norm = clip_grad_norm_(
+            grads,
+            float(max_norm),
+            groups=self.precision.grad_norm_groups,
+            norm_type=float(norm_type),
+            device=self.root_device,
+        )
+        if error_if_nonfinite and not bool(torch.isfinite(norm)):  # asked for: one host read
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} of the gradients is non-finite; pass"
+                " error_if_nonfinite=False to clip anyway."
+            )
+        return norm
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = None
+        scaler = self.precision.scaler
+        if self._unscaled(optimizer):
+            assert scaler is not None
+            scaler.update(True)  # skipped on every rank (the verdict is agreed)
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            output = optimizer.step(**kwargs)
+            if scaler is not None:
+                scaler.update(False)
+        self._found_inf = None
+        if self.engine is not None:
+            self.engine.after_step()
+        return output
