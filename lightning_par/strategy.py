@@ -1,21 +1,22 @@
 """``HybridParallelStrategy``: the Lightning adapter that composes the parallel mechanisms.
 
-The strategy is thin on purpose. Its base (:mod:`lightning_par.strategy_env`) launches processes,
-initialises ``torch.distributed`` and builds one :class:`~lightning_par.mesh.ParallelMesh`; here the
-mechanisms are applied in the documented order (``docs/architecture.md``): tensor parallel, pipeline
-split, activation checkpointing (:func:`lightning_par.compose.compose`, once per model), pretrained
-weights, ZeRO over the dp group, precision, optimizer. Every mechanism lives in its own module and can be
-used without a ``Trainer``. Nothing of the user's LightningModule is replaced for longer than a run: the
-hooks wrapped for a run (:mod:`lightning_par.lightning_hooks`) are restored at teardown.
+The strategy is thin on purpose. Its bases launch processes, initialise ``torch.distributed`` and build
+one :class:`~lightning_par.mesh.ParallelMesh` (:mod:`lightning_par.strategy_env`), dispatch each step
+(:mod:`lightning_par.strategy_steps`) and wire the precision plugin (:mod:`lightning_par.strategy_precision`);
+here the mechanisms are applied in the documented order (``docs/architecture.md``): tensor parallel,
+pipeline split, activation checkpointing (:func:`lightning_par.compose.compose`, once per model),
+pretrained weights, ZeRO over the dp group, precision, optimizer. Every mechanism lives in its own module
+and can be used without a ``Trainer``. Nothing of the user's LightningModule is replaced for longer than a
+run: the hooks wrapped for a run (:mod:`lightning_par.lightning_hooks`) are restored at teardown.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Generator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -23,12 +24,11 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor, nn
-from torch.optim import Optimizer
+from torch import nn
 from typing_extensions import override
 
 from lightning_par import lightning_hooks
-from lightning_par.build import ZeroOptions, build_engine, precision_groups
+from lightning_par.build import ZeroOptions, build_engine
 from lightning_par.checkpoint.load_pretrained import PretrainedPlan, PretrainedSource, load_pretrained_once
 from lightning_par.compose import ComposeOptions, compose
 from lightning_par.device_checks import check_optimizer_kernels
@@ -36,10 +36,11 @@ from lightning_par.loss import TokenNormalizer
 from lightning_par.memory import MemoryReport, measure_memory
 from lightning_par.pipeline.lightning import LightningPipeline, build_pipeline, pipeline_layers_of
 from lightning_par.pipeline.partition import PartitionMethod
-from lightning_par.pipeline.runtime import StepStats
-from lightning_par.precision import ParallelPrecision, cast_frozen, convert_precision_plugin
+from lightning_par.precision import cast_frozen
 from lightning_par.strategy_env import MeshStrategy
 from lightning_par.strategy_options import PipelineSchedule, StartMethod, check_fit_setup, check_options
+from lightning_par.strategy_precision import StrategyPrecision
+from lightning_par.strategy_steps import StrategySteps
 from lightning_par.zero.buffers import BufferSync
 from lightning_par.zero.engine import Engine, ReduceChoice
 from lightning_par.zero.grad_sync import GradSyncPolicy
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class HybridParallelStrategy(MeshStrategy):
+class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
     """Data, ZeRO, tensor and pipeline parallelism for the Lightning ``Trainer``.
 
     Args:
@@ -206,18 +207,6 @@ class HybridParallelStrategy(MeshStrategy):
         self._synced_batchnorm = False
         self._patched: list[str] = []  # hooks set on the user's LightningModule for a run, undone at teardown
 
-    # ------------------------------------------------------------------ precision
-    @property
-    @override
-    def precision_plugin(self) -> Precision:
-        plugin = self._precision_plugin
-        return plugin if plugin is not None else ParallelPrecision("32-true")
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = convert_precision_plugin(plugin, zero_stage=self.zero_stage)
-
     # ------------------------------------------------------------------ composition
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -325,39 +314,6 @@ class HybridParallelStrategy(MeshStrategy):
             pipelined=self.pipeline_parallel_size > 1,
         )
 
-    def _guard_hooks(self) -> None:
-        """Hooks of the LightningModule adapted for this run (see :mod:`lightning_par.lightning_hooks`)."""
-        module = self.lightning_module
-        plugin = self.precision_plugin
-        assert module is not None and self._engine is not None
-        if isinstance(plugin, ParallelPrecision) and plugin.scaler is not None:
-            self._patched += lightning_hooks.guard_schedulers(
-                module,
-                skipped=self._step_skipped,
-                step_schedulers=lambda s: any(
-                    c.scheduler is s and c.interval == "step" for c in self.lr_scheduler_configs
-                ),
-            )
-        sharded = self._engine.sharded_state
-        if sharded is not None and not module.automatic_optimization:
-            self._patched += lightning_hooks.guard_toggling(
-                module, sharded=sharded, optimizers=self.optimizers
-            )
-
-    def _setup_precision_groups(self) -> None:
-        """Step 7: the groups over which the precision plugin's clip norm and fp16 verdicts agree."""
-        plugin = self.precision_plugin
-        if isinstance(plugin, ParallelPrecision):
-            plugin.grad_norm_groups = precision_groups(self.mesh, zero_stage=self.zero_stage)
-            if self.tensor_parallel_size > 1:
-                plugin.tp_group = self.mesh.tp_group
-        self.setup_precision_plugin()
-
-    @property
-    def pipeline_stats(self) -> StepStats | None:
-        """Busy and total seconds of this rank's last pipeline step (bubble = 1 - busy / total)."""
-        return self._pipeline.runtime.last_stats if self._pipeline is not None else None
-
     @override
     def model_to_device(self) -> None:
         """Real parameters and buffers move to this rank's device; meta parameters (meta init, other
@@ -375,151 +331,6 @@ class HybridParallelStrategy(MeshStrategy):
                 yield
         else:
             yield
-
-    # ------------------------------------------------------------------ steps
-    @contextmanager
-    def _step_context(self, *, training: bool = False) -> Generator[None, None, None]:
-        """Around every step: the engine's step context (the ZeRO-3 root unit gathered, a new window's
-        gradients pointed into the flat buffer), buffers synchronised as DDP would. Under pipeline
-        parallelism the pipeline manages its windows itself (it zeroes at a window's start, and Lightning
-        zeroes ``param.grad`` after its backwards, which must not empty the buffer)."""
-        engine = self._engine
-        engine_context = engine.forward_context() if engine is not None and self._pipeline is None else None
-        with engine_context if engine_context is not None else nullcontext():
-            self._buffer_sync.before_forward()
-            yield
-            synchronising = training and (engine is None or engine.sync_enabled)
-            self._buffer_sync.after_forward(synchronising=synchronising)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            with self._step_context(training=True):
-                return super().training_step(*args, **kwargs)
-        plugin = self.precision_plugin
-        scaler = plugin.scaler if isinstance(plugin, ParallelPrecision) else None
-        assert self._engine is not None
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        with self.precision_plugin.train_step_context(), self._step_context(training=True):
-            return self._pipeline.training_step(
-                args[0],
-                batch_idx,
-                engine=self._engine,
-                optimizers=self.optimizers,
-                **({"loss_scale": scaler.scale_loss} if scaler is not None else {}),
-            )
-
-    @override
-    def backward(
-        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
-    ) -> Tensor:
-        if self._pipeline is not None:
-            # the pipeline ran every backward inside training_step; Lightning has zeroed the optimizers'
-            # gradients since (a new window), which leaves the engine's buffer alone: reduce it now
-            assert self._engine is not None
-            self._pipeline.end_window(self._engine)
-            return closure_loss
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            with self.precision_plugin.val_step_context(), self._step_context():
-                return self._pipeline.eval_step(args[0], stage="val")
-        with self._step_context():
-            return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            with self.precision_plugin.test_step_context(), self._step_context():
-                return self._pipeline.eval_step(args[0], stage="test")
-        with self._step_context():
-            return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            with self.precision_plugin.predict_step_context(), self._step_context():
-                return self._pipeline.predict_step(args[0])
-        with self._step_context():
-            return super().predict_step(*args, **kwargs)
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Lightning enters this on every non-final accumulation step: skip all communication."""
-        if self._engine is None:
-            yield
-            return
-        with self._engine.no_sync():
-            yield
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._engine is not None:
-            self._engine.after_step()  # stages 1/2: all-gather the updated parameters
-        if self._step_skipped() and self.lightning_module is not None:
-            lightning_hooks.uncount_step(self.lightning_module)
-        return output
-
-    # ------------------------------------------------------------------ mixed precision
-    def _configure_precision(self) -> None:
-        """One precision path at every stage: ours resolves its stage-dependent defaults; a plugin that is
-        not ours (kept only at stage 0) is refused where its clip norm would be a rank's local one."""
-        plugin = self.precision_plugin
-        if isinstance(plugin, ParallelPrecision):
-            plugin.configure(zero_stage=self.zero_stage, device=self.root_device)
-            return
-        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"{type(plugin).__name__}({getattr(plugin, 'precision', '?')!r}) with tensor or pipeline"
-                " parallelism would clip by each rank's local gradient norm and decide fp16 overflows per"
-                " rank: use precision '32-true', 'bf16-mixed', '16-mixed' or 'bf16-true' (lightning_par's"
-                " ParallelPrecision)."
-            )
-
-    def _dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
-        """(compute, reduction) dtypes for the engine (see ``ParallelPrecision.engine_dtypes``)."""
-        plugin = self.precision_plugin
-        return plugin.engine_dtypes() if isinstance(plugin, ParallelPrecision) else (None, None)
-
-    def _step_skipped(self) -> bool:
-        plugin = self.precision_plugin
-        return isinstance(plugin, ParallelPrecision) and plugin.last_step_skipped
-
-    def token_normalized(self, loss_sum: Tensor, n_tokens: int | Tensor) -> Tensor:
-        """Token-exact accumulation: return this from ``training_step`` instead of a mean loss.
-
-        ``loss_sum`` is the sum of the micro-batch's token losses and ``n_tokens`` its number of valid
-        tokens (see :func:`lightning_par.loss.token_loss_sum`). At the end of the accumulation window the
-        gradients are rescaled so that they equal the gradient of (sum of all token losses) / (number of
-        valid tokens) over all micro-batches and data-parallel ranks, however unevenly the tokens are
-        spread. The returned value is ``loss_sum`` itself; log ``loss_sum / n_tokens`` for display.
-        """
-        if self._engine is None:
-            raise RuntimeError("token_normalized() is for training_step, after the strategy's setup().")
-        if self._token_normalizer is None:
-            self._token_normalizer = TokenNormalizer(group=self.mesh.dp_group, device=self.root_device)
-            self._engine.on_synchronized(self._apply_token_normalization)
-        self._token_normalizer.add(n_tokens)
-        return loss_sum
-
-    def _apply_token_normalization(self) -> None:
-        assert self._token_normalizer is not None and self._engine is not None
-        module = self.lightning_module
-        assert module is not None
-        # Lightning divides each micro-batch loss by accumulate_grad_batches in automatic optimization
-        loss_scale = 1.0 / module.trainer.accumulate_grad_batches if module.automatic_optimization else 1.0
-        factor = self._token_normalizer.grad_scale(loss_scale=loss_scale, dp_size=self.mesh.dp_size)
-        self._engine.scale_grads(factor)
 
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients, optimizer state, buffers and communication buffers on this rank."""

@@ -1,0 +1,68 @@
+"""The precision side of :class:`~lightning_par.HybridParallelStrategy`: one precision path at every stage.
+
+:class:`StrategyPrecision` is a base of the strategy; it holds no state of its own beyond Lightning's
+``_precision_plugin``. Whatever plugin the ``Trainer`` passes is converted to
+:class:`~lightning_par.precision.ParallelPrecision` where the ZeRO stage needs it
+(:func:`~lightning_par.precision.convert_precision_plugin`); at setup its stage-dependent defaults are
+resolved, a foreign plugin is refused where it would decide per rank, the engine's (compute, reduction)
+dtypes are read from it, and it is given the mesh groups over which clip norms and fp16 overflow
+verdicts must agree.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from typing_extensions import override
+
+from lightning_par.build import precision_groups
+from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
+from lightning_par.precision import ParallelPrecision, convert_precision_plugin
+
+
+class StrategyPrecision(ZeroCheckpointIO):
+    """The strategy's precision plugin and its wiring to the mesh (see the module docstring)."""
+
+    # set by MeshStrategy.__init__; zero_stage and the mesh come from ZeroCheckpointIO
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else ParallelPrecision("32-true")
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = convert_precision_plugin(plugin, zero_stage=self.zero_stage)
+
+    def _configure_precision(self) -> None:
+        """One precision path at every stage: ours resolves its stage-dependent defaults; a plugin that is
+        not ours (kept only at stage 0) is refused where its clip norm would be a rank's local one."""
+        plugin = self.precision_plugin
+        if isinstance(plugin, ParallelPrecision):
+            plugin.configure(zero_stage=self.zero_stage, device=self.root_device)
+            return
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"{type(plugin).__name__}({getattr(plugin, 'precision', '?')!r}) with tensor or pipeline"
+                " parallelism would clip by each rank's local gradient norm and decide fp16 overflows per"
+                " rank: use precision '32-true', 'bf16-mixed', '16-mixed' or 'bf16-true' (lightning_par's"
+                " ParallelPrecision)."
+            )
+
+    def _dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+        """(compute, reduction) dtypes for the engine (see ``ParallelPrecision.engine_dtypes``)."""
+        plugin = self.precision_plugin
+        return plugin.engine_dtypes() if isinstance(plugin, ParallelPrecision) else (None, None)
+
+    def _setup_precision_groups(self) -> None:
+        """Step 7: the groups over which the precision plugin's clip norm and fp16 verdicts agree."""
+        plugin = self.precision_plugin
+        if isinstance(plugin, ParallelPrecision):
+            plugin.grad_norm_groups = precision_groups(self.mesh, zero_stage=self.zero_stage)
+            if self.tensor_parallel_size > 1:
+                plugin.tp_group = self.mesh.tp_group
+        self.setup_precision_plugin()

@@ -1,0 +1,192 @@
+"""The step side of :class:`~lightning_par.HybridParallelStrategy`: what runs around and inside each step.
+
+:class:`StrategySteps` is a base of the strategy; it holds no state beyond the attributes declared on the
+class, which the strategy's ``__init__``, ``setup()`` and ``teardown()`` own: the ZeRO engine, the
+pipeline (when ``pipeline_parallel_size > 1``), the buffer synchronisation and the token normaliser
+(created here on first use). It dispatches Lightning's training,
+validation, test and predict steps, either to the LightningModule inside the engine's step context or,
+under pipeline parallelism, to the pipeline schedule; it adapts ``backward``, ``block_backward_sync``
+and ``optimizer_step`` to the engine's gradient windows, keeps a step that fp16 loss scaling skipped out
+of the step count and the schedulers (``_guard_hooks``, called by ``setup()``; the hooks it sets are
+undone at teardown), and wires token-exact loss normalisation into the engine's gradient synchronisation.
+Nothing here builds or tears down anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_par import lightning_hooks
+from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
+from lightning_par.loss import TokenNormalizer
+from lightning_par.pipeline.lightning import LightningPipeline
+from lightning_par.pipeline.runtime import StepStats
+from lightning_par.precision import ParallelPrecision
+from lightning_par.zero.buffers import BufferSync
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+class StrategySteps(ZeroCheckpointIO):
+    """Step dispatch, the engine's gradient windows and token normalisation (see the module docstring)."""
+
+    # set by HybridParallelStrategy.__init__ and setup(); _engine and the mesh come from ZeroCheckpointIO
+    _pipeline: LightningPipeline | None
+    _token_normalizer: TokenNormalizer | None
+    _buffer_sync: BufferSync
+    _patched: list[str]  # names of the LightningModule's hooks replaced for this run
+
+    @property
+    def pipeline_stats(self) -> StepStats | None:
+        """Busy and total seconds of this rank's last pipeline step (bubble = 1 - busy / total)."""
+        return self._pipeline.runtime.last_stats if self._pipeline is not None else None
+
+    @contextmanager
+    def _step_context(self, *, training: bool = False) -> Generator[None, None, None]:
+        """Around every step: the engine's step context (the ZeRO-3 root unit gathered, a new window's
+        gradients pointed into the flat buffer), buffers synchronised as DDP would. Under pipeline
+        parallelism the pipeline manages its windows itself (it zeroes at a window's start, and Lightning
+        zeroes ``param.grad`` after its backwards, which must not empty the buffer)."""
+        engine = self._engine
+        engine_context = engine.forward_context() if engine is not None and self._pipeline is None else None
+        with engine_context if engine_context is not None else nullcontext():
+            self._buffer_sync.before_forward()
+            yield
+            synchronising = training and (engine is None or engine.sync_enabled)
+            self._buffer_sync.after_forward(synchronising=synchronising)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            with self._step_context(training=True):
+                return super().training_step(*args, **kwargs)
+        plugin = self.precision_plugin
+        scaler = plugin.scaler if isinstance(plugin, ParallelPrecision) else None
+        assert self._engine is not None
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        with self.precision_plugin.train_step_context(), self._step_context(training=True):
+            return self._pipeline.training_step(
+                args[0],
+                batch_idx,
+                engine=self._engine,
+                optimizers=self.optimizers,
+                **({"loss_scale": scaler.scale_loss} if scaler is not None else {}),
+            )
+
+    @override
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        if self._pipeline is not None:
+            # the pipeline ran every backward inside training_step; Lightning has zeroed the optimizers'
+            # gradients since (a new window), which leaves the engine's buffer alone: reduce it now
+            assert self._engine is not None
+            self._pipeline.end_window(self._engine)
+            return closure_loss
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            with self.precision_plugin.val_step_context(), self._step_context():
+                return self._pipeline.eval_step(args[0], stage="val")
+        with self._step_context():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            with self.precision_plugin.test_step_context(), self._step_context():
+                return self._pipeline.eval_step(args[0], stage="test")
+        with self._step_context():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            with self.precision_plugin.predict_step_context(), self._step_context():
+                return self._pipeline.predict_step(args[0])
+        with self._step_context():
+            return super().predict_step(*args, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this on every non-final accumulation step: skip all communication."""
+        if self._engine is None:
+            yield
+            return
+        with self._engine.no_sync():
+            yield
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._engine is not None:
+            self._engine.after_step()  # stages 1/2: all-gather the updated parameters
+        if self._step_skipped() and self.lightning_module is not None:
+            lightning_hooks.uncount_step(self.lightning_module)
+        return output
+
+    def _step_skipped(self) -> bool:
+        plugin = self.precision_plugin
+        return isinstance(plugin, ParallelPrecision) and plugin.last_step_skipped
+
+    def _guard_hooks(self) -> None:
+        """Hooks of the LightningModule adapted for this run (see :mod:`lightning_par.lightning_hooks`)."""
+        module = self.lightning_module
+        plugin = self.precision_plugin
+        assert module is not None and self._engine is not None
+        if isinstance(plugin, ParallelPrecision) and plugin.scaler is not None:
+            self._patched += lightning_hooks.guard_schedulers(
+                module,
+                skipped=self._step_skipped,
+                step_schedulers=lambda s: any(
+                    c.scheduler is s and c.interval == "step" for c in self.lr_scheduler_configs
+                ),
+            )
+        sharded = self._engine.sharded_state
+        if sharded is not None and not module.automatic_optimization:
+            self._patched += lightning_hooks.guard_toggling(
+                module, sharded=sharded, optimizers=self.optimizers
+            )
+
+    # ------------------------------------------------------------------ token normalisation
+    def token_normalized(self, loss_sum: Tensor, n_tokens: int | Tensor) -> Tensor:
+        """Token-exact accumulation: return this from ``training_step`` instead of a mean loss.
+
+        ``loss_sum`` is the sum of the micro-batch's token losses and ``n_tokens`` its number of valid
+        tokens (see :func:`lightning_par.loss.token_loss_sum`). At the end of the accumulation window the
+        gradients are rescaled so that they equal the gradient of (sum of all token losses) / (number of
+        valid tokens) over all micro-batches and data-parallel ranks, however unevenly the tokens are
+        spread. The returned value is ``loss_sum`` itself; log ``loss_sum / n_tokens`` for display.
+        """
+        if self._engine is None:
+            raise RuntimeError("token_normalized() is for training_step, after the strategy's setup().")
+        if self._token_normalizer is None:
+            self._token_normalizer = TokenNormalizer(group=self.mesh.dp_group, device=self.root_device)
+            self._engine.on_synchronized(self._apply_token_normalization)
+        self._token_normalizer.add(n_tokens)
+        return loss_sum
+
+    def _apply_token_normalization(self) -> None:
+        assert self._token_normalizer is not None and self._engine is not None
+        module = self.lightning_module
+        assert module is not None
+        # Lightning divides each micro-batch loss by accumulate_grad_batches in automatic optimization
+        loss_scale = 1.0 / module.trainer.accumulate_grad_batches if module.automatic_optimization else 1.0
+        factor = self._token_normalizer.grad_scale(loss_scale=loss_scale, dp_size=self.mesh.dp_size)
+        self._engine.scale_grads(factor)
