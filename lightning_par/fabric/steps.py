@@ -10,6 +10,7 @@ pieces (``precision.grad_norm_groups``: dp from stage 1 on, tp under tensor para
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +29,9 @@ class FabricSteps:
     override Fabric's ``Strategy`` ones (see the module docstring)."""
 
     engine: Engine | None
+    # called first in every optimizer step: e.g. FlashSnapshots' fence, so a snapshot copy still reading
+    # the weights finishes before they change (registered and removed by their owners)
+    before_optimizer_step: list[Callable[[], None]]
     _found_inf: bool | None  # this step's fp16 verdict, once gradients are unscaled
 
     if TYPE_CHECKING:
@@ -85,6 +89,8 @@ class FabricSteps:
         return norm
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        for hook in self.before_optimizer_step:
+            hook()
         output = None
         scaler = self.precision.scaler
         if self._unscaled(optimizer):

@@ -30,7 +30,7 @@ hidden inside Fabric's, so use the Trainer strategy (which runs the schedule ins
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -170,6 +170,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         self.module: nn.Module | None = None
         self.optimizers: list[Optimizer] = []
         self._found_inf: bool | None = None  # this step's fp16 verdict, once gradients are unscaled
+        self.before_optimizer_step: list[Callable[[], None]] = []
         # parameters that tensor parallelism replaced, by their old identity: an optimizer made before
         # setup_module is pointed at the replacements (kept until the optimizers are set up)
         self._replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
