@@ -16,7 +16,7 @@ optimizer state: they have no gradient, no master and no optimizer state.
 
 where the live units are the root unit (gathered for the whole step) plus a block and its prefetched
 successor. E.g. mixed-precision AdamW (P=G=2, M=4, S=8): stage 1 ≈ 4Ψ + 12Ψ/N, stage 2 ≈ 2Ψ + 14Ψ/N,
-stage 3 ≈ 16Ψ/N, as in ARCHITECTURE.md. With ``grad_sync="boundary"`` stage 2 keeps the full local
+stage 3 ≈ 16Ψ/N (ZeRO paper accounting). With ``grad_sync="boundary"`` stage 2 keeps the full local
 buffer like stage 1.
 Communication buffers are bounded: at most ``max_inflight + 1`` pooled buckets (never more than there
 are buckets), each the size of the largest bucket (at most the larger of ``bucket_size_mb`` and the

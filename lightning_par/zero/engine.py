@@ -11,7 +11,7 @@ Policies (``Literal`` strings, checked):
   local gradient buffer; ``"every"`` (default for stage 2) reduces each micro-batch into the shard so
   gradient memory stays at 1/N plus the in-flight buckets. Both give the same result.
 * ``reduce_op``: ``"auto"`` picks reduce-scatter on NCCL and all-reduce on Gloo, where reduce-scatter plus
-  all-gather cost about 3x an all-reduce (FACTS.md); the results are identical.
+  all-gather cost about 3x an all-reduce (measured: benchmarks/README.md); the results are identical.
 """
 
 from __future__ import annotations
