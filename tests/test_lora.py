@@ -34,7 +34,7 @@ class Probe(pl.Callback):
         strategy = trainer.strategy
         self.report = dict(strategy.memory_report())  # type: ignore[attr-defined]
         engine = strategy.engine  # type: ignore[attr-defined]
-        if hasattr(engine, "memory_bytes"):
+        if engine.shards_params:  # ZeRO-3: how much of the frozen base model this rank holds
             self.frozen = engine.memory_bytes()["frozen_shard"]
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

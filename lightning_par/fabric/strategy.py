@@ -125,14 +125,9 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
                 " forward and backward of every micro-batch itself, which a Fabric loop does by hand. Use"
                 " the Trainer strategy lightning_par.HybridParallelStrategy for pipeline parallelism."
             )
-        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
-            raise ValueError(
-                f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}."
-            )
-        if tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}."
-            )
+        tp = tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}.")
         if sequence_parallel and tensor_parallel_size == 1:
             raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
         if tp_plan is not None and not isinstance(tp_plan, str | Mapping):
