@@ -173,11 +173,19 @@ class Crash(pl.Callback):
 
 
 def _fit(
-    steps: int, callbacks: list[pl.Callback], *, n_embd: int = 32, devices: int = 1, strategy: str = "zero2"
+    steps: int,
+    callbacks: list[pl.Callback],
+    *,
+    n_embd: int = 32,
+    devices: int = 1,
+    strategy: str = "zero2",
+    accumulate: int = 1,
+    schedule_steps: int | None = None,
 ) -> GPTModule:
     torch.set_num_threads(1)
     pl.seed_everything(7, verbose=False)
-    module = GPTModule(**{**fault_job.MODEL, "n_embd": n_embd}, warmup_steps=2, max_steps=steps)
+    model = {**fault_job.MODEL, "n_embd": n_embd}
+    module = GPTModule(**model, warmup_steps=2, max_steps=schedule_steps or steps)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -190,6 +198,7 @@ def _fit(
         num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=callbacks,
+        accumulate_grad_batches=accumulate,
     )
     data = fault_job.Tokens(fault_job.SAMPLES // 2)
     if devices == 1:  # an order that follows (seed, epoch), as the DistributedSampler of several processes
@@ -246,6 +255,22 @@ def test_a_finished_run_leaves_its_newest_snapshot_on_disk(tmp_path: Path) -> No
     _fit(8, [again])
     assert again.resumed is not None and again.resumed["step"] == 6, again.resumed
     assert all(s.startswith("disk") for s in again.resumed["sources"])
+
+
+def test_snapshots_close_accumulation_windows_only(tmp_path: Path) -> None:
+    """With 3 micro-batches per step, snapshots are taken once per window, after its optimizer step (the
+    global step moved), never mid-window: a run stopped at step 4 and resumed to 6 from its snapshot
+    equals an uninterrupted 6-step run exactly."""
+    reference = _fit(6, [], accumulate=3).state_dict()
+    dirpath, shm = tmp_path / "ckpt", tmp_path / "shm"
+    first = FlashCheckpoint(dirpath, every_n_steps=2, persist_every_n_steps=2, shm_dir=shm)
+    _fit(4, [first], accumulate=3, schedule_steps=6)  # stopped early, on the 6-step LR schedule
+    assert [r["step"] for r in first.stats] == [2, 4], first.stats
+    again = FlashCheckpoint(dirpath, every_n_steps=2, persist_every_n_steps=2, shm_dir=shm)
+    resumed = _fit(6, [again], accumulate=3).state_dict()
+    assert again.resumed is not None and again.resumed["step"] == 4, again.resumed
+    for name, value in reference.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
 
 
 # -------------------------------------------------------------------------------------- forked ranks

@@ -103,6 +103,7 @@ class FlashCheckpoint(Callback):
         self._failed = False
         self._saved_resume_start: Any = None
         self._saved_sigterm: Any = None
+        self._batch_step = -1  # the global step at the end of the previous training batch
 
     # ------------------------------------------------------------------ public
     @property
@@ -193,6 +194,7 @@ class FlashCheckpoint(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore_ckpt_path(trainer)
+        self._batch_step = trainer.global_step  # after any restore: the step training continues from
         if self._found is not None:
             how = rank_state.resume_data_and_rng(trainer, self._found.state)
             if self.resumed is not None:
@@ -207,9 +209,12 @@ class FlashCheckpoint(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.fit_loop.epoch_loop._should_accumulate():
+        # an optimizer window closed when the global step moved since the last batch (public state, the
+        # same verdict as the loop's own accumulation check; a partly accumulated window is never taken)
+        step, previous = trainer.global_step, self._batch_step
+        self._batch_step = step
+        if step == previous:
             return
-        step = trainer.global_step
         if step > 0 and step % self.every_n_steps == 0:
             self.snapshot(trainer, step)  # the store skips a step it already holds
 
