@@ -81,20 +81,26 @@ def _bytes(tensors: Sequence[Tensor]) -> int:
 def measure_memory(module: nn.Module, engine: Engine | None, optimizers: Sequence[Optimizer]) -> MemoryReport:
     """Bytes this rank holds now, by category (storages counted once)."""
     held = engine.memory_bytes() if engine is not None else {}
-    params = held.get("parameters", _bytes([p for p in module.parameters()]))
+    # what the engine reports is what it holds; only the rest is counted here
+    params = held["parameters"] if "parameters" in held else _bytes(list(module.parameters()))
     buffers = _bytes([b for b in module.buffers()])
     live = held.get("live_units", 0)
-    grads = held.get("gradients", _bytes([p.grad for p in module.parameters() if p.grad is not None]))
+    grads = (
+        held["gradients"]
+        if "gradients" in held
+        else _bytes([p.grad for p in module.parameters() if p.grad is not None])
+    )
     comm = held.get("comm", 0)
-    opt_state = held.get(
-        "optimizer_state",
-        sum(
+    opt_state = (
+        held["optimizer_state"]
+        if "optimizer_state" in held
+        else sum(
             v.numel() * v.element_size()
             for opt in optimizers
             for state in opt.state.values()
             for v in state.values()
             if isinstance(v, Tensor)
-        ),
+        )
     )
     total = params + live + grads + opt_state + buffers + comm
     return MemoryReport(

@@ -36,7 +36,7 @@ STRATEGIES = ("zero2", "zero3", "ddp")
 
 
 class Crash(RuntimeError):
-    pass
+    """The injected failure."""
 
 
 def _fabric(strategy: str, devices: int) -> Fabric:

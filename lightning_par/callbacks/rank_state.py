@@ -100,9 +100,6 @@ def fingerprint(trainer: pl.Trainer) -> dict[str, Any]:
     )
 
 
-differences = core.differences
-
-
 def restore(trainer: pl.Trainer, state: dict[str, Any], *, full: bool) -> None:
     """Put ``state`` back into the trainer, this rank's model and optimizers.
 

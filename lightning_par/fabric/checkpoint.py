@@ -70,14 +70,25 @@ def _tp(strategy: HybridParallelStrategy) -> TPInfo:
     return tp_info(strategy.module, rank=mesh.tp_rank, size=mesh.tp_size)
 
 
+def is_stateful(value: Any) -> bool:
+    """Whether a state entry is saved as its ``state_dict()`` and restored by ``load_state_dict`` (LR
+    schedulers and the like; Fabric's own rule), rather than stored as it is."""
+    has = callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+    return has and not isinstance(value, Tensor | dict)
+
+
+def layout(strategy: HybridParallelStrategy, optimizers: list[Optimizer]) -> dict[str, Any]:
+    """What a checkpoint or snapshot records of the strategy's module and layout (collective-free)."""
+    assert strategy.module is not None
+    mesh = strategy.mesh
+    sizes = {"world_size": strategy.world_size, "dp": mesh.dp_size, "tp": mesh.tp_size, "pp": 1}
+    return layout_metadata(
+        strategy.module, engine=strategy.engine, optimizers=optimizers, sizes=sizes, tp=_tp(strategy)
+    )
+
+
 def _extras(state: Mapping[str, Any], skip: set[str]) -> dict[str, Any]:
-    out = {}
-    for k, v in state.items():
-        if k in skip:
-            continue
-        stateful = callable(getattr(v, "state_dict", None)) and not isinstance(v, (Tensor, dict))
-        out[k] = v.state_dict() if stateful else v
-    return out
+    return {k: v.state_dict() if is_stateful(v) else v for k, v in state.items() if k not in skip}
 
 
 def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any]) -> None:
@@ -88,8 +99,7 @@ def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any])
         raise RuntimeError("fabric.save needs the module set up first (fabric.setup).")
     optimizers = [state[k] for k in opt_keys]
     tp, rank, world, mesh = _tp(strategy), strategy.global_rank, strategy.world_size, strategy.mesh
-    sizes = {"world_size": world, "dp": mesh.dp_size, "tp": mesh.tp_size, "pp": 1}
-    meta = layout_metadata(module, engine=engine, optimizers=optimizers, sizes=sizes, tp=tp)
+    meta = layout(strategy, optimizers)
     keys = {"module": module_key, "optimizers": opt_keys}
     extras = _extras(state, {*opt_keys, *([module_key] if module_key else [])})
     # no rank holds the whole model at stage 3 or under tensor parallelism: the parameters go in pieces
@@ -197,7 +207,7 @@ def load(
                 raise KeyError(f"state[{k!r}] is not in the checkpoint {str(path)!r} (pass strict=False).")
             continue
         target = state[k]
-        if callable(getattr(target, "load_state_dict", None)) and not isinstance(target, (Tensor, dict)):
+        if is_stateful(target):
             target.load_state_dict(extras[k])
         else:
             state[k] = extras[k]

@@ -56,8 +56,7 @@ from lightning_par.callbacks import _dist
 from lightning_par.callbacks.store import FlashStore
 from lightning_par.callbacks.writer import SnapshotCopy
 from lightning_par.checkpoint import rank_state
-from lightning_par.checkpoint.io import layout_metadata
-from lightning_par.checkpoint.tp_reshard import tp_info
+from lightning_par.fabric.checkpoint import is_stateful, layout
 from lightning_par.fabric.strategy import HybridParallelStrategy
 from lightning_par.zero.engine import Engine
 
@@ -79,11 +78,6 @@ class _Parts:
         """Key -> kind, for the fingerprint: a snapshot restores into the same keys of the same kinds."""
         out = {self.module_key: "model", **dict.fromkeys(self.optimizer_keys, "optimizer")}
         return {**out, **dict.fromkeys(self.stateful, "state_dict"), **dict.fromkeys(self.values, "value")}
-
-
-def _stateful(value: Any) -> bool:
-    has = callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
-    return has and not isinstance(value, Tensor | dict)
 
 
 class FlashSnapshots:
@@ -141,6 +135,7 @@ class FlashSnapshots:
         if fabric.world_size > 1 and not _dist.initialized():
             raise RuntimeError(f"{_OWNER}: call fabric.launch() first, then make it on every rank.")
         self._fabric = fabric
+        self._fingerprints: dict[tuple[Any, ...], dict[str, Any]] = {}  # one entry: the current objects
         self.resumed: dict[str, Any] | None = None  # what restore() loaded: step, lineage, sources
         self._failed = False
         self._store.open(rank=fabric.global_rank, world_size=fabric.world_size, device=strategy.root_device)
@@ -196,24 +191,30 @@ class FlashSnapshots:
                 if not any(opt is o for o in strategy.optimizers):
                     raise ValueError(f"{_OWNER}: state[{k!r}] is not an optimizer set up with this module.")
         rest = [k for k in state if k != modules[0] and k not in opt_keys]
-        stateful = [k for k in rest if _stateful(state[k])]
+        stateful = [k for k in rest if is_stateful(state[k])]
         values = [k for k in rest if k not in stateful]
         return _Parts(modules[0], module, opt_keys, optimizers, stateful, values)
 
     def _fingerprint(self, parts: _Parts) -> dict[str, Any]:
         """What must be equal for a snapshot to load: the Trainer's fingerprint of model, optimizers,
-        strategy and layout, plus the state dict's keys and kinds."""
+        strategy and layout, plus the state dict's keys and kinds. Computed once per set of objects (it
+        walks every parameter), not at every snapshot."""
+        key = (id(parts.module), *map(id, parts.optimizers), *parts.kinds().items())
+        if key not in self._fingerprints:
+            self._fingerprints = {key: self._compute_fingerprint(parts)}
+        return self._fingerprints[key]
+
+    def _compute_fingerprint(self, parts: _Parts) -> dict[str, Any]:
         strategy, world = self._fabric.strategy, self._fabric.world_size
-        layout = None
+        recorded = None
         if isinstance(strategy, HybridParallelStrategy):
-            mesh = strategy.mesh
-            sizes = {"world_size": world, "dp": mesh.dp_size, "tp": mesh.tp_size, "pp": 1}
-            tp = tp_info(parts.module, rank=mesh.tp_rank, size=mesh.tp_size)
-            layout = layout_metadata(
-                parts.module, engine=self._engine(), optimizers=parts.optimizers, sizes=sizes, tp=tp
-            )
+            recorded = layout(strategy, parts.optimizers)
         found = rank_state.fingerprint(
-            parts.module, parts.optimizers, strategy=type(strategy).__name__, world_size=world, layout=layout
+            parts.module,
+            parts.optimizers,
+            strategy=type(strategy).__name__,
+            world_size=world,
+            layout=recorded,
         )
         return {**found, "fabric_state": parts.kinds()}
 
