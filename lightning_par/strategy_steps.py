@@ -55,8 +55,7 @@ class StrategySteps(ZeroCheckpointIO):
         parallelism the pipeline manages its windows itself (it zeroes at a window's start, and Lightning
         zeroes ``param.grad`` after its backwards, which must not empty the buffer)."""
         engine = self._engine
-        engine_context = engine.forward_context() if engine is not None and self._pipeline is None else None
-        with engine_context if engine_context is not None else nullcontext():
+        with engine.forward_context() if engine is not None and self._pipeline is None else nullcontext():
             self._buffer_sync.before_forward()
             yield
             synchronising = training and (engine is None or engine.sync_enabled)
@@ -77,7 +76,7 @@ class StrategySteps(ZeroCheckpointIO):
                 batch_idx,
                 engine=self._engine,
                 optimizers=self.optimizers,
-                **({"loss_scale": scaler.scale_loss} if scaler is not None else {}),
+                loss_scale=scaler.scale if scaler is not None else 1.0,
             )
 
     @override

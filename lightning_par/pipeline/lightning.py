@@ -18,7 +18,7 @@ layer's outputs for the whole batch on every pipeline rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -94,7 +94,7 @@ class LightningPipeline:
         *,
         engine: Engine,
         optimizers: Sequence[Optimizer],
-        loss_scale: Callable[[Tensor], Tensor] = lambda t: t,
+        loss_scale: float = 1.0,
     ) -> Tensor:
         """All micro-batches forward and backward (every backward without data-parallel reduction);
         returns the mean loss. The caller ends the accumulation window afterwards with
@@ -111,15 +111,13 @@ class LightningPipeline:
         accumulate = self.module.trainer.accumulate_grad_batches
 
         def loss_fn(output: Any, i: int) -> Tensor:
-            return loss_scale(self.module.pipeline_loss(output, micro[i]) / accumulate)  # type: ignore[operator]
+            return self.module.pipeline_loss(output, micro[i]) / accumulate * loss_scale  # type: ignore[operator]
 
         mean = self.runtime.train_step(
             inputs=self._inputs(micro), loss_fn=loss_fn, no_sync=no_sync, sync_last=False
         )
         # undo the scaling of the returned number: it is the mean loss, for logging
-        value = mean * accumulate
-        scaled = loss_scale(torch.ones((), device=value.device))
-        value = value / scaled
+        value = mean * accumulate / loss_scale
         self.module.log("train_loss", value, prog_bar=True)
         return value.detach()
 

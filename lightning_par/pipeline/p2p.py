@@ -173,7 +173,7 @@ def plan(schedule: Sequence[Sequence[Action]], *, p: int, v: int, headers: bool)
                 to = x.dst % p
                 if to == s:  # p = 1: handed over in memory
                     continue
-                for phase, y in ((1, _header(x)), (2, x)) if headers and x.kind == "act" else ((2, x),):
+                for phase, y in ((1, header_of(x)), (2, x)) if headers and x.kind == "act" else ((2, x),):
                     boundary[s].setdefault((t, phase), []).append(Op(True, to, y))
                     boundary[to].setdefault((t, phase), []).append(Op(False, s, y))
     for s in range(p):
@@ -250,7 +250,7 @@ def _check_data_flow(programs: Sequence[Sequence[Item]], *, p: int, v: int) -> N
                     if t.src % p != s and t not in arrived:
                         raise ValueError(f"rank {s}: {item.action} runs before {t} has arrived.")
                 outs = outputs_of(item.action, rank=s, p=p, v=v)
-                computed |= set(outs) | {_header(t) for t in outs}
+                computed |= set(outs) | {header_of(t) for t in outs}
                 continue
             for op in item.ops:
                 t = op.transfer
@@ -259,10 +259,16 @@ def _check_data_flow(programs: Sequence[Sequence[Item]], *, p: int, v: int) -> N
                 posted.add((op.send, t))
                 if op.send and t not in computed:
                     raise ValueError(f"rank {s}: {t} is sent before it is computed.")
-                if not op.send and t.kind == "act" and _header(t) in headers and _header(t) not in arrived:
+                if (
+                    not op.send
+                    and t.kind == "act"
+                    and header_of(t) in headers
+                    and header_of(t) not in arrived
+                ):
                     raise ValueError(f"rank {s}: {t} is received before its header has been read.")
             arrived |= {op.transfer for op in item.ops if not op.send}
 
 
-def _header(t: Transfer) -> Transfer:
+def header_of(t: Transfer) -> Transfer:
+    """The header transfer announcing activation transfer ``t``'s shape."""
     return Transfer("hdr", t.src, t.dst, t.mb)

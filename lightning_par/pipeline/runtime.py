@@ -36,7 +36,6 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any
 
 import torch
@@ -44,8 +43,18 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lightning_par.pipeline.p2p import Batch, Item, Transfer, check_plan, forward_only, plan
+from lightning_par.pipeline.p2p import (
+    Batch,
+    Item,
+    Transfer,
+    check_plan,
+    forward_only,
+    header_of,
+    plan,
+    stage_of,
+)
 from lightning_par.pipeline.schedule import Action, build_schedule
+from lightning_par.zero.meta_init import target_device
 
 _DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -75,7 +84,9 @@ class _Mail:
     learn: bool
     inbox: dict[Transfer, Tensor] = field(default_factory=dict)
     outbox: dict[Transfer, Tensor] = field(default_factory=dict)
-    outputs: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (stage, mb) -> output, for grads
+    # (virtual stage, mb) -> (input, output) of a forward awaiting its backward; a received gradient
+    # takes its output's shape
+    saved: dict[tuple[int, int], tuple[Any, Tensor]] = field(default_factory=dict)
 
 
 class PipelineRuntime:
@@ -104,9 +115,10 @@ class PipelineRuntime:
             "forward": forward_only(p=self.p, m=self.m, v=self.v),
         }
         self.actions: list[Action] = self._schedules["train"][self.s]
+        self._last_backward = [a for a in self.actions if a.kind == "B"][-1]
         self.last = self.p * self.v - 1
         self.last_stats = StepStats()
-        self.device = device if device is not None else _comm_device(self.chunks, group)
+        self.device = device if device is not None else _comm_device(nn.ModuleList(self.chunks), group)
         self._programs: dict[tuple[str, bool], list[Item]] = {}
         self._ids: dict[Any, int] = {}  # pipeline rank 0: (kind, input signature) -> shape id
         self._layouts: dict[int, Layout] = {}  # shape id -> activation shapes of this rank's transfers
@@ -150,7 +162,7 @@ class PipelineRuntime:
         if t.kind == "act":
             if mail.learn:
                 mail.layout[t] = (tensor.shape, tensor.dtype)
-                mail.outbox[Transfer("hdr", t.src, t.dst, t.mb)] = self._header(tensor)
+                mail.outbox[header_of(t)] = self._header(tensor)
             elif mail.layout[t] != (tensor.shape, tensor.dtype):
                 raise RuntimeError(
                     f"Virtual stage {t.src} produced {tuple(tensor.shape)} {tensor.dtype} for micro-batch"
@@ -169,7 +181,7 @@ class PipelineRuntime:
         if t.kind == "hdr":
             return torch.empty(_HEADER, dtype=torch.int64, device=self.device)
         if t.kind == "grad":  # the gradient of this rank's own output
-            out = mail.outputs[(t.dst, t.mb)]
+            out = mail.saved[(t.dst, t.mb)][1]
             return torch.empty(out.shape, dtype=out.dtype, device=self.device)
         shape, dtype = mail.layout[t]
         return torch.empty(shape, dtype=dtype, device=self.device)
@@ -189,8 +201,7 @@ class PipelineRuntime:
         for op in batch.ops:
             t = op.transfer
             if not op.send and t.kind == "hdr":  # learning steps only: one host read per header
-                ndim, dtype, *sizes = mail.inbox.pop(t).tolist()
-                mail.layout[Transfer("act", t.src, t.dst, t.mb)] = (torch.Size(sizes[:ndim]), _DTYPES[dtype])
+                mail.layout[Transfer("act", t.src, t.dst, t.mb)] = _decode(mail.inbox.pop(t))
 
     def _finish(self, ident: int, mail: _Mail) -> None:
         if mail.learn:
@@ -211,15 +222,13 @@ class PipelineRuntime:
         start = time.perf_counter()
         busy = 0.0
         ident, mail = self._begin("train", inputs)
-        saved: dict[tuple[int, int], tuple[Any, Tensor]] = {}
         losses = torch.zeros(self.m, device=self.device)
-        last_backward = [a for a in self.actions if a.kind == "B"][-1]
         for item in self._program("train", headers=mail.learn):
             if isinstance(item, Batch):
                 self._exchange(item, mail)
                 continue
             action = item.action
-            g = action.chunk * self.p + self.s
+            g = stage_of(action, rank=self.s, p=self.p)
             if action.kind == "F":
                 x = self._input(g, action.mb, inputs, mail, grad=True)
                 t0 = time.perf_counter()
@@ -229,15 +238,13 @@ class PipelineRuntime:
                     losses[action.mb] = loss.detach().float()
                     out = loss
                 busy += time.perf_counter() - t0
+                mail.saved[(g, action.mb)] = (x, out)
                 if g < self.last:
-                    mail.outputs[(g, action.mb)] = out
                     self._send(Transfer("act", g, g + 1, action.mb), out, mail=mail)
-                saved[(action.chunk, action.mb)] = (x, out)
             else:
-                x, out = saved.pop((action.chunk, action.mb))
-                mail.outputs.pop((g, action.mb), None)
+                x, out = mail.saved.pop((g, action.mb))
                 grad = None if g == self.last else mail.inbox.pop(Transfer("grad", g + 1, g, action.mb))
-                context = nullcontext() if action == last_backward and sync_last else no_sync()
+                context = nullcontext() if action == self._last_backward and sync_last else no_sync()
                 t0 = time.perf_counter()
                 with context:
                     torch.autograd.backward(out, grad)
@@ -258,7 +265,7 @@ class PipelineRuntime:
             if isinstance(item, Batch):
                 self._exchange(item, mail)
                 continue
-            g, mb = item.action.chunk * self.p + self.s, item.action.mb
+            g, mb = stage_of(item.action, rank=self.s, p=self.p), item.action.mb
             out = self.chunks[item.action.chunk](self._input(g, mb, inputs, mail, grad=False))
             if g == self.last:
                 on_last(out, mb)
@@ -302,8 +309,8 @@ class PipelineRuntime:
         )
         dist.broadcast(header, src=src, group=self.group)
         if result is None:
-            ndim, dtype, *sizes = header.tolist()
-            result = torch.empty(torch.Size(sizes[:ndim]), dtype=_DTYPES[dtype], device=self.device)
+            shape, dtype = _decode(header)
+            result = torch.empty(shape, dtype=dtype, device=self.device)
         dist.broadcast(result, src=src, group=self.group)
         return result
 
@@ -323,13 +330,17 @@ class PipelineRuntime:
         return out[0]
 
 
-def _comm_device(chunks: Sequence[nn.Module], group: ProcessGroup) -> torch.device:
-    for tensor in chain.from_iterable(chain(c.parameters(), c.buffers()) for c in chunks):
-        if not tensor.is_meta:
-            return tensor.device
-    if "nccl" in str(dist.get_backend(group)):  # a chunk without real tensors still talks over CUDA
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _comm_device(chunks: nn.Module, group: ProcessGroup) -> torch.device:
+    # a chunk without real tensors still talks over CUDA under NCCL
+    nccl = "nccl" in str(dist.get_backend(group))
+    fallback = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    return target_device(chunks, default=fallback)
+
+
+def _decode(header: Tensor) -> tuple[torch.Size, torch.dtype]:
+    """Shape and dtype from a header (a host read: only in steps that learn shapes, and in predict)."""
+    ndim, dtype, *sizes = header.tolist()
+    return torch.Size(sizes[:ndim]), _DTYPES[dtype]
 
 
 def _signature(value: Any) -> Any:

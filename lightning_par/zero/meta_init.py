@@ -29,12 +29,13 @@ from lightning_par.zero.units import REMOTE_ATTR, UnitPolicy, plan_units
 ValuesFn = Callable[[str], Tensor | None]
 
 
-def target_device(module: nn.Module) -> torch.device:
-    """The device of the first real parameter or buffer (CPU if everything is on the meta device)."""
+def target_device(module: nn.Module, *, default: torch.device | None = None) -> torch.device:
+    """The device of the first real parameter or buffer (``default``, else the CPU, if everything is on
+    the meta device)."""
     for t in (*module.parameters(), *module.buffers()):
         if not t.is_meta:
             return t.device
-    return torch.device("cpu")
+    return default if default is not None else torch.device("cpu")
 
 
 def move_real_tensors(module: nn.Module, device: torch.device) -> None:
