@@ -3,7 +3,7 @@ data-parallel group, built from one options record.
 
 The model-changing steps (tensor parallel, pipeline split, activation checkpointing) are
 :func:`lightning_par.compose.compose`'s, applied once per model; the engine, the precision groups and the
-optimizers are built again for every run by :func:`build_engine` and :func:`precision_groups`, so the
+optimizers are built again for every run by :func:`build_engine` and :func:`set_precision_groups`, so the
 Trainer strategy (``lightning_par.strategy``) and the Fabric strategy (``lightning_par.fabric.strategy``)
 compose the same mechanisms in the same order. Lightning-free.
 """
@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from lightning_par.mesh import ParallelMesh
+from lightning_par.precision import ParallelPrecision
 from lightning_par.zero.engine import Engine, ReduceChoice, apply_zero, resolve_reduce_op
 from lightning_par.zero.grad_sync import GradSyncPolicy, broadcast_module_states
 from lightning_par.zero.meta_init import ValuesFn
@@ -99,15 +100,17 @@ def build_engine(
     )
 
 
-def precision_groups(mesh: ParallelMesh, *, zero_stage: int) -> tuple[ProcessGroup, ...]:
-    """The groups a clip norm (and an fp16 overflow verdict) must sum over to be the global one.
+def set_precision_groups(plugin: ParallelPrecision, mesh: ParallelMesh, *, zero_stage: int) -> None:
+    """Give ``plugin`` the groups a clip norm (and an fp16 overflow verdict) must sum over to be the
+    global one, and the tensor-parallel group whose replicated parameters it counts once.
 
     From stage 1 on, each dp rank holds disjoint gradient pieces; each pipeline stage holds other layers;
-    each tp rank its own tensor shards (tp-replicated parameters are counted once by the norm itself).
+    each tp rank its own tensor shards.
     """
     groups = [mesh.dp_group] if zero_stage > 0 else []
     if mesh.pp_size > 1:
         groups.append(mesh.pp_group)
     if mesh.tp_size > 1:
         groups.append(mesh.tp_group)
-    return tuple(groups)
+    plugin.grad_norm_groups = tuple(groups)
+    plugin.tp_group = mesh.tp_group if mesh.tp_size > 1 else None

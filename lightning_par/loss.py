@@ -63,11 +63,6 @@ class TokenNormalizer:
         local = torch.full((), self._host_count, dtype=torch.int64, device=self.device)
         return local if self._count is None else local + self._count
 
-    @property
-    def local_count(self) -> Tensor:
-        """This rank's valid tokens in the window so far (a tensor on the device)."""
-        return self._local()
-
     def global_count(self) -> Tensor:
         """``T`` over the window and the group (an int64 scalar on the device); resets the window."""
         total = self._local()

@@ -61,7 +61,7 @@ from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 
 PrecisionMode = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 ReduceDtype = Literal["fp32", "bf16", "fp16"]
-_MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+PRECISION_MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
 
@@ -89,8 +89,8 @@ class ParallelPrecision(Precision):
         loss_scale: dict[str, Any] | None = None,
         master_weights: bool | None = None,
     ) -> None:
-        if precision not in _MODES:
-            raise ValueError(f"precision must be one of {_MODES}, got {precision!r}.")
+        if precision not in PRECISION_MODES:
+            raise ValueError(f"precision must be one of {PRECISION_MODES}, got {precision!r}.")
         if reduce_dtype not in _DTYPES:
             raise ValueError(f"reduce_dtype must be one of {tuple(_DTYPES)}, got {reduce_dtype!r}.")
         super().__init__()
@@ -334,6 +334,6 @@ def convert_precision_plugin(plugin: Precision | None, *, zero_stage: int) -> Pr
         return plugin
     raise ValueError(
         f"{type(plugin).__name__}({getattr(plugin, 'precision', '?')!r}) cannot be used with ZeRO stage"
-        f" {zero_stage}: lightning_par's ParallelPrecision supports {_MODES} there (fp32 masters in the"
-        " shards, global-norm clipping); pass one of those precision strings or a ParallelPrecision."
+        f" {zero_stage}: lightning_par's ParallelPrecision supports {PRECISION_MODES} there (fp32 masters in"
+        " the shards, global-norm clipping); pass one of those precision strings or a ParallelPrecision."
     )

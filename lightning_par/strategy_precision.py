@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
-from lightning_par.build import precision_groups
+from lightning_par.build import set_precision_groups
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
 from lightning_par.precision import ParallelPrecision, convert_precision_plugin
 
@@ -62,7 +62,5 @@ class StrategyPrecision(ZeroCheckpointIO):
         """Step 7: the groups over which the precision plugin's clip norm and fp16 verdicts agree."""
         plugin = self.precision_plugin
         if isinstance(plugin, ParallelPrecision):
-            plugin.grad_norm_groups = precision_groups(self.mesh, zero_stage=self.zero_stage)
-            if self.tensor_parallel_size > 1:
-                plugin.tp_group = self.mesh.tp_group
+            set_precision_groups(plugin, self.mesh, zero_stage=self.zero_stage)
         self.setup_precision_plugin()

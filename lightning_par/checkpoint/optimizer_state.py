@@ -145,17 +145,24 @@ def fragment_pieces(
     fragments: Iterable[tuple[str, int, int, Tensor]],
     *,
     master_key: str | None = None,
+    copy: bool = True,
 ) -> list[tuple[str, int, int, dict[str, Any]]]:
-    """This rank's state as ``(name, lo, hi, {key: value})`` records, ready to save."""
+    """This rank's state as ``(name, lo, hi, {key: value})`` records: CPU copies ready to save, or with
+    ``copy=False`` flat views of the live tensors (a snapshot copies them later, off the training
+    thread)."""
+
+    def out_of(t: Tensor) -> Tensor:
+        return t.cpu().clone() if copy else t
+
     out = []
     owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
     for name, lo, hi, master in fragments:
         if id(master) not in owned:
             continue
         saved = optimizer.state.get(master, {})
-        state = {k: _flat(v).cpu().clone() if isinstance(v, Tensor) else v for k, v in saved.items()}
+        state = {k: out_of(_flat(v)) if isinstance(v, Tensor) else v for k, v in saved.items()}
         if master_key is not None:
-            state[master_key] = master.detach().float().reshape(-1).cpu().clone()
+            state[master_key] = out_of(master.detach().float().reshape(-1))
         if state:
             out.append((name, lo, hi, state))
     return out

@@ -35,38 +35,16 @@ from torch.optim import Optimizer
 
 from lightning_par.checkpoint.optimizer_state import (
     cut,
+    fragment_pieces,
     group_hyperparams,
     load_fragments,
     pieces_from_records,
 )
 from lightning_par.zero.engine import Engine
 
-Record = tuple[str, int, int, dict[str, Any]]
-
 
 def _param_names(module: nn.Module) -> set[str]:
     return {n for n, _ in module.named_parameters(remove_duplicate=False)}
-
-
-def _records(
-    opt: Optimizer, table: Sequence[tuple[str, int, int, Tensor]], master_key: str | None
-) -> list[Record]:
-    """This rank's fragment records of ``opt`` as views of the live tensors (the format of
-    :func:`lightning_par.checkpoint.optimizer_state.fragment_pieces`, without its CPU copies)."""
-    owned = {id(p) for g in opt.param_groups for p in g["params"]}
-    out: list[Record] = []
-    for name, lo, hi, master in table:
-        if id(master) not in owned:
-            continue
-        state = {
-            k: v.detach().reshape(-1) if isinstance(v, Tensor) and v.dim() > 0 else v
-            for k, v in opt.state.get(master, {}).items()
-        }
-        if master_key is not None:
-            state[master_key] = master.detach().reshape(-1)
-        if state:
-            out.append((name, lo, hi, state))
-    return out
 
 
 def capture(
@@ -84,7 +62,10 @@ def capture(
             "kind": "fragments",
             "order": engine.bucket_order(),
             "optimizers": [
-                {"param_groups": group_hyperparams(opt), "records": _records(opt, table, sharded.master_key)}
+                {
+                    "param_groups": group_hyperparams(opt),
+                    "records": fragment_pieces(opt, table, master_key=sharded.master_key, copy=False),
+                }
                 for opt in optimizers
             ],
         }

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
-from lightning_par.precision import ParallelPrecision
-
-_MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+from lightning_par.precision import PRECISION_MODES, ParallelPrecision
 
 
 def to_parallel_precision(plugin: Precision) -> ParallelPrecision:
@@ -27,6 +25,6 @@ def to_parallel_precision(plugin: Precision) -> ParallelPrecision:
         return ParallelPrecision("bf16-true")
     raise ValueError(
         f"{type(plugin).__name__}({getattr(plugin, 'precision', '?')!r}) cannot be used with lightning_par's"
-        f" Fabric strategy: it supports precision {_MODES} (fp32 masters in the shards, global-norm"
+        f" Fabric strategy: it supports precision {PRECISION_MODES} (fp32 masters in the shards, global-norm"
         " clipping); pass one of those, or a lightning_par ParallelPrecision plugin."
     )

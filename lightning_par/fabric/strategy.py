@@ -47,7 +47,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par.build import ZeroOptions, build_engine, precision_groups
+from lightning_par.build import ZeroOptions, build_engine, set_precision_groups
 from lightning_par.compose import ComposeOptions, compose
 from lightning_par.device_checks import check_optimizer_kernels, resolve_backend
 from lightning_par.fabric import checkpoint as fabric_checkpoint
@@ -310,8 +310,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         self.engine.shard_optimizers(optimizers)
         _optimizers_to_device(optimizers, self.root_device)
         self.optimizers = list(optimizers)
-        self.precision.grad_norm_groups = precision_groups(self.mesh, zero_stage=self.zero_stage)
-        self.precision.tp_group = self.mesh.tp_group if self.tensor_parallel_size > 1 else None
+        set_precision_groups(self.precision, self.mesh, zero_stage=self.zero_stage)
 
     def _follow_replaced(self, optimizers: list[Optimizer]) -> None:
         """Point optimizers made before ``setup_module`` at the tensor-parallel slices that replaced their

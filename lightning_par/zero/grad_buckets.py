@@ -115,7 +115,7 @@ class GradBuckets:
 
     # ------------------------------------------------------------------ buffers
     def _acquire(self, numel: int, *, slice_of_bucket: bool = False) -> Tensor:
-        biggest = max(b.numel for b in self.layout.buckets)
+        biggest = self.layout.largest_bucket
         cap = biggest // self.world if slice_of_bucket else biggest
         free = self._pool.setdefault(cap, [])
         if free:

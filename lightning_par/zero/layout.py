@@ -121,6 +121,7 @@ class FlatLayout:
         self.buckets: tuple[Bucket, ...] = tuple(buckets)
         self.numel = start
         self.shard_numel = self.numel // shard_count
+        self.largest_bucket = max((b.numel for b in self.buckets), default=0)  # the pool's buffer size
 
     def fragments(self, rank: int) -> list[Fragment]:
         """The pieces of parameters that fall in ``rank``'s shard, in shard order."""
