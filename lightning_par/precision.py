@@ -235,7 +235,12 @@ class ParallelPrecision(Precision):
         return output
 
     @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+    def clip_grad_by_norm(
+        self, optimizer: Optimizer, clip_val: int | float, *, norm_type: float = 2.0
+    ) -> None:
+        """Clip ``optimizer``'s gradients by their global ``norm_type`` norm over ``grad_norm_groups``
+        (tp-replicated parameters and second copies of tied ones counted once); the norm is kept in
+        ``last_grad_norm`` (on the device)."""
         params = [p for p in self.main_params(optimizer) if p.grad is not None]
         # copies of a parameter tied across pipeline stages: scaled like the others, counted once
         skip = [p.grad for p in params if getattr(p, NORM_SKIP_ATTR, False)]
@@ -247,6 +252,7 @@ class ParallelPrecision(Precision):
                 float(clip_val),
                 groups=self.grad_norm_groups,
                 extra=skip,  # type: ignore[arg-type]
+                norm_type=norm_type,
                 device=self.device,
             )
             return
@@ -258,6 +264,7 @@ class ParallelPrecision(Precision):
             groups=self.grad_norm_groups,
             replicated=[(replicated, self.tp_group)],  # type: ignore[list-item]
             extra=skip,  # type: ignore[arg-type]
+            norm_type=norm_type,
             device=self.device,
         )
 

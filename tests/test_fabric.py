@@ -35,6 +35,7 @@ from lightning_par.checkpoint.full import gather_full_state_dict
 from lightning_par.checkpoint.tp_reshard import tp_info
 from lightning_par.fabric import HybridParallelStrategy
 from lightning_par.fabric.precision import to_parallel_precision
+from lightning_par.precision import ParallelPrecision
 from tests.distributed import run_distributed
 
 WORLD, MICRO, ACCUM, STEPS, SEQ, LR = 2, 2, 2, 4, 32, 3e-3
@@ -277,3 +278,27 @@ def test_fabric_bad_input() -> None:
     twice, early = run_distributed(_setup_twice, 1, init_group=False)[0]
     assert "fabric.setup() (or setup_module()) once per module" in twice
     assert "create the optimizer after model = fabric.setup_module(model)" in early
+
+
+def test_fabric_fp16_clip_by_value_sees_unscaled_gradients() -> None:
+    """fp16 on the Fabric strategy: ``fabric.clip_gradients(clip_val=...)`` clips the unscaled gradients
+    (the step's one unscale happens first), so the update equals SGD on the clamped true gradient."""
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=1,
+        strategy=HybridParallelStrategy(zero_stage=0),
+        plugins=[ParallelPrecision("16-mixed")],
+    )
+    fabric.launch()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = fabric.strategy.precision.scaler  # type: ignore[attr-defined]
+    assert scaler is not None
+    fabric.backward(model(torch.randn(8, 4)).float().pow(2).mean())
+    true_grad = model.weight.grad.detach() / scaler.scale
+    before = model.weight.detach().clone()
+    fabric.clip_gradients(model, optimizer, clip_val=1e-3)
+    optimizer.step()
+    assert float(true_grad.abs().max()) > 1e-2  # the clip bites
+    torch.testing.assert_close(model.weight.detach(), before - 0.1 * true_grad.clamp(-1e-3, 1e-3))

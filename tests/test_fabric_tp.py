@@ -2,11 +2,12 @@
 write; the shipped ``"llama"`` plan), compared with the same Fabric loop in one process.
 
 On 4 Gloo ranks (dp 2 x tp 2), ZeRO-1 and ZeRO-3 each train 3 steps of AdamW with gradient accumulation
-and clipping that bites: the losses and the final weights (gathered from the tp slices and dp shards)
-equal Fabric's single-device run. The ZeRO-3 run also ``fabric.save``s a sharded checkpoint after step 2;
-it is loaded in one process at ZeRO-0 (no tensor parallelism) and the last step there equals the
-uninterrupted run. litgpt's GPT has no shipped plan (its fused ``attn.attn`` projection and the heads it
-reads from a shared config would need one of their own), so it is not covered here.
+and clipping that bites: the losses, the final weights (gathered from the tp slices and dp shards) and
+the clip norms (on every rank) equal Fabric's single-device run. The ZeRO-3 run also ``fabric.save``s a
+sharded checkpoint after step 2; it is loaded in one process at ZeRO-0 (no tensor parallelism) and the
+last step there equals the uninterrupted run. litgpt's GPT has no shipped plan (its fused ``attn.attn``
+projection and the heads it reads from a shared config would need one of their own), so it is not
+covered here.
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, eps=1e-5)
 
 
-def _loop(fabric: Fabric, model: Any, optimizer: Any, *, dp_rank: int, dp: int, steps: range) -> list[float]:
+def _loop(
+    fabric: Fabric, model: Any, optimizer: Any, *, dp_rank: int, dp: int, steps: range, norms: list[float]
+) -> list[float]:
+    """The loop; the clip norms go into ``norms`` (AdamW barely sees a wrong clip factor: its update is
+    nearly invariant to a gradient's scale, so the norm itself is compared)."""
     losses = []
     data = _batches()
     per = DP * MICRO // dp
@@ -51,7 +56,7 @@ def _loop(fabric: Fabric, model: Any, optimizer: Any, *, dp_rank: int, dp: int, 
                 loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten())
                 fabric.backward(loss / ACCUM)
             total += loss.detach() / ACCUM
-        fabric.clip_gradients(model, optimizer, max_norm=0.3)
+        norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=0.3)))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(fabric.all_reduce(total, reduce_op="mean")))
@@ -66,10 +71,13 @@ def _tp_run(rank: int, world: int, stage: int, save: str | None) -> dict[str, An
     model, optimizer = fabric.setup(model, _adamw(model))
     mesh = strategy.mesh
     assert fabric.strategy.distributed_sampler_kwargs == {"num_replicas": DP, "rank": mesh.dp_rank}
-    losses = _loop(fabric, model, optimizer, dp_rank=mesh.dp_rank, dp=DP, steps=range(STEPS - 1))
+    norms: list[float] = []
+    losses = _loop(fabric, model, optimizer, dp_rank=mesh.dp_rank, dp=DP, steps=range(STEPS - 1), norms=norms)
     if save is not None:
         fabric.save(save, {"model": model, "optimizer": optimizer, "step": STEPS - 1})
-    losses += _loop(fabric, model, optimizer, dp_rank=mesh.dp_rank, dp=DP, steps=range(STEPS - 1, STEPS))
+    losses += _loop(
+        fabric, model, optimizer, dp_rank=mesh.dp_rank, dp=DP, steps=range(STEPS - 1, STEPS), norms=norms
+    )
     module = strategy.module
     assert module is not None
     tp = tp_info(module, rank=mesh.tp_rank, size=TP)
@@ -78,7 +86,8 @@ def _tp_run(rank: int, world: int, stage: int, save: str | None) -> dict[str, An
     if stage < 3:  # (at stage 3 the parameters are flat shards between steps)
         assert module.model.layers[0].self_attn.q_proj.weight.shape[0] == LLAMA["hidden_size"] // TP
     full = gather_full_state_dict(module, strategy.engine, tp=tp, dp_rank=mesh.dp_rank, group=None)
-    return {"losses": losses, "state": {k: v.clone() for k, v in full.items()} if full else None}
+    state = {k: v.clone() for k, v in full.items()} if full else None
+    return {"losses": losses, "norms": norms, "state": state}
 
 
 def _tp_runs(rank: int, world: int, tmp: str) -> dict[str, Any]:
@@ -96,7 +105,7 @@ def _resume(rank: int, world: int, path: str) -> dict[str, Any]:
     model, optimizer = fabric.setup(model, _adamw(model))
     state = {"model": model, "optimizer": optimizer, "step": 0}
     assert fabric.load(path, state) == {} and state["step"] == STEPS - 1
-    losses = _loop(fabric, model, optimizer, dp_rank=0, dp=1, steps=range(STEPS - 1, STEPS))
+    losses = _loop(fabric, model, optimizer, dp_rank=0, dp=1, steps=range(STEPS - 1, STEPS), norms=[])
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
@@ -104,8 +113,13 @@ def _reference() -> dict[str, Any]:
     fabric = Fabric(accelerator="cpu", devices=1)
     model = llama(seed=0)
     model, optimizer = fabric.setup(model, _adamw(model))
-    losses = _loop(fabric, model, optimizer, dp_rank=0, dp=1, steps=range(STEPS))
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    norms: list[float] = []
+    losses = _loop(fabric, model, optimizer, dp_rank=0, dp=1, steps=range(STEPS), norms=norms)
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
 
 
 def _assert_equal(run: dict[str, Any], ref: dict[str, Any], what: str) -> None:
@@ -128,6 +142,8 @@ def test_fabric_tensor_parallel_llama_equals_one_process() -> None:
     for name in ("zero1", "zero3"):
         assert results[0][name]["state"] is not None
         _assert_equal(results[0][name], ref, f"{name} dp2 x tp2")
+        for r in results:  # the global norm on every rank: tp-replicated norms counted once
+            torch.testing.assert_close(torch.tensor(r[name]["norms"]), torch.tensor(ref["norms"]))
         for r in results[1:]:
             assert r[name]["losses"] == results[0][name]["losses"]  # every rank logs the same value
     tail = {"losses": ref["losses"][STEPS - 1 :], "state": ref["state"]}

@@ -17,8 +17,6 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_par.grad_norm import clip_grad_norm_
-
 if TYPE_CHECKING:
     from lightning_par.precision import ParallelPrecision
     from lightning_par.zero.engine import Engine
@@ -73,20 +71,24 @@ class FabricSteps:
         """Clip by the global norm over every rank's shard; returns that norm (on the device)."""
         if self._unscaled(optimizer):
             return torch.full((), float("inf"), device=self.root_device)  # the step will be skipped
-        grads = [p.grad for p in self.precision.main_params(optimizer) if p.grad is not None]
-        norm = clip_grad_norm_(
-            grads,
-            float(max_norm),
-            groups=self.precision.grad_norm_groups,
-            norm_type=float(norm_type),
-            device=self.root_device,
-        )
+        # the plugin's clip: the global norm, tp-replicated parameters counted once (as under the Trainer)
+        self.precision.clip_grad_by_norm(optimizer, max_norm, norm_type=float(norm_type))
+        norm = self.precision.last_grad_norm
+        assert norm is not None
         if error_if_nonfinite and not bool(torch.isfinite(norm)):  # asked for: one host read
             raise RuntimeError(
                 f"The total norm of order {float(norm_type)} of the gradients is non-finite; pass"
                 " error_if_nonfinite=False to clip anyway."
             )
         return norm
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        """Clip every gradient element to ``[-clip_val, clip_val]`` after this step's fp16 unscale (the
+        same once-per-step verdict as the norm clip; nothing to clip on a step that will be skipped)."""
+        if self._unscaled(optimizer):
+            return
+        params = [p for p in self.precision.main_params(optimizer) if p.grad is not None]
+        torch.nn.utils.clip_grad_value_(params, clip_value=clip_val)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         for hook in self.before_optimizer_step:
