@@ -275,7 +275,7 @@ class ShardedOptimizer:
         assert grad_shard is not None
         for master, _, _ in self._master_slots:
             g = master.grad
-            if g is not None and g.untyped_storage().data_ptr() != grad_shard.untyped_storage().data_ptr():
+            if g is not None and not shares_storage(g, grad_shard):
                 g.mul_(factor)
 
     @torch.no_grad()
@@ -332,3 +332,8 @@ class ShardedOptimizer:
         if self.master_flat is not None:
             total += self.master_flat.numel() * self.master_flat.element_size()
         return total
+
+
+def shares_storage(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage (a master gradient that is the shard itself)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

@@ -23,6 +23,7 @@ from lightning_par.zero.sharded_optimizer import (
     inherit_param_attrs,
     optimizer_group_params,
     rebuild_optimizer,
+    shares_storage,
 )
 from lightning_par.zero.stage3_state import Stage3State
 
@@ -79,9 +80,5 @@ class Stage3Optim(Stage3State):
                 unit.grad_shard.mul_(factor)
         for unit, _, master in self._masters:
             g, shard = master.grad, unit.grad_shard
-            if g is not None and shard is not None and not _shares_storage(g, shard):
+            if g is not None and shard is not None and not shares_storage(g, shard):
                 g.mul_(factor)
-
-
-def _shares_storage(a: Tensor, b: Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
