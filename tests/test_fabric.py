@@ -280,15 +280,9 @@ def test_fabric_bad_input() -> None:
     assert "create the optimizer after model = fabric.setup_module(model)" in early
 
 
-def test_fabric_fp16_clip_by_value_sees_unscaled_gradients() -> None:
-    """fp16 on the Fabric strategy: ``fabric.clip_gradients(clip_val=...)`` clips the unscaled gradients
-    (the step's one unscale happens first), so the update equals SGD on the clamped true gradient."""
-    fabric = Fabric(
-        accelerator="cpu",
-        devices=1,
-        strategy=HybridParallelStrategy(zero_stage=0),
-        plugins=[ParallelPrecision("16-mixed")],
-    )
+def _clip_by_value(rank: int, world: int) -> dict[str, torch.Tensor]:
+    fp16 = ParallelPrecision("16-mixed")  # real fp16 on CPU (Lightning maps "16-mixed" to bf16 there)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=HybridParallelStrategy(), plugins=[fp16])
     fabric.launch()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
@@ -300,5 +294,14 @@ def test_fabric_fp16_clip_by_value_sees_unscaled_gradients() -> None:
     before = model.weight.detach().clone()
     fabric.clip_gradients(model, optimizer, clip_val=1e-3)
     optimizer.step()
-    assert float(true_grad.abs().max()) > 1e-2  # the clip bites
-    torch.testing.assert_close(model.weight.detach(), before - 0.1 * true_grad.clamp(-1e-3, 1e-3))
+    return {"grad": true_grad, "before": before, "after": model.weight.detach().clone()}
+
+
+def test_fabric_fp16_clip_by_value_sees_unscaled_gradients() -> None:
+    """fp16 on the Fabric strategy: ``fabric.clip_gradients(clip_val=...)`` clips the unscaled gradients
+    (the step's one unscale happens first), so the update equals SGD on the clamped true gradient. In a
+    child process: Fabric's launch makes a process group, which forked ranks of later tests must not
+    inherit."""
+    r = run_distributed(_clip_by_value, 1, init_group=False)[0]
+    assert float(r["grad"].abs().max()) > 1e-2  # the clip bites
+    torch.testing.assert_close(r["after"], r["before"] - 0.1 * r["grad"].clamp(-1e-3, 1e-3))
