@@ -296,7 +296,6 @@ def run_restart(cfg: Config, root: Path) -> dict[str, Any]:
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "OMP_NUM_THREADS": "1",
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]

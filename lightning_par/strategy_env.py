@@ -36,6 +36,7 @@ from typing_extensions import override
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
 from lightning_par.device_checks import resolve_backend
 from lightning_par.mesh import MeshLayout, ParallelMesh
+from lightning_par.rendezvous import launch_store
 from lightning_par.strategy_options import StartMethod
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ class MeshStrategy(ZeroCheckpointIO):
         self._start_method: StartMethod = start_method
         self._num_nodes = 1
         self._mesh: ParallelMesh | None = None
+        self._launch_store: dist.TCPStore | None = None  # rank 0 hosts it: kept as long as the strategy
 
     # ------------------------------------------------------------------ topology
     @property
@@ -162,6 +164,11 @@ class MeshStrategy(ZeroCheckpointIO):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        if not _distributed_is_initialized():
+            # under torchrun, a store of this attempt: a restart never reads the dead attempt's keys
+            self._launch_store = launch_store(self.cluster_environment, timeout=self._timeout)
+            if self._launch_store is not None:
+                kwargs["store"] = self._launch_store
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if self._mesh is None or self._mesh.layout != self.layout:
             # the groups of a mesh live as long as the strategy: a second fit reuses them

@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from lightning_par.callbacks import FlashCheckpoint, HangWatchdog  # noqa: E402
 from lightning_par.callbacks import disk as disk_module  # noqa: E402
 from lightning_par.models import GPTModule  # noqa: E402
+from lightning_par.rendezvous import RestartSafeEnvironment  # noqa: E402
 
 MODEL = dict(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, bias=False, learning_rate=1e-2)
 SAMPLES = 48  # 12 batches of 2 per rank at world 2: several epochs, resumes land mid-epoch
@@ -177,6 +178,9 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     callbacks.append(ResumeRecord(out, flash))
     if cfg.get("watchdog_s"):
         callbacks.append(HangWatchdog(timeout_s=cfg["watchdog_s"], flush_timeout_s=5.0))
+    plugins = []
+    if cfg.get("strategy", "zero2") == "ddp" and "TORCHELASTIC_RUN_ID" in os.environ:
+        plugins.append(RestartSafeEnvironment())  # Lightning's DDP: a store per attempt
     pl.seed_everything(7, verbose=False)
     module = GPTModule(**MODEL, warmup_steps=2, max_steps=cfg["steps"])
     trainer = pl.Trainer(
@@ -193,6 +197,7 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         limit_val_batches=0,
         default_root_dir=str(out),
         callbacks=callbacks,
+        plugins=plugins,
     )
     started = time.time()
     trainer.fit(module, DataLoader(Tokens(SAMPLES), batch_size=2, shuffle=True))

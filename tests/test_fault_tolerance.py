@@ -11,8 +11,9 @@
   resumes from memory, the new node's from disk, and the run ends with the uninterrupted weights.
 
 The jobs are ``tests/fault_job.py``; the references run the same code in forked ranks without faults or
-snapshots. Restarts set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see the README: with torch's shared
-rendezvous store a restarted Gloo rank can read a peer's address from the previous attempt).
+snapshots. The launches are plain torchrun (no ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``): our strategy, and
+Lightning's DDP with ``RestartSafeEnvironment``, give each attempt a store of its own
+(``lightning_par.rendezvous``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def shm_root() -> Iterator[Path]:
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # plain torchrun: restarts must work without it
     # torchrun sets this only for --nproc-per-node > 1; torch.set_num_threads(1) inside the process is not
     # enough for bitwise equality with the references (kernels are chosen by the start-up environment)
     env["OMP_NUM_THREADS"] = "1"
@@ -168,7 +169,7 @@ def test_two_nodes_survive_a_killed_agent(tmp_path: Path, shm_root: Path) -> Non
         options = (
             "--nnodes=2",
             "--nproc-per-node=1",
-            "--rdzv-backend=c10d",
+            "--rdzv-backend=lightning_par",  # c10d, with a replacement node able to join
             f"--rdzv-endpoint=127.0.0.1:{port}",
             f"--rdzv-id=ft-{port}",
             f"--rdzv-conf=is_host={str(is_host).lower()}",

@@ -42,6 +42,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch import nn
 from torch.optim import Optimizer
@@ -55,6 +56,7 @@ from lightning_par.fabric.precision import to_parallel_precision
 from lightning_par.fabric.steps import FabricSteps
 from lightning_par.mesh import ParallelMesh
 from lightning_par.precision import ParallelPrecision, cast_frozen
+from lightning_par.rendezvous import launch_store
 from lightning_par.tensor_parallel.plan import resolve_plan
 from lightning_par.zero.engine import Engine
 from lightning_par.zero.meta_init import move_real_tensors, params_on_meta
@@ -161,6 +163,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         )
         self._backward_sync_control = _EngineSyncControl(self)
         self._mesh: ParallelMesh | None = None
+        self._launch_store: torch.distributed.TCPStore | None = None  # rank 0 hosts it
         self.engine: Engine | None = None
         self.module: nn.Module | None = None
         self.optimizers: list[Optimizer] = []
@@ -181,6 +184,22 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
     @precision.setter
     def precision(self, precision: Precision | None) -> None:
         self._precision = to_parallel_precision(precision) if precision is not None else None
+
+    @override
+    def _setup_distributed(self) -> None:
+        # Lightning's DDP initialisation, with a store of this attempt under torchrun (see
+        # lightning_par.rendezvous: a restart never reads the dead attempt's keys)
+        self._set_world_ranks()
+        assert self.cluster_environment is not None and self._process_group_backend is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        if not torch.distributed.is_initialized():
+            timeout = self._timeout or timedelta(minutes=30)
+            self._launch_store = launch_store(self.cluster_environment, timeout=timeout)
+            if self._launch_store is not None:
+                kwargs["store"] = self._launch_store
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
 
     @override
     def setup_environment(self) -> None:
