@@ -5,7 +5,9 @@
 ``CFG`` is a JSON file (a positional argument: torchrun would parse options after the script that look
 like its own). Keys: ``out`` (directory), ``strategy`` ("zero2", "ddp", ...), ``steps``, ``every``,
 ``persist``, ``keep_last``, ``devices``, ``num_nodes``, ``flash`` (bool), ``watchdog_s`` (or null),
-``shm_dir`` (default ``$FT_SHM_DIR``), ``clear_shm_attempts`` (attempts that start without this
+``shm_dir`` (default ``$FT_SHM_DIR``), ``accumulate``, ``keep_global_batch``, ``stop_at`` (end training
+at this step, the schedule still planned for ``steps``),
+``clear_shm_attempts`` (attempts that start without this
 rank's memory snapshots, like a replaced node), and ``faults``: a list of
 ``{"kind": "kill" | "kill_persist" | "stall" | "node_kill", "attempt": a, "rank": r, "step": s}``.
 Fault ``i`` fires once, in attempt ``a`` (``TORCHELASTIC_RESTART_COUNT``), on rank ``r`` (``node_kill``:
@@ -173,6 +175,7 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
             keep_last=cfg.get("keep_last", 2),
             shm_dir=shm_dir,
             flush_timeout_s=10.0,
+            keep_global_batch=cfg.get("keep_global_batch", False),
         )
         callbacks.append(flash)
     callbacks.append(ResumeRecord(out, flash))
@@ -188,7 +191,8 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         devices=cfg.get("devices", 2),
         num_nodes=cfg.get("num_nodes", 1),
         strategy=cfg.get("strategy", "zero2"),
-        max_steps=cfg["steps"],
+        max_steps=cfg.get("stop_at", cfg["steps"]),  # the schedule still runs to cfg["steps"]
+        accumulate_grad_batches=cfg.get("accumulate", 1),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

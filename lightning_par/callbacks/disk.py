@@ -112,6 +112,18 @@ class DiskStore:
                     out.append(header)
         return out
 
+    def all_headers(self) -> list[dict[str, Any]]:
+        """Headers of every rank's committed files under ``dirpath`` (all of them when it is shared)."""
+        out = []
+        for d, _, _ in self._step_dirs():
+            for meta in d.glob("rank*.meta"):
+                data = meta.with_suffix(".bin")
+                header = read_header(meta, data, check_size=False)  # load() checks it, and names it
+                if header is not None:
+                    header["path"] = str(data)
+                    out.append(header)
+        return out
+
     def write(self, header: dict[str, Any], data: memoryview) -> Path:
         """Persist one snapshot of this rank atomically; return its data file.
 

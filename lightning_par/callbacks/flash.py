@@ -59,6 +59,10 @@ class FlashCheckpoint(Callback):
         flush_on_exit: write the newest memory snapshot to disk on SIGTERM, on exceptions and when ``fit``
             ends (a finished run frees its shared memory).
         flush_timeout_s: the longest such a flush may delay the exit.
+        keep_global_batch: when a snapshot is resumed at another data-parallel size (elastic: a node lost
+            and not replaced), raise ``accumulate_grad_batches`` by ``old_dp / new_dp`` so that every
+            optimizer step sees the same samples as before; False keeps the accumulation (the global
+            batch then changes with the dp size). Either way the snapshot is resharded.
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class FlashCheckpoint(Callback):
         snapshot_copy: SnapshotCopy = "overlap",
         flush_on_exit: bool = True,
         flush_timeout_s: float = 30.0,
+        keep_global_batch: bool = False,
     ) -> None:
         self.every_n_steps = positive_int(_OWNER, "every_n_steps", every_n_steps)
         self.store = FlashStore(
@@ -94,11 +99,13 @@ class FlashCheckpoint(Callback):
         self.dirpath = self.store.dirpath
         self.auto_resume = auto_resume
         self.flush_on_exit = flush_on_exit
+        self.keep_global_batch = keep_global_batch
         self.resumed: dict[str, Any] | None = None  # what was resumed, for logs, tests and benchmarks
         self._reset()
 
     def _reset(self) -> None:
         self._found: Found | None = None
+        self._state: dict[str, Any] | None = None  # what on_train_start positions the data from
         self._fingerprint: dict[str, Any] = {}
         self._failed = False
         self._saved_resume_start: Any = None
@@ -146,7 +153,7 @@ class FlashCheckpoint(Callback):
             rank=trainer.global_rank, world_size=trainer.world_size, device=trainer.strategy.root_device
         )
         if self.auto_resume:
-            self._found = self.store.find()
+            self._found = self.store.find(reshard=True)
         if self._found is not None:
             self._ignore_ckpt_path(trainer)
 
@@ -187,20 +194,36 @@ class FlashCheckpoint(Callback):
         except ValueError:
             self._found = None
             raise
-        rank_state.restore(trainer, found.state, full=True)
+        try:
+            if found.resharded:
+                self._state = rank_state.resharded(trainer, found, keep_global_batch=self.keep_global_batch)
+            else:
+                self._state = found.state
+        except ValueError:
+            self._found = None
+            raise
+        rank_state.restore(trainer, self._state, full=True)
         self.store.adopt(found)
-        self.resumed = {"step": found.step, "lineage": self.lineage, "sources": found.sources}
-        rank_zero_info(f"{_OWNER}: resumed step {found.step} (lineage {self.lineage}) from {found.sources}")
+        self.resumed = {
+            "step": found.step,
+            "lineage": self.lineage,
+            "sources": found.sources,
+            "world_size": found.world_size,
+        }
+        how = f" resharded from {found.world_size} ranks" if found.resharded else ""
+        rank_zero_info(
+            f"{_OWNER}: resumed step {found.step} (lineage {self.lineage}){how} from {found.sources}"
+        )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore_ckpt_path(trainer)
         self._batch_step = trainer.global_step  # after any restore: the step training continues from
-        if self._found is not None:
-            how = rank_state.resume_data_and_rng(trainer, self._found.state)
+        if self._found is not None and self._state is not None:
+            how = rank_state.resume_data_and_rng(trainer, self._state)
             if self.resumed is not None:
                 self.resumed["data"] = how
             rank_zero_info(f"FlashCheckpoint: data position: {how}")
-            self._found = None
+            self._found = self._state = None
         if self.flush_on_exit:
             self._saved_sigterm = signal.getsignal(signal.SIGTERM)
             signal.signal(signal.SIGTERM, self._on_sigterm)

@@ -27,6 +27,7 @@ loop's data fetcher (moving a resumed epoch to the batch where the snapshot was 
 
 from __future__ import annotations
 
+import copy
 import itertools
 import warnings
 from typing import Any
@@ -41,6 +42,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import RandomSampler
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
+from lightning_par.callbacks.resume import Found
 from lightning_par.checkpoint import rank_state as core
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
 from lightning_par.zero.engine import Engine
@@ -80,6 +82,7 @@ def capture(trainer: pl.Trainer) -> tuple[dict[str, Any], set[int]]:
             "epoch": trainer.current_epoch,
             "batches": progress.current.ready,
             "epoch_end": bool(progress.is_last_batch),
+            "accumulate": trainer.accumulate_grad_batches,
         },
     }
     return state, core.storages(step_tensors)
@@ -98,6 +101,68 @@ def fingerprint(trainer: pl.Trainer) -> dict[str, Any]:
         world_size=trainer.world_size,
         layout=layout,
     )
+
+
+def resharded(trainer: pl.Trainer, found: Found, *, keep_global_batch: bool) -> dict[str, Any]:
+    """This rank's state from *every* part of a snapshot written at another data-parallel size or ZeRO
+    stage, for :func:`restore`: the loops, callbacks, schedulers and RNG of the writer with this rank's
+    number (writer 0 if there is none), the model and optimizer trees of all writers (under
+    ``"resharded"``), and the position in the epoch moved to the new size.
+
+    Positions: the data consumed so far is ``batches x old_dp`` per-rank batches, so a rank at the new
+    size has done ``batches x old_dp / new_dp`` of its own (Lightning's ``DistributedSampler`` deals the
+    same epoch order out to any number of ranks). With ``keep_global_batch`` the accumulation becomes
+    ``accumulate x old_dp / new_dp`` (``trainer.accumulate_grad_batches`` is set), so every optimizer
+    step sees the same samples as before; otherwise the global batch changes with the dp size. Raises a
+    ``ValueError`` naming the numbers when either count is not whole.
+    """
+    strategy = trainer.strategy
+    if (
+        isinstance(strategy, ZeroCheckpointIO)
+        and strategy.tp_coordinates()[1] * strategy.layout.pipeline_parallel_size > 1
+    ):
+        raise ValueError(
+            f"FlashCheckpoint: the snapshot of step {found.step} was written by {found.world_size} ranks and"
+            f" this job has {trainer.world_size}; resharding a snapshot needs tensor_parallel_size=1 and"
+            " pipeline_parallel_size=1. Run with the original number of processes (nothing was loaded)."
+        )
+    old, new = found.world_size, trainer.world_size
+    base = found.parts.get(trainer.global_rank, found.parts[0])
+    data = dict(base["data"])
+    accumulate = int(data.get("accumulate", trainer.accumulate_grad_batches))
+    target = accumulate * old // new if keep_global_batch else trainer.accumulate_grad_batches
+    batches = int(data["batches"]) * old
+    if (keep_global_batch and accumulate * old % new) or batches % new or (batches // new) % target:
+        raise ValueError(
+            f"FlashCheckpoint: cannot continue the snapshot of step {found.step} (dp {old}, accumulation"
+            f" {accumulate}, {data['batches']} batches into epoch {data['epoch']}) at dp {new}"
+            f"{' with the same global batch' if keep_global_batch else ''}: the batches done per rank"
+            f" ({batches} / {new}) or the accumulation ({accumulate} x {old} / {new}) would not be whole."
+            " Run with a dp size that divides them, or with the original one (nothing was loaded)."
+        )
+    data["batches"] = batches // new
+    if keep_global_batch and target != trainer.accumulate_grad_batches:
+        rank_zero_warn(
+            f"FlashCheckpoint: dp {old} -> {new}: accumulate_grad_batches {trainer.accumulate_grad_batches}"
+            f" -> {target}, so the global batch stays {accumulate * old} micro-batches per step."
+        )
+        trainer.accumulate_grad_batches = target
+    lightning = copy.deepcopy(base["lightning"])
+    progress = lightning.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if progress is not None:
+        for counts in (progress["total"], progress["current"]):
+            for name, value in counts.items():
+                counts[name] = value * old // new  # per-rank batch counts at the new size
+    parts = [(found.parts[w]["model"], found.parts[w]["optim"]) for w in range(old)]
+    names = found.header["fingerprint"].get("optimizers", [])
+    return {
+        **base,
+        "lightning": lightning,
+        "data": data,
+        "resharded": parts,
+        "model": parts[0][0],
+        "fingerprint_optimizers": names,
+    }
 
 
 def restore(trainer: pl.Trainer, state: dict[str, Any], *, full: bool) -> None:
@@ -120,7 +185,13 @@ def restore(trainer: pl.Trainer, state: dict[str, Any], *, full: bool) -> None:
         if full:
             connector.restore_datamodule()
             call._call_lightning_module_hook(trainer, "on_load_checkpoint", checkpoint)
-        core.load(module, _engine(trainer), trainer.optimizers, checkpoint["state_dict"], state["optim"])
+        if "resharded" in state:
+            names = [o["param_names"] for o in state["fingerprint_optimizers"]]
+            core.load_resharded(
+                module, _engine(trainer), trainer.optimizers, state["resharded"], param_names=names
+            )
+        else:
+            core.load(module, _engine(trainer), trainer.optimizers, checkpoint["state_dict"], state["optim"])
         if full:
             connector.restore_callbacks()
             connector.restore_loops()

@@ -1,21 +1,31 @@
-"""Finding the snapshot to resume from: the newest one that is complete on every rank, agreed by all.
+"""Finding the snapshot to resume from: the newest one whose every rank's part can be read, agreed by all.
 
-A snapshot is identified by ``(lineage_time, lineage, step)``; a *lineage* is one training run (a fresh
-start begins a new one, a resume continues the one it resumes). Each rank lists the snapshots it holds,
-in memory (preferred: no disk read) and on disk; one ``all_gather`` gives every rank every list, and
-the candidates are the snapshots held by *all* ranks, newest lineage first, then newest step. For the
-best candidate each rank loads its part (from memory, else from disk, verifying the checksum) and a
-second ``all_gather`` tells whether all succeeded; if any rank failed (a truncated or corrupted file),
-the failures are named in a warning and the next older candidate is tried. Snapshots newer than the
-chosen one but missing on some ranks (a crash during a persist) are named too; they are never loaded.
+A snapshot is identified by ``(lineage_time, lineage, step, world size)``; a *lineage* is one training run
+(a fresh start begins a new one, a resume continues the one it resumes). A snapshot written by ``W``
+ranks consists of ``W`` *parts*, one per writing rank. Each rank lists the parts it can read locally:
+its own memory slots, the other memory folders of its node (another rank's slots, or *replicas* of a
+rank on another node), and the disk files under ``dirpath`` (every rank's, when ``dirpath`` is shared).
+One ``all_gather`` gives every rank every list; a snapshot is a candidate when the parts held anywhere
+cover all ``W`` writers (newest lineage first, then newest step). Snapshots of another world size are
+candidates only with ``reshard=True``.
+
+What each rank needs of the candidate: its own part when the world size is the same (``W`` ranks
+continue as ``W``), every part when it is not (the state is resharded, :mod:`lightning_par.checkpoint.
+rank_state`). A needed part is read locally, memory before disk; a part this rank cannot read (a lost
+node's, held only as a replica on a survivor) is sent by the rank holding it, preferring a holder that has
+it in memory. A second ``all_gather`` tells whether every load succeeded; if any failed (a truncated or
+corrupt file), the failures are named in a warning and the next older candidate is tried. Newer snapshots
+that lack some writer's part everywhere (a crash during a persist, a lost node without replica or disk
+copy) are named with the missing ranks; they are never loaded and nothing is deleted.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_par.callbacks import _dist
@@ -24,109 +34,191 @@ from lightning_par.callbacks.memory import MemoryStore
 
 log = logging.getLogger(__name__)
 
-Key = tuple[float, str, int]  # (lineage_time, lineage, step)
+Key = tuple[float, str, int, int]  # (lineage_time, lineage, step, world size of the writers)
 
 
 @dataclass
 class Found:
-    """The agreed snapshot: this rank's state and header, and where each rank loaded its part from."""
+    """The agreed snapshot: the parts this rank loaded (by writing rank), the header of its own part (or
+    of part 0 when resharding), and where each writing rank's part came from."""
 
-    state: dict[str, Any]
+    parts: dict[int, dict[str, Any]]
     header: dict[str, Any]
     sources: list[str]
+    rank: int = 0
+    resharded: bool = field(default=False)
 
     @property
     def step(self) -> int:
         return int(self.header["step"])
 
+    @property
+    def world_size(self) -> int:
+        """The number of ranks that wrote the snapshot."""
+        return int(self.header["world_size"])
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """This rank's own part (same world size only)."""
+        return self.parts[self.rank]
+
 
 def _key(header: dict[str, Any]) -> Key:
-    return (float(header["lineage_time"]), str(header["lineage"]), int(header["step"]))
+    world = int(header.get("world_size", -1))
+    return (float(header["lineage_time"]), str(header["lineage"]), int(header["step"]), world)
 
 
-def _describe(key: Key) -> str:
-    return f"step {key[2]} (lineage {key[1]})"
+def describe(key: Key) -> str:
+    return f"step {key[2]} (lineage {key[1]}, {key[3]} rank(s))"
+
+
+Source = tuple[str, Any]  # ("memory", (store, slot)) or ("disk", header)
+
+
+def _load(source: Source, disk: DiskStore) -> tuple[dict[str, Any], str]:
+    kind, where = source
+    if kind == "memory":
+        memory, slot = where
+        return memory.load(slot), f"memory ({memory.directory})"
+    return disk.load(where), f"disk ({where['path']})"
 
 
 def find_snapshot(
-    *, memories: list[MemoryStore], disk: DiskStore, world_size: int, lineage: str | None = None
+    *,
+    memories: list[MemoryStore],
+    disk: DiskStore,
+    rank: int,
+    world_size: int,
+    lineage: str | None = None,
+    reshard: bool = False,
 ) -> Found | None:
-    """The newest snapshot complete on all ranks (of ``lineage`` only, if given), loaded. Collective:
-    every rank calls it."""
+    """The newest snapshot whose parts can all be read (of ``lineage`` only, if given), this rank's
+    needed parts loaded (see the module docstring). ``memories``: this rank's stores first, then the
+    node's other memory folders. Collective: every rank calls it."""
+    held: dict[Key, dict[int, list[Source]]] = {}
+    headers: dict[tuple[Key, int], dict[str, Any]] = {}
 
-    sources: dict[Key, list[tuple[str, Any]]] = {}
-    other_worlds: set[int] = set()
-
-    def add(header: dict[str, Any], source: tuple[str, Any]) -> None:
+    def add(header: dict[str, Any], source: Source) -> None:
         if lineage not in (None, header["lineage"]):
             return
-        if header.get("world_size") != world_size:
-            other_worlds.add(int(header.get("world_size", -1)))
-            return
-        sources.setdefault(_key(header), []).append(source)
+        key, writer = _key(header), int(header["rank"])
+        held.setdefault(key, {}).setdefault(writer, []).append(source)
+        headers.setdefault((key, writer), header)
 
     for memory in memories:
         for header in memory.headers():
-            add(header, ("memory", (memory, memory.find(header["lineage"], header["step"]), header)))
-    for header in disk.headers():
+            slot = memory.find(header["lineage"], header["step"])
+            add(header, ("memory", (memory, slot)))
+    for header in disk.all_headers():
         add(header, ("disk", header))
-    gathered = _dist.gather_objects((sorted(sources), sorted(other_worlds)))
-    held = [keys for keys, _ in gathered]
-    everywhere = set(held[0]).intersection(*map(set, held[1:]))
-    worlds = sorted(set().union(*(set(w) for _, w in gathered)))
-    if worlds and not everywhere:
+    mine = {key: {w: srcs[0][0] for w, srcs in parts.items()} for key, parts in held.items()}
+    every = _dist.gather_objects(mine)  # per rank: {key: {writer: "memory" | "disk"}}
+    keys = set().union(*every)
+    covered = {k for k in keys if set().union(*(e.get(k, {}) for e in every)) >= set(range(k[3]))}
+    usable = {k for k in covered if k[3] == world_size or reshard}
+    other_worlds = sorted({k[3] for k in covered - usable})
+    if other_worlds and not usable:
         raise ValueError(
-            f"FlashCheckpoint: the snapshots in {disk.dirpath} were written by a job of {worlds} rank(s),"
-            f" this one has {world_size}. Nothing was loaded or deleted; run with the original number of"
-            " processes,"
-            " pass another dirpath, or auto_resume=False (a sharded checkpoint reshards; these do not)."
+            f"FlashCheckpoint: the snapshots in {disk.dirpath} were written by a job of {other_worlds}"
+            f" rank(s), this one has {world_size}. Nothing was loaded or deleted; run with the original"
+            " number of processes, pass another dirpath, or auto_resume=False."
         )
-    anywhere = set().union(*map(set, held))
-    order = sorted(everywhere, key=lambda k: (k[0], k[2]), reverse=True)
+    order = sorted(usable, key=lambda k: (k[0], k[2]), reverse=True)
     best = order[0] if order else None
-    incomplete = sorted(k for k in anywhere - everywhere if best is None or (k[0], k[2]) > (best[0], best[2]))
-    if incomplete:
-        lines = [
-            f"{_describe(k)}: missing on rank(s) {[r for r, h in enumerate(held) if k not in h]}"
-            for k in incomplete
-        ]
+    newer = sorted(k for k in keys - covered if best is None or (k[0], k[2]) > (best[0], best[2]))
+    if newer:
+        lines = []
+        for k in newer:
+            somewhere = set().union(*(e.get(k, {}) for e in every))
+            lost = sorted(set(range(k[3])) - somewhere)
+            lines.append(f"{describe(k)}: no copy of rank(s) {lost} in any memory, replica or disk")
         rank_zero_warn(
-            "FlashCheckpoint: skipping snapshot(s) not complete on every rank (a crash during a save): "
+            "FlashCheckpoint: skipping snapshot(s) not complete on every rank (a crash during a save, or a"
+            " lost node without replica or disk copy); resuming from an older one, nothing deleted: "
             + "; ".join(lines)
         )
     for key in order:
-        state, source, errors = None, "", []
-        for kind, where in sources[key]:
-            try:
-                if kind == "memory":
-                    memory, slot, header = where
-                    state, source = memory.load(slot), f"memory ({memory.directory})"
-                else:
-                    header = where
-                    state, source = disk.load(header), f"disk ({header['path']})"
-                break
-            except CorruptSnapshot as exc:
-                errors.append(str(exc))
-            except Exception as exc:  # a memory slot that vanished or cannot be read
-                errors.append(f"{kind} snapshot: {type(exc).__name__}: {exc}")
-        outcome = _dist.gather_objects((state is not None, source, errors, _dist.HOST))
-        problems = [
-            f"rank {r} ({host}): {err}" for r, (_, _, errs, host) in enumerate(outcome) for err in errs
-        ]
-        if problems:
-            rank_zero_warn(f"FlashCheckpoint: {_describe(key)}: " + "; ".join(problems))
-        if all(ok for ok, _, _, _ in outcome):
-            assert state is not None
-            return Found(state=state, header=header, sources=[src for _, src, _, _ in outcome])
-        failed = [r for r, (ok, _, _, _) in enumerate(outcome) if not ok]
-        rank_zero_warn(
-            f"FlashCheckpoint: skipping {_describe(key)}: rank(s) {failed} could not load their part;"
-            " trying an older snapshot."
-        )
-        del state
-    if anywhere:
+        found = _load_candidate(key, held.get(key, {}), every, headers, disk, rank, world_size)
+        if found is not None:
+            return found
+    if keys:
         rank_zero_warn(
             "FlashCheckpoint: no snapshot is complete and readable on every rank; training starts from"
             " scratch (the snapshots found are left in place)."
         )
     return None
+
+
+def _plan(
+    key: Key, every: list[dict[Key, dict[int, str]]], world_size: int
+) -> tuple[list[set[int]], list[tuple[int, int, int]]]:
+    """``(needs, transfers)``: the writers' parts each rank needs, and ``(writer, holder, needer)`` for
+    each part a rank needs but cannot read (the same on every rank: computed from gathered lists)."""
+    writers = key[3]
+    needs = [{r} if writers == world_size else set(range(writers)) for r in range(world_size)]
+    transfers = []
+    for writer in range(writers):
+        holders = [r for r, e in enumerate(every) if writer in e.get(key, {})]
+        in_memory = [r for r in holders if every[r][key][writer] == "memory"]
+        sender = (in_memory or holders)[0]
+        for needer in range(world_size):
+            if writer in needs[needer] and writer not in every[needer].get(key, {}):
+                transfers.append((writer, sender, needer))
+    return needs, transfers
+
+
+def _load_candidate(
+    key: Key,
+    mine: dict[int, list[Source]],
+    every: list[dict[Key, dict[int, str]]],
+    headers: dict[tuple[Key, int], dict[str, Any]],
+    disk: DiskStore,
+    rank: int,
+    world_size: int,
+) -> Found | None:
+    needs, transfers = _plan(key, every, world_size)
+    wanted = (needs[rank] & set(mine)) | {w for w, sender, _ in transfers if sender == rank}
+    parts: dict[int, dict[str, Any]] = {}
+    sources: dict[int, str] = {}
+    errors: list[str] = []
+    for writer in sorted(wanted):
+        for source in mine[writer]:
+            try:
+                parts[writer], sources[writer] = _load(source, disk)
+                break
+            except CorruptSnapshot as exc:
+                errors.append(str(exc))
+            except Exception as exc:  # a memory slot that vanished or cannot be read
+                errors.append(f"{source[0]} part of rank {writer}: {type(exc).__name__}: {exc}")
+    ok = set(parts) == wanted
+    outcome = _dist.gather_objects((ok, errors, _dist.HOST))
+    problems = [f"rank {r} ({host}): {err}" for r, (_, errs, host) in enumerate(outcome) for err in errs]
+    if problems:
+        rank_zero_warn(f"FlashCheckpoint: {describe(key)}: " + "; ".join(problems))
+    if not all(good for good, _, _ in outcome):
+        failed = [r for r, (good, _, _) in enumerate(outcome) if not good]
+        rank_zero_warn(
+            f"FlashCheckpoint: skipping {describe(key)}: rank(s) {failed} could not load their part;"
+            " trying an older snapshot."
+        )
+        return None
+    for writer, sender, needer in transfers:  # the same order on every rank: matched sends and receives
+        if rank == sender:
+            dist.send_object_list([parts[writer], headers[(key, writer)]], dst=needer)
+        elif rank == needer:
+            box: list[Any] = [None, None]
+            dist.recv_object_list(box, src=sender)
+            parts[writer], headers[(key, writer)] = box
+            sources[writer] = f"rank {sender}'s {every[sender][key][writer]}"
+    for writer in set(parts) - needs[rank]:
+        del parts[writer]  # loaded only to be sent
+    own = rank if key[3] == world_size else 0
+    described = _dist.gather_objects({w: sources[w] for w in needs[rank]})
+    by_writer = {w: s for d in described for w, s in d.items()}
+    return Found(
+        parts=parts,
+        header=headers[(key, own)],  # a needed part: loaded here or received with its header
+        sources=[by_writer[w] for w in range(key[3])],
+        rank=rank,
+        resharded=key[3] != world_size,
+    )

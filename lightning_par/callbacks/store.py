@@ -59,6 +59,7 @@ from lightning_par.checkpoint.rank_state import differences
 log = logging.getLogger(__name__)
 
 COPY_MODES = get_args(SnapshotCopy)
+RESHARDABLE = ("world_size", "dp", "zero_stage")  # what a resharded resume may change
 
 Capture = Callable[[], tuple[dict[str, Any], set[int]]]  # () -> (state with live tensors, live storages)
 
@@ -125,6 +126,7 @@ class FlashStore:
         self._memory: MemoryStore | None = None
         self._memories: list[MemoryStore] = []
         self._staging: Path | None = None
+        self._root: Path | None = None  # this job's folder in shm_dir: one memory folder per rank
         self._persister: Persister | None = None
         self._writer: SnapshotWriter | None = None
         self._lineage = ("", 0.0)
@@ -175,10 +177,9 @@ class FlashStore:
         # one shared-memory directory per dirpath and rank: jobs with other dirpaths never collide
         key = hashlib.sha1(str(dirpath).encode()).hexdigest()[:16]
         self._staging = dirpath / ".staging" / f"rank{rank:05d}"
+        self._root = self.shm_dir / "lightning_par_flash" / key
         try:
-            self._memory = MemoryStore(
-                self.shm_dir / "lightning_par_flash" / key / f"rank{rank:05d}", slots=self.memory_slots
-            )
+            self._memory = MemoryStore(self._root / f"rank{rank:05d}", slots=self.memory_slots)
             self._memories.append(self._memory)
         except OSError as exc:
             self._fall_back(f"{self.shm_dir} is unusable ({exc})")
@@ -229,18 +230,42 @@ class FlashStore:
         if not staged:
             self._memories.insert(0, self._memory)
 
-    def find(self, *, lineage: str | None = None) -> Found | None:
-        """The newest snapshot complete on every rank (of ``lineage`` only, if given), this rank's part
-        loaded; None if there is none. Collective."""
-        assert self._disk is not None, "open() the store first"
-        return find_snapshot(
-            memories=self._memories, disk=self._disk, world_size=self.world_size, lineage=lineage
-        )
+    def find(self, *, lineage: str | None = None, reshard: bool = False) -> Found | None:
+        """The newest snapshot whose every writer's part can be read (of ``lineage`` only, if given),
+        the parts this rank needs loaded; with ``reshard``, also one written by another number of ranks
+        (every part is then loaded, for :mod:`lightning_par.checkpoint.rank_state` to reshard). None if
+        there is none. Collective."""
+        assert self._disk is not None and self._root is not None, "open() the store first"
+        # the node's other memory folders: other ranks' slots and replicas of ranks on other nodes
+        mine = {m.directory for m in self._memories}
+        others = [
+            MemoryStore(d, slots=self.memory_slots)
+            for d in sorted(self._root.iterdir() if self._root.is_dir() else [])
+            if d.is_dir() and d not in mine
+        ]
+        try:
+            return find_snapshot(
+                memories=[*self._memories, *others],
+                disk=self._disk,
+                rank=self.rank,
+                world_size=self.world_size,
+                lineage=lineage,
+                reshard=reshard,
+            )
+        finally:
+            for memory in others:
+                memory.close()  # unmapped; the parts loaded are copies
 
     def check(self, found: Found, fingerprint: dict[str, Any], *, remedy: str) -> None:
         """Raise a ``ValueError`` naming the differences if ``found`` was written by another model or
-        layout on any rank (``remedy`` says what to do instead). Collective; changes nothing."""
-        every = [d for d in _dist.gather_objects(differences(found.header["fingerprint"], fingerprint)) if d]
+        layout on any rank (``remedy`` says what to do instead); a resharded snapshot may differ in the
+        world and data-parallel sizes and the ZeRO stage. Collective; changes nothing."""
+        saved = dict(found.header["fingerprint"])
+        if found.resharded:
+            for key in RESHARDABLE:
+                saved.pop(key, None)
+            fingerprint = {k: v for k, v in fingerprint.items() if k not in RESHARDABLE}
+        every = [d for d in _dist.gather_objects(differences(saved, fingerprint)) if d]
         if every:
             raise ValueError(
                 f"{self.owner}: the snapshot of step {found.step} in {self.dirpath} (and in shared memory)"

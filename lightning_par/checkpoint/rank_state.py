@@ -34,11 +34,14 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_par.checkpoint.optimizer_state import (
+    MASTER_KEY,
     cut,
     fragment_pieces,
     group_hyperparams,
     load_fragments,
+    load_unsharded,
     pieces_from_records,
+    pieces_from_state_dict,
 )
 from lightning_par.zero.engine import Engine
 
@@ -133,6 +136,79 @@ def load(
         # torch casts the state onto each parameter's device and keeps step counters where the optimizer
         # wants them (on the host unless capturable/fused): nothing to move here
         opt.load_state_dict(saved_state)
+
+
+def load_resharded(
+    module: nn.Module,
+    engine: Engine | None,
+    optimizers: Sequence[Optimizer],
+    parts: Sequence[tuple[dict[str, Any], dict[str, Any]]],
+    *,
+    param_names: Sequence[Sequence[Sequence[str]]],
+) -> None:
+    """Put the ``(model, optim)`` trees of *every* rank of a snapshot written at another data-parallel size
+    or ZeRO stage onto this rank's layout (no tensor or pipeline parallelism on either side).
+
+    Parameters and optimizer state are turned into the name/range *pieces* of
+    :mod:`lightning_par.checkpoint.optimizer_state` (the union of all writers' records, or an unsharded
+    optimizer's ``state_dict`` read with ``param_names``, the saved optimizers' parameter names by group),
+    and this rank's layout takes what it owns: its fragments at stages 1-3, everything at stage 0.
+    Parameters come whole from a writer's model tree (stages 0-2) or are assembled from the writers'
+    shards (stage 3); buffers come from writer 0.
+    """
+    models = [m for m, _ in parts]
+    optims = [o for _, o in parts]
+    kinds = {o["kind"] for o in optims}
+    if len(kinds) != 1:
+        raise ValueError(f"The snapshot's ranks saved different optimizer formats {sorted(kinds)}.")
+    shapes = {n: p.shape for n, p in module.named_parameters()}
+    shard_pieces = pieces_from_records(r for o in optims for r in o.get("shards", []))
+
+    def full(name: str) -> Tensor:
+        if name in models[0]:
+            return models[0][name].detach().reshape(-1)
+        whole = cut(shard_pieces.get(name, []), 0, shapes[name].numel())
+        if whole is None:
+            raise KeyError(f"The snapshot holds neither the parameter {name!r} nor its shards.")
+        return whole["param"]
+
+    if engine is not None and engine.shards_params:
+        engine.load_param_shards(lambda name, lo, hi: full(name)[lo:hi] if name in shapes else None)
+    skip = _param_names(module) if engine is not None and engine.shards_params else set()
+    model = OrderedDict((k, v) for k, v in models[0].items() if k not in skip)  # shards hold those
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    for alias, param in module.named_parameters(remove_duplicate=False):  # tied weights: every name
+        if alias not in skip and alias not in model:
+            model[alias] = full(canonical[id(param)]).view(param.shape)
+    missing, unexpected = module.load_state_dict(model, strict=False)
+    missing = [k for k in missing if k not in skip]
+    if missing or unexpected:
+        raise KeyError(f"The snapshot's model state lacks {missing[:8]} and has unexpected {unexpected[:8]}.")
+    names = {p: n for n, p in module.named_parameters()}
+    sharded = engine.sharded_state if engine is not None else None
+    for k, opt in enumerate(optimizers):
+        if kinds == {"fragments"}:
+            pieces = pieces_from_records(r for o in optims for r in o["optimizers"][k]["records"])
+            hyper = optims[0]["optimizers"][k]["param_groups"]
+        else:
+            saved = optims[0]["optimizers"][k]
+            pieces = pieces_from_state_dict(saved, param_names[k])
+            hyper = [{n: v for n, v in g.items() if n != "params"} for g in saved["param_groups"]]
+            if sharded is not None and sharded.master_key is not None:
+                # an unsharded optimizer keeps no fp32 master: the saved parameter is the master
+                for name in {n for group in param_names[k] for n in group}:
+                    master = full(name).float()
+                    states = pieces.setdefault(name, [(0, master.numel(), {})])
+                    states[0][2][sharded.master_key] = master
+        if sharded is not None:
+            load_fragments(opt, pieces, hyper, sharded.fragment_table(), master_key=sharded.master_key)
+        else:
+            for states in pieces.values():  # a separate fp32 master is the parameter itself here
+                for _, _, state in states:
+                    state.pop(MASTER_KEY, None)
+            load_unsharded(opt, pieces, hyper, names)
+    if sharded is not None and engine is not None:
+        engine.masters_changed()
 
 
 def fingerprint(
