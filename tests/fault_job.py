@@ -9,10 +9,12 @@ like its own). Keys: ``out`` (directory), ``strategy`` ("zero2", "ddp", ...), ``
 at this step, the schedule still planned for ``steps``),
 ``clear_shm_attempts`` (attempts that start without this
 rank's memory snapshots, like a replaced node), and ``faults``: a list of
-``{"kind": "kill" | "kill_persist" | "stall" | "node_kill", "attempt": a, "rank": r, "step": s}``.
-Fault ``i`` fires once, in attempt ``a`` (``TORCHELASTIC_RESTART_COUNT``), on rank ``r`` (``node_kill``:
-on the node named by ``$FT_NODE``), and writes ``out/fault{i}.json`` (time, pid, step) before it acts:
-``kill`` SIGKILLs the rank after step ``s``; ``kill_persist`` SIGKILLs it halfway through writing the
+``{"kind": "kill" | "kill_persist" | "kill_save" | "stall" | "node_kill", "attempt": a, "rank": r,
+"step": s}``. Fault ``i`` fires once, in attempt ``a`` (``TORCHELASTIC_RESTART_COUNT``; null: the first
+attempt that reaches step ``s``), on rank ``r`` (``node_kill``: on the node named by ``$FT_NODE``), and
+writes ``out/fault{i}.json`` (time, pid, step) before it acts: ``kill`` SIGKILLs the rank after step ``s``;
+``kill_save`` has every rank call ``trainer.save_checkpoint`` after step ``s`` and SIGKILLs rank ``r``
+inside the write; ``kill_persist`` SIGKILLs it halfway through writing the
 first snapshot persisted at or after step ``s``; ``stall`` blocks it before step ``s + 1``;
 ``node_kill`` blocks it so that the test can kill the node's agent and worker.
 
@@ -41,6 +43,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from lightning_par.callbacks import FlashCheckpoint, HangWatchdog  # noqa: E402
 from lightning_par.callbacks import disk as disk_module  # noqa: E402
+from lightning_par.checkpoint import files as files_module  # noqa: E402
 from lightning_par.models import GPTModule  # noqa: E402
 from lightning_par.rendezvous import RestartSafeEnvironment  # noqa: E402
 
@@ -74,7 +77,9 @@ class Fault(pl.Callback):
     def __init__(self, fault: dict[str, Any], index: int, out: Path) -> None:
         self.fault = fault
         self.marker = out / f"fault{index}.json"
-        self.armed = fault.get("attempt", 0) == _attempt() and not self.marker.exists()
+        # "attempt": None arms the fault in any attempt until it fired (attempt counts are per agent)
+        attempt = fault.get("attempt", 0)
+        self.armed = attempt in (None, _attempt()) and not self.marker.exists()
 
     def _mine(self, trainer: pl.Trainer) -> bool:
         if self.fault["kind"] == "node_kill":
@@ -114,7 +119,10 @@ class Fault(pl.Callback):
             stall_here(3600)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if not (self.armed and self._mine(trainer) and trainer.global_step == self.fault.get("step")):
+        at_step = self.armed and trainer.global_step == self.fault.get("step")
+        if at_step and self.fault["kind"] == "kill_save":
+            self._save_and_die(trainer)
+        if not (at_step and self._mine(trainer)):
             return
         if self.fault["kind"] == "kill":
             self._mark(trainer)
@@ -122,6 +130,22 @@ class Fault(pl.Callback):
         if self.fault["kind"] == "node_kill":
             self._mark(trainer)
             stall_here(120)  # the test kills this node's agent and this worker now
+
+    def _save_and_die(self, trainer: pl.Trainer) -> None:
+        """Every rank saves a Lightning checkpoint; the chosen one is SIGKILLed inside the write."""
+        self.armed = False
+        if self._mine(trainer):
+            real = files_module.torch.save
+
+            def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+                f.write(b"\0" * 4096)  # part of a file, then the process is gone
+                f.flush()
+                self._mark(trainer)
+                os.kill(os.getpid(), signal.SIGKILL)
+                real(obj, f, *args, **kwargs)
+
+            files_module.torch.save = save  # type: ignore[assignment]
+        trainer.save_checkpoint(self.marker.parent / "lightning_ckpt" / f"step{trainer.global_step}")
 
 
 class ResumeRecord(pl.Callback):
@@ -145,12 +169,29 @@ class ResumeRecord(pl.Callback):
 
 
 class FirstStep(pl.Callback):
-    def __init__(self) -> None:
+    """The time of this process's first completed step, also written to ``out/progress/<pid>.json``
+    (with the node, rank, process start and what was resumed) for the recovery figures."""
+
+    def __init__(self, out: Path, flash: FlashCheckpoint | None) -> None:
         self.time: float | None = None
+        self.out = out
+        self.flash = flash
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.time is None:
             self.time = time.time()
+            record = {
+                "pid": os.getpid(),
+                "node": os.environ.get("FT_NODE"),
+                "rank": trainer.global_rank,
+                "world_size": trainer.world_size,
+                "process_start": PROCESS_START,
+                "first_step": self.time,
+                "step": trainer.global_step,
+                "resumed": self.flash.resumed if self.flash else None,
+            }
+            (self.out / "progress").mkdir(exist_ok=True)
+            (self.out / "progress" / f"{os.getpid()}.json").write_text(json.dumps(record, default=str))
 
 
 def train(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -163,9 +204,7 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     if _attempt() in cfg.get("clear_shm_attempts", []):
         for d in shm_dir.glob(f"lightning_par_flash/*/rank{rank:05d}"):
             shutil.rmtree(d)  # a replaced node: its memory snapshots are gone
-    first = FirstStep()
     callbacks: list[pl.Callback] = [Fault(f, i, out) for i, f in enumerate(cfg.get("faults", []))]
-    callbacks.append(first)
     flash = None
     if cfg.get("flash", True):
         flash = FlashCheckpoint(
@@ -176,9 +215,11 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
             shm_dir=shm_dir,
             flush_timeout_s=10.0,
             keep_global_batch=cfg.get("keep_global_batch", False),
+            **({"replicas": cfg["replicas"]} if "replicas" in cfg else {}),
         )
         callbacks.append(flash)
-    callbacks.append(ResumeRecord(out, flash))
+    first = FirstStep(out, flash)
+    callbacks += [ResumeRecord(out, flash), first]
     if cfg.get("watchdog_s"):
         callbacks.append(HangWatchdog(timeout_s=cfg["watchdog_s"], flush_timeout_s=5.0))
     plugins = []
@@ -189,7 +230,10 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=cfg.get("devices", 2),
-        num_nodes=cfg.get("num_nodes", 1),
+        # "auto": as many nodes as torchrun's agents in this round (elastic jobs)
+        num_nodes=int(os.environ["GROUP_WORLD_SIZE"])
+        if cfg.get("num_nodes") == "auto"
+        else cfg.get("num_nodes", 1),
         strategy=cfg.get("strategy", "zero2"),
         max_steps=cfg.get("stop_at", cfg["steps"]),  # the schedule still runs to cfg["steps"]
         accumulate_grad_batches=cfg.get("accumulate", 1),

@@ -63,6 +63,9 @@ class FlashCheckpoint(Callback):
             and not replaced), raise ``accumulate_grad_batches`` by ``old_dp / new_dp`` so that every
             optimizer step sees the same samples as before; False keeps the accumulation (the global
             batch then changes with the dp size). Either way the snapshot is resharded.
+        replicas: also copy every snapshot, in the background, into the shared memory of a rank on each of
+            this many other nodes, so that a lost node's state comes back from a survivor's memory, not
+            from disk (a peer without room warns and keeps going; the local snapshot is kept).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class FlashCheckpoint(Callback):
         flush_on_exit: bool = True,
         flush_timeout_s: float = 30.0,
         keep_global_batch: bool = False,
+        replicas: int = 0,
     ) -> None:
         self.every_n_steps = positive_int(_OWNER, "every_n_steps", every_n_steps)
         self.store = FlashStore(
@@ -90,6 +94,7 @@ class FlashCheckpoint(Callback):
             memory_slots=memory_slots,
             snapshot_copy=snapshot_copy,
             flush_timeout_s=flush_timeout_s,
+            replicas=replicas,
         )
         if persist_every_n_steps % every_n_steps:
             raise ValueError(
@@ -150,7 +155,10 @@ class FlashCheckpoint(Callback):
         self._reset()
         self.resumed = None
         self.store.open(
-            rank=trainer.global_rank, world_size=trainer.world_size, device=trainer.strategy.root_device
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            device=trainer.strategy.root_device,
+            node=trainer.node_rank,
         )
         if self.auto_resume:
             self._found = self.store.find(reshard=True)

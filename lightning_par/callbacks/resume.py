@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_par.callbacks import _dist
 from lightning_par.callbacks.disk import CorruptSnapshot, DiskStore
 from lightning_par.callbacks.memory import MemoryStore
+from lightning_par.checkpoint.rank_state import differences
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,8 @@ def _load(source: Source, disk: DiskStore) -> tuple[dict[str, Any], str]:
 def find_snapshot(
     *,
     memories: list[MemoryStore],
+    node_root: Path,
+    slots: int,
     disk: DiskStore,
     rank: int,
     world_size: int,
@@ -93,8 +97,38 @@ def find_snapshot(
     reshard: bool = False,
 ) -> Found | None:
     """The newest snapshot whose parts can all be read (of ``lineage`` only, if given), this rank's
-    needed parts loaded (see the module docstring). ``memories``: this rank's stores first, then the
-    node's other memory folders. Collective: every rank calls it."""
+    needed parts loaded (see the module docstring). ``memories``: this rank's stores; ``node_root``: the
+    job's folder in shared memory, whose other folders (other ranks' slots, replicas) are read too.
+    Collective: every rank calls it."""
+    mine = {m.directory for m in memories}
+    others = [
+        MemoryStore(d, slots=slots)
+        for d in sorted(node_root.iterdir() if node_root.is_dir() else [])
+        if d.is_dir() and d not in mine
+    ]
+    try:
+        return _find(
+            memories=[*memories, *others],
+            disk=disk,
+            rank=rank,
+            world_size=world_size,
+            lineage=lineage,
+            reshard=reshard,
+        )
+    finally:
+        for memory in others:
+            memory.close()  # unmapped; the parts loaded are copies
+
+
+def _find(
+    *,
+    memories: list[MemoryStore],
+    disk: DiskStore,
+    rank: int,
+    world_size: int,
+    lineage: str | None,
+    reshard: bool,
+) -> Found | None:
     held: dict[Key, dict[int, list[Source]]] = {}
     headers: dict[tuple[Key, int], dict[str, Any]] = {}
 
@@ -111,8 +145,8 @@ def find_snapshot(
             add(header, ("memory", (memory, slot)))
     for header in disk.all_headers():
         add(header, ("disk", header))
-    mine = {key: {w: srcs[0][0] for w, srcs in parts.items()} for key, parts in held.items()}
-    every = _dist.gather_objects(mine)  # per rank: {key: {writer: "memory" | "disk"}}
+    listed = {key: {w: srcs[0][0] for w, srcs in parts.items()} for key, parts in held.items()}
+    every = _dist.gather_objects(listed)  # per rank: {key: {writer: "memory" | "disk"}}
     keys = set().union(*every)
     covered = {k for k in keys if set().union(*(e.get(k, {}) for e in every)) >= set(range(k[3]))}
     usable = {k for k in covered if k[3] == world_size or reshard}
@@ -222,3 +256,25 @@ def _load_candidate(
         rank=rank,
         resharded=key[3] != world_size,
     )
+
+
+RESHARDABLE = ("world_size", "dp", "zero_stage")  # what a resharded resume may change
+
+
+def check_fingerprint(
+    found: Found, fingerprint: dict[str, Any], *, owner: str, dirpath: Path, remedy: str
+) -> None:
+    """Raise a ``ValueError`` naming the differences if ``found`` was written by another model or layout
+    on any rank (``remedy`` says what to do instead); a resharded snapshot may differ in
+    :data:`RESHARDABLE`. Collective; changes nothing."""
+    saved = dict(found.header["fingerprint"])
+    if found.resharded:
+        saved = {k: v for k, v in saved.items() if k not in RESHARDABLE}
+        fingerprint = {k: v for k, v in fingerprint.items() if k not in RESHARDABLE}
+    every = [d for d in _dist.gather_objects(differences(saved, fingerprint)) if d]
+    if every:
+        raise ValueError(
+            f"{owner}: the snapshot of step {found.step} in {dirpath} (and in shared memory) was written by"
+            f" another model or layout: {'; '.join(every[0])}. Nothing was loaded, changed or deleted;"
+            f" {remedy}."
+        )

@@ -47,19 +47,19 @@ from pathlib import Path
 from typing import Any, get_args
 
 import torch
+import torch.distributed as dist
 
 from lightning_par.callbacks import _dist, snapshot
 from lightning_par.callbacks.disk import DiskStore
 from lightning_par.callbacks.memory import MemoryStore, NoRoom
 from lightning_par.callbacks.persister import Persister
-from lightning_par.callbacks.resume import Found, find_snapshot
+from lightning_par.callbacks.replica import Replicator
+from lightning_par.callbacks.resume import Found, check_fingerprint, find_snapshot
 from lightning_par.callbacks.writer import SnapshotCopy, SnapshotWriter
-from lightning_par.checkpoint.rank_state import differences
 
 log = logging.getLogger(__name__)
 
 COPY_MODES = get_args(SnapshotCopy)
-RESHARDABLE = ("world_size", "dp", "zero_stage")  # what a resharded resume may change
 
 Capture = Callable[[], tuple[dict[str, Any], set[int]]]  # () -> (state with live tensors, live storages)
 
@@ -85,6 +85,9 @@ class FlashStore:
         memory_slots: 2 keeps the previous snapshot while the next is written; 1 halves the memory.
         snapshot_copy: ``"overlap"`` (copy thread until :meth:`fence`) or ``"blocking"``.
         flush_timeout_s: the default bound of :meth:`flush`.
+        replicas: copies of every snapshot kept in the shared memory of ranks on other nodes
+            (:mod:`.replica`), sent in the background after the local copy; a lost node's snapshot then
+            comes back from a survivor's memory instead of disk.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class FlashStore:
         memory_slots: int,
         snapshot_copy: SnapshotCopy,
         flush_timeout_s: float,
+        replicas: int = 0,
     ) -> None:
         if not str(dirpath):
             raise ValueError(f"{owner}: dirpath must name a directory.")
@@ -116,6 +120,9 @@ class FlashStore:
         self.memory_slots = memory_slots
         self.snapshot_copy: SnapshotCopy = snapshot_copy
         self.flush_timeout_s = float(flush_timeout_s)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise ValueError(f"{owner}: replicas must be an integer >= 0, got {replicas!r}.")
+        self.replicas = replicas
         self.stats: list[dict[str, Any]] = []  # one record per snapshot, for logs, tests and benchmarks
         self._reset()
 
@@ -129,6 +136,8 @@ class FlashStore:
         self._root: Path | None = None  # this job's folder in shm_dir: one memory folder per rank
         self._persister: Persister | None = None
         self._writer: SnapshotWriter | None = None
+        self._replicator: Replicator | None = None
+        self._replica_group: Any = None
         self._lineage = ("", 0.0)
         self._last_step = -1
         self._open = False
@@ -140,16 +149,22 @@ class FlashStore:
         return self._persister.errors if self._persister is not None else []
 
     @property
+    def replica_stats(self) -> list[dict[str, Any]]:
+        """One record per replicated snapshot (bytes sent and received, seconds, error)."""
+        return self._replicator.stats if self._replicator is not None else []
+
+    @property
     def lineage(self) -> str:
         """The id of the run the snapshots belong to ("" before :meth:`start_lineage` / :meth:`adopt`)."""
         return self._lineage[0]
 
     # ------------------------------------------------------------------ opening and resuming
-    def open(self, *, rank: int, world_size: int, device: torch.device) -> None:
+    def open(self, *, rank: int, world_size: int, device: torch.device, node: int = 0) -> None:
         """Check that every rank can write ``dirpath`` (an ``OSError`` naming the ranks that cannot,
         before anything is written), remove partial files of interrupted saves, open the memory slots
         and start the copy and persist threads. Collective: every rank calls it. ``device`` is the
-        training device (its collectives, pinned buffers)."""
+        training device (its collectives, pinned buffers); ``node`` this rank's node index (replicas go to
+        other nodes)."""
         self._reset()
         self.stats = []
         self.rank, self.world_size, self._device = rank, world_size, device
@@ -178,6 +193,7 @@ class FlashStore:
         key = hashlib.sha1(str(dirpath).encode()).hexdigest()[:16]
         self._staging = dirpath / ".staging" / f"rank{rank:05d}"
         self._root = self.shm_dir / "lightning_par_flash" / key
+        replicator = self._open_replicator(node) if self.replicas and world_size > 1 else None
         try:
             self._memory = MemoryStore(self._root / f"rank{rank:05d}", slots=self.memory_slots)
             self._memories.append(self._memory)
@@ -192,6 +208,7 @@ class FlashStore:
             keep_last=self.keep_last,
             lineage=lambda: self.lineage,  # read when a persist runs: adopt() may change it after open()
         )
+        self._replicator = replicator
         self._writer = SnapshotWriter(
             memory=self._active_memory,
             fall_back=self._no_room,
@@ -200,8 +217,33 @@ class FlashStore:
             copy=self.snapshot_copy,
             device=device,
             stats=self.stats,
+            replicate=(lambda b, h: replicator.submit(buffer=b, header=h)) if replicator else None,
+            replica_done=(lambda h, t: replicator.wait_released(header=h, timeout=t)) if replicator else None,
         )
         self._open = True
+
+    def _open_replicator(self, node: int) -> Replicator:
+        """The peer replicas of this rank (collective: the node map and a Gloo group of their own)."""
+        assert self._root is not None
+        node_of = _dist.gather_objects(node)
+        nodes = len(set(node_of))
+        if self.replicas > nodes - 1:
+            raise ValueError(
+                f"{self.owner}: replicas={self.replicas} needs {self.replicas + 1} nodes (each copy goes to"
+                f" another node), but the job runs on {nodes}. Pass replicas <= {nodes - 1} (0 turns peer"
+                " replicas off); no snapshot was written."
+            )
+        self._replica_group = dist.new_group(backend="gloo")  # replica traffic never meets training's
+        return Replicator(
+            root=self._root,
+            rank=self.rank,
+            world_size=self.world_size,
+            node_of=node_of,
+            replicas=self.replicas,
+            slots=self.memory_slots,
+            group=self._replica_group,
+            timeout_s=max(60.0, self.flush_timeout_s),
+        )
 
     def _active_memory(self) -> MemoryStore:
         assert self._memory is not None
@@ -211,6 +253,8 @@ class FlashStore:
         """The writer's fallback: move the memory snapshots to disk, unless they are there already."""
         if self._memory is not None and self._memory.directory == self._staging:
             return False
+        if self._replicator is not None:
+            self._replicator.wait_idle(self.flush_timeout_s)  # it may still send from the slots removed now
         self._fall_back(f"no room in {self.shm_dir} ({exc.strerror})")
         return True
 
@@ -236,42 +280,22 @@ class FlashStore:
         (every part is then loaded, for :mod:`lightning_par.checkpoint.rank_state` to reshard). None if
         there is none. Collective."""
         assert self._disk is not None and self._root is not None, "open() the store first"
-        # the node's other memory folders: other ranks' slots and replicas of ranks on other nodes
-        mine = {m.directory for m in self._memories}
-        others = [
-            MemoryStore(d, slots=self.memory_slots)
-            for d in sorted(self._root.iterdir() if self._root.is_dir() else [])
-            if d.is_dir() and d not in mine
-        ]
-        try:
-            return find_snapshot(
-                memories=[*self._memories, *others],
-                disk=self._disk,
-                rank=self.rank,
-                world_size=self.world_size,
-                lineage=lineage,
-                reshard=reshard,
-            )
-        finally:
-            for memory in others:
-                memory.close()  # unmapped; the parts loaded are copies
+        return find_snapshot(
+            memories=self._memories,
+            node_root=self._root,
+            slots=self.memory_slots,
+            disk=self._disk,
+            rank=self.rank,
+            world_size=self.world_size,
+            lineage=lineage,
+            reshard=reshard,
+        )
 
     def check(self, found: Found, fingerprint: dict[str, Any], *, remedy: str) -> None:
         """Raise a ``ValueError`` naming the differences if ``found`` was written by another model or
         layout on any rank (``remedy`` says what to do instead); a resharded snapshot may differ in the
         world and data-parallel sizes and the ZeRO stage. Collective; changes nothing."""
-        saved = dict(found.header["fingerprint"])
-        if found.resharded:
-            for key in RESHARDABLE:
-                saved.pop(key, None)
-            fingerprint = {k: v for k, v in fingerprint.items() if k not in RESHARDABLE}
-        every = [d for d in _dist.gather_objects(differences(saved, fingerprint)) if d]
-        if every:
-            raise ValueError(
-                f"{self.owner}: the snapshot of step {found.step} in {self.dirpath} (and in shared memory)"
-                f" was written by another model or layout: {'; '.join(every[0])}. Nothing was loaded,"
-                f" changed or deleted; {remedy}."
-            )
+        check_fingerprint(found, fingerprint, owner=self.owner, dirpath=self.dirpath, remedy=remedy)
 
     def start_lineage(self) -> None:
         """Begin a new run: a fresh id (rank 0's, broadcast) and start time. Collective."""
@@ -362,6 +386,11 @@ class FlashStore:
         finally:
             if self._writer is not None:
                 self._writer.close()
+            if self._replicator is not None:  # before the slots it reads from are unmapped
+                self._replicator.close()
+                if not failed:
+                    self._replicator.remove()
+                self._replicator = None
             if self._persister is not None:
                 self._persister.stop(drain=not failed)
             for memory in self._memories:

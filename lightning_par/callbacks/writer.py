@@ -12,7 +12,9 @@ changes (*live*: parameters, masters, optimizer state):
    step) or inline (``"blocking"``); device tensors go device-to-host on a side CUDA stream into pinned
    buffers;
 4. the copy thread commits the slot (its meta file is written last) and, for a persist step, hands it to
-   the :class:`~.persister.Persister`.
+   the :class:`~.persister.Persister`; with peer replicas it also hands it to the
+   :class:`~.replica.Replicator` (``replicate``), and a slot is reused only once the replicator has
+   released it (``replica_done``).
 
 At the first snapshot of a process the slot's buffer does not exist yet, and touching a fresh buffer
 costs about a second per GB: the copy thread then allocates it as well, after the step-2 tensors have
@@ -52,6 +54,11 @@ class SnapshotWriter:
         copy: ``"overlap"`` or ``"blocking"``.
         device: the training device (CUDA: pinned buffers and a side stream).
         stats: a list that receives one record per snapshot (step, bytes, persist, fence wait, copy time).
+        replicate: called by the copy thread with the slot's buffer and header right after a slot is
+            committed, or with ``None`` when a snapshot could not be held, so that peer replicas
+            (:class:`~.replica.Replicator`) exchange the same steps on every rank; it must return at once.
+        replica_done: ``(header, timeout) -> bool``: True once nothing reads the snapshot of ``header``
+            for a replica any more; a slot handed to ``replicate`` is overwritten only after that.
     """
 
     def __init__(
@@ -64,6 +71,8 @@ class SnapshotWriter:
         copy: SnapshotCopy,
         device: torch.device,
         stats: list[dict[str, Any]],
+        replicate: Callable[[torch.Tensor | None, dict[str, Any]], None] | None = None,
+        replica_done: Callable[[dict[str, Any], float], bool] | None = None,
     ) -> None:
         self._memory = memory
         self._fall_back = fall_back
@@ -76,6 +85,8 @@ class SnapshotWriter:
         self._copy: Future[None] | None = None
         self._prealloc: Future[None] | None = None
         self._stats = stats
+        self._replicate = replicate
+        self._replica_done = replica_done
 
     # ------------------------------------------------------------------ training thread
     def fence(self) -> None:
@@ -119,6 +130,7 @@ class SnapshotWriter:
                 buffer = self._reserve(slot, plan.nbytes)
             except OSError as exc:
                 self._not_saved(header, exc)
+                self._replicate_nothing(header)
                 return None
             snapshot.copy_into(buffer, plan, now)
         event = None
@@ -156,10 +168,29 @@ class SnapshotWriter:
             memory = self._memory()
             with memory.lock:
                 slot = memory.choose()
-                if slot is not None:
+                held = memory.header(slot) if slot is not None else None
+                if slot is not None and (held is None or self._replica_released(held, 0.0)):
                     memory.invalidate(slot)
                     return slot
-            self._persister.wait_idle()  # one slot, being persisted
+            if held is None:
+                self._persister.wait_idle()  # one slot, being persisted
+                continue
+            # the replica thread still sends this slot (it lags a snapshot behind): overwriting it now
+            # would hand a torn snapshot to the peer; the replicator bounds each exchange, so this ends
+            while not self._replica_released(held, 30.0):
+                log.warning(
+                    "FlashCheckpoint: rank %d waits for the replica thread to release step %d",
+                    held["rank"],
+                    held["step"],
+                )
+
+    def _replica_released(self, header: dict[str, Any], timeout: float) -> bool:
+        return self._replica_done is None or self._replica_done(header, timeout)
+
+    def _replicate_nothing(self, header: dict[str, Any]) -> None:
+        """This rank holds nothing for the step: the replicator still takes part in its exchange."""
+        if self._replicate is not None:
+            self._replicate(None, header)
 
     @staticmethod
     def _not_saved(header: dict[str, Any], exc: OSError) -> None:
@@ -213,6 +244,7 @@ class SnapshotWriter:
                 buffer = self._reserve(slot, plan.nbytes)
             except OSError as exc:
                 self._not_saved(header, exc)
+                self._replicate_nothing(header)
                 if persist:
                     self._persister.withdraw()
                 return
@@ -231,9 +263,12 @@ class SnapshotWriter:
                     memory.set_busy(slot, True)
         except Exception:
             log.exception("FlashCheckpoint: rank %d failed to copy step %d", header["rank"], header["step"])
+            self._replicate_nothing(header)
             if persist:
                 self._persister.withdraw()
             raise
         record["copy_s"] = time.perf_counter() - start
+        if self._replicate is not None:
+            self._replicate(buffer, header)
         if persist:
             self._persister.submit(slot, header, safe)

@@ -100,6 +100,8 @@ class FlashSnapshots:
             (lightning_par's strategy then fences each ``optimizer.step()`` itself; under Lightning's
             strategies call :meth:`fence` before it), ``"blocking"`` before returning.
         flush_timeout_s: the longest :meth:`flush` (and the flush at the end) may take.
+        replicas: copies of every snapshot in the shared memory of ranks on other nodes (see
+            ``FlashCheckpoint``).
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class FlashSnapshots:
         memory_slots: int = 2,
         snapshot_copy: SnapshotCopy = "overlap",
         flush_timeout_s: float = 30.0,
+        replicas: int = 0,
     ) -> None:
         self._store = FlashStore(
             dirpath,
@@ -123,6 +126,7 @@ class FlashSnapshots:
             memory_slots=memory_slots,
             snapshot_copy=snapshot_copy,
             flush_timeout_s=flush_timeout_s,
+            replicas=replicas,
         )
         strategy = fabric.strategy
         supported = isinstance(strategy, DDPStrategy | SingleDeviceStrategy)  # ours derives from DDP
@@ -138,7 +142,12 @@ class FlashSnapshots:
         self._fingerprints: dict[tuple[Any, ...], dict[str, Any]] = {}  # one entry: the current objects
         self.resumed: dict[str, Any] | None = None  # what restore() loaded: step, lineage, sources
         self._failed = False
-        self._store.open(rank=fabric.global_rank, world_size=fabric.world_size, device=strategy.root_device)
+        self._store.open(
+            rank=fabric.global_rank,
+            world_size=fabric.world_size,
+            device=strategy.root_device,
+            node=fabric.node_rank,
+        )
         self._store.start_lineage()  # restore() continues the snapshot's lineage instead
         # lightning_par's strategy fences every optimizer step itself; under Lightning's strategies the
         # loop calls fence() (or uses snapshot_copy="blocking")
