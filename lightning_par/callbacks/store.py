@@ -25,14 +25,13 @@ How a snapshot is taken (:meth:`FlashStore.write`, rank by rank, after an optimi
    retention never deletes the newest snapshot complete everywhere. Steps 2-4 are
    :class:`.writer.SnapshotWriter`'s.
 
-If ``shm_dir`` is unusable or lacks room, the memory slots are staged in ``dirpath/.staging`` instead,
-with a warning. :meth:`FlashStore.flush` writes the newest complete memory snapshot to disk if it is not
-there yet (bounded, never a collective: safe from signal handlers and watchdog threads).
-:meth:`FlashStore.find` agrees with all ranks on the newest snapshot complete everywhere, memory preferred
-over disk, skipping corrupt or partial ones with a warning (:func:`.resume.find_snapshot`); a *lineage*
-(one training run) is either started fresh (:meth:`~FlashStore.start_lineage`) or continued from the
-snapshot found (:meth:`~FlashStore.adopt`). A finished run frees its shared memory after flushing its
-newest snapshot to disk; a failed one leaves it for the restart (:meth:`FlashStore.close`).
+If ``shm_dir`` lacks room, the slots are staged in ``dirpath/.staging`` instead, with a warning;
+``replicas`` also copies each committed slot to other nodes' shared memory (:mod:`.replica`).
+:meth:`FlashStore.flush` writes the newest memory snapshot to disk if it is not there (bounded, never a
+collective: safe from signal handlers). :meth:`FlashStore.find` agrees on the newest snapshot whose every
+writer's part can be read somewhere, resharded if asked (:func:`.resume.find_snapshot`); a *lineage* (one
+run) is started fresh (:meth:`~FlashStore.start_lineage`) or continued (:meth:`~FlashStore.adopt`). A
+finished run frees its shared memory after flushing; a failed one leaves it for the restart.
 """
 
 from __future__ import annotations
@@ -149,8 +148,7 @@ class FlashStore:
         return self._persister.errors if self._persister is not None else []
 
     @property
-    def replica_stats(self) -> list[dict[str, Any]]:
-        """One record per replicated snapshot (bytes sent and received, seconds, error)."""
+    def replica_stats(self) -> list[dict[str, Any]]:  # per replicated snapshot: bytes, seconds, error
         return self._replicator.stats if self._replicator is not None else []
 
     @property
@@ -222,24 +220,31 @@ class FlashStore:
         )
         self._open = True
 
-    def _open_replicator(self, node: int) -> Replicator:
-        """The peer replicas of this rank (collective: the node map and a Gloo group of their own)."""
+    def _open_replicator(self, node: int) -> Replicator | None:
+        """The peer replicas of this rank (collective: the node map, a Gloo group of their own). Fewer
+        other nodes than ``replicas`` (a misconfiguration, or an elastic job that lost nodes) get what
+        there is, with a warning: failing would stop the survivors."""
         assert self._root is not None
         node_of = _dist.gather_objects(node)
         nodes = len(set(node_of))
-        if self.replicas > nodes - 1:
-            raise ValueError(
+        replicas = min(self.replicas, nodes - 1)
+        if replicas < self.replicas:
+            message = (
                 f"{self.owner}: replicas={self.replicas} needs {self.replicas + 1} nodes (each copy goes to"
-                f" another node), but the job runs on {nodes}. Pass replicas <= {nodes - 1} (0 turns peer"
-                " replicas off); no snapshot was written."
+                f" another node), but the job runs on {nodes}; keeping {replicas} replica(s). Pass"
+                f" replicas <= {nodes - 1} to silence this."
             )
+            log.warning(message)
+            warnings.warn(message, stacklevel=3)
+        if replicas == 0:
+            return None
         self._replica_group = dist.new_group(backend="gloo")  # replica traffic never meets training's
         return Replicator(
             root=self._root,
             rank=self.rank,
             world_size=self.world_size,
             node_of=node_of,
-            replicas=self.replicas,
+            replicas=replicas,
             slots=self.memory_slots,
             group=self._replica_group,
             timeout_s=max(60.0, self.flush_timeout_s),
