@@ -395,7 +395,6 @@ class FlashStore:
                 self._replicator.close()
                 if not failed:
                     self._replicator.remove()
-                self._replicator = None
             if self._persister is not None:
                 self._persister.stop(drain=not failed)
             for memory in self._memories:
