@@ -19,6 +19,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_par.mesh import ParallelMesh
 from lightning_par.precision import ParallelPrecision
+from lightning_par.zero.comm_hooks import CommHook, HookName, resolve_comm_hook
 from lightning_par.zero.engine import Engine, ReduceChoice, apply_zero, resolve_reduce_op
 from lightning_par.zero.grad_sync import GradSyncPolicy, broadcast_module_states
 from lightning_par.zero.meta_init import ValuesFn
@@ -39,6 +40,9 @@ class ZeroOptions:
     reshard_after_forward: bool = True
     prefetch: bool = True
     allow_untested_optimizer: bool = False
+    comm_hook: HookName | CommHook | None = None
+    comm_hook_state: Any = None
+    powersgd_rank: int = 1
 
     @classmethod
     def of(cls, strategy: Any) -> ZeroOptions:
@@ -86,6 +90,9 @@ def build_engine(
     if not fitting:
         broadcast_module_states(module, group=group)
         return None
+    hook, hook_state = resolve_comm_hook(
+        options.comm_hook, options.comm_hook_state, group=group, powersgd_rank=options.powersgd_rank
+    )
     return apply_zero(
         module,
         group=group,
@@ -97,6 +104,8 @@ def build_engine(
         compute_dtype=compute_dtype,
         grad_dtype=grad_dtype,
         allow_untested_optimizer=options.allow_untested_optimizer,
+        comm_hook=hook,
+        comm_hook_state=hook_state,
     )
 
 

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -42,6 +42,7 @@ from lightning_par.strategy_options import PipelineSchedule, StartMethod, check_
 from lightning_par.strategy_precision import StrategyPrecision
 from lightning_par.strategy_steps import StrategySteps
 from lightning_par.zero.buffers import BufferSync
+from lightning_par.zero.comm_hooks import CommHook, HookName, check_comm_hook
 from lightning_par.zero.engine import Engine, ReduceChoice
 from lightning_par.zero.grad_sync import GradSyncPolicy
 from lightning_par.zero.meta_init import ValuesFn, materialize_local, move_real_tensors, params_on_meta
@@ -95,6 +96,10 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             the module is usable afterwards (turn off for models that do not fit one device).
         find_unused_parameters: allow parameters without gradients in a step (their ``.grad`` stays
             ``None`` when no rank used them); without it such parameters raise a clear error.
+        comm_hook: gradient compression: ``"fp16"``, ``"bf16"``, ``"powersgd"`` or a DDP communication hook
+            ``hook(state, bucket) -> Future[Tensor]`` run on each bucket instead of its all-reduce
+            (stages 0-2, :mod:`lightning_par.zero.comm_hooks`); ``comm_hook_state`` its state (default:
+            the dp group, or a ``PowerSGDState`` of rank ``powersgd_rank`` over it).
         tp_plan: tensor-parallel plan name (``"gpt"``, ``"llama"``) or ``{module pattern: style}``; default:
             the LightningModule's ``tp_plan`` attribute. Applied when ``tensor_parallel_size > 1``.
         sequence_parallel: split the activations between tensor-parallel regions along the sequence.
@@ -143,6 +148,9 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         save_distributed_checkpoint: bool = True,
         broadcast_buffers: bool = True,
         allow_untested_optimizer: bool = False,
+        comm_hook: HookName | CommHook | None = None,
+        comm_hook_state: Any = None,
+        powersgd_rank: int = 1,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -164,6 +172,14 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             timeout_s=timeout_s,
             start_method=start_method,
         )
+        check_comm_hook(
+            comm_hook,
+            powersgd_rank=powersgd_rank,
+            zero_stage=zero_stage,
+            reduce_op=reduce_op,
+            grad_sync=grad_sync,
+        )
+        self.comm_hook, self.comm_hook_state, self.powersgd_rank = comm_hook, comm_hook_state, powersgd_rank
         self.zero_stage = zero_stage  # read by the precision_plugin setter, which the base class calls
         super().__init__(
             tensor_parallel_size=tensor_parallel_size,

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
+from lightning_par.zero.comm_hooks import CommHook
 from lightning_par.zero.grad_sync import (
     GradSync,
     GradSyncPolicy,
@@ -229,12 +230,16 @@ def apply_zero(
     grad_dtype: torch.dtype | None = None,
     sync_module_states: bool = True,
     allow_untested_optimizer: bool = False,
+    comm_hook: CommHook | None = None,
+    comm_hook_state: object = None,
 ) -> ZeroEngine:
     """Install ZeRO ``stage`` (0, 1 or 2) on ``module`` over ``group``; see the module docstring.
 
     Mixed precision (stages 1/2): ``compute_dtype`` (bf16/fp16) is what forward and backward use; the
     parameters' current dtype (fp32) becomes the master dtype kept only in this rank's shard;
-    ``grad_dtype`` is the reduction dtype (default: the parameters' current dtype).
+    ``grad_dtype`` is the reduction dtype (default: the parameters' current dtype). ``comm_hook``
+    replaces each bucket's all-reduce (:mod:`lightning_par.zero.comm_hooks`); with a hook, ``"auto"``
+    picks the all-reduce and the window is reduced at its boundary.
     """
     if isinstance(stage, bool) or stage not in (0, 1, 2):
         raise ValueError(f"apply_zero handles stages 0, 1 and 2, got {stage!r}.")
@@ -249,7 +254,9 @@ def apply_zero(
         raise ValueError("grad_sync='every' needs a sharded gradient: use zero_stage 1 or 2.")
     params = list(module.named_parameters())
     bucket_numel = bucket_numel_for(bucket_size_mb, next((p.element_size() for _, p in params), 4))
-    op = resolve_reduce_op(reduce_op, group)
+    op = resolve_reduce_op(reduce_op, group) if comm_hook is None or reduce_op != "auto" else "all_reduce"
+    if comm_hook is not None and grad_sync is None:
+        grad_sync = "boundary"  # a hook reduces the accumulated window once
     if sync_module_states:
         broadcast_module_states(module, group=group)
     sync = GradSync(
@@ -261,6 +268,8 @@ def apply_zero(
         grad_sync=grad_sync or default_grad_sync(stage),
         find_unused_parameters=find_unused_parameters,
         grad_dtype=grad_dtype,
+        comm_hook=comm_hook,
+        comm_hook_state=comm_hook_state,
     )
     sync.attach_to(module)
     return ZeroEngine(

@@ -26,7 +26,7 @@ no state of its own beyond what its methods assign. It owns:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_par.collectives import reduce_scatter_flat
+from lightning_par.zero.comm_hooks import CommHook, CommHookBucket, hook_result
 from lightning_par.zero.layout import FlatLayout
 
 __all__ = ["GradBuckets", "GradSyncPolicy", "ReduceOp", "bucket_numel_for"]
@@ -64,6 +65,8 @@ class GradBuckets:
     _touched: list[bool]
     _pool: dict[int, list[Tensor]]
     _all_pooled: list[Tensor]
+    _hook: CommHook | None  # replaces a bucket's all-reduce (lightning_par.zero.comm_hooks)
+    _hook_state: object
 
     # ------------------------------------------------------------------ layout
     def _build(self, order: list[int]) -> None:
@@ -111,7 +114,7 @@ class GradBuckets:
         self._ready_in_backward = [False] * len(self._params)
         self._next_bucket = 0
         self._bucket_bufs: dict[int, Tensor] = {}
-        self._inflight: list[tuple[int, dist.Work, Tensor, Tensor | None]] = []
+        self._inflight: list[tuple[int, dist.Work | torch.futures.Future[Tensor], Tensor, Tensor | None]] = []
 
     # ------------------------------------------------------------------ buffers
     def _acquire(self, numel: int, *, slice_of_bucket: bool = False) -> Tensor:
@@ -174,7 +177,20 @@ class GradBuckets:
                 if grad is not None:  # deferred in the first pass, which only recorded the order
                     self._fold(i, grad)
         out: Tensor | None = None
-        if self.reduce_op == "reduce_scatter":
+        work: dist.Work | torch.futures.Future[Tensor] | None
+        if self._hook is not None:  # the hook averages the bucket (checked: an all-reduce policy)
+            spans = [(s.offset - bucket.start, s.end - bucket.start, s.shape) for s in self._slots(bucket)]
+            work = self._hook(
+                self._hook_state,
+                CommHookBucket(
+                    index=index,
+                    buffer=flat,
+                    params=[self._params[i] for i in bucket.slots],
+                    spans=spans,
+                    is_last=index == len(self.layout.buckets) - 1,
+                ),
+            )
+        elif self.reduce_op == "reduce_scatter":
             out = self._acquire(bucket.numel // self.world, slice_of_bucket=True)
             work = reduce_scatter_flat(out, flat, group=self.group, async_op=True)
         else:
@@ -186,9 +202,19 @@ class GradBuckets:
         if self.buffer is None and len(self._inflight) > self.max_inflight:
             self._complete_oldest()  # back-pressure keeps at most max_inflight bucket buffers alive
 
+    def _slots(self, bucket: Any) -> list[Any]:
+        return [self.layout.slots[i] for i in bucket.slots]
+
     def _complete_oldest(self) -> None:
         index, work, flat, out = self._inflight.pop(0)
-        work.wait()
+        scale = 1.0 / self.world  # a SUM (sharded) to average; a hook's result is averaged already
+        if self._hook is not None:  # a hook's future (torch's C future: no isinstance check)
+            result = hook_result(work.wait())
+            if result.data_ptr() != flat.data_ptr():
+                flat.copy_(result)
+            scale = 1.0
+        else:
+            work.wait()
         if self.shard:
             assert self.grad_shard is not None
             bucket = self.layout.buckets[index]
@@ -196,7 +222,7 @@ class GradBuckets:
             mine = out if out is not None else flat[self.rank * size : (self.rank + 1) * size]
             off = self._shard_offsets[index]
             # SUM then scale: Gloo's reduce-scatter has no AVG; the scale rides on the accumulation.
-            self.grad_shard[off : off + size].add_(mine, alpha=1.0 / self.world)
+            self.grad_shard[off : off + size].add_(mine, alpha=scale)
             if out is not None:
                 self._release(out)
         if self.buffer is None:

@@ -51,6 +51,7 @@ from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 
 from lightning_par.zero.broadcast import broadcast_module_states, broadcast_tensors
+from lightning_par.zero.comm_hooks import CommHook
 from lightning_par.zero.grad_buckets import GradBuckets, GradSyncPolicy, ReduceOp, bucket_numel_for
 from lightning_par.zero.layout import FlatLayout
 from lightning_par.zero.unused import MissingGradients, UnusedParametersError
@@ -84,6 +85,8 @@ class GradSync(GradBuckets):
             low-precision parameters, fp32 reduces without rounding each rank's contribution to 8 bits of
             mantissa; ``param.grad`` is then never a view of the buffer (dtypes differ), so each backward's
             gradient is folded in and released.
+        comm_hook, comm_hook_state: a DDP communication hook that replaces each bucket's all-reduce and
+            its state (:mod:`lightning_par.zero.comm_hooks`).
     """
 
     def __init__(
@@ -99,6 +102,8 @@ class GradSync(GradBuckets):
         rebuild_order: bool = True,
         max_inflight: int = 4,
         grad_dtype: torch.dtype | None = None,
+        comm_hook: CommHook | None = None,
+        comm_hook_state: object = None,
     ) -> None:
         if grad_sync not in ("boundary", "every"):
             raise ValueError(f"grad_sync must be 'boundary' or 'every', got {grad_sync!r}.")
@@ -106,6 +111,13 @@ class GradSync(GradBuckets):
             raise ValueError(f"reduce_op must be 'all_reduce' or 'reduce_scatter', got {reduce_op!r}.")
         if grad_sync == "every" and not shard:
             raise ValueError("grad_sync='every' needs a sharded gradient (ZeRO stage 1 or 2).")
+        if comm_hook is not None and (grad_sync == "every" or (shard and reduce_op == "reduce_scatter")):
+            raise ValueError(
+                "A communication hook replaces an all-reduce of the accumulated gradient: it needs"
+                " grad_sync='boundary' and, at ZeRO 1/2, reduce_op='all_reduce' (got grad_sync="
+                f"{grad_sync!r}, reduce_op={reduce_op!r})."
+            )
+        self._hook, self._hook_state = comm_hook, comm_hook_state
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
