@@ -55,6 +55,9 @@ from lightning_par.callbacks.memory import MemoryStore
 log = logging.getLogger(__name__)
 
 _ACCEPT, _REFUSE = 1, 0
+# the replica group is Gloo over host memory (the slots are shared-memory files): every tensor of an
+# exchange lives on the host, whatever device training uses
+_HOST = torch.device("cpu")
 _TAG_META, _TAG_VERDICT, _TAG_DATA, _TAG_HEADER = 7101, 7102, 7103, 7104  # distinct: one peer, many ops
 
 
@@ -292,8 +295,10 @@ class Replicator:
             problems.append(f"Replicator: rank {self.rank}'s step {step} claims more bytes than its buffer")
             nbytes = -1
         # 1. meta: what each side would send
-        meta_out = torch.tensor([nbytes, len(payload) if payload else 0, step], dtype=torch.int64)
-        meta_in = torch.empty(3, dtype=torch.int64)
+        meta_out = torch.tensor(
+            [nbytes, len(payload) if payload else 0, step], dtype=torch.int64, device=_HOST
+        )
+        meta_in = torch.empty(3, dtype=torch.int64, device=_HOST)
         self._exchange([(dist.isend, meta_out, dst, _TAG_META), (dist.irecv, meta_in, src, _TAG_META)])
         their_nbytes, their_header_len, their_step = (int(v) for v in meta_in)
         if their_step != step and their_nbytes >= 0:  # still a valid snapshot of that rank: take it
@@ -306,8 +311,8 @@ class Replicator:
             )
         # 2. verdict: room for the source's snapshot?
         claimed = self._claim(src, their_nbytes, their_step, problems) if their_nbytes >= 0 else None
-        verdict_out = torch.tensor([_REFUSE if claimed is None else _ACCEPT], dtype=torch.uint8)
-        verdict_in = torch.empty(1, dtype=torch.uint8)
+        verdict_out = torch.tensor([_REFUSE if claimed is None else _ACCEPT], dtype=torch.uint8, device=_HOST)
+        verdict_in = torch.empty(1, dtype=torch.uint8, device=_HOST)
         self._exchange(
             [(dist.isend, verdict_out, src, _TAG_VERDICT), (dist.irecv, verdict_in, dst, _TAG_VERDICT)]
         )
@@ -323,7 +328,7 @@ class Replicator:
             ops.append(
                 (dist.isend, torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst, _TAG_HEADER)
             )
-        header_in = torch.empty(max(their_header_len, 1), dtype=torch.uint8)
+        header_in = torch.empty(max(their_header_len, 1), dtype=torch.uint8, device=_HOST)
         if claimed is not None:
             store, slot, target = claimed
             if their_nbytes:
