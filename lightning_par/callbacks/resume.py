@@ -225,12 +225,14 @@ def _load_candidate(
             except Exception as exc:  # a memory slot that vanished or cannot be read
                 errors.append(f"{source[0]} part of rank {writer}: {type(exc).__name__}: {exc}")
     ok = set(parts) == wanted
-    outcome = _dist.gather_objects((ok, errors, _dist.HOST))
-    problems = [f"rank {r} ({host}): {err}" for r, (_, errs, host) in enumerate(outcome) for err in errs]
+    # one gather: the verdict, the failures and where this rank read the parts it needs itself
+    local = {w: sources[w] for w in needs[rank] if w in sources}
+    outcome = _dist.gather_objects((ok, errors, _dist.HOST, local))
+    problems = [f"rank {r} ({host}): {err}" for r, (_, errs, host, _) in enumerate(outcome) for err in errs]
     if problems:
         rank_zero_warn(f"FlashCheckpoint: {describe(key)}: " + "; ".join(problems))
-    if not all(good for good, _, _ in outcome):
-        failed = [r for r, (good, _, _) in enumerate(outcome) if not good]
+    if not all(good for good, _, _, _ in outcome):
+        failed = [r for r, (good, _, _, _) in enumerate(outcome) if not good]
         rank_zero_warn(
             f"FlashCheckpoint: skipping {describe(key)}: rank(s) {failed} could not load their part;"
             " trying an older snapshot."
@@ -243,12 +245,12 @@ def _load_candidate(
             box: list[Any] = [None, None]
             dist.recv_object_list(box, src=sender)
             parts[writer], headers[(key, writer)] = box
-            sources[writer] = f"rank {sender}'s {every[sender][key][writer]}"
     for writer in set(parts) - needs[rank]:
         del parts[writer]  # loaded only to be sent
     own = rank if key[3] == world_size else 0
-    described = _dist.gather_objects({w: sources[w] for w in needs[rank]})
-    by_writer = {w: s for d in described for w, s in d.items()}
+    by_writer = {w: src for _, _, _, read in outcome for w, src in read.items()}
+    for writer, sender, _ in transfers:  # derivable on every rank from the gathered lists
+        by_writer.setdefault(writer, f"rank {sender}'s {every[sender][key][writer]}")
     return Found(
         parts=parts,
         header=headers[(key, own)],  # a needed part: loaded here or received with its header
