@@ -26,7 +26,7 @@ no state of its own beyond what its methods assign. It owns:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,7 @@ class GradBuckets:
     _all_pooled: list[Tensor]
     _hook: CommHook | None  # replaces a bucket's all-reduce (lightning_par.zero.comm_hooks)
     _hook_state: object
+    _hook_views: list[tuple[list[nn.Parameter], list[tuple[int, int, tuple[int, ...]]]]]
 
     # ------------------------------------------------------------------ layout
     def _build(self, order: list[int]) -> None:
@@ -106,6 +107,18 @@ class GradBuckets:
             self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
         self._pool = {}
         self._all_pooled = []
+        # what a communication hook sees of each bucket: its parameters and their spans in the bucket,
+        # fixed per layout (not rebuilt every step)
+        self._hook_views = [
+            (
+                [self._params[i] for i in b.slots],
+                [
+                    (sl.offset - b.start, sl.end - b.start, sl.shape)
+                    for sl in map(self.layout.slots.__getitem__, b.slots)
+                ],
+            )
+            for b in self.layout.buckets
+        ]
         self._touched = [False] * len(self._params)
         self._reset_backward_state()
 
@@ -179,17 +192,12 @@ class GradBuckets:
         out: Tensor | None = None
         work: dist.Work | torch.futures.Future[Tensor] | None
         if self._hook is not None:  # the hook averages the bucket (checked: an all-reduce policy)
-            spans = [(s.offset - bucket.start, s.end - bucket.start, s.shape) for s in self._slots(bucket)]
-            work = self._hook(
-                self._hook_state,
-                CommHookBucket(
-                    index=index,
-                    buffer=flat,
-                    params=[self._params[i] for i in bucket.slots],
-                    spans=spans,
-                    is_last=index == len(self.layout.buckets) - 1,
-                ),
+            params, spans = self._hook_views[index]
+            is_last = index == len(self.layout.buckets) - 1
+            bucket_view = CommHookBucket(
+                index=index, buffer=flat, params=params, spans=spans, is_last=is_last
             )
+            work = self._hook(self._hook_state, bucket_view)
         elif self.reduce_op == "reduce_scatter":
             out = self._acquire(bucket.numel // self.world, slice_of_bucket=True)
             work = reduce_scatter_flat(out, flat, group=self.group, async_op=True)
@@ -201,9 +209,6 @@ class GradBuckets:
         self._next_bucket = index + 1
         if self.buffer is None and len(self._inflight) > self.max_inflight:
             self._complete_oldest()  # back-pressure keeps at most max_inflight bucket buffers alive
-
-    def _slots(self, bucket: Any) -> list[Any]:
-        return [self.layout.slots[i] for i in bucket.slots]
 
     def _complete_oldest(self) -> None:
         index, work, flat, out = self._inflight.pop(0)
