@@ -102,21 +102,16 @@ class DiskStore:
 
     def headers(self) -> list[dict[str, Any]]:
         """Headers of this rank's committed files (their data is verified only when loaded)."""
-        out = []
-        for d, _, _ in self._step_dirs():
-            data, meta = self._files(d)
-            if meta.is_file():
-                header = read_header(meta, data, check_size=False)  # load() checks it, and names it
-                if header is not None:
-                    header["path"] = str(data)
-                    out.append(header)
-        return out
+        return self._headers(f"rank{self.rank:05d}.meta")
 
     def all_headers(self) -> list[dict[str, Any]]:
         """Headers of every rank's committed files under ``dirpath`` (all of them when it is shared)."""
+        return self._headers("rank*.meta")
+
+    def _headers(self, pattern: str) -> list[dict[str, Any]]:
         out = []
         for d, _, _ in self._step_dirs():
-            for meta in d.glob("rank*.meta"):
+            for meta in d.glob(pattern):
                 data = meta.with_suffix(".bin")
                 header = read_header(meta, data, check_size=False)  # load() checks it, and names it
                 if header is not None:

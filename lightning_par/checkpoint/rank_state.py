@@ -87,6 +87,15 @@ def capture(
     return model, optim, step_tensors
 
 
+def _load_model(module: nn.Module, model: dict[str, Any], *, skip: set[str]) -> None:
+    """``module.load_state_dict(model)``, where only the names in ``skip`` may be missing (held elsewhere:
+    shards, other pipeline stages)."""
+    missing, unexpected = module.load_state_dict(model, strict=False)
+    missing = [k for k in missing if k not in skip]
+    if missing or unexpected:
+        raise KeyError(f"The snapshot's model state lacks {missing[:8]} and has unexpected {unexpected[:8]}.")
+
+
 def storages(tensors: Sequence[Tensor]) -> set[int]:
     """The storage addresses of ``tensors`` (what the snapshot writer may copy late)."""
     return {t.untyped_storage().data_ptr() for t in tensors if t.numel() and not t.is_meta}
@@ -116,10 +125,7 @@ def load(
         engine.load_param_shards(values)
     meta = {n for n, t in itertools.chain(module.named_parameters(), module.named_buffers()) if t.is_meta}
     skip = meta | (_param_names(module) if shards_params else set())
-    missing, unexpected = module.load_state_dict(model, strict=False)
-    missing = [k for k in missing if k not in skip]
-    if missing or unexpected:
-        raise KeyError(f"The snapshot's model state lacks {missing[:8]} and has unexpected {unexpected[:8]}.")
+    _load_model(module, model, skip=skip)
     if optim["kind"] == "fragments":
         sharded = engine.sharded_state if engine is not None else None
         if engine is None or sharded is None:
@@ -180,10 +186,7 @@ def load_resharded(
     for alias, param in module.named_parameters(remove_duplicate=False):  # tied weights: every name
         if alias not in skip and alias not in model:
             model[alias] = full(canonical[id(param)]).view(param.shape)
-    missing, unexpected = module.load_state_dict(model, strict=False)
-    missing = [k for k in missing if k not in skip]
-    if missing or unexpected:
-        raise KeyError(f"The snapshot's model state lacks {missing[:8]} and has unexpected {unexpected[:8]}.")
+    _load_model(module, model, skip=skip)
     names = {p: n for n, p in module.named_parameters()}
     sharded = engine.sharded_state if engine is not None else None
     for k, opt in enumerate(optimizers):
