@@ -72,6 +72,9 @@ def build_engine(
     ``device``. Under a pipeline (``pipelined``) a step's micro-batches are its accumulation window, so
     stages 1/2 reduce once at the window's end.
     """
+    compression = resolve_comm_hook(
+        options.comm_hook, options.comm_hook_state, group=group, powersgd_rank=options.powersgd_rank
+    )
     if options.stage == 3:
         return Stage3Engine(
             module,
@@ -86,13 +89,11 @@ def build_engine(
             values=values,
             allow_untested_optimizer=options.allow_untested_optimizer,
             device=device,
+            comm_dtype=compression.dtype,
         )
     if not fitting:
         broadcast_module_states(module, group=group)
         return None
-    hook, hook_state = resolve_comm_hook(
-        options.comm_hook, options.comm_hook_state, group=group, powersgd_rank=options.powersgd_rank
-    )
     return apply_zero(
         module,
         group=group,
@@ -104,8 +105,9 @@ def build_engine(
         compute_dtype=compute_dtype,
         grad_dtype=grad_dtype,
         allow_untested_optimizer=options.allow_untested_optimizer,
-        comm_hook=hook,
-        comm_hook_state=hook_state,
+        comm_hook=compression.hook,
+        comm_hook_state=compression.state,
+        comm_dtype=compression.dtype,
     )
 
 

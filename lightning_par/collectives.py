@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -29,3 +30,22 @@ def reduce_scatter_flat(
 ) -> Any:
     """``output`` on rank ``r`` = slice ``r`` of the element-wise SUM over ranks of ``input``."""
     return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def low_precision_mean(
+    flat: Tensor, *, dtype: torch.dtype, group: ProcessGroup, scatter: bool
+) -> tuple[Any, Tensor]:
+    """Start averaging ``flat`` over ``group`` in ``dtype`` (fp16/bf16: half the bytes of fp32).
+
+    ``flat`` is cast to ``dtype`` and divided by the group size *before* the SUM, so an fp16 sum cannot
+    overflow where the mean would not (the order torch's ``fp16_compress_hook`` uses). Returns the work
+    handle and the tensor that holds the mean once it completes: the whole mean (``scatter=False``, an
+    all-reduce) or this rank's slice of it (``scatter=True``, a reduce-scatter; ``flat.numel()`` must
+    divide by the group size). ``flat`` itself is not changed.
+    """
+    world = dist.get_world_size(group)
+    send = flat.to(dtype, copy=True).div_(world)
+    if not scatter:
+        return dist.all_reduce(send, group=group, async_op=True), send
+    out = torch.empty(flat.numel() // world, dtype=dtype, device=flat.device)
+    return reduce_scatter_flat(out, send, group=group, async_op=True), out

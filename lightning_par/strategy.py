@@ -96,10 +96,11 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             the module is usable afterwards (turn off for models that do not fit one device).
         find_unused_parameters: allow parameters without gradients in a step (their ``.grad`` stays
             ``None`` when no rank used them); without it such parameters raise a clear error.
-        comm_hook: gradient compression: ``"fp16"``, ``"bf16"``, ``"powersgd"`` or a DDP communication hook
-            ``hook(state, bucket) -> Future[Tensor]`` run on each bucket instead of its all-reduce
-            (stages 0-2, :mod:`lightning_par.zero.comm_hooks`); ``comm_hook_state`` its state (default:
-            the dp group, or a ``PowerSGDState`` of rank ``powersgd_rank`` over it).
+        comm_hook: gradient compression: ``"fp16"``/``"bf16"`` (every gradient reduction in that dtype,
+            stages 0-3), ``"powersgd"`` (ours, rank ``powersgd_rank``; ``comm_hook_state`` may be a
+            mapping of its other fields, :mod:`lightning_par.zero.powersgd`) or a DDP communication hook
+            ``hook(state, bucket) -> Future[Tensor]`` run on each bucket instead of its all-reduce (stages
+            0-2, :mod:`lightning_par.zero.comm_hooks`; ``comm_hook_state`` default: the dp group).
         tp_plan: tensor-parallel plan name (``"gpt"``, ``"llama"``) or ``{module pattern: style}``; default:
             the LightningModule's ``tp_plan`` attribute. Applied when ``tensor_parallel_size > 1``.
         sequence_parallel: split the activations between tensor-parallel regions along the sequence.
@@ -175,6 +176,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         check_comm_hook(
             comm_hook,
             powersgd_rank=powersgd_rank,
+            comm_hook_state=comm_hook_state,
             zero_stage=zero_stage,
             reduce_op=reduce_op,
             grad_sync=grad_sync,

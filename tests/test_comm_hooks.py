@@ -12,7 +12,8 @@ that order after the first backward). Compared:
   stage 0 and stage 1, SGD with momentum, 6 steps. Without accumulation: with it, DDP's and our
   uncompressed gradients already differ in the last bit (1.5e-8 here, cause not found), which
   compression then amplifies;
-* bad input is refused when the strategy is constructed.
+* bad input is refused when the strategy is constructed (our own PowerSGD and the ``"fp16"``/``"bf16"``
+  names are tested in ``tests/test_powersgd.py``).
 """
 
 from __future__ import annotations
@@ -142,8 +143,11 @@ def test_bad_hooks_are_refused_at_construction(cls: type) -> None:
     with pytest.raises(ValueError, match="powersgd_rank must be a positive integer"):
         cls(comm_hook="powersgd", powersgd_rank=0)
     with pytest.raises(ValueError, match="cannot apply at zero_stage=3"):
-        cls(zero_stage=3, comm_hook="fp16")
+        cls(zero_stage=3, comm_hook="powersgd")
     with pytest.raises(ValueError, match="needs reduce_op 'auto' or 'all_reduce'"):
-        cls(zero_stage=2, comm_hook="bf16", reduce_op="reduce_scatter")
+        cls(zero_stage=2, comm_hook="powersgd", reduce_op="reduce_scatter")
     with pytest.raises(ValueError, match="grad_sync 'boundary'"):
-        cls(zero_stage=2, comm_hook="bf16", grad_sync="every")
+        cls(zero_stage=2, comm_hook=default_hooks.fp16_compress_hook, grad_sync="every")
+    with pytest.raises(ValueError, match="unknown field"):
+        cls(comm_hook="powersgd", comm_hook_state={"rank": 4})
+    cls(zero_stage=3, comm_hook="fp16")  # a low-precision reduction applies at every stage

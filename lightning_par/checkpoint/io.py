@@ -80,6 +80,18 @@ def layout_metadata(
     return meta
 
 
+COMM_KEY = "comm_state"  # in the layout metadata: the gradient compressor's state (PowerSGD)
+
+
+def record_comm_state(meta: dict[str, Any], engine: Engine | None) -> None:
+    """Add the gradient compressor's state to a checkpoint's layout metadata ``meta``: PowerSGD's ``Q``
+    and its residuals averaged over the dp group, which any dp size resumes from. Collective over the dp
+    group when there is such a state; a no-op without one."""
+    state = engine.comm_state(average=True) if engine is not None else None
+    if state is not None:
+        meta[COMM_KEY] = state
+
+
 def _group_names(
     opt: Optimizer, engine: Engine | None, names: Mapping[nn.Parameter, str], index: int
 ) -> list[list[str]]:
@@ -217,7 +229,10 @@ def load_optimizer_states(
     sharded_path: Path | None,
     tp: TPInfo,
 ) -> None:
-    """Restore ``optimizers`` (sharded or not) from a checkpoint of either format and any layout."""
+    """Restore ``optimizers`` (sharded or not) from a checkpoint of either format and any layout, and the
+    gradient compressor's state recorded beside them."""
+    if engine is not None:
+        engine.load_comm_state((checkpoint.get(METADATA_KEY) or {}).get(COMM_KEY))
     names = {p: n for n, p in module.named_parameters()}
     current = [_group_names(opt, engine, names, k) for k, opt in enumerate(optimizers)]
     sharded = engine.sharded_state if engine is not None else None

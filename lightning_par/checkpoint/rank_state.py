@@ -16,7 +16,7 @@ A rank's share is two trees:
     record ``(name, lo, hi, {state})`` is a fragment this rank owns (the format of
     :mod:`lightning_par.checkpoint.optimizer_state`, fp32 masters included when separate); plus
     ``"shards": [(name, lo, hi, {"param": view})]``, every parameter piece this rank holds, when the engine
-    shards parameters.
+    shards parameters; ``"comm"``: the gradient compressor's state (PowerSGD), when there is one.
 
 :func:`capture` returns *live* tensors (views, no copies) and the tensors only an optimizer step changes
 (parameters, shards, masters, optimizer state): a caller may copy those after the training thread moved
@@ -44,6 +44,7 @@ from lightning_par.checkpoint.optimizer_state import (
     pieces_from_state_dict,
 )
 from lightning_par.zero.engine import Engine
+from lightning_par.zero.powersgd import merge_states
 
 
 def _param_names(module: nn.Module) -> set[str]:
@@ -74,6 +75,10 @@ def capture(
         }
     else:
         optim = {"kind": "torch", "optimizers": [opt.state_dict() for opt in optimizers]}
+    comm = engine.comm_state() if engine is not None else None
+    if comm is not None:
+        # this rank's PowerSGD residuals and Q: changed by the next backward, so not step tensors
+        optim["comm"] = comm
     step_tensors: list[Tensor] = [p for p in module.parameters() if not p.is_meta]
     if engine is not None and engine.shards_params:
         params = _param_names(module)
@@ -111,6 +116,8 @@ def load(
     """Put :func:`capture`'s trees back on the same layout (positions and fragments match)."""
     if engine is not None and optim.get("order"):
         engine.freeze_order(optim["order"])  # the saved bucket layout, before fragments are matched
+    if engine is not None:
+        engine.load_comm_state(optim.get("comm"))  # the same rank's residuals: exact
     shards_params = engine is not None and engine.shards_params
     if shards_params:
         assert engine is not None
@@ -180,6 +187,9 @@ def load_resharded(
 
     if engine is not None and engine.shards_params:
         engine.load_param_shards(lambda name, lo, hi: full(name)[lo:hi] if name in shapes else None)
+    comms = [o["comm"] for o in optims if "comm" in o]
+    if engine is not None:  # every new rank takes the writers' mean residual (lightning_par.zero.powersgd)
+        engine.load_comm_state(merge_states(comms) if comms else None)
     skip = _param_names(module) if engine is not None and engine.shards_params else set()
     model = OrderedDict((k, v) for k, v in models[0].items() if k not in skip)  # shards hold those
     canonical = {id(p): n for n, p in module.named_parameters()}

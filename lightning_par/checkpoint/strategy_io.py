@@ -31,6 +31,7 @@ from lightning_par.checkpoint.io import (
     load_module_state,
     load_optimizer_states,
     rank_payload,
+    record_comm_state,
     save_sharded,
 )
 from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta
@@ -154,6 +155,8 @@ class ZeroCheckpointIO(ParallelStrategy):
     ) -> None:
         assert self.lightning_module is not None
         checkpoint[METADATA_KEY] = self.layout_metadata()
+        if "optimizer_states" in checkpoint:  # beside the optimizer state it belongs with (collective)
+            record_comm_state(checkpoint[METADATA_KEY], self._engine)
         if self._full_file():
             # one ordinary Lightning file: the state dict and optimizer states are already full (rank 0)
             checkpoint[METADATA_KEY]["format"] = "full"

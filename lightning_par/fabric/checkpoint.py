@@ -37,6 +37,7 @@ from lightning_par.checkpoint.io import (
     load_module_state,
     load_optimizer_states,
     rank_payload,
+    record_comm_state,
     save_sharded,
 )
 from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta
@@ -100,6 +101,8 @@ def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any])
     optimizers = [state[k] for k in opt_keys]
     tp, rank, world, mesh = _tp(strategy), strategy.global_rank, strategy.world_size, strategy.mesh
     meta = layout(strategy, optimizers)
+    if optimizers:
+        record_comm_state(meta, engine)  # PowerSGD's state, beside the optimizer state (collective)
     keys = {"module": module_key, "optimizers": opt_keys}
     extras = _extras(state, {*opt_keys, *([module_key] if module_key else [])})
     # no rank holds the whole model at stage 3 or under tensor parallelism: the parameters go in pieces

@@ -144,6 +144,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         check_comm_hook(
             comm_hook,
             powersgd_rank=powersgd_rank,
+            comm_hook_state=comm_hook_state,
             zero_stage=zero_stage,
             reduce_op=reduce_op,
             grad_sync=grad_sync,

@@ -13,15 +13,18 @@ boundary (the final backward of an accumulation window), so PowerSGD compresses 
 once per optimizer step and its iteration count is the number of steps; clipping, unscaling and the
 optimizer see the decompressed average.
 
-Names for the strategies' ``comm_hook``: ``"fp16"`` and ``"bf16"`` (torch's compress hooks over the dp
-group) and ``"powersgd"`` (torch's PowerSGD with error feedback and warm start, rank ``powersgd_rank``).
+Names for the strategies' ``comm_hook``: ``"fp16"`` and ``"bf16"`` (every gradient reduction in that
+dtype, pre-divided by N as torch's compress hooks do; any stage, all-reduce or reduce-scatter) and
+``"powersgd"`` (our flat-bucket PowerSGD, :mod:`lightning_par.zero.powersgd`, rank ``powersgd_rank``).
 Where a hook cannot apply (a reduce-scatter, gradients reduced after every micro-batch, ZeRO-3) the
 strategy refuses it at setup.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
 
 import torch
@@ -71,43 +74,58 @@ class CommHookBucket:
         return self._is_last
 
 
+@dataclass(frozen=True)
+class Compression:
+    """What a strategy's ``comm_hook`` option resolves to: a hook with its state, or a reduction dtype."""
+
+    hook: CommHook | None = None
+    state: Any = None
+    dtype: torch.dtype | None = None
+
+
+LOW_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 def resolve_comm_hook(
     comm_hook: HookName | CommHook | None,
     state: Any,
     *,
     group: ProcessGroup,
     powersgd_rank: int,
-) -> tuple[CommHook | None, Any]:
-    """``(hook, state)`` for a strategy's ``comm_hook`` option: a name is mapped to torch's hook and a
-    default state over ``group`` (a given ``state`` wins); a callable is used as it is, with ``state``
-    (default: ``group``, what torch's simple hooks expect)."""
-    if comm_hook is None:
-        return None, None
-    if callable(comm_hook):
-        return comm_hook, group if state is None else state
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+) -> Compression:
+    """The :class:`Compression` of a strategy's ``comm_hook`` option over ``group``:
 
-    if comm_hook == "powersgd":
-        if state is None:
-            state = powerSGD_hook.PowerSGDState(
-                process_group=group, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2
-            )
-        # torch types its hooks with its GradBucket; CommHookBucket offers the same methods
-        return cast(CommHook, powerSGD_hook.powerSGD_hook), state
-    hook = default_hooks.fp16_compress_hook if comm_hook == "fp16" else default_hooks.bf16_compress_hook
-    return cast(CommHook, hook), group if state is None else state
+    * ``"fp16"``/``"bf16"``: every gradient reduction in that dtype, pre-divided by N (what torch's
+      ``fp16_compress_hook`` does, at every stage and for reduce-scatters too);
+    * ``"powersgd"``: our :mod:`lightning_par.zero.powersgd` of rank ``powersgd_rank``; ``state`` may be a
+      ``PowerSGDState`` or a mapping of its other fields (``{"start_iter": 100}``);
+    * a callable: used as it is, with ``state`` (default: ``group``, what torch's simple hooks expect).
+    """
+    if comm_hook is None:
+        return Compression()
+    if callable(comm_hook):
+        return Compression(hook=comm_hook, state=group if state is None else state)
+    if comm_hook in LOW_PRECISION:
+        return Compression(dtype=LOW_PRECISION[comm_hook])
+    from lightning_par.zero.powersgd import PowerSGDState, powersgd_hook
+
+    if state is None or isinstance(state, Mapping):
+        state = PowerSGDState(group=group, rank=powersgd_rank, **dict(state or {}))
+    return Compression(hook=cast(CommHook, powersgd_hook), state=state)
 
 
 def check_comm_hook(
     comm_hook: Any,
     *,
     powersgd_rank: Any,
+    comm_hook_state: Any = None,
     zero_stage: int = 0,
     reduce_op: str = "auto",
     grad_sync: str | None = None,
 ) -> None:
-    """Raise a ``ValueError`` for an unknown hook name, a bad ``powersgd_rank``, or a hook the chosen
-    stage cannot apply (checked when a strategy is constructed, before any process starts)."""
+    """Raise a ``ValueError`` for an unknown hook name, a bad ``powersgd_rank`` or PowerSGD field, or a
+    hook the chosen stage cannot apply (checked when a strategy is constructed, before any process
+    starts). ``"fp16"``/``"bf16"`` apply everywhere; a hook needs an all-reduced bucket."""
     if comm_hook is not None and not callable(comm_hook) and comm_hook not in HOOK_NAMES:
         raise ValueError(
             f"comm_hook must be one of {HOOK_NAMES}, a callable hook(state, bucket) -> Future, or None;"
@@ -115,19 +133,34 @@ def check_comm_hook(
         )
     if isinstance(powersgd_rank, bool) or not isinstance(powersgd_rank, int) or powersgd_rank <= 0:
         raise ValueError(f"powersgd_rank must be a positive integer, got {powersgd_rank!r}.")
-    if comm_hook is None:
+    if comm_hook == "powersgd" and isinstance(comm_hook_state, Mapping):
+        allowed = set(inspect.signature(_powersgd_state()).parameters) - {"group", "rank"}
+        unknown = sorted(set(comm_hook_state) - allowed)
+        if unknown:
+            raise ValueError(
+                f"comm_hook_state for 'powersgd' has unknown field(s) {unknown}; the fields are"
+                f" {sorted(allowed)} (the rank is powersgd_rank)."
+            )
+    if comm_hook is None or comm_hook in LOW_PRECISION:
         return
     if zero_stage == 3:
         raise ValueError(
-            "comm_hook cannot apply at zero_stage=3: ZeRO-3 reduce-scatters each unit's gradients and"
-            " gathers parameters, with no all-reduced bucket to hand a DDP hook. Use zero_stage 0, 1 or 2."
+            f"comm_hook={comm_hook!r} cannot apply at zero_stage=3: ZeRO-3 reduce-scatters each unit's"
+            " gradients, with no all-reduced bucket to hand a DDP hook. Use comm_hook='bf16' or 'fp16'"
+            " (a low-precision reduce-scatter), or zero_stage 0, 1 or 2."
         )
     if zero_stage in (1, 2) and (reduce_op == "reduce_scatter" or grad_sync == "every"):
         raise ValueError(
             f"comm_hook replaces the all-reduce of the accumulated gradient; at zero_stage={zero_stage} it"
             f" needs reduce_op 'auto' or 'all_reduce' and grad_sync 'boundary' or None (got reduce_op="
-            f"{reduce_op!r}, grad_sync={grad_sync!r})."
+            f"{reduce_op!r}, grad_sync={grad_sync!r}); comm_hook='bf16' or 'fp16' works with both."
         )
+
+
+def _powersgd_state() -> type:
+    from lightning_par.zero.powersgd import PowerSGDState
+
+    return PowerSGDState
 
 
 def hook_result(value: Any) -> Tensor:

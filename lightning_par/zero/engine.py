@@ -16,10 +16,10 @@ Policies (``Literal`` strings, checked):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from lightning_par.zero.grad_sync import (
     broadcast_module_states,
     bucket_numel_for,
 )
+from lightning_par.zero.powersgd import PowerSGDState, load_compressor_state
 from lightning_par.zero.sharded_optimizer import ShardedOptimizer
 
 ZeroStage = Literal[0, 1, 2]
@@ -149,6 +150,19 @@ class ZeroEngine:
     def unshard_all(self) -> None:
         """Parameters are whole below stage 3; nothing to gather."""
 
+    def comm_state(self, *, average: bool = False) -> dict[str, Any] | None:
+        """The gradient compressor's state by parameter name (our PowerSGD's iteration, Q and residuals),
+        None without a stateful compressor. ``average=True`` replaces the residuals by their mean over the
+        dp group (collective), which any dp size resumes from (:mod:`lightning_par.zero.powersgd`)."""
+        state = self.sync.hook_state
+        if not isinstance(state, PowerSGDState):
+            return None
+        return state.state_dict({p: n for n, p in self.module.named_parameters()}, average=average)
+
+    def load_comm_state(self, saved: Mapping[str, Any] | None) -> None:
+        """Restore :meth:`comm_state`'s output (a warning when this run has no compressor to take it)."""
+        load_compressor_state(self.sync.hook_state, saved, dict(self.module.named_parameters()))
+
     def memory_bytes(self) -> dict[str, int]:
         """Bytes the engine holds on this rank: ``gradients`` (full buffer and shard), ``comm`` (the bucket
         pool) and, when optimizers are sharded, ``optimizer_state`` (with the fp32 masters)."""
@@ -175,6 +189,8 @@ class Engine(Protocol):
     * ``masters_changed()``: after fp32 masters were written, the compute copies follow.
     * ``unshard_all()``: leave whole parameters behind (a no-op below stage 3).
     * ``memory_bytes()``: bytes by category; keys present override what a caller would count itself.
+    * ``comm_state()`` / ``load_comm_state()``: the gradient compressor's state for checkpoints (None
+      when there is none).
     """
 
     stage: int
@@ -204,6 +220,8 @@ class Engine(Protocol):
     def masters_changed(self) -> None: ...
     def unshard_all(self) -> None: ...
     def memory_bytes(self) -> dict[str, int]: ...
+    def comm_state(self, *, average: bool = False) -> dict[str, Any] | None: ...
+    def load_comm_state(self, saved: Mapping[str, Any] | None) -> None: ...
     def remove(self) -> None: ...
 
 
@@ -232,6 +250,7 @@ def apply_zero(
     allow_untested_optimizer: bool = False,
     comm_hook: CommHook | None = None,
     comm_hook_state: object = None,
+    comm_dtype: torch.dtype | None = None,
 ) -> ZeroEngine:
     """Install ZeRO ``stage`` (0, 1 or 2) on ``module`` over ``group``; see the module docstring.
 
@@ -239,7 +258,8 @@ def apply_zero(
     parameters' current dtype (fp32) becomes the master dtype kept only in this rank's shard;
     ``grad_dtype`` is the reduction dtype (default: the parameters' current dtype). ``comm_hook``
     replaces each bucket's all-reduce (:mod:`lightning_par.zero.comm_hooks`); with a hook, ``"auto"``
-    picks the all-reduce and the window is reduced at its boundary.
+    picks the all-reduce and the window is reduced at its boundary. ``comm_dtype`` (fp16/bf16) runs every
+    gradient reduction in that dtype instead.
     """
     if isinstance(stage, bool) or stage not in (0, 1, 2):
         raise ValueError(f"apply_zero handles stages 0, 1 and 2, got {stage!r}.")
@@ -270,6 +290,7 @@ def apply_zero(
         grad_dtype=grad_dtype,
         comm_hook=comm_hook,
         comm_hook_state=comm_hook_state,
+        comm_dtype=comm_dtype,
     )
     sync.attach_to(module)
     return ZeroEngine(

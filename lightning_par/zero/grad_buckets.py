@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lightning_par.collectives import reduce_scatter_flat
+from lightning_par.collectives import low_precision_mean, reduce_scatter_flat
 from lightning_par.zero.comm_hooks import CommHook, CommHookBucket, hook_result
 from lightning_par.zero.layout import FlatLayout
 
@@ -68,6 +68,7 @@ class GradBuckets:
     _hook: CommHook | None  # replaces a bucket's all-reduce (lightning_par.zero.comm_hooks)
     _hook_state: object
     _hook_views: list[tuple[list[nn.Parameter], list[tuple[int, int, tuple[int, ...]]]]]
+    comm_dtype: torch.dtype | None  # fp16/bf16: reduce in that dtype (lightning_par.collectives)
 
     # ------------------------------------------------------------------ layout
     def _build(self, order: list[int]) -> None:
@@ -127,7 +128,10 @@ class GradBuckets:
         self._ready_in_backward = [False] * len(self._params)
         self._next_bucket = 0
         self._bucket_bufs: dict[int, Tensor] = {}
-        self._inflight: list[tuple[int, dist.Work | torch.futures.Future[Tensor], Tensor, Tensor | None]] = []
+        # (bucket, work, its flat buffer, a pooled reduce-scatter output, a low-precision mean)
+        self._inflight: list[
+            tuple[int, dist.Work | torch.futures.Future[Tensor], Tensor, Tensor | None, Tensor | None]
+        ] = []
 
     # ------------------------------------------------------------------ buffers
     def _acquire(self, numel: int, *, slice_of_bucket: bool = False) -> Tensor:
@@ -190,8 +194,13 @@ class GradBuckets:
                 if grad is not None:  # deferred in the first pass, which only recorded the order
                     self._fold(i, grad)
         out: Tensor | None = None
+        low: Tensor | None = None
         work: dist.Work | torch.futures.Future[Tensor] | None
-        if self._hook is not None:  # the hook averages the bucket (checked: an all-reduce policy)
+        if self.comm_dtype is not None:  # averaged in fp16/bf16: half the bytes
+            work, low = low_precision_mean(
+                flat, dtype=self.comm_dtype, group=self.group, scatter=self.reduce_op == "reduce_scatter"
+            )
+        elif self._hook is not None:  # the hook averages the bucket (checked: an all-reduce policy)
             params, spans = self._hook_views[index]
             is_last = index == len(self.layout.buckets) - 1
             bucket_view = CommHookBucket(
@@ -205,15 +214,22 @@ class GradBuckets:
             op = dist.ReduceOp.SUM if self.shard else dist.ReduceOp.AVG
             work = dist.all_reduce(flat, op=op, group=self.group, async_op=True)
         assert work is not None
-        self._inflight.append((index, work, flat, out))
+        self._inflight.append((index, work, flat, out, low))
         self._next_bucket = index + 1
         if self.buffer is None and len(self._inflight) > self.max_inflight:
             self._complete_oldest()  # back-pressure keeps at most max_inflight bucket buffers alive
 
     def _complete_oldest(self) -> None:
-        index, work, flat, out = self._inflight.pop(0)
+        index, work, flat, out, low = self._inflight.pop(0)
         scale = 1.0 / self.world  # a SUM (sharded) to average; a hook's result is averaged already
-        if self._hook is not None:  # a hook's future (torch's C future: no isinstance check)
+        if low is not None:
+            work.wait()
+            scale = 1.0
+            if self.reduce_op == "reduce_scatter":
+                out = low  # this rank's slice of the mean, added below (not a pooled buffer)
+            else:
+                flat.copy_(low)
+        elif self._hook is not None:  # a hook's future (torch's C future: no isinstance check)
             result = hook_result(work.wait())
             if result.data_ptr() != flat.data_ptr():
                 flat.copy_(result)
@@ -228,7 +244,7 @@ class GradBuckets:
             off = self._shard_offsets[index]
             # SUM then scale: Gloo's reduce-scatter has no AVG; the scale rides on the accumulation.
             self.grad_shard[off : off + size].add_(mine, alpha=scale)
-            if out is not None:
+            if out is not None and low is None:
                 self._release(out)
         if self.buffer is None:
             self._release(flat)

@@ -87,6 +87,9 @@ class GradSync(GradBuckets):
             gradient is folded in and released.
         comm_hook, comm_hook_state: a DDP communication hook that replaces each bucket's all-reduce and
             its state (:mod:`lightning_par.zero.comm_hooks`).
+        comm_dtype: ``torch.float16``/``torch.bfloat16``: every reduction (all-reduce or reduce-scatter,
+            at the boundary or every pass) moves the bucket in that dtype, pre-divided by N, and the mean
+            is added back at the gradient dtype (:func:`lightning_par.collectives.low_precision_mean`).
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class GradSync(GradBuckets):
         grad_dtype: torch.dtype | None = None,
         comm_hook: CommHook | None = None,
         comm_hook_state: object = None,
+        comm_dtype: torch.dtype | None = None,
     ) -> None:
         if grad_sync not in ("boundary", "every"):
             raise ValueError(f"grad_sync must be 'boundary' or 'every', got {grad_sync!r}.")
@@ -117,7 +121,12 @@ class GradSync(GradBuckets):
                 " grad_sync='boundary' and, at ZeRO 1/2, reduce_op='all_reduce' (got grad_sync="
                 f"{grad_sync!r}, reduce_op={reduce_op!r})."
             )
+        if comm_dtype not in (None, torch.float16, torch.bfloat16) or (comm_dtype and comm_hook):
+            raise ValueError(
+                f"comm_dtype must be None, float16 or bfloat16 without a hook, got {comm_dtype}."
+            )
         self._hook, self._hook_state = comm_hook, comm_hook_state
+        self.comm_dtype = comm_dtype
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -370,6 +379,11 @@ class GradSync(GradBuckets):
             self._views[slot].zero_()  # stale values of an earlier window
             self._touched[slot] = True
         return self._views[slot]
+
+    @property
+    def hook_state(self) -> object:
+        """The communication hook's state (None without a hook)."""
+        return self._hook_state
 
     @property
     def params(self) -> list[nn.Parameter]:

@@ -95,8 +95,10 @@ class Stage3Engine(Stage3Reduce):
         values: ValuesFn | None = None,
         allow_untested_optimizer: bool = False,
         device: torch.device | None = None,
+        comm_dtype: torch.dtype | None = None,
     ) -> None:
         self.module = module
+        self.comm_dtype = comm_dtype  # fp16/bf16: gradients reduced in that dtype (stage3_reduce)
         self._values = values
         self.allow_untested_optimizer = allow_untested_optimizer
         self.group = group

@@ -12,8 +12,9 @@ engine attributes it works on.
   then the units forward never reached; a unit still waiting for gradients holds back the ones after it,
   so all ranks issue the same collectives in the same order.
 * Math: a unit's buffer is SUM-reduced (reduce-scatter, or all-reduce and slice ``r``) and ``(1/N)`` of
-  rank ``r``'s slice is added to the unit's ``grad_shard``. At most ``max_inflight`` reductions stay in
-  flight; they complete first in, first out.
+  rank ``r``'s slice is added to the unit's ``grad_shard``; with ``comm_dtype`` (fp16/bf16) the buffer is
+  divided by N and reduced in that dtype, and the slice of the mean is added. At most ``max_inflight``
+  reductions stay in flight; they complete first in, first out.
 * End of backward (an autograd callback): every unit not reduced yet is launched (zeros where it got no
   gradient: collectives must match across ranks), the queue is drained, every gathered unit is freed (the
   root is gathered again inside a step), and a synchronising backward settles unused parameters, attaches
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Variable
 
-from lightning_par.collectives import reduce_scatter_flat
+from lightning_par.collectives import low_precision_mean, reduce_scatter_flat
 from lightning_par.zero.grad_buckets import ReduceOp
 from lightning_par.zero.stage3_optim import Stage3Optim
 from lightning_par.zero.unit import Part, Unit
@@ -47,6 +48,7 @@ class Stage3Reduce(Stage3Optim):
     find_unused_parameters: bool
     max_inflight: int
     dtype: torch.dtype
+    comm_dtype: torch.dtype | None
     device: torch.device
     root: Unit | None
     _unit_of: dict[int, tuple[Unit, int]]
@@ -116,7 +118,11 @@ class Stage3Reduce(Stage3Optim):
         buf = unit.grad_buf if unit.grad_buf is not None else self._acquire(train.layout.numel)
         unit.grad_buf = None
         out: Tensor | None = None
-        if self.reduce_op == "reduce_scatter":
+        if self.comm_dtype is not None:  # the mean in fp16/bf16 (not pooled: another dtype)
+            work, out = low_precision_mean(
+                buf, dtype=self.comm_dtype, group=self.group, scatter=self.reduce_op == "reduce_scatter"
+            )
+        elif self.reduce_op == "reduce_scatter":
             out = self._acquire(train.shard.numel())
             work = reduce_scatter_flat(out, buf, group=self.group, async_op=True)
         else:
@@ -131,11 +137,15 @@ class Stage3Reduce(Stage3Optim):
         unit, work, buf, out = self._inflight.pop(0)
         work.wait()
         n = _train(unit).shard.numel()
+        low = self.comm_dtype is not None  # ``out`` is then the mean (or this rank's slice of it)
+        if low and self.reduce_op != "reduce_scatter":
+            assert out is not None
+            out = out[self.rank * n : (self.rank + 1) * n]
         mine = out if out is not None else buf[self.rank * n : (self.rank + 1) * n]
         assert unit.grad_shard is not None
-        unit.grad_shard.add_(mine, alpha=1.0 / self.world)
+        unit.grad_shard.add_(mine, alpha=1.0 if low else 1.0 / self.world)
         self._release(buf)
-        if out is not None:
+        if out is not None and not low:
             self._release(out)
 
     def _finalize_backward(self) -> None:

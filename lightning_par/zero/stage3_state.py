@@ -8,7 +8,8 @@ gathering the whole model one unit at a time, and the bytes held.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -16,6 +17,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_par.collectives import all_gather_flat
 from lightning_par.zero.layout import Fragment
+from lightning_par.zero.powersgd import load_compressor_state
 from lightning_par.zero.unit import Unit
 
 
@@ -119,3 +121,11 @@ class Stage3State:
                 all_gather_flat(full, part.shard, group=self.group)
                 for p, s in zip(part.params, part.layout.slots, strict=True):
                     p.data = full[s.offset : s.end].view(s.shape)
+
+    def comm_state(self, *, average: bool = False) -> dict[str, Any] | None:
+        """ZeRO-3 compresses without state (low-precision reduce-scatter at most): nothing to save."""
+        return None
+
+    def load_comm_state(self, saved: Mapping[str, Any] | None) -> None:
+        """A checkpoint's PowerSGD residuals cannot continue at stage 3: dropped with a warning."""
+        load_compressor_state(None, saved, {})
