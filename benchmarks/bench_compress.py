@@ -242,6 +242,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=None)
     parser.add_argument("--gpt-data", choices=("stdlib", "arithmetic"), default="stdlib")
     parser.add_argument("--only", choices=("mlp", "gpt"), default=None, help="one model (a quick look)")
+    parser.add_argument("--powersgd-seed", type=int, default=0, help="seed of PowerSGD's initial Q")
+    parser.add_argument("--start-powersgd", type=int, default=10, help="uncompressed steps first")
     parser.add_argument(
         "--link",
         default=None,
@@ -252,11 +254,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ns = parser.parse_args(argv)
     if ns.link and not ns.shaped:
         return _in_shaped_namespace(ns.link, argv if argv is not None else sys.argv[1:])
-    cfg = Config(gpt_data=ns.gpt_data, kinds=(ns.only,) if ns.only else ("mlp", "gpt"))
+    cfg = Config(
+        gpt_data=ns.gpt_data,
+        kinds=(ns.only,) if ns.only else ("mlp", "gpt"),
+        powersgd_seed=ns.powersgd_seed,
+        start_powersgd=ns.start_powersgd,
+    )
     if ns.quick:
         cfg = Config(
             gpt_data=cfg.gpt_data,
             kinds=cfg.kinds,
+            powersgd_seed=cfg.powersgd_seed,
+            start_powersgd=cfg.start_powersgd,
             mlp_hidden=256,
             mlp_steps=15,
             gpt_layers=1,

@@ -162,3 +162,35 @@ def checkpoint_blocking(ckpt: Mapping[str, Any] | None, path: Path) -> Path | No
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def compression_loss(compress: Mapping[str, Any] | None, path: Path) -> Path | None:
+    """Training loss against the step for every gradient-compression hook (mean over the ranks), ours
+    solid and torch DDP's hook dashed, one panel per model, from ``bench_compress``'s ``loss_curves``."""
+    curves = (compress or {}).get("loss_curves")
+    if not curves:
+        return None
+    kinds = sorted({key.split("/")[0] for key in curves})
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
+    for ax, kind in zip(axes[0], kinds, strict=True):
+        colors: dict[str, Any] = {}
+        for key, losses in sorted(curves.items()):
+            model, hook, impl = key.split("/")
+            if model != kind or impl == "ours_torch_hook":
+                continue
+            window = max(1, len(losses) // 30)  # a running mean: single batches are noisy
+            spans = [losses[max(0, i - window + 1) : i + 1] for i in range(len(losses))]
+            smooth = [sum(span) / len(span) for span in spans]
+            style = "-" if impl == "ours" else "--"
+            (line,) = ax.plot(smooth, style, color=colors.get(hook), label=f"{hook} ({impl})", linewidth=1.2)
+            colors.setdefault(hook, line.get_color())
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"training loss (running mean of {window})")
+        ax.set_yscale("log")
+        ax.set_title(f"{kind.upper()}: gradient compression, 2 ranks")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -268,6 +268,7 @@ def full_report(results: dict[str, dict[str, Any]], out_dir: Path) -> str:
             ("Memory per rank (ZeRO)", plots.memory_per_rank, results.get("zero")),
             ("Pipeline bubble vs micro-batches", plots.bubble_vs_microbatches, results.get("pp")),
             ("Checkpoint blocking time", plots.checkpoint_blocking, results.get("checkpoint")),
+            ("Training loss per compression hook", plots.compression_loss, results.get("compress")),
         ):
             name = fn.__name__ + ".png"
             path = fn(arg, out_dir / name)  # type: ignore[operator]
@@ -294,6 +295,8 @@ def full_report(results: dict[str, dict[str, Any]], out_dir: Path) -> str:
         ("Pipeline parallel", "pp", tables.pp_section),
         ("Checkpoints", "checkpoint", tables.checkpoint_section),
         ("LoRA at ZeRO-3", "lora", tables.lora_section),
+        ("Gradient compression", "compress", tables.compress_section),
+        ("Gradient compression over a 1 Gbit/s link", "compress_1gbit", tables.compress_section),
     )
     for title, key, section in sections:
         if results.get(key) is not None:
@@ -303,7 +306,7 @@ def full_report(results: dict[str, dict[str, Any]], out_dir: Path) -> str:
     return text
 
 
-RESULT_NAMES = ("dp", "zero", "deepspeed", "tp", "pp", "checkpoint", "lora")
+RESULT_NAMES = ("dp", "zero", "deepspeed", "tp", "pp", "checkpoint", "lora", "compress", "compress_1gbit")
 
 
 def main(argv: list[str] | None = None) -> str:

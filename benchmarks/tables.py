@@ -239,3 +239,38 @@ def lora_section(payload: Mapping[str, Any]) -> list[str]:
             + f" — {'PASSED' if c['passed'] else 'FAILED'}"
         )
     return lines
+
+
+def compress_section(payload: Mapping[str, Any]) -> list[str]:
+    """Gradient compression (``bench_compress``): payload bytes per step, step time and held-out loss per
+    model and hook, ours beside torch DDP with torch's hook of the same kind (and torch's hook run on our
+    engine)."""
+    cfg = payload["config"]
+    lines = [
+        f"Link: {payload.get('link', 'loopback')}. 2 ranks x 1 thread, AdamW, ZeRO-0; MLP {cfg['mlp_layers']}"
+        f" x {cfg['mlp_hidden']}^2 ({cfg['mlp_steps']} steps, batch {cfg['mlp_batch']}), GPT"
+        f" {cfg['gpt_layers']} layers x {cfg['gpt_embd']} on {cfg['gpt_data']} bytes ({cfg['gpt_steps']}"
+        f" steps, batch {cfg['gpt_batch']} x {cfg['gpt_seq']}); PowerSGD from step {cfg['start_powersgd']}."
+        " Loss: held out, after the last step. Speed-up: uncompressed step ÷ this step (each"
+        " implementation against its own uncompressed run).",
+        "",
+        "| model / hook | all-reduce payload per step (cut) | ours s/step (speed-up) | DDP + torch hook"
+        " s/step (speed-up) | ours ÷ DDP | torch hook on ours s/step | loss ours (÷ uncompressed) |"
+        " loss DDP |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, r in payload["results"].items():
+        cells = [
+            key,
+            f"{r['bytes_per_step'] / 1e6:.3f} MB ({r['bytes_cut_vs_uncompressed']:.1f}x)",
+            f"{fmt(r['ours_step_s'], '.4f')} ({r['speedup_vs_uncompressed']:.2f}x)",
+            "refused by DDP on Gloo"
+            if r["ddp_step_s"] is None
+            else f"{fmt(r['ddp_step_s'], '.4f')} ({fmt(r['ddp_speedup_vs_uncompressed'], '.2f')}x)",
+            fmt(r["ours_vs_ddp"]),
+            fmt(r.get("ours_torch_hook_step_s"), ".4f"),
+            f"{r['final_loss']:.4f} ({r['final_loss_vs_uncompressed']:.3f})",
+            fmt(r["ddp_final_loss"], ".4f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines

@@ -133,7 +133,7 @@ def test_bench_zero_rejects_bad_stages() -> None:
 
 def test_report_writes_markdown_and_every_plot_from_the_committed_results(tmp_path: Path) -> None:
     """``python -m benchmarks.report`` on the committed JSON files: one section per result file, every
-    figure read from them (spot-checked against the JSON), and the four PNGs it links."""
+    figure read from them (spot-checked against the JSON), and the five PNGs it links."""
     results = report.RESULTS_DIR
     present = [n for n in report.RESULT_NAMES if (results / f"{n}.json").exists()]
     assert {"dp", "zero", "tp", "pp", "checkpoint"} <= set(present)
@@ -142,12 +142,20 @@ def test_report_writes_markdown_and_every_plot_from_the_committed_results(tmp_pa
     for name in present:
         assert f"(`{name}.json`)" in text or name == "deepspeed", name
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
-    plots = ("step_time_ratios", "memory_per_rank", "bubble_vs_microbatches", "checkpoint_blocking")
+    plots = (
+        "step_time_ratios",
+        "memory_per_rank",
+        "bubble_vs_microbatches",
+        "checkpoint_blocking",
+        "compression_loss",
+    )
     assert pngs == sorted(f"{name}.png" for name in plots)
     for png in pngs:
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({png})" in text
     tp = json.loads((results / "tp.json").read_text())
     assert f"{tp['comparisons']['tp2/tp1']['ratio_of_medians']:.3f}" in text
+    compress = json.loads((results / "compress.json").read_text())
+    assert f"{compress['results']['mlp/powersgd_r4']['bytes_cut_vs_uncompressed']:.1f}x" in text
     ckpt = json.loads((results / "checkpoint.json").read_text())
     assert f"{ckpt['blocking_and_throughput']['summary']['flash_over_torch_save']:.4f}" in text

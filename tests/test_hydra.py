@@ -199,6 +199,29 @@ def test_every_option_composes_and_instantiates(group: str, option: str, tmp_pat
     _check_run(group, option, cfg, run, tmp_path)
 
 
+def test_powersgd_from_the_command_line(tmp_path: Path) -> None:
+    """``strategy.comm_hook=powersgd strategy.powersgd_rank=4`` (and PowerSGD's other fields through
+    ``comm_hook_state``) reach the strategy; a bad rank is refused with the strategy group named."""
+    cfg = compose_config(
+        tmp_path,
+        "strategy=hybrid",
+        "strategy.comm_hook=powersgd",
+        "strategy.powersgd_rank=4",
+        "strategy.comm_hook_state={start_iter: 5}",
+    )
+    strategy = build(cfg).trainer.strategy
+    assert isinstance(strategy, HybridParallelStrategy)
+    assert (strategy.comm_hook, strategy.powersgd_rank) == ("powersgd", 4)
+    assert dict(strategy.comm_hook_state) == {"start_iter": 5}
+    with pytest.raises(ConfigError) as info:
+        build(
+            compose_config(
+                tmp_path, "strategy=hybrid", "strategy.comm_hook=powersgd", "strategy.powersgd_rank=0"
+            )
+        )
+    assert info.value.group == "strategy" and "powersgd_rank" in info.value.message
+
+
 def test_bad_value_names_its_group(tmp_path: Path) -> None:
     cfg = compose_config(tmp_path, "model.n_head=3")
     with pytest.raises(ConfigError) as info:

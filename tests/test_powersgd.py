@@ -30,9 +30,11 @@ from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.checkpoint import rank_state
+from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
 from lightning_par.zero.comm_hooks import resolve_comm_hook
 from lightning_par.zero.engine import apply_zero
 from lightning_par.zero.stage3 import Stage3Engine
+from tests import test_fabric as fabric_tests
 from tests.distributed import run_distributed
 from tests.test_strategy import N_SAMPLES, WORLD, LossRecorder, Tokens, _module, _trainer
 
@@ -53,7 +55,8 @@ def _batches(part: int, parts: int) -> Batches:
 
 
 def _engine(model: nn.Module, group: Any, stage: int, hook: str | None, **kw: Any) -> Any:
-    c = resolve_comm_hook(hook, {"start_iter": 2} if hook == "powersgd" else None, group=group, powersgd_rank=2)  # type: ignore[arg-type]
+    fields = {"start_iter": 2} if hook == "powersgd" else None
+    c = resolve_comm_hook(hook, fields, group=group, powersgd_rank=2)  # type: ignore[arg-type]
     if stage == 3:
         return Stage3Engine(model, group=group, comm_dtype=c.dtype, **kw)
     return apply_zero(
@@ -144,7 +147,8 @@ def _engine_runs(rank: int, world: int) -> dict[str, Any]:
     # low-precision reductions
     for name in ("fp16", "bf16"):
         out[f"{name}_s0"] = _run(dist.group.WORLD, rank, world, 0, name)
-    out["bf16_s2"] = _run(dist.group.WORLD, rank, world, 2, "bf16", reduce_op="reduce_scatter", grad_sync="every")
+    rs = {"reduce_op": "reduce_scatter", "grad_sync": "every"}
+    out["bf16_s2"] = _run(dist.group.WORLD, rank, world, 2, "bf16", **rs)
     out["bf16_s3"] = _run(dist.group.WORLD, rank, world, 3, "bf16")
     out["fp32_s0"] = _run(dist.group.WORLD, rank, world, 0, None)
     model = _model()
@@ -224,7 +228,50 @@ def test_trainer_checkpoints_carry_the_powersgd_state(tmp_path: Any) -> None:
 def test_low_precision_names_apply_to_reduce_scatter_stages(zero_stage: int) -> None:
     strategy = HybridParallelStrategy(zero_stage=zero_stage, comm_hook="bf16", reduce_op="reduce_scatter")
     assert strategy.comm_hook == "bf16"
-    with pytest.raises(ValueError, match="cannot apply at zero_stage=3|needs reduce_op"):
+    with pytest.raises(ValueError, match=r"cannot apply at zero_stage=3|needs reduce_op"):
         HybridParallelStrategy(zero_stage=zero_stage, comm_hook="powersgd", reduce_op="reduce_scatter")
     with pytest.raises(ValueError, match="unknown field"):
         HybridParallelStrategy(comm_hook="powersgd", comm_hook_state={"start_iteration": 3})
+
+
+def _fabric_psgd(stage: int) -> FabricStrategy:
+    return FabricStrategy(
+        zero_stage=stage, comm_hook="powersgd", powersgd_rank=2, comm_hook_state={"start_iter": 1}
+    )
+
+
+def _fabric_run(rank: int, world: int, strategy: Any, save: str) -> dict[str, Any]:
+    return fabric_tests._run(rank, world, strategy, save=save)
+
+
+def _fabric_resume(rank: int, world: int, path: str) -> dict[str, Any]:
+    """ZeRO-1 PowerSGD in one process from the ZeRO-2 checkpoint of 2 ranks, for the last steps."""
+    fabric = fabric_tests._fabric(_fabric_psgd(1), 1)
+    with fabric.init_module():
+        model = fabric_tests.litgpt_model.GPT(fabric_tests._config())
+    model, optimizer = fabric.setup(model, fabric_tests._adamw(model))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(path, state)
+    strategy = fabric.strategy
+    assert isinstance(strategy, FabricStrategy) and strategy.engine is not None
+    comm = strategy.engine.comm_state()
+    assert comm is not None and comm["iteration"] == 2 and comm["error"], "the PowerSGD state was restored"
+    steps = range(2, fabric_tests.STEPS)
+    losses = fabric_tests._loop(fabric, model, optimizer, rank=0, world=1, steps=steps)
+    return {"losses": losses, "state": fabric_tests._state(model)}
+
+
+def test_fabric_litgpt_powersgd_equals_one_process_and_resumes_at_dp1(tmp_path: Any) -> None:
+    """litgpt's GPT in a Fabric loop (accumulation 2, clipping): PowerSGD at ZeRO-2 on 2 ranks equals
+    PowerSGD in one process on the whole batch; its checkpoint of step 2 continues at ZeRO-1 in one
+    process (the residuals' mean) as if uninterrupted."""
+    path = str(tmp_path / "psgd")
+    ref = run_distributed(fabric_tests._run, 1, _fabric_psgd(0), init_group=False)[0]
+    plain = run_distributed(fabric_tests._run, 1, "zero0", init_group=False)[0]
+    two = run_distributed(_fabric_run, 2, _fabric_psgd(2), path, init_group=False)
+    resumed = run_distributed(_fabric_resume, 1, path, init_group=False)[0]
+    for rank, r in enumerate(two):
+        fabric_tests._assert_equal(r, ref, f"rank {rank}, PowerSGD zero2")
+    tail = {"losses": ref["losses"][2:], "state": ref["state"]}
+    fabric_tests._assert_equal(resumed, tail, "PowerSGD zero2 x 2 ranks -> zero1 one process")
+    assert _max_diff(ref["state"], plain["state"]) > 1e-4  # PowerSGD changed the run

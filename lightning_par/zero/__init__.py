@@ -4,6 +4,7 @@
 from lightning_par.zero.engine import ZeroEngine, apply_data_parallel, apply_zero
 from lightning_par.zero.grad_sync import GradSync, UnusedParametersError, broadcast_module_states
 from lightning_par.zero.layout import Bucket, FlatLayout, Fragment, Slot
+from lightning_par.zero.powersgd import PowerSGDState, powersgd_hook
 from lightning_par.zero.sharded_optimizer import ELEMENTWISE_OPTIMIZERS, ShardedOptimizer, check_shardable
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "FlatLayout",
     "Fragment",
     "GradSync",
+    "PowerSGDState",
     "ShardedOptimizer",
     "Slot",
     "UnusedParametersError",
@@ -20,4 +22,5 @@ __all__ = [
     "apply_zero",
     "broadcast_module_states",
     "check_shardable",
+    "powersgd_hook",
 ]
