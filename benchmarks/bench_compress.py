@@ -12,6 +12,9 @@ Two forked Gloo ranks, one torch thread each, AdamW, the same data for every run
 * ``none``: our bucketed all-reduce vs DDP's;
 * ``bf16``: our ``comm_hook="bf16"`` (the reduction in bf16) vs DDP with ``bf16_compress_hook`` (which
   torch refuses on Gloo: no DDP figure);
+* ZeRO-3 (GPT only, ours alone): gradients reduced in bf16, parameters gathered as bf16 or int8
+  (``gather_dtype``), and both; bytes of every all-reduce and every parameter all-gather (its gathered
+  size);
 * ``powersgd_r1``/``powersgd_r4``: our PowerSGD (``comm_hook="powersgd"``, :mod:`lightning_par.zero.powersgd`)
   vs DDP with torch's ``powerSGD_hook``, and torch's hook run on our engine (``ours_torch_hook``); error
   feedback, warm start, compressing from step 10 in all three.
@@ -49,8 +52,10 @@ from torch.nn.parallel import DistributedDataParallel
 from benchmarks.common import environment, launch, write_result
 from lightning_par.models.corpus import load_corpus_bytes
 from lightning_par.models.gpt import GPT, GPTConfig
+from lightning_par.zero import unit as unit_module
 from lightning_par.zero.comm_hooks import resolve_comm_hook
 from lightning_par.zero.engine import apply_zero
+from lightning_par.zero.stage3 import Stage3Engine
 
 HOOKS = ("none", "bf16", "powersgd_r1", "powersgd_r4")
 IMPLS = {
@@ -227,12 +232,77 @@ def _run(rank: int, world: int, kind: str, impl: str, hook_name: str, cfg: Confi
     }
 
 
+ZERO3 = {  # ZeRO-3 variants: (comm_hook, gather_dtype)
+    "none": (None, None),
+    "bf16_reduce": ("bf16", None),
+    "bf16_gather": (None, torch.bfloat16),
+    "int8_gather": (None, torch.int8),
+    "bf16_reduce+int8_gather": ("bf16", torch.int8),
+}
+
+
+def _run_zero3(rank: int, world: int, variant: str, cfg: Config) -> dict[str, Any]:
+    """The GPT at ZeRO-3 (a unit per block) with low-precision gradient reductions and/or parameter
+    gathers; bytes counted at every all-reduce and every parameter all-gather."""
+    hook, gather = ZERO3[variant]
+    model = _model("gpt", cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dtype = resolve_comm_hook(hook, None, group=dist.group.WORLD, powersgd_rank=1).dtype  # type: ignore[arg-type]
+    engine = Stage3Engine(
+        model,
+        group=dist.group.WORLD,  # type: ignore[arg-type]
+        reduce_op="all_reduce",  # what "auto" picks on Gloo; counted at dist.all_reduce like the rest
+        comm_dtype=dtype,
+        gather_dtype=gather,
+    )
+    engine.shard_optimizers([opt])
+    sent = [0]
+    real_reduce, real_gather = dist.all_reduce, unit_module.all_gather_flat
+
+    def reduce(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+        sent[0] += tensor.numel() * tensor.element_size()
+        return real_reduce(tensor, *args, **kwargs)
+
+    def gather_(out: Tensor, src: Tensor, **kwargs: Any) -> Any:
+        sent[0] += src.numel() * src.element_size() * world  # what every rank receives
+        return real_gather(out, src, **kwargs)
+
+    dist.all_reduce, unit_module.all_gather_flat = reduce, gather_  # type: ignore[assignment]
+    times, per_step = [], []
+    try:
+        for step in range(cfg.gpt_steps):
+            x, y = _batch("gpt", cfg, rank, step)
+            dist.barrier()
+            before, t0 = sent[0], time.perf_counter()
+            opt.zero_grad()
+            with engine.forward_context():
+                loss = _loss("gpt", model, x, y)
+            loss.backward()
+            opt.step()
+            engine.after_step()
+            times.append(time.perf_counter() - t0)
+            per_step.append(sent[0] - before)
+    finally:
+        dist.all_reduce, unit_module.all_gather_flat = real_reduce, real_gather  # type: ignore[assignment]
+    with engine.forward_context():
+        held_out = _held_out_loss("gpt", model, cfg)
+    engine.remove()
+    return {
+        "step_s": statistics.median(times[cfg.warmup :]),
+        "bytes_per_step": statistics.median(per_step[cfg.warmup :]),
+        "final_loss": held_out,
+    }
+
+
 def _all(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kind in cfg.kinds:
         for hook in HOOKS:
             for impl in IMPLS[hook]:
                 out[f"{kind}/{hook}/{impl}"] = _run(rank, world, kind, impl, hook, cfg)
+        if kind == "gpt":
+            for variant in ZERO3:
+                out[f"zero3/{variant}"] = _run_zero3(rank, world, variant, cfg)
     return out
 
 
@@ -308,12 +378,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "ddp_final_loss": ddp["final_loss"],
                 "ours_torch_hook_final_loss": mixed["final_loss"],
             }
+    zero3: dict[str, Any] = {}
+    if "gpt" in cfg.kinds:
+        base3 = slow["zero3/none"]
+        for variant in ZERO3:
+            r = slow[f"zero3/{variant}"]
+            zero3[variant] = {
+                **r,
+                "speedup_vs_uncompressed": base3["step_s"] / r["step_s"],
+                "bytes_cut_vs_uncompressed": base3["bytes_per_step"] / r["bytes_per_step"],
+                "final_loss_vs_uncompressed": r["final_loss"] / base3["final_loss"],
+            }
     payload = {
         "benchmark": "compress",
         "link": ns.shaped or "loopback",
         "config": asdict(cfg),
         "results": table,
         "loss_curves": curves,
+        "zero3": zero3,
         "environment": environment(threads_per_rank=1, world_size=2),
     }
     name = "compress" + (f"_{ns.shaped}" if ns.shaped else "") + ("_quick" if ns.quick else "")

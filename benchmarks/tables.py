@@ -273,4 +273,20 @@ def compress_section(payload: Mapping[str, Any]) -> list[str]:
             fmt(r["ddp_final_loss"], ".4f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    zero3 = payload.get("zero3") or {}
+    if zero3:
+        lines += [
+            "",
+            "GPT at ZeRO-3 (ours; gradient all-reduces and parameter all-gathers counted, a gather by its"
+            " gathered size):",
+            "",
+            "| variant | bytes per step (cut) | s/step (speed-up) | held-out loss (÷ none) |",
+            "|---|---|---|---|",
+        ]
+        for name, r in zero3.items():
+            lines.append(
+                f"| {name} | {r['bytes_per_step'] / 1e6:.3f} MB ({r['bytes_cut_vs_uncompressed']:.2f}x) |"
+                f" {r['step_s']:.4f} ({r['speedup_vs_uncompressed']:.2f}x) |"
+                f" {r['final_loss']:.4f} ({r['final_loss_vs_uncompressed']:.4f}) |"
+            )
     return lines

@@ -19,7 +19,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_par.mesh import ParallelMesh
 from lightning_par.precision import ParallelPrecision
-from lightning_par.zero.comm_hooks import CommHook, HookName, resolve_comm_hook
+from lightning_par.zero.comm_hooks import GATHER_DTYPES, CommHook, GatherDtype, HookName, resolve_comm_hook
 from lightning_par.zero.engine import Engine, ReduceChoice, apply_zero, resolve_reduce_op
 from lightning_par.zero.grad_sync import GradSyncPolicy, broadcast_module_states
 from lightning_par.zero.meta_init import ValuesFn
@@ -43,6 +43,7 @@ class ZeroOptions:
     comm_hook: HookName | CommHook | None = None
     comm_hook_state: Any = None
     powersgd_rank: int = 1
+    gather_dtype: GatherDtype | None = None
 
     @classmethod
     def of(cls, strategy: Any) -> ZeroOptions:
@@ -90,6 +91,7 @@ def build_engine(
             allow_untested_optimizer=options.allow_untested_optimizer,
             device=device,
             comm_dtype=compression.dtype,
+            gather_dtype=GATHER_DTYPES[options.gather_dtype] if options.gather_dtype else None,
         )
     if not fitting:
         broadcast_module_states(module, group=group)

@@ -42,7 +42,7 @@ from lightning_par.strategy_options import PipelineSchedule, StartMethod, check_
 from lightning_par.strategy_precision import StrategyPrecision
 from lightning_par.strategy_steps import StrategySteps
 from lightning_par.zero.buffers import BufferSync
-from lightning_par.zero.comm_hooks import CommHook, HookName, check_comm_hook
+from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
 from lightning_par.zero.engine import Engine, ReduceChoice
 from lightning_par.zero.grad_sync import GradSyncPolicy
 from lightning_par.zero.meta_init import ValuesFn, materialize_local, move_real_tensors, params_on_meta
@@ -96,11 +96,11 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             the module is usable afterwards (turn off for models that do not fit one device).
         find_unused_parameters: allow parameters without gradients in a step (their ``.grad`` stays
             ``None`` when no rank used them); without it such parameters raise a clear error.
-        comm_hook: gradient compression: ``"fp16"``/``"bf16"`` (every gradient reduction in that dtype,
-            stages 0-3), ``"powersgd"`` (ours, rank ``powersgd_rank``; ``comm_hook_state`` may be a
-            mapping of its other fields, :mod:`lightning_par.zero.powersgd`) or a DDP communication hook
-            ``hook(state, bucket) -> Future[Tensor]`` run on each bucket instead of its all-reduce (stages
-            0-2, :mod:`lightning_par.zero.comm_hooks`; ``comm_hook_state`` default: the dp group).
+        comm_hook: gradient compression: ``"fp16"``/``"bf16"`` (gradient reductions in that dtype, stages
+            0-3), ``"powersgd"`` (ours, rank ``powersgd_rank``; ``comm_hook_state``: a mapping of its other
+            fields) or a DDP hook ``hook(state, bucket) -> Future[Tensor]`` (stages 0-2, ``comm_hook_state``
+            default: the dp group); :mod:`lightning_par.zero.comm_hooks`. ``gather_dtype`` (stage 3):
+            ``"bf16"``/``"fp16"``/``"int8"`` parameter all-gathers (int8: blockwise-quantized, as ZeRO++).
         tp_plan: tensor-parallel plan name (``"gpt"``, ``"llama"``) or ``{module pattern: style}``; default:
             the LightningModule's ``tp_plan`` attribute. Applied when ``tensor_parallel_size > 1``.
         sequence_parallel: split the activations between tensor-parallel regions along the sequence.
@@ -152,6 +152,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         comm_hook: HookName | CommHook | None = None,
         comm_hook_state: Any = None,
         powersgd_rank: int = 1,
+        gather_dtype: GatherDtype | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -177,11 +178,13 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             comm_hook,
             powersgd_rank=powersgd_rank,
             comm_hook_state=comm_hook_state,
+            gather_dtype=gather_dtype,
             zero_stage=zero_stage,
             reduce_op=reduce_op,
             grad_sync=grad_sync,
         )
         self.comm_hook, self.comm_hook_state, self.powersgd_rank = comm_hook, comm_hook_state, powersgd_rank
+        self.gather_dtype = gather_dtype
         self.zero_stage = zero_stage  # read by the precision_plugin setter, which the base class calls
         super().__init__(
             tensor_parallel_size=tensor_parallel_size,

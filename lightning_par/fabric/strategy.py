@@ -58,7 +58,7 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.precision import ParallelPrecision, cast_frozen
 from lightning_par.rendezvous import launch_store
 from lightning_par.tensor_parallel.plan import resolve_plan
-from lightning_par.zero.comm_hooks import CommHook, HookName, check_comm_hook
+from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
 from lightning_par.zero.engine import Engine
 from lightning_par.zero.meta_init import move_real_tensors, params_on_meta
 from lightning_par.zero.units import UnitPolicy
@@ -82,8 +82,8 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
     Args:
         zero_stage: 0 (replicated, bucketed all-reduce), 1, 2 or 3.
         bucket_size_mb, grad_sync, reduce_op, find_unused_parameters, zero3_units, reshard_after_forward,
-        prefetch, allow_untested_optimizer, comm_hook, comm_hook_state, powersgd_rank: as for the Trainer's
-            ``lightning_par.HybridParallelStrategy``.
+        prefetch, allow_untested_optimizer, comm_hook, comm_hook_state, powersgd_rank, gather_dtype: as for
+            the Trainer's ``lightning_par.HybridParallelStrategy``.
         meta_init: at stage 3, ``fabric.init_module(empty_init=True)`` builds on the meta device.
         save_distributed_checkpoint: ``fabric.save`` writes a sharded directory (default) or, with
             ``False``, one torch file with the full state dict and full optimizer state in torch's format.
@@ -110,6 +110,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         comm_hook: HookName | CommHook | None = None,
         comm_hook_state: Any = None,
         powersgd_rank: int = 1,
+        gather_dtype: GatherDtype | None = None,
         tensor_parallel_size: int = 1,
         tp_plan: str | Mapping[str, str] | None = None,
         sequence_parallel: bool = False,
@@ -145,11 +146,13 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             comm_hook,
             powersgd_rank=powersgd_rank,
             comm_hook_state=comm_hook_state,
+            gather_dtype=gather_dtype,
             zero_stage=zero_stage,
             reduce_op=reduce_op,
             grad_sync=grad_sync,
         )
         self.comm_hook, self.comm_hook_state, self.powersgd_rank = comm_hook, comm_hook_state, powersgd_rank
+        self.gather_dtype = gather_dtype
         self.zero_stage = zero_stage
         self.tensor_parallel_size = tensor_parallel_size
         self.tp_plan = tp_plan

@@ -84,6 +84,8 @@ class Compression:
 
 
 LOW_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
+GatherDtype = Literal["fp16", "bf16", "int8"]
+GATHER_DTYPES = {**LOW_PRECISION, "int8": torch.int8}  # ZeRO-3's parameter all-gather
 
 
 def resolve_comm_hook(
@@ -119,6 +121,7 @@ def check_comm_hook(
     *,
     powersgd_rank: Any,
     comm_hook_state: Any = None,
+    gather_dtype: Any = None,
     zero_stage: int = 0,
     reduce_op: str = "auto",
     grad_sync: str | None = None,
@@ -141,6 +144,16 @@ def check_comm_hook(
                 f"comm_hook_state for 'powersgd' has unknown field(s) {unknown}; the fields are"
                 f" {sorted(allowed)} (the rank is powersgd_rank)."
             )
+    if gather_dtype is not None and gather_dtype not in GATHER_DTYPES:
+        raise ValueError(
+            f"gather_dtype must be one of {sorted(GATHER_DTYPES)} or None, got {gather_dtype!r}."
+        )
+    if gather_dtype is not None and zero_stage != 3:
+        raise ValueError(
+            f"gather_dtype={gather_dtype!r} applies at zero_stage=3 only: stages 1/2 all-gather the updated"
+            " weights themselves (rounding them would lose updates). Under bf16-mixed they already move as"
+            " bf16; use zero_stage=3 for a low-precision parameter gather."
+        )
     if comm_hook is None or comm_hook in LOW_PRECISION:
         return
     if zero_stage == 3:

@@ -55,7 +55,7 @@ class _Matrix:
 class _Plan:
     """How one bucket (identified by its parameters) is compressed."""
 
-    key: tuple[int, ...]
+    key: tuple[int, ...]  # the buffer's address and the parameters' ids
     matrices: list[_Matrix]
     plain: list[Tensor]  # gradients sent uncompressed
     p_flat: Tensor
@@ -142,7 +142,8 @@ class PowerSGDState:
 
     def _plan(self, bucket: CommHookBucket) -> _Plan:
         params = bucket.parameters()
-        key = tuple(id(p) for p in params)
+        # the plan holds views of the bucket's buffer: a rebuilt layout (new buffer) gets a new plan
+        key = (bucket.buffer().data_ptr(), *(id(p) for p in params))
         plan = self._plans.get(bucket.index())
         if plan is not None and plan.key == key:
             return plan

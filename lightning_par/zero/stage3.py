@@ -32,6 +32,12 @@ trainable gradient may arrive while backward still needs its frozen weights (a L
 is computed before the frozen projection beside it has passed the input gradient on), a unit with
 frozen parameters whose inputs require gradients is freed only once the gradients of its inputs exist.
 
+Communication precision: ``comm_dtype`` (fp16/bf16) reduces gradients in that dtype (divided by N
+first); ``gather_dtype`` moves the parameter all-gathers as fp16/bf16 or int8 (blockwise-quantized, a
+scale per 256 values: :mod:`~lightning_par.zero.quantize`, ZeRO++'s quantized weights), cast back into
+the compute dtype on arrival. The fp32 masters stay exact in the shards, so only forward and backward
+see rounded weights; checkpoints and exports gather exactly.
+
 Parameters whose ``.data`` is replaced or that are modified in place while sharded (outside a forward)
 are detected at the next gather and refused with an error naming them, instead of being silently lost.
 
@@ -96,7 +102,10 @@ class Stage3Engine(Stage3Reduce):
         allow_untested_optimizer: bool = False,
         device: torch.device | None = None,
         comm_dtype: torch.dtype | None = None,
+        gather_dtype: torch.dtype | None = None,
     ) -> None:
+        if gather_dtype not in (None, torch.float16, torch.bfloat16, torch.int8):
+            raise ValueError(f"gather_dtype must be None, float16, bfloat16 or int8, got {gather_dtype}.")
         self.module = module
         self.comm_dtype = comm_dtype  # fp16/bf16: gradients reduced in that dtype (stage3_reduce)
         self._values = values
@@ -124,6 +133,7 @@ class Stage3Engine(Stage3Reduce):
         self.units: list[Unit] = []
         for index, (name, unit_module, named) in enumerate(plan):
             self.units.append(self._shard_unit(index, name, unit_module, named, seed))
+            self.units[-1].gather_dtype = gather_dtype  # the masters stay exact in the shards
         self.root: Unit | None = self.units[-1] if self.units[-1].module is module else None
         self._unit_of: dict[int, tuple[Unit, int]] = {
             id(p): (u, i) for u in self.units for i, p in enumerate(u.params)

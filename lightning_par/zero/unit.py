@@ -25,6 +25,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_par.collectives import all_gather_flat
 from lightning_par.zero.layout import FlatLayout
+from lightning_par.zero.quantize import dequantize_blockwise, quantize_blockwise
 
 _HUGE = 1 << 62  # one bucket per part
 
@@ -41,8 +42,10 @@ class Part:
     trainable: bool
     placeholders: list[Tensor] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    work: Any = None
-    send: Tensor | None = None  # the gather's input while it is in flight (a cast copy must outlive it)
+    works: list[Any] = field(default_factory=list)
+    # the gather's inputs and low-precision outputs while it is in flight (they must outlive it)
+    send: list[Tensor] = field(default_factory=list)
+    wire: list[Tensor] = field(default_factory=list)
 
     @property
     def full_bytes(self) -> int:
@@ -69,6 +72,8 @@ class Unit:
     reduced: bool = False
     backward_done: bool = True  # see Stage3Engine: frozen weights may be needed after the last gradient
     needs_backward: bool = True  # its outputs required gradients in the latest forward
+    # the dtype the gathers move (None: the compute dtype); fp16/bf16, or int8 blockwise-quantized
+    gather_dtype: torch.dtype | None = None
 
     @property
     def train(self) -> Part | None:
@@ -111,11 +116,28 @@ class Unit:
         if self.state != "sharded":
             return
         self.check_untouched()
+        world = dist.get_world_size(group)
         for part in self.parts:
             part.full.untyped_storage().resize_(part.full_bytes)
-            source = part.shard if part.shard.dtype == part.full.dtype else part.shard.to(part.full.dtype)
-            part.send = source
-            part.work = all_gather_flat(part.full, source, group=group, async_op=True)
+            wire = self.gather_dtype if self.gather_dtype not in (None, part.full.dtype) else None
+            if wire == torch.int8:  # values and one scale per block, dequantized in wait()
+                q, scales = quantize_blockwise(part.shard)
+                part.send = [q, scales]
+                part.wire = [
+                    torch.empty_like(part.full, dtype=torch.int8),
+                    scales.new_empty(world * len(scales)),
+                ]
+            elif wire is not None:  # fp16/bf16, cast up in wait()
+                part.send = [part.shard.to(wire)]
+                part.wire = [torch.empty_like(part.full, dtype=wire)]
+            else:
+                same = part.shard.dtype == part.full.dtype
+                part.send = [part.shard if same else part.shard.to(part.full.dtype)]
+                part.wire = [part.full]
+            part.works = [
+                all_gather_flat(out, src, group=group, async_op=True)
+                for out, src in zip(part.wire, part.send, strict=True)
+            ]
         self.state = "gathering"
 
     def wait(self, group: ProcessGroup) -> None:
@@ -123,9 +145,15 @@ class Unit:
         if self.state == "sharded":
             self.gather(group)
         if self.state == "gathering":
+            world = dist.get_world_size(group)
             for part in self.parts:
-                part.work.wait()  # on CUDA: the compute stream waits for the gather, the host does not
-                part.work, part.send = None, None
+                for work in part.works:
+                    work.wait()  # on CUDA: the compute stream waits for the gather, the host does not
+                if len(part.wire) == 2:
+                    dequantize_blockwise(part.wire[0], part.wire[1], part.full, parts=world)
+                elif part.wire[0] is not part.full:
+                    part.full.copy_(part.wire[0])
+                part.works, part.send, part.wire = [], [], []
                 for p, s in zip(part.params, part.layout.slots, strict=True):
                     p.data = part.full[s.offset : s.end].view(s.shape)
             self.state = "gathered"
@@ -135,9 +163,9 @@ class Unit:
         if self.state == "sharded" and not force:
             return
         for part in self.parts:
-            if part.work is not None:
-                part.work.wait()
-                part.work, part.send = None, None
+            for work in part.works:
+                work.wait()
+            part.works, part.send, part.wire = [], [], []
             for p, ph in zip(part.params, part.placeholders, strict=True):
                 p.data = ph
             part.versions = [p._version for p in part.params]
