@@ -161,6 +161,28 @@ def _engine_runs(rank: int, world: int) -> dict[str, Any]:
         opt.step()
     out["ddp_fp16"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     out.update(_snapshots(rank, world, one))
+    out["embedding_plan"] = _embedding_plan(dist.group.WORLD)
+    return out
+
+
+def _embedding_plan(group: Any) -> dict[str, list[str]]:
+    """Which matrices PowerSGD compresses in a model with an embedding table, by default and with
+    ``compress_embeddings``."""
+    out = {}
+    for compress in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 32), nn.Linear(32, 64))
+        c = resolve_comm_hook(
+            "powersgd", {"start_iter": 0, "compress_embeddings": compress}, group=group, powersgd_rank=2
+        )
+        engine = apply_zero(model, group=group, stage=0, comm_hook=c.hook, comm_hook_state=c.state)
+        tokens = torch.randint(0, 64, (4, 8))
+        nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        names = {id(p): n for n, p in model.named_parameters()}
+        out[str(compress)] = sorted(
+            names[id(m.param)] for plan in c.state._plans.values() for m in plan.matrices
+        )
+        engine.remove()
     return out
 
 
@@ -186,6 +208,11 @@ def test_compression_equals_its_unsharded_twin_and_resumes_from_snapshots() -> N
         torch.testing.assert_close(r["one_process"][n], v, rtol=1e-5, atol=1e-6, msg=f"dp 2 -> 1: {n}")
     for n, v in r["s1"].items():
         assert torch.equal(results[1]["s1"][n], v), "ranks hold the same weights"
+    # embedding tables (row-sparse gradients) go uncompressed unless asked for
+    assert r["embedding_plan"] == {
+        "False": ["1.weight", "2.weight"],
+        "True": ["0.weight", "1.weight", "2.weight"],
+    }
 
 
 def _trainer_runs(rank: int, world: int, tmp: str) -> dict[str, Any]:

@@ -4,16 +4,22 @@ The LightningModule tells the strategy its network through three methods (the pi
 
 * ``pipeline_layers(self) -> Sequence[nn.Module]``: ordered; the output of layer ``i`` feeds ``i + 1``;
 * ``pipeline_input(self, batch)``: what enters layer 0 (default: ``batch[0]``);
-* ``pipeline_loss(self, output, batch) -> Tensor``: the loss of the last layer's output.
+* ``pipeline_loss(self, output, batch) -> Tensor``: the loss of the last layer's output, or a mapping
+  ``{"loss": loss, "acc": ..., ...}`` whose other entries are metrics, logged as ``train_acc`` (training),
+  ``val_acc`` / ``test_acc`` (evaluation);
+* ``pipeline_eval(self, output, batch) -> Mapping[str, Tensor]`` (optional): more metrics for validation
+  and test, logged as ``val_<name>`` / ``test_<name>`` (see :mod:`lightning_par.pipeline.metrics`).
 
 :class:`LightningPipeline` splits each batch into ``m`` micro-batches (along dim 0 of every tensor),
 feeds them through :class:`~lightning_par.pipeline.runtime.PipelineRuntime` and returns the mean loss,
 identical on every pipeline rank, after all forwards and backwards: Lightning's own ``backward`` is then
 a no-op (the strategy skips it). Each micro-batch loss is divided by ``accumulate_grad_batches`` (what
 Lightning does to a step's loss) and, with fp16, multiplied by the loss scale. Validation and test run
-the pipeline forward only and log ``val_loss`` / ``test_loss``; the LightningModule's own
-``validation_step`` is not called (its outputs exist only on the last stage). Prediction returns the last
-layer's outputs for the whole batch on every pipeline rank.
+the pipeline forward only and log ``val_loss`` / ``test_loss`` and the metrics; the LightningModule's own
+``training_step`` / ``validation_step`` are not called (a step's outputs exist only on the last stage:
+the protocol's methods are what runs there). Metrics are means over the micro-batches, broadcast from
+the last stage so every rank logs the same values. Prediction returns the last layer's outputs for the
+whole batch on every pipeline rank.
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_par.mesh import ParallelMesh
 from lightning_par.pipeline.apply import PipelineSplit, TiedGradients
+from lightning_par.pipeline.metrics import PipelineMetrics
 from lightning_par.pipeline.runtime import PipelineRuntime
 from lightning_par.zero.engine import Engine
 
@@ -82,6 +90,14 @@ class LightningPipeline:
             raise TypeError(
                 f"Pipeline parallelism needs {type(module).__name__}.pipeline_loss(output, batch)."
             )
+        extra = getattr(module, "pipeline_eval", None)
+        if extra is not None and not callable(extra):
+            raise TypeError(
+                f"{type(module).__name__}.pipeline_eval must be a method (output, batch) -> dict."
+            )
+        self._eval_metrics = extra
+        last = dist.get_global_rank(runtime.group, runtime.last % runtime.p)
+        self.metrics = PipelineMetrics(group=runtime.group, src=last, device=runtime.device)
 
     def _inputs(self, micro: list[Any]) -> list[Any]:
         to_input = getattr(self.module, "pipeline_input", None)
@@ -111,14 +127,18 @@ class LightningPipeline:
         accumulate = self.module.trainer.accumulate_grad_batches
 
         def loss_fn(output: Any, i: int) -> Tensor:
-            return self.module.pipeline_loss(output, micro[i]) / accumulate * loss_scale  # type: ignore[operator]
+            loss = self.metrics.loss_of(self.module.pipeline_loss(output, micro[i]), where="pipeline_loss")  # type: ignore[operator]
+            return loss / accumulate * loss_scale
 
+        self.metrics.start(m)
         mean = self.runtime.train_step(
             inputs=self._inputs(micro), loss_fn=loss_fn, no_sync=no_sync, sync_last=False
         )
         # undo the scaling of the returned number: it is the mean loss, for logging
         value = mean * accumulate / loss_scale
         self.module.log("train_loss", value, prog_bar=True)
+        for name, metric in self.metrics.finish("train").items():
+            self.module.log(f"train_{name}", metric)
         return value.detach()
 
     def end_window(self, engine: Engine) -> None:
@@ -137,10 +157,16 @@ class LightningPipeline:
         micro = split_batch(batch, self.runtime.m)
 
         def loss_fn(output: Any, i: int) -> Tensor:
-            return self.module.pipeline_loss(output, micro[i])  # type: ignore[operator]
+            loss = self.metrics.loss_of(self.module.pipeline_loss(output, micro[i]), where="pipeline_loss")  # type: ignore[operator]
+            if self._eval_metrics is not None:
+                self.metrics.add(self._eval_metrics(output, micro[i]), where="pipeline_eval")
+            return loss
 
+        self.metrics.start(self.runtime.m)
         loss = self.runtime.forward_step(inputs=self._inputs(micro), loss_fn=loss_fn)
         self.module.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=stage == "val")
+        for name, metric in self.metrics.finish(stage).items():
+            self.module.log(f"{stage}_{name}", metric, sync_dist=True)
         return loss
 
 

@@ -277,6 +277,8 @@ def apply_zero(
     op = resolve_reduce_op(reduce_op, group) if comm_hook is None or reduce_op != "auto" else "all_reduce"
     if comm_hook is not None and grad_sync is None:
         grad_sync = "boundary"  # a hook reduces the accumulated window once
+    if isinstance(comm_hook_state, PowerSGDState):
+        comm_hook_state.bind(module)  # which parameters it leaves uncompressed (embeddings)
     if sync_module_states:
         broadcast_module_states(module, group=group)
     sync = GradSync(

@@ -16,10 +16,11 @@ the state portable: a checkpoint stores ``Ē`` (one all-reduce at save time), an
 resumes by giving every rank ``E_k = Ē`` (exact in real arithmetic; equal to round-off in floats).
 
 Per bucket: matrices where compression saves at least ``min_compression_rate`` x the bytes are compressed
-(``r (n + m) <= n m / rate``); vectors and small matrices are all-reduced uncompressed, packed into one
-tensor. A bucket under ``min_bucket_numel`` elements is all-reduced whole, and so is every bucket during
-the first ``start_iter`` optimizer steps (no residual is kept then). The P all-reduce is started when the
-hook runs (overlapping the rest of backward); the rest runs when the engine collects the bucket.
+(``r (n + m) <= n m / rate``); vectors, small matrices and embedding tables (row-sparse gradients, see
+``compress_embeddings``) are all-reduced uncompressed, packed into one tensor. A bucket under
+``min_bucket_numel`` elements is all-reduced whole, and so is every bucket during the first
+``start_iter`` optimizer steps (no residual is kept then). The P all-reduce is started when the hook
+runs (overlapping the rest of backward); the rest runs when the engine collects the bucket.
 
 Use through ``HybridParallelStrategy(comm_hook="powersgd", powersgd_rank=r)`` (a mapping in
 ``comm_hook_state`` sets the other fields), or ``comm_hook=powersgd_hook,
@@ -97,6 +98,10 @@ class PowerSGDState:
         error_feedback: keep the residual ``E_k`` (needed for convergence; off only for experiments).
         warm_start: reuse the previous step's ``Q`` (one power iteration per step converges over steps).
         seed: seed of the initial random ``Q`` (the same on every rank).
+        compress_embeddings: also compress the weights of ``nn.Embedding`` modules (see :meth:`bind`).
+            Off by default: an embedding's gradient has a row per token, non-zero only for the tokens of
+            the batch, and a rank-``r`` approximation spreads it over every row (measured: +2.6% loss on
+            the benchmark GPT with them compressed, +0.8-1.3% without).
     """
 
     def __init__(
@@ -110,6 +115,7 @@ class PowerSGDState:
         error_feedback: bool = True,
         warm_start: bool = True,
         seed: int = 0,
+        compress_embeddings: bool = False,
     ) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
             raise ValueError(f"powersgd_rank must be a positive integer, got {rank!r}.")
@@ -126,6 +132,8 @@ class PowerSGDState:
         self.error_feedback = error_feedback
         self.warm_start = warm_start
         self.seed = seed
+        self.compress_embeddings = compress_embeddings
+        self._uncompressed: set[int] = set()  # ids of parameters always sent uncompressed (bind)
         self.iteration = 0
         self._plans: dict[int, _Plan] = {}
         self._error: dict[nn.Parameter, Tensor] = {}
@@ -133,8 +141,14 @@ class PowerSGDState:
         self._random = torch.Generator().manual_seed(seed)
 
     # ------------------------------------------------------------------ plan
-    def _compressible(self, grad: Tensor) -> bool:
-        if grad.dim() < 2:
+    def bind(self, module: nn.Module) -> None:
+        """Learn from the model which parameters to leave uncompressed: the weights of its
+        ``nn.Embedding`` modules, unless ``compress_embeddings`` (the engine calls this once)."""
+        if not self.compress_embeddings:
+            self._uncompressed |= {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+
+    def _compressible(self, param: nn.Parameter, grad: Tensor) -> bool:
+        if grad.dim() < 2 or id(param) in self._uncompressed:
             return False
         n = grad.shape[0]
         m = grad.numel() // n
@@ -148,8 +162,8 @@ class PowerSGDState:
         if plan is not None and plan.key == key:
             return plan
         grads = bucket.gradients()
-        chosen = [(p, g) for p, g in zip(params, grads, strict=True) if self._compressible(g)]
-        plain = [g for g in grads if not self._compressible(g)]
+        chosen = [(p, g) for p, g in zip(params, grads, strict=True) if self._compressible(p, g)]
+        plain = [g for p, g in zip(params, grads, strict=True) if not self._compressible(p, g)]
         buffer = bucket.buffer()
         r = self.rank
         shapes = [(g.shape[0], g.numel() // g.shape[0]) for _, g in chosen]

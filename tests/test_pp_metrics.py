@@ -1,0 +1,162 @@
+"""The user's own metrics, prediction and export under pipeline parallelism (pp 2, world 2), against the
+single-process Trainer running the same module's ordinary steps.
+
+``pipeline_loss`` returns ``{"loss", "acc", "conf"}`` and ``pipeline_eval`` adds ``"margin"``; under pp the
+last stage computes them per micro-batch and every rank logs their mean over the batch, which equals
+what the reference's ``training_step`` / ``validation_step`` log on whole batches. Also: ``predict``
+returns the reference's logits on every rank; ``consolidated_state_dict()`` gathers the stages into the
+reference's weights on rank 0; a metric the last stage cannot report raises the same error on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_par import HybridParallelStrategy
+from lightning_par.pipeline.metrics import PipelineMetricError
+from tests.distributed import run_distributed
+from tests.test_pp_trainer import KW, SEED, SGDGPT, _trainer
+from tests.test_strategy import Tokens
+
+N, GLOBAL = 32, 8
+
+
+class MetricGPT(SGDGPT):
+    """A GPT whose loss comes with metrics (pipeline protocol) and whose ordinary steps log the same."""
+
+    def pipeline_loss(self, output: Tensor, batch: Sequence[Tensor]) -> Any:  # type: ignore[override]
+        loss = super().pipeline_loss(output, batch)
+        probs = output.float().softmax(-1)
+        return {
+            "loss": loss,
+            "acc": (output.argmax(-1) == batch[1]).float().mean(),
+            "conf": probs.max(-1).values.mean(),
+        }
+
+    def pipeline_eval(self, output: Tensor, batch: Sequence[Tensor]) -> dict[str, Tensor]:
+        top2 = output.float().topk(2, dim=-1).values
+        return {"margin": (top2[..., 0] - top2[..., 1]).mean()}
+
+    def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
+        result = self.pipeline_loss(self(batch[0]), batch)
+        for name, value in result.items():
+            self.log(f"train_{name}", value)
+        return result["loss"]
+
+    def validation_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
+        logits = self(batch[0])
+        result = {**self.pipeline_loss(logits, batch), **self.pipeline_eval(logits, batch)}
+        for name, value in result.items():
+            self.log(f"val_{name}", value, sync_dist=True)
+        return result["loss"]
+
+
+class BadMetricGPT(MetricGPT):
+    def pipeline_eval(self, output: Tensor, batch: Sequence[Tensor]) -> dict[str, Tensor]:
+        return {"per_token": output.float().mean(-1)}  # a tensor per token, not a scalar
+
+
+class Metrics(pl.Callback):
+    """Every training step's logged metrics, and the last validation's."""
+
+    def __init__(self) -> None:
+        self.train: list[dict[str, float]] = []
+        self.val: dict[str, float] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        m = trainer.callback_metrics
+        self.train.append({k: float(m[f"train_{k}"]) for k in ("loss", "acc", "conf")})
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        m = trainer.callback_metrics
+        self.val = {k: float(m[f"val_{k}"]) for k in ("loss", "acc", "conf", "margin")}
+
+
+def _module(cls: type = MetricGPT) -> MetricGPT:
+    pl.seed_everything(SEED)
+    m = cls(**KW)
+    m.configure_model()
+    return m
+
+
+def _pp(rank: int, world: int, tmp: str, zero_stage: int) -> dict[str, Any]:
+    strategy = HybridParallelStrategy(
+        pipeline_parallel_size=2, num_microbatches=4, pipeline_schedule="1f1b", zero_stage=zero_stage
+    )
+    metrics = Metrics()
+    trainer = _trainer(strategy, world, tmp, [metrics])
+    module = _module()
+    trainer.fit(
+        module, DataLoader(Tokens(N), batch_size=GLOBAL, shuffle=True), DataLoader(Tokens(8), batch_size=8)
+    )
+    predictions = trainer.predict(module, DataLoader(Tokens(8), batch_size=4))
+    full = strategy.consolidated_state_dict()
+    bad = _module(BadMetricGPT)
+    error = ""
+    try:
+        _trainer(
+            HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), world, tmp, []
+        ).validate(bad, DataLoader(Tokens(8), batch_size=8), verbose=False)
+    except PipelineMetricError as exc:
+        error = str(exc)
+    return {
+        "train": metrics.train,
+        "val": metrics.val,
+        "predictions": torch.cat([p.detach() for p in predictions]),  # type: ignore[union-attr]
+        "full": {k: v.clone() for k, v in full.items()},
+        "error": error,
+    }
+
+
+def _orders() -> list[list[int]]:
+    """The global batches of the distributed run's one epoch (Lightning shuffles with the seed)."""
+    perm = list(DistributedSampler(Tokens(N), num_replicas=1, rank=0, shuffle=True, seed=SEED))
+    return [perm[i : i + GLOBAL] for i in range(0, N, GLOBAL)]
+
+
+def _single(tmp: Path) -> dict[str, Any]:
+    metrics = Metrics()
+    module = _module()
+    trainer = _trainer("auto", 1, str(tmp / "ref"), [metrics])
+    train = DataLoader(Tokens(N), batch_sampler=_orders())
+    trainer.fit(module, train, DataLoader(Tokens(8), batch_size=8))
+    predictions = trainer.predict(module, DataLoader(Tokens(8), batch_size=4))
+    return {
+        "train": metrics.train,
+        "val": metrics.val,
+        "predictions": torch.cat([p.detach() for p in predictions]),  # type: ignore[union-attr]
+        "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
+    }
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_pipeline_metrics_predict_and_export_equal_the_single_process_run(
+    zero_stage: int, tmp_path: Path
+) -> None:
+    results = run_distributed(_pp, 2, str(tmp_path), zero_stage, init_group=False, timeout=300)
+    ref = _single(tmp_path)
+    for rank, r in enumerate(results):
+        assert len(r["train"]) == len(ref["train"]) > 0
+        for got, want in zip(r["train"], ref["train"], strict=True):
+            for name in ("loss", "conf"):
+                assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), (rank, name)
+            assert got["acc"] == pytest.approx(want["acc"], abs=1.5 / (GLOBAL * 16)), rank  # argmax ties
+        for name, want in ref["val"].items():
+            assert r["val"][name] == pytest.approx(want, rel=1e-5, abs=1e-6), (rank, name)
+        torch.testing.assert_close(r["predictions"], ref["predictions"], msg=f"rank {rank} predictions")
+        assert "'per_token'" in r["error"] and "one floating-point number" in r["error"], r["error"]
+    assert results[0]["train"] == results[1]["train"]  # every rank logs the same numbers
+    full = results[0]["full"]
+    assert set(full) >= {k for k in ref["state"] if not k.endswith((".cos", ".sin"))}
+    for k, v in ref["state"].items():
+        if k in full:
+            torch.testing.assert_close(full[k], v, msg=k)
+    assert results[1]["full"] == {}  # the export lives on global rank 0 only
