@@ -21,12 +21,13 @@ from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_par import HybridParallelStrategy
+from lightning_par.pipeline.lightning import micro_weights, split_batch
 from lightning_par.pipeline.metrics import PipelineMetricError
 from tests.distributed import run_distributed
 from tests.test_pp_trainer import KW, SEED, SGDGPT, _trainer
 from tests.test_strategy import Tokens
 
-N, GLOBAL = 32, 8
+GLOBAL = 8
 
 
 class MetricGPT(SGDGPT):
@@ -87,17 +88,16 @@ def _module(cls: type = MetricGPT) -> MetricGPT:
     return m
 
 
-def _pp(rank: int, world: int, tmp: str, zero_stage: int) -> dict[str, Any]:
+def _pp(rank: int, world: int, tmp: str, zero_stage: int, n: int) -> dict[str, Any]:
     strategy = HybridParallelStrategy(
         pipeline_parallel_size=2, num_microbatches=4, pipeline_schedule="1f1b", zero_stage=zero_stage
     )
     metrics = Metrics()
     trainer = _trainer(strategy, world, tmp, [metrics])
     module = _module()
-    trainer.fit(
-        module, DataLoader(Tokens(N), batch_size=GLOBAL, shuffle=True), DataLoader(Tokens(8), batch_size=8)
-    )
-    predictions = trainer.predict(module, DataLoader(Tokens(8), batch_size=4))
+    val = DataLoader(Tokens(n - 24), batch_size=8)
+    trainer.fit(module, DataLoader(Tokens(n), batch_size=GLOBAL, shuffle=True), val)
+    predictions = trainer.predict(module, DataLoader(Tokens(n - 24), batch_size=8))
     full = strategy.consolidated_state_dict()
     bad = _module(BadMetricGPT)
     error = ""
@@ -116,19 +116,19 @@ def _pp(rank: int, world: int, tmp: str, zero_stage: int) -> dict[str, Any]:
     }
 
 
-def _orders() -> list[list[int]]:
+def _orders(n: int) -> list[list[int]]:
     """The global batches of the distributed run's one epoch (Lightning shuffles with the seed)."""
-    perm = list(DistributedSampler(Tokens(N), num_replicas=1, rank=0, shuffle=True, seed=SEED))
-    return [perm[i : i + GLOBAL] for i in range(0, N, GLOBAL)]
+    perm = list(DistributedSampler(Tokens(n), num_replicas=1, rank=0, shuffle=True, seed=SEED))
+    return [perm[i : i + GLOBAL] for i in range(0, n, GLOBAL)]
 
 
-def _single(tmp: Path) -> dict[str, Any]:
+def _single(tmp: Path, n: int) -> dict[str, Any]:
     metrics = Metrics()
     module = _module()
     trainer = _trainer("auto", 1, str(tmp / "ref"), [metrics])
-    train = DataLoader(Tokens(N), batch_sampler=_orders())
-    trainer.fit(module, train, DataLoader(Tokens(8), batch_size=8))
-    predictions = trainer.predict(module, DataLoader(Tokens(8), batch_size=4))
+    train = DataLoader(Tokens(n), batch_sampler=_orders(n))
+    trainer.fit(module, train, DataLoader(Tokens(n - 24), batch_size=8))
+    predictions = trainer.predict(module, DataLoader(Tokens(n - 24), batch_size=8))
     return {
         "train": metrics.train,
         "val": metrics.val,
@@ -137,12 +137,14 @@ def _single(tmp: Path) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.parametrize(("zero_stage", "n"), [(0, 32), (1, 30)], ids=["zero0", "zero1-ragged"])
 def test_pipeline_metrics_predict_and_export_equal_the_single_process_run(
-    zero_stage: int, tmp_path: Path
+    zero_stage: int, n: int, tmp_path: Path
 ) -> None:
-    results = run_distributed(_pp, 2, str(tmp_path), zero_stage, init_group=False, timeout=300)
-    ref = _single(tmp_path)
+    """With ``n=30`` the last training batch has 6 samples (micro-batches of 2, 2, 1 and 1, weighted by
+    size), and so do the validation and prediction sets: every step must still see its batch's mean."""
+    results = run_distributed(_pp, 2, str(tmp_path), zero_stage, n, init_group=False, timeout=300)
+    ref = _single(tmp_path, n)
     for rank, r in enumerate(results):
         assert len(r["train"]) == len(ref["train"]) > 0
         for got, want in zip(r["train"], ref["train"], strict=True):
@@ -160,3 +162,14 @@ def test_pipeline_metrics_predict_and_export_equal_the_single_process_run(
         if k in full:
             torch.testing.assert_close(full[k], v, msg=k)
     assert results[1]["full"] == {}  # the export lives on global rank 0 only
+
+
+def test_ragged_batches_split_by_size_and_too_small_ones_are_refused() -> None:
+    x, y = torch.arange(6), torch.arange(6) * 10
+    micro = split_batch((x, y), 4)
+    assert [len(mb[0]) for mb in micro] == [2, 2, 1, 1] and torch.equal(micro[3][1], torch.tensor([50]))
+    weights = micro_weights(micro)
+    assert weights == [4 * 2 / 6, 4 * 2 / 6, 4 / 6, 4 / 6] and sum(weights) == pytest.approx(4)
+    assert micro_weights(split_batch(torch.zeros(8, 3), 4)) == [1.0] * 4
+    with pytest.raises(ValueError, match=r"A batch of 3 samples cannot fill num_microbatches=4.*drop_last"):
+        split_batch({"x": torch.zeros(3, 2)}, 4)

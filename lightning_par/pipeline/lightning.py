@@ -18,8 +18,10 @@ Lightning does to a step's loss) and, with fp16, multiplied by the loss scale. V
 the pipeline forward only and log ``val_loss`` / ``test_loss`` and the metrics; the LightningModule's own
 ``training_step`` / ``validation_step`` are not called (a step's outputs exist only on the last stage:
 the protocol's methods are what runs there). Metrics are means over the micro-batches, broadcast from
-the last stage so every rank logs the same values. Prediction returns the last layer's outputs for the
-whole batch on every pipeline rank.
+the last stage so every rank logs the same values. A batch that does not divide by ``m`` (a ragged last
+batch) is cut into micro-batches one sample apart, and each micro-batch's loss and metrics are weighted
+by its size, so the step still sees the batch mean; a batch smaller than ``m`` is refused with the fix.
+Prediction returns the last layer's outputs for the whole batch on every pipeline rank.
 """
 
 from __future__ import annotations
@@ -41,14 +43,16 @@ from lightning_par.zero.engine import Engine
 
 
 def split_batch(batch: Any, m: int) -> list[Any]:
-    """``m`` micro-batches of ``batch``: every tensor split along dim 0 (which must divide evenly)."""
+    """``m`` micro-batches of ``batch``: every tensor split along dim 0, in equal parts when the size
+    divides by ``m``, else in parts one sample apart (a ragged last batch; see :func:`micro_weights`)."""
     if isinstance(batch, Tensor):
-        if batch.shape[0] % m != 0:
+        if batch.shape[0] < m:
             raise ValueError(
-                f"A batch of {batch.shape[0]} samples does not split into num_microbatches={m}; use a batch"
-                f" size divisible by {m} (and drop_last=True for a ragged last batch)."
+                f"A batch of {batch.shape[0]} samples cannot fill num_microbatches={m}: use a batch size of"
+                f" at least {m} (with drop_last=True if the dataset leaves a smaller last batch), or fewer"
+                " micro-batches."
             )
-        return list(batch.chunk(m))
+        return list(batch.tensor_split(m))
     if isinstance(batch, (list, tuple)):
         parts = [split_batch(b, m) for b in batch]
         return [type(batch)(p[i] for p in parts) for i in range(m)]
@@ -56,6 +60,25 @@ def split_batch(batch: Any, m: int) -> list[Any]:
         parts_d = {k: split_batch(v, m) for k, v in batch.items()}
         return [{k: v[i] for k, v in parts_d.items()} for i in range(m)]
     return [batch] * m
+
+
+def _samples(micro: Any) -> int | None:
+    """The leading size of the first tensor in a micro-batch (None without tensors)."""
+    if isinstance(micro, Tensor):
+        return int(micro.shape[0])
+    values = micro.values() if isinstance(micro, dict) else micro if isinstance(micro, (list, tuple)) else []
+    return next((n for n in map(_samples, values) if n is not None), None)
+
+
+def micro_weights(micro: list[Any]) -> list[float]:
+    """``m n_i / N`` per micro-batch of ``n_i`` of ``N`` samples: the factor that makes the mean of the
+    micro-batch means (what the schedule computes) the mean over the batch's samples; all 1.0 when the
+    micro-batches are equal (any ragged split is then weighted exactly)."""
+    sizes = [_samples(mb) for mb in micro]
+    if any(n is None for n in sizes) or len(set(sizes)) == 1:
+        return [1.0] * len(micro)
+    total = sum(n for n in sizes if n is not None)
+    return [len(micro) * n / total for n in sizes if n is not None]
 
 
 def pipeline_layers_of(module: pl.LightningModule) -> Sequence[nn.Module]:
@@ -124,11 +147,13 @@ class LightningPipeline:
         no_sync = engine.no_sync
         m = self.runtime.m
         micro = split_batch(batch, m)
+        weights = micro_weights(micro)
         accumulate = self.module.trainer.accumulate_grad_batches
 
         def loss_fn(output: Any, i: int) -> Tensor:
-            loss = self.metrics.loss_of(self.module.pipeline_loss(output, micro[i]), where="pipeline_loss")  # type: ignore[operator]
-            return loss / accumulate * loss_scale
+            result = self.module.pipeline_loss(output, micro[i])  # type: ignore[operator]
+            loss = self.metrics.loss_of(result, weight=weights[i], where="pipeline_loss")
+            return loss * (weights[i] / accumulate * loss_scale)
 
         self.metrics.start(m)
         mean = self.runtime.train_step(
@@ -155,12 +180,16 @@ class LightningPipeline:
 
     def eval_step(self, batch: Any, *, stage: str) -> Tensor:
         micro = split_batch(batch, self.runtime.m)
+        weights = micro_weights(micro)
 
         def loss_fn(output: Any, i: int) -> Tensor:
-            loss = self.metrics.loss_of(self.module.pipeline_loss(output, micro[i]), where="pipeline_loss")  # type: ignore[operator]
+            result = self.module.pipeline_loss(output, micro[i])  # type: ignore[operator]
+            loss = self.metrics.loss_of(result, weight=weights[i], where="pipeline_loss")
             if self._eval_metrics is not None:
-                self.metrics.add(self._eval_metrics(output, micro[i]), where="pipeline_eval")
-            return loss
+                self.metrics.add(
+                    self._eval_metrics(output, micro[i]), weight=weights[i], where="pipeline_eval"
+                )
+            return loss * weights[i]
 
         self.metrics.start(self.runtime.m)
         loss = self.runtime.forward_step(inputs=self._inputs(micro), loss_fn=loss_fn)

@@ -54,7 +54,7 @@ class PipelineMetrics:
         """A new step of ``m`` micro-batches."""
         self._sums, self._error, self._m = {}, None, m
 
-    def loss_of(self, result: Any, *, where: str) -> Tensor:
+    def loss_of(self, result: Any, *, weight: float = 1.0, where: str) -> Tensor:
         """The loss in ``pipeline_loss``'s ``result`` (a tensor, or a mapping with ``"loss"``); the other
         entries of a mapping are recorded as metrics (last stage only)."""
         if isinstance(result, Mapping):
@@ -63,12 +63,14 @@ class PipelineMetrics:
                     f"{where} returned a mapping without 'loss' (keys {sorted(result)}): return the loss"
                     " tensor, or {'loss': loss, 'metric': value, ...}."
                 )
-            self.add({k: v for k, v in result.items() if k != "loss"}, where=where)
+            self.add({k: v for k, v in result.items() if k != "loss"}, weight=weight, where=where)
             return result["loss"]
         return result
 
-    def add(self, values: Mapping[str, Any], *, where: str) -> None:
-        """Record one micro-batch's metrics (last stage)."""
+    def add(self, values: Mapping[str, Any], *, weight: float = 1.0, where: str) -> None:
+        """Record one micro-batch's metrics (last stage); ``weight`` is ``m n_i / N`` for a micro-batch
+        of ``n_i`` of the batch's ``N`` samples (1 when they are equal): the step's value is the batch
+        mean."""
         if not isinstance(values, Mapping):
             self._error = (
                 self._error
@@ -85,7 +87,7 @@ class PipelineMetrics:
                     " number per micro-batch (a mean), so the step's value is their mean."
                 )
                 continue
-            term = value.detach().float().reshape(()).to(self.device) / self._m
+            term = value.detach().float().reshape(()).to(self.device) * (weight / self._m)
             self._sums[name] = self._sums[name] + term if name in self._sums else term
 
     def finish(self, kind: str) -> dict[str, Tensor]:
