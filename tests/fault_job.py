@@ -3,7 +3,8 @@
     python -m torch.distributed.run --standalone --nproc-per-node=2 --max-restarts=2 tests/fault_job.py CFG
 
 ``CFG`` is a JSON file (a positional argument: torchrun would parse options after the script that look
-like its own). Keys: ``out`` (directory), ``strategy`` ("zero2", "ddp", ...), ``steps``, ``every``,
+like its own). Keys: ``out`` (directory), ``strategy`` ("zero2", "ddp", ..., or a dict of
+``HybridParallelStrategy`` keywords, e.g. pipeline stages), ``steps``, ``every``,
 ``persist``, ``keep_last``, ``devices``, ``num_nodes``, ``flash`` (bool), ``watchdog_s`` (or null),
 ``shm_dir`` (default ``$FT_SHM_DIR``), ``accumulate``, ``keep_global_batch``, ``stop_at`` (end training
 at this step, the schedule still planned for ``steps``),
@@ -41,6 +42,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
+from lightning_par import HybridParallelStrategy  # noqa: E402
 from lightning_par.callbacks import FlashCheckpoint, HangWatchdog  # noqa: E402
 from lightning_par.callbacks import disk as disk_module  # noqa: E402
 from lightning_par.checkpoint import files as files_module  # noqa: E402
@@ -227,6 +229,9 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         plugins.append(RestartSafeEnvironment())  # Lightning's DDP: a store per attempt
     pl.seed_everything(7, verbose=False)
     module = GPTModule(**MODEL, warmup_steps=2, max_steps=cfg["steps"])
+    strategy = cfg.get("strategy", "zero2")
+    if isinstance(strategy, dict):
+        strategy = HybridParallelStrategy(**strategy)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=cfg.get("devices", 2),
@@ -234,7 +239,7 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         num_nodes=int(os.environ["GROUP_WORLD_SIZE"])
         if cfg.get("num_nodes") == "auto"
         else cfg.get("num_nodes", 1),
-        strategy=cfg.get("strategy", "zero2"),
+        strategy=strategy,
         max_steps=cfg.get("stop_at", cfg["steps"]),  # the schedule still runs to cfg["steps"]
         accumulate_grad_batches=cfg.get("accumulate", 1),
         logger=False,
@@ -259,7 +264,9 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         "errors": flash.errors if flash else [],
         "global_step": trainer.global_step,
     }
-    return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "result": result}
+    # under pipeline parallelism a rank holds its own stages; the others are meta placeholders
+    state = {k: v.detach().clone() for k, v in module.state_dict().items() if not v.is_meta}
+    return {"state": state, "result": result}
 
 
 def main() -> None:

@@ -149,6 +149,48 @@ def test_torchrun_restarts_after_kill_partial_persist_and_stall(tmp_path: Path, 
     _assert_equal_weights(out, reference)
 
 
+def test_pipeline_restart_after_kill_resumes_from_memory(tmp_path: Path, shm_root: Path) -> None:
+    """Two pipeline stages (pp 2 x ZeRO-1, 1F1B): a random rank SIGKILLed after a random step; torchrun
+    restarts both and every stage resumes its own part of the newest snapshot, ending bitwise equal to
+    an uninterrupted pipeline run."""
+    rng = random.Random()
+    kill_rank, kill_step = rng.randrange(2), rng.randint(3, 7)
+    out = tmp_path / "out"
+    cfg = {
+        "out": str(out),
+        "strategy": {"pipeline_parallel_size": 2, "num_microbatches": 2, "zero_stage": 1},
+        "steps": 10,
+        "every": 2,
+        "persist": 6,
+        "shm_dir": str(shm_root),
+        "faults": [{"kind": "kill", "attempt": 0, "rank": kill_rank, "step": kill_step}],
+    }
+    what = f"faults {cfg['faults']}"
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    proc = subprocess.Popen(
+        [*_torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=1"), str(tmp_path / "cfg.json")],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    reference = _reference(cfg, 2)
+    log, _ = proc.communicate(timeout=600)
+    (tmp_path / "torchrun.log").write_text(log)
+    assert proc.returncode == 0, f"{what}\n{log[-4000:]}"
+    expected = kill_step - (2 if kill_step % 2 == 0 else 1)
+    for r in range(2):
+        resumed = _read(out / f"resume_attempt1_rank{r}.json")["resumed"]
+        assert resumed["step"] == expected and all(s.startswith("memory") for s in resumed["sources"]), (
+            what,
+            resumed,
+        )
+        assert _read(out / f"attempt1_rank{r}.json")["global_step"] == 10
+    assert reference[0] and reference[1] and set(reference[0]) != set(reference[1])  # a stage each
+    _assert_equal_weights(out, reference)
+
+
 def test_two_nodes_survive_a_killed_agent(tmp_path: Path, shm_root: Path) -> None:
     out = tmp_path / "out"
     cfg = {
