@@ -65,6 +65,22 @@ def _torchrun(*options: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0.2", *options, str(JOB)]
 
 
+def _start_single_node(tmp_path: Path, cfg: dict[str, Any], *, max_restarts: int) -> subprocess.Popen[str]:
+    """``torchrun --standalone`` with 2 processes on the job ``cfg`` (written to ``tmp_path/cfg.json``)."""
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    return subprocess.Popen(
+        [
+            *_torchrun("--standalone", "--nproc-per-node=2", f"--max-restarts={max_restarts}"),
+            str(tmp_path / "cfg.json"),
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
 def _reference(cfg: dict[str, Any], world: int) -> list[dict[str, torch.Tensor]]:
     plain = {**cfg, "flash": False, "faults": [], "watchdog_s": None, "devices": world, "num_nodes": 1}
 
@@ -108,15 +124,7 @@ def test_torchrun_restarts_after_kill_partial_persist_and_stall(tmp_path: Path, 
         ],
     }
     what = f"faults {cfg['faults']}"
-    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    proc = subprocess.Popen(
-        [*_torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=3"), str(tmp_path / "cfg.json")],
-        cwd=tmp_path,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = _start_single_node(tmp_path, cfg, max_restarts=3)
     reference = _reference(cfg, 2)  # meanwhile, in forked ranks
     log, _ = proc.communicate(timeout=600)
     (tmp_path / "torchrun.log").write_text(log)
@@ -166,15 +174,7 @@ def test_pipeline_restart_after_kill_resumes_from_memory(tmp_path: Path, shm_roo
         "faults": [{"kind": "kill", "attempt": 0, "rank": kill_rank, "step": kill_step}],
     }
     what = f"faults {cfg['faults']}"
-    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    proc = subprocess.Popen(
-        [*_torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=1"), str(tmp_path / "cfg.json")],
-        cwd=tmp_path,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = _start_single_node(tmp_path, cfg, max_restarts=1)
     reference = _reference(cfg, 2)
     log, _ = proc.communicate(timeout=600)
     (tmp_path / "torchrun.log").write_text(log)
