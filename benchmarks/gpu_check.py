@@ -12,7 +12,10 @@
    bf16-mixed on a GPT of ~300M parameters, each in its own process so peak memory is per
    implementation: tokens/s over the steps after ``--warmup`` (batch * seq * steps / seconds), MFU =
    6 N tokens/s / ``--peak-tflops`` (H200 dense bf16: 989), peak CUDA memory
-   (``torch.cuda.max_memory_allocated``; on CPU peak RSS and no MFU).
+   (``torch.cuda.max_memory_allocated``; on CPU peak RSS and no MFU);
+6. gradient compression on the device: PowerSGD at ZeRO 0/1, the bf16 reduce-scatter at ZeRO-2, ZeRO-3
+   with the bf16 reduction and int8 parameter gathers, against the uncompressed run
+   (``benchmarks/gpu_check_compress.py``; counted in the budget of parts 1-4).
 
 Results: ``DIR/gpu_check.json`` (every part, the failures, the timings; rewritten after each part),
 ``DIR/gpu_ours.json``, ``DIR/gpu_lightning.json``, ``DIR/gpu_compare.json``. The exit status is 1 if any
@@ -51,7 +54,7 @@ THROUGHPUT = {  # full size (GPT ~355M at vocab 50k; ~300M here with vocab 256),
     "full": dict(n_layer=24, n_head=16, n_embd=1024, seq=1024, batch=16, vocab=256, steps=30, warmup=5),
     "quick": dict(n_layer=1, n_head=2, n_embd=32, seq=16, batch=4, vocab=64, steps=5, warmup=2),
 }
-PARTS = {1: "matrix", 2: "meta_init", 3: "flash", 4: "health", 5: "throughput"}
+PARTS = {1: "matrix", 2: "meta_init", 3: "flash", 4: "health", 5: "throughput", 6: "compression"}
 
 
 def quiet() -> None:
@@ -256,6 +259,7 @@ def environment(device: str) -> dict[str, Any]:
 
 def check_all(args: argparse.Namespace) -> int:
     from benchmarks import gpu_check_correctness as corr
+    from benchmarks.gpu_check_compress import part_compress
     from benchmarks.gpu_check_flash import part_flash
     from benchmarks.gpu_check_meta import part_health, part_meta
 
@@ -294,6 +298,7 @@ def check_all(args: argparse.Namespace) -> int:
         3: lambda: part_flash(args.quick, args.device, work, fail),
         4: lambda: part_health(sizes, args.device, root, fail),
         5: lambda: part_throughput(args, out_dir, fail, log),
+        6: lambda: part_compress(sizes, args.device, root, fail),
     }
     log(f"GPU check on {args.device} ({'quick' if args.quick else 'full'} sizes), parts {parts} -> {out_dir}")
     try:
@@ -328,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", nargs=2, default=None, help="compare two throughput JSON files")
     p.add_argument("--out", default=None, help="the JSON file of a single throughput run")
     p.add_argument("--out-dir", default=os.environ.get("OUT", "/tmp/gpu_check"))
-    p.add_argument("--parts", default="1,2,3,4,5")
+    p.add_argument("--parts", default="1,2,3,4,5,6")
     p.add_argument("--quick", action="store_true", help="tiny models everywhere (the CPU test)")
     p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"

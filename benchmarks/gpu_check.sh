@@ -2,7 +2,8 @@
 # GPU check on one CUDA device at world size 1 (NCCL), all parts in one go (benchmarks/gpu_check.py):
 # 1 ZeRO 0-3 x 32-true/bf16-mixed/16-mixed x token-exact loss correctness matrix, 2 meta init at ZeRO-3,
 # 3 FlashCheckpoint kill + resume, 4 NodeHealthCheck, 5 throughput (ours bf16-mixed ZeRO-2 vs Lightning's
-# own bf16-mixed, GPT ~300M, fused AdamW). About 5 minutes on one H200 (parts 1-4 < 3 min, part 5 < 4 min).
+# own bf16-mixed, GPT ~300M, fused AdamW), 6 gradient compression (PowerSGD, bf16 reductions, int8 gathers).
+# About 5 minutes on one H200 (parts 1-4 and 6 < 3 min, part 5 < 4 min).
 # Results (JSON) and the log land in ${OUT:-/tmp/gpu_check}; exit status 1 if any check failed.
 # Usage: bash benchmarks/gpu_check.sh [--steps 20] [--parts 1,2,3,4] [--device cpu --quick]
 set -euo pipefail

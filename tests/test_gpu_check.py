@@ -35,7 +35,7 @@ def test_gpu_check_cpu_path(tmp_path: Path) -> None:
     summary = json.loads((out / "gpu_check.json").read_text())
     assert summary["ok"] and summary["failures"] == []
     assert summary["env"]["hydra_loaded"] is False
-    assert set(summary["parts"]) == {"matrix", "meta_init", "flash", "health", "throughput"}
+    assert set(summary["parts"]) == {"matrix", "meta_init", "flash", "health", "throughput", "compression"}
 
     # 1. the matrix: 4 stages x 3 precisions x token off/on and Lightning's own reference (not fp16), all
     # with SGD; AdamW at 32-true on the 4 stages
@@ -93,3 +93,11 @@ def test_gpu_check_cpu_path(tmp_path: Path) -> None:
     compare = json.loads((out / "gpu_compare.json").read_text())
     assert compare["throughput_ratio"] == ours["tokens_per_s"] / ref["tokens_per_s"] > 0
     assert summary["parts"]["throughput"]["throughput_ratio"] == compare["throughput_ratio"]
+
+    # 6. compression on the device path: every variant ran, PowerSGD changed the weights, the roundings
+    # stayed small against the update
+    comp = summary["parts"]["compression"]
+    assert comp["update_size"] > 0
+    assert comp["zero0-powersgd"]["max_dw_vs_uncompressed"] > 0
+    for name in ("zero2-bf16", "zero3-bf16-int8"):
+        assert comp[name]["max_dw_vs_uncompressed"] <= 0.05 * comp["update_size"] + 1e-6, name
