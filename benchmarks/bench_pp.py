@@ -11,7 +11,7 @@ Run (from the repository root)::
 What is measured
 ----------------
 ``p`` Gloo ranks (one torch thread each) form one pipeline group (``ParallelMesh``). For every schedule
-(``gpipe``, ``1f1b``, ``interleaved_1f1b`` with ``--virtual-stages`` chunks per rank) and every number
+(``gpipe``, ``1f1b``, ``interleaved_1f1b`` with ``--virtual-stages`` chunks per rank, ``zb``) and every number
 of micro-batches ``m``, each rank builds the same seeded GPT, keeps its pieces with ``apply_pipeline``
 (``--partition``, default ``"parameters"``), sums the tied embedding / LM-head gradient with
 ``TiedGradients`` and runs ``PipelineRuntime.train_step`` on ``m`` micro-batches of ``--micro-batch``
@@ -84,7 +84,7 @@ from lightning_par.models.gpt import GPT, GPTConfig
 from lightning_par.pipeline import PipelineRuntime, build_schedule, peak_in_flight
 from lightning_par.pipeline.apply import TiedGradients, apply_pipeline
 
-ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb")
 # torch.testing.assert_close tolerances against the unpipelined model. The pipeline runs the same ops on
 # the same shapes, so losses and most gradients are bitwise equal; the tied embedding / LM-head
 # gradient is summed in another order (per stage, then all-reduced). AdamW turns rounding-level
@@ -105,7 +105,7 @@ class PPConfig:
     seq: int = 128
     micro_batch: int = 2
     vocab: int = 256
-    schedules: str = "gpipe,1f1b,interleaved_1f1b"
+    schedules: str = "gpipe,1f1b,interleaved_1f1b,zb"
     microbatches: str = "4,8,16"
     virtual_stages: int = 2
     partition: str = "parameters"
@@ -173,6 +173,8 @@ PP4 = dict(n_layer=6, n_head=2, n_embd=64, seq=32, micro_batch=2, vocab=64, step
 
 def analytic_bubble(schedule: str, *, p: int, m: int, v: int) -> float:
     """The schedule's bubble fraction with equal stages and free transfers (schedule module docstring)."""
+    if schedule == "zb":  # F = B = W: the W passes fill all but (p-1) of 1F1B's 3(p-1) idle units
+        return (p - 1) / (3 * m + p - 1)
     chunks = v if schedule == "interleaved_1f1b" else 1
     return (p - 1) / (chunks * m + p - 1)
 

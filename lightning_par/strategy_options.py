@@ -16,9 +16,9 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb"]
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
-_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb")
 
 
 def check_options(

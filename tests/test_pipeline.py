@@ -19,11 +19,12 @@ from lightning_par.pipeline import (
     partition,
     peak_in_flight,
 )
+from lightning_par.pipeline.p2p import check_plan, plan, timing
 from lightning_par.pipeline.schedule import Action, validate_sizes
 from tests.distributed import run_distributed
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zb"])
 def test_every_valid_schedule_is_valid(name: str) -> None:
     checked = 0
     for p in range(1, 7):
@@ -35,8 +36,13 @@ def test_every_valid_schedule_is_valid(name: str) -> None:
                     continue
                 schedule = build_schedule(name, p=p, m=m, v=v)
                 check_schedule(schedule, p=p, m=m, v=v)
-                if name == "1f1b":  # memory bound: at most p - s micro-batches in flight on rank s
+                if name in ("1f1b", "zb"):  # memory bound: at most p - s micro-batches in flight on rank s
                     assert [peak_in_flight(a) for a in schedule] == [min(p - s, m) for s in range(p)]
+                if name == "zb":  # the bubble of unit-time rounds (a hop costs a round) is ZB-H1's
+                    rounds = max(r[-1] for r in timing(schedule, p=p, v=1)) + 1
+                    assert rounds <= 3 * m + 2 * (p - 1), (p, m, rounds)
+                    for h in (False, True):
+                        check_plan(plan(schedule, p=p, v=1, headers=h), p=p, v=1)
                 checked += 1
     assert checked > 40
 
@@ -134,7 +140,7 @@ def _pipeline(rank: int, world: int, schedule: str, v: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize(("schedule", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize(("schedule", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb", 1)])
 def test_pipeline_runtime_matches_unsharded(schedule: str, v: int) -> None:
     results = run_distributed(_pipeline, 2, schedule, v)
     ref_losses, ref_state = _reference()

@@ -133,6 +133,7 @@ CASES = [
             partition_method="uniform",
         ),
     ),
+    (2, dict(pipeline_parallel_size=2, num_microbatches=4, pipeline_schedule="zb", zero_stage=1)),
     (4, dict(pipeline_parallel_size=2, num_microbatches=2, zero_stage=1)),
     (4, dict(pipeline_parallel_size=2, num_microbatches=2, zero_stage=2)),
     (4, dict(pipeline_parallel_size=2, tensor_parallel_size=2, tp_plan="gpt", num_microbatches=4)),
@@ -179,6 +180,8 @@ def test_pipeline_bad_input_is_named() -> None:
             pipeline_schedule="interleaved_1f1b",
             virtual_stages=2,
         )
+    with pytest.raises(ValueError, match=r"pipeline_schedule='zb' needs num_microbatches >= .* use m=4"):
+        HybridParallelStrategy(pipeline_parallel_size=4, num_microbatches=2, pipeline_schedule="zb")
     with pytest.raises(ValueError, match="zero_stage=3 with pipeline_parallel_size > 1 is not supported"):
         HybridParallelStrategy(pipeline_parallel_size=2, zero_stage=3)
     with pytest.raises(ValueError, match="partition_method must be one of"):

@@ -157,7 +157,11 @@ class LightningPipeline:
 
         self.metrics.start(m)
         mean = self.runtime.train_step(
-            inputs=self._inputs(micro), loss_fn=loss_fn, no_sync=no_sync, sync_last=False
+            inputs=self._inputs(micro),
+            loss_fn=loss_fn,
+            no_sync=no_sync,
+            sync_last=False,
+            grad_of=engine.grad_view,  # zb's weight-gradient passes add into the engine's buffer
         )
         # undo the scaling of the returned number: it is the mean loss, for logging
         value = mean * accumulate / loss_scale

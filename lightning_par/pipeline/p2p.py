@@ -90,6 +90,8 @@ def inputs_of(action: Action, *, rank: int, p: int, v: int) -> list[Transfer]:
     """What ``action`` must receive before it runs: the activation from ``g - 1`` for a forward, the
     output gradient from ``g + 1`` for a backward (none at the ends of the pipeline)."""
     g, last = stage_of(action, rank=rank, p=p), p * v - 1
+    if action.kind == "W":  # weight gradients: local, nothing to receive
+        return []
     if action.kind == "F":
         return [Transfer("act", g - 1, g, action.mb)] if g > 0 else []
     return [Transfer("grad", g + 1, g, action.mb)] if g < last else []
@@ -99,6 +101,8 @@ def outputs_of(action: Action, *, rank: int, p: int, v: int) -> list[Transfer]:
     """What ``action`` sends once it has run: its output to ``g + 1`` after a forward, the gradient of
     its input to ``g - 1`` after a backward."""
     g, last = stage_of(action, rank=rank, p=p), p * v - 1
+    if action.kind == "W":
+        return []
     if action.kind == "F":
         return [Transfer("act", g, g + 1, action.mb)] if g < last else []
     return [Transfer("grad", g, g - 1, action.mb)] if g > 0 else []
@@ -127,6 +131,8 @@ def timing(schedule: Sequence[Sequence[Action]], *, p: int, v: int) -> list[list
             ]
             if action.kind == "B":  # a backward needs its own forward, earlier on this rank
                 producers.append(("F", stage_of(action, rank=s, p=p), action.mb))
+            if action.kind == "W":  # and the weight gradients their backward
+                producers.append(("B", stage_of(action, rank=s, p=p), action.mb))
             if all(done.get(key, t) < t for key in producers):
                 ran.append((s, action))
         if not ran:

@@ -54,6 +54,7 @@ from lightning_par.pipeline.p2p import (
     stage_of,
 )
 from lightning_par.pipeline.schedule import Action, build_schedule
+from lightning_par.pipeline.weight_grad import GradOf, WeightGradSplit
 from lightning_par.zero.meta_init import target_device
 
 _DTYPES = [
@@ -115,6 +116,8 @@ class PipelineRuntime:
             "forward": forward_only(p=self.p, m=self.m, v=self.v),
         }
         self.actions: list[Action] = self._schedules["train"][self.s]
+        # zb splits each backward: input gradients in B, the linear layers' weight gradients in W
+        self._split = WeightGradSplit(self.chunks) if schedule == "zb" else None
         self._last_backward = [a for a in self.actions if a.kind == "B"][-1]
         self.last = self.p * self.v - 1
         self.last_stats = StepStats()
@@ -215,14 +218,35 @@ class PipelineRuntime:
         loss_fn: Callable[[Any, int], Tensor],
         no_sync: Callable[[], AbstractContextManager[None]] = nullcontext,
         sync_last: bool = True,
+        grad_of: GradOf | None = None,
     ) -> Tensor:
         """Forward and backward of all micro-batches; ``inputs[i]`` feeds virtual stage 0 (rank 0 only).
         Every backward runs inside ``no_sync()`` (gradient accumulation), except this rank's last when
-        ``sync_last`` (else the caller ends the window itself, e.g. with a flush)."""
+        ``sync_last`` (else the caller ends the window itself, e.g. with a flush). With ``zb``, the
+        weight-gradient passes add into ``grad_of(param)`` (the engine's accumulation buffer) or
+        ``param.grad``; they come after the last backward, so a caller with an engine must end the window
+        itself (``sync_last=False``)."""
+        if self._split is not None and sync_last and no_sync is not nullcontext:
+            raise ValueError(
+                "pipeline_schedule='zb' runs weight-gradient passes after the last backward: call"
+                " train_step(sync_last=False) and end the accumulation window afterwards (engine.flush())."
+            )
+        with self._split.attached() if self._split is not None else nullcontext():
+            return self._train_step(inputs, loss_fn, no_sync, sync_last, grad_of)
+
+    def _train_step(
+        self,
+        inputs: Sequence[Any] | None,
+        loss_fn: Callable[[Any, int], Tensor],
+        no_sync: Callable[[], AbstractContextManager[None]],
+        sync_last: bool,
+        grad_of: GradOf | None,
+    ) -> Tensor:
         start = time.perf_counter()
         busy = 0.0
         ident, mail = self._begin("train", inputs)
         losses = torch.zeros(self.m, device=self.device)
+        split = self._split
         for item in self._program("train", headers=mail.learn):
             if isinstance(item, Batch):
                 self._exchange(item, mail)
@@ -232,7 +256,8 @@ class PipelineRuntime:
             if action.kind == "F":
                 x = self._input(g, action.mb, inputs, mail, grad=True)
                 t0 = time.perf_counter()
-                out = self.chunks[action.chunk](x)
+                with split.forward((g, action.mb)) if split is not None else nullcontext():
+                    out = self.chunks[action.chunk](x)
                 if g == self.last:
                     loss = loss_fn(out, action.mb) / self.m
                     losses[action.mb] = loss.detach().float()
@@ -241,13 +266,21 @@ class PipelineRuntime:
                 mail.saved[(g, action.mb)] = (x, out)
                 if g < self.last:
                     self._send(Transfer("act", g, g + 1, action.mb), out, mail=mail)
+            elif action.kind == "W":
+                assert split is not None
+                t0 = time.perf_counter()
+                split.weights((g, action.mb), grad_of)
+                busy += time.perf_counter() - t0
             else:
                 x, out = mail.saved.pop((g, action.mb))
                 grad = None if g == self.last else mail.inbox.pop(Transfer("grad", g + 1, g, action.mb))
                 context = nullcontext() if action == self._last_backward and sync_last else no_sync()
                 t0 = time.perf_counter()
                 with context:
-                    torch.autograd.backward(out, grad)
+                    if split is not None:
+                        split.backward(out, grad, x, chunk=action.chunk, key=(g, action.mb))
+                    else:
+                        torch.autograd.backward(out, grad)
                 busy += time.perf_counter() - t0
                 if g > 0:  # the upstream stage waits for a gradient in any case: zeros if x got none
                     dx = x.grad if x.grad is not None else torch.zeros_like(x)

@@ -14,6 +14,12 @@ input gradient to ``g - 1``.
   Same bubble; at most ``p - s`` micro-batches in flight on rank ``s`` (``p`` on rank 0).
 * ``interleaved_1f1b``: the same over ``v`` chunks per rank, in groups of ``p`` micro-batches
   (``m`` must be a multiple of ``p``); the bubble shrinks to ``(p-1)/(v m + p - 1)``, about ``1/v``.
+* ``zb`` (zero bubble, ZB-H1 of Qi et al., 2023): the backward is split into ``B`` (the gradient of the
+  stage's input, which the previous stage waits for) and ``W`` (the weight gradients, which nobody waits
+  for). ``W`` passes are placed where 1F1B idles: the order comes from :func:`_zero_bubble`, a simulation
+  with equal unit costs in which every rank prefers ``B``, then ``F``, then ``W``, with at most ``p - s``
+  micro-batches between their ``F`` and their ``W`` on rank ``s`` (1F1B's activation memory). With
+  ``F = B = W`` its bubble is ``(p-1)/(3m + p - 1)``, a third of 1F1B's; it needs ``m >= p``.
 
 :func:`check_schedule` simulates all ranks with blocking receives and reports a deadlock, a backward
 before its forward, a missing action, or sends that do not match receives; :func:`peak_in_flight`
@@ -25,13 +31,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb")
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: Literal["F", "B"]
+    kind: Literal["F", "B", "W"]  # W: the weight gradients of a split backward (zb)
     chunk: int
     mb: int
 
@@ -47,6 +53,11 @@ def validate_sizes(name: str, *, p: int, m: int, v: int) -> None:
         raise ValueError(f"pipeline sizes must be >= 1, got p={p}, m={m}, v={v}.")
     if name != "interleaved_1f1b" and v != 1:
         raise ValueError(f"{name!r} runs one chunk per rank; use interleaved_1f1b for v={v} chunks.")
+    if name == "zb" and m < p:
+        raise ValueError(
+            f"pipeline_schedule='zb' needs num_microbatches >= the pipeline size (m={m}, p={p}): with fewer,"
+            f" the weight-gradient passes have no bubble to fill; use m={p} or more."
+        )
     if name == "interleaved_1f1b":
         if v < 2:
             raise ValueError("interleaved_1f1b needs at least 2 chunks per rank (virtual_stages >= 2).")
@@ -66,6 +77,8 @@ def build_schedule(name: str, *, p: int, m: int, v: int = 1) -> list[list[Action
         ]
     if name == "1f1b":
         return [_one_f_one_b(s, p=p, m=m) for s in range(p)]
+    if name == "zb":
+        return _zero_bubble(p=p, m=m)
     return [_interleaved(s, p=p, m=m, v=v) for s in range(p)]
 
 
@@ -77,6 +90,42 @@ def _one_f_one_b(s: int, *, p: int, m: int) -> list[Action]:
         out += [Action("F", 0, f), Action("B", 0, b)]
         f, b = f + 1, b + 1
     out += [Action("B", 0, i) for i in range(b, m)]
+    return out
+
+
+def _zero_bubble(*, p: int, m: int) -> list[list[Action]]:
+    """ZB-H1 by simulation (module docstring): unit-time rounds; in each round every rank runs the first
+    ready action of: the oldest ``B`` whose output gradient arrived in an earlier round, the next ``F``
+    whose input arrived (while fewer than ``p - s`` micro-batches wait for their ``W``), the oldest
+    pending ``W``."""
+    out: list[list[Action]] = [[] for _ in range(p)]
+    done: dict[tuple[str, int, int], int] = {}  # (kind, rank, mb) -> round
+    next_f, next_b = [0] * p, [0] * p
+    pending_w: list[list[int]] = [[] for _ in range(p)]
+    t = 0
+    while any(len(a) < 3 * m for a in out):
+        ran: list[tuple[int, Action]] = []
+        for s in range(p):
+            b, f = next_b[s], next_f[s]
+            if b < f and (s == p - 1 or done.get(("B", s + 1, b), t) < t):
+                ran.append((s, Action("B", 0, b)))
+            elif (
+                f < m and (s == 0 or done.get(("F", s - 1, f), t) < t) and f - (b - len(pending_w[s])) < p - s
+            ):
+                ran.append((s, Action("F", 0, f)))
+            elif pending_w[s]:
+                ran.append((s, Action("W", 0, pending_w[s][0])))
+        for s, a in ran:
+            done[(a.kind, s, a.mb)] = t
+            out[s].append(a)
+            if a.kind == "F":
+                next_f[s] += 1
+            elif a.kind == "B":
+                next_b[s] += 1
+                pending_w[s].append(a.mb)
+            else:
+                pending_w[s].pop(0)
+        t += 1
     return out
 
 
@@ -104,12 +153,15 @@ def check_schedule(schedule: list[list[Action]], *, p: int, m: int, v: int) -> N
     deadlocks, runs a backward before its forward, misses or repeats an action, or if the order in which
     a rank sends to a neighbour differs from the order in which that neighbour receives."""
     last = p * v - 1
-    expected = {(k, c, i) for c in range(v) for i in range(m) for k in ("F", "B")}
+    split = any(a.kind == "W" for actions in schedule for a in actions)
+    kinds = ("F", "B", "W") if split else ("F", "B")
+    expected = {(k, c, i) for c in range(v) for i in range(m) for k in kinds}
     for s, actions in enumerate(schedule):
         got = [(a.kind, a.chunk, a.mb) for a in actions]
         if sorted(got) != sorted(expected):
             raise ValueError(
-                f"rank {s}: the actions are not each F and B of every (chunk, micro-batch) once."
+                f"rank {s}: the actions are not each {'F, B and W' if split else 'F and B'} of every (chunk,"
+                " micro-batch) once."
             )
     done: set[tuple[str, int, int]] = set()  # (kind, virtual stage, mb)
     pos = [0] * p
@@ -127,6 +179,10 @@ def check_schedule(schedule: list[list[Action]], *, p: int, m: int, v: int) -> N
                         recv.setdefault((g - 1, g, "act"), []).append(a.mb)
                     if ready and g < last:
                         sent.setdefault((g, g + 1, "act"), []).append(a.mb)
+                elif a.kind == "W":  # local: the weight gradients of a backward that ran on this rank
+                    if ("B", g, a.mb) not in done:
+                        raise ValueError(f"rank {s}: {a} before its backward.")
+                    ready = True
                 else:
                     if ("F", g, a.mb) not in done:
                         raise ValueError(f"rank {s}: {a} before its forward.")
@@ -149,9 +205,11 @@ def check_schedule(schedule: list[list[Action]], *, p: int, m: int, v: int) -> N
 
 
 def peak_in_flight(actions: list[Action]) -> int:
-    """Largest number of (chunk, micro-batch) forwards whose backward has not run yet."""
+    """Largest number of (chunk, micro-batch) forwards whose backward has not finished yet (with a split
+    backward, ``zb``: whose ``W`` has not run, as the activations stay until then)."""
+    done = "W" if any(a.kind == "W" for a in actions) else "B"
     live = peak = 0
     for a in actions:
-        live += 1 if a.kind == "F" else -1
+        live += 1 if a.kind == "F" else -1 if a.kind == done else 0
         peak = max(peak, live)
     return peak
