@@ -91,7 +91,7 @@ def test_bench_pp_quick_bubbles_in_flight_and_equality(tmp_path: Path) -> None:
     assert 4 in ms and 16 in ms
     impls = data["implementations"]
     assert set(impls) == {
-        f"{s}_m{m}" for m in ms for s in ("unpipelined", "gpipe", "1f1b", "interleaved_1f1b")
+        f"{s}_m{m}" for m in ms for s in ("unpipelined", "gpipe", "1f1b", "interleaved_1f1b", "zb")
     }
     for d in impls.values():
         assert len(d["step_times_s"]) == total and d["summary"]["median"] > 0
@@ -115,12 +115,14 @@ def test_bench_pp_quick_bubbles_in_flight_and_equality(tmp_path: Path) -> None:
     assert 0.5 * gp4["bubble_analytic"] < gp4["bubble_measured"] < 0.95
     assert gp4["bubble_analytic"] > impls["gpipe_m16"]["bubble_analytic"]
     assert impls["interleaved_1f1b_m4"]["bubble_analytic"] < gp4["bubble_analytic"]
+    assert impls["zb_m4"]["bubble_analytic"] == (p - 1) / (3 * 4 + p - 1)
 
     # activations in flight: counted from autograd's saved tensors, exactly the schedules' bound
     assert data["in_flight_matches_schedule"]
     for m in ms:
         assert impls[f"gpipe_m{m}"]["peak_forwards_in_flight_per_rank"] == [m] * p
         assert impls[f"1f1b_m{m}"]["peak_forwards_in_flight_per_rank"] == [p - s for s in range(p)]
+        assert impls[f"zb_m{m}"]["peak_forwards_in_flight_per_rank"] == [p - s for s in range(p)]
         assert impls[f"unpipelined_m{m}"]["peak_forwards_in_flight_per_rank"] == [1] * p
         inter = build_schedule("interleaved_1f1b", p=p, m=m, v=cfg["virtual_stages"])
         assert impls[f"interleaved_1f1b_m{m}"]["peak_forwards_in_flight_per_rank"] == [
