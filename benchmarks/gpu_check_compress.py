@@ -12,13 +12,11 @@ approximation of every gradient matrix) yet ends within 5% of the uncompressed f
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 from torch import Tensor
 
-from benchmarks.gpu_check_correctness import CLIP, Fail, Recorder, Sizes, loader, module, trainer
-from lightning_par import HybridParallelStrategy
+from benchmarks.gpu_check_correctness import Fail, Sizes, fit, module
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "zero0-none": dict(zero_stage=0),
@@ -29,7 +27,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         zero_stage=1, comm_hook="powersgd", powersgd_rank=2, comm_hook_state={"start_iter": 0}
     ),
     "zero2-bf16": dict(zero_stage=2, comm_hook="bf16", reduce_op="reduce_scatter"),
-    "zero3-bf16-int8": dict(zero_stage=3, comm_hook="bf16", gather_dtype="int8", meta_init=False),
+    "zero3-bf16-int8": dict(zero_stage=3, comm_hook="bf16", gather_dtype="int8"),
 }
 
 
@@ -42,21 +40,7 @@ def _diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
 def part_compress(sizes: Sizes, device: str, root: str, fail: Fail) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for name, kw in VARIANTS.items():
-        rec = Recorder()
-        m = module(sizes, device, token=False, optimizer="sgd")
-        t = trainer(
-            device,
-            HybridParallelStrategy(**kw),
-            "32-true",
-            sizes.steps,
-            sizes.accum,
-            [rec],
-            gradient_clip_val=CLIP,
-            default_root_dir=root,
-        )
-        start = time.perf_counter()
-        t.fit(m, loader(sizes))
-        rows[name] = {"losses": rec.losses, "final": rec.final, "seconds": time.perf_counter() - start}
+        rows[name] = fit(sizes, device, kw["zero_stage"], "32-true", False, "sgd", root, strategy_kw=kw)
     base = rows["zero0-none"]
     moved = _diff(base["final"], module(sizes, "cpu", token=False, optimizer="sgd").state_dict())
     out: dict[str, Any] = {"update_size": moved}

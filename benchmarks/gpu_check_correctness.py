@@ -294,15 +294,25 @@ def tolerance(
 
 
 def fit(
-    sizes: Sizes, device: str, stage: int | None, precision: str, token: bool, optimizer: str, root: str
+    sizes: Sizes,
+    device: str,
+    stage: int | None,
+    precision: str,
+    token: bool,
+    optimizer: str,
+    root: str,
+    *,
+    strategy_kw: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One run: ``stage`` None is Lightning's own single-device strategy (the reference)."""
+    """One run: ``stage`` None is Lightning's own single-device strategy (the reference); ``strategy_kw``
+    adds keywords of our strategy (compression, gather dtype)."""
     ref_tokens = window_tokens(sizes) if stage is None and token else None
     m = module(
         sizes, device, token=token and stage is not None, optimizer=optimizer, window_tokens=ref_tokens
     )
     rec = Recorder()
-    strategy: Any = "auto" if stage is None else HybridParallelStrategy(zero_stage=stage, meta_init=False)
+    kw = {"zero_stage": stage, "meta_init": False, **(strategy_kw or {})}
+    strategy: Any = "auto" if stage is None else HybridParallelStrategy(**kw)
     t = trainer(
         device,
         strategy,

@@ -137,7 +137,9 @@ def check_comm_hook(
     if isinstance(powersgd_rank, bool) or not isinstance(powersgd_rank, int) or powersgd_rank <= 0:
         raise ValueError(f"powersgd_rank must be a positive integer, got {powersgd_rank!r}.")
     if comm_hook == "powersgd" and isinstance(comm_hook_state, Mapping):
-        allowed = set(inspect.signature(_powersgd_state()).parameters) - {"group", "rank"}
+        from lightning_par.zero.powersgd import PowerSGDState  # imports this module: not at the top
+
+        allowed = set(inspect.signature(PowerSGDState).parameters) - {"group", "rank"}
         unknown = sorted(set(comm_hook_state) - allowed)
         if unknown:
             raise ValueError(
@@ -168,12 +170,6 @@ def check_comm_hook(
             f" needs reduce_op 'auto' or 'all_reduce' and grad_sync 'boundary' or None (got reduce_op="
             f"{reduce_op!r}, grad_sync={grad_sync!r}); comm_hook='bf16' or 'fp16' works with both."
         )
-
-
-def _powersgd_state() -> type:
-    from lightning_par.zero.powersgd import PowerSGDState
-
-    return PowerSGDState
 
 
 def hook_result(value: Any) -> Tensor:
