@@ -37,6 +37,12 @@ def main() -> None:
         if fabric.global_rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(120)  # stopped by the agent when it sees rank 1 fail
+    # Exiting right after a Gloo collective races with torch: the group's worker thread may release the
+    # finished work (decref'ing its tensors) while Python finalises, and that thread's GIL request then
+    # aborts the process ("terminate called without an active exception", seen about once in 25 exits
+    # under gdb: pt_gloo_runloop in ~AsyncAllreduceWork -> take_gil -> pthread_exit). Destroying the group
+    # joins its threads first.
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
