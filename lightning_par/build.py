@@ -37,7 +37,7 @@ class ZeroOptions:
     reduce_op: ReduceChoice = "auto"
     find_unused_parameters: bool = False
     zero3_units: UnitPolicy = None
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None  # None: True, False under a pipeline
     prefetch: bool = True
     allow_untested_optimizer: bool = False
     comm_hook: HookName | CommHook | None = None
@@ -71,7 +71,8 @@ def build_engine(
     Stage 3 is built for evaluation too, because a meta-initialised model exists only as shards; it
     materialises meta parameters from ``values(name)`` (pretrained weights) or their initialisers on
     ``device``. Under a pipeline (``pipelined``) a step's micro-batches are its accumulation window, so
-    stages 1/2 reduce once at the window's end.
+    stages 1/2 reduce once at the window's end, and stage 3 keeps its units gathered across the
+    micro-batches (``reshard_after_forward`` unset) and reduce-scatters once, at ``flush()``.
     """
     compression = resolve_comm_hook(
         options.comm_hook, options.comm_hook_state, group=group, powersgd_rank=options.powersgd_rank
@@ -81,7 +82,9 @@ def build_engine(
             module,
             group=group,
             units=options.zero3_units,
-            reshard_after_forward=options.reshard_after_forward,
+            reshard_after_forward=(
+                options.reshard_after_forward if options.reshard_after_forward is not None else not pipelined
+            ),
             prefetch=options.prefetch,
             reduce_op=resolve_reduce_op(options.reduce_op, group),
             find_unused_parameters=options.find_unused_parameters,
@@ -92,6 +95,7 @@ def build_engine(
             device=device,
             comm_dtype=compression.dtype,
             gather_dtype=GATHER_DTYPES[options.gather_dtype] if options.gather_dtype else None,
+            defer_reduction=pipelined,
         )
     if not fitting:
         broadcast_module_states(module, group=group)

@@ -46,7 +46,7 @@ from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check
 from lightning_par.zero.engine import Engine, ReduceChoice
 from lightning_par.zero.grad_sync import GradSyncPolicy
 from lightning_par.zero.meta_init import ValuesFn, materialize_local, move_real_tensors, params_on_meta
-from lightning_par.zero.units import UnitPolicy
+from lightning_par.zero.units import UnitPolicy, check_pipeline_units
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -71,7 +71,9 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         zero3_units: stage 3: which modules gather their parameters together: module classes or
             ``fnmatch`` patterns of module names (default: every child of an ``nn.ModuleList``).
         reshard_after_forward: stage 3: free gathered parameters after each unit's forward (re-gather in
-            backward: 3Ψ traffic, least memory) or keep them until backward (2Ψ traffic).
+            backward: 3Ψ traffic, least memory) or keep them until backward (2Ψ traffic). ``None``
+            (default): True, but False under pipeline parallelism, where units stay gathered across a
+            step's micro-batches and their gradients are reduce-scattered once, after the last one.
         prefetch: stage 3: gather the next unit while the current one computes.
         meta_init: stage 3 (or with ``pretrained``): run ``configure_model()`` with parameters on the meta
             device (buffers stay real) and materialise only this rank's shard or slice, unit by unit, from
@@ -130,7 +132,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         reduce_op: ReduceChoice = "auto",
         find_unused_parameters: bool = False,
         zero3_units: UnitPolicy = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         prefetch: bool = True,
         meta_init: bool = True,
         activation_checkpointing: bool | UnitPolicy = False,
@@ -267,6 +269,10 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         )
         if composition.pipeline is not None:
             assert self.num_microbatches is not None
+            if self.zero_stage == 3:  # before any collective: every rank refuses alike
+                layers, pieces = pipeline_layers_of(module), composition.pipeline.pieces
+                pp = self.pipeline_parallel_size
+                check_pipeline_units(self.model, self.zero3_units, layers=layers, pieces=pieces, pp_size=pp)
             self._pipeline = build_pipeline(
                 module,
                 composition.pipeline,

@@ -54,11 +54,6 @@ def check_options(
     if pipeline_parallel_size > 1:
         num_microbatches = num_microbatches or 2 * pipeline_parallel_size
         validate_sizes(pipeline_schedule, p=pipeline_parallel_size, m=num_microbatches, v=virtual_stages)
-        if zero_stage == 3:
-            raise ValueError(
-                "zero_stage=3 with pipeline_parallel_size > 1 is not supported: a stage's parameters are"
-                " already 1/p of the model; use zero_stage 1 or 2 with the pipeline."
-            )
         if grad_sync == "every":
             raise ValueError(
                 "grad_sync='every' with pipeline parallelism: the micro-batches of a pipeline step are"

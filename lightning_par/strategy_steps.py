@@ -53,9 +53,11 @@ class StrategySteps(ZeroCheckpointIO):
         """Around every step: the engine's step context (the ZeRO-3 root unit gathered, a new window's
         gradients pointed into the flat buffer), buffers synchronised as DDP would. Under pipeline
         parallelism the pipeline manages its windows itself (it zeroes at a window's start, and Lightning
-        zeroes ``param.grad`` after its backwards, which must not empty the buffer)."""
+        zeroes ``param.grad`` after its backwards, which must not empty the buffer); only ZeRO-3's root
+        unit (embeddings, final norm, head: what the pipeline's layers do not gather) is gathered here."""
         engine = self._engine
-        with engine.forward_context() if engine is not None and self._pipeline is None else nullcontext():
+        gather = engine is not None and (self._pipeline is None or engine.shards_params)
+        with engine.forward_context() if engine is not None and gather else nullcontext():
             self._buffer_sync.before_forward()
             yield
             synchronising = training and (engine is None or engine.sync_enabled)

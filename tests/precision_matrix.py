@@ -65,8 +65,6 @@ class Combo:
 
 def refusal(combo: Combo) -> str | None:
     """Why a combination is not run (the package refuses it, or it does not apply), else None."""
-    if combo.stage == 3 and combo.pp > 1:
-        return "refused: zero_stage=3 with pipeline_parallel_size > 1 is not supported"
     if combo.token and combo.pp > 1:
         return "not applicable: under pipeline parallelism pipeline_loss runs, not training_step"
     return None
@@ -179,6 +177,12 @@ class Record(pl.Callback):
         self.skipped.append(bool(getattr(plugin, "last_step_skipped", False)))
         gpt = module.gpt  # type: ignore[attr-defined]
         tied = gpt.embed.tok.weight if not gpt.embed.tok.weight.is_meta else gpt.head.lm_head.weight
+        engine = getattr(trainer.strategy, "_engine", None)
+        if engine is not None and engine.shards_params and not tied.is_meta:
+            # ZeRO-3: the copy is sharded over the stage's dp group; gather it (collective over dp)
+            full = engine.full_state_dict(to_rank=engine.rank)
+            names = ("embed.tok.weight", "lm_head.weight")
+            tied = next(v for k, v in sorted(full.items()) if k.endswith(names))
         self.tied.append(None if tied.is_meta else _checksum(tied))
 
     def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:

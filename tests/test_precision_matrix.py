@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import pytest
 import torch
 
 from tests.distributed import run_distributed
@@ -103,11 +102,3 @@ def test_every_precision_combination_matches_one_process() -> None:
     references = run_distributed(run_references, 1, keys, init_group=False, timeout=900.0)[0]
     rows = evaluate(results, references, strict=True)
     assert sum(r["status"] == "ok" for r in rows) == len(selected)
-
-
-def test_refused_combinations_say_why() -> None:
-    """zero_stage=3 with pipeline stages is refused when the strategy is built (before any process)."""
-    from lightning_par import HybridParallelStrategy
-
-    with pytest.raises(ValueError, match=r"zero_stage=3 with pipeline_parallel_size > 1 is not supported"):
-        HybridParallelStrategy(zero_stage=3, pipeline_parallel_size=2)

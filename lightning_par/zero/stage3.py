@@ -25,6 +25,17 @@ embeddings, final norm, tied head) is gathered by :meth:`Stage3Engine.forward_co
 wraps every step in it) or by a pre-hook on the root module, and stays gathered until its gradients are
 reduced.
 
+Deferred reduction (``defer_reduction=True``, what pipeline parallelism uses): a pipeline step runs the
+forwards and backwards of its micro-batches interleaved, so a unit's backward comes once per micro-batch.
+Reducing after each would cost ``m`` reduce-scatters per unit and step, and freeing after each would
+re-gather the unit for every micro-batch. Instead each unit's gradients are summed, unsharded, in its
+gradient buffer across the window's backwards, the units stay gathered between them (unless
+``reshard_after_forward``, whose default the strategy turns off under a pipeline, as torchtitan does), and
+:meth:`flush` (after the last micro-batch, and after tied gradients were summed over their stages through
+:meth:`grad_view`) reduce-scatters every unit once, in the common order, frees them and ends the window.
+The shard then holds the same ``(1/N) Σ_r Σ_k g_{r,k}``; memory during the step is the stage's gathered
+parameters and one unsharded gradient per unit, the cost of keeping the pipeline's units whole.
+
 Frozen parameters (``requires_grad=False``, e.g. the base weights of a LoRA model) are sharded in their
 units like the others (1/N per rank) and gathered for forward and backward, but they get no gradient
 buffer, no master and no optimizer state (see :mod:`lightning_par.zero.unit`). Because a unit's last
@@ -103,6 +114,7 @@ class Stage3Engine(Stage3Reduce):
         device: torch.device | None = None,
         comm_dtype: torch.dtype | None = None,
         gather_dtype: torch.dtype | None = None,
+        defer_reduction: bool = False,
     ) -> None:
         if gather_dtype not in (None, torch.float16, torch.bfloat16, torch.int8):
             raise ValueError(f"gather_dtype must be None, float16, bfloat16 or int8, got {gather_dtype}.")
@@ -114,6 +126,7 @@ class Stage3Engine(Stage3Reduce):
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.reshard_after_forward = reshard_after_forward
+        self.defer_reduction = defer_reduction  # reduce once per window, at flush() (module docstring)
         self.prefetch = prefetch
         self.reduce_op: ReduceOp = reduce_op
         self.find_unused_parameters = find_unused_parameters
@@ -318,11 +331,22 @@ class Stage3Engine(Stage3Reduce):
         self._sync_listeners.append(listener)
 
     def flush(self) -> None:
-        """Nothing is held back: ZeRO-3 reduces into the shard at the end of every backward."""
+        """With ``defer_reduction``: reduce every unit's summed gradient and end the window. Otherwise
+        nothing is held back: ZeRO-3 reduces into the shard at the end of every backward."""
+        if self.defer_reduction:
+            self._reduce_all(finish=True)
 
     def grad_view(self, param: nn.Parameter) -> Tensor | None:
-        """None: stage 3 keeps no full gradient between backwards."""
-        return None
+        """With ``defer_reduction``: ``param``'s view of its unit's unsharded gradient sum (created, zero,
+        if no gradient came yet), where a caller may add to it or reduce it in place before :meth:`flush`
+        (tied stage gradients, zero-bubble weight passes). None otherwise: stage 3 keeps no full gradient
+        between backwards."""
+        found = self._unit_of.get(id(param)) if self.defer_reduction else None
+        if found is None:
+            return None
+        unit, slot = found
+        self._touched[id(param)] = True  # a gradient is added there
+        return self._slot_view(unit, slot)
 
     @property
     def sync_enabled(self) -> bool:

@@ -19,6 +19,11 @@ engine attributes it works on.
   gradient: collectives must match across ranks), the queue is drained, every gathered unit is freed (the
   root is gathered again inside a step), and a synchronising backward settles unused parameters, attaches
   the gradients to the masters and calls the listeners.
+* Deferred reduction (``defer_reduction``, pipelines): gradients are added into the unit's buffer and
+  nothing is launched in backward; the end of a backward frees nothing (units stay gathered for the next
+  micro-batch) unless ``reshard_after_forward``; the engine's ``flush`` then runs
+  :meth:`Stage3Reduce._reduce_all`: every unit launched in the common order, drained, freed, and the
+  window ended, as at the end of a synchronising backward.
 * Gather/free: a unit is freed after backward once its gradients are launched and, with frozen
   parameters, once backward no longer needs them.
 """
@@ -46,6 +51,8 @@ class Stage3Reduce(Stage3Optim):
     world: int
     reduce_op: ReduceOp
     find_unused_parameters: bool
+    defer_reduction: bool
+    reshard_after_forward: bool
     max_inflight: int
     dtype: torch.dtype
     comm_dtype: torch.dtype | None
@@ -88,6 +95,12 @@ class Stage3Reduce(Stage3Optim):
         self._queue_callback()
         unit, slot = self._unit_of[id(param)]
         grad = param.grad
+        if self.defer_reduction:  # summed over the window's backwards, reduced at flush
+            if grad is not None:
+                self._slot_view(unit, slot).add_(grad)
+                param.grad = None
+                self._touched[id(param)] = True
+            return
         if unit.grad_buf is None:  # the unit's first gradient in this backward
             unit.grad_buf = self._acquire(_train(unit).layout.numel)
             unit.pending = len(unit.params)
@@ -99,6 +112,13 @@ class Stage3Reduce(Stage3Optim):
         unit.pending -= 1
         if unit.pending == 0:
             self._launch_in_order()
+
+    def _slot_view(self, unit: Unit, slot: int) -> Tensor:
+        """``slot``'s view of the unit's gradient buffer (acquired, zero, on first use)."""
+        if unit.grad_buf is None:
+            unit.grad_buf = self._acquire(_train(unit).layout.numel)
+        s = _train(unit).layout.slots[slot]
+        return unit.grad_buf[s.offset : s.end].view(s.shape)
 
     def _reduce_order(self) -> list[Unit]:
         """Units with gradients, in the order their reductions are issued (the same on every rank)."""
@@ -151,11 +171,23 @@ class Stage3Reduce(Stage3Optim):
     def _finalize_backward(self) -> None:
         self._callback_queued = False
         self._recording = False
+        if self.defer_reduction:  # the window goes on: flush() reduces
+            if self.reshard_after_forward:
+                for unit in self.units:
+                    if unit is not self.root:
+                        self._free(unit)
+            return
+        self._reduce_all(finish=self._sync)
+
+    def _reduce_all(self, *, finish: bool) -> None:
+        """Launch every unit not reduced yet (zeros where it got no gradient: collectives must match),
+        drain the queue, free every unit (the root is gathered again inside a step) and, with ``finish``,
+        end the window."""
         for unit in self._reduce_order():
             if not unit.reduced:
                 self._launch(unit)  # every rank reduces every unit: collectives must match
         missing = None
-        if self._sync:
+        if finish:
             params = [(n, p) for u in self.units for n, p in zip(u.names, u.params, strict=True)]
             missing = MissingGradients(
                 [self._touched[id(p)] for _, p in params],

@@ -84,3 +84,44 @@ def plan_units(root: nn.Module, policy: UnitPolicy = None) -> UnitPlan:
     units = [(p, modules[p], owned[p]) for p in picks if owned[p]]
     units.append(("", root, owned[""]))
     return UnitPlan(units=units)
+
+
+def check_pipeline_units(
+    root: nn.Module,
+    policy: UnitPolicy,
+    *,
+    layers: Sequence[nn.Module],
+    pieces: Sequence[tuple[int, int]],
+    pp_size: int,
+) -> None:
+    """Refuse a unit policy that a pipeline cannot serve: every unit must be one of the pipeline ``layers``
+    or lie inside one. A pipeline calls its layers, never their parents, so a unit above them would never
+    be gathered by its own forward, and one spanning layers of several stages (``pieces``: each virtual
+    stage's layer range, virtual stage ``g`` on rank ``g % pp_size``) would hold parameters that live on
+    other ranks. Depends only on the model's structure, so every rank raises alike."""
+    names = {id(m): n for n, m in root.named_modules()}
+    inside: dict[int, int] = {}  # module id -> index of the layer that holds it
+    for index, layer in enumerate(layers):
+        for module in layer.modules():
+            inside.setdefault(id(module), index)
+    stage_of = {i: g % pp_size for g, (lo, hi) in enumerate(pieces) for i in range(lo, hi)}
+    modules = dict(root.named_modules())
+    for name in match_modules(root, policy):
+        if id(modules[name]) in inside:
+            continue
+        held = sorted({i for m in modules[name].modules() if (i := inside.get(id(m))) is not None})
+        stages = sorted({stage_of[i] for i in held if i in stage_of})
+        where = (
+            f"it holds pipeline layers {held[0]}..{held[-1]} on stages {stages}, so its parameters cross a"
+            " stage boundary"
+            if len(stages) > 1
+            else "it is not a pipeline layer nor inside one, so the pipeline (which calls the layers) would"
+            " never gather it"
+        )
+        layer_names = [names.get(id(layer), type(layer).__name__) for layer in layers[:3]]
+        raise ValueError(
+            f"zero3_units selects {name!r} as a ZeRO-3 unit, but {where}. Under pipeline parallelism every"
+            f" unit must be a pipeline layer (e.g. {layer_names}) or lie inside one: pass the block class,"
+            " name patterns of modules inside the layers, or leave zero3_units unset (every child of an"
+            " nn.ModuleList)."
+        )
