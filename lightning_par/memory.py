@@ -15,7 +15,10 @@ Frozen parameters (``requires_grad=False``, e.g. a LoRA model's base) add ``P Φ
 optimizer state: they have no gradient, no master and no optimizer state.
 
 where the live units are the root unit (gathered for the whole step) plus a block and its prefetched
-successor. E.g. mixed-precision AdamW (P=G=2, M=4, S=8): stage 1 ≈ 4Ψ + 12Ψ/N, stage 2 ≈ 2Ψ + 14Ψ/N,
+successor; under pipeline parallelism (``pp > 1``) every unit of the stage stays gathered for the step
+(``PΨ`` live) and the gradient sums wait unsharded for the step's one reduce-scatter (``GΨ`` of
+communication buffers), about ZeRO-1's peak, with stage 3's ``1/N`` between steps.
+E.g. mixed-precision AdamW (P=G=2, M=4, S=8): stage 1 ≈ 4Ψ + 12Ψ/N, stage 2 ≈ 2Ψ + 14Ψ/N,
 stage 3 ≈ 16Ψ/N (ZeRO paper accounting). With ``grad_sync="boundary"`` stage 2 keeps the full local
 buffer like stage 1.
 Communication buffers are bounded: at most ``max_inflight + 1`` pooled buckets (never more than there
@@ -170,7 +173,12 @@ def estimate_memory(
     s_bytes = _STATE_BYTES[optimizer]
     params = p_bytes * (psi + phi)
     comm = live = 0.0
-    if zero_stage == 3:
+    if zero_stage == 3 and pp > 1:
+        # under a pipeline every unit stays gathered for the step and its gradients are summed unsharded
+        # until the one reduce-scatter after the last micro-batch (zero/stage3.py, deferred reduction)
+        params, grads, opt = p_bytes * (psi + phi) / dp, g_bytes * psi / dp, (m_bytes + s_bytes) * psi / dp
+        live, comm = p_bytes * (psi + phi), g_bytes * psi
+    elif zero_stage == 3:
         params, grads, opt = p_bytes * (psi + phi) / dp, g_bytes * psi / dp, (m_bytes + s_bytes) * psi / dp
         if isinstance(model_or_param_count, nn.Module):
             units = plan_units(model_or_param_count).units

@@ -109,8 +109,6 @@ def plan(
                 continue
             dp = world // (tp * pp)
             for stage in stages:
-                if stage == 3 and pp > 1:
-                    continue  # refused by the strategy: a stage is already 1/p of the model
                 for precision in precisions:
                     est = estimate_memory(psi, zero_stage=stage, dp=dp, tp=tp, pp=pp, precision=precision)
                     states = est["parameters"] + est["gradients"] + est["optimizer_state"] + est["live_units"]
