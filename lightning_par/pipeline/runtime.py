@@ -10,8 +10,13 @@ Transfers (NCCL rules, the same code on Gloo): every transfer goes through
 ``torch.distributed.batch_isend_irecv`` in the batches of :mod:`lightning_par.pipeline.p2p`, one batch
 after each unit round of the schedule, matched by order and never by tag; the plan of every rank is
 checked (pairing and absence of deadlock, simulated in pure Python) before its first use, so a plan that
-could hang is refused with a ``ValueError`` instead of run. Each batch is waited for before the next
-compute; under NCCL that wait only orders the compute stream after the transfers, the host runs on.
+could hang is refused with a ``ValueError`` instead of run. A batch is posted as soon as the rank reaches
+it, but waited for only where its data is used: a received tensor right before the action that consumes
+it, sends at the end of the step (their tensors stay referenced until then). So a rank whose next action
+does not depend on a transfer computes on instead of waiting for its peer to reach the same batch (the
+interleaved schedule's chunks), and since every batch is posted no later than with waiting at each
+batch, the checked plan cannot deadlock. Under NCCL a wait only orders the compute stream after the
+transfers; the host runs on.
 Every tensor handed to a p2p op or a collective lives on :attr:`PipelineRuntime.device`.
 
 Shapes are agreed once per shape change, not per micro-batch. Each step (training or evaluation) starts
@@ -88,6 +93,26 @@ class _Mail:
     # (virtual stage, mb) -> (input, output) of a forward awaiting its backward; a received gradient
     # takes its output's shape
     saved: dict[tuple[int, int], tuple[Any, Tensor]] = field(default_factory=dict)
+    # posted and not waited for: a received transfer's works (waited before its use); sends' works and
+    # tensors (waited at the end of the step)
+    pending: dict[Transfer, list[Any]] = field(default_factory=dict)
+    sending: list[tuple[list[Any], Tensor]] = field(default_factory=list)
+
+    def take(self, t: Transfer) -> Tensor:
+        """A received (or handed over) tensor, after waiting for its transfer."""
+        for work in self.pending.pop(t, []):
+            work.wait()
+        return self.inbox.pop(t)
+
+    def settle(self) -> None:
+        """Wait for every transfer still in flight (the step's end)."""
+        for works, _ in self.sending:
+            for work in works:
+                work.wait()
+        for works in self.pending.values():
+            for work in works:
+                work.wait()
+        self.sending, self.pending = [], {}
 
 
 class PipelineRuntime:
@@ -190,8 +215,9 @@ class PipelineRuntime:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _exchange(self, batch: Batch, mail: _Mail) -> None:
-        """Post ``batch`` in one ``batch_isend_irecv`` and wait for it; read the headers it received."""
-        ops = []
+        """Post ``batch`` in one ``batch_isend_irecv``; its waits are deferred to the uses (module
+        docstring), except for headers, read on the host at once (learning steps only)."""
+        ops, tensors = [], []
         for op in batch.ops:
             if op.send:
                 tensor = mail.outbox.pop(op.transfer)
@@ -199,14 +225,22 @@ class PipelineRuntime:
                 tensor = mail.inbox[op.transfer] = self._buffer(op.transfer, mail)
             send_or_recv = dist.isend if op.send else dist.irecv
             ops.append(dist.P2POp(send_or_recv, tensor, self._peer(op.peer), self.group))
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            tensors.append(tensor)
+        works = list(dist.batch_isend_irecv(ops))
+        # Gloo returns a work per op; NCCL one for the coalesced batch, which every op then waits on
+        per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)
+        for op, tensor, mine in zip(batch.ops, tensors, per_op, strict=True):
+            if op.send:
+                mail.sending.append((mine, tensor))
+            else:
+                mail.pending[op.transfer] = mine
         for op in batch.ops:
             t = op.transfer
             if not op.send and t.kind == "hdr":  # learning steps only: one host read per header
-                mail.layout[Transfer("act", t.src, t.dst, t.mb)] = _decode(mail.inbox.pop(t))
+                mail.layout[Transfer("act", t.src, t.dst, t.mb)] = _decode(mail.take(t))
 
     def _finish(self, ident: int, mail: _Mail) -> None:
+        mail.settle()
         if mail.learn:
             self._layouts[ident] = mail.layout
 
@@ -273,7 +307,7 @@ class PipelineRuntime:
                 busy += time.perf_counter() - t0
             else:
                 x, out = mail.saved.pop((g, action.mb))
-                grad = None if g == self.last else mail.inbox.pop(Transfer("grad", g + 1, g, action.mb))
+                grad = None if g == self.last else mail.take(Transfer("grad", g + 1, g, action.mb))
                 context = nullcontext() if action == self._last_backward and sync_last else no_sync()
                 t0 = time.perf_counter()
                 with context:
@@ -352,7 +386,7 @@ class PipelineRuntime:
             if inputs is None:
                 raise ValueError("The first pipeline stage needs the micro-batch inputs.")
             return inputs[mb]
-        x = mail.inbox.pop(Transfer("act", g - 1, g, mb))
+        x = mail.take(Transfer("act", g - 1, g, mb))
         if grad and x.is_floating_point():
             x.requires_grad_(True)
         return x

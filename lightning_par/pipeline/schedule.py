@@ -17,9 +17,13 @@ input gradient to ``g - 1``.
 * ``zb`` (zero bubble, ZB-H1 of Qi et al., 2023): the backward is split into ``B`` (the gradient of the
   stage's input, which the previous stage waits for) and ``W`` (the weight gradients, which nobody waits
   for). ``W`` passes are placed where 1F1B idles: the order comes from :func:`_zero_bubble`, a simulation
-  with equal unit costs in which every rank prefers ``B``, then ``F``, then ``W``, with at most ``p - s``
-  micro-batches between their ``F`` and their ``W`` on rank ``s`` (1F1B's activation memory). With
-  ``F = B = W`` its bubble is ``(p-1)/(3m + p - 1)``, a third of 1F1B's; it needs ``m >= p``.
+  with equal unit costs in which every rank prefers ``B``, then ``F``, then ``W``. Memory: at most
+  ``p - s`` micro-batches between their ``F`` and their ``B`` on rank ``s`` (1F1B's whole activations),
+  and at most ``p`` between their ``F`` and their ``W`` (what ``W`` needs, the linear layers' inputs and
+  output gradients, for no more micro-batches than 1F1B's peak on rank 0). Bounding the second by
+  ``p - s`` as well would make the last stage run ``F B W`` in lockstep, which doubles the bubble. With
+  ``F = B = W`` ZB-H1's bubble is ``(p-1)/(3m + p - 1)``, a third of 1F1B's; this order reaches it
+  exactly for ``p = 2`` and even ``m``, and within 3 unit rounds otherwise. It needs ``m >= p``.
 
 :func:`check_schedule` simulates all ranks with blocking receives and reports a deadlock, a backward
 before its forward, a missing action, or sends that do not match receives; :func:`peak_in_flight`
@@ -96,8 +100,8 @@ def _one_f_one_b(s: int, *, p: int, m: int) -> list[Action]:
 def _zero_bubble(*, p: int, m: int) -> list[list[Action]]:
     """ZB-H1 by simulation (module docstring): unit-time rounds; in each round every rank runs the first
     ready action of: the oldest ``B`` whose output gradient arrived in an earlier round, the next ``F``
-    whose input arrived (while fewer than ``p - s`` micro-batches wait for their ``W``), the oldest
-    pending ``W``."""
+    whose input arrived (while fewer than ``p - s`` micro-batches wait for their ``B`` and fewer than
+    ``p`` for their ``W``), the oldest pending ``W``."""
     out: list[list[Action]] = [[] for _ in range(p)]
     done: dict[tuple[str, int, int], int] = {}  # (kind, rank, mb) -> round
     next_f, next_b = [0] * p, [0] * p
@@ -110,7 +114,10 @@ def _zero_bubble(*, p: int, m: int) -> list[list[Action]]:
             if b < f and (s == p - 1 or done.get(("B", s + 1, b), t) < t):
                 ran.append((s, Action("B", 0, b)))
             elif (
-                f < m and (s == 0 or done.get(("F", s - 1, f), t) < t) and f - (b - len(pending_w[s])) < p - s
+                f < m
+                and (s == 0 or done.get(("F", s - 1, f), t) < t)
+                and f - b < p - s  # 1F1B's bound on whole activations (freed by B)
+                and f - (b - len(pending_w[s])) < p  # the inputs W needs: at most 1F1B's peak, p
             ):
                 ran.append((s, Action("F", 0, f)))
             elif pending_w[s]:
@@ -204,10 +211,11 @@ def check_schedule(schedule: list[list[Action]], *, p: int, m: int, v: int) -> N
             raise ValueError(f"sends {key} in order {order} are received in order {recv.get(key)}.")
 
 
-def peak_in_flight(actions: list[Action]) -> int:
+def peak_in_flight(actions: list[Action], *, until: Literal["B", "W"] | None = None) -> int:
     """Largest number of (chunk, micro-batch) forwards whose backward has not finished yet (with a split
-    backward, ``zb``: whose ``W`` has not run, as the activations stay until then)."""
-    done = "W" if any(a.kind == "W" for a in actions) else "B"
+    backward, ``zb``: whose ``W`` has not run, as the inputs ``W`` needs stay until then; ``until="B"``
+    counts up to the ``B`` instead, the whole activations)."""
+    done = until or ("W" if any(a.kind == "W" for a in actions) else "B")
     live = peak = 0
     for a in actions:
         live += 1 if a.kind == "F" else -1 if a.kind == done else 0
