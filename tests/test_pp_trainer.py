@@ -134,6 +134,15 @@ CASES = [
         ),
     ),
     (2, dict(pipeline_parallel_size=2, num_microbatches=4, pipeline_schedule="zb", zero_stage=1)),
+    (  # zb's weight passes with blocks recomputed in backward (the recomputation records nothing)
+        2,
+        dict(
+            pipeline_parallel_size=2,
+            num_microbatches=4,
+            pipeline_schedule="zb",
+            activation_checkpointing=True,
+        ),
+    ),
     (4, dict(pipeline_parallel_size=2, num_microbatches=2, zero_stage=1)),
     (4, dict(pipeline_parallel_size=2, num_microbatches=2, zero_stage=2)),
     (4, dict(pipeline_parallel_size=2, tensor_parallel_size=2, tp_plan="gpt", num_microbatches=4)),
