@@ -5,7 +5,7 @@ micro-batches (``reshard_after_forward`` unset) and every unit is reduced once p
 micro-batch and the tied embedding/head exchange; with ``reshard_after_forward=True`` they are re-gathered
 per use. 1F1B (with global-norm clipping), interleaved 1F1B and the zero-bubble schedule give the
 reference's losses, validation loss and final weights (``consolidated_state_dict()``, which gathers over
-stages and shards); the counts of gathers and reductions per step are checked against what the mode
+stages and shards), and ``trainer.test`` after fit gives the reference's final validation loss; the counts of gathers and reductions per step are checked against what the mode
 promises. A unit policy that crosses a stage boundary is refused at setup, on every rank.
 """
 
@@ -86,13 +86,17 @@ def _run(rank: int, world: int, tmp: str) -> dict[str, Any]:
         train = DataLoader(Tokens(N), batch_size=GLOBAL // DP, shuffle=True)
         trainer.fit(_module(), train, DataLoader(Tokens(8), batch_size=8 // DP))
         state = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+        val_loss = float(trainer.callback_metrics["val_loss"])
+        if name == "1f1b":  # the evaluation path after fit: the final weights on the validation data
+            tested = trainer.test(trainer.lightning_module, DataLoader(Tokens(8), batch_size=8 // DP))
         out[name] = {
             "losses": rec.losses,
-            "val_loss": float(trainer.callback_metrics["val_loss"]),
+            "val_loss": val_loss,
             "state": {k: v.clone() for k, v in state.items()},
             "gathers": count.gathers,
             "reductions": count.reductions,
             "units": count.units,
+            "test_loss": tested[0]["test_loss"] if name == "1f1b" else None,
         }
     # blocks 0 and 1 are pipeline layers on different stages: a unit holding both crosses the boundary
     strategy = HybridParallelStrategy(zero_stage=3, pipeline_parallel_size=2, zero3_units=["model.blocks"])
@@ -112,6 +116,8 @@ def test_zero3_pipeline_matches_single_process(tmp_path: Path) -> None:
         torch.testing.assert_close(losses.mean(0), ref_losses, msg=name)
         for r in results:
             assert r[name]["val_loss"] == pytest.approx(ref_val, rel=1e-5), name
+            if name == "1f1b":
+                assert r[name]["test_loss"] == pytest.approx(ref_val, rel=1e-5)
         state = results[0][name]["state"]
         assert set(ref_state) <= set(state), name
         for k, v in ref_state.items():
@@ -138,6 +144,9 @@ def test_pipeline_unit_policies_are_checked_against_the_layers() -> None:
     pieces = [(0, 2), (2, 4)]
     check_pipeline_units(module, None, layers=layers, pieces=pieces, pp_size=2)  # the blocks
     check_pipeline_units(module, ["*.attn", "*.mlp"], layers=layers, pieces=pieces, pp_size=2)
+    module.metrics = torch.nn.ModuleList([torch.nn.Identity()])  # no parameters: no unit, not refused
+    check_pipeline_units(module, None, layers=layers, pieces=pieces, pp_size=2)
+    del module.metrics
     with pytest.raises(ValueError, match=r"'model' as a ZeRO-3 unit, but it holds pipeline layers 0\.\.3"):
         check_pipeline_units(module, ["model"], layers=layers, pieces=pieces, pp_size=2)
     # all on one stage, but above the layers: the pipeline never calls it

@@ -107,8 +107,8 @@ def check_pipeline_units(
     stage_of = {i: g % pp_size for g, (lo, hi) in enumerate(pieces) for i in range(lo, hi)}
     modules = dict(root.named_modules())
     for name in match_modules(root, policy):
-        if id(modules[name]) in inside:
-            continue
+        if id(modules[name]) in inside or next(modules[name].parameters(), None) is None:
+            continue  # inside a layer, or no unit at all (e.g. metrics in an nn.ModuleList)
         held = sorted({i for m in modules[name].modules() if (i := inside.get(id(m))) is not None})
         stages = sorted({stage_of[i] for i in held if i in stage_of})
         where = (
