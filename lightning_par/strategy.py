@@ -384,19 +384,8 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         module = self.lightning_module
         if module is None or not any(p.is_meta for p in module.parameters()):
             super().teardown()
-            return
-        # Lightning's teardown moves the whole module to the CPU, which layers of other pipeline stages
-        # (meta placeholders) cannot do: move only real tensors, then release the rest as it does.
-        _optimizers_to_device(self.optimizers, torch.device("cpu"))
-        with torch.no_grad():
-            for t in (*module.parameters(), *module.buffers()):
-                if not t.is_meta:
-                    t.data = t.data.cpu()
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
+        else:
+            self._teardown_with_meta(module)
 
     @classmethod
     @override

@@ -23,6 +23,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
@@ -180,6 +181,21 @@ class MeshStrategy(ZeroCheckpointIO):
         log.info("lightning_par: %r", self._mesh)
 
     # ------------------------------------------------------------------ collectives
+    def _teardown_with_meta(self, module: torch.nn.Module) -> None:
+        """Lightning's teardown for a module with meta placeholders (layers of other pipeline stages):
+        Lightning's moves the whole module to the CPU, which meta tensors cannot do; move only the real
+        tensors, then release the rest as it does."""
+        _optimizers_to_device(self.optimizers, torch.device("cpu"))
+        with torch.no_grad():
+            for t in (*module.parameters(), *module.buffers()):
+                if not t.is_meta:
+                    t.data = t.data.cpu()
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
     @override
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
