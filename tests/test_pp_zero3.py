@@ -5,8 +5,9 @@ micro-batches (``reshard_after_forward`` unset) and every unit is reduced once p
 micro-batch and the tied embedding/head exchange; with ``reshard_after_forward=True`` they are re-gathered
 per use. 1F1B (with global-norm clipping), interleaved 1F1B and the zero-bubble schedule give the
 reference's losses, validation loss and final weights (``consolidated_state_dict()``, which gathers over
-stages and shards), and ``trainer.test`` after fit gives the reference's final validation loss; the counts of gathers and reductions per step are checked against what the mode
-promises. A unit policy that crosses a stage boundary is refused at setup, on every rank.
+stages and shards), and ``trainer.test`` after fit gives the reference's final validation loss; the
+counts of gathers and reductions per step are checked against what the mode promises. A unit policy
+that crosses a stage boundary is refused at setup, on every rank.
 """
 
 from __future__ import annotations
