@@ -144,6 +144,34 @@ def test_disk_store_atomic_writes_checksums_and_retention(
         store.load(next(h for h in store.headers() if h["step"] == 6))
 
 
+def test_disk_write_survives_another_rank_removing_the_step_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks share step directories, and a rank whose write failed removes the directory if it is still
+    empty: between another rank's mkdir and its open (a race seen in CI, where rank 0 then failed with
+    ENOENT). The directory is made again and the write succeeds."""
+    plan = snapshot.plan({"x": torch.arange(1000, dtype=torch.float32)})
+    buffer = torch.zeros(plan.nbytes, dtype=torch.uint8)
+    snapshot.copy_into(buffer, plan, [0])
+    store = DiskStore(tmp_path, rank=0)
+    header = {"format": 1, "step": 8, "lineage": "ab", "nbytes": plan.nbytes, "index": plan.index()}
+    real_open = disk_module.os.open
+    raced: list[str] = []
+
+    def raced_open(path: Any, *args: Any) -> int:
+        if str(path).endswith("rank00000.bin.tmp") and not raced:
+            raced.append(str(path))
+            Path(path).parent.rmdir()  # the other rank's cleanup, just before our open
+        return real_open(path, *args)
+
+    monkeypatch.setattr(disk_module.os, "open", raced_open)
+    store.write(header, memoryview(buffer.numpy()))
+    monkeypatch.undo()
+    assert raced and [h["step"] for h in store.headers()] == [8]
+    loaded = store.load(store.headers()[0])
+    assert torch.equal(loaded["x"], torch.arange(1000, dtype=torch.float32))
+
+
 def test_options_are_checked_with_clear_errors() -> None:
     with pytest.raises(ValueError, match="must be a multiple of every_n_steps=4"):
         FlashCheckpoint("x", every_n_steps=4, persist_every_n_steps=10)

@@ -127,12 +127,11 @@ class DiskStore:
                 are untouched.
         """
         directory = self.step_dir(header["lineage"], header["step"])
-        directory.mkdir(parents=True, exist_ok=True)
         path, meta = self._files(directory)
         tmp = path.with_name(path.name + ".tmp")
         try:
             crc = 0
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = _create(tmp)
             try:
                 for lo in range(0, len(data), _CHUNK):
                     chunk = data[lo : lo + _CHUNK]
@@ -146,7 +145,7 @@ class DiskStore:
             committed.pop("path", None)
             payload = pickle.dumps(committed, protocol=pickle.HIGHEST_PROTOCOL)
             meta_tmp = meta.with_name(meta.name + ".tmp")
-            fd = os.open(meta_tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(meta_tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # beside our data: kept
             try:
                 write_bytes(fd, memoryview(payload))
                 os.fsync(fd)
@@ -217,6 +216,20 @@ class DiskStore:
             _rmdir_if_empty(directory)
             removed.append(directory)
         return removed
+
+
+def _create(path: Path, *, attempts: int = 3) -> int:
+    """Open ``path`` for writing, making its directory. Ranks share step directories, and a rank whose
+    write failed removes the directory if it is empty: between our ``mkdir`` and our ``open`` it may be
+    gone, so make it again (once our file exists the directory is not empty, and no rank removes it)."""
+    for attempt in range(attempts):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _rmdir_if_empty(directory: Path) -> None:
