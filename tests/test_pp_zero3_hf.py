@@ -1,0 +1,137 @@
+"""ZeRO-3 with pipeline stages on a model we did not write: Hugging Face's ``GPT2LMHeadModel`` (token table
+tied to the LM head) behind the pipeline protocol, world 4 (pp2 x dp2), 1F1B with clipping, against the
+single-process Trainer running the model's own ``forward``: per-step losses, validation loss and the
+consolidated weights (the tied table's gradient summed over the first and the last stage, then
+reduce-scattered over dp once per step)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, DistributedSampler
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from lightning_par import HybridParallelStrategy
+from tests.distributed import run_distributed
+from tests.test_pp_trainer import _trainer
+from tests.test_strategy import LossRecorder, Tokens
+
+WORLD, DP, GLOBAL, N, SEED = 4, 2, 8, 32, 7
+
+
+class _Embed(nn.Module):
+    """Token plus position embeddings, as ``GPT2Model.forward`` adds them (dropout is off)."""
+
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding) -> None:
+        super().__init__()
+        self.wte, self.wpe = wte, wpe
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+
+
+class _Block(nn.Module):
+    """One ``GPT2Block`` on the hidden states (causal through SDPA's ``is_causal`` without a mask)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        out = self.block(hidden)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class _Head(nn.Module):
+    def __init__(self, ln_f: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.ln_f(hidden))
+
+
+class HFGPT2(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: GPT2LMHeadModel | None = None
+        self._layers: list[nn.Module] = []
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        config = GPT2Config(
+            vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, tie_word_embeddings=True, attn_implementation="sdpa",
+        )  # fmt: skip
+        torch.manual_seed(SEED)
+        self.model = GPT2LMHeadModel(config)
+        t = self.model.transformer
+        # plain list: the wrappers are views of the model's modules, not submodules of this one
+        self._layers = [_Embed(t.wte, t.wpe), *(_Block(b) for b in t.h), _Head(t.ln_f, self.model.lm_head)]
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return self._layers
+
+    def pipeline_loss(self, output: Tensor, batch: Any) -> Tensor:
+        return F.cross_entropy(output.flatten(0, 1), batch[1].flatten())
+
+    def _loss(self, batch: Any) -> Tensor:
+        assert self.model is not None
+        return self.pipeline_loss(self.model(batch[0]).logits, batch)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self._loss(batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.3, momentum=0.9)
+
+
+def _module() -> HFGPT2:
+    pl.seed_everything(SEED)
+    module = HFGPT2()
+    module.configure_model()
+    return module
+
+
+def _run(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    rec = LossRecorder()
+    strategy = HybridParallelStrategy(zero_stage=3, pipeline_parallel_size=2, num_microbatches=2)
+    trainer = _trainer(strategy, world, tmp, [rec])
+    train = DataLoader(Tokens(N), batch_size=GLOBAL // DP, shuffle=True)
+    trainer.fit(_module(), train, DataLoader(Tokens(8), batch_size=8 // DP))
+    state = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+    return {
+        "losses": rec.losses,
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "state": {k: v.clone() for k, v in state.items()},
+    }
+
+
+def test_zero3_pipeline_on_hugging_face_gpt2_matches_single_process(tmp_path: Path) -> None:
+    results = run_distributed(_run, WORLD, str(tmp_path), init_group=False, timeout=400)
+    rec, module = LossRecorder(), _module()
+    sampler = DistributedSampler(Tokens(N), num_replicas=1, rank=0, shuffle=True, seed=SEED)
+    perm = list(sampler)
+    orders = [perm[i : i + GLOBAL] for i in range(0, N, GLOBAL)]
+    trainer = _trainer("auto", 1, str(tmp_path / "ref"), [rec])
+    trainer.fit(module, DataLoader(Tokens(N), batch_sampler=orders), DataLoader(Tokens(8), batch_size=8))
+    ref_val = float(trainer.callback_metrics["val_loss"])
+    losses = torch.tensor([r["losses"] for r in results])
+    torch.testing.assert_close(losses.mean(0), torch.tensor(rec.losses))
+    for r in results:
+        assert r["val_loss"] == pytest.approx(ref_val, rel=1e-5)
+    state = results[0]["state"]
+    reference = dict(module.named_parameters())
+    assert set(reference) <= set(state), sorted(set(reference) - set(state))
+    for name, value in reference.items():
+        torch.testing.assert_close(state[name], value.detach(), msg=name)
