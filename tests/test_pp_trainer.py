@@ -5,6 +5,7 @@ clipping; validation through the pipeline; a checkpoint reloaded at another pipe
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,9 +103,12 @@ def _run(
     }
 
 
-def _reference(tmp: Path, epochs: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
+def _reference(
+    tmp: Path, epochs: int = 1, make: Callable[[], pl.LightningModule] | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
+    """One process over the global batches the dp ranks shared (``make``: the module, default ours)."""
     rec = LossRecorder()
-    module = _module()
+    module = (make or _module)()
     orders = []
     for epoch in range(epochs):
         sampler = DistributedSampler(Tokens(N), num_replicas=1, rank=0, shuffle=True, seed=SEED)

@@ -14,15 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
-from tests.test_pp_trainer import _trainer
+from tests.test_pp_trainer import GLOBAL, SEED, N, _reference, _trainer
 from tests.test_strategy import LossRecorder, Tokens
 
-WORLD, DP, GLOBAL, N, SEED = 4, 2, 8, 32, 7
+WORLD, DP = 4, 2
 
 
 class _Embed(nn.Module):
@@ -119,19 +119,12 @@ def _run(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 def test_zero3_pipeline_on_hugging_face_gpt2_matches_single_process(tmp_path: Path) -> None:
     results = run_distributed(_run, WORLD, str(tmp_path), init_group=False, timeout=400)
-    rec, module = LossRecorder(), _module()
-    sampler = DistributedSampler(Tokens(N), num_replicas=1, rank=0, shuffle=True, seed=SEED)
-    perm = list(sampler)
-    orders = [perm[i : i + GLOBAL] for i in range(0, N, GLOBAL)]
-    trainer = _trainer("auto", 1, str(tmp_path / "ref"), [rec])
-    trainer.fit(module, DataLoader(Tokens(N), batch_sampler=orders), DataLoader(Tokens(8), batch_size=8))
-    ref_val = float(trainer.callback_metrics["val_loss"])
+    ref_losses, reference, ref_val = _reference(tmp_path, make=_module)
     losses = torch.tensor([r["losses"] for r in results])
-    torch.testing.assert_close(losses.mean(0), torch.tensor(rec.losses))
+    torch.testing.assert_close(losses.mean(0), ref_losses)
     for r in results:
         assert r["val_loss"] == pytest.approx(ref_val, rel=1e-5)
     state = results[0]["state"]
-    reference = dict(module.named_parameters())
     assert set(reference) <= set(state), sorted(set(reference) - set(state))
     for name, value in reference.items():
         torch.testing.assert_close(state[name], value.detach(), msg=name)

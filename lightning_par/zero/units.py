@@ -99,13 +99,13 @@ def check_pipeline_units(
     be gathered by its own forward, and one spanning layers of several stages (``pieces``: each virtual
     stage's layer range, virtual stage ``g`` on rank ``g % pp_size``) would hold parameters that live on
     other ranks. Depends only on the model's structure, so every rank raises alike."""
-    names = {id(m): n for n, m in root.named_modules()}
+    modules = dict(root.named_modules())
+    names = {id(m): n for n, m in modules.items()}
     inside: dict[int, int] = {}  # module id -> index of the layer that holds it
     for index, layer in enumerate(layers):
         for module in layer.modules():
             inside.setdefault(id(module), index)
     stage_of = {i: g % pp_size for g, (lo, hi) in enumerate(pieces) for i in range(lo, hi)}
-    modules = dict(root.named_modules())
     for name in match_modules(root, policy):
         if id(modules[name]) in inside or next(modules[name].parameters(), None) is None:
             continue  # inside a layer, or no unit at all (e.g. metrics in an nn.ModuleList)
