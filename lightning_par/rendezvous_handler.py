@@ -5,11 +5,18 @@
 Why: with torch's shared agent store (its default), the address of that store is published only in the
 rendezvous round in which it is made. A node that joins a later round (a replacement, or a node that came
 back) waits for it under that round's keys, which the node hosting the store never writes again: the
-join hangs until the rendezvous timeout (torch 2.13: ``wait timeout ... torchelastic/role_info``). This
-handler is torch's own (``c10d`` backend, every ``--rdzv-conf`` option), and after each round the node of
-rank 0 writes the store's address under the round's keys again. Registered through the
-``torchrun.handlers`` entry point of this package; restarts of a node's own workers need nothing of this
-(see :mod:`lightning_par.rendezvous`).
+join hangs until the rendezvous timeout (torch 2.13: ``wait timeout ... torchelastic/role_info``). And a
+node keeps the address it learnt in its first round even when another node becomes rank 0 later and
+makes a store of its own: the nodes then hand their workers different stores, and the workers wait for
+each other forever. Ranks follow the sorted node descriptors (address, agent pid), so this strikes
+whenever a replacement node sorts first, e.g. when its agent's pid wrapped around.
+
+This handler is torch's own (``c10d`` backend, every ``--rdzv-conf`` option), with one contract added:
+after each round every node hands its workers the store of that round's rank 0. The node of rank 0
+writes its store's address under the round's keys again; every other node reads it from there instead
+of trusting the address it learnt before. Registered through the ``torchrun.handlers`` entry point of
+this package; restarts of a node's own workers need nothing of this (see
+:mod:`lightning_par.rendezvous`).
 """
 
 from __future__ import annotations
@@ -21,8 +28,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 
 class RepublishingHandler(RendezvousHandler):
-    """Delegates to torch's handler ``inner``; :meth:`next_rendezvous` re-publishes the shared store's
-    address in every round (see the module docstring)."""
+    """Delegates to torch's handler ``inner``; :meth:`next_rendezvous` makes every node of a round use the
+    shared store of the round's rank 0 (see the module docstring)."""
 
     def __init__(self, inner: RendezvousHandler) -> None:
         self._inner = inner
@@ -40,10 +47,18 @@ class RepublishingHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         info = self._inner.next_rendezvous()
         address = info.bootstrap_store_info
-        if info.rank == 0 and self._inner.use_agent_store and address is not None:
+        if not self._inner.use_agent_store or address is None:
+            return info
+        if info.rank == 0:
             info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, address.master_addr)
             info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(address.master_port))
-        return info
+            return info
+        # blocks until rank 0 has written them (within the rendezvous's own store timeout)
+        addr = info.store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode()
+        port = int(info.store.get(RendezvousStoreInfo.MASTER_PORT_KEY).decode())
+        if (addr, port) == (address.master_addr, address.master_port):
+            return info
+        return RendezvousInfo(info.store, info.rank, info.world_size, RendezvousStoreInfo(addr, port))
 
     def is_closed(self) -> bool:
         return self._inner.is_closed()

@@ -191,7 +191,12 @@ def test_pipeline_restart_after_kill_resumes_from_memory(tmp_path: Path, shm_roo
     _assert_equal_weights(out, reference)
 
 
-def test_two_nodes_survive_a_killed_agent(tmp_path: Path, shm_root: Path) -> None:
+@pytest.mark.parametrize("replacement_first", [False, True], ids=["A-stays-rank-0", "B2-becomes-rank-0"])
+def test_two_nodes_survive_a_killed_agent(tmp_path: Path, shm_root: Path, replacement_first: bool) -> None:
+    """Node B's agent and worker are killed; a replacement B2 joins and both nodes resume. The rendezvous
+    ranks nodes by address (then agent pid), set here so that B2 sorts after A or before it. Before it:
+    B2's node becomes rank 0 and makes the workers' shared store anew; torch's handler left A's workers
+    on A's old store, and the job hung (in CI it struck when B2's agent pid wrapped around below A's)."""
     out = tmp_path / "out"
     cfg = {
         "out": str(out),
@@ -207,8 +212,9 @@ def test_two_nodes_survive_a_killed_agent(tmp_path: Path, shm_root: Path) -> Non
     port = free_port()
     logs: list[Any] = []
 
-    def agent(node: str, is_host: bool) -> subprocess.Popen[bytes]:
+    def agent(node: str, is_host: bool, addr: str) -> subprocess.Popen[bytes]:
         options = (
+            f"--local-addr={addr}",  # the rendezvous ranks nodes by address first
             "--nnodes=2",
             "--nproc-per-node=1",
             "--rdzv-backend=lightning_par",  # c10d, with a replacement node able to join
@@ -229,9 +235,9 @@ def test_two_nodes_survive_a_killed_agent(tmp_path: Path, shm_root: Path) -> Non
             start_new_session=True,  # the agent's process group: killed like a lost node
         )
 
-    a = agent("A", True)
+    a = agent("A", True, "127.0.0.2")
     time.sleep(1.0)  # A hosts the rendezvous store
-    b = agent("B", False)
+    b = agent("B", False, "127.0.0.3")
     agents = [a, b]
     try:
         reference = _reference(cfg, 2)
@@ -246,9 +252,9 @@ def test_two_nodes_survive_a_killed_agent(tmp_path: Path, shm_root: Path) -> Non
         os.kill(worker, signal.SIGKILL)  # torchrun workers have their own session: kill both
         os.killpg(b.pid, signal.SIGKILL)
         b.wait()
-        replacement = agent("B2", False)
+        replacement = agent("B2", False, "127.0.0.1" if replacement_first else "127.0.0.4")
         agents.append(replacement)
-        assert a.wait(timeout=400) == 0, (tmp_path / "agent_A.log").read_text()[-4000:]
+        assert a.wait(timeout=300) == 0, (tmp_path / "agent_A.log").read_text()[-4000:]
         assert replacement.wait(timeout=100) == 0, (tmp_path / "agent_B2.log").read_text()[-4000:]
     finally:
         for p in agents:
@@ -261,7 +267,12 @@ def test_two_nodes_survive_a_killed_agent(tmp_path: Path, shm_root: Path) -> Non
     assert {r["node"] for r in after} == {"A", "B2"}, records
     steps = {r["resumed"]["step"] for r in after}
     assert len(steps) == 1 and steps.pop() >= 4, after
+    assert {(r["node"], r["rank"]) for r in after} == {
+        ("A", int(replacement_first)),
+        ("B2", 1 - replacement_first),
+    }
     for r in after:
+        # A's memory holds the part of rank 0, its rank before the fault: its own if it still is rank 0
         mine = r["resumed"]["sources"][r["rank"]]
-        assert mine.startswith("memory" if r["node"] == "A" else "disk"), r
+        assert mine.startswith("memory" if (r["node"], r["rank"]) == ("A", 0) else "disk"), r
     _assert_equal_weights(out, reference)
