@@ -107,8 +107,11 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             the LightningModule's ``tp_plan`` attribute. Applied when ``tensor_parallel_size > 1``.
         sequence_parallel: split the activations between tensor-parallel regions along the sequence.
         num_microbatches: micro-batches per pipeline step (default ``2 * pipeline_parallel_size``).
-        pipeline_schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        pipeline_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zb"`` (zero bubble).
         virtual_stages: model chunks per pipeline rank (``interleaved_1f1b`` needs >= 2).
+        pipeline_slack: ``1f1b`` / ``zb``: extra micro-batches in flight on every stage but the last,
+            which absorb fluctuating action times for that many more micro-batches of activations
+            (:mod:`lightning_par.pipeline.schedule`).
         partition_method: how layers are balanced over stages: ``"uniform"``, ``"parameters"`` or
             ``"profile"`` (measured time; uses the LightningModule's ``example_input_array``).
         process_group_backend: default ``"gloo"`` on CPUs and ``"cpu:gloo,cuda:nccl"`` on CUDA (NCCL for
@@ -142,6 +145,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         num_microbatches: int | None = None,
         pipeline_schedule: PipelineSchedule = "1f1b",
         virtual_stages: int = 1,
+        pipeline_slack: int = 0,
         partition_method: PartitionMethod = "parameters",
         process_group_backend: str | None = None,
         timeout_s: float = 1800.0,
@@ -172,6 +176,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             num_microbatches=num_microbatches,
             pipeline_schedule=pipeline_schedule,
             virtual_stages=virtual_stages,
+            pipeline_slack=pipeline_slack,
             partition_method=partition_method,
             timeout_s=timeout_s,
             start_method=start_method,
@@ -205,16 +210,13 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         self.reduce_op: ReduceChoice = reduce_op
         self.find_unused_parameters = find_unused_parameters
         self.zero3_units = zero3_units
-        self.tp_plan = tp_plan
-        self.sequence_parallel = sequence_parallel
-        self.reshard_after_forward = reshard_after_forward
-        self.prefetch = prefetch
-        self.meta_init = meta_init
+        self.tp_plan, self.sequence_parallel = tp_plan, sequence_parallel
+        self.reshard_after_forward, self.prefetch, self.meta_init = reshard_after_forward, prefetch, meta_init
         self.activation_checkpointing = activation_checkpointing
         self.unshard_on_teardown = unshard_on_teardown
         self.pipeline_schedule = pipeline_schedule
         self.num_microbatches = num_microbatches
-        self.virtual_stages = virtual_stages
+        self.virtual_stages, self.pipeline_slack = virtual_stages, pipeline_slack
         self.partition_method: PartitionMethod = partition_method
         self._pipeline: LightningPipeline | None = None
         self._engine: Engine | None = None
@@ -280,6 +282,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
                 schedule=self.pipeline_schedule,
                 num_microbatches=self.num_microbatches,
                 device=self.root_device,
+                slack=self.pipeline_slack,
             )
         plan: PretrainedPlan | None = None
         if self.pretrained is not None:

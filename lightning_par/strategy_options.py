@@ -33,6 +33,7 @@ def check_options(
     num_microbatches: int | None,
     pipeline_schedule: PipelineSchedule,
     virtual_stages: int,
+    pipeline_slack: int,
     partition_method: PartitionMethod,
     timeout_s: float,
     start_method: StartMethod,
@@ -53,7 +54,8 @@ def check_options(
         resolve_plan(tp_plan)  # an unknown name fails here, before any process starts
     if pipeline_parallel_size > 1:
         num_microbatches = num_microbatches or 2 * pipeline_parallel_size
-        validate_sizes(pipeline_schedule, p=pipeline_parallel_size, m=num_microbatches, v=virtual_stages)
+        p, m, v = pipeline_parallel_size, num_microbatches, virtual_stages
+        validate_sizes(pipeline_schedule, p=p, m=m, v=v, slack=pipeline_slack)
         if grad_sync == "every":
             raise ValueError(
                 "grad_sync='every' with pipeline parallelism: the micro-batches of a pipeline step are"

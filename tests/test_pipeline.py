@@ -52,6 +52,39 @@ def test_every_valid_schedule_is_valid(name: str) -> None:
     assert checked > 40
 
 
+def test_slack_keeps_more_micro_batches_in_flight_before_the_last_stage() -> None:
+    checked = 0
+    for name in ("1f1b", "zb"):
+        for p in range(2, 7):
+            for m in range(p, 17):
+                for slack in (1, 2):
+                    schedule = build_schedule(name, p=p, m=m, slack=slack)
+                    check_schedule(schedule, p=p, m=m, v=1)
+                    for h in (False, True):
+                        check_plan(plan(schedule, p=p, v=1, headers=h), p=p, v=1)
+                    extra = [slack if s < p - 1 else 0 for s in range(p)]
+                    peaks = [peak_in_flight(a, until="B") for a in schedule]
+                    bounds = [min(p - s + e, m) for s, e in enumerate(extra)]
+                    if name == "1f1b":
+                        assert peaks == bounds, (p, m, slack)
+                    else:  # zb runs a ready B first, so it need not reach its bounds
+                        assert all(x <= y for x, y in zip(peaks, bounds, strict=True)), (p, m, slack)
+                        assert peaks[0] > min(p, m) or m <= p, (p, m, slack)  # but it does use slack
+                        w_peaks = [peak_in_flight(a) for a in schedule]
+                        assert all(x <= min(p + e, m) for x, e in zip(w_peaks, extra, strict=True))
+                    checked += 1
+    assert checked > 200
+    # the last stage keeps its order; without slack nothing changes
+    assert build_schedule("1f1b", p=3, m=6, slack=1)[2] == build_schedule("1f1b", p=3, m=6)[2]
+    assert build_schedule("zb", p=2, m=4, slack=0) == build_schedule("zb", p=2, m=4)
+    with pytest.raises(ValueError, match=r"pipeline_slack must be an integer >= 0.*-1"):
+        validate_sizes("1f1b", p=2, m=4, v=1, slack=-1)
+    with pytest.raises(ValueError, match=r"pipeline_slack=1 applies to the 1f1b and zb.*every micro-batch"):
+        validate_sizes("gpipe", p=2, m=4, v=1, slack=1)
+    with pytest.raises(ValueError, match=r"'interleaved_1f1b' already keeps \(v-1\)\*p extra"):
+        validate_sizes("interleaved_1f1b", p=2, m=4, v=2, slack=1)
+
+
 def test_schedule_checks_catch_bad_schedules() -> None:
     good = build_schedule("1f1b", p=2, m=2)
     assert good[0] == [Action("F", 0, 0), Action("F", 0, 1), Action("B", 0, 0), Action("B", 0, 1)]

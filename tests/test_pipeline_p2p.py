@@ -235,7 +235,7 @@ class _HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _pipeline(rank: int, world: int, runs: list[tuple[str, int]]) -> dict[str, Any]:
+def _pipeline(rank: int, world: int, runs: list[tuple[str, int, int]]) -> dict[str, Any]:
     seen: list[tuple[torch.device, int]] = []  # (device, tag) of every tensor given to communication
     real_batch, real_broadcast = dist.batch_isend_irecv, dist.broadcast
 
@@ -249,12 +249,12 @@ def _pipeline(rank: int, world: int, runs: list[tuple[str, int]]) -> dict[str, A
 
     dist.batch_isend_irecv, dist.broadcast = batch, broadcast  # type: ignore[assignment]
     results: dict[str, Any] = {}
-    for schedule, v in runs:
+    for schedule, v, slack in runs:
         layers = _layers()
         pieces = partition(layer_costs(layers, "uniform"), world * v)
         chunks = [nn.Sequential(*layers[slice(*pieces[c * world + rank])]) for c in range(v)]
         runtime = PipelineRuntime(
-            chunks=chunks, group=dist.group.WORLD, schedule=schedule, num_microbatches=M
+            chunks=chunks, group=dist.group.WORLD, schedule=schedule, num_microbatches=M, slack=slack
         )
         names = _names(layers)
         local = [p for c in chunks for p in c.parameters()]
@@ -276,7 +276,7 @@ def _pipeline(rank: int, world: int, runs: list[tuple[str, int]]) -> dict[str, A
             steps.append({"value": value.clone(), "grads": grads, "reads": reads.count})
         assert seen and all(device == runtime.device for device, _ in seen), set(seen)
         assert all(tag == 0 for _, tag in seen)
-        results[f"{schedule}/{v}"] = {"steps": steps, "device": str(runtime.device), "ops": len(seen)}
+        results[f"{schedule}/{v}/{slack}"] = {"steps": steps, "device": str(runtime.device), "ops": len(seen)}
         seen.clear()
     return results
 
@@ -311,11 +311,13 @@ def _compare(results: list[dict[str, Any]], world: int) -> None:
 
 
 def test_two_ranks_match_the_unsharded_model() -> None:
-    runs = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)]
+    runs = [("gpipe", 1, 0), ("1f1b", 1, 0), ("interleaved_1f1b", 2, 0), ("interleaved_1f1b", 4, 0)]
+    runs += [("1f1b", 1, 1), ("zb", 1, 1)]  # slack: one more micro-batch in flight on rank 0
     _compare(run_distributed(_pipeline, 2, runs), 2)
 
 
 def test_four_ranks_and_one_rank_match_the_unsharded_model() -> None:
-    _compare(run_distributed(_pipeline, 4, [("1f1b", 1), ("interleaved_1f1b", 2)]), 4)
+    runs = [("1f1b", 1, 0), ("interleaved_1f1b", 2, 0), ("1f1b", 1, 2), ("zb", 1, 1)]
+    _compare(run_distributed(_pipeline, 4, runs), 4)
     # one rank: interleaved chunks hand their tensors over in memory
-    _compare(run_distributed(_pipeline, 1, [("gpipe", 1), ("interleaved_1f1b", 2)]), 1)
+    _compare(run_distributed(_pipeline, 1, [("gpipe", 1, 0), ("interleaved_1f1b", 2, 0)]), 1)

@@ -137,7 +137,16 @@ CASES = [
             partition_method="uniform",
         ),
     ),
-    (2, dict(pipeline_parallel_size=2, num_microbatches=4, pipeline_schedule="zb", zero_stage=1)),
+    (  # one micro-batch of slack on the first stage
+        2,
+        dict(
+            pipeline_parallel_size=2,
+            num_microbatches=4,
+            pipeline_schedule="zb",
+            zero_stage=1,
+            pipeline_slack=1,
+        ),
+    ),
     (  # zb's weight passes with blocks recomputed in backward (the recomputation records nothing)
         2,
         dict(
@@ -195,5 +204,7 @@ def test_pipeline_bad_input_is_named() -> None:
         )
     with pytest.raises(ValueError, match=r"pipeline_schedule='zb' needs num_microbatches >= .* use m=4"):
         HybridParallelStrategy(pipeline_parallel_size=4, num_microbatches=2, pipeline_schedule="zb")
+    with pytest.raises(ValueError, match=r"pipeline_slack=1 applies to the 1f1b and zb schedules; 'gpipe'"):
+        HybridParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="gpipe", pipeline_slack=1)
     with pytest.raises(ValueError, match="partition_method must be one of"):
         HybridParallelStrategy(pipeline_parallel_size=2, partition_method="random")  # type: ignore[arg-type]

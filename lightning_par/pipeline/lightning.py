@@ -211,6 +211,7 @@ def build_pipeline(
     schedule: str,
     num_microbatches: int,
     device: torch.device,
+    slack: int = 0,
 ) -> LightningPipeline:
     """This rank's pipeline over its chunks of ``split``, communicating on ``device`` (the strategy's root
     device: the chunks may still be on the meta device here); tied parameters summed over their holders
@@ -221,6 +222,7 @@ def build_pipeline(
         schedule=schedule,
         num_microbatches=num_microbatches,
         device=device,
+        slack=slack,
     )
     tied = TiedGradients(
         module, local=split.local, pp_group=mesh.pp_group, pp_groups=mesh.layout.groups("pp")

@@ -119,7 +119,8 @@ class PipelineRuntime:
     """Runs ``schedule`` (name) over ``chunks``, this rank's model chunks (chunk ``c`` is virtual stage
     ``c * p + s``), on the pipeline group ``group``. ``device`` (communication device) defaults to the
     device of the chunks' first real parameter or buffer (the strategy's root device), else the current
-    CUDA device under NCCL, else the CPU."""
+    CUDA device under NCCL, else the CPU. ``slack``: extra micro-batches in flight for ``1f1b`` / ``zb``
+    (:mod:`lightning_par.pipeline.schedule`)."""
 
     def __init__(
         self,
@@ -129,6 +130,7 @@ class PipelineRuntime:
         schedule: str,
         num_microbatches: int,
         device: torch.device | None = None,
+        slack: int = 0,
     ) -> None:
         self.group = group
         self.p = dist.get_world_size(group)
@@ -137,7 +139,7 @@ class PipelineRuntime:
         self.m = num_microbatches
         self.chunks = list(chunks)
         self._schedules = {
-            "train": build_schedule(schedule, p=self.p, m=self.m, v=self.v),
+            "train": build_schedule(schedule, p=self.p, m=self.m, v=self.v, slack=slack),
             "forward": forward_only(p=self.p, m=self.m, v=self.v),
         }
         self.actions: list[Action] = self._schedules["train"][self.s]
