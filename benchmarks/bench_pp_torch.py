@@ -5,6 +5,7 @@ Run (from the repository root)::
     python -m benchmarks.bench_pp_torch                  # default: p=2, m = 4, 8, 16, 4 pairs, ~4 min
     python -m benchmarks.bench_pp_torch --quick          # tiny smoke configuration, ~15 s
     python -m benchmarks.bench_pp_torch --schedules 1f1b,zb --microbatches 8 --out /tmp/ppt.json
+    python -m benchmarks.bench_pp_torch --slack 1       # ours' 1f1b and zb with pipeline_slack=1
     python -m benchmarks.bench_pp_torch --help           # every field of PPTorchConfig is a flag
 
 What is measured
@@ -38,6 +39,13 @@ All implementations, the unpipelined reference included, run in the same process
   ``(p-1)/(m+p-1)`` GPipe / 1F1B, ``(p-1)/(v m+p-1)`` interleaved, ``(p-1)/(3m+p-1)`` ZB-H1 (``F = B =
   W``; bench_pp), ``(p-1)/(3 v m+p-1)`` torch's interleaved zero bubble; ``bubble_unit_schedule``: the
   order each side runs, simulated with unit costs (``F = 1``, full ``B = 2``, ``I`` and ``W`` 1 each).
+* **Jitter model** (explains, no target): ``bubble_jitter_model``, that order with each action's unit
+  cost times an independent lognormal factor of mean 1 and the rank's coefficient of variation ``cv``
+  (``sigma^2 = ln(1 + cv^2)``), mean over 400 draws of ``1 - busy / makespan`` (``pp_sim.jitter_bubble``);
+  ``cv = pstdev / mean`` of the rank's probe times after warmup (``action_cv_per_rank``; a whole F + B
+  taken as one action's cv, see ``action_cv``). In a static order one rank's slow action is the other's
+  idle time, so fluctuating costs alone lift the bubble above the analytic value, the more the tighter
+  the ranks are coupled; ``within_jitter_model``: ``bubble_mean <= bubble_jitter_model + 0.03``.
 * **Targets** (booleans, JSON and table): ours <= torch (bubble, step time) at every point; 1F1B <= GPipe
   (bubble, each side); measured bubble <= 1.2 x analytic + 0.03.
 * **Correctness**: every step's loss of ours, torch's and the unpipelined model (whole GPT, gradient
@@ -66,9 +74,10 @@ from benchmarks.bench_dp import make_batches
 from benchmarks.bench_pp import ALL_SCHEDULES, LOSS_TOL, WEIGHT_ATOL_IN_LR, WEIGHT_RTOL, PPConfig, agreement
 from benchmarks.bench_pp import analytic_bubble as ours_analytic
 from benchmarks.bench_zero import git_state, rotation
+from benchmarks.pp_sim import Order, jitter_bubble, ours_orders, torch_orders, unit_bubble
 from lightning_par.mesh import ParallelMesh
 from lightning_par.models.gpt import GPT
-from lightning_par.pipeline import PipelineRuntime, build_schedule
+from lightning_par.pipeline import PipelineRuntime
 from lightning_par.pipeline.apply import PipelineSplit, TiedGradients, apply_pipeline
 
 DEVICE = torch.device("cpu")
@@ -78,8 +87,6 @@ TORCH_SCHEDULES: dict[str, Any] = {
     "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B,
     "zb": pipelining.ScheduleInterleavedZeroBubble,
 }
-UNIT_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # I / W: the two halves of a split backward
-Order = list[list[tuple[str, int, int]]]  # per rank: (kind, virtual stage, micro-batch)
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,7 @@ class PPTorchConfig:
     schedules: str = "gpipe,1f1b,interleaved_1f1b,zb"
     microbatches: str = "4,8,16"
     virtual_stages: int = 2
+    slack: int = 0  # ours' pipeline_slack for 1f1b and zb (torch's schedules have none)
     partition: str = "parameters"
     steps: int = 6
     warmup: int = 1
@@ -140,45 +148,6 @@ def analytic(impl: str, schedule: str, *, p: int, m: int, v: int) -> float:
     return ours_analytic(schedule, p=p, m=m, v=v)
 
 
-def unit_bubble(orders: Order, *, last: int) -> float:
-    """Mean bubble over ranks of per-rank action orders run with ``UNIT_COST`` and free transfers: an
-    action starts when its rank is free and its input is there (the forward of ``g-1``; the input gradient
-    of ``g+1``, or the own forward on the last stage; for ``W`` its own ``I``)."""
-    done: dict[tuple[str, int, int], float] = {}  # ("F" | "G": input gradient | "W", g, mb) -> finish
-    pos, free = [0] * len(orders), [0.0] * len(orders)
-    while any(pos[r] < len(o) for r, o in enumerate(orders)):
-        moved = False
-        for r, order in enumerate(orders):
-            while pos[r] < len(order):
-                kind, g, mb = order[pos[r]]
-                backward = ("F", g, mb) if g == last else ("G", g + 1, mb)
-                dep = {"F": ("F", g - 1, mb) if g > 0 else None, "W": ("G", g, mb)}.get(kind, backward)
-                if dep is not None and dep not in done:
-                    break
-                free[r] = max(free[r], done[dep] if dep else 0.0) + UNIT_COST[kind]
-                done[("G" if kind in "BI" else kind, g, mb)] = free[r]
-                pos[r], moved = pos[r] + 1, True
-        if not moved:
-            raise ValueError("the action orders deadlock")
-    return statistics.fmean(1 - sum(UNIT_COST[a[0]] for a in o) / max(free) for o in orders)
-
-
-def ours_orders(schedule: str, *, p: int, m: int, v: int) -> Order:
-    """Our schedule's actions; a ``zb`` backward ``B`` is the input half (``I``) of a split backward."""
-    kinds = {"B": "I"} if schedule == "zb" else {}
-    acts = build_schedule(schedule, p=p, m=m, v=v)
-    return [[(kinds.get(a.kind, a.kind), a.chunk * p + r, a.mb) for a in rank] for r, rank in enumerate(acts)]
-
-
-def torch_orders(schedule: Any) -> Order:
-    """The compute actions (F, B, I, W) of a multi-stage torch schedule's ``pipeline_order``."""
-    out: Order = []
-    for _, acts in sorted(schedule.pipeline_order.items()):
-        kept = [a for a in acts if a is not None and a.computation_type.value in UNIT_COST]
-        out.append([(a.computation_type.value, a.stage_index, a.microbatch_index) for a in kept])
-    return out
-
-
 def lm_loss(out: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(out.flatten(0, 1), target.flatten())
 
@@ -214,15 +183,17 @@ class Runner:
         self.torch_schedule: Any = None
         self.tied: TiedGradients | None = None
         self.unit_bubble: float | None = None
+        self.orders: Order | None = None  # the compute order run, for the jitter model in the parent
         local = {id(q) for q in self.model.parameters()}
         if impl != "unpipelined":
             split, self.ids = split_model(self.model, cfg, self.group, self.v)
             local = split.local
             if impl == "ours":
+                slack = cfg.slack if schedule in ("1f1b", "zb") else 0
                 self.runtime = PipelineRuntime(
-                    chunks=split.chunks, group=self.group, schedule=schedule, num_microbatches=m
+                    chunks=split.chunks, group=self.group, schedule=schedule, num_microbatches=m, slack=slack
                 )
-                orders = ours_orders(schedule, p=p, m=m, v=self.v)
+                orders = ours_orders(schedule, p=p, m=m, v=self.v, slack=slack)
             else:
                 pieces = zip(split.chunks, self.ids, strict=True)
                 stages = [torch_stage(c, g, p * self.v, cfg, self.group) for c, g in pieces]
@@ -231,7 +202,7 @@ class Runner:
                 # a single-stage schedule's pipeline_order is for display only; it runs our schedule's order
                 multi = self.v > 1
                 orders = torch_orders(self.torch_schedule) if multi else ours_orders(schedule, p=p, m=m, v=1)
-            self.unit_bubble = unit_bubble(orders, last=self.last)
+            self.orders, self.unit_bubble = orders, unit_bubble(orders, last=self.last)
             groups = mesh.layout.groups("pp")
             self.tied = TiedGradients(self.model, local=local, pp_group=self.group, pp_groups=groups)
         self.params = {n: q for n, q in self.model.named_parameters() if id(q) in local}
@@ -341,7 +312,7 @@ def rank_main(rank: int, world: int, cfg: PPTorchConfig, names: tuple[str, ...])
         if r.impl != "unpipelined" and (ref := runners.get(f"unpipelined_m{r.m}")) is not None:
             other = runners.get(n.replace("ours_", "torch_")) if r.impl == "ours" else None
             correctness[n] = check(r, ref, other, tol)
-    keep = ("losses", "internal_bubble", "v", "ids", "unit_bubble")
+    keep = ("losses", "internal_bubble", "v", "ids", "unit_bubble", "orders")
     records = {n: {k: getattr(r, k) for k in keep} | vars(r.timer) for n, r in runners.items()}
     samples = {v: pr.samples for v, pr in probes.items()}
     out = {"rank": rank, "order": [n for n, _ in order], "loadavg": loadavg, "runners": records}
@@ -349,9 +320,25 @@ def rank_main(rank: int, world: int, cfg: PPTorchConfig, names: tuple[str, ...])
 
 
 # ---------------------------------------------------------------------------------------------- report
-def summarise(cfg: PPTorchConfig, impl: str, schedule: str, m: int, rs: list[Any], c: Any) -> dict[str, Any]:
+def action_cv(samples: list[tuple[int, float]], *, warmup: int) -> float:
+    """One rank's coefficient of variation of an action's compute time for the jitter model: ``pstdev /
+    mean`` of its probe times (``Probe``: ``(step, seconds)``) from step ``warmup`` on.
+
+    An approximation: the probe times a micro-batch's whole forward + backward through the rank's ``v``
+    pieces, ``2v`` actions, and across steps. Independent per-action noise averages down in that sum (by
+    up to ``sqrt(2v)``), while slow drift over the run (load, clock) adds to it. It is the one chosen as
+    the only fluctuation measured on each rank, under the pipeline's conditions (both ranks busy), that
+    needs no timer inside the timed schedules."""
+    times = [t for s, t in samples if s >= warmup]
+    return statistics.pstdev(times) / statistics.fmean(times)
+
+
+def summarise(
+    cfg: PPTorchConfig, impl: str, schedule: str, m: int, rs: list[Any], c: Any, *, cv: dict[int, list[float]]
+) -> dict[str, Any]:
     """One implementation: timing (``common.timing``) and, if pipelined, its bubbles (``T``: the median
-    over steps of the slowest rank's pipeline part; ``own_T``: each rank's own median) and analytic value."""
+    over steps of the slowest rank's pipeline part; ``own_T``: each rank's own median), analytic value and
+    jitter model (its order with per-action cv ``cv[v]`` per rank)."""
     w, p = cfg.warmup, cfg.world_size
     d: dict[str, Any] = {"impl": impl, "schedule": schedule, "microbatches": m, **common.timing(rs, w)}
     d["losses"] = rs[-1]["losses"]
@@ -369,6 +356,9 @@ def summarise(cfg: PPTorchConfig, impl: str, schedule: str, m: int, rs: list[Any
     )
     d["bubble_per_rank_own_T"] = [1 - m * cr / t for cr, t in zip(c[v], own, strict=True)]
     d["within_analytic"] = d["bubble_mean"] <= 1.2 * a + 0.03
+    jitter = jitter_bubble(rs[0]["orders"], last=p * v - 1, cv=cv[v], seed=cfg.seed)
+    d.update(action_cv_per_rank=cv[v], bubble_jitter_model=jitter)
+    d["within_jitter_model"] = d["bubble_mean"] <= jitter + 0.03
     if impl == "ours":
         internal = [statistics.median(r["internal_bubble"][w:]) for r in rs]
         d.update(internal_bubble_per_rank=internal, internal_bubble_mean=statistics.fmean(internal))
@@ -382,8 +372,10 @@ def aggregate(cfg: PPTorchConfig, per_rank: list[dict[str, Any]]) -> dict[str, A
         v: [statistics.median(t for s, t in r["probe_samples"][v] if s >= w) for r in per_rank]
         for v in per_rank[0]["probe_samples"]
     }
+    cv = {v: [action_cv(r["probe_samples"][v], warmup=w) for r in per_rank] for v in c}
     impls = {
-        n: summarise(cfg, impl, s, m, [r["runners"][n] for r in per_rank], c) for n, impl, s, m in cfg.impls()
+        n: summarise(cfg, impl, s, m, [r["runners"][n] for r in per_rank], c, cv=cv)
+        for n, impl, s, m in cfg.impls()
     }
     pairs: dict[str, Any] = {}
     for o, t in ((impls[f"ours_{s}_m{m}"], impls[f"torch_{s}_m{m}"]) for m in ms for s in schedules):
@@ -416,6 +408,7 @@ def aggregate(cfg: PPTorchConfig, per_rank: list[dict[str, Any]]) -> dict[str, A
         "pairs": pairs,
         "compute_per_microbatch_s": {f"v{v}": x for v, x in c.items()},
         "compute_samples_s": {f"v{v}": [r["probe_samples"][v] for r in per_rank] for v in c},
+        "action_cv_per_rank": {f"v{v}": x for v, x in cv.items()},
         "targets": {
             "ours_le_torch_bubble": all(q["ours_le_torch_bubble"] for q in pairs.values()),
             "ours_le_torch_time": all(q["ours_le_torch_time"] for q in pairs.values()),
@@ -448,6 +441,7 @@ def pair_row(q: dict[str, Any], o: dict[str, Any], t: dict[str, Any], corr: dict
         f"{o['internal_bubble_mean']:.3f}",
         pair(lambda d: f"{d['bubble_analytic']:.3f}"),
         pair(lambda d: f"{d['bubble_unit_schedule']:.3f}"),
+        pair(lambda d: f"{d['bubble_jitter_model']:.3f}"),
         yn[q["ours_le_torch_bubble"]] + "/" + yn[q["ours_le_torch_time"]],
         pair(lambda d: yn[d["within_analytic"]]),
         f"{corr['losses']['max_abs_diff']:.0e}/{corr['losses_vs_torch']['max_abs_diff']:.0e}",
@@ -456,17 +450,19 @@ def pair_row(q: dict[str, Any], o: dict[str, Any], t: dict[str, Any], corr: dict
 
 
 def print_table(cfg: PPTorchConfig, result: dict[str, Any]) -> None:
-    impls, c = result["implementations"], result["compute_per_microbatch_s"]
+    impls, c, cv = result["implementations"], result["compute_per_microbatch_s"], result["action_cv_per_rank"]
     print(
         f"\np={cfg.world_size}: GPT {result['model']['num_parameters'] / 1e6:.2f}M params (n_layer="
         f"{cfg.n_layer}, n_embd={cfg.n_embd}, seq={cfg.seq}), micro-batch {cfg.micro_batch} rows, "
         f"{cfg.steps} measured + {cfg.warmup} warmup steps; c per micro-batch per rank (ms): "
         + "; ".join(f"{k} " + "/".join(f"{x * 1e3:.1f}" for x in per) for k, per in c.items())
+        + "; its cv: "
+        + "; ".join(f"{k} " + "/".join(f"{x:.2f}" for x in per) for k, per in cv.items())
         + "\nbubble = 1 - m c / T (mean over ranks), o/t: ours/torch; internal: ours' StepStats; unit: "
-        "the order run at unit costs; y/N: targets"
+        "the order run at unit costs; jitter: at unit costs x lognormal(mean 1, that cv); y/N: targets"
     )
-    head = "pair m step_s_o/t o/t bubble_o/t per_rank_o|t internal analytic_o/t unit_o/t o<=t_bub/time"
-    rows = [head.split() + ["<=1.2a+.03_o/t", "loss|d|_ref/t"]]
+    head = "pair m step_s_o/t o/t bubble_o/t per_rank_o|t internal analytic_o/t unit_o/t jitter_o/t"
+    rows = [head.split() + ["o<=t_bub/time", "<=1.2a+.03_o/t", "loss|d|_ref/t"]]
     for name, q in result["pairs"].items():
         o, t, corr = impls[f"ours_{name}"], impls[f"torch_{name}"], result["correctness"][f"ours_{name}"]
         rows.append(pair_row(q, o, t, corr))
@@ -499,6 +495,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[PPTorchConfig, argparse.N
     cfg = common.config_from_args(ns, QUICK if ns.quick else PPTorchConfig())
     if cfg.steps < 1 or cfg.warmup < 0 or cfg.block < 1 or cfg.world_size < 2 or cfg.probe_reps < 1:
         parser.error("need --steps >= 1, --warmup >= 0, --block >= 1, --world-size >= 2, --probe-reps >= 1")
+    if cfg.slack < 0:
+        parser.error("need --slack >= 0 (ours' pipeline_slack for 1f1b and zb)")
     unknown = {s.strip() for s in cfg.schedules.split(",") if s.strip()} - set(ALL_SCHEDULES)
     if unknown or not cfg.base().schedule_list():
         parser.error(f"--schedules must be a comma-separated subset of {','.join(ALL_SCHEDULES)}")
