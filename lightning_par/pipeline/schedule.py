@@ -33,7 +33,7 @@ with ``slack = 0`` has no give: a rank's ``F`` needs the forward its neighbour j
 buffers every forward, ends up with the smaller bubble. One micro-batch of slack decouples them: the
 next activation is there before it is needed, so a peer's slow action is absorbed. Simulated with each
 action's time drawn with a 15% coefficient of variation (``benchmarks/pp_sim.py``, p = 2, m = 16), the
-bubble drops from 0.104 to 0.063 (1F1B; 0.059 without fluctuations) and from 0.065 to 0.031 (zb; 0.020).
+bubble drops from 0.104 to 0.063 (1F1B; 0.059 without fluctuations) and from 0.065 to 0.029 (zb; 0.020).
 The price is ``slack`` more micro-batches of activations on those ranks (``peak_in_flight``). Interleaved
 1F1B's warm-up already holds ``(v - 1) p`` extra forwards, and GPipe all of them, so neither takes it.
 
