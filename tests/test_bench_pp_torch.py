@@ -150,3 +150,15 @@ def test_jitter_hurts_1f1b_more_than_gpipe_at_m16() -> None:
     gpipe, ofob = (ours_orders(s, p=2, m=16, v=1) for s in ("gpipe", "1f1b"))
     assert unit_bubble(gpipe, last=1) == pytest.approx(unit_bubble(ofob, last=1))
     assert jitter_bubble(ofob, last=1, cv=[0.15, 0.15]) > jitter_bubble(gpipe, last=1, cv=[0.15, 0.15]) + 0.01
+
+
+def test_slack_takes_most_of_the_jitter_out_of_1f1b_and_zb() -> None:
+    # the figures in lightning_par.pipeline.schedule's docstring: p = 2, m = 16, cv = 0.15
+    cv = [0.15, 0.15]
+    gpipe = jitter_bubble(ours_orders("gpipe", p=2, m=16, v=1), last=1, cv=cv)
+    for schedule, before, after in (("1f1b", 0.104, 0.063), ("zb", 0.065, 0.029)):
+        tight, slack = (
+            jitter_bubble(ours_orders(schedule, p=2, m=16, v=1, slack=k), last=1, cv=cv) for k in (0, 1)
+        )
+        assert (tight, slack) == pytest.approx((before, after), abs=0.002), schedule
+        assert slack < gpipe  # one micro-batch of slack absorbs more than GPipe's queue of all of them
