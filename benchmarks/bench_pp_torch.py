@@ -289,7 +289,10 @@ def rank_main(rank: int, world: int, cfg: PPTorchConfig, names: tuple[str, ...])
     runners = {name: Runner(*spec[name], cfg, mesh) for name in names}
     batches = {m: make_batches(cfg.base().data_config(m), 0) for m in {r.m for r in runners.values()}}
     first = batches[min(batches)][0]
-    probes = {v: Probe(cfg, mesh, v, *first) for v in sorted({r.v for r in runners.values()})}
+    probes = {
+        v: Probe(cfg, mesh, v, *first)
+        for v in sorted({r.v for r in runners.values() if r.impl != "unpipelined"})
+    }
     order = rotation(names, cfg.warmup + cfg.steps, cfg.block)
     loadavg = []
     for name, s in order:
