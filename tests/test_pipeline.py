@@ -74,9 +74,9 @@ def test_slack_keeps_more_micro_batches_in_flight_before_the_last_stage() -> Non
                         assert all(x <= min(p + e, m) for x, e in zip(w_peaks, extra, strict=True))
                     checked += 1
     assert checked > 200
-    # the last stage keeps its order; without slack nothing changes
+    # the last stage keeps its order; the others start with more forwards
     assert build_schedule("1f1b", p=3, m=6, slack=1)[2] == build_schedule("1f1b", p=3, m=6)[2]
-    assert build_schedule("zb", p=2, m=4, slack=0) == build_schedule("zb", p=2, m=4)
+    assert [a.kind for a in build_schedule("1f1b", p=3, m=6, slack=1)[1][:3]] == ["F", "F", "F"]
     with pytest.raises(ValueError, match=r"pipeline_slack must be an integer >= 0.*-1"):
         validate_sizes("1f1b", p=2, m=4, v=1, slack=-1)
     with pytest.raises(ValueError, match=r"pipeline_slack=1 applies to the 1f1b and zb.*every micro-batch"):
