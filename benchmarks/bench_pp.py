@@ -97,8 +97,9 @@ WEIGHT_RTOL, WEIGHT_ATOL_IN_LR = 1e-4, 1.0
 
 
 @dataclass(frozen=True)
-class PPConfig:
-    """Everything one run depends on (saved in the JSON); ``world_size`` is the pipeline size ``p``."""
+class PPModelConfig:
+    """What both pipeline benchmarks (this one and ``bench_pp_torch``) share: model, data, schedule and
+    micro-batch lists, steps and ranks; ``world_size`` is the pipeline size ``p``."""
 
     n_layer: int = 4
     n_head: int = 6
@@ -118,8 +119,6 @@ class PPConfig:
     seed: int = 0
     world_size: int = 2
     threads_per_rank: int = 1
-    memory_steps: int = 2
-    pp4: bool = True
 
     def gpt_config(self) -> GPTConfig:
         return GPTConfig(
@@ -138,17 +137,6 @@ class PPConfig:
     def microbatch_list(self) -> tuple[int, ...]:
         return tuple(sorted({int(s) for s in self.microbatches.split(",") if s.strip()}))
 
-    def chunks_of(self, schedule: str) -> int:
-        return self.virtual_stages if schedule == "interleaved_1f1b" else 1
-
-    def impls(self) -> tuple[tuple[str, str, int], ...]:
-        """``(name, schedule or "unpipelined", m)`` of every implementation, in a fixed order."""
-        out = []
-        for m in self.microbatch_list():
-            out.append((f"unpipelined_m{m}", "unpipelined", m))
-            out.extend((f"{s}_m{m}", s, m) for s in self.schedule_list())
-        return tuple(out)
-
     def data_config(self, m: int) -> BenchConfig:
         """``bench_dp``'s data, ``m * micro_batch`` rows per step, the same on every rank."""
         return BenchConfig(
@@ -160,6 +148,25 @@ class PPConfig:
             warmup=self.warmup,
             seed=self.seed,
         )
+
+
+@dataclass(frozen=True)
+class PPConfig(PPModelConfig):
+    """Everything one run depends on (saved in the JSON)."""
+
+    memory_steps: int = 2
+    pp4: bool = True
+
+    def chunks_of(self, schedule: str) -> int:
+        return self.virtual_stages if schedule == "interleaved_1f1b" else 1
+
+    def impls(self) -> tuple[tuple[str, str, int], ...]:
+        """``(name, schedule or "unpipelined", m)`` of every implementation, in a fixed order."""
+        out = []
+        for m in self.microbatch_list():
+            out.append((f"unpipelined_m{m}", "unpipelined", m))
+            out.extend((f"{s}_m{m}", s, m) for s in self.schedule_list())
+        return tuple(out)
 
 
 QUICK = PPConfig(

@@ -56,7 +56,6 @@ All implementations, the unpipelined reference included, run in the same process
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -70,7 +69,14 @@ from torch.distributed import pipelining
 
 from benchmarks import common
 from benchmarks.bench_dp import make_batches
-from benchmarks.bench_pp import ALL_SCHEDULES, LOSS_TOL, WEIGHT_ATOL_IN_LR, WEIGHT_RTOL, PPConfig, agreement
+from benchmarks.bench_pp import (
+    ALL_SCHEDULES,
+    LOSS_TOL,
+    WEIGHT_ATOL_IN_LR,
+    WEIGHT_RTOL,
+    PPModelConfig,
+    agreement,
+)
 from benchmarks.bench_zero import git_state, rotation
 from benchmarks.pp_sim import Order, ours_orders, torch_orders, unit_bubble
 from benchmarks.pp_torch_report import aggregate, print_table
@@ -89,34 +95,12 @@ TORCH_SCHEDULES: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
-class PPTorchConfig:
-    """Everything one run depends on (saved in the JSON); ``world_size`` is the pipeline size ``p``."""
+class PPTorchConfig(PPModelConfig):
+    """Everything one run depends on (saved in the JSON): bench_pp's model, data and lists, and these."""
 
-    n_layer: int = 4
-    n_head: int = 6
-    n_embd: int = 384
-    seq: int = 128
-    micro_batch: int = 2
-    vocab: int = 256
-    schedules: str = "gpipe,1f1b,interleaved_1f1b,zb"
-    microbatches: str = "4,8,16"
-    virtual_stages: int = 2
-    slack: int = 0  # ours' pipeline_slack for 1f1b and zb (torch's schedules have none)
-    partition: str = "parameters"
     steps: int = 6
-    warmup: int = 1
-    block: int = 1
+    slack: int = 0  # ours' pipeline_slack for 1f1b and zb (torch's schedules have none)
     probe_reps: int = 1
-    lr: float = 3e-4
-    weight_decay: float = 0.1
-    seed: int = 0
-    world_size: int = 2
-    threads_per_rank: int = 1
-
-    def base(self) -> PPConfig:
-        """bench_pp's config with the shared fields (model, data, schedule and micro-batch lists)."""
-        shared = {f.name for f in dataclasses.fields(PPConfig)} & set(asdict(self))
-        return PPConfig(**{k: getattr(self, k) for k in shared})
 
     def chunks(self, impl: str, schedule: str) -> int:
         """Chunks per rank: ours interleaved and torch's two multi-stage schedules use ``virtual_stages``."""
@@ -126,9 +110,9 @@ class PPTorchConfig:
     def impls(self) -> list[tuple[str, str, str, int]]:
         """``(name, "unpipelined" | "ours" | "torch", schedule, m)`` of every implementation."""
         out = []
-        for m in self.base().microbatch_list():
+        for m in self.microbatch_list():
             out.append((f"unpipelined_m{m}", "unpipelined", "-", m))
-            for s in self.base().schedule_list():
+            for s in self.schedule_list():
                 out.extend((f"{impl}_{s}_m{m}", impl, s, m) for impl in ("ours", "torch"))
         return out
 
@@ -168,7 +152,7 @@ class Runner:
     def __init__(self, impl: str, schedule: str, m: int, cfg: PPTorchConfig, mesh: ParallelMesh) -> None:
         self.impl, self.m, self.group = impl, m, mesh.pp_group
         torch.manual_seed(cfg.seed)
-        self.model = GPT(cfg.base().gpt_config())
+        self.model = GPT(cfg.gpt_config())
         p, self.v = dist.get_world_size(self.group), cfg.chunks(impl, schedule)
         self.last, self.ids = p * self.v - 1, list(range(p * self.v))
         self.runtime: PipelineRuntime | None = None
@@ -248,7 +232,7 @@ class Probe:
 
     def __init__(self, cfg: PPTorchConfig, mesh: ParallelMesh, v: int, x: Tensor, y: Tensor) -> None:
         torch.manual_seed(cfg.seed)
-        split, self.ids = split_model(GPT(cfg.base().gpt_config()), cfg, mesh.pp_group, v)
+        split, self.ids = split_model(GPT(cfg.gpt_config()), cfg, mesh.pp_group, v)
         self.chunks, self.last = split.chunks, dist.get_world_size(mesh.pp_group) * v - 1
         self.x, self.y = x[: cfg.micro_batch], y[: cfg.micro_batch]
         gen = torch.Generator(device=DEVICE).manual_seed(cfg.seed + 1)
@@ -287,7 +271,7 @@ def rank_main(rank: int, world: int, cfg: PPTorchConfig, names: tuple[str, ...])
     mesh = ParallelMesh(pipeline_parallel_size=world)
     spec = {name: (impl, s, m) for name, impl, s, m in cfg.impls()}
     runners = {name: Runner(*spec[name], cfg, mesh) for name in names}
-    batches = {m: make_batches(cfg.base().data_config(m), 0) for m in {r.m for r in runners.values()}}
+    batches = {m: make_batches(cfg.data_config(m), 0) for m in {r.m for r in runners.values()}}
     first = batches[min(batches)][0]
     probes = {
         v: Probe(cfg, mesh, v, *first)
@@ -325,10 +309,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[PPTorchConfig, argparse.N
     if cfg.slack < 0:
         parser.error("need --slack >= 0 (ours' pipeline_slack for 1f1b and zb)")
     unknown = {s.strip() for s in cfg.schedules.split(",") if s.strip()} - set(ALL_SCHEDULES)
-    if unknown or not cfg.base().schedule_list():
+    if unknown or not cfg.schedule_list():
         parser.error(f"--schedules must be a comma-separated subset of {','.join(ALL_SCHEDULES)}")
     try:
-        ms = cfg.base().microbatch_list()
+        ms = cfg.microbatch_list()
     except ValueError:
         ms = ()
     if not ms or any(m % cfg.world_size for m in ms) or cfg.virtual_stages < 2:
@@ -346,8 +330,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = tuple(name for name, *_ in cfg.impls())
     per_rank = common.launch(rank_main, cfg.world_size, cfg, names, threads_per_rank=cfg.threads_per_rank)
     with torch.device("meta"):
-        nparams = GPT(cfg.base().gpt_config()).num_parameters()
-    model = {"name": "GPT", "num_parameters": nparams, **asdict(cfg.base().gpt_config())}
+        nparams = GPT(cfg.gpt_config()).num_parameters()
+    model = {"name": "GPT", "num_parameters": nparams, **asdict(cfg.gpt_config())}
     result = {"config": asdict(cfg), "model": model, **aggregate(cfg, per_rank)}
     payload: dict[str, Any] = {
         "benchmark": "pp_torch",

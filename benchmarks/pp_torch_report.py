@@ -69,7 +69,7 @@ def summarise(
 
 def aggregate(cfg: PPTorchConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-implementation timing and bubbles, per-pair comparisons and targets, correctness."""
-    w, ms, schedules = cfg.warmup, cfg.base().microbatch_list(), cfg.base().schedule_list()
+    w, ms, schedules = cfg.warmup, cfg.microbatch_list(), cfg.schedule_list()
     c = {
         v: [statistics.median(t for s, t in r["probe_samples"][v] if s >= w) for r in per_rank]
         for v in per_rank[0]["probe_samples"]
