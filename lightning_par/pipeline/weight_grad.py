@@ -11,7 +11,8 @@ gradients of its weights, which nobody waits for. :class:`WeightGradSplit` separ
   ``torch.autograd.backward(out, grad, inputs=...)``, which skips the weight-gradient matrix products of
   the layers left out;
 * ``W`` adds ``dW = dyᵀ x`` (and ``db = Σ dy``) for each recorded layer, the same products autograd would
-  have computed, into the gradient the engine accumulates (``grad_of(param)``) or ``param.grad``.
+  have computed, into the gradient the engine accumulates (``grad_of(param)``) or ``param.grad``, as
+  one ``addmm_`` where the dtypes agree.
 
 A linear layer whose parameter is shared with another module, or whose input needs no gradient in a
 given forward (its output gradient would then not be computed by ``B``), stays in ``B``. The hooks are
@@ -105,16 +106,27 @@ class WeightGradSplit:
         """``W``: the deferred weight (and bias) gradients of ``key``, added where gradients accumulate."""
         for module, x, dy in self._stash.pop(key, []):
             dy2 = dy.reshape(-1, dy.shape[-1])
-            _add(module.weight, dy2.t().mm(x.reshape(-1, x.shape[-1]).to(dy2.dtype)), grad_of)
+            x2 = x.reshape(-1, x.shape[-1]).to(dy2.dtype)
+            target = _target(module.weight, grad_of)
+            if target is not None and target.dtype == dy2.dtype:
+                # fused multiply-add into the accumulated gradient: a separate dW = dyᵀx followed by
+                # target += dW costs a temporary and another pass over it, which made the split
+                # backward ~5% slower than autograd's fused one on CPU
+                target.addmm_(dy2.t(), x2)
+            else:
+                _add(module.weight, target, dy2.t().mm(x2))
             if module.bias is not None:
-                _add(module.bias, dy2.sum(0), grad_of)
+                _add(module.bias, _target(module.bias, grad_of), dy2.sum(0))
 
 
-def _add(param: Tensor, value: Tensor, grad_of: GradOf | None) -> None:
+def _target(param: Tensor, grad_of: GradOf | None) -> Tensor | None:
+    """Where ``param``'s gradient accumulates: the engine's buffer (``grad_of``), else ``param.grad``."""
     target = grad_of(param) if grad_of is not None else None  # type: ignore[arg-type]
+    return target if target is not None else param.grad
+
+
+def _add(param: Tensor, target: Tensor | None, value: Tensor) -> None:
     if target is not None:
         target.add_(value)
-    elif param.grad is None:
-        param.grad = value.to(param.dtype)
     else:
-        param.grad.add_(value)
+        param.grad = value.to(param.dtype)
