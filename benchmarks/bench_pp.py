@@ -1,5 +1,5 @@
-"""Pipeline parallelism: ``lightning_par.pipeline`` (GPipe, 1F1B, interleaved 1F1B) against the unpipelined
-GPT: bubble fraction, step time, activations in flight, and equality of losses and gradients.
+"""Pipeline parallelism: ``lightning_par.pipeline`` (GPipe, 1F1B, interleaved 1F1B, zero bubble) against the
+unpipelined GPT: bubble fraction, step time, activations in flight, and equality of losses and gradients.
 
 Run (from the repository root)::
 
@@ -11,15 +11,16 @@ Run (from the repository root)::
 What is measured
 ----------------
 ``p`` Gloo ranks (one torch thread each) form one pipeline group (``ParallelMesh``). For every schedule
-(``gpipe``, ``1f1b``, ``interleaved_1f1b`` with ``--virtual-stages`` chunks per rank, ``zb``) and every number
-of micro-batches ``m``, each rank builds the same seeded GPT, keeps its pieces with ``apply_pipeline``
-(``--partition``, default ``"parameters"``), sums the tied embedding / LM-head gradient with
-``TiedGradients`` and runs ``PipelineRuntime.train_step`` on ``m`` micro-batches of ``--micro-batch``
-rows (the global batch is ``m * micro_batch`` rows, so every micro-batch costs the same and the bubble is
-measured on equal work). The reference ``unpipelined_m<m>`` is the whole GPT on every rank (redundantly,
-no communication: what one process would do) with gradient accumulation over the same ``m``
-micro-batches. Every implementation has its own model and AdamW and they all run in the same processes
-in rotating order (``A B C ... C B A A B ...``), each one's first ``--warmup`` steps not summarised.
+(``gpipe``, ``1f1b``, ``zb``, and ``interleaved_1f1b`` / ``interleaved_zb`` with ``--virtual-stages``
+chunks per rank) and every number of micro-batches ``m``, each rank builds the same seeded GPT, keeps its
+pieces with ``apply_pipeline`` (``--partition``, default ``"parameters"``), sums the tied embedding /
+LM-head gradient with ``TiedGradients`` and runs ``PipelineRuntime.train_step`` on ``m`` micro-batches
+of ``--micro-batch`` rows (the global batch is ``m * micro_batch`` rows, so every micro-batch costs the
+same and the bubble is measured on equal work). The reference ``unpipelined_m<m>`` is the whole GPT on
+every rank (redundantly, no communication: what one process would do) with gradient accumulation over the
+same ``m`` micro-batches. Every implementation has its own model and AdamW and they all run in the same
+processes in rotating order (``A B C ... C B A A B ...``), each one's first ``--warmup`` steps not
+summarised.
 
 * **Step time**: ``zero_grad``, ``train_step`` (all forwards and backwards and their transfers), the tied
   gradient all-reduce, ``optimizer.step()``; barrier before (not timed); slowest rank. The speed-up over
@@ -28,16 +29,18 @@ in rotating order (``A B C ... C B A A B ...``), each one's first ``--warmup`` s
   time inside chunk forwards (with the loss) and backwards and ``total_s`` the whole ``train_step``
   (transfers and the final loss broadcast count as idle). Reported per rank and as the mean over ranks
   (median over steps), against the schedule's analytic bubble ``(p-1)/(m+p-1)`` (GPipe, 1F1B) and
-  ``(p-1)/(v*m+p-1)`` (interleaved; see ``lightning_par/pipeline/schedule.py``), which assumes equal
-  stages and free transfers.
+  ``(p-1)/(v*m+p-1)`` (interleaved), ``(p-1)/(3m+p-1)`` (zb) and ``(p-1)/(3vm+p-1)`` (interleaved_zb;
+  see ``lightning_par/pipeline/schedule.py``), which assume equal stages (``F = B = W`` where the
+  backward is split) and free transfers.
 * **Activations in flight**: every chunk forward (and the loss on the last stage) runs under
   ``torch.autograd.graph.saved_tensors_hooks`` that register each tensor autograd saves for backward
   (parameters excluded, each storage counted once) until autograd frees it. Per rank and step: the
   largest number of chunk forwards whose saved tensors are still alive (the runtime's in-flight
   (chunk, micro-batch) count, deterministic: compared exactly with ``peak_in_flight(until="B")`` of the
   schedule) and the peak bytes of those saved tensors. 1F1B and zb keep at most ``p - s`` micro-batches
-  on rank ``s``, GPipe all ``m``; zb's ``W`` inputs (the linear layers' inputs and output gradients, for
-  up to ``p`` micro-batches) are held by the runtime, not by autograd, and not counted here.
+  on rank ``s``, GPipe all ``m``, interleaved_zb interleaved 1F1B's counts; the split schedules' ``W``
+  inputs (the linear layers' inputs and output gradients, for up to rank 0's in-flight count of
+  micro-batches) are held by the runtime, not by autograd, and not counted here.
 * **Correctness**: the loss of every step equals the unpipelined loss; the gradients after the first
   step (tied gradient exchanged) equal the unpipelined gradients of the same parameters; the final
   weights agree (``torch.testing.assert_close``, tolerances ``LOSS_TOL``, ``GRAD_TOL``, ``WEIGHT_*``).
@@ -82,10 +85,11 @@ from benchmarks.common import (
 )
 from lightning_par.mesh import ParallelMesh
 from lightning_par.models.gpt import GPT, GPTConfig
-from lightning_par.pipeline import PipelineRuntime, build_schedule, peak_in_flight
+from lightning_par.pipeline import SCHEDULES, PipelineRuntime, build_schedule, peak_in_flight
 from lightning_par.pipeline.apply import TiedGradients, apply_pipeline
+from lightning_par.pipeline.schedule import INTERLEAVED
 
-ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb")
+ALL_SCHEDULES = SCHEDULES  # gpipe, 1f1b, interleaved_1f1b, zb, interleaved_zb
 # torch.testing.assert_close tolerances against the unpipelined model. The pipeline runs the same ops on
 # the same shapes, so losses and most gradients are bitwise equal; the tied embedding / LM-head
 # gradient is summed in another order (per stage, then all-reduced). AdamW turns rounding-level
@@ -107,7 +111,7 @@ class PPModelConfig:
     seq: int = 128
     micro_batch: int = 2
     vocab: int = 256
-    schedules: str = "gpipe,1f1b,interleaved_1f1b,zb"
+    schedules: str = ",".join(SCHEDULES)
     microbatches: str = "4,8,16"
     virtual_stages: int = 2
     partition: str = "parameters"
@@ -158,7 +162,7 @@ class PPConfig(PPModelConfig):
     pp4: bool = True
 
     def chunks_of(self, schedule: str) -> int:
-        return self.virtual_stages if schedule == "interleaved_1f1b" else 1
+        return self.virtual_stages if schedule in INTERLEAVED else 1
 
     def impls(self) -> tuple[tuple[str, str, int], ...]:
         """``(name, schedule or "unpipelined", m)`` of every implementation, in a fixed order."""
@@ -181,9 +185,9 @@ PP4 = dict(n_layer=6, n_head=2, n_embd=64, seq=32, micro_batch=2, vocab=64, step
 
 def analytic_bubble(schedule: str, *, p: int, m: int, v: int) -> float:
     """The schedule's bubble fraction with equal stages and free transfers (schedule module docstring)."""
-    if schedule == "zb":  # F = B = W: the W passes fill all but (p-1) of 1F1B's 3(p-1) idle units
-        return (p - 1) / (3 * m + p - 1)
-    chunks = v if schedule == "interleaved_1f1b" else 1
+    chunks = v if schedule in INTERLEAVED else 1
+    if schedule in ("zb", "interleaved_zb"):  # F = B = W: W fills all but (p-1) of 1F1B's 3(p-1) idle units
+        return (p - 1) / (3 * chunks * m + p - 1)
     return (p - 1) / (chunks * m + p - 1)
 
 
@@ -771,12 +775,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[PPConfig, argparse.Namesp
         p.error(
             f"--microbatches must be a comma-separated list of positive integers; got {cfg.microbatches!r}"
         )
-    if "interleaved_1f1b" in cfg.schedule_list():
+    if set(INTERLEAVED) & set(cfg.schedule_list()):
         bad = [m for m in ms if m % cfg.world_size]
         if cfg.virtual_stages < 2 or bad:
             p.error(
-                f"interleaved_1f1b needs --virtual-stages >= 2 and every m a multiple of p={cfg.world_size}"
-                f" (got v={cfg.virtual_stages}, m={bad})"
+                f"{'/'.join(INTERLEAVED)} need --virtual-stages >= 2 and every m a multiple of"
+                f" p={cfg.world_size} (got v={cfg.virtual_stages}, m={bad})"
             )
     return cfg, ns
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_par.pipeline import build_schedule
+from lightning_par.pipeline.schedule import SPLIT_BACKWARD
 
 UNIT_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # I / W: the two halves of a split backward
 Order = list[list[tuple[str, int, int]]]  # per rank: (kind, virtual stage, micro-batch)
@@ -110,8 +111,9 @@ def jitter_bubble(
 
 
 def ours_orders(schedule: str, *, p: int, m: int, v: int, slack: int = 0) -> Order:
-    """Our schedule's actions; a ``zb`` backward ``B`` is the input half (``I``) of a split backward."""
-    kinds = {"B": "I"} if schedule == "zb" else {}
+    """Our schedule's actions; a ``zb`` / ``interleaved_zb`` backward ``B`` is the input half (``I``) of a
+    split backward."""
+    kinds = {"B": "I"} if schedule in SPLIT_BACKWARD else {}
     acts = build_schedule(schedule, p=p, m=m, v=v, slack=slack)
     return [[(kinds.get(a.kind, a.kind), a.chunk * p + r, a.mb) for a in rank] for r, rank in enumerate(acts)]
 

@@ -8,18 +8,14 @@ from typing import TYPE_CHECKING, Any
 
 from benchmarks import common
 from benchmarks.bench_pp import LOSS_TOL, WEIGHT_ATOL_IN_LR, WEIGHT_RTOL
-from benchmarks.bench_pp import analytic_bubble as ours_analytic
+from benchmarks.bench_pp import analytic_bubble as analytic
 from benchmarks.pp_sim import jitter_bubble
 
 if TYPE_CHECKING:
     from benchmarks.bench_pp_torch import PPTorchConfig
 
 
-def analytic(impl: str, schedule: str, *, p: int, m: int, v: int) -> float:
-    """Bubble with equal stages and free transfers (module docstring)."""
-    if impl == "torch" and schedule == "zb":
-        return (p - 1) / (3 * v * m + p - 1)
-    return ours_analytic(schedule, p=p, m=m, v=v)
+ZERO_BUBBLE_VS = {"zb": "1f1b", "interleaved_zb": "interleaved_1f1b"}  # split backward -> its 1F1B
 
 
 def action_cv(samples: list[tuple[int, float]], *, warmup: int) -> float:
@@ -50,7 +46,7 @@ def summarise(
     span = statistics.median(common.slowest(rs, "phases", "pipeline")[w:])
     own = [statistics.median(r["phases"]["pipeline"][w:]) for r in rs]
     bubble = [1 - m * cr / span for cr in c[v]]
-    a = analytic(impl, schedule, p=p, m=m, v=v)
+    a = analytic(schedule, p=p, m=m, v=v)
     d.update(virtual_stages=v, stages_per_rank=[r["ids"] for r in rs], compute_per_microbatch_s_per_rank=c[v])
     d.update(pipeline_s=span, pipeline_s_per_rank=own, bubble_per_rank=bubble, bubble_max=max(bubble))
     d.update(
@@ -80,7 +76,8 @@ def aggregate(cfg: PPTorchConfig, per_rank: list[dict[str, Any]]) -> dict[str, A
         for n, impl, s, m in cfg.impls()
     }
     pairs: dict[str, Any] = {}
-    for o, t in ((impls[f"ours_{s}_m{m}"], impls[f"torch_{s}_m{m}"]) for m in ms for s in schedules):
+    both = [(s, m) for m in ms for s in schedules if f"torch_{s}_m{m}" in impls]
+    for o, t in ((impls[f"ours_{s}_m{m}"], impls[f"torch_{s}_m{m}"]) for s, m in both):
         pairs[f"{o['schedule']}_m{o['microbatches']}"] = {
             "time_ours_over_torch": common.time_ratios(o, t, w),
             "ours_le_torch_bubble": o["bubble_mean"] <= t["bubble_mean"],
@@ -91,6 +88,12 @@ def aggregate(cfg: PPTorchConfig, per_rank: list[dict[str, Any]]) -> dict[str, A
         for i, m in ((i, m) for i in ("ours", "torch") for m in ms):
             ofo, gp = impls[f"{i}_1f1b_m{m}"]["bubble_mean"], impls[f"{i}_gpipe_m{m}"]["bubble_mean"]
             one_f_one_b[f"{i}_m{m}"] = ofo <= gp
+    zero_bubble: dict[str, bool] = {}  # each zero-bubble schedule against the 1F1B it splits
+    for zb, ofo in ZERO_BUBBLE_VS.items():
+        for i, m in ((i, m) for i in ("ours", "torch") for m in ms):
+            a, b = impls.get(f"{i}_{zb}_m{m}"), impls.get(f"{i}_{ofo}_m{m}")
+            if a is not None and b is not None:
+                zero_bubble[f"{i}_{zb}_m{m}"] = a["bubble_mean"] <= b["bubble_mean"]
     correctness: dict[str, Any] = {}
     for name in (n for n in impls if n in per_rank[0]["correctness"]):
         per = [r["correctness"][name] for r in per_rank]
@@ -115,6 +118,7 @@ def aggregate(cfg: PPTorchConfig, per_rank: list[dict[str, Any]]) -> dict[str, A
             "ours_le_torch_bubble": all(q["ours_le_torch_bubble"] for q in pairs.values()),
             "ours_le_torch_time": all(q["ours_le_torch_time"] for q in pairs.values()),
             "1f1b_le_gpipe": one_f_one_b,
+            "zb_le_1f1b": zero_bubble,
             "ours_within_analytic": within["ours"],
             "torch_within_analytic": within["torch"],
         },
@@ -127,26 +131,34 @@ def aggregate(cfg: PPTorchConfig, per_rank: list[dict[str, Any]]) -> dict[str, A
     }
 
 
-def pair_row(q: dict[str, Any], o: dict[str, Any], t: dict[str, Any], corr: dict[str, Any]) -> list[str]:
-    """One table row: ours ``o`` vs torch's ``t`` (``q`` their comparison, ``corr`` ours' correctness)."""
+def pair_row(
+    q: dict[str, Any] | None, o: dict[str, Any], t: dict[str, Any] | None, corr: dict[str, Any]
+) -> list[str]:
+    """One table row: ours ``o`` vs torch's ``t`` (``q`` their comparison, ``corr`` ours' correctness);
+    ``-`` in torch's cells where torch has no such schedule (``t`` and ``q`` None)."""
     yn = {True: "y", False: "N"}
 
     def pair(f: Any) -> str:
-        return f"{f(o)}/{f(t)}"
+        return f"{f(o)}/{f(t) if t is not None else '-'}"
 
-    vs = "" if o["virtual_stages"] == t["virtual_stages"] else " v" + pair(lambda d: d["virtual_stages"])
+    vs = (
+        ""
+        if t is None or o["virtual_stages"] == t["virtual_stages"]
+        else " v" + pair(lambda d: d["virtual_stages"])
+    )
     cells = [
         pair(lambda d: f"{d['summary']['median']:.3f}"),
-        f"{q['time_ours_over_torch']['ratio_of_medians']:.2f}",
+        f"{q['time_ours_over_torch']['ratio_of_medians']:.2f}" if q is not None else "-",
         pair(lambda d: f"{d['bubble_mean']:.3f}"),
-        "|".join("/".join(f"{b:.2f}" for b in d["bubble_per_rank"]) for d in (o, t)),
+        "|".join("/".join(f"{b:.2f}" for b in d["bubble_per_rank"]) if d else "-" for d in (o, t)),
         f"{o['internal_bubble_mean']:.3f}",
         pair(lambda d: f"{d['bubble_analytic']:.3f}"),
         pair(lambda d: f"{d['bubble_unit_schedule']:.3f}"),
         pair(lambda d: f"{d['bubble_jitter_model']:.3f}"),
-        yn[q["ours_le_torch_bubble"]] + "/" + yn[q["ours_le_torch_time"]],
+        yn[q["ours_le_torch_bubble"]] + "/" + yn[q["ours_le_torch_time"]] if q is not None else "-",
         pair(lambda d: yn[d["within_analytic"]]),
-        f"{corr['losses']['max_abs_diff']:.0e}/{corr['losses_vs_torch']['max_abs_diff']:.0e}",
+        f"{corr['losses']['max_abs_diff']:.0e}/"
+        + (f"{corr['losses_vs_torch']['max_abs_diff']:.0e}" if "losses_vs_torch" in corr else "-"),
     ]
     return [o["schedule"] + vs, str(o["microbatches"]), *cells]
 
@@ -165,9 +177,9 @@ def print_table(cfg: PPTorchConfig, result: dict[str, Any]) -> None:
     )
     head = "pair m step_s_o/t o/t bubble_o/t per_rank_o|t internal analytic_o/t unit_o/t jitter_o/t"
     rows = [head.split() + ["o<=t_bub/time", "<=1.2a+.03_o/t", "loss|d|_ref/t"]]
-    for name, q in result["pairs"].items():
-        o, t, corr = impls[f"ours_{name}"], impls[f"torch_{name}"], result["correctness"][f"ours_{name}"]
-        rows.append(pair_row(q, o, t, corr))
+    for name in (n.removeprefix("ours_") for n in impls if n.startswith("ours_")):
+        o, t, corr = impls[f"ours_{name}"], impls.get(f"torch_{name}"), result["correctness"][f"ours_{name}"]
+        rows.append(pair_row(result["pairs"].get(name), o, t, corr))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print(
@@ -180,6 +192,8 @@ def print_table(cfg: PPTorchConfig, result: dict[str, Any]) -> None:
         f"targets: ours <= torch: bubble {tg['ours_le_torch_bubble']}, step time {tg['ours_le_torch_time']}; "
         "1F1B <= GPipe: "
         + (", ".join(f"{k} {v}" for k, v in tg["1f1b_le_gpipe"].items()) or "-")
+        + "; zero bubble <= its 1F1B: "
+        + (", ".join(f"{k} {v}" for k, v in tg["zb_le_1f1b"].items()) or "-")
         + f"; <= 1.2 analytic + 0.03: ours {tg['ours_within_analytic']}, torch {tg['torch_within_analytic']}"
     )
     verdict = "agree" if result["correct"] else "DISAGREE"

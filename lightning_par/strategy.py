@@ -107,8 +107,9 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             the LightningModule's ``tp_plan`` attribute. Applied when ``tensor_parallel_size > 1``.
         sequence_parallel: split the activations between tensor-parallel regions along the sequence.
         num_microbatches: micro-batches per pipeline step (default ``2 * pipeline_parallel_size``).
-        pipeline_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zb"`` (zero bubble).
-        virtual_stages: model chunks per pipeline rank (``interleaved_1f1b`` needs >= 2).
+        pipeline_schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb"`` (zero bubble) or
+            ``"interleaved_zb"`` (zero bubble over ``virtual_stages`` chunks per rank).
+        virtual_stages: model chunks per pipeline rank (the interleaved schedules need >= 2).
         pipeline_slack: ``1f1b`` / ``zb``: extra micro-batches in flight on every stage but the last,
             which absorb fluctuating action times for that many more micro-batches of activations
             (:mod:`lightning_par.pipeline.schedule`).

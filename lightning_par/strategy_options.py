@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Literal
 
 from lightning_par.pipeline.partition import METHODS as PARTITION_METHODS
 from lightning_par.pipeline.partition import PartitionMethod
-from lightning_par.pipeline.schedule import validate_sizes
+from lightning_par.pipeline.schedule import SCHEDULES, ScheduleName, validate_sizes
 from lightning_par.tensor_parallel import resolve_plan
 from lightning_par.zero.engine import ReduceChoice
 from lightning_par.zero.grad_sync import GradSyncPolicy
@@ -16,9 +16,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb"]
+PipelineSchedule = ScheduleName
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
-_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb")
 
 
 def check_options(
@@ -64,8 +63,8 @@ def check_options(
             )
     if partition_method not in PARTITION_METHODS:
         raise ValueError(f"partition_method must be one of {PARTITION_METHODS}, got {partition_method!r}.")
-    if pipeline_schedule not in _SCHEDULES:
-        raise ValueError(f"pipeline_schedule must be one of {_SCHEDULES}, got {pipeline_schedule!r}.")
+    if pipeline_schedule not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule must be one of {SCHEDULES}, got {pipeline_schedule!r}.")
     if not bucket_size_mb > 0:
         raise ValueError(
             f"bucket_size_mb must be > 0 (the gradient bucket size in MiB), got {bucket_size_mb!r}."

@@ -32,9 +32,10 @@ def test_bench_pp_torch_quick_agrees_with_torch_and_writes_json(tmp_path: Path, 
     assert cfg["slack"] == slack  # ours' 1f1b and zb ran with it (their losses still equal torch's, below)
     p, v, total = cfg["world_size"], cfg["virtual_stages"], cfg["warmup"] + cfg["steps"]
     ms = [int(m) for m in cfg["microbatches"].split(",")]
-    schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zb")
+    paired = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")  # torch has the same schedule
     impls = data["implementations"]
-    expected = {f"{i}_{s}_m{m}" for i in ("ours", "torch") for s in schedules for m in ms}
+    expected = {f"{i}_{s}_m{m}" for i in ("ours", "torch") for s in paired for m in ms}
+    expected |= {f"ours_zb_m{m}" for m in ms}  # torch has no single-stage zero bubble
     assert set(impls) == expected | {f"unpipelined_m{m}" for m in ms}
     assert data["order_rank0"][: len(impls)] == [name for name, *_ in bench_pp_torch.QUICK.impls()]
     for d in impls.values():
@@ -49,7 +50,9 @@ def test_bench_pp_torch_quick_agrees_with_torch_and_writes_json(tmp_path: Path, 
     for name in expected:
         c = data["correctness"][name]
         checks = ("losses", "weights") + (
-            ("losses_vs_torch", "weights_vs_torch") if name[:4] == "ours" else ()
+            ("losses_vs_torch", "weights_vs_torch")
+            if name.startswith("ours") and not name.startswith("ours_zb_")
+            else ()
         )
         assert set(c) == set(checks), name
         for k in checks:
@@ -65,9 +68,7 @@ def test_bench_pp_torch_quick_agrees_with_torch_and_writes_json(tmp_path: Path, 
         assert len(cv) == p and all(0.0 <= x < 1.0 for x in cv)
     for name in expected:
         d, m = impls[name], impls[name]["microbatches"]
-        assert d["virtual_stages"] == (
-            v if d["schedule"] == "interleaved_1f1b" or name == f"torch_zb_m{m}" else 1
-        )
+        assert d["virtual_stages"] == (v if d["schedule"].startswith("interleaved") else 1)
         assert len(d["bubble_per_rank"]) == p and all(b < 1.0 for b in d["bubble_per_rank"])
         assert d["bubble_mean"] == pytest.approx(sum(d["bubble_per_rank"]) / p)
         assert d["bubble_max"] == max(d["bubble_per_rank"]) and d["pipeline_s"] > 0
@@ -82,19 +83,26 @@ def test_bench_pp_torch_quick_agrees_with_torch_and_writes_json(tmp_path: Path, 
     assert impls[f"ours_gpipe_m{m}"]["bubble_analytic"] == (p - 1) / (m + p - 1)
     assert impls[f"ours_interleaved_1f1b_m{m}"]["bubble_analytic"] == (p - 1) / (v * m + p - 1)
     assert impls[f"ours_zb_m{m}"]["bubble_analytic"] == (p - 1) / (3 * m + p - 1)
-    assert impls[f"torch_zb_m{m}"]["bubble_analytic"] == (p - 1) / (3 * v * m + p - 1)
-    for s in ("gpipe", "1f1b", "interleaved_1f1b"):  # these orders reach the formula at unit costs
+    for impl in ("ours", "torch"):
+        assert impls[f"{impl}_interleaved_zb_m{m}"]["bubble_analytic"] == (p - 1) / (3 * v * m + p - 1)
+    for s in paired:  # these orders reach the formula at unit costs (ours and torch's)
         for impl in ("ours", "torch"):
             d = impls[f"{impl}_{s}_m{m}"]
             assert d["bubble_unit_schedule"] == pytest.approx(d["bubble_analytic"]), (impl, s)
 
     # the pairs and the targets (booleans; on the tiny model they need not hold)
-    assert set(data["pairs"]) == {f"{s}_m{m}" for s in schedules for m in ms}
+    assert set(data["pairs"]) == {f"{s}_m{m}" for s in paired for m in ms}
     for q in data["pairs"].values():
         assert q["time_ours_over_torch"]["ratio_of_medians"] > 0
         assert isinstance(q["ours_le_torch_bubble"], bool) and isinstance(q["ours_le_torch_time"], bool)
     targets = data["targets"]
     assert set(targets["1f1b_le_gpipe"]) == {f"{i}_m{m}" for i in ("ours", "torch") for m in ms}
+    zb_keys = {f"ours_zb_m{m}" for m in ms} | {
+        f"{i}_interleaved_zb_m{m}" for i in ("ours", "torch") for m in ms
+    }
+    assert set(targets["zb_le_1f1b"]) == zb_keys and all(
+        isinstance(x, bool) for x in targets["zb_le_1f1b"].values()
+    )
     for key in (
         "ours_le_torch_bubble",
         "ours_le_torch_time",

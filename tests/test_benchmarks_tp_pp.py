@@ -91,7 +91,9 @@ def test_bench_pp_quick_bubbles_in_flight_and_equality(tmp_path: Path) -> None:
     assert 4 in ms and 16 in ms
     impls = data["implementations"]
     assert set(impls) == {
-        f"{s}_m{m}" for m in ms for s in ("unpipelined", "gpipe", "1f1b", "interleaved_1f1b", "zb")
+        f"{s}_m{m}"
+        for m in ms
+        for s in ("unpipelined", "gpipe", "1f1b", "interleaved_1f1b", "zb", "interleaved_zb")
     }
     for d in impls.values():
         assert len(d["step_times_s"]) == total and d["summary"]["median"] > 0
@@ -116,6 +118,7 @@ def test_bench_pp_quick_bubbles_in_flight_and_equality(tmp_path: Path) -> None:
     assert gp4["bubble_analytic"] > impls["gpipe_m16"]["bubble_analytic"]
     assert impls["interleaved_1f1b_m4"]["bubble_analytic"] < gp4["bubble_analytic"]
     assert impls["zb_m4"]["bubble_analytic"] == (p - 1) / (3 * 4 + p - 1)
+    assert impls["interleaved_zb_m4"]["bubble_analytic"] == (p - 1) / (3 * cfg["virtual_stages"] * 4 + p - 1)
 
     # activations in flight: counted from autograd's saved tensors, exactly the schedules' bound
     assert data["in_flight_matches_schedule"]
@@ -125,9 +128,10 @@ def test_bench_pp_quick_bubbles_in_flight_and_equality(tmp_path: Path) -> None:
         assert impls[f"zb_m{m}"]["peak_forwards_in_flight_per_rank"] == [p - s for s in range(p)]
         assert impls[f"unpipelined_m{m}"]["peak_forwards_in_flight_per_rank"] == [1] * p
         inter = build_schedule("interleaved_1f1b", p=p, m=m, v=cfg["virtual_stages"])
-        assert impls[f"interleaved_1f1b_m{m}"]["peak_forwards_in_flight_per_rank"] == [
-            peak_in_flight(a) for a in inter
-        ]
+        for s in ("interleaved_1f1b", "interleaved_zb"):  # the split backward keeps interleaved 1F1B's bound
+            assert impls[f"{s}_m{m}"]["peak_forwards_in_flight_per_rank"] == [
+                peak_in_flight(a) for a in inter
+            ]
     # and in bytes: the first stage of 1F1B holds far less than GPipe's m micro-batches at m=16
     gp, one = impls["gpipe_m16"]["peak_saved_mib_per_rank"], impls["1f1b_m16"]["peak_saved_mib_per_rank"]
     assert one[0] * 4 < gp[0]

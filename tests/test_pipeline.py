@@ -24,12 +24,12 @@ from lightning_par.pipeline.schedule import Action, validate_sizes
 from tests.distributed import run_distributed
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zb"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zb", "interleaved_zb"])
 def test_every_valid_schedule_is_valid(name: str) -> None:
     checked = 0
     for p in range(1, 7):
         for m in range(1, 17):
-            for v in (1,) if name != "interleaved_1f1b" else (2, 3, 4):
+            for v in (1,) if not name.startswith("interleaved") else (2, 3, 4):
                 try:
                     validate_sizes(name, p=p, m=m, v=v)
                 except ValueError:
@@ -48,6 +48,16 @@ def test_every_valid_schedule_is_valid(name: str) -> None:
                         assert rounds == 3 * m + p - 1, (p, m, rounds)
                     for h in (False, True):
                         check_plan(plan(schedule, p=p, v=1, headers=h), p=p, v=1)
+                if name == "interleaved_zb":
+                    # whole activations: interleaved 1F1B's own counts; what W needs: rank 0's
+                    inter = [peak_in_flight(a) for a in build_schedule("interleaved_1f1b", p=p, m=m, v=v)]
+                    assert [peak_in_flight(a, until="B") for a in schedule] == inter, (p, m, v)
+                    assert [peak_in_flight(a) for a in schedule] == [inter[0]] * p, (p, m, v)
+                    # unit rounds reach the ideal makespan 3vm + p - 1: bubble (p-1)/(3vm+p-1)
+                    rounds = max(r[-1] for r in timing(schedule, p=p, v=v)) + 1
+                    assert rounds == 3 * v * m + p - 1, (p, m, v, rounds)
+                    for h in (False, True):
+                        check_plan(plan(schedule, p=p, v=v, headers=h), p=p, v=v)
                 checked += 1
     assert checked > 40
 
@@ -102,8 +112,14 @@ def test_schedule_checks_catch_bad_schedules() -> None:
         check_schedule(cyclic, p=2, m=2, v=1)
     with pytest.raises(ValueError, match=r"multiple of the pipeline size.*m=3, p=2; use m=4"):
         validate_sizes("interleaved_1f1b", p=2, m=3, v=2)
-    with pytest.raises(ValueError, match="one chunk per rank"):
+    with pytest.raises(ValueError, match="one chunk per rank; use interleaved_1f1b or interleaved_zb"):
         validate_sizes("1f1b", p=2, m=4, v=2)
+    with pytest.raises(ValueError, match=r"interleaved_zb needs at least 2 chunks.*got 1"):
+        validate_sizes("interleaved_zb", p=2, m=4, v=1)
+    with pytest.raises(ValueError, match=r"interleaved_zb needs num_microbatches.*m=6, p=4; use m=8"):
+        validate_sizes("interleaved_zb", p=4, m=6, v=2)
+    with pytest.raises(ValueError, match=r"'interleaved_zb' already keeps"):
+        validate_sizes("interleaved_zb", p=2, m=4, v=2, slack=1)
 
 
 def test_partition_balances_and_names_impossible_cuts() -> None:
@@ -178,7 +194,9 @@ def _pipeline(rank: int, world: int, schedule: str, v: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize(("schedule", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb", 1)])
+@pytest.mark.parametrize(
+    ("schedule", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb", 1), ("interleaved_zb", 2)]
+)
 def test_pipeline_runtime_matches_unsharded(schedule: str, v: int) -> None:
     results = run_distributed(_pipeline, 2, schedule, v)
     ref_losses, ref_state = _reference()

@@ -313,11 +313,19 @@ def _compare(results: list[dict[str, Any]], world: int) -> None:
 def test_two_ranks_match_the_unsharded_model() -> None:
     runs = [("gpipe", 1, 0), ("1f1b", 1, 0), ("interleaved_1f1b", 2, 0), ("interleaved_1f1b", 4, 0)]
     runs += [("1f1b", 1, 1), ("zb", 1, 1)]  # slack: one more micro-batch in flight on rank 0
+    runs += [("interleaved_zb", 2, 0), ("interleaved_zb", 3, 0)]
     _compare(run_distributed(_pipeline, 2, runs), 2)
 
 
 def test_four_ranks_and_one_rank_match_the_unsharded_model() -> None:
-    runs = [("1f1b", 1, 0), ("interleaved_1f1b", 2, 0), ("1f1b", 1, 2), ("zb", 1, 1)]
+    runs = [
+        ("1f1b", 1, 0),
+        ("interleaved_1f1b", 2, 0),
+        ("1f1b", 1, 2),
+        ("zb", 1, 1),
+        ("interleaved_zb", 2, 0),
+    ]
     _compare(run_distributed(_pipeline, 4, runs), 4)
     # one rank: interleaved chunks hand their tensors over in memory
-    _compare(run_distributed(_pipeline, 1, [("gpipe", 1, 0), ("interleaved_1f1b", 2, 0)]), 1)
+    one = [("gpipe", 1, 0), ("interleaved_1f1b", 2, 0), ("interleaved_zb", 2, 0)]
+    _compare(run_distributed(_pipeline, 1, one), 1)

@@ -156,6 +156,17 @@ CASES = [
             activation_checkpointing=True,
         ),
     ),
+    (  # the split backward over two chunks per rank, W passes into ZeRO-1's buffer
+        2,
+        dict(
+            pipeline_parallel_size=2,
+            num_microbatches=4,
+            pipeline_schedule="interleaved_zb",
+            virtual_stages=2,
+            partition_method="uniform",
+            zero_stage=1,
+        ),
+    ),
     (4, dict(pipeline_parallel_size=2, num_microbatches=2, zero_stage=1)),
     (4, dict(pipeline_parallel_size=2, num_microbatches=2, zero_stage=2)),
     (4, dict(pipeline_parallel_size=2, tensor_parallel_size=2, tp_plan="gpt", num_microbatches=4)),

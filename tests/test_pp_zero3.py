@@ -38,6 +38,9 @@ CASES: dict[str, dict[str, Any]] = {
         reshard_after_forward=True,
     ),
     "zb": dict(pipeline_schedule="zb", num_microbatches=2),
+    "interleaved_zb": dict(
+        pipeline_schedule="interleaved_zb", virtual_stages=2, partition_method="uniform", num_microbatches=2
+    ),
 }
 
 

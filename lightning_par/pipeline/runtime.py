@@ -58,7 +58,7 @@ from lightning_par.pipeline.p2p import (
     plan,
     stage_of,
 )
-from lightning_par.pipeline.schedule import Action, build_schedule
+from lightning_par.pipeline.schedule import SPLIT_BACKWARD, Action, build_schedule
 from lightning_par.pipeline.weight_grad import GradOf, WeightGradSplit
 from lightning_par.zero.meta_init import target_device
 
@@ -143,8 +143,9 @@ class PipelineRuntime:
             "forward": forward_only(p=self.p, m=self.m, v=self.v),
         }
         self.actions: list[Action] = self._schedules["train"][self.s]
-        # zb splits each backward: input gradients in B, the linear layers' weight gradients in W
-        self._split = WeightGradSplit(self.chunks) if schedule == "zb" else None
+        # zb / interleaved_zb split each backward: input gradients in B, the linear layers' weights in W
+        self._split = WeightGradSplit(self.chunks) if schedule in SPLIT_BACKWARD else None
+        self.schedule = schedule
         self._last_backward = [a for a in self.actions if a.kind == "B"][-1]
         self.last = self.p * self.v - 1
         self.last_stats = StepStats()
@@ -258,14 +259,16 @@ class PipelineRuntime:
     ) -> Tensor:
         """Forward and backward of all micro-batches; ``inputs[i]`` feeds virtual stage 0 (rank 0 only).
         Every backward runs inside ``no_sync()`` (gradient accumulation), except this rank's last when
-        ``sync_last`` (else the caller ends the window itself, e.g. with a flush). With ``zb``, the
+        ``sync_last`` (else the caller ends the window itself, e.g. with a flush). With a split backward
+        (``zb``, ``interleaved_zb``), the
         weight-gradient passes add into ``grad_of(param)`` (the engine's accumulation buffer) or
         ``param.grad``; they come after the last backward, so a caller with an engine must end the window
         itself (``sync_last=False``)."""
         if self._split is not None and sync_last and no_sync is not nullcontext:
             raise ValueError(
-                "pipeline_schedule='zb' runs weight-gradient passes after the last backward: call"
-                " train_step(sync_last=False) and end the accumulation window afterwards (engine.flush())."
+                f"pipeline_schedule={self.schedule!r} runs weight-gradient passes after the last backward:"
+                " call train_step(sync_last=False) and end the accumulation window afterwards"
+                " (engine.flush())."
             )
         with self._split.attached() if self._split is not None else nullcontext():
             return self._train_step(inputs, loss_fn, no_sync, sync_last, grad_of)

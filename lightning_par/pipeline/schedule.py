@@ -24,6 +24,13 @@ input gradient to ``g - 1``.
   ``p - s`` as well would make the last stage run ``F B W`` in lockstep, which doubles the bubble. With
   ``F = B = W`` ZB-H1's bubble is ``(p-1)/(3m + p - 1)``, a third of 1F1B's; this order reaches it
   exactly for ``p = 2`` and even ``m``, and within 3 unit rounds otherwise. It needs ``m >= p``.
+* ``interleaved_zb``: the same split over ``v`` chunks per rank (as torch's
+  ``ScheduleInterleavedZeroBubble``). The same simulation, with interleaved 1F1B's orders of forwards and
+  of backwards on each rank and its bounds: at most interleaved 1F1B's own in-flight count on rank ``s``
+  between ``F`` and ``B`` (so the whole activations never exceed interleaved 1F1B's), and at most rank
+  0's between ``F`` and ``W``. With ``F = B = W`` it reaches ``(p-1)/(3 v m + p - 1)`` exactly (checked
+  for ``p <= 6``, ``v <= 4``, every multiple ``m <= 16`` of ``p``), a third of interleaved 1F1B's. It
+  needs ``v >= 2`` and ``m`` a multiple of ``p``.
 
 ``slack`` (``1f1b`` and ``zb``; default 0): every rank but the last runs ``slack`` more warm-up forwards,
 and keeps up to ``slack`` more micro-batches in flight. The bubbles above assume every action takes the
@@ -47,13 +54,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb")
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb", "interleaved_zb"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zb", "interleaved_zb")
+SPLIT_BACKWARD: tuple[str, ...] = ("zb", "interleaved_zb")  # B is the input gradient, W the weights'
+INTERLEAVED: tuple[str, ...] = ("interleaved_1f1b", "interleaved_zb")  # v >= 2 chunks per rank
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: Literal["F", "B", "W"]  # W: the weight gradients of a split backward (zb)
+    kind: Literal["F", "B", "W"]  # W: the weight gradients of a split backward (SPLIT_BACKWARD)
     chunk: int
     mb: int
 
@@ -77,19 +86,21 @@ def validate_sizes(name: str, *, p: int, m: int, v: int, slack: int = 0) -> None
             + (" every micro-batch in flight" if name == "gpipe" else " (v-1)*p extra forwards in flight")
             + ": use pipeline_slack=0 with it."
         )
-    if name != "interleaved_1f1b" and v != 1:
-        raise ValueError(f"{name!r} runs one chunk per rank; use interleaved_1f1b for v={v} chunks.")
+    if name not in INTERLEAVED and v != 1:
+        raise ValueError(
+            f"{name!r} runs one chunk per rank; use interleaved_1f1b or interleaved_zb for v={v} chunks."
+        )
     if name == "zb" and m < p:
         raise ValueError(
             f"pipeline_schedule='zb' needs num_microbatches >= the pipeline size (m={m}, p={p}): with fewer,"
             f" the weight-gradient passes have no bubble to fill; use m={p} or more."
         )
-    if name == "interleaved_1f1b":
+    if name in INTERLEAVED:
         if v < 2:
-            raise ValueError("interleaved_1f1b needs at least 2 chunks per rank (virtual_stages >= 2).")
+            raise ValueError(f"{name} needs at least 2 chunks per rank (virtual_stages >= 2), got {v}.")
         if m < p or m % p != 0:
             raise ValueError(
-                f"interleaved_1f1b needs num_microbatches to be a multiple of the pipeline size (so m >= p):"
+                f"{name} needs num_microbatches to be a multiple of the pipeline size (so m >= p):"
                 f" m={m}, p={p}; use m={max(p, -(-m // p) * p)}."
             )
 
@@ -103,8 +114,14 @@ def build_schedule(name: str, *, p: int, m: int, v: int = 1, slack: int = 0) -> 
         ]
     if name == "1f1b":
         return [_one_f_one_b(s, p=p, m=m, slack=slack) for s in range(p)]
-    if name == "zb":
-        return _zero_bubble(p=p, m=m, slack=slack)
+    if name == "zb":  # whole activations: 1F1B's p - s; what W needs: rank 0's p (module docstring)
+        extra = [slack if s < p - 1 else 0 for s in range(p)]
+        return _zero_bubble(
+            p=p, m=m, v=1, until_b=[p - s + extra[s] for s in range(p)], until_w=[p + e for e in extra]
+        )
+    if name == "interleaved_zb":  # interleaved 1F1B's in-flight counts; what W needs: rank 0's
+        until_b = [_interleaved_warmup(s, p=p, m=m, v=v) + 1 for s in range(p)]
+        return _zero_bubble(p=p, m=m, v=v, until_b=until_b, until_w=[until_b[0]] * p)
     return [_interleaved(s, p=p, m=m, v=v) for s in range(p)]
 
 
@@ -119,62 +136,86 @@ def _one_f_one_b(s: int, *, p: int, m: int, slack: int = 0) -> list[Action]:
     return out
 
 
-def _zero_bubble(*, p: int, m: int, slack: int = 0) -> list[list[Action]]:
-    """ZB-H1 by simulation (module docstring): unit-time rounds; in each round every rank runs the first
-    ready action of: the oldest ``B`` whose output gradient arrived in an earlier round, the next ``F``
-    whose input arrived (while fewer than ``p - s`` micro-batches wait for their ``B`` and fewer than
-    ``p`` for their ``W``, each plus ``slack`` on ranks but the last), the oldest pending ``W``."""
+def _zero_bubble(*, p: int, m: int, v: int, until_b: list[int], until_w: list[int]) -> list[list[Action]]:
+    """ZB-H1 by simulation (module docstring): unit-time rounds; in each round every rank ``s`` runs the
+    first ready action of: its next ``B`` (in interleaved 1F1B's order of backwards, which for ``v = 1``
+    is micro-batch order) once its output gradient arrived in an earlier round; its next ``F`` (in that
+    order of forwards) once its input arrived, while fewer than ``until_b[s]`` forwards wait for their
+    ``B`` and fewer than ``until_w[s]`` for their ``W``; its oldest pending ``W``."""
+    total, last = m * v, p * v - 1
     out: list[list[Action]] = [[] for _ in range(p)]
-    done: dict[tuple[str, int, int], int] = {}  # (kind, rank, mb) -> round
+    done: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, mb) -> round
     next_f, next_b = [0] * p, [0] * p
-    pending_w: list[list[int]] = [[] for _ in range(p)]
-    extra = [slack if s < p - 1 else 0 for s in range(p)]
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (chunk, mb) of B without W
     t = 0
-    while any(len(a) < 3 * m for a in out):
+
+    def arrived(key: tuple[str, int, int]) -> bool:
+        return done.get(key, t) < t
+
+    while any(len(a) < 3 * total for a in out):
         ran: list[tuple[int, Action]] = []
         for s in range(p):
-            b, f = next_b[s], next_f[s]
-            if b < f and (s == p - 1 or done.get(("B", s + 1, b), t) < t):
-                ran.append((s, Action("B", 0, b)))
-            elif (
-                f < m
-                and (s == 0 or done.get(("F", s - 1, f), t) < t)
-                and f - b < p - s + extra[s]  # 1F1B's bound on whole activations (freed by B)
-                and f - (b - len(pending_w[s])) < p + extra[s]  # the inputs W needs: 1F1B's peak, p
-            ):
-                ran.append((s, Action("F", 0, f)))
-            elif pending_w[s]:
-                ran.append((s, Action("W", 0, pending_w[s][0])))
+            f, b = next_f[s], next_b[s]
+            if b < total:
+                c, i = _interleaved_backward(b, p=p, v=v)
+                g = c * p + s
+                if arrived(("F", g, i) if g == last else ("B", g + 1, i)):
+                    ran.append((s, Action("B", c, i)))
+                    continue
+            if f < total:
+                c, i = _interleaved_forward(f, p=p, v=v)
+                g = c * p + s
+                if (
+                    (g == 0 or arrived(("F", g - 1, i)))
+                    and f - b < until_b[s]  # whole activations, freed by B
+                    and f - (b - len(pending_w[s])) < until_w[s]  # the inputs W needs, freed by W
+                ):
+                    ran.append((s, Action("F", c, i)))
+                    continue
+            if pending_w[s]:
+                ran.append((s, Action("W", *pending_w[s][0])))
         for s, a in ran:
-            done[(a.kind, s, a.mb)] = t
+            done[(a.kind, a.chunk * p + s, a.mb)] = t
             out[s].append(a)
             if a.kind == "F":
                 next_f[s] += 1
             elif a.kind == "B":
                 next_b[s] += 1
-                pending_w[s].append(a.mb)
+                pending_w[s].append((a.chunk, a.mb))
             else:
                 pending_w[s].pop(0)
         t += 1
     return out
 
 
+def _interleaved_forward(k: int, *, p: int, v: int) -> tuple[int, int]:
+    """(chunk, micro-batch) of a rank's ``k``-th forward in interleaved order: groups of ``p``
+    micro-batches go through chunk 0, then chunk 1, ..., then the next group (``v = 1``: micro-batch k)."""
+    return (k // p) % v, (k // (p * v)) * p + k % p
+
+
+def _interleaved_backward(k: int, *, p: int, v: int) -> tuple[int, int]:
+    """The ``k``-th backward: the same groups, from the last chunk down."""
+    return v - 1 - (k // p) % v, (k // (p * v)) * p + k % p
+
+
+def _interleaved_warmup(s: int, *, p: int, m: int, v: int) -> int:
+    """Forwards rank ``s`` runs before its first backward in interleaved 1F1B."""
+    return min((p - s - 1) * 2 + (v - 1) * p, m * v)
+
+
 def _interleaved(s: int, *, p: int, m: int, v: int) -> list[Action]:
     total = m * v
-
-    def forward(k: int) -> Action:
-        return Action("F", (k // p) % v, (k // (p * v)) * p + k % p)
-
-    def backward(k: int) -> Action:
-        return Action("B", v - 1 - (k // p) % v, (k // (p * v)) * p + k % p)
-
-    warmup = min((p - s - 1) * 2 + (v - 1) * p, total)
-    out = [forward(k) for k in range(warmup)]
+    warmup = _interleaved_warmup(s, p=p, m=m, v=v)
+    out = [Action("F", *_interleaved_forward(k, p=p, v=v)) for k in range(warmup)]
     f, b = warmup, 0
     while f < total:
-        out += [forward(f), backward(b)]
+        out += [
+            Action("F", *_interleaved_forward(f, p=p, v=v)),
+            Action("B", *_interleaved_backward(b, p=p, v=v)),
+        ]
         f, b = f + 1, b + 1
-    out += [backward(k) for k in range(b, total)]
+    out += [Action("B", *_interleaved_backward(k, p=p, v=v)) for k in range(b, total)]
     return out
 
 
