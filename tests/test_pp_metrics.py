@@ -5,7 +5,8 @@ single-process Trainer running the same module's ordinary steps.
 last stage computes them per micro-batch and every rank logs their mean over the batch, which equals
 what the reference's ``training_step`` / ``validation_step`` log on whole batches. Also: ``predict``
 returns the reference's logits on every rank; ``consolidated_state_dict()`` gathers the stages into the
-reference's weights on rank 0; a metric the last stage cannot report raises the same error on every rank.
+reference's weights on rank 0; a metric the last stage cannot report, or metric names that change after
+the first step, raise the same error on every rank.
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ class BadMetricGPT(MetricGPT):
         return {"per_token": output.float().mean(-1)}  # a tensor per token, not a scalar
 
 
+class ChangingMetricGPT(MetricGPT):
+    """Drops a metric after the first training step (as a metric logged only now and then would)."""
+
+    def pipeline_loss(self, output: Tensor, batch: Sequence[Tensor]) -> Any:  # type: ignore[override]
+        result = super().pipeline_loss(output, batch)
+        if self.trainer.training and self.trainer.global_step >= 1:
+            del result["conf"]
+        return result
+
+
 class Metrics(pl.Callback):
     """Every training step's logged metrics, and the last validation's."""
 
@@ -107,12 +118,20 @@ def _pp(rank: int, world: int, tmp: str, zero_stage: int, n: int) -> dict[str, A
         ).validate(bad, DataLoader(Tokens(8), batch_size=8), verbose=False)
     except PipelineMetricError as exc:
         error = str(exc)
+    changed = ""
+    try:  # the second step's metrics differ: every rank raises there, none waits on a collective
+        _trainer(HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), world, tmp, []).fit(
+            _module(ChangingMetricGPT), DataLoader(Tokens(3 * GLOBAL), batch_size=GLOBAL)
+        )
+    except PipelineMetricError as exc:
+        changed = str(exc)
     return {
         "train": metrics.train,
         "val": metrics.val,
         "predictions": torch.cat([p.detach() for p in predictions]),  # type: ignore[union-attr]
         "full": {k: v.clone() for k, v in full.items()},
         "error": error,
+        "changed": changed,
     }
 
 
@@ -155,6 +174,8 @@ def test_pipeline_metrics_predict_and_export_equal_the_single_process_run(
             assert r["val"][name] == pytest.approx(want, rel=1e-5, abs=1e-6), (rank, name)
         torch.testing.assert_close(r["predictions"], ref["predictions"], msg=f"rank {rank} predictions")
         assert "'per_token'" in r["error"] and "one floating-point number" in r["error"], r["error"]
+        assert "train step: the metrics changed from ['acc', 'conf'] to" in r["changed"], r["changed"]
+        assert "return the same names every step" in r["changed"], r["changed"]
     assert results[0]["train"] == results[1]["train"]  # every rank logs the same numbers
     full = results[0]["full"]
     assert set(full) >= {k for k in ref["state"] if not k.endswith((".cos", ".sin"))}

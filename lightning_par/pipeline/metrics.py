@@ -13,11 +13,17 @@ the batch mean). :class:`PipelineMetrics` gathers them on the last stage and bro
 pipeline group at the step's end (one broadcast of one vector), so every rank logs the same numbers.
 The names are agreed once per kind of step (``"train"``, ``"val"``, ``"test"``) with an object broadcast
 from the last stage, which also carries a bad metric's description, so every rank raises the same error
-at the first step instead of waiting on a collective. Later steps must return the same names.
+at the first step instead of waiting on a collective. Later steps must return the same names: the vector
+ends with a flag the last stage sets when they changed (or a value went bad), which the other ranks read
+on the host, one read per step and only when there are metrics (a logged metric is read on the host
+anyway, e.g. by the progress bar); so a change raises the same error on every rank at the same step
+instead of leaving the others waiting on the next collective. Metrics that appear only after the first
+step of a kind, when none were agreed, are not logged (a warning on the last stage says so).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,6 +55,7 @@ class PipelineMetrics:
         self._sums: dict[str, Tensor] = {}
         self._error: str | None = None
         self._m = 1
+        self._late_warned: set[str] = set()
 
     def start(self, m: int) -> None:
         """A new step of ``m`` micro-batches."""
@@ -103,17 +110,33 @@ class PipelineMetrics:
                 )
             self._names[kind] = payload[0]["names"]
         names = self._names[kind]
-        if not names:
-            return {}
+        problem: str | None = None
         if self.is_last:
-            if self._error or sorted(self._sums) != names:
-                raise PipelineMetricError(
-                    f"Pipeline parallelism, {kind} step: the metrics changed from {names} to"
-                    f" {sorted(self._sums)} ({self._error or 'other names'}); return the same names"
-                    " every step."
+            problem = self._error or (None if sorted(self._sums) == names else "other names")
+        if not names:
+            if self._sums and kind not in self._late_warned:
+                self._late_warned.add(kind)
+                warnings.warn(
+                    f"Pipeline parallelism, {kind} step: metrics {sorted(self._sums)} appeared after the"
+                    " first step, which had none; they are not logged. Return every metric from the first"
+                    " step on.",
+                    stacklevel=2,
                 )
-            vector = torch.stack([self._sums[n] for n in names])
-        else:
-            vector = torch.empty(len(names), device=self.device)
+            return {}
+        # [metric means..., flag]: flag 1 when this step's metrics differ from the agreed ones
+        vector = torch.zeros(len(names) + 1, device=self.device)
+        if problem is None and self.is_last:
+            vector[:-1] = torch.stack([self._sums[n] for n in names])
+        elif problem is not None:
+            vector.fill_(float("nan"))
+            vector[-1] = 1.0
         dist.broadcast(vector, src=self.src, group=self.group)
-        return dict(zip(names, vector.unbind(), strict=True))
+        changed = problem is not None if self.is_last else bool(vector[-1].item())  # see module docstring
+        if changed:
+            detail = [f"{sorted(self._sums)} ({problem})" if self.is_last else None]
+            dist.broadcast_object_list(detail, src=self.src, group=self.group, device=self.device)
+            raise PipelineMetricError(
+                f"Pipeline parallelism, {kind} step: the metrics changed from {names} to {detail[0]};"
+                " return the same names every step (reported by the last stage)."
+            )
+        return dict(zip(names, vector[:-1].unbind(), strict=True))
