@@ -87,7 +87,7 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.models.gpt import GPT, GPTConfig
 from lightning_par.pipeline import SCHEDULES, PipelineRuntime, build_schedule, peak_in_flight
 from lightning_par.pipeline.apply import TiedGradients, apply_pipeline
-from lightning_par.pipeline.schedule import INTERLEAVED
+from lightning_par.pipeline.schedule import INTERLEAVED, SPLIT_BACKWARD
 
 ALL_SCHEDULES = SCHEDULES  # gpipe, 1f1b, interleaved_1f1b, zb, interleaved_zb
 # torch.testing.assert_close tolerances against the unpipelined model. The pipeline runs the same ops on
@@ -186,7 +186,7 @@ PP4 = dict(n_layer=6, n_head=2, n_embd=64, seq=32, micro_batch=2, vocab=64, step
 def analytic_bubble(schedule: str, *, p: int, m: int, v: int) -> float:
     """The schedule's bubble fraction with equal stages and free transfers (schedule module docstring)."""
     chunks = v if schedule in INTERLEAVED else 1
-    if schedule in ("zb", "interleaved_zb"):  # F = B = W: W fills all but (p-1) of 1F1B's 3(p-1) idle units
+    if schedule in SPLIT_BACKWARD:  # F = B = W: W fills all but (p-1) of 1F1B's 3(p-1) idle units
         return (p - 1) / (3 * chunks * m + p - 1)
     return (p - 1) / (chunks * m + p - 1)
 

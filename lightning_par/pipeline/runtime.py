@@ -260,10 +260,9 @@ class PipelineRuntime:
         """Forward and backward of all micro-batches; ``inputs[i]`` feeds virtual stage 0 (rank 0 only).
         Every backward runs inside ``no_sync()`` (gradient accumulation), except this rank's last when
         ``sync_last`` (else the caller ends the window itself, e.g. with a flush). With a split backward
-        (``zb``, ``interleaved_zb``), the
-        weight-gradient passes add into ``grad_of(param)`` (the engine's accumulation buffer) or
-        ``param.grad``; they come after the last backward, so a caller with an engine must end the window
-        itself (``sync_last=False``)."""
+        (``zb``, ``interleaved_zb``), the weight-gradient passes add into ``grad_of(param)`` (the engine's
+        accumulation buffer) or ``param.grad``; they come after the last backward, so a caller with an
+        engine must end the window itself (``sync_last=False``)."""
         if self._split is not None and sync_last and no_sync is not nullcontext:
             raise ValueError(
                 f"pipeline_schedule={self.schedule!r} runs weight-gradient passes after the last backward:"
