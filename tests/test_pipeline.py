@@ -20,7 +20,13 @@ from lightning_par.pipeline import (
     peak_in_flight,
 )
 from lightning_par.pipeline.p2p import check_plan, plan, timing
-from lightning_par.pipeline.schedule import Action, validate_sizes
+from lightning_par.pipeline.schedule import (
+    Action,
+    _interleaved_warmup,
+    _list_schedule,
+    _makespan,
+    validate_sizes,
+)
 from tests.distributed import run_distributed
 
 
@@ -44,7 +50,7 @@ def test_every_valid_schedule_is_valid(name: str) -> None:
                     # the makespan of unit-time rounds (a hop costs a round) against ZB-H1's 3m + p - 1
                     rounds = max(r[-1] for r in timing(schedule, p=p, v=1)) + 1
                     assert rounds <= 3 * m + p - 1 + 3, (p, m, rounds)
-                    if p == 2 and m % 2 == 0:
+                    if p == 2:
                         assert rounds == 3 * m + p - 1, (p, m, rounds)
                     for h in (False, True):
                         check_plan(plan(schedule, p=p, v=1, headers=h), p=p, v=1)
@@ -52,14 +58,41 @@ def test_every_valid_schedule_is_valid(name: str) -> None:
                     # whole activations: interleaved 1F1B's own counts; what W needs: rank 0's
                     inter = [peak_in_flight(a) for a in build_schedule("interleaved_1f1b", p=p, m=m, v=v)]
                     assert [peak_in_flight(a, until="B") for a in schedule] == inter, (p, m, v)
-                    assert [peak_in_flight(a) for a in schedule] == [inter[0]] * p, (p, m, v)
-                    # unit rounds reach the ideal makespan 3vm + p - 1: bubble (p-1)/(3vm+p-1)
+                    assert all(peak_in_flight(a) <= inter[0] for a in schedule), (p, m, v)
+                    # unit rounds reach the ideal makespan 3vm + p - 1 (bubble (p-1)/(3vm+p-1)) at p = 2,
+                    # within one round otherwise
                     rounds = max(r[-1] for r in timing(schedule, p=p, v=v)) + 1
-                    assert rounds == 3 * v * m + p - 1, (p, m, v, rounds)
+                    assert rounds <= 3 * v * m + p - 1 + 1, (p, m, v, rounds)
+                    if p == 2:
+                        assert rounds == 3 * v * m + p - 1, (p, m, v, rounds)
                     for h in (False, True):
                         check_plan(plan(schedule, p=p, v=v, headers=h), p=p, v=v)
                 checked += 1
     assert checked > 40
+
+
+def test_zero_bubble_orders_hold_up_when_the_input_gradient_costs_more_than_the_weights() -> None:
+    # (F, B, W) with B > W, as in a transformer: the order made for equal times alone loses most of its
+    # advantage over 1F1B (whose bubble is (p-1)/(m+p-1) whatever B costs); the chosen one keeps it
+    unequal = (1.0, 1.2, 0.9)
+
+    def bubble(schedule: list[list[Action]], cost: tuple[float, float, float], v: int) -> float:
+        busy = len(schedule[0]) / 3 * sum(cost)  # each rank runs F, B and W of each of its (chunk, mb)
+        return 1 - busy / _makespan(schedule, p=2, v=v, cost=cost)
+
+    for m, v, equal_order_bubble, chosen_bubble in ((16, 1, 0.076, 0.026), (8, 2, 0.037, 0.020)):
+        name = "zb" if v == 1 else "interleaved_zb"
+        chosen = build_schedule(name, p=2, m=m, v=v)
+        until_b = [2, 1] if v == 1 else [_interleaved_warmup(s, p=2, m=m, v=v) + 1 for s in range(2)]
+        until_w = [2, 2] if v == 1 else [until_b[0]] * 2
+        made_for_equal = _list_schedule(p=2, m=m, v=v, until_b=until_b, until_w=until_w, cost=(1, 1, 1))
+        assert bubble(made_for_equal, unequal, v) == pytest.approx(equal_order_bubble, abs=5e-4)
+        assert bubble(chosen, unequal, v) == pytest.approx(chosen_bubble, abs=5e-4)
+        # and nothing lost at equal times: both reach (p-1)/(3vm+p-1)
+        for order in (chosen, made_for_equal):
+            assert bubble(order, (1.0, 1.0, 1.0), v) == pytest.approx(1 / (3 * v * m + 1))
+    one_f_one_b = build_schedule("1f1b", p=2, m=16)
+    assert 1 - 16 * 3.1 / _makespan(one_f_one_b, p=2, v=1, cost=(1.0, 2.1, 0.0)) == pytest.approx(1 / 17)
 
 
 def test_slack_keeps_more_micro_batches_in_flight_before_the_last_stage() -> None:

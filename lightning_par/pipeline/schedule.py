@@ -16,21 +16,28 @@ input gradient to ``g - 1``.
   (``m`` must be a multiple of ``p``); the bubble shrinks to ``(p-1)/(v m + p - 1)``, about ``1/v``.
 * ``zb`` (zero bubble, ZB-H1 of Qi et al., 2023): the backward is split into ``B`` (the gradient of the
   stage's input, which the previous stage waits for) and ``W`` (the weight gradients, which nobody waits
-  for). ``W`` passes are placed where 1F1B idles: the order comes from :func:`_zero_bubble`, a simulation
-  with equal unit costs in which every rank prefers ``B``, then ``F``, then ``W``. Memory: at most
+  for). ``W`` passes are placed where 1F1B idles: the order comes from :func:`_zero_bubble`, list
+  scheduling in which every rank prefers ``B``, then ``F``, then ``W``, for assumed action times. Made
+  for ``F = B = W`` alone, the order suits only those: in a transformer ``B`` also holds attention's
+  backward and the elementwise ops, ``W`` only the linear layers' weight gradients, so ``B > W``, and
+  with ``B = 1.2 F``, ``W = 0.9 F`` that order's bubble is 0.076 at ``p = 2``, ``m = 16``, above 1F1B's
+  0.059. So one order is made for each of ``ZB_COST_MODELS`` (``B = W = F``; ``1.2 F, 0.9 F``;
+  ``1.3 F, 0.8 F``) and the one with the smallest mean makespan over the three is run (there: 0.026 at
+  ``1.2 / 0.9``, still 0.020 at equal times). Memory: at most
   ``p - s`` micro-batches between their ``F`` and their ``B`` on rank ``s`` (1F1B's whole activations),
   and at most ``p`` between their ``F`` and their ``W`` (what ``W`` needs, the linear layers' inputs and
   output gradients, for no more micro-batches than 1F1B's peak on rank 0). Bounding the second by
   ``p - s`` as well would make the last stage run ``F B W`` in lockstep, which doubles the bubble. With
-  ``F = B = W`` ZB-H1's bubble is ``(p-1)/(3m + p - 1)``, a third of 1F1B's; this order reaches it
-  exactly for ``p = 2`` and even ``m``, and within 3 unit rounds otherwise. It needs ``m >= p``.
+  ``F = B = W`` ZB-H1's bubble is ``(p-1)/(3m + p - 1)``, a third of 1F1B's; the chosen order reaches
+  it exactly for ``p = 2``, and within 3 unit rounds otherwise (``p <= 6``, ``m <= 16``). It needs
+  ``m >= p``.
 * ``interleaved_zb``: the same split over ``v`` chunks per rank (as torch's
-  ``ScheduleInterleavedZeroBubble``). The same simulation, with interleaved 1F1B's orders of forwards and
-  of backwards on each rank and its bounds: at most interleaved 1F1B's own in-flight count on rank ``s``
-  between ``F`` and ``B`` (so the whole activations never exceed interleaved 1F1B's), and at most rank
-  0's between ``F`` and ``W``. With ``F = B = W`` it reaches ``(p-1)/(3 v m + p - 1)`` exactly (checked
-  for ``p <= 6``, ``v <= 4``, every multiple ``m <= 16`` of ``p``), a third of interleaved 1F1B's. It
-  needs ``v >= 2`` and ``m`` a multiple of ``p``.
+  ``ScheduleInterleavedZeroBubble``). The same scheduling and choice, with interleaved 1F1B's orders of
+  forwards and of backwards on each rank and its bounds: at most interleaved 1F1B's own in-flight count
+  on rank ``s`` between ``F`` and ``B`` (so the whole activations never exceed interleaved 1F1B's), and
+  at most rank 0's between ``F`` and ``W``. With ``F = B = W`` it reaches ``(p-1)/(3 v m + p - 1)``, a
+  third of interleaved 1F1B's, exactly for ``p = 2`` and within one unit round otherwise (``p <= 6``,
+  ``v <= 4``, every multiple ``m <= 16`` of ``p``). It needs ``v >= 2`` and ``m`` a multiple of ``p``.
 
 ``slack`` (``1f1b`` and ``zb``; default 0): every rank but the last runs ``slack`` more warm-up forwards,
 and keeps up to ``slack`` more micro-batches in flight. The bubbles above assume every action takes the
@@ -40,7 +47,7 @@ with ``slack = 0`` has no give: a rank's ``F`` needs the forward its neighbour j
 buffers every forward, ends up with the smaller bubble. One micro-batch of slack decouples them: the
 next activation is there before it is needed, so a peer's slow action is absorbed. Simulated with each
 action's time drawn with a 15% coefficient of variation (``benchmarks/pp_sim.py``, p = 2, m = 16), the
-bubble drops from 0.104 to 0.063 (1F1B; 0.059 without fluctuations) and from 0.065 to 0.029 (zb; 0.020).
+bubble drops from 0.104 to 0.063 (1F1B; 0.059 without fluctuations) and from 0.042 to 0.029 (zb; 0.020).
 The price is ``slack`` more micro-batches of activations on those ranks (``peak_in_flight``). Interleaved
 1F1B's warm-up already holds ``(v - 1) p`` extra forwards, and GPipe all of them, so neither takes it.
 
@@ -136,56 +143,99 @@ def _one_f_one_b(s: int, *, p: int, m: int, slack: int = 0) -> list[Action]:
     return out
 
 
+# Cost models (F, B, W) the zero-bubble orders are made for and judged by; B is the input-gradient half
+# of a split backward. In a transformer B holds attention's backward and the elementwise ops besides the
+# linear layers' input gradients, W only their weight gradients, so B > W is the common case.
+ZB_COST_MODELS: tuple[tuple[float, float, float], ...] = ((1.0, 1.0, 1.0), (1.0, 1.2, 0.9), (1.0, 1.3, 0.8))
+
+
 def _zero_bubble(*, p: int, m: int, v: int, until_b: list[int], until_w: list[int]) -> list[list[Action]]:
-    """ZB-H1 by simulation (module docstring): unit-time rounds; in each round every rank ``s`` runs the
-    first ready action of: its next ``B`` (in interleaved 1F1B's order of backwards, which for ``v = 1``
-    is micro-batch order) once its output gradient arrived in an earlier round; its next ``F`` (in that
-    order of forwards) once its input arrived, while fewer than ``until_b[s]`` forwards wait for their
-    ``B`` and fewer than ``until_w[s]`` for their ``W``; its oldest pending ``W``."""
+    """The order of :func:`_list_schedule` for each of ``ZB_COST_MODELS`` that has the smallest mean
+    makespan over those models (module docstring)."""
+    orders = [_list_schedule(p=p, m=m, v=v, until_b=until_b, until_w=until_w, cost=c) for c in ZB_COST_MODELS]
+    return min(orders, key=lambda o: sum(_makespan(o, p=p, v=v, cost=c) for c in ZB_COST_MODELS))
+
+
+def _list_schedule(
+    *, p: int, m: int, v: int, until_b: list[int], until_w: list[int], cost: tuple[float, float, float]
+) -> list[list[Action]]:
+    """ZB-H1 by list scheduling with action times ``cost = (F, B, W)`` and free transfers: repeatedly the
+    rank that can start an action earliest runs one. A rank ``s`` free at time ``t`` runs the first of
+    these it can start at ``t``: its next ``B`` (in interleaved 1F1B's order of backwards, for ``v = 1``
+    micro-batch order) once its output gradient is there; its next ``F`` (in that order of forwards) once
+    its input is there, while fewer than ``until_b[s]`` forwards wait for their ``B`` and fewer than
+    ``until_w[s]`` for their ``W``; its oldest pending ``W``. If it can start none at ``t``, it waits for
+    the one it can start first."""
     total, last = m * v, p * v - 1
+    duration = dict(zip("FBW", cost, strict=True))
     out: list[list[Action]] = [[] for _ in range(p)]
-    done: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, mb) -> round
+    end: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, mb) -> finish time
+    free = [0.0] * p
     next_f, next_b = [0] * p, [0] * p
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (chunk, mb) of B without W
-    t = 0
-
-    def arrived(key: tuple[str, int, int]) -> bool:
-        return done.get(key, t) < t
-
     while any(len(a) < 3 * total for a in out):
-        ran: list[tuple[int, Action]] = []
+        best: tuple[float, int, Action] | None = None
         for s in range(p):
-            f, b = next_f[s], next_b[s]
+            t, f, b = free[s], next_f[s], next_b[s]
+            ready: list[tuple[float, int, Action]] = []  # (start, priority, action)
             if b < total:
                 c, i = _interleaved_backward(b, p=p, v=v)
                 g = c * p + s
-                if arrived(("F", g, i) if g == last else ("B", g + 1, i)):
-                    ran.append((s, Action("B", c, i)))
-                    continue
-            if f < total:
+                needs = ("F", g, i) if g == last else ("B", g + 1, i)
+                if needs in end:
+                    ready.append((max(t, end[needs]), 0, Action("B", c, i)))
+            if f < total and f - b < until_b[s] and f - (b - len(pending_w[s])) < until_w[s]:
                 c, i = _interleaved_forward(f, p=p, v=v)
                 g = c * p + s
-                if (
-                    (g == 0 or arrived(("F", g - 1, i)))
-                    and f - b < until_b[s]  # whole activations, freed by B
-                    and f - (b - len(pending_w[s])) < until_w[s]  # the inputs W needs, freed by W
-                ):
-                    ran.append((s, Action("F", c, i)))
-                    continue
+                if g == 0 or ("F", g - 1, i) in end:
+                    ready.append((t if g == 0 else max(t, end[("F", g - 1, i)]), 1, Action("F", c, i)))
             if pending_w[s]:
-                ran.append((s, Action("W", *pending_w[s][0])))
-        for s, a in ran:
-            done[(a.kind, a.chunk * p + s, a.mb)] = t
-            out[s].append(a)
-            if a.kind == "F":
-                next_f[s] += 1
-            elif a.kind == "B":
-                next_b[s] += 1
-                pending_w[s].append((a.chunk, a.mb))
-            else:
-                pending_w[s].pop(0)
-        t += 1
+                ready.append((t, 2, Action("W", *pending_w[s][0])))
+            now = [r for r in ready if r[0] <= t]
+            pick = min(now, key=lambda r: r[1]) if now else min(ready, default=None)
+            if pick is not None and (best is None or pick[0] < best[0]):
+                best = (pick[0], s, pick[2])
+        if best is None:
+            raise AssertionError("zero-bubble list scheduling found no action to run")
+        start, s, a = best
+        out[s].append(a)
+        free[s] = end[(a.kind, a.chunk * p + s, a.mb)] = start + duration[a.kind]
+        if a.kind == "F":
+            next_f[s] += 1
+        elif a.kind == "B":
+            next_b[s] += 1
+            pending_w[s].append((a.chunk, a.mb))
+        else:
+            pending_w[s].pop(0)
     return out
+
+
+def _makespan(schedule: list[list[Action]], *, p: int, v: int, cost: tuple[float, float, float]) -> float:
+    """When the last rank finishes ``schedule`` (a valid one) with action times ``cost = (F, B, W)``,
+    free transfers and every action started as soon as its rank is free and its input is there."""
+    duration, last = dict(zip("FBW", cost, strict=True)), p * v - 1
+    end: dict[tuple[str, int, int], float] = {}
+    free, pos = [0.0] * p, [0] * p
+    while any(pos[s] < len(schedule[s]) for s in range(p)):
+        before = sum(pos)
+        for s in range(p):
+            while pos[s] < len(schedule[s]):
+                a = schedule[s][pos[s]]
+                g = a.chunk * p + s
+                needs = {"F": ("F", g - 1, a.mb), "W": ("B", g, a.mb)}.get(
+                    a.kind, ("F", g, a.mb) if g == last else ("B", g + 1, a.mb)
+                )
+                if a.kind == "F" and g == 0:
+                    start = free[s]
+                elif needs in end:
+                    start = max(free[s], end[needs])
+                else:
+                    break
+                free[s] = end[(a.kind, g, a.mb)] = start + duration[a.kind]
+                pos[s] += 1
+        if sum(pos) == before:
+            raise ValueError("the schedule deadlocks")
+    return max(free)
 
 
 def _interleaved_forward(k: int, *, p: int, v: int) -> tuple[int, int]:
