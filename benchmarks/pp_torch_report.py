@@ -141,11 +141,6 @@ def pair_row(
     def pair(f: Any) -> str:
         return f"{f(o)}/{f(t) if t is not None else '-'}"
 
-    vs = (
-        ""
-        if t is None or o["virtual_stages"] == t["virtual_stages"]
-        else " v" + pair(lambda d: d["virtual_stages"])
-    )
     cells = [
         pair(lambda d: f"{d['summary']['median']:.3f}"),
         f"{q['time_ours_over_torch']['ratio_of_medians']:.2f}" if q is not None else "-",
@@ -160,7 +155,7 @@ def pair_row(
         f"{corr['losses']['max_abs_diff']:.0e}/"
         + (f"{corr['losses_vs_torch']['max_abs_diff']:.0e}" if "losses_vs_torch" in corr else "-"),
     ]
-    return [o["schedule"] + vs, str(o["microbatches"]), *cells]
+    return [o["schedule"], str(o["microbatches"]), *cells]
 
 
 def print_table(cfg: PPTorchConfig, result: dict[str, Any]) -> None:
