@@ -119,7 +119,7 @@ def _pp(rank: int, world: int, tmp: str, zero_stage: int, n: int) -> dict[str, A
     except PipelineMetricError as exc:
         error = str(exc)
     changed = ""
-    try:  # the second step's metrics differ: every rank raises there, none waits on a collective
+    try:  # the second step's metrics differ: every rank raises at the next step's end, none waits
         _trainer(HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), world, tmp, []).fit(
             _module(ChangingMetricGPT), DataLoader(Tokens(3 * GLOBAL), batch_size=GLOBAL)
         )

@@ -14,11 +14,13 @@ pipeline group at the step's end (one broadcast of one vector), so every rank lo
 The names are agreed once per kind of step (``"train"``, ``"val"``, ``"test"``) with an object broadcast
 from the last stage, which also carries a bad metric's description, so every rank raises the same error
 at the first step instead of waiting on a collective. Later steps must return the same names: the vector
-ends with a flag the last stage sets when they changed (or a value went bad), which the other ranks read
-on the host, one read per step and only when there are metrics (a logged metric is read on the host
-anyway, e.g. by the progress bar); so a change raises the same error on every rank at the same step
-instead of leaving the others waiting on the next collective. Metrics that appear only after the first
-step of a kind, when none were agreed, are not logged (a warning on the last stage says so).
+ends with a flag the last stage sets when they changed (or a value went bad; the step then logs NaN).
+The other ranks copy the flag into host memory without waiting (a pinned buffer and an event on CUDA)
+and look at it at the next step's end, by when that copy has long been queued: so no rank reads the
+device inside the step that produced the flag, and every rank raises the same error at the same point,
+the end of the step after the change, instead of leaving the others waiting on a collective. A change
+in the very last step of a run is logged as NaN only. Metrics that appear only after the first step of
+a kind, when none were agreed, are not logged (a warning on the last stage says so).
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class PipelineMetrics:
         self._error: str | None = None
         self._m = 1
         self._late_warned: set[str] = set()
+        # the last broadcast's verdict, looked at by the next finish(): (kind, names, CUDA event of the
+        # flag's copy into self._flag or None, the last stage's description of the change or None)
+        self._pending: tuple[str, list[str], Any, str | None] | None = None
+        self._flag: Tensor | None = None  # host copy of the flag (pinned on CUDA), ranks but the last
 
     def start(self, m: int) -> None:
         """A new step of ``m`` micro-batches."""
@@ -98,7 +104,9 @@ class PipelineMetrics:
             self._sums[name] = self._sums[name] + term if name in self._sums else term
 
     def finish(self, kind: str) -> dict[str, Tensor]:
-        """The step's metric means on every pipeline rank (collective over the pipeline group)."""
+        """The step's metric means on every pipeline rank (collective over the pipeline group); raises
+        on every rank if the previous step's metrics changed (module docstring)."""
+        self._verdict()
         if kind not in self._names:
             payload: list[Any] = [None]
             if self.is_last:
@@ -131,12 +139,35 @@ class PipelineMetrics:
             vector.fill_(float("nan"))
             vector[-1] = 1.0
         dist.broadcast(vector, src=self.src, group=self.group)
-        changed = problem is not None if self.is_last else bool(vector[-1].item())  # see module docstring
+        event = None
+        if not self.is_last:  # the last stage knows the verdict already
+            cuda = vector.device.type == "cuda"
+            if self._flag is None:
+                self._flag = torch.empty(1, device="cpu", pin_memory=cuda)
+            self._flag.copy_(vector[-1:], non_blocking=cuda)
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+        detail = f"{sorted(self._sums)} ({problem})" if problem is not None else None
+        self._pending = (kind, names, event, detail)
+        return dict(zip(names, vector[:-1].unbind(), strict=True))
+
+    def _verdict(self) -> None:
+        """Raise :class:`PipelineMetricError` on every rank if the last broadcast flagged a change."""
+        if self._pending is None:
+            return
+        kind, names, event, detail = self._pending
+        self._pending = None
+        if self.is_last or self._flag is None:
+            changed = detail is not None
+        else:
+            if event is not None:
+                event.synchronize()  # the previous step's copy: queued a whole step ago
+            changed = bool(self._flag[0] != 0)  # host memory
         if changed:
-            detail = [f"{sorted(self._sums)} ({problem})" if self.is_last else None]
-            dist.broadcast_object_list(detail, src=self.src, group=self.group, device=self.device)
+            payload = [detail]
+            dist.broadcast_object_list(payload, src=self.src, group=self.group, device=self.device)
             raise PipelineMetricError(
-                f"Pipeline parallelism, {kind} step: the metrics changed from {names} to {detail[0]};"
+                f"Pipeline parallelism, {kind} step: the metrics changed from {names} to {payload[0]};"
                 " return the same names every step (reported by the last stage)."
             )
-        return dict(zip(names, vector[:-1].unbind(), strict=True))
