@@ -11,7 +11,9 @@ Run (from the repository root)::
 What is measured
 ----------------
 ``p`` Gloo ranks (one torch thread each) form one pipeline group. For every pair of schedules and every
-number of micro-batches ``m`` both sides train the same seeded GPT on the same data (``m`` micro-batches
+number of micro-batches ``m`` both sides train the same seeded GPT (ours, or with ``--model hf_gpt2``
+Hugging Face's ``GPT2LMHeadModel`` of the same sizes, whose ``Conv1D`` layers the zero-bubble split
+defers too: ``benchmarks/hf_gpt2.py``) on the same data (``m`` micro-batches
 of ``--micro-batch`` rows) with AdamW, on the pieces ``apply_pipeline`` cuts (virtual stage ``c*p + s``
 on rank ``s``, torch's mapping too), the tied embedding / LM-head gradient summed by ``TiedGradients``
 after the pipeline step. Pairs: ours ``gpipe`` / ``1f1b`` vs ``ScheduleGPipe`` / ``Schedule1F1B``; ours
@@ -80,6 +82,7 @@ from benchmarks.bench_pp import (
     agreement,
 )
 from benchmarks.bench_zero import git_state, rotation
+from benchmarks.hf_gpt2 import HFGPT2
 from benchmarks.pp_sim import Order, ours_orders, torch_orders, unit_bubble
 from benchmarks.pp_torch_report import aggregate, print_table
 from lightning_par.mesh import ParallelMesh
@@ -104,6 +107,15 @@ class PPTorchConfig(PPModelConfig):
     steps: int = 6
     slack: int = 0  # ours' pipeline_slack for 1f1b and zb (torch's schedules have none)
     probe_reps: int = 1
+    model: str = "gpt"  # "gpt" (ours) or "hf_gpt2" (Hugging Face's GPT2LMHeadModel, same sizes)
+
+    def build(self) -> GPT | HFGPT2:
+        """The seeded model: ``layers()`` for the pipeline, ``forward(ids) -> logits``."""
+        torch.manual_seed(self.seed)
+        if self.model == "hf_gpt2":
+            sizes = dict(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd)
+            return HFGPT2(vocab=self.vocab, seq=self.seq, **sizes)
+        return GPT(self.gpt_config())
 
     def chunks(self, schedule: str) -> int:
         """Chunks per rank: the interleaved schedules (both sides) use ``virtual_stages``."""
@@ -131,7 +143,9 @@ def lm_loss(out: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(out.flatten(0, 1), target.flatten())
 
 
-def split_model(model: GPT, cfg: PPTorchConfig, group: Any, v: int) -> tuple[PipelineSplit, list[int]]:
+def split_model(
+    model: GPT | HFGPT2, cfg: PPTorchConfig, group: Any, v: int
+) -> tuple[PipelineSplit, list[int]]:
     """``apply_pipeline``'s pieces for ``v`` chunks per rank and their virtual stages ``c*p + s``."""
     p, s = dist.get_world_size(group), dist.get_rank(group)
     method: Any = cfg.partition
@@ -154,8 +168,7 @@ class Runner:
 
     def __init__(self, impl: str, schedule: str, m: int, cfg: PPTorchConfig, mesh: ParallelMesh) -> None:
         self.impl, self.m, self.group = impl, m, mesh.pp_group
-        torch.manual_seed(cfg.seed)
-        self.model = GPT(cfg.gpt_config())
+        self.model = cfg.build()
         p, self.v = dist.get_world_size(self.group), cfg.chunks(schedule)
         self.last, self.ids = p * self.v - 1, list(range(p * self.v))
         self.runtime: PipelineRuntime | None = None
@@ -234,8 +247,7 @@ class Probe:
     input and an earlier stage's output gradient are fixed random tensors of the right shape."""
 
     def __init__(self, cfg: PPTorchConfig, mesh: ParallelMesh, v: int, x: Tensor, y: Tensor) -> None:
-        torch.manual_seed(cfg.seed)
-        split, self.ids = split_model(GPT(cfg.gpt_config()), cfg, mesh.pp_group, v)
+        split, self.ids = split_model(cfg.build(), cfg, mesh.pp_group, v)
         self.chunks, self.last = split.chunks, dist.get_world_size(mesh.pp_group) * v - 1
         self.x, self.y = x[: cfg.micro_batch], y[: cfg.micro_batch]
         gen = torch.Generator(device=DEVICE).manual_seed(cfg.seed + 1)
@@ -310,6 +322,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[PPTorchConfig, argparse.N
         parser.error("need --steps >= 1, --warmup >= 0, --block >= 1, --world-size >= 2, --probe-reps >= 1")
     if cfg.slack < 0:
         parser.error("need --slack >= 0 (ours' pipeline_slack for 1f1b and zb)")
+    if cfg.model not in ("gpt", "hf_gpt2"):
+        parser.error(f"--model must be gpt or hf_gpt2, got {cfg.model!r}")
     unknown = {s.strip() for s in cfg.schedules.split(",") if s.strip()} - set(ALL_SCHEDULES)
     if unknown or not cfg.schedule_list():
         parser.error(f"--schedules must be a comma-separated subset of {','.join(ALL_SCHEDULES)}")
@@ -332,21 +346,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = tuple(name for name, *_ in cfg.impls())
     per_rank = common.launch(rank_main, cfg.world_size, cfg, names, threads_per_rank=cfg.threads_per_rank)
     with torch.device("meta"):
-        nparams = GPT(cfg.gpt_config()).num_parameters()
-    model = {"name": "GPT", "num_parameters": nparams, **asdict(cfg.gpt_config())}
+        nparams = cfg.build().num_parameters()
+    name = {"gpt": "GPT", "hf_gpt2": "Hugging Face GPT2LMHeadModel"}[cfg.model]
+    model = {"name": name, "num_parameters": nparams, **asdict(cfg.gpt_config())}
     result = {"config": asdict(cfg), "model": model, **aggregate(cfg, per_rank)}
     payload: dict[str, Any] = {
         "benchmark": "pp_torch",
         "description": "lightning_par pipeline schedules vs torch.distributed.pipelining (ScheduleGPipe, "
-        "Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble) on the same GPT pieces: "
+        "Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble) on the same model's pieces: "
         "bubble 1 - m c / T, step time, equality of losses and weights",
         "environment": {**env, "loadavg_at_end": list(os.getloadavg()), "code": code},
-        "reference": "unpipelined_m<m>: the whole GPT on every rank, gradient accumulation over the same m "
+        "reference": "unpipelined_m<m>: the whole model on every rank, gradient accumulation over the same m "
         "micro-batches (for correctness)",
         **result,
         "wall_time_s": time.perf_counter() - wall,
     }
-    path = common.write_result("pp_torch_quick" if ns.quick else "pp_torch", payload, ns.out)
+    stem = "pp_torch" if cfg.model == "gpt" else f"pp_torch_{cfg.model}"
+    path = common.write_result(f"{stem}_quick" if ns.quick else stem, payload, ns.out)
     print_table(cfg, result)
     print(f"wall time {payload['wall_time_s']:.1f} s; wrote {path}")
     if not payload["correct"]:

@@ -160,8 +160,9 @@ def pair_row(
 
 def print_table(cfg: PPTorchConfig, result: dict[str, Any]) -> None:
     impls, c, cv = result["implementations"], result["compute_per_microbatch_s"], result["action_cv_per_rank"]
+    model = result["model"]
     print(
-        f"\np={cfg.world_size}: GPT {result['model']['num_parameters'] / 1e6:.2f}M params (n_layer="
+        f"\np={cfg.world_size}: {model['name']} {model['num_parameters'] / 1e6:.2f}M params (n_layer="
         f"{cfg.n_layer}, n_embd={cfg.n_embd}, seq={cfg.seq}), micro-batch {cfg.micro_batch} rows, "
         f"{cfg.steps} measured + {cfg.warmup} warmup steps; c per micro-batch per rank (ms): "
         + "; ".join(f"{k} " + "/".join(f"{x * 1e3:.1f}" for x in per) for k, per in c.items())

@@ -1,6 +1,7 @@
-"""Smoke test of ``bench_pp_torch --quick``: ours and torch.distributed.pipelining run the same GPT pieces,
-agree with each other and the unpipelined model, and the JSON holds every field of the comparison; and
-unit tests (no processes) of the schedule simulator ``benchmarks.pp_sim`` behind its bubble models."""
+"""Smoke test of ``bench_pp_torch --quick``: ours and torch.distributed.pipelining run the same pieces of
+our GPT (and of Hugging Face's GPT-2 with ``--model hf_gpt2``), agree with each other and the unpipelined
+model, and the JSON holds every field of the comparison; and unit tests (no processes) of the schedule
+simulator ``benchmarks.pp_sim`` behind its bubble models."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from benchmarks import bench_pp_torch
 from benchmarks.pp_sim import Order, jitter_bubble, ours_orders, simulate, unit_bubble
 
 
-@pytest.mark.parametrize("slack", [0, 1])
-def test_bench_pp_torch_quick_agrees_with_torch_and_writes_json(tmp_path: Path, slack: int) -> None:
+@pytest.mark.parametrize(("model", "slack"), [("gpt", 0), ("gpt", 1), ("hf_gpt2", 0)])
+def test_bench_pp_torch_quick_agrees_with_torch_and_writes_json(
+    tmp_path: Path, model: str, slack: int
+) -> None:
     out = tmp_path / "pp_torch.json"
     # in-process main(): the ranks are forked from here, so no second interpreter start is paid
-    payload = bench_pp_torch.main(["--quick", "--out", str(out), "--slack", str(slack)])
+    payload = bench_pp_torch.main(["--quick", "--out", str(out), "--slack", str(slack), "--model", model])
 
     data = json.loads(out.read_text())
     assert data == json.loads(json.dumps(payload))
@@ -28,6 +31,7 @@ def test_bench_pp_torch_quick_agrees_with_torch_and_writes_json(tmp_path: Path, 
     ):  # fmt: skip
         assert key in data, key
     assert data["environment"]["world_size"] == 2 and data["environment"]["torch"]
+    assert data["model"]["name"] == {"gpt": "GPT", "hf_gpt2": "Hugging Face GPT2LMHeadModel"}[model]
     cfg = data["config"]
     assert cfg["slack"] == slack  # ours' 1f1b and zb ran with it (their losses still equal torch's, below)
     p, v, total = cfg["world_size"], cfg["virtual_stages"], cfg["warmup"] + cfg["steps"]

@@ -170,6 +170,16 @@ CASES = [
     (4, dict(pipeline_parallel_size=2, num_microbatches=2, zero_stage=1)),
     (4, dict(pipeline_parallel_size=2, num_microbatches=2, zero_stage=2)),
     (4, dict(pipeline_parallel_size=2, tensor_parallel_size=2, tp_plan="gpt", num_microbatches=4)),
+    (  # W of the tensor-parallel linears (column and row parallel) after the split backward
+        4,
+        dict(
+            pipeline_parallel_size=2,
+            tensor_parallel_size=2,
+            tp_plan="gpt",
+            num_microbatches=4,
+            pipeline_schedule="zb",
+        ),
+    ),
 ]
 
 

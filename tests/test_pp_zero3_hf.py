@@ -1,8 +1,9 @@
 """ZeRO-3 with pipeline stages on a model we did not write: Hugging Face's ``GPT2LMHeadModel`` (token table
-tied to the LM head) behind the pipeline protocol, world 4 (pp2 x dp2), 1F1B with clipping, against the
-single-process Trainer running the model's own ``forward``: per-step losses, validation loss and the
-consolidated weights (the tied table's gradient summed over the first and the last stage, then
-reduce-scattered over dp once per step)."""
+tied to the LM head) behind the pipeline protocol, world 4 (pp2 x dp2), 1F1B and zb (whose weight passes
+defer GPT-2's ``Conv1D`` weights into ZeRO-3's buffers) with clipping, against the single-process Trainer
+running the model's own ``forward``: per-step losses, validation loss and the consolidated weights (the
+tied table's gradient summed over the first and the last stage, then reduce-scattered over dp once per
+step)."""
 
 from __future__ import annotations
 
@@ -15,46 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
+from benchmarks.hf_gpt2 import HFGPT2 as HFGPT2Layers
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
 from tests.test_pp_trainer import GLOBAL, SEED, N, _reference, _trainer
 from tests.test_strategy import LossRecorder, Tokens
 
 WORLD, DP = 4, 2
-
-
-class _Embed(nn.Module):
-    """Token plus position embeddings, as ``GPT2Model.forward`` adds them (dropout is off)."""
-
-    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding) -> None:
-        super().__init__()
-        self.wte, self.wpe = wte, wpe
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
-
-
-class _Block(nn.Module):
-    """One ``GPT2Block`` on the hidden states (causal through SDPA's ``is_causal`` without a mask)."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        out = self.block(hidden)
-        return out[0] if isinstance(out, tuple) else out
-
-
-class _Head(nn.Module):
-    def __init__(self, ln_f: nn.Module, lm_head: nn.Module) -> None:
-        super().__init__()
-        self.ln_f, self.lm_head = ln_f, lm_head
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(self.ln_f(hidden))
 
 
 class HFGPT2(pl.LightningModule):
@@ -66,15 +36,11 @@ class HFGPT2(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        config = GPT2Config(
-            vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, tie_word_embeddings=True, attn_implementation="sdpa",
-        )  # fmt: skip
         torch.manual_seed(SEED)
-        self.model = GPT2LMHeadModel(config)
-        t = self.model.transformer
+        gpt2 = HFGPT2Layers(vocab=64, seq=16, n_layer=2, n_head=4, n_embd=32)
+        self.model = gpt2.model
         # plain list: the wrappers are views of the model's modules, not submodules of this one
-        self._layers = [_Embed(t.wte, t.wpe), *(_Block(b) for b in t.h), _Head(t.ln_f, self.model.lm_head)]
+        self._layers = gpt2.layers()
 
     def pipeline_layers(self) -> list[nn.Module]:
         return self._layers
@@ -103,9 +69,11 @@ def _module() -> HFGPT2:
     return module
 
 
-def _run(rank: int, world: int, tmp: str) -> dict[str, Any]:
+def _run(rank: int, world: int, tmp: str, schedule: str) -> dict[str, Any]:
     rec = LossRecorder()
-    strategy = HybridParallelStrategy(zero_stage=3, pipeline_parallel_size=2, num_microbatches=2)
+    strategy = HybridParallelStrategy(
+        zero_stage=3, pipeline_parallel_size=2, num_microbatches=2, pipeline_schedule=schedule
+    )
     trainer = _trainer(strategy, world, tmp, [rec])
     train = DataLoader(Tokens(N), batch_size=GLOBAL // DP, shuffle=True)
     trainer.fit(_module(), train, DataLoader(Tokens(8), batch_size=8 // DP))
@@ -117,8 +85,9 @@ def _run(rank: int, world: int, tmp: str) -> dict[str, Any]:
     }
 
 
-def test_zero3_pipeline_on_hugging_face_gpt2_matches_single_process(tmp_path: Path) -> None:
-    results = run_distributed(_run, WORLD, str(tmp_path), init_group=False, timeout=400)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])  # zb: W of GPT-2's Conv1D into ZeRO-3's buffers
+def test_zero3_pipeline_on_hugging_face_gpt2_matches_single_process(schedule: str, tmp_path: Path) -> None:
+    results = run_distributed(_run, WORLD, str(tmp_path), schedule, init_group=False, timeout=400)
     ref_losses, reference, ref_val = _reference(tmp_path, make=_module)
     losses = torch.tensor([r["losses"] for r in results])
     torch.testing.assert_close(losses.mean(0), ref_losses)

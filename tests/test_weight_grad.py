@@ -1,13 +1,23 @@
 """The split backward of ``zb`` (``WeightGradSplit``) against autograd's fused backward, in one process:
 gradients from nothing, accumulated onto existing ones, into an engine buffer (``grad_of``), and under
-bf16 autocast where the buffer's dtype differs from the output gradient's."""
+bf16 autocast where the buffer's dtype differs from the output gradient's; Hugging Face's ``Conv1D``
+(GPT-2's block); our tensor-parallel linears on 2 ranks against the unsharded layers; and a chunk with
+nothing to defer."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers import GPT2Config
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+from transformers.pytorch_utils import Conv1D
 
 from lightning_par.pipeline.weight_grad import GradOf, WeightGradSplit
+from lightning_par.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from tests.distributed import run_distributed
 
 
 class _Net(nn.Module):
@@ -116,3 +126,112 @@ def test_split_backward_under_bf16_autocast_adds_into_an_fp32_buffer() -> None:
         got_g = buffers[p] if p.grad is None else p.grad
         assert got_g.dtype == torch.float32
         torch.testing.assert_close(got_g, ref[name], rtol=2e-2, atol=2e-3, msg=name)
+
+
+class _HFBlock(nn.Module):
+    """One GPT-2 block (four ``Conv1D`` layers, two norms) in ``_run``'s calling convention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = GPT2Config(n_embd=16, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        self.block = GPT2Block(cfg)
+
+    def forward(self, x: Tensor, const: Tensor) -> Tensor:
+        out = self.block(x + const)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def test_split_backward_defers_hugging_face_conv1d() -> None:
+    """GPT-2's ``Conv1D`` stores its weight ``(in, out)``: W adds ``xᵀ dy`` there, into the engine's
+    buffer, and the block's gradients equal the fused backward's."""
+    torch.manual_seed(2)
+    net = _HFBlock()
+    xs = [torch.randn(2, 5, 16) for _ in range(2)]
+    const = torch.randn(2, 5, 16)
+    ref_inputs = _run(net, xs, const, split=None, dtype=None)
+    ref = _grads(net)
+    net.zero_grad(set_to_none=True)
+    buffers = {p: torch.zeros_like(p) for p in net.parameters()}
+    split = WeightGradSplit([net])
+    conv = [m for m in net.modules() if isinstance(m, Conv1D)]
+    assert len(conv) == 4 and set(split._linears) == set(conv)
+    got_inputs = _run(net, xs, const, split=split, dtype=None, grad_of=buffers.get)
+    for a, b in zip(got_inputs, ref_inputs, strict=True):
+        torch.testing.assert_close(a, b)
+    for name, p in net.named_parameters():
+        got_g = buffers[p] if p.grad is None else p.grad
+        torch.testing.assert_close(got_g, ref[name], msg=name)
+    for m in conv:  # deferred to W: nothing in .grad, everything in the buffer
+        assert m.weight.grad is None and m.bias.grad is None and buffers[m.weight].abs().sum() > 0
+    assert net.block.ln_1.weight.grad is not None  # norms stay in B
+
+
+def test_a_chunk_with_nothing_to_defer_warns_and_still_equals_the_fused_backward() -> None:
+    torch.manual_seed(3)
+    frozen = nn.Linear(16, 16).requires_grad_(False)
+    net = nn.Sequential(nn.LayerNorm(16), frozen, nn.Tanh())
+    x0 = torch.randn(4, 16)
+    x_ref = x0.clone().requires_grad_()
+    net(x_ref).sum().backward()
+    ref = _grads(net)
+    net.zero_grad(set_to_none=True)
+    with pytest.warns(
+        UserWarning, match=r"found nothing to defer: pipeline rank 1's chunks .* Use pipeline_sch"
+    ):
+        split = WeightGradSplit([net], rank=1)
+    x = x0.clone().requires_grad_()
+    with split.attached():
+        with split.forward((0, 0)):
+            out = net(x).sum()
+        split.backward(out, None, x, chunk=0, key=(0, 0))
+        split.weights((0, 0))
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    assert _grads(net).keys() == ref.keys() == {"0.weight", "0.bias"}
+    for name, g in ref.items():
+        torch.testing.assert_close(_grads(net)[name], g, msg=name)
+
+
+def _tp_split(rank: int, world: int) -> str:
+    """A column-parallel, a row-parallel and a gathering column-parallel layer cut from unsharded
+    ``nn.Linear`` layers; two micro-batches with the split backward (W after both) against the unsharded
+    layers' fused backward: this rank's slices of every gradient, and the input gradient."""
+    torch.manual_seed(0)
+    lin1, lin2, lin3 = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 8)
+    xs = [torch.randn(3, 4, 16) for _ in range(2)]
+    ref_dx = []
+    for x0 in xs:
+        x = x0.clone().requires_grad_()
+        (lin3(F.gelu(lin2(F.gelu(lin1(x))))).square().mean() / len(xs)).backward()
+        ref_dx.append(x.grad)
+    group = dist.group.WORLD
+    c1 = ColumnParallelLinear.from_linear(lin1, group=group)
+    r2 = RowParallelLinear.from_linear(lin2, group=group)
+    c3 = ColumnParallelLinear.from_linear(lin3, group=group, gather_output=True)  # stays in B
+    chunk = nn.Sequential(c1, nn.GELU(), r2, nn.GELU(), c3)
+    split = WeightGradSplit([chunk])
+    assert split._linears == [c1, r2]
+    buffers = {p: torch.zeros_like(p) for p in chunk.parameters()}
+    with split.attached():
+        for i, x0 in enumerate(xs):
+            x = x0.clone().requires_grad_()
+            with split.forward((0, i)):
+                out = chunk(x).square().mean() / len(xs)
+            split.backward(out, None, x, chunk=0, key=(0, i))
+            torch.testing.assert_close(x.grad, ref_dx[i])
+        for i in range(len(xs)):
+            split.weights((0, i), buffers.get)
+    rows, out = slice(rank * 16, (rank + 1) * 16), slice(rank * 4, (rank + 1) * 4)  # 32 and 8 split
+    expect = {
+        c1.weight: lin1.weight.grad[rows], c1.bias: lin1.bias.grad[rows],
+        r2.weight: lin2.weight.grad[:, rows], r2.bias: lin2.bias.grad,
+        c3.weight: lin3.weight.grad[out], c3.bias: lin3.bias.grad[out],
+    }  # fmt: skip
+    for p, g in expect.items():
+        deferred = p.grad is None
+        assert deferred == (p is not c3.weight and p is not c3.bias)
+        torch.testing.assert_close(buffers[p] if deferred else p.grad, g)
+    return "ok"
+
+
+def test_split_backward_defers_tensor_parallel_linears() -> None:
+    assert run_distributed(_tp_split, 2) == ["ok", "ok"]

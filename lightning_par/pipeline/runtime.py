@@ -143,8 +143,8 @@ class PipelineRuntime:
             "forward": forward_only(p=self.p, m=self.m, v=self.v),
         }
         self.actions: list[Action] = self._schedules["train"][self.s]
-        # zb / interleaved_zb split each backward: input gradients in B, the linear layers' weights in W
-        self._split = WeightGradSplit(self.chunks) if schedule in SPLIT_BACKWARD else None
+        # zb / interleaved_zb split each backward: input gradients in B, matrix-product weights in W
+        self._split = WeightGradSplit(self.chunks, rank=self.s) if schedule in SPLIT_BACKWARD else None
         self.schedule = schedule
         self._last_backward = [a for a in self.actions if a.kind == "B"][-1]
         self.last = self.p * self.v - 1

@@ -2,61 +2,107 @@
 (``W``).
 
 A chunk's backward does two jobs: the gradient of its input, which the previous stage waits for, and the
-gradients of its weights, which nobody waits for. :class:`WeightGradSplit` separates them for the
-``nn.Linear`` layers, where nearly all of a transformer's weight-gradient work is:
+gradients of its weights, which nobody waits for. :class:`WeightGradSplit` separates them for the layers
+whose output is one matrix product with a trainable weight, where nearly all of a transformer's
+weight-gradient work is (:func:`weight_layout`): ``nn.Linear`` and our tensor-parallel linears
+(``y = x Wᵀ + b``, ``W`` stored ``(out, in)``) and Hugging Face's ``Conv1D`` of GPT-2 and its kin
+(``y = x W + b``, ``W`` stored ``(in, out)``):
 
 * during ``F``, a forward hook on each such layer keeps its input ``x`` (a reference: autograd keeps it
   anyway) and puts a hook on its output that records the output gradient ``dy`` when ``B`` computes it;
 * ``B`` runs autograd only towards the chunk's input and the *other* parameters (norms, embeddings):
   ``torch.autograd.backward(out, grad, inputs=...)``, which skips the weight-gradient matrix products of
   the layers left out;
-* ``W`` adds ``dW = dyᵀ x`` (and ``db = Σ dy``) for each recorded layer, the same products autograd would
-  have computed, into the gradient the engine accumulates (``grad_of(param)``) or ``param.grad``, as
-  one ``addmm_`` where the dtypes agree.
+* ``W`` adds ``dW = dyᵀ x`` (``xᵀ dy`` for an ``(in, out)`` weight) and ``db = Σ dy`` for each recorded
+  layer, the same products autograd would have computed, into the gradient the engine accumulates
+  (``grad_of(param)``) or ``param.grad``, as one ``addmm_`` where the dtypes agree.
 
-A linear layer whose parameter is shared with another module, or whose input needs no gradient in a
-given forward (its output gradient would then not be computed by ``B``), stays in ``B``. The hooks are
-registered for a step and removed after it (:meth:`attached`).
+Why the tensor-parallel layers qualify: a column-parallel layer's input passes through an identity
+forward (its all-reduce is in backward) and, without ``gather_output``, its output is the local product;
+a row-parallel layer's all-reduce has an identity backward, so without sequence parallelism its output
+gradient is the local product's. With ``gather_output`` or sequence parallelism the layer's output
+gradient is not the product's, and it stays in ``B``.
+
+A layer whose parameter is shared with another module, or whose input needs no gradient in a given
+forward (its output gradient would then not be computed by ``B``), stays in ``B``. The hooks are
+registered for a step and removed after it (:meth:`attached`). Chunks with none of these layers have
+empty ``W`` passes, which leaves zero bubble with 1F1B's work in a schedule built for less: a warning
+says so when the split is built.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
+from lightning_par.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
 GradOf = Callable[[nn.Parameter], Tensor | None]
 Key = tuple[int, int]  # (virtual stage, micro-batch)
+Layout = Literal["out_in", "in_out"]  # how a deferrable layer stores its weight
+
+
+def weight_layout(module: nn.Module) -> Layout | None:
+    """``"out_in"`` for a layer computing ``x Wᵀ + b``, ``"in_out"`` for ``x W + b`` (transformers'
+    ``Conv1D``), ``None`` for a layer whose weight gradient the split cannot defer (module docstring)."""
+    if isinstance(module, nn.Linear):
+        return "out_in"
+    if isinstance(module, ColumnParallelLinear):
+        return None if module.gather_output else "out_in"
+    if isinstance(module, RowParallelLinear):
+        return None if module.sequence_parallel else "out_in"
+    # looked up, not imported: a model holding Conv1D layers has imported transformers already
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    if conv1d is not None and isinstance(module, conv1d):
+        return "in_out"
+    return None
 
 
 class WeightGradSplit:
-    """Defers the weight gradients of ``chunks``' linear layers from ``B`` to ``W`` (module docstring)."""
+    """Defers the weight gradients of ``chunks``' matrix-product layers from ``B`` to ``W`` (module
+    docstring). ``rank`` only names this rank in the warning about chunks with nothing to defer."""
 
-    def __init__(self, chunks: Sequence[nn.Module]) -> None:
+    def __init__(self, chunks: Sequence[nn.Module], *, rank: int | None = None) -> None:
         uses = Counter(id(p) for c in chunks for m in c.modules() for p in m.parameters(recurse=False))
-        self._linears = [
-            m
-            for c in chunks
-            for m in c.modules()
-            if isinstance(m, nn.Linear)
-            and m.weight.requires_grad
-            and all(uses[id(p)] == 1 for p in m.parameters(recurse=False))
-        ]
+        self._layout: dict[nn.Module, Layout] = {}
+        for m in (m for c in chunks for m in c.modules()):
+            layout = weight_layout(m)
+            weight = getattr(m, "weight", None)
+            if (
+                layout is not None
+                and isinstance(weight, nn.Parameter)
+                and weight.requires_grad
+                and all(uses[id(p)] == 1 for p in m.parameters(recurse=False))
+            ):
+                self._layout[m] = layout
+        self._linears = list(self._layout)
+        if not self._linears:
+            where = "this rank's chunks have" if rank is None else f"pipeline rank {rank}'s chunks have"
+            warnings.warn(
+                f"The zero-bubble split backward found nothing to defer: {where} no trainable, unshared"
+                " nn.Linear, transformers Conv1D or tensor-parallel linear layer, so its W passes are"
+                " empty and the schedule's idle slots stay idle. Use pipeline_schedule='1f1b' (or"
+                " 'interleaved_1f1b') for such a model.",
+                stacklevel=2,
+            )
         deferred = {id(p) for m in self._linears for p in m.parameters(recurse=False)}
         self._eager = [
             [p for p in c.parameters() if p.requires_grad and id(p) not in deferred] for c in chunks
         ]
         self._key: Key | None = None
-        self._stash: dict[Key, list[tuple[nn.Linear, Tensor, Tensor]]] = {}
+        self._stash: dict[Key, list[tuple[nn.Module, Tensor, Tensor]]] = {}
         self._kept: dict[Key, list[nn.Parameter]] = {}  # linear parameters that stay in B this time
 
     @contextmanager
     def attached(self) -> Iterator[None]:
-        """Hooks on the linear layers for one step; removed after it, with anything left unapplied."""
+        """Hooks on the deferrable layers for one step; removed after it, with anything left unapplied."""
         handles = [m.register_forward_hook(self._on_forward) for m in self._linears]
         try:
             yield
@@ -67,7 +113,7 @@ class WeightGradSplit:
 
     @contextmanager
     def forward(self, key: Key) -> Iterator[None]:
-        """The forward of ``key`` (virtual stage, micro-batch): its linear layers record for ``W``."""
+        """The forward of ``key`` (virtual stage, micro-batch): its deferrable layers record for ``W``."""
         self._key = key
         try:
             yield
@@ -86,7 +132,7 @@ class WeightGradSplit:
         x = x.detach()
 
         def record(dy: Tensor) -> None:
-            self._stash.setdefault(key, []).append((module, x, dy.detach()))  # type: ignore[arg-type]
+            self._stash.setdefault(key, []).append((module, x, dy.detach()))
 
         output.register_hook(record)
 
@@ -107,16 +153,20 @@ class WeightGradSplit:
         for module, x, dy in self._stash.pop(key, []):
             dy2 = dy.reshape(-1, dy.shape[-1])
             x2 = x.reshape(-1, x.shape[-1]).to(dy2.dtype)
-            target = _target(module.weight, grad_of)
+            # dW = dyᵀ x for an (out, in) weight, xᵀ dy for an (in, out) one
+            a, b = (dy2.t(), x2) if self._layout[module] == "out_in" else (x2.t(), dy2)
+            weight: Tensor = module.weight  # type: ignore[assignment]
+            target = _target(weight, grad_of)
             if target is not None and target.dtype == dy2.dtype:
                 # fused multiply-add into the accumulated gradient: a separate dW = dyᵀx followed by
                 # target += dW costs a temporary and another pass over it, which made the split
                 # backward ~5% slower than autograd's fused one on CPU
-                target.addmm_(dy2.t(), x2)
+                target.addmm_(a, b)
             else:
-                _add(module.weight, target, dy2.t().mm(x2))
-            if module.bias is not None:
-                _add(module.bias, _target(module.bias, grad_of), dy2.sum(0))
+                _add(weight, target, a.mm(b))
+            bias = getattr(module, "bias", None)
+            if isinstance(bias, Tensor):
+                _add(bias, _target(bias, grad_of), dy2.sum(0))
 
 
 def _target(param: Tensor, grad_of: GradOf | None) -> Tensor | None:
