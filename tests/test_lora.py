@@ -2,7 +2,8 @@
 weights in the optimizer) at ZeRO stages 0-3 and under tensor parallelism, against the same LightningModule
 in one process: adapters and base weights equal, base weights untouched, and at stage 3 the frozen base
 sharded 1/N with optimizer state for the adapters only (as estimate_memory predicts); a frozen block
-under pipeline parallelism; a FlashCheckpoint resume at stage 3 bitwise equal to an uninterrupted run."""
+under pipeline parallelism (1F1B and zb); a FlashCheckpoint resume at stage 3 bitwise equal to an
+uninterrupted run."""
 
 from __future__ import annotations
 
@@ -100,12 +101,16 @@ def _runs(rank: int, world: int, tmp: str) -> dict[str, Any]:
             "frozen": probe.frozen,
             "export": probe.export,
         }
-    # pipeline parallelism with a frozen block: placeholders of the other stage, ZeRO-1 over nothing
-    rec, probe = LossRecorder(), Probe()
-    strategy = HybridParallelStrategy(zero_stage=1, pipeline_parallel_size=2, num_microbatches=2)
-    trainer = _trainer(strategy, world, tmp, [rec, probe])
-    trainer.fit(_frozen_gpt(), DataLoader(Tokens(N), batch_size=2 * MICRO, shuffle=True))
-    out["pp2"] = {"losses": rec.losses, "export": probe.export}
+    # pipeline parallelism with a frozen block: placeholders of the other stage, ZeRO-1 over nothing;
+    # zb defers the trainable linears' weight gradients and leaves the frozen block's in B
+    for name, schedule in (("pp2", "1f1b"), ("pp2_zb", "zb")):
+        rec, probe = LossRecorder(), Probe()
+        strategy = HybridParallelStrategy(
+            zero_stage=1, pipeline_parallel_size=2, num_microbatches=2, pipeline_schedule=schedule
+        )
+        trainer = _trainer(strategy, world, tmp, [rec, probe])
+        trainer.fit(_frozen_gpt(), DataLoader(Tokens(N), batch_size=2 * MICRO, shuffle=True))
+        out[name] = {"losses": rec.losses, "export": probe.export}
     out["flash"] = _flash(rank, world, tmp)
     return out
 
@@ -165,9 +170,9 @@ def test_lora_llama_matches_one_process_at_every_stage_and_tp(tmp_path: Path) ->
     order = replay_order(N, dp=1, micro=2 * MICRO, epochs=1, seed=SEED)
     _trainer("auto", 1, "", [rec]).fit(module, DataLoader(Tokens(N), batch_sampler=order))
     ref_state = {k: v.detach() for k, v in module.state_dict().items()}
-    _check_run(
-        "pp2", [r["pp2"] for r in results], 1, rec.losses, ref_state, initial, frozen="model.blocks.0."
-    )
+    for name in ("pp2", "pp2_zb"):
+        ranks = [r[name] for r in results]
+        _check_run(name, ranks, 1, rec.losses, ref_state, initial, frozen="model.blocks.0.")
 
     flash = results[0]["flash"]
     assert flash["resumed_from"] == 4
