@@ -1,72 +1,26 @@
 """ZeRO-3 with pipeline stages on a model we did not write: Hugging Face's ``GPT2LMHeadModel`` (token table
-tied to the LM head) behind the pipeline protocol, world 4 (pp2 x dp2), 1F1B and zb (whose weight passes
-defer GPT-2's ``Conv1D`` weights into ZeRO-3's buffers) with clipping, against the single-process Trainer
-running the model's own ``forward``: per-step losses, validation loss and the consolidated weights (the
-tied table's gradient summed over the first and the last stage, then reduce-scattered over dp once per
-step)."""
+tied to the LM head) behind the pipeline protocol (``hf_pipeline_layers``), world 4 (pp2 x dp2), 1F1B and
+zb (whose weight passes defer GPT-2's ``Conv1D`` weights into ZeRO-3's buffers) with clipping, against the
+single-process Trainer running the model's own ``forward``: per-step losses, validation loss and the
+consolidated weights (the tied table's gradient summed over the first and the last stage, then
+reduce-scattered over dp once per step)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
 from torch.utils.data import DataLoader
-from transformers import GPT2LMHeadModel
 
-from benchmarks.hf_gpt2 import HFGPT2 as HFGPT2Layers
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
-from tests.test_pp_trainer import GLOBAL, SEED, N, _reference, _trainer
+from tests.test_pp_hf import module_factory
+from tests.test_pp_trainer import GLOBAL, N, _reference, _trainer
 from tests.test_strategy import LossRecorder, Tokens
 
 WORLD, DP = 4, 2
-
-
-class HFGPT2(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.model: GPT2LMHeadModel | None = None
-        self._layers: list[nn.Module] = []
-
-    def configure_model(self) -> None:
-        if self.model is not None:
-            return
-        torch.manual_seed(SEED)
-        gpt2 = HFGPT2Layers(vocab=64, seq=16, n_layer=2, n_head=4, n_embd=32)
-        self.model = gpt2.model
-        # plain list: the wrappers are views of the model's modules, not submodules of this one
-        self._layers = gpt2.layers()
-
-    def pipeline_layers(self) -> list[nn.Module]:
-        return self._layers
-
-    def pipeline_loss(self, output: Tensor, batch: Any) -> Tensor:
-        return F.cross_entropy(output.flatten(0, 1), batch[1].flatten())
-
-    def _loss(self, batch: Any) -> Tensor:
-        assert self.model is not None
-        return self.pipeline_loss(self.model(batch[0]).logits, batch)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        return self._loss(batch)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), sync_dist=True)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.3, momentum=0.9)
-
-
-def _module() -> HFGPT2:
-    pl.seed_everything(SEED)
-    module = HFGPT2()
-    module.configure_model()
-    return module
 
 
 def _run(rank: int, world: int, tmp: str, schedule: str) -> dict[str, Any]:
@@ -76,7 +30,7 @@ def _run(rank: int, world: int, tmp: str, schedule: str) -> dict[str, Any]:
     )
     trainer = _trainer(strategy, world, tmp, [rec])
     train = DataLoader(Tokens(N), batch_size=GLOBAL // DP, shuffle=True)
-    trainer.fit(_module(), train, DataLoader(Tokens(8), batch_size=8 // DP))
+    trainer.fit(module_factory("gpt2")(), train, DataLoader(Tokens(8), batch_size=8 // DP))
     state = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
     return {
         "losses": rec.losses,
@@ -88,7 +42,7 @@ def _run(rank: int, world: int, tmp: str, schedule: str) -> dict[str, Any]:
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])  # zb: W of GPT-2's Conv1D into ZeRO-3's buffers
 def test_zero3_pipeline_on_hugging_face_gpt2_matches_single_process(schedule: str, tmp_path: Path) -> None:
     results = run_distributed(_run, WORLD, str(tmp_path), schedule, init_group=False, timeout=400)
-    ref_losses, reference, ref_val = _reference(tmp_path, make=_module)
+    ref_losses, reference, ref_val = _reference(tmp_path, make=module_factory("gpt2"))
     losses = torch.tensor([r["losses"] for r in results])
     torch.testing.assert_close(losses.mean(0), ref_losses)
     for r in results:

@@ -1,0 +1,117 @@
+"""Pipeline layers for Hugging Face causal language models, so that a ``transformers`` model needs no
+hand-written wrappers to run under pipeline parallelism.
+
+:func:`hf_pipeline_layers` cuts a model into the ordered list the pipeline protocol's
+``pipeline_layers()`` returns: the embedding, one layer per decoder block, then the final norm with the
+LM head. Each piece maps one tensor to one tensor (token ids -> hidden states -> ... -> logits), which is
+what crosses a pipeline stage. Chaining the pieces computes the model's own ``forward(ids).logits``
+(tested bitwise for both families): causal attention without a padding mask, positions ``0..T-1``, no
+cache, as in pretraining or fine-tuning on packed, unpadded sequences.
+
+Supported, by ``config.model_type``:
+
+* ``gpt2``: ``transformer.wte`` + ``transformer.wpe``, the blocks ``transformer.h``, ``transformer.ln_f``
+  with ``lm_head`` (tied to ``wte`` by default: the pipeline sums the tied table's gradient over the
+  stages holding it);
+* ``llama`` and ``qwen2`` (without sliding-window attention): ``model.embed_tokens``, the decoder layers
+  ``model.layers``, ``model.norm`` with ``lm_head``. The rotary position embedding is recomputed in every
+  block from the hidden states' length (a few hundred flops per position), so nothing but the hidden
+  states crosses a stage; it is the model's own ``rotary_emb`` module, referenced, not copied, so it
+  follows the model to its device.
+
+The attention kernel must be causal without a mask (``attn_implementation="sdpa"``, the default, or
+flash attention); eager attention is refused, since without a mask it would attend to later positions.
+Anything else is refused with the list above and the protocol to write by hand. The pieces wrap the
+model's modules (parameters are not copied); build them once, e.g. in ``configure_model``, and return the
+same list from every ``pipeline_layers()`` call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+SUPPORTED = ("gpt2", "llama", "qwen2")
+# attention kernels that are causal when given no mask; eager attention without a mask attends to the
+# future, so the pieces would silently compute another model
+CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
+    """The pipeline layers of the Hugging Face causal LM ``model`` (module docstring)."""
+    hf: Any = model  # transformers' attributes, looked up by name (no import of transformers here)
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    attention = getattr(config, "_attn_implementation", None)
+    if kind in SUPPORTED and attention not in CAUSAL_WITHOUT_MASK:
+        raise ValueError(
+            f"hf_pipeline_layers needs an attention kernel that is causal without a mask"
+            f" ({', '.join(CAUSAL_WITHOUT_MASK)}), got attn_implementation={attention!r}: build the model"
+            " with attn_implementation='sdpa' (from_pretrained(..., attn_implementation='sdpa'), or"
+            " model.set_attn_implementation('sdpa'))."
+        )
+    if kind == "gpt2":
+        t = hf.transformer
+        embed = _GPT2Embed(t.wte, t.wpe, t.drop)
+        return [embed, *(_Block(b, None) for b in t.h), _Head(t.ln_f, hf.lm_head)]
+    if kind in ("llama", "qwen2") and not getattr(config, "use_sliding_window", False):
+        m = hf.model
+        rotary = m.rotary_emb
+        return [_Embed(m.embed_tokens), *(_Block(b, rotary) for b in m.layers), _Head(m.norm, hf.lm_head)]
+    raise TypeError(
+        f"hf_pipeline_layers supports Hugging Face causal LMs of model_type {', '.join(SUPPORTED)} (qwen2"
+        f" without sliding-window attention); got {type(model).__name__} with model_type={kind!r}. For"
+        " another model, write pipeline_layers() yourself: an ordered list of modules, each mapping one"
+        " tensor to one tensor, whose chain computes the model's logits."
+    )
+
+
+class _GPT2Embed(nn.Module):
+    """Token plus learnt position embeddings, then the embedding dropout, as ``GPT2Model.forward``."""
+
+    def __init__(self, wte: nn.Module, wpe: nn.Module, drop: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.drop(self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device)))
+
+
+class _Embed(nn.Module):
+    def __init__(self, embed: nn.Module) -> None:
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.embed(ids)
+
+
+class _Block(nn.Module):
+    """One decoder block on the hidden states; with ``rotary``, the block's position embeddings are
+    computed here (the model computes them once for all blocks: the values are the same)."""
+
+    def __init__(self, block: nn.Module, rotary: nn.Module | None) -> None:
+        super().__init__()
+        self.block = block
+        # referenced, not registered: the model owns it (and moves it); it holds buffers only
+        self.__dict__["rotary"] = rotary
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        kwargs: dict[str, Any] = {}
+        rotary = self.__dict__["rotary"]
+        if rotary is not None:
+            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+            kwargs = {"position_ids": positions, "position_embeddings": rotary(hidden, positions)}
+        out = self.block(hidden, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class _Head(nn.Module):
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden))

@@ -1,0 +1,150 @@
+"""``hf_pipeline_layers``: Hugging Face causal LMs under pipeline parallelism without hand-written wrappers.
+
+The pieces chained in one process compute the model's own ``forward(ids).logits`` bitwise (GPT-2, Llama,
+Qwen2; training mode); refusals name the fix (eager attention, sliding windows, an unsupported model);
+and a Llama behind the pipeline protocol, pp2 with 1F1B and with zb, trains as the single-process Trainer
+running the model's own ``forward``: per-step losses, validation loss and weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from lightning_par import HybridParallelStrategy
+from lightning_par.pipeline import hf_pipeline_layers
+from tests.distributed import run_distributed
+from tests.test_pp_trainer import GLOBAL, SEED, N, _reference, _trainer
+from tests.test_strategy import LossRecorder, Tokens
+
+Family = Literal["gpt2", "llama", "qwen2"]
+_DECODER = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=16,
+)  # fmt: skip
+
+
+def build(family: Family, **options: Any) -> PreTrainedModel:
+    """A small seeded model of ``family`` (dropout off, sdpa attention unless ``options`` say otherwise)."""
+    torch.manual_seed(SEED)
+    if family == "gpt2":
+        kw: dict[str, Any] = dict(
+            vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, tie_word_embeddings=True, attn_implementation="sdpa",
+        )  # fmt: skip
+        return GPT2LMHeadModel(GPT2Config(**(kw | options)))
+    config, model = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    return model(config(**(_DECODER | {"attn_implementation": "sdpa"} | options)))
+
+
+class HFCausalLM(pl.LightningModule):
+    """A Hugging Face causal LM of ``family`` with the pipeline protocol from ``hf_pipeline_layers``; its
+    ``training_step`` runs the model's own ``forward`` (what the single-process reference runs)."""
+
+    def __init__(self, family: Family = "gpt2") -> None:
+        super().__init__()
+        self.family = family
+        self.model: PreTrainedModel | None = None
+        self._layers: list[nn.Module] = []
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = build(self.family)
+        self._layers = hf_pipeline_layers(self.model)  # built once, the same list on every call
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return self._layers
+
+    def pipeline_loss(self, output: Tensor, batch: Any) -> Tensor:
+        return F.cross_entropy(output.flatten(0, 1), batch[1].flatten())
+
+    def _loss(self, batch: Any) -> Tensor:
+        assert self.model is not None
+        return self.pipeline_loss(self.model(batch[0]).logits, batch)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self._loss(batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.3, momentum=0.9)
+
+
+def module_factory(family: Family) -> Any:
+    def make() -> HFCausalLM:
+        pl.seed_everything(SEED)
+        module = HFCausalLM(family)
+        module.configure_model()
+        return module
+
+    return make
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+def test_the_pieces_compute_the_models_own_forward(family: Family) -> None:
+    model = build(family).train()  # training mode: dropout is off, nothing else differs
+    ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0))
+    x: Any = ids
+    for piece in hf_pipeline_layers(model):
+        x = piece(x)
+    assert torch.equal(x, model(ids).logits)
+    # the pieces are views: the model's parameters, each held by exactly one piece (the tied GPT-2 table
+    # by the first and the last)
+    held = [p for piece in hf_pipeline_layers(model) for p in piece.parameters()]
+    assert {id(p) for p in held} == {id(p) for p in model.parameters()}
+
+
+def test_bad_models_are_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"causal without a mask .* got attn_implementation='eager'.*'sdpa'"):
+        hf_pipeline_layers(build("llama", attn_implementation="eager"))
+    with pytest.raises(TypeError, match=r"model_type gpt2, llama, qwen2 .* model_type='qwen2'"):
+        hf_pipeline_layers(build("qwen2", use_sliding_window=True, sliding_window=8))
+    with pytest.raises(TypeError, match=r"got Linear with model_type=None.* write pipeline_layers\(\)"):
+        hf_pipeline_layers(nn.Linear(2, 2))
+
+
+def _run(rank: int, world: int, tmp: str, schedule: str) -> dict[str, Any]:
+    rec = LossRecorder()
+    strategy = HybridParallelStrategy(
+        pipeline_parallel_size=2, num_microbatches=2, pipeline_schedule=schedule
+    )
+    trainer = _trainer(strategy, world, tmp, [rec])
+    train = DataLoader(Tokens(N), batch_size=GLOBAL, shuffle=True)
+    trainer.fit(module_factory("llama")(), train, DataLoader(Tokens(8), batch_size=8))
+    state = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+    return {
+        "losses": rec.losses,
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "state": {k: v.clone() for k, v in state.items()},
+    }
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])  # zb: W of the Llama's nn.Linear layers
+def test_llama_pipeline_matches_single_process(schedule: str, tmp_path: Path) -> None:
+    results = run_distributed(_run, 2, str(tmp_path), schedule, init_group=False, timeout=400)
+    ref_losses, reference, ref_val = _reference(tmp_path, make=module_factory("llama"))
+    for r in results:  # every pipeline rank reports the same loss
+        torch.testing.assert_close(torch.tensor(r["losses"]), ref_losses)
+        assert r["val_loss"] == pytest.approx(ref_val, rel=1e-5)
+    state = results[0]["state"]
+    assert set(reference) <= set(state), sorted(set(reference) - set(state))
+    for name, value in reference.items():
+        torch.testing.assert_close(state[name], value.detach(), msg=name)
