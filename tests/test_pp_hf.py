@@ -2,8 +2,9 @@
 
 The pieces chained in one process compute the model's own ``forward(ids).logits`` bitwise (GPT-2, Llama,
 Qwen2; training mode); refusals name the fix (eager attention, sliding windows, an unsupported model);
-and a Llama behind the pipeline protocol, pp2 with 1F1B and with zb, trains as the single-process Trainer
-running the model's own ``forward``: per-step losses, validation loss and weights."""
+and a Llama behind the pipeline protocol, pp2 with 1F1B and with zb, and pp2 x tp2 (the shipped llama
+plan) with zb, trains as the single-process Trainer running the model's own ``forward``: per-step losses,
+validation loss and weights."""
 
 from __future__ import annotations
 
@@ -63,12 +64,14 @@ class HFCausalLM(pl.LightningModule):
         self._layers: list[nn.Module] = []
 
     def configure_model(self) -> None:
-        if self.model is not None:
-            return
-        self.model = build(self.family)
-        self._layers = hf_pipeline_layers(self.model)  # built once, the same list on every call
+        if self.model is None:
+            self.model = build(self.family)
 
     def pipeline_layers(self) -> list[nn.Module]:
+        # built at the first call, after a tensor-parallel plan swapped modules; the same list after
+        if not self._layers:
+            assert self.model is not None
+            self._layers = hf_pipeline_layers(self.model)
         return self._layers
 
     def pipeline_loss(self, output: Tensor, batch: Any) -> Tensor:
@@ -112,6 +115,19 @@ def test_the_pieces_compute_the_models_own_forward(family: Family) -> None:
     assert {id(p) for p in held} == {id(p) for p in model.parameters()}
 
 
+def test_a_piece_refuses_to_run_a_module_the_model_replaced() -> None:
+    model = build("llama")
+    pieces = hf_pipeline_layers(model)
+    ids = torch.randint(0, 64, (1, 8))
+    pieces[0](ids)
+    model.model.embed_tokens = nn.Embedding(64, 32)  # what a tensor-parallel plan does to the table
+    with pytest.raises(RuntimeError, match=r"LlamaModel.embed_tokens was replaced .* first pipeline_layers"):
+        pieces[0](ids)
+    model.model.layers[1] = nn.Identity()
+    with pytest.raises(RuntimeError, match=r"ModuleList.1 was replaced"):
+        pieces[2](torch.zeros(1, 8, 32))
+
+
 def test_bad_models_are_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match=r"causal without a mask .* got attn_implementation='eager'.*'sdpa'"):
         hf_pipeline_layers(build("llama", attn_implementation="eager"))
@@ -121,11 +137,9 @@ def test_bad_models_are_refused_with_the_fix() -> None:
         hf_pipeline_layers(nn.Linear(2, 2))
 
 
-def _run(rank: int, world: int, tmp: str, schedule: str) -> dict[str, Any]:
+def _run(rank: int, world: int, tmp: str, kw: dict[str, Any]) -> dict[str, Any]:
     rec = LossRecorder()
-    strategy = HybridParallelStrategy(
-        pipeline_parallel_size=2, num_microbatches=2, pipeline_schedule=schedule
-    )
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, **kw)
     trainer = _trainer(strategy, world, tmp, [rec])
     train = DataLoader(Tokens(N), batch_size=GLOBAL, shuffle=True)
     trainer.fit(module_factory("llama")(), train, DataLoader(Tokens(8), batch_size=8))
@@ -137,11 +151,20 @@ def _run(rank: int, world: int, tmp: str, schedule: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb"])  # zb: W of the Llama's nn.Linear layers
-def test_llama_pipeline_matches_single_process(schedule: str, tmp_path: Path) -> None:
-    results = run_distributed(_run, 2, str(tmp_path), schedule, init_group=False, timeout=400)
+LLAMA_CASES = [
+    (2, dict(pipeline_schedule="1f1b")),
+    (2, dict(pipeline_schedule="zb")),  # W of the Llama's nn.Linear layers
+    # 3-D on a model we did not write: the shipped llama plan's column/row-parallel layers inside the
+    # pipeline pieces, their weight gradients deferred by zb
+    (4, dict(pipeline_schedule="zb", tensor_parallel_size=2, tp_plan="llama")),
+]
+
+
+@pytest.mark.parametrize(("world", "kw"), LLAMA_CASES, ids=["1f1b", "zb", "zb-tp2"])
+def test_llama_pipeline_matches_single_process(world: int, kw: dict[str, Any], tmp_path: Path) -> None:
+    results = run_distributed(_run, world, str(tmp_path), kw, init_group=False, timeout=400)
     ref_losses, reference, ref_val = _reference(tmp_path, make=module_factory("llama"))
-    for r in results:  # every pipeline rank reports the same loss
+    for r in results:  # every pipeline (and tensor-parallel) rank reports the same loss
         torch.testing.assert_close(torch.tensor(r["losses"]), ref_losses)
         assert r["val_loss"] == pytest.approx(ref_val, rel=1e-5)
     state = results[0]["state"]

@@ -21,9 +21,13 @@ Supported, by ``config.model_type``:
 
 The attention kernel must be causal without a mask (``attn_implementation="sdpa"``, the default, or
 flash attention); eager attention is refused, since without a mask it would attend to later positions.
-Anything else is refused with the list above and the protocol to write by hand. The pieces wrap the
-model's modules (parameters are not copied); build them once, e.g. in ``configure_model``, and return the
-same list from every ``pipeline_layers()`` call.
+Anything else is refused with the list above and the protocol to write by hand.
+
+The pieces wrap the model's modules (parameters are not copied). Build them in the first
+``pipeline_layers()`` call and return the same list after: the strategy calls it after its tensor-parallel
+plan has swapped modules (the embedding and the LM head become vocabulary-parallel), and a piece built
+before that would run the replaced module. Each piece checks at its forward that the modules it wraps are
+still the model's (a few identity comparisons) and raises with that fix otherwise.
 """
 
 from __future__ import annotations
@@ -54,12 +58,12 @@ def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
         )
     if kind == "gpt2":
         t = hf.transformer
-        embed = _GPT2Embed(t.wte, t.wpe, t.drop)
-        return [embed, *(_Block(b, None) for b in t.h), _Head(t.ln_f, hf.lm_head)]
+        blocks = [_Block((t.h, str(i)), None) for i in range(len(t.h))]
+        return [_GPT2Embed(t), *blocks, _Head((t, "ln_f"), (hf, "lm_head"))]
     if kind in ("llama", "qwen2") and not getattr(config, "use_sliding_window", False):
         m = hf.model
-        rotary = m.rotary_emb
-        return [_Embed(m.embed_tokens), *(_Block(b, rotary) for b in m.layers), _Head(m.norm, hf.lm_head)]
+        blocks = [_Block((m.layers, str(i)), m.rotary_emb) for i in range(len(m.layers))]
+        return [_Embed((m, "embed_tokens")), *blocks, _Head((m, "norm"), (hf, "lm_head"))]
     raise TypeError(
         f"hf_pipeline_layers supports Hugging Face causal LMs of model_type {', '.join(SUPPORTED)} (qwen2"
         f" without sliding-window attention); got {type(model).__name__} with model_type={kind!r}. For"
@@ -68,50 +72,83 @@ def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
     )
 
 
-class _GPT2Embed(nn.Module):
+Origin = tuple[nn.Module, str]  # (parent module, name of the wrapped child in it)
+
+
+class _Piece(nn.Module):
+    """A view of some of the model's modules, each registered here under the name it has in its parent,
+    with a check that the parent still holds it (module docstring)."""
+
+    def __init__(self, *origins: Origin) -> None:
+        super().__init__()
+        self.__dict__["_origins"] = origins
+        for parent, name in origins:
+            self.add_module(_attr(name), parent._modules[name])
+
+    def check(self) -> None:
+        for parent, name in self.__dict__["_origins"]:
+            if parent._modules.get(name) is not self._modules[_attr(name)]:
+                raise RuntimeError(
+                    f"The model's {type(parent).__name__}.{name} was replaced after hf_pipeline_layers built"
+                    " its pieces (a tensor-parallel plan swaps modules), so a piece would run the old one."
+                    " Build the pieces in the first pipeline_layers() call, not in configure_model(), and"
+                    " return the same list after."
+                )
+
+    def child(self, name: str) -> nn.Module:
+        """The wrapped module named ``name`` in its parent."""
+        module = self._modules[_attr(name)]
+        assert module is not None
+        return module
+
+
+def _attr(name: str) -> str:
+    return f"layer_{name}" if name.isdigit() else name
+
+
+class _GPT2Embed(_Piece):
     """Token plus learnt position embeddings, then the embedding dropout, as ``GPT2Model.forward``."""
 
-    def __init__(self, wte: nn.Module, wpe: nn.Module, drop: nn.Module) -> None:
-        super().__init__()
-        self.wte, self.wpe, self.drop = wte, wpe, drop
+    def __init__(self, transformer: nn.Module) -> None:
+        super().__init__((transformer, "wte"), (transformer, "wpe"), (transformer, "drop"))
 
     def forward(self, ids: Tensor) -> Tensor:
-        return self.drop(self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device)))
+        self.check()
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.child("drop")(self.child("wte")(ids) + self.child("wpe")(positions))
 
 
-class _Embed(nn.Module):
-    def __init__(self, embed: nn.Module) -> None:
-        super().__init__()
-        self.embed = embed
-
+class _Embed(_Piece):
     def forward(self, ids: Tensor) -> Tensor:
-        return self.embed(ids)
+        self.check()
+        return self.child("embed_tokens")(ids)
 
 
-class _Block(nn.Module):
+class _Block(_Piece):
     """One decoder block on the hidden states; with ``rotary``, the block's position embeddings are
     computed here (the model computes them once for all blocks: the values are the same)."""
 
-    def __init__(self, block: nn.Module, rotary: nn.Module | None) -> None:
-        super().__init__()
-        self.block = block
+    def __init__(self, origin: Origin, rotary: nn.Module | None) -> None:
+        super().__init__(origin)
+        self.__dict__["_block"] = origin[1]
         # referenced, not registered: the model owns it (and moves it); it holds buffers only
         self.__dict__["rotary"] = rotary
 
     def forward(self, hidden: Tensor) -> Tensor:
+        self.check()
         kwargs: dict[str, Any] = {}
         rotary = self.__dict__["rotary"]
         if rotary is not None:
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
             kwargs = {"position_ids": positions, "position_embeddings": rotary(hidden, positions)}
-        out = self.block(hidden, **kwargs)
+        out = self.child(self.__dict__["_block"])(hidden, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
 
-class _Head(nn.Module):
-    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
-        super().__init__()
-        self.norm, self.lm_head = norm, lm_head
+class _Head(_Piece):
+    """The final norm, then the LM head (whatever their names in the model)."""
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(self.norm(hidden))
+        self.check()
+        (_, norm), (_, head) = self.__dict__["_origins"]
+        return self.child(head)(self.child(norm)(hidden))
