@@ -1,10 +1,11 @@
 """``hf_pipeline_layers``: Hugging Face causal LMs under pipeline parallelism without hand-written wrappers.
 
 The pieces chained in one process compute the model's own ``forward(ids).logits`` bitwise (GPT-2, Llama,
-Qwen2; training mode); refusals name the fix (eager attention, sliding windows, an unsupported model);
-and a Llama behind the pipeline protocol, pp2 with 1F1B and with zb, and pp2 x tp2 (the shipped llama
-plan) with zb, trains as the single-process Trainer running the model's own ``forward``: per-step losses,
-validation loss and weights."""
+Mistral within its sliding window, Qwen2, Qwen3; training mode); refusals name the fix (eager attention,
+a sequence longer than a sliding window, a replaced module, an unsupported model); and a Llama behind the
+pipeline protocol, pp2 with 1F1B and with zb, pp2 x tp2 (the shipped llama plan) with zb, and pp2 from a
+``save_pretrained`` directory, trains as the single-process Trainer running the model's own ``forward``:
+per-step losses, validation loss and weights."""
 
 from __future__ import annotations
 
@@ -22,9 +23,13 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from lightning_par import HybridParallelStrategy
@@ -33,39 +38,46 @@ from tests.distributed import run_distributed
 from tests.test_pp_trainer import GLOBAL, SEED, N, _reference, _trainer
 from tests.test_strategy import LossRecorder, Tokens
 
-Family = Literal["gpt2", "llama", "qwen2"]
+Family = Literal["gpt2", "llama", "mistral", "qwen2", "qwen3"]
+_CLASSES: dict[str, tuple[Any, Any]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
 _DECODER = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=16,
 )  # fmt: skip
 
 
-def build(family: Family, **options: Any) -> PreTrainedModel:
+def build(family: Family, *, seed: int = SEED, **options: Any) -> PreTrainedModel:
     """A small seeded model of ``family`` (dropout off, sdpa attention unless ``options`` say otherwise)."""
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     if family == "gpt2":
         kw: dict[str, Any] = dict(
             vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0, tie_word_embeddings=True, attn_implementation="sdpa",
         )  # fmt: skip
         return GPT2LMHeadModel(GPT2Config(**(kw | options)))
-    config, model = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
-    return model(config(**(_DECODER | {"attn_implementation": "sdpa"} | options)))
+    config, model = _CLASSES[family]
+    extra = {"sliding_window": 16} if family == "mistral" else {}  # the window covers the test's sequences
+    return model(config(**(_DECODER | {"attn_implementation": "sdpa"} | extra | options)))
 
 
 class HFCausalLM(pl.LightningModule):
     """A Hugging Face causal LM of ``family`` with the pipeline protocol from ``hf_pipeline_layers``; its
     ``training_step`` runs the model's own ``forward`` (what the single-process reference runs)."""
 
-    def __init__(self, family: Family = "gpt2") -> None:
+    def __init__(self, family: Family = "gpt2", seed: int = SEED) -> None:
         super().__init__()
-        self.family = family
+        self.family, self.seed = family, seed
         self.model: PreTrainedModel | None = None
         self._layers: list[nn.Module] = []
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = build(self.family)
+            self.model = build(self.family, seed=self.seed)
 
     def pipeline_layers(self) -> list[nn.Module]:
         # built at the first call, after a tensor-parallel plan swapped modules; the same list after
@@ -91,17 +103,17 @@ class HFCausalLM(pl.LightningModule):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.3, momentum=0.9)
 
 
-def module_factory(family: Family) -> Any:
+def module_factory(family: Family, seed: int = SEED) -> Any:
     def make() -> HFCausalLM:
         pl.seed_everything(SEED)
-        module = HFCausalLM(family)
+        module = HFCausalLM(family, seed)
         module.configure_model()
         return module
 
     return make
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "qwen3"])
 def test_the_pieces_compute_the_models_own_forward(family: Family) -> None:
     model = build(family).train()  # training mode: dropout is off, nothing else differs
     ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0))
@@ -131,18 +143,29 @@ def test_a_piece_refuses_to_run_a_module_the_model_replaced() -> None:
 def test_bad_models_are_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match=r"causal without a mask .* got attn_implementation='eager'.*'sdpa'"):
         hf_pipeline_layers(build("llama", attn_implementation="eager"))
-    with pytest.raises(TypeError, match=r"model_type gpt2, llama, qwen2 .* model_type='qwen2'"):
-        hf_pipeline_layers(build("qwen2", use_sliding_window=True, sliding_window=8))
-    with pytest.raises(TypeError, match=r"got Linear with model_type=None.* write pipeline_layers\(\)"):
+    sliding = hf_pipeline_layers(
+        build("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    )
+    with pytest.raises(
+        ValueError, match=r"sequence of 16 tokens is longer than the model's sliding window \(8\)"
+    ):
+        sliding[1](torch.zeros(1, 16, 32))
+    with pytest.raises(
+        TypeError, match=r"model_type gpt2, llama, .* got Linear with model_type=None.* write"
+    ):
         hf_pipeline_layers(nn.Linear(2, 2))
 
 
 def _run(rank: int, world: int, tmp: str, kw: dict[str, Any]) -> dict[str, Any]:
     rec = LossRecorder()
+    seed = SEED
+    if kw.get("pretrained"):  # the reference's weights come from the file, this model's own are others
+        kw = kw | {"pretrained": str(Path(tmp) / "pretrained")}
+        seed = SEED + 1
     strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, **kw)
     trainer = _trainer(strategy, world, tmp, [rec])
     train = DataLoader(Tokens(N), batch_size=GLOBAL, shuffle=True)
-    trainer.fit(module_factory("llama")(), train, DataLoader(Tokens(8), batch_size=8))
+    trainer.fit(module_factory("llama", seed)(), train, DataLoader(Tokens(8), batch_size=8))
     state = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
     return {
         "losses": rec.losses,
@@ -157,11 +180,15 @@ LLAMA_CASES = [
     # 3-D on a model we did not write: the shipped llama plan's column/row-parallel layers inside the
     # pipeline pieces, their weight gradients deferred by zb
     (4, dict(pipeline_schedule="zb", tensor_parallel_size=2, tp_plan="llama")),
+    # fine-tuning a checkpoint: a save_pretrained directory read lazily into the stages (meta init)
+    (2, dict(pipeline_schedule="1f1b", pretrained=True)),
 ]
 
 
-@pytest.mark.parametrize(("world", "kw"), LLAMA_CASES, ids=["1f1b", "zb", "zb-tp2"])
+@pytest.mark.parametrize(("world", "kw"), LLAMA_CASES, ids=["1f1b", "zb", "zb-tp2", "pretrained"])
 def test_llama_pipeline_matches_single_process(world: int, kw: dict[str, Any], tmp_path: Path) -> None:
+    if kw.get("pretrained"):
+        build("llama").save_pretrained(tmp_path / "pretrained")  # the reference's initial weights
     results = run_distributed(_run, world, str(tmp_path), kw, init_group=False, timeout=400)
     ref_losses, reference, ref_val = _reference(tmp_path, make=module_factory("llama"))
     for r in results:  # every pipeline (and tensor-parallel) rank reports the same loss

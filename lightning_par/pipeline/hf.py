@@ -13,11 +13,13 @@ Supported, by ``config.model_type``:
 * ``gpt2``: ``transformer.wte`` + ``transformer.wpe``, the blocks ``transformer.h``, ``transformer.ln_f``
   with ``lm_head`` (tied to ``wte`` by default: the pipeline sums the tied table's gradient over the
   stages holding it);
-* ``llama`` and ``qwen2`` (without sliding-window attention): ``model.embed_tokens``, the decoder layers
-  ``model.layers``, ``model.norm`` with ``lm_head``. The rotary position embedding is recomputed in every
-  block from the hidden states' length (a few hundred flops per position), so nothing but the hidden
-  states crosses a stage; it is the model's own ``rotary_emb`` module, referenced, not copied, so it
-  follows the model to its device.
+* the Llama family, ``llama``, ``mistral``, ``qwen2`` and ``qwen3``: ``model.embed_tokens``, the decoder
+  layers ``model.layers``, ``model.norm`` with ``lm_head``. The rotary position embedding is recomputed
+  in every block from the hidden states' length (a few hundred flops per position), so nothing but the
+  hidden states crosses a stage; it is the model's own ``rotary_emb`` module, referenced, not copied, so
+  it follows the model to its device. A model with sliding-window attention (Mistral's default, Qwen's
+  ``use_sliding_window``) equals its pieces for sequences no longer than the window, where the window
+  masks nothing; a longer sequence is refused at the block's forward.
 
 The attention kernel must be causal without a mask (``attn_implementation="sdpa"``, the default, or
 flash attention); eager attention is refused, since without a mask it would attend to later positions.
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-SUPPORTED = ("gpt2", "llama", "qwen2")
+SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 # attention kernels that are causal when given no mask; eager attention without a mask attends to the
 # future, so the pieces would silently compute another model
 CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
@@ -60,16 +62,27 @@ def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
         t = hf.transformer
         blocks = [_Block((t.h, str(i)), None) for i in range(len(t.h))]
         return [_GPT2Embed(t), *blocks, _Head((t, "ln_f"), (hf, "lm_head"))]
-    if kind in ("llama", "qwen2") and not getattr(config, "use_sliding_window", False):
+    if kind in SUPPORTED:
         m = hf.model
-        blocks = [_Block((m.layers, str(i)), m.rotary_emb) for i in range(len(m.layers))]
+        blocks = [_Block((m.layers, str(i)), m.rotary_emb, _window(config)) for i in range(len(m.layers))]
         return [_Embed((m, "embed_tokens")), *blocks, _Head((m, "norm"), (hf, "lm_head"))]
     raise TypeError(
-        f"hf_pipeline_layers supports Hugging Face causal LMs of model_type {', '.join(SUPPORTED)} (qwen2"
-        f" without sliding-window attention); got {type(model).__name__} with model_type={kind!r}. For"
-        " another model, write pipeline_layers() yourself: an ordered list of modules, each mapping one"
-        " tensor to one tensor, whose chain computes the model's logits."
+        f"hf_pipeline_layers supports Hugging Face causal LMs of model_type {', '.join(SUPPORTED)}; got"
+        f" {type(model).__name__} with model_type={kind!r}. For another model, write pipeline_layers()"
+        " yourself: an ordered list of modules, each mapping one tensor to one tensor, whose chain"
+        " computes the model's logits."
     )
+
+
+def _window(config: Any) -> int | None:
+    """The sliding-window length of a Llama-family config, ``None`` for full causal attention."""
+    window = getattr(config, "sliding_window", None)
+    if config.model_type == "mistral":
+        return window
+    sliding = getattr(config, "use_sliding_window", False) or "sliding_attention" in (
+        getattr(config, "layer_types", None) or ()
+    )
+    return window if sliding else None
 
 
 Origin = tuple[nn.Module, str]  # (parent module, name of the wrapped child in it)
@@ -128,14 +141,21 @@ class _Block(_Piece):
     """One decoder block on the hidden states; with ``rotary``, the block's position embeddings are
     computed here (the model computes them once for all blocks: the values are the same)."""
 
-    def __init__(self, origin: Origin, rotary: nn.Module | None) -> None:
+    def __init__(self, origin: Origin, rotary: nn.Module | None, window: int | None = None) -> None:
         super().__init__(origin)
-        self.__dict__["_block"] = origin[1]
+        self.__dict__["_block"], self.__dict__["_window"] = origin[1], window
         # referenced, not registered: the model owns it (and moves it); it holds buffers only
         self.__dict__["rotary"] = rotary
 
     def forward(self, hidden: Tensor) -> Tensor:
         self.check()
+        window = self.__dict__["_window"]
+        if window is not None and hidden.shape[1] > window:
+            raise ValueError(
+                f"A sequence of {hidden.shape[1]} tokens is longer than the model's sliding window"
+                f" ({window}): hf_pipeline_layers' blocks attend causally to every earlier token, which"
+                " equals the model only within the window. Use sequences of at most the window's length."
+            )
         kwargs: dict[str, Any] = {}
         rotary = self.__dict__["rotary"]
         if rotary is not None:
