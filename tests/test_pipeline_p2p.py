@@ -292,22 +292,30 @@ def _expected_reads(rank: int, world: int, v: int) -> list[int]:
     return reads
 
 
+def assert_steps_match(
+    per_rank: list[list[dict[str, Any]]], reference: list[dict[str, Any]], key: str
+) -> None:
+    """Every rank's step values equal the reference's; the gradients of all ranks, merged, equal its."""
+    merged: list[dict[str, torch.Tensor]] = [{} for _ in reference]
+    for rank, steps in enumerate(per_rank):
+        for i, (step, ref) in enumerate(zip(steps, reference, strict=True)):
+            torch.testing.assert_close(step["value"], ref["value"], msg=f"{key} step {i} rank {rank}")
+            merged[i].update(step["grads"])
+    for i, ref in enumerate(reference):
+        assert set(merged[i]) == set(ref["grads"]), (key, i)
+        for name, grad in ref["grads"].items():
+            torch.testing.assert_close(merged[i][name], grad, msg=f"{key} step {i} {name}")
+
+
 def _compare(results: list[dict[str, Any]], world: int) -> None:
     reference = _reference()
     for key, _ in results[0].items():
         v = int(key.split("/")[1])
-        merged: list[dict[str, torch.Tensor]] = [{} for _ in reference]
         for rank, r in enumerate(results):
             run = r[key]
             assert run["device"] == "cpu" and run["ops"] > 0
             assert [s["reads"] for s in run["steps"]] == _expected_reads(rank, world, v), (key, rank)
-            for i, (step, ref) in enumerate(zip(run["steps"], reference, strict=True)):
-                torch.testing.assert_close(step["value"], ref["value"], msg=f"{key} step {i} rank {rank}")
-                merged[i].update(step["grads"])
-        for i, ref in enumerate(reference):
-            assert set(merged[i]) == set(ref["grads"]), (key, i)
-            for name, grad in ref["grads"].items():
-                torch.testing.assert_close(merged[i][name], grad, msg=f"{key} step {i} {name}")
+        assert_steps_match([r[key]["steps"] for r in results], reference, key)
 
 
 def test_two_ranks_match_the_unsharded_model() -> None:

@@ -68,7 +68,7 @@ def _run(
             if split is None:
                 torch.autograd.backward(out, grad)
             else:
-                split.backward(out, grad, x, chunk=0, key=(0, i))
+                split.backward(out, [grad], x, chunk=0, key=(0, i))
             assert x.grad is not None
             input_grads.append(x.grad)
         if split is not None:

@@ -3,8 +3,8 @@ hand-written wrappers to run under pipeline parallelism.
 
 :func:`hf_pipeline_layers` cuts a model into the ordered list the pipeline protocol's
 ``pipeline_layers()`` returns: the embedding, one layer per decoder block, then the final norm with the
-LM head. Each piece maps one tensor to one tensor (token ids -> hidden states -> ... -> logits), which is
-what crosses a pipeline stage. Chaining the pieces computes the model's own ``forward(ids).logits``
+LM head. Each piece maps one tensor to one tensor (token ids -> hidden states -> ... -> logits): only the
+hidden states cross a pipeline stage. Chaining the pieces computes the model's own ``forward(ids).logits``
 (tested bitwise for both families): causal attention without a padding mask, positions ``0..T-1``, no
 cache, as in pretraining or fine-tuning on packed, unpadded sequences.
 
@@ -69,8 +69,8 @@ def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
     raise TypeError(
         f"hf_pipeline_layers supports Hugging Face causal LMs of model_type {', '.join(SUPPORTED)}; got"
         f" {type(model).__name__} with model_type={kind!r}. For another model, write pipeline_layers()"
-        " yourself: an ordered list of modules, each mapping one tensor to one tensor, whose chain"
-        " computes the model's logits."
+        " yourself: an ordered list of modules, each mapping a tensor or a flat tuple of tensors to the"
+        " next one, whose chain computes the model's logits."
     )
 
 

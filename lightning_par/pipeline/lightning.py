@@ -2,7 +2,8 @@
 
 The LightningModule tells the strategy its network through three methods (the pipeline protocol):
 
-* ``pipeline_layers(self) -> Sequence[nn.Module]``: ordered; the output of layer ``i`` feeds ``i + 1``;
+* ``pipeline_layers(self) -> Sequence[nn.Module]``: ordered; the output of layer ``i`` feeds ``i + 1``
+  (between stages one tensor or a flat tuple of tensors, :mod:`lightning_par.pipeline.mail`);
 * ``pipeline_input(self, batch)``: what enters layer 0 (default: ``batch[0]``);
 * ``pipeline_loss(self, output, batch) -> Tensor``: the loss of the last layer's output, or a mapping
   ``{"loss": loss, "acc": ..., ...}`` whose other entries are metrics, logged as ``train_acc`` (training),

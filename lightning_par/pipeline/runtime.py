@@ -4,7 +4,9 @@ Contract of :meth:`PipelineRuntime.train_step`: with micro-batches ``0..m-1`` an
 the loss of micro-batch ``i`` on the last virtual stage, the gradients accumulated in every chunk's
 parameters equal those of ``(1/m) Σ_i loss_i`` through the whole model, and the returned value is that
 mean (a tensor on :attr:`PipelineRuntime.device`, broadcast so every pipeline rank returns the same
-number). The tensor that leaves a chunk towards another rank must be one tensor.
+number). What leaves a chunk towards the next is one tensor or a flat tuple of tensors (hidden states and
+a mask, say; :mod:`lightning_par.pipeline.mail`): each tensor is its own p2p op, the floating-point ones
+get gradients back.
 
 Transfers (NCCL rules, the same code on Gloo): every transfer goes through
 ``torch.distributed.batch_isend_irecv`` in the batches of :mod:`lightning_par.pipeline.p2p`, one batch
@@ -25,11 +27,12 @@ shapes and dtypes of the micro-batch inputs), which ranks ``> 0`` read on the ho
 step; it also makes a collective over the whole group the group's first call, which NCCL requires
 before partial batches of p2p ops). A signature seen before reuses the activation shapes learnt then;
 a new one (the first step, the first evaluation, a ragged last batch) makes that step send a shape header
-(8 int64s on the device) before every activation, each read once on the host. So activation shapes must
-follow from the input signature: a sender checks every activation against the shape agreed for it
-(metadata, no device sync) and raises if it differs (its peers then wait until the group's timeout).
-Gradients have the receiver's own output shape. Micro-batch losses accumulate in a tensor on the
-device; nothing is copied to the host per micro-batch (prediction reads its result's header once).
+(``mail.HEADER`` int64s on the device: the structure and every part's shape) before every activation,
+each read once on the host. So activation shapes must follow from the input signature: a sender checks
+every activation against the structure agreed for it (metadata, no device sync) and raises if it differs
+(its peers then wait until the group's timeout). Gradients have the shapes of the receiver's own output.
+Micro-batch losses accumulate in a tensor on the device; nothing is copied to the host per micro-batch
+(prediction reads its result's header once).
 
 Time spent computing is recorded per step (``last_stats``: busy and total seconds), so the bubble
 fraction ``1 - busy / total`` of each rank can be reported.
@@ -40,7 +43,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +51,19 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lightning_par.pipeline.mail import (
+    HEADER,
+    Layout,
+    Mail,
+    Spec,
+    assemble,
+    backward_args,
+    decode,
+    encode,
+    floats,
+    parts_of,
+    signature,
+)
 from lightning_par.pipeline.p2p import (
     Batch,
     Item,
@@ -62,13 +78,6 @@ from lightning_par.pipeline.schedule import SPLIT_BACKWARD, Action, build_schedu
 from lightning_par.pipeline.weight_grad import GradOf, WeightGradSplit
 from lightning_par.zero.meta_init import target_device
 
-_DTYPES = [
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool,
-]  # fmt: skip
-_HEADER = 8  # int64s: ndim, dtype index, up to 6 sizes
-Layout = dict[Transfer, tuple[torch.Size, torch.dtype]]
-
 
 @dataclass
 class StepStats:
@@ -78,41 +87,6 @@ class StepStats:
     @property
     def bubble(self) -> float:
         return 1.0 - self.busy_s / self.total_s if self.total_s > 0 else 0.0
-
-
-@dataclass
-class _Mail:
-    """One step's tensors in transit: ``outbox`` (computed, waiting for their batch), ``inbox`` (received
-    or handed over, waiting for their action), and the activation shapes (``layout``) of this rank's
-    transfers, learnt from headers when ``learn``."""
-
-    layout: Layout
-    learn: bool
-    inbox: dict[Transfer, Tensor] = field(default_factory=dict)
-    outbox: dict[Transfer, Tensor] = field(default_factory=dict)
-    # (virtual stage, mb) -> (input, output) of a forward awaiting its backward; a received gradient
-    # takes its output's shape
-    saved: dict[tuple[int, int], tuple[Any, Tensor]] = field(default_factory=dict)
-    # posted and not waited for: a received transfer's works (waited before its use); sends' works and
-    # tensors (waited at the end of the step)
-    pending: dict[Transfer, list[Any]] = field(default_factory=dict)
-    sending: list[tuple[list[Any], Tensor]] = field(default_factory=list)
-
-    def take(self, t: Transfer) -> Tensor:
-        """A received (or handed over) tensor, after waiting for its transfer."""
-        for work in self.pending.pop(t, []):
-            work.wait()
-        return self.inbox.pop(t)
-
-    def settle(self) -> None:
-        """Wait for every transfer still in flight (the step's end)."""
-        for works, _ in self.sending:
-            for work in works:
-                work.wait()
-        for works in self.pending.values():
-            for work in works:
-                work.wait()
-        self.sending, self.pending = [], {}
 
 
 class PipelineRuntime:
@@ -152,7 +126,7 @@ class PipelineRuntime:
         self.device = device if device is not None else _comm_device(nn.ModuleList(self.chunks), group)
         self._programs: dict[tuple[str, bool], list[Item]] = {}
         self._ids: dict[Any, int] = {}  # pipeline rank 0: (kind, input signature) -> shape id
-        self._layouts: dict[int, Layout] = {}  # shape id -> activation shapes of this rank's transfers
+        self._layouts: dict[int, Layout] = {}  # shape id -> activation structures of this rank's transfers
 
     # ------------------------------------------------------------------ p2p
     def _peer(self, rank: int) -> int:
@@ -167,82 +141,85 @@ class PipelineRuntime:
             self._programs[key] = programs[self.s]
         return self._programs[key]
 
-    def _begin(self, kind: str, inputs: Sequence[Any] | None) -> tuple[int, _Mail]:
+    def _begin(self, kind: str, inputs: Sequence[Any] | None) -> tuple[int, Mail]:
         """Agree on the step's shape id (module docstring); a new id means this step learns shapes."""
         ident = -1
         if self.s == 0:
             if inputs is None:
                 raise ValueError("The first pipeline stage needs the micro-batch inputs.")
-            signature = (kind, tuple(_signature(x) for x in inputs))
-            ident = self._ids.setdefault(signature, len(self._ids))
+            key = (kind, tuple(signature(x) for x in inputs))
+            ident = self._ids.setdefault(key, len(self._ids))
         if self.p > 1:
             flag = torch.full((1,), ident, dtype=torch.int64, device=self.device)
             dist.broadcast(flag, src=self._peer(0), group=self.group)
             ident = int(flag.item()) if self.s != 0 else ident  # the one host read of a step
         known = ident in self._layouts
-        return ident, _Mail(layout=self._layouts[ident] if known else {}, learn=not known)
+        return ident, Mail(layout=self._layouts[ident] if known else {}, learn=not known)
 
-    def _send(self, t: Transfer, value: Any, *, mail: _Mail) -> None:
-        if not isinstance(value, Tensor):
-            raise TypeError(f"A pipeline stage must pass one tensor to the next, got {type(value).__name__}.")
-        tensor = value.detach()
+    def _send(self, t: Transfer, value: Any, *, mail: Mail) -> None:
+        """Queue ``value`` for transfer ``t``: an activation (a tensor or a tuple of them), or a gradient
+        transfer's list of tensors."""
+        if t.kind == "grad":
+            tensors, is_tuple = [x.detach() for x in value], True
+        else:
+            parts, is_tuple = parts_of(value)
+            tensors = [x.detach() for x in parts]
         if t.dst % self.p == self.s:  # the next virtual stage is on this rank (p = 1): no transfer
-            mail.inbox[t] = tensor.clone()
+            mail.inbox[t] = [x.clone() for x in tensors]
+            if is_tuple:
+                mail.tuples.add(t)
             return
-        tensor = tensor.contiguous()
+        tensors = [x.contiguous() for x in tensors]
         if t.kind == "act":
+            spec = Spec(is_tuple, tuple((x.shape, x.dtype) for x in tensors))
             if mail.learn:
-                mail.layout[t] = (tensor.shape, tensor.dtype)
-                mail.outbox[header_of(t)] = self._header(tensor)
-            elif mail.layout[t] != (tensor.shape, tensor.dtype):
+                mail.layout[t] = spec
+                mail.outbox[header_of(t)] = [encode(spec, device=self.device)]
+            elif mail.layout[t] != spec:
                 raise RuntimeError(
-                    f"Virtual stage {t.src} produced {tuple(tensor.shape)} {tensor.dtype} for micro-batch"
-                    f" {t.mb}, but {tuple(mail.layout[t][0])} {mail.layout[t][1]} was agreed for inputs"
-                    " of this signature: activation shapes must follow from the input shapes."
+                    f"Virtual stage {t.src} produced {spec.describe()} for micro-batch {t.mb}, but"
+                    f" {mail.layout[t].describe()} was agreed for inputs of this signature: activation"
+                    " shapes must follow from the input shapes."
                 )
-        mail.outbox[t] = tensor
+        mail.outbox[t] = tensors
 
-    def _header(self, tensor: Tensor) -> Tensor:
-        if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
-            raise TypeError(f"Cannot send a {tensor.dim()}-d {tensor.dtype} tensor between pipeline stages.")
-        values = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
-        return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64, device=self.device)
-
-    def _buffer(self, t: Transfer, mail: _Mail) -> Tensor:
+    def _buffers(self, t: Transfer, mail: Mail) -> list[Tensor]:
         if t.kind == "hdr":
-            return torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        if t.kind == "grad":  # the gradient of this rank's own output
+            return [torch.empty(HEADER, dtype=torch.int64, device=self.device)]
+        if t.kind == "grad":  # the gradients of this rank's own output's floating-point parts
             out = mail.saved[(t.dst, t.mb)][1]
-            return torch.empty(out.shape, dtype=out.dtype, device=self.device)
-        shape, dtype = mail.layout[t]
-        return torch.empty(shape, dtype=dtype, device=self.device)
+            return [torch.empty(o.shape, dtype=o.dtype, device=self.device) for o in floats(out)]
+        return [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in mail.layout[t].parts]
 
-    def _exchange(self, batch: Batch, mail: _Mail) -> None:
-        """Post ``batch`` in one ``batch_isend_irecv``; its waits are deferred to the uses (module
-        docstring), except for headers, read on the host at once (learning steps only)."""
-        ops, tensors = [], []
+    def _exchange(self, batch: Batch, mail: Mail) -> None:
+        """Post ``batch`` in one ``batch_isend_irecv``, one op per tensor of each transfer; its waits are
+        deferred to the uses (module docstring), except for headers, read on the host at once (learning
+        steps only)."""
+        ops, owned = [], []
         for op in batch.ops:
             if op.send:
-                tensor = mail.outbox.pop(op.transfer)
+                tensors = mail.outbox.pop(op.transfer)
             else:
-                tensor = mail.inbox[op.transfer] = self._buffer(op.transfer, mail)
+                tensors = mail.inbox[op.transfer] = self._buffers(op.transfer, mail)
             send_or_recv = dist.isend if op.send else dist.irecv
-            ops.append(dist.P2POp(send_or_recv, tensor, self._peer(op.peer), self.group))
-            tensors.append(tensor)
-        works = list(dist.batch_isend_irecv(ops))
-        # Gloo returns a work per op; NCCL one for the coalesced batch, which every op then waits on
-        per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)
-        for op, tensor, mine in zip(batch.ops, tensors, per_op, strict=True):
+            ops += [dist.P2POp(send_or_recv, x, self._peer(op.peer), self.group) for x in tensors]
+            owned.append((op, tensors))
+        works = list(dist.batch_isend_irecv(ops)) if ops else []
+        # Gloo returns a work per op; NCCL one for the coalesced batch, which every transfer then waits on
+        coalesced, first = len(works) != len(ops), 0
+        for op, tensors in owned:
+            mine = works if coalesced else works[first : first + len(tensors)]
+            first += len(tensors)
             if op.send:
-                mail.sending.append((mine, tensor))
+                mail.sending.append((mine, tensors))
             else:
                 mail.pending[op.transfer] = mine
         for op in batch.ops:
             t = op.transfer
             if not op.send and t.kind == "hdr":  # learning steps only: one host read per header
-                mail.layout[Transfer("act", t.src, t.dst, t.mb)] = _decode(mail.take(t))
+                mail.layout[Transfer("act", t.src, t.dst, t.mb)] = decode(mail.take(t)[0])
 
-    def _finish(self, ident: int, mail: _Mail) -> None:
+    def _finish(self, ident: int, mail: Mail) -> None:
         mail.settle()
         if mail.learn:
             self._layouts[ident] = mail.layout
@@ -311,17 +288,19 @@ class PipelineRuntime:
                 busy += time.perf_counter() - t0
             else:
                 x, out = mail.saved.pop((g, action.mb))
-                grad = None if g == self.last else mail.take(Transfer("grad", g + 1, g, action.mb))
+                grads = None if g == self.last else mail.take(Transfer("grad", g + 1, g, action.mb))
                 context = nullcontext() if action == self._last_backward and sync_last else no_sync()
                 t0 = time.perf_counter()
                 with context:
                     if split is not None:
-                        split.backward(out, grad, x, chunk=action.chunk, key=(g, action.mb))
+                        split.backward(out, grads, x, chunk=action.chunk, key=(g, action.mb))
                     else:
-                        torch.autograd.backward(out, grad)
+                        outs, dys = backward_args(out, grads)
+                        if outs:
+                            torch.autograd.backward(outs, dys)
                 busy += time.perf_counter() - t0
-                if g > 0:  # the upstream stage waits for a gradient in any case: zeros if x got none
-                    dx = x.grad if x.grad is not None else torch.zeros_like(x)
+                if g > 0:  # the upstream stage waits for its gradients in any case: zeros where x got none
+                    dx = [p.grad if p.grad is not None else torch.zeros_like(p) for p in floats(x)]
                     self._send(Transfer("grad", g, g - 1, action.mb), dx, mail=mail)
         self._finish(ident, mail)
         loss = self._broadcast_loss(losses.sum())
@@ -374,26 +353,28 @@ class PipelineRuntime:
         src = self._peer(self.last % self.p)
         result = torch.cat(outputs).contiguous() if outputs else None
         header = (
-            self._header(result)
+            encode(Spec.of(result), device=self.device)
             if result is not None
-            else torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+            else torch.zeros(HEADER, dtype=torch.int64, device=self.device)
         )
         dist.broadcast(header, src=src, group=self.group)
         if result is None:
-            shape, dtype = _decode(header)
+            ((shape, dtype),) = decode(header).parts
             result = torch.empty(shape, dtype=dtype, device=self.device)
         dist.broadcast(result, src=src, group=self.group)
         return result
 
-    def _input(self, g: int, mb: int, inputs: Sequence[Any] | None, mail: _Mail, *, grad: bool) -> Any:
+    def _input(self, g: int, mb: int, inputs: Sequence[Any] | None, mail: Mail, *, grad: bool) -> Any:
         if g == 0:
             if inputs is None:
                 raise ValueError("The first pipeline stage needs the micro-batch inputs.")
             return inputs[mb]
-        x = mail.take(Transfer("act", g - 1, g, mb))
-        if grad and x.is_floating_point():
-            x.requires_grad_(True)
-        return x
+        t = Transfer("act", g - 1, g, mb)
+        is_tuple, tensors = mail.is_tuple(t), mail.take(t)
+        for x in tensors:
+            if grad and x.is_floating_point():
+                x.requires_grad_(True)
+        return assemble(tensors, is_tuple)
 
     def _broadcast_loss(self, value: Tensor) -> Tensor:
         out = value.detach().float().reshape(1).clone()
@@ -406,23 +387,3 @@ def _comm_device(chunks: nn.Module, group: ProcessGroup) -> torch.device:
     nccl = "nccl" in str(dist.get_backend(group))
     fallback = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     return target_device(chunks, default=fallback)
-
-
-def _decode(header: Tensor) -> tuple[torch.Size, torch.dtype]:
-    """Shape and dtype from a header (a host read: only in steps that learn shapes, and in predict)."""
-    ndim, dtype, *sizes = header.tolist()
-    return torch.Size(sizes[:ndim]), _DTYPES[dtype]
-
-
-def _signature(value: Any) -> Any:
-    """What decides the activation shapes of a micro-batch input: tensor shapes and dtypes, the
-    structure around them, and small exact scalars (sequence lengths, flags); not float values."""
-    if isinstance(value, Tensor):
-        return ("tensor", tuple(value.shape), str(value.dtype))
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_signature(x) for x in value))
-    if isinstance(value, dict):
-        return ("dict", tuple((repr(k), _signature(x)) for k, x in value.items()))
-    if value is None or isinstance(value, (bool, int, str)):
-        return repr(value)
-    return type(value).__qualname__

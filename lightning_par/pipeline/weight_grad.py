@@ -42,6 +42,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_par.pipeline.mail import backward_args, grad_leaves
 from lightning_par.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 GradOf = Callable[[nn.Parameter], Tensor | None]
@@ -136,15 +137,19 @@ class WeightGradSplit:
 
         output.register_hook(record)
 
-    def backward(self, out: Tensor, grad: Tensor | None, x: Any, *, chunk: int, key: Key) -> None:
-        """``B``: the gradients of the chunk's input ``x`` and of every parameter but the deferred ones."""
-        inputs: list[Tensor] = [*self._eager[chunk], *self._kept.pop(key, [])]
-        if isinstance(x, Tensor) and x.requires_grad:
-            inputs.append(x)
+    def backward(self, out: Any, grads: Sequence[Tensor] | None, x: Any, *, chunk: int, key: Key) -> None:
+        """``B``: the gradients of the chunk's input ``x`` and of every parameter but the deferred ones.
+        ``out`` and ``grads`` as the runtime passes them (``mail.backward_args``): the loss and ``None`` on
+        the last stage, else the output (a tensor or a tuple) and one gradient per floating-point part."""
+        outs, dys = backward_args(out, grads)
+        if not outs:  # nothing in the output needs a gradient: no backward, nothing for W
+            self._stash.pop(key, None)
+            return
+        inputs: list[Tensor] = [*self._eager[chunk], *self._kept.pop(key, []), *grad_leaves(x)]
         if inputs:
-            torch.autograd.backward(out, grad, inputs=inputs)
+            torch.autograd.backward(outs, dys, inputs=inputs)
         else:  # nothing but deferred weights: one ordinary backward, nothing left for W
-            torch.autograd.backward(out, grad)
+            torch.autograd.backward(outs, dys)
             self._stash.pop(key, None)
 
     @torch.no_grad()
