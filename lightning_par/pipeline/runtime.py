@@ -159,8 +159,8 @@ class PipelineRuntime:
     def _send(self, t: Transfer, value: Any, *, mail: Mail) -> None:
         """Queue ``value`` for transfer ``t``: an activation (a tensor or a tuple of them), or a gradient
         transfer's list of tensors."""
-        if t.kind == "grad":
-            tensors, is_tuple = [x.detach() for x in value], True
+        if t.kind == "grad":  # its receiver takes it as a list, never assembled into a value
+            tensors, is_tuple = [x.detach() for x in value], False
         else:
             parts, is_tuple = parts_of(value)
             tensors = [x.detach() for x in parts]
