@@ -177,6 +177,12 @@ class StrategySteps(ZeroCheckpointIO):
         """
         if self._engine is None:
             raise RuntimeError("token_normalized() is for training_step, after the strategy's setup().")
+        if self._pipeline is not None:  # only the last stage would count, only its gradients be rescaled
+            raise RuntimeError(
+                "token_normalized() does not apply under pipeline parallelism: return {'loss_sum': sum of"
+                " the token losses, 'tokens': number of valid tokens} from pipeline_loss instead, and the"
+                " pipeline normalises every stage's gradients by the window's tokens."
+            )
         if self._token_normalizer is None:
             self._token_normalizer = TokenNormalizer(group=self.mesh.dp_group, device=self.root_device)
             self._engine.on_synchronized(self._apply_token_normalization)

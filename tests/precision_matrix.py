@@ -65,8 +65,6 @@ class Combo:
 
 def refusal(combo: Combo) -> str | None:
     """Why a combination is not run (the package refuses it, or it does not apply), else None."""
-    if combo.token and combo.pp > 1:
-        return "not applicable: under pipeline parallelism pipeline_loss runs, not training_step"
     return None
 
 
@@ -122,7 +120,8 @@ class BlockSampler(Sampler[int]):
 
 class MatrixGPT(GPTModule):
     """The package's GPT (tied embedding and head, pipeline protocol) with SGD, an optional token-exact
-    loss, and (16-mixed) an inf loss on dp rank 0 in the second optimizer step."""
+    loss (``token_normalized`` in ``training_step``, ``{"loss_sum", "tokens"}`` from ``pipeline_loss``),
+    and (16-mixed) an inf loss on dp rank 0 in the second optimizer step."""
 
     def __init__(self, *, token: bool, poison: bool, **kw: Any) -> None:
         super().__init__(**kw)
@@ -154,8 +153,12 @@ class MatrixGPT(GPTModule):
         assert isinstance(strategy, HybridParallelStrategy)
         return self._poisoned(strategy.token_normalized(loss_sum, n_tokens))
 
-    def pipeline_loss(self, output: Tensor, batch: Any) -> Tensor:
-        return self._poisoned(super().pipeline_loss(output, batch))
+    def pipeline_loss(self, output: Tensor, batch: Any) -> Any:
+        if not self.token:
+            return self._poisoned(super().pipeline_loss(output, batch))
+        # the pipeline's token-exact form: the stages' gradients are normalised by the window's tokens
+        loss_sum, n_tokens = token_loss_sum(output, batch[1], ignore_index=IGNORE_INDEX)
+        return {"loss_sum": self._poisoned(loss_sum), "tokens": n_tokens}
 
 
 class Record(pl.Callback):

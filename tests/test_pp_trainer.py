@@ -58,9 +58,10 @@ def _module() -> GPTModule:
 
 
 def _trainer(
-    strategy: Any, devices: int, tmp: str, callbacks: list[pl.Callback], epochs: int = 1
+    strategy: Any, devices: int, tmp: str, callbacks: list[pl.Callback], epochs: int = 1, **options: Any
 ) -> pl.Trainer:
-    return pl.Trainer(
+    """The pipeline tests' Trainer; ``options`` override its arguments."""
+    kw: dict[str, Any] = dict(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
@@ -75,6 +76,7 @@ def _trainer(
         default_root_dir=tmp,
         callbacks=callbacks,
     )
+    return pl.Trainer(**(kw | options))
 
 
 def _run(

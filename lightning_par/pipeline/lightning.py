@@ -11,6 +11,17 @@ The LightningModule tells the strategy its network through three methods (the pi
 * ``pipeline_eval(self, output, batch) -> Mapping[str, Tensor]`` (optional): more metrics for validation
   and test, logged as ``val_<name>`` / ``test_<name>`` (see :mod:`lightning_par.pipeline.metrics`).
 
+Token-exact loss (the pipeline's form of ``HybridParallelStrategy.token_normalized``): ``pipeline_loss``
+returns ``{"loss_sum": S_i, "tokens": n_i, ...}``, the summed token losses of micro-batch ``i`` and its
+valid tokens. Each micro-batch then back-propagates ``S_i`` (scaled by the constant ``c = 1/(m K)``,
+``K = accumulate_grad_batches``), the step's count ``Σ n_i`` reaches every pipeline rank with the
+metrics, and when the window's gradients have been reduced over data parallelism (an average over its
+``N`` ranks), every stage multiplies them by ``N / (c T)`` with ``T`` the window's valid tokens summed over
+its steps and the data-parallel ranks (:class:`~lightning_par.loss.TokenNormalizer`): the gradient of
+``Σ S / T``, however unevenly the tokens fall on micro-batches, steps and ranks. The logged loss is the
+step's ``Σ S / Σ n``. Without this form the step's loss is the mean of the micro-batch means, which
+weights the tokens of sparse micro-batches more.
+
 :class:`LightningPipeline` splits each batch into ``m`` micro-batches (along dim 0 of every tensor),
 feeds them through :class:`~lightning_par.pipeline.runtime.PipelineRuntime` and returns the mean loss,
 identical on every pipeline rank, after all forwards and backwards: Lightning's own ``backward`` is then
@@ -34,8 +45,10 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
+from lightning_par.loss import TokenNormalizer
 from lightning_par.mesh import ParallelMesh
 from lightning_par.pipeline.apply import PipelineSplit, TiedGradients
 from lightning_par.pipeline.metrics import PipelineMetrics
@@ -100,10 +113,24 @@ class LightningPipeline:
     """Runs training/evaluation steps of ``module`` through ``runtime``; ``tied`` keeps the copies of
     parameters shared by several stages equal."""
 
-    def __init__(self, module: pl.LightningModule, runtime: PipelineRuntime, tied: TiedGradients) -> None:
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        runtime: PipelineRuntime,
+        tied: TiedGradients,
+        *,
+        dp_group: ProcessGroup | None = None,
+        dp_size: int = 1,
+    ) -> None:
         self.module = module
         self.runtime = runtime
         self.tied = tied
+        self.dp_size = dp_size
+        # the token-exact loss form's window count (module docstring), created on every pipeline rank;
+        # _token_steps counts the window's steps that used the form, _listening the engine told to rescale
+        self.tokens = TokenNormalizer(group=dp_group, device=runtime.device)
+        self._token_steps = 0
+        self._listening: Engine | None = None
         if not module.automatic_optimization:
             raise ValueError(
                 "Manual optimization with pipeline_parallel_size > 1 is not supported: the pipeline runs"
@@ -153,8 +180,9 @@ class LightningPipeline:
 
         def loss_fn(output: Any, i: int) -> Tensor:
             result = self.module.pipeline_loss(output, micro[i])  # type: ignore[operator]
-            loss = self.metrics.loss_of(result, weight=weights[i], where="pipeline_loss")
-            return loss * (weights[i] / accumulate * loss_scale)
+            loss, summed = self.metrics.loss_of(result, weight=weights[i], where="pipeline_loss")
+            # a token-loss sum needs no size weight: the sums of a ragged split add up exactly
+            return loss * ((1.0 if summed else weights[i]) / accumulate * loss_scale)
 
         self.metrics.start(m)
         mean = self.runtime.train_step(
@@ -166,10 +194,31 @@ class LightningPipeline:
         )
         # undo the scaling of the returned number: it is the mean loss, for logging
         value = mean * accumulate / loss_scale
+        metrics = self.metrics.finish("train")
+        if "tokens" in metrics:
+            value = self._count_tokens(metrics, engine)
         self.module.log("train_loss", value, prog_bar=True)
-        for name, metric in self.metrics.finish("train").items():
+        for name, metric in metrics.items():
             self.module.log(f"train_{name}", metric)
         return value.detach()
+
+    def _count_tokens(self, metrics: dict[str, Tensor], engine: Engine) -> Tensor:
+        """Add the step's valid tokens to the window's count, have ``engine`` rescale the window's
+        gradients (module docstring), and return the step's token-mean loss; pops the two sums."""
+        tokens, loss_sum = metrics.pop("tokens"), metrics.pop("loss_sum")
+        self.tokens.add(tokens.round())
+        self._token_steps += 1
+        if self._listening is not engine:
+            engine.on_synchronized(lambda: self._rescale(engine))
+            self._listening = engine
+        return (loss_sum / tokens.clamp(min=1)).float()
+
+    def _rescale(self, engine: Engine) -> None:
+        if self._token_steps == 0 or self._listening is not engine:  # a window without the token form
+            return
+        self._token_steps = 0
+        scale = 1.0 / (self.runtime.m * self.module.trainer.accumulate_grad_batches)
+        engine.scale_grads(self.tokens.grad_scale(loss_scale=scale, dp_size=self.dp_size))
 
     def end_window(self, engine: Engine) -> None:
         """At the last step of an accumulation window: sum tied gradients over their stages, then reduce
@@ -189,17 +238,21 @@ class LightningPipeline:
 
         def loss_fn(output: Any, i: int) -> Tensor:
             result = self.module.pipeline_loss(output, micro[i])  # type: ignore[operator]
-            loss = self.metrics.loss_of(result, weight=weights[i], where="pipeline_loss")
+            loss, summed = self.metrics.loss_of(result, weight=weights[i], where="pipeline_loss")
             if self._eval_metrics is not None:
                 self.metrics.add(
                     self._eval_metrics(output, micro[i]), weight=weights[i], where="pipeline_eval"
                 )
-            return loss * weights[i]
+            return loss if summed else loss * weights[i]
 
         self.metrics.start(self.runtime.m)
         loss = self.runtime.forward_step(inputs=self._inputs(micro), loss_fn=loss_fn)
+        metrics = self.metrics.finish(stage)
+        if "tokens" in metrics:  # the batch's token mean
+            tokens, loss_sum = metrics.pop("tokens"), metrics.pop("loss_sum")
+            loss = (loss_sum / tokens.clamp(min=1)).float()
         self.module.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=stage == "val")
-        for name, metric in self.metrics.finish(stage).items():
+        for name, metric in metrics.items():
             self.module.log(f"{stage}_{name}", metric, sync_dist=True)
         return loss
 
@@ -228,4 +281,4 @@ def build_pipeline(
     tied = TiedGradients(
         module, local=split.local, pp_group=mesh.pp_group, pp_groups=mesh.layout.groups("pp")
     )
-    return LightningPipeline(module, runtime, tied)
+    return LightningPipeline(module, runtime, tied, dp_group=mesh.dp_group, dp_size=mesh.dp_size)

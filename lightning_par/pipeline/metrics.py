@@ -6,7 +6,14 @@ compute more than the loss:
 * ``pipeline_loss(output, batch)`` may return a mapping ``{"loss": tensor, "acc": ..., ...}``: the loss
   is trained on, the other entries are metrics;
 * ``pipeline_eval(output, batch) -> Mapping[str, Tensor]`` (optional) adds metrics to validation and
-  test steps (no gradient).
+  test steps (no gradient);
+* for a token-exact loss (masked or padded targets, :mod:`lightning_par.loss`), ``pipeline_loss`` returns
+  ``{"loss_sum": S, "tokens": n, ...metrics}``: the sum of the micro-batch's token losses and its number
+  of valid tokens (:func:`~lightning_par.loss.token_loss_sum` computes both). These two are summed over
+  the step's micro-batches instead of averaged, reach every rank in the same broadcast as the metrics
+  (in float64, so counts stay exact), and the step's loss is ``Σ S / Σ n``. The gradient rescaling that
+  makes the window's gradient the global token mean is :class:`~lightning_par.pipeline.lightning.
+  LightningPipeline`'s; the count has to reach every stage because every stage's gradients are rescaled.
 
 A metric is a scalar per micro-batch; the step's value is the mean over its micro-batches (equal sizes:
 the batch mean). :class:`PipelineMetrics` gathers them on the last stage and broadcasts them over the
@@ -34,6 +41,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+SUMS = ("loss_sum", "tokens")  # the token-exact loss form: summed over a step's micro-batches
+
 
 class PipelineMetricError(ValueError):
     """A metric the last pipeline stage cannot report (raised on every pipeline rank)."""
@@ -57,6 +66,7 @@ class PipelineMetrics:
         self._sums: dict[str, Tensor] = {}
         self._error: str | None = None
         self._m = 1
+        self._form: bool | None = None  # this step's loss form: True for a token-loss sum
         self._late_warned: set[str] = set()
         # the last broadcast's verdict, looked at by the next finish(): (kind, names, CUDA event of the
         # flag's copy into self._flag or None, the last stage's description of the change or None)
@@ -65,20 +75,44 @@ class PipelineMetrics:
 
     def start(self, m: int) -> None:
         """A new step of ``m`` micro-batches."""
-        self._sums, self._error, self._m = {}, None, m
+        self._sums, self._error, self._m, self._form = {}, None, m, None
 
-    def loss_of(self, result: Any, *, weight: float = 1.0, where: str) -> Tensor:
-        """The loss in ``pipeline_loss``'s ``result`` (a tensor, or a mapping with ``"loss"``); the other
+    def loss_of(self, result: Any, *, weight: float = 1.0, where: str) -> tuple[Tensor, bool]:
+        """The loss in ``pipeline_loss``'s ``result`` and whether it is a token-loss sum: a tensor, a
+        mapping with ``"loss"``, or one with ``"loss_sum"`` and ``"tokens"`` (module docstring); the other
         entries of a mapping are recorded as metrics (last stage only)."""
-        if isinstance(result, Mapping):
-            if "loss" not in result:
+        if not isinstance(result, Mapping):
+            return result, False
+        summed = "loss_sum" in result
+        if summed == ("loss" in result) or (summed and "tokens" not in result):
+            raise PipelineMetricError(
+                f"{where} returned a mapping with keys {sorted(result)}: return the loss tensor,"
+                " {'loss': loss, 'metric': value, ...}, or for a token-exact loss {'loss_sum': sum of the"
+                " token losses, 'tokens': number of valid tokens, 'metric': value, ...}."
+            )
+        if self._form not in (None, summed):
+            self._error = self._error or (
+                f"{where} returned 'loss' for some micro-batches and 'loss_sum' for others in one step:"
+                " return one form every time."
+            )
+        self._form = summed
+        if summed:
+            tokens = result["tokens"]
+            if isinstance(tokens, Tensor) and tokens.numel() == 1 and not tokens.dtype.is_complex:
+                count = tokens.detach().reshape(()).to(self.device, torch.float64)
+            elif isinstance(tokens, int) and not isinstance(tokens, bool):
+                count = torch.tensor(float(tokens), dtype=torch.float64, device=self.device)
+            else:
+                shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
                 raise PipelineMetricError(
-                    f"{where} returned a mapping without 'loss' (keys {sorted(result)}): return the loss"
-                    " tensor, or {'loss': loss, 'metric': value, ...}."
+                    f"{where} returned 'tokens' as {shape}: it must be the number of valid tokens of the"
+                    " micro-batch, an int or a one-element tensor."
                 )
-            self.add({k: v for k, v in result.items() if k != "loss"}, weight=weight, where=where)
-            return result["loss"]
-        return result
+            for name, value in (("loss_sum", result["loss_sum"].detach().double()), ("tokens", count)):
+                self._sums[name] = self._sums[name] + value if name in self._sums else value
+        others = {k: v for k, v in result.items() if k not in ("loss", *SUMS)}
+        self.add(others, weight=weight, where=where)
+        return result["loss_sum" if summed else "loss"], summed
 
     def add(self, values: Mapping[str, Any], *, weight: float = 1.0, where: str) -> None:
         """Record one micro-batch's metrics (last stage); ``weight`` is ``m n_i / N`` for a micro-batch
@@ -91,6 +125,12 @@ class PipelineMetrics:
             )
             return
         for name, value in values.items():
+            if name in SUMS:
+                self._error = self._error or (
+                    f"{where} returned the metric {name!r}: that name is reserved for the token-exact loss"
+                    " ({'loss_sum': ..., 'tokens': ...} from pipeline_loss); rename the metric."
+                )
+                continue
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 value = torch.tensor(float(value), device=self.device)
             if not isinstance(value, Tensor) or value.numel() != 1 or not value.is_floating_point():
@@ -131,10 +171,11 @@ class PipelineMetrics:
                     stacklevel=2,
                 )
             return {}
-        # [metric means..., flag]: flag 1 when this step's metrics differ from the agreed ones
-        vector = torch.zeros(len(names) + 1, device=self.device)
+        # [metric means and SUMS..., flag]: flag 1 when this step's metrics differ from the agreed ones;
+        # float64, so that a token count stays an exact integer
+        vector = torch.zeros(len(names) + 1, dtype=torch.float64, device=self.device)
         if problem is None and self.is_last:
-            vector[:-1] = torch.stack([self._sums[n] for n in names])
+            vector[:-1] = torch.stack([self._sums[n].double() for n in names])
         elif problem is not None:
             vector.fill_(float("nan"))
             vector[-1] = 1.0
@@ -143,14 +184,15 @@ class PipelineMetrics:
         if not self.is_last:  # the last stage knows the verdict already
             cuda = vector.device.type == "cuda"
             if self._flag is None:
-                self._flag = torch.empty(1, device="cpu", pin_memory=cuda)
+                self._flag = torch.empty(1, dtype=torch.float64, device="cpu", pin_memory=cuda)
             self._flag.copy_(vector[-1:], non_blocking=cuda)
             if cuda:
                 event = torch.cuda.Event()
                 event.record()
         detail = f"{sorted(self._sums)} ({problem})" if problem is not None else None
         self._pending = (kind, names, event, detail)
-        return dict(zip(names, vector[:-1].unbind(), strict=True))
+        values = vector[:-1].unbind()
+        return {n: v if n in SUMS else v.float() for n, v in zip(names, values, strict=True)}
 
     def _verdict(self) -> None:
         """Raise :class:`PipelineMetricError` on every rank if the last broadcast flagged a change."""

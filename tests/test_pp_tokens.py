@@ -1,0 +1,250 @@
+"""Token-exact loss under pipeline parallelism: ``pipeline_loss`` returns ``{"loss_sum", "tokens"}``.
+
+A Hugging Face Llama (``hf_pipeline_layers``) trains on right-padded sequences whose valid targets vary
+from 1 to 15 per sample (``-100`` elsewhere), at pp2 x dp2 (world 4) with two accumulation steps per
+window and a ragged split (3 samples per rank-step into 2 micro-batches): 1F1B with ZeRO-1, zb with
+ZeRO-2, 1F1B with ZeRO-3. The reference is plain torch in one process: per optimizer step, the gradient
+of (sum of token losses) / (valid tokens) over exactly the samples the window consumed on both
+data-parallel ranks, then the same SGD step. Also: each rank's logged per-step loss is its batch's token
+mean, the validation loss is the token mean, the naive mean of micro-batch means differs (the case is not
+trivial), and malformed loss mappings and ``token_normalized()`` under pp are refused with the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_par import HybridParallelStrategy
+from lightning_par.loss import token_loss_sum
+from lightning_par.pipeline.metrics import PipelineMetricError, PipelineMetrics
+from tests.distributed import run_distributed
+from tests.test_pp_hf import HFCausalLM, build
+from tests.test_pp_trainer import _trainer
+
+SEED, LR, MOMENTUM = 5, 0.3, 0.9
+DP, ACCUM, BATCH, WINDOWS = 2, 2, 3, 2
+N = DP * ACCUM * BATCH * WINDOWS  # every sample once, in WINDOWS optimizer steps
+VAL = 2 * DP
+
+
+class Padded(Dataset[tuple[Tensor, Tensor, Tensor]]):
+    """Right-padded sequences of 16 tokens: sample ``i`` has ``VALID[i]`` valid targets, pad id 0 and
+    target ``-100`` after them; the index comes along so the reference can replay the ranks' batches."""
+
+    VALID: ClassVar[list[int]] = [
+        1,
+        15,
+        2,
+        14,
+        3,
+        1,
+        15,
+        6,
+        2,
+        9,
+        1,
+        12,
+        4,
+        15,
+        1,
+        7,
+        3,
+        2,
+        13,
+        1,
+        8,
+        15,
+        2,
+        5,
+    ]
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(1, 64, (n, 17), generator=g)
+        self.valid = [self.VALID[(i + seed) % len(self.VALID)] for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        x, y = self.data[i, :-1].clone(), self.data[i, 1:].clone()
+        x[self.valid[i] :] = 0
+        y[self.valid[i] :] = -100
+        return x, y, torch.tensor(i)
+
+
+class TokenLlama(HFCausalLM):
+    """The pipeline protocol with the token-exact form."""
+
+    def pipeline_loss(self, output: Tensor, batch: Any) -> Any:  # type: ignore[override]
+        loss_sum, tokens = token_loss_sum(output, batch[1])
+        return {"loss_sum": loss_sum, "tokens": tokens}
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+class Seen(pl.Callback):
+    """The sample indices of every training and validation batch this rank ran, and its logged losses."""
+
+    def __init__(self) -> None:
+        self.train: list[list[int]] = []
+        self.val: list[list[int]] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        self.train.append(batch[2].tolist())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, *args: Any) -> None:
+        self.val.append(batch[2].tolist())
+
+
+def _local_checks() -> dict[str, str]:
+    """Malformed ``pipeline_loss`` results, refused on the spot (no collective involved)."""
+    metrics = PipelineMetrics(group=torch.distributed.group.WORLD, src=0, device=torch.device("cpu"))
+    errors: dict[str, str] = {}
+    loss = torch.tensor(1.0)
+    for name, result in {
+        "both": {"loss": loss, "loss_sum": loss, "tokens": 3},
+        "no_tokens": {"loss_sum": loss},
+        "float_tokens": {"loss_sum": loss, "tokens": 2.5},
+    }.items():
+        metrics.start(2)
+        try:
+            metrics.loss_of(result, where="pipeline_loss")
+        except PipelineMetricError as exc:
+            errors[name] = str(exc)
+    metrics.start(2)
+    metrics.loss_of({"loss_sum": loss, "tokens": 3}, where="pipeline_loss")
+    metrics.loss_of({"loss": loss}, where="pipeline_loss")  # another form in the same step
+    errors["mixed"] = str(metrics._error)
+    metrics.start(2)
+    metrics.add({"tokens": loss}, where="pipeline_eval")  # a metric under a reserved name
+    errors["reserved"] = str(metrics._error)
+    return errors
+
+
+def _run(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    cases = {
+        "1f1b-zero1": dict(pipeline_schedule="1f1b", zero_stage=1),
+        "zb-zero2": dict(pipeline_schedule="zb", zero_stage=2),
+        "1f1b-zero3": dict(pipeline_schedule="1f1b", zero_stage=3),
+    }
+    for name, kw in cases.items():
+        pl.seed_everything(SEED)
+        module = TokenLlama("llama", SEED)
+        module.configure_model()
+        strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, **kw)
+        seen = Seen()
+        # no clipping: a clipped step would hide a wrong constant factor
+        trainer = _trainer(
+            strategy, world, tmp, [seen], accumulate_grad_batches=ACCUM, gradient_clip_val=None
+        )
+        train = DataLoader(Padded(N), batch_size=BATCH, shuffle=False)
+        trainer.fit(module, train, DataLoader(Padded(VAL, seed=7), batch_size=VAL // DP))
+        state = strategy.consolidated_state_dict()
+        out[name] = {
+            "train": seen.train,
+            "val": seen.val,
+            "losses": seen.losses,
+            "val_loss": float(trainer.callback_metrics["val_loss"]),
+            "state": {k: v.clone() for k, v in state.items()},
+        }
+    out["errors"] = _local_checks()
+    return out
+
+
+def _batch(ds: Padded, idx: list[int]) -> tuple[Tensor, Tensor]:
+    return torch.stack([ds[i][0] for i in idx]), torch.stack([ds[i][1] for i in idx])
+
+
+def _token_mean(model: Any, x: Tensor, y: Tensor) -> Tensor:
+    s, n = token_loss_sum(model(x).logits, y)
+    return s / n
+
+
+def test_token_exact_loss_under_pp_equals_the_global_token_mean(tmp_path: Path) -> None:
+    results = run_distributed(_run, 4, str(tmp_path), init_group=False, timeout=400)
+    ds, val = Padded(N), Padded(VAL, seed=7)
+    for rank, r in enumerate(results):
+        errors = r["errors"]
+        assert "'loss_sum': sum of the token losses, 'tokens'" in errors["both"], errors
+        assert "keys ['loss_sum']" in errors["no_tokens"], errors
+        assert "'tokens' as float: it must be the number of valid tokens" in errors["float_tokens"], rank
+        assert "'loss' for some micro-batches and 'loss_sum' for others" in errors["mixed"], errors
+        assert "'tokens': that name is reserved" in errors["reserved"], errors
+
+    for case in ("1f1b-zero1", "zb-zero2", "1f1b-zero3"):
+        # the windows as the data-parallel ranks consumed them (pipeline ranks of a dp rank agree)
+        steps = [r[case]["train"] for r in results]
+        dp_ranks = {tuple(map(tuple, s)) for s in steps}
+        assert len(dp_ranks) == DP, f"{case}: {len(dp_ranks)} distinct data streams"
+        streams = [list(map(list, s)) for s in sorted(dp_ranks)]
+        assert sorted(i for s in streams for b in s for i in b) == list(range(N)), case
+        windows = [
+            [i for s in streams for b in s[w * ACCUM : (w + 1) * ACCUM] for i in b] for w in range(WINDOWS)
+        ]
+
+        model = build("llama", seed=SEED).train()
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        with torch.no_grad():
+            first_losses = {tuple(s[0]): float(_token_mean(model, *_batch(ds, s[0]))) for s in streams}
+        naive_differs = False
+        for w, idx in enumerate(windows):
+            opt.zero_grad()
+            _token_mean(model, *_batch(ds, idx)).backward()
+            if w == 0:  # what averaging micro-batch means would train on instead
+                exact = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+                twin = build("llama", seed=SEED).train()
+                per_micro = [
+                    _token_mean(twin, *_batch(ds, b[j : j + 2]))
+                    for s in streams
+                    for b in s[:ACCUM]
+                    for j in range(0, BATCH, 2)
+                ]
+                (sum(per_micro) / len(per_micro)).backward()  # type: ignore[union-attr]
+                naive = dict(twin.named_parameters())
+                naive_differs = any(
+                    (naive[n].grad - g).abs().max() > 1e-3  # type: ignore[operator]
+                    for n, g in exact.items()
+                )
+            opt.step()
+        assert naive_differs, "the case must tell the token mean from the mean of micro-batch means"
+
+        model.eval()
+        with torch.no_grad():
+            val_means = [
+                float(_token_mean(model, *_batch(val, b[0]))) for b in (r[case]["val"] for r in results)
+            ]
+        for r in results:
+            got = r[case]
+            # this rank's first step: the token mean of its batch at the initial weights (Lightning's
+            # outputs["loss"] is divided by accumulate_grad_batches)
+            assert got["losses"][0] * ACCUM == pytest.approx(
+                first_losses[tuple(got["train"][0])], rel=1e-5
+            ), case
+            # the validation loss: the token mean of each rank's batch, averaged over the ranks
+            assert got["val_loss"] == pytest.approx(sum(val_means) / len(val_means), rel=1e-5), case
+        reference = {f"model.{n}": v for n, v in model.named_parameters()}  # the module's attribute
+        state = results[0][case]["state"]
+        assert set(reference) <= set(state), sorted(set(reference) - set(state))
+        for n, value in reference.items():
+            torch.testing.assert_close(state[n], value.detach(), msg=f"{case} {n}")
+
+
+def test_token_normalized_is_refused_under_pp_with_the_fix() -> None:
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2)
+    strategy._engine, strategy._pipeline = object(), object()  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match=r"pipeline parallelism: return \{'loss_sum'.*from pipeline_loss"):
+        strategy.token_normalized(torch.tensor(1.0), 3)
