@@ -63,3 +63,16 @@ def test_fault_tolerance_example_resumes_to_the_uninterrupted_weights(tmp_path: 
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+
+
+def test_hf_pipeline_example_equals_one_process() -> None:
+    """Lightning launches the ranks itself (its subprocess launcher), pp2 with zb on a Hugging Face Llama
+    behind hf_pipeline_layers / hf_causal_lm_loss; rank 0 replays the batches in one process on the
+    model's own loss and reports the largest weight difference."""
+    import re
+
+    out = _run("pp_hf_finetune.py", "--steps", "4", "--schedule", "zb", "--check")
+    assert "trained 4 steps" in out, out
+    found = re.search(r"max \|W_pp - W_one_process\| = (\S+)", out)
+    assert found is not None, out
+    assert float(found.group(1)) < 1e-5, out

@@ -8,6 +8,11 @@ of (sum of token losses) / (valid tokens) over exactly the samples the window co
 data-parallel ranks, then the same SGD step. Also: each rank's logged per-step loss is its batch's token
 mean, the validation loss is the token mean, the naive mean of micro-batch means differs (the case is not
 trivial), and malformed loss mappings and ``token_normalized()`` under pp are refused with the fix.
+
+A Hugging Face model with nothing but ``hf_pipeline_layers``, ``hf_causal_lm_loss`` and the default input
+(dict batches from a collator: ``input_ids``, ``attention_mask``, unshifted ``labels``) trains at pp2 x dp2
+as one process training on the model's own ``model(**window).loss`` (Llama, and GPT-2 with its tied
+table under zb).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.loss import token_loss_sum
+from lightning_par.pipeline import hf_causal_lm_loss
+from lightning_par.pipeline.lightning import default_input
 from lightning_par.pipeline.metrics import PipelineMetricError, PipelineMetrics
 from tests.distributed import run_distributed
 from tests.test_pp_hf import HFCausalLM, build
@@ -100,7 +107,7 @@ class Seen(pl.Callback):
         self.losses: list[float] = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
-        self.train.append(batch[2].tolist())
+        self.train.append((batch["idx"] if isinstance(batch, dict) else batch[2]).tolist())
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, *args: Any) -> None:
         self.losses.append(float(outputs["loss"]))
@@ -243,8 +250,91 @@ def test_token_exact_loss_under_pp_equals_the_global_token_mean(tmp_path: Path) 
             torch.testing.assert_close(state[n], value.detach(), msg=f"{case} {n}")
 
 
+class HFBatches(Dataset[dict[str, Tensor]]):
+    """``Padded`` as a Hugging Face collator would hand it over: a dict with ``input_ids``,
+    ``attention_mask`` and unshifted ``labels`` (``-100`` on the padding)."""
+
+    def __init__(self, n: int) -> None:
+        self.padded = Padded(n)
+
+    def __len__(self) -> int:
+        return len(self.padded)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        x, _, idx = self.padded[i]
+        valid = self.padded.valid[i]
+        labels = x.clone()
+        labels[valid:] = -100
+        mask = (torch.arange(len(x)) < valid).long()
+        return {"input_ids": x, "attention_mask": mask, "labels": labels, "idx": idx}
+
+
+class NativeHF(HFCausalLM):
+    """A Hugging Face model with the three-line pipeline protocol: the pieces, the model's own loss in the
+    token-exact form, and the default input (``batch["input_ids"]``)."""
+
+    def pipeline_loss(self, output: Tensor, batch: Any) -> Any:  # type: ignore[override]
+        return hf_causal_lm_loss(output, batch["labels"])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+def _run_native(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for family, schedule, stage in (("llama", "1f1b", 1), ("gpt2", "zb", 2)):
+        pl.seed_everything(SEED)
+        module = NativeHF(family, SEED)  # type: ignore[arg-type]
+        module.configure_model()
+        strategy = HybridParallelStrategy(
+            pipeline_parallel_size=2, num_microbatches=2, pipeline_schedule=schedule, zero_stage=stage
+        )
+        seen = Seen()
+        trainer = _trainer(
+            strategy, world, tmp, [seen], accumulate_grad_batches=ACCUM, gradient_clip_val=None
+        )
+        trainer.fit(module, DataLoader(HFBatches(N), batch_size=BATCH, shuffle=False))
+        state = strategy.consolidated_state_dict()
+        out[family] = {"train": seen.train, "state": {k: v.clone() for k, v in state.items()}}
+    return out
+
+
+def test_hf_models_own_loss_under_pp_equals_one_process_on_the_window(tmp_path: Path) -> None:
+    """Llama (1F1B, ZeRO-1) and GPT-2 with its tied table (zb, ZeRO-2) at pp2 x dp2, dict batches,
+    accumulation 2, ragged micro-batches: the weights equal one process training on
+    ``model(**window).loss``, Hugging Face's own loss over the window's samples."""
+    results = run_distributed(_run_native, 4, str(tmp_path), init_group=False, timeout=400)
+    data = HFBatches(N)
+    for family in ("llama", "gpt2"):
+        streams = sorted({tuple(map(tuple, r[family]["train"])) for r in results})
+        assert len(streams) == DP, family
+        model = build(family, seed=SEED).train()  # type: ignore[arg-type]
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        for w in range(WINDOWS):
+            idx = [i for s in streams for b in s[w * ACCUM : (w + 1) * ACCUM] for i in b]
+            batch = {
+                k: torch.stack([data[i][k] for i in idx]) for k in ("input_ids", "attention_mask", "labels")
+            }
+            opt.zero_grad()
+            model(**batch).loss.backward()
+            opt.step()
+        state = results[0][family]["state"]
+        for n, value in model.named_parameters():
+            torch.testing.assert_close(state[f"model.{n}"], value.detach(), msg=f"{family} {n}")
+
+
 def test_token_normalized_is_refused_under_pp_with_the_fix() -> None:
     strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2)
     strategy._engine, strategy._pipeline = object(), object()  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match=r"pipeline parallelism: return \{'loss_sum'.*from pipeline_loss"):
         strategy.token_normalized(torch.tensor(1.0), 3)
+
+
+def test_the_default_input_takes_input_ids_or_the_first_element_and_names_the_fix_otherwise() -> None:
+    ids = torch.arange(6).view(2, 3)
+    assert default_input({"input_ids": ids, "labels": ids}, owner="M") is ids
+    assert default_input((ids, ids + 1), owner="M") is ids
+    with pytest.raises(TypeError, match=r"dict with keys \['labels', 'tokens'\] .* define M.pipeline_input"):
+        default_input({"tokens": ids, "labels": ids}, owner="M")
+    with pytest.raises(TypeError, match=r"batch of type Tensor has no default input"):
+        default_input(ids, owner="M")

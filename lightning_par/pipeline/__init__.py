@@ -1,6 +1,6 @@
 """Pipeline parallelism: partitioning of an ordered layer list, schedules as data, and the runtime."""
 
-from lightning_par.pipeline.hf import hf_pipeline_layers
+from lightning_par.pipeline.hf import hf_causal_lm_loss, hf_pipeline_layers
 from lightning_par.pipeline.partition import METHODS, layer_costs, partition
 from lightning_par.pipeline.runtime import PipelineRuntime, StepStats
 from lightning_par.pipeline.schedule import SCHEDULES, Action, build_schedule, check_schedule, peak_in_flight
@@ -13,6 +13,7 @@ __all__ = [
     "StepStats",
     "build_schedule",
     "check_schedule",
+    "hf_causal_lm_loss",
     "hf_pipeline_layers",
     "layer_costs",
     "partition",

@@ -25,6 +25,13 @@ The attention kernel must be causal without a mask (``attn_implementation="sdpa"
 flash attention); eager attention is refused, since without a mask it would attend to later positions.
 Anything else is refused with the list above and the protocol to write by hand.
 
+:func:`hf_causal_lm_loss` is the matching ``pipeline_loss``: the model's own loss (``model(input_ids,
+labels=labels).loss``: position ``t`` predicts label ``t + 1``, ``-100`` ignored, the mean over the valid
+targets) in the pipeline's token-exact form, so that training under pp with micro-batches, accumulation
+and data parallelism takes the gradient of that mean over all of the window's samples, as one process
+feeding the whole window to the model would. With it, a ``LightningModule`` holding a Hugging Face model
+needs three one-line methods (``pipeline_input`` defaults to ``batch["input_ids"]`` for a dict batch).
+
 The pieces wrap the model's modules (parameters are not copied). Build them in the first
 ``pipeline_layers()`` call and return the same list after: the strategy calls it after its tensor-parallel
 plan has swapped modules (the embedding and the LM head become vocabulary-parallel), and a piece built
@@ -38,6 +45,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from lightning_par.loss import token_loss_sum
 
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 # attention kernels that are causal when given no mask; eager attention without a mask attends to the
@@ -72,6 +81,16 @@ def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
         " yourself: an ordered list of modules, each mapping a tensor or a flat tuple of tensors to the"
         " next one, whose chain computes the model's logits."
     )
+
+
+def hf_causal_lm_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> dict[str, Tensor]:
+    """A Hugging Face causal LM's loss on ``logits`` ``(B, T, V)`` for ``labels`` ``(B, T)`` (the labels as
+    passed to the model: not yet shifted) as ``{"loss_sum", "tokens"}``: ``Σ_{b, t < T-1} CE(logits[b, t],
+    labels[b, t + 1])`` over the targets that are not ``ignore_index``, and their number. The pipeline
+    divides the gradient by the window's total (:mod:`lightning_par.pipeline.lightning`), which gives the
+    gradient of the model's own mean loss over the window's samples."""
+    loss_sum, tokens = token_loss_sum(logits[:, :-1], labels[:, 1:], ignore_index=ignore_index)
+    return {"loss_sum": loss_sum, "tokens": tokens}
 
 
 def _window(config: Any) -> int | None:

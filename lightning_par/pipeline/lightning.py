@@ -4,7 +4,8 @@ The LightningModule tells the strategy its network through three methods (the pi
 
 * ``pipeline_layers(self) -> Sequence[nn.Module]``: ordered; the output of layer ``i`` feeds ``i + 1``
   (between stages one tensor or a flat tuple of tensors, :mod:`lightning_par.pipeline.mail`);
-* ``pipeline_input(self, batch)``: what enters layer 0 (default: ``batch[0]``);
+* ``pipeline_input(self, batch)``: what enters layer 0 (default: ``batch["input_ids"]`` for a mapping,
+  as Hugging Face's collators make, else ``batch[0]``);
 * ``pipeline_loss(self, output, batch) -> Tensor``: the loss of the last layer's output, or a mapping
   ``{"loss": loss, "acc": ..., ...}`` whose other entries are metrics, logged as ``train_acc`` (training),
   ``val_acc`` / ``test_acc`` (evaluation);
@@ -38,7 +39,7 @@ Prediction returns the last layer's outputs for the whole batch on every pipelin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -93,6 +94,22 @@ def micro_weights(micro: list[Any]) -> list[float]:
         return [1.0] * len(micro)
     total = sum(n for n in sizes if n is not None)
     return [len(micro) * n / total for n in sizes if n is not None]
+
+
+def default_input(micro: Any, *, owner: str) -> Any:
+    """What enters the first layer when ``owner`` (the LightningModule's class name) defines no
+    ``pipeline_input``: ``micro["input_ids"]`` for a mapping, ``micro[0]`` for a list or tuple."""
+    if isinstance(micro, Mapping):
+        if "input_ids" in micro:
+            return micro["input_ids"]
+    elif isinstance(micro, (list, tuple)) and micro:
+        return micro[0]
+    keys = f" with keys {sorted(micro)}" if isinstance(micro, Mapping) else ""
+    raise TypeError(
+        f"Pipeline parallelism: a batch of type {type(micro).__name__}{keys} has no default input"
+        f" (batch['input_ids'] for a mapping, batch[0] for a list or tuple): define {owner}.pipeline_input("
+        "batch), returning what the first pipeline layer takes."
+    )
 
 
 def pipeline_layers_of(module: pl.LightningModule) -> Sequence[nn.Module]:
@@ -152,7 +169,9 @@ class LightningPipeline:
 
     def _inputs(self, micro: list[Any]) -> list[Any]:
         to_input = getattr(self.module, "pipeline_input", None)
-        return [to_input(mb) if callable(to_input) else mb[0] for mb in micro]
+        if callable(to_input):
+            return [to_input(mb) for mb in micro]
+        return [default_input(mb, owner=type(self.module).__name__) for mb in micro]
 
     def training_step(
         self,
