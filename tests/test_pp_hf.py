@@ -3,9 +3,10 @@
 The pieces chained in one process compute the model's own ``forward(ids).logits`` bitwise (GPT-2, Llama,
 Mistral within its sliding window, Qwen2, Qwen3; training mode); refusals name the fix (eager attention,
 a sequence longer than a sliding window, a replaced module, an unsupported model); and a Llama behind the
-pipeline protocol, pp2 with 1F1B and with zb, pp2 x tp2 (the shipped llama plan) with zb, and pp2 from a
-``save_pretrained`` directory, trains as the single-process Trainer running the model's own ``forward``:
-per-step losses, validation loss and weights."""
+pipeline protocol, pp2 with 1F1B and with zb, pp2 x tp2 (the shipped llama plan) with zb, pp2 from a
+``save_pretrained`` directory, and a PEFT LoRA model (the ``PeftModel`` itself) at pp2 with 1F1B and with zb,
+trains as the single-process Trainer running the model's own ``forward``: per-step losses, validation loss
+and weights; a prompt-learning PEFT model is refused with the fix."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from lightning_par.pipeline import hf_pipeline_layers
 from tests.distributed import run_distributed
 from tests.test_pp_trainer import GLOBAL, SEED, N, _reference, _trainer
 from tests.test_strategy import LossRecorder, Tokens
+from tests.third_party import add_lora
 
 Family = Literal["gpt2", "llama", "mistral", "qwen2", "qwen3"]
 _CLASSES: dict[str, tuple[Any, Any]] = {
@@ -69,15 +71,16 @@ class HFCausalLM(pl.LightningModule):
     """A Hugging Face causal LM of ``family`` with the pipeline protocol from ``hf_pipeline_layers``; its
     ``training_step`` runs the model's own ``forward`` (what the single-process reference runs)."""
 
-    def __init__(self, family: Family = "gpt2", seed: int = SEED) -> None:
+    def __init__(self, family: Family = "gpt2", seed: int = SEED, lora: bool = False) -> None:
         super().__init__()
-        self.family, self.seed = family, seed
-        self.model: PreTrainedModel | None = None
+        self.family, self.seed, self.lora = family, seed, lora
+        self.model: nn.Module | None = None
         self._layers: list[nn.Module] = []
 
     def configure_model(self) -> None:
-        if self.model is None:
-            self.model = build(self.family, seed=self.seed)
+        if self.model is None:  # with lora, a PEFT model (LoRA adapters in the projections, base frozen)
+            model = build(self.family, seed=self.seed)
+            self.model = add_lora(model) if self.lora else model
 
     def pipeline_layers(self) -> list[nn.Module]:
         # built at the first call, after a tensor-parallel plan swapped modules; the same list after
@@ -103,10 +106,10 @@ class HFCausalLM(pl.LightningModule):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.3, momentum=0.9)
 
 
-def module_factory(family: Family, seed: int = SEED) -> Any:
+def module_factory(family: Family, seed: int = SEED, lora: bool = False) -> Any:
     def make() -> HFCausalLM:
         pl.seed_everything(SEED)
-        module = HFCausalLM(family, seed)
+        module = HFCausalLM(family, seed, lora)
         module.configure_model()
         return module
 
@@ -125,6 +128,18 @@ def test_the_pieces_compute_the_models_own_forward(family: Family) -> None:
     # by the first and the last)
     held = [p for piece in hf_pipeline_layers(model) for p in piece.parameters()]
     assert {id(p) for p in held} == {id(p) for p in model.parameters()}
+
+
+def test_the_pieces_of_a_peft_model_compute_its_forward() -> None:
+    peft_model = add_lora(build("llama")).train()
+    ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0))
+    x: Any = ids
+    pieces = hf_pipeline_layers(peft_model)
+    for piece in pieces:
+        x = piece(x)
+    assert torch.equal(x, peft_model(ids).logits)
+    held = {name for piece in pieces for name, p in piece.named_parameters() if p.requires_grad}
+    assert held and all("lora_" in name for name in held), held  # the adapters, inside the blocks
 
 
 def test_a_piece_refuses_to_run_a_module_the_model_replaced() -> None:
@@ -154,6 +169,11 @@ def test_bad_models_are_refused_with_the_fix() -> None:
         TypeError, match=r"model_type gpt2, llama, .* got Linear with model_type=None.* write"
     ):
         hf_pipeline_layers(nn.Linear(2, 2))
+    from peft import PromptTuningConfig, get_peft_model
+
+    prompted = get_peft_model(build("llama"), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    with pytest.raises(ValueError, match=r"prompt learning .* virtual tokens .* \(LoRA, IA3, ...\)"):
+        hf_pipeline_layers(prompted)
 
 
 def _run(rank: int, world: int, tmp: str, kw: dict[str, Any]) -> dict[str, Any]:
@@ -162,10 +182,12 @@ def _run(rank: int, world: int, tmp: str, kw: dict[str, Any]) -> dict[str, Any]:
     if kw.get("pretrained"):  # the reference's weights come from the file, this model's own are others
         kw = kw | {"pretrained": str(Path(tmp) / "pretrained")}
         seed = SEED + 1
+    lora, kw = kw.get("lora", False), {k: v for k, v in kw.items() if k != "lora"}
     strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, **kw)
     trainer = _trainer(strategy, world, tmp, [rec])
     train = DataLoader(Tokens(N), batch_size=GLOBAL, shuffle=True)
-    trainer.fit(module_factory("llama", seed)(), train, DataLoader(Tokens(8), batch_size=8))
+    make = module_factory("llama", seed, lora=lora)
+    trainer.fit(make(), train, DataLoader(Tokens(8), batch_size=8))
     state = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
     return {
         "losses": rec.losses,
@@ -182,15 +204,23 @@ LLAMA_CASES = [
     (4, dict(pipeline_schedule="zb", tensor_parallel_size=2, tp_plan="llama")),
     # fine-tuning a checkpoint: a save_pretrained directory read lazily into the stages (meta init)
     (2, dict(pipeline_schedule="1f1b", pretrained=True)),
+    # a PEFT LoRA model handed over as it is: frozen base, adapters inside the blocks' projections; zb
+    # defers the adapters' weight gradients (their A and B are nn.Linear) and skips the frozen bases
+    (2, dict(pipeline_schedule="1f1b", lora=True)),
+    (2, dict(pipeline_schedule="zb", lora=True, zero_stage=1)),
 ]
 
 
-@pytest.mark.parametrize(("world", "kw"), LLAMA_CASES, ids=["1f1b", "zb", "zb-tp2", "pretrained"])
+@pytest.mark.parametrize(
+    ("world", "kw"), LLAMA_CASES, ids=["1f1b", "zb", "zb-tp2", "pretrained", "lora-1f1b", "lora-zb"]
+)
 def test_llama_pipeline_matches_single_process(world: int, kw: dict[str, Any], tmp_path: Path) -> None:
     if kw.get("pretrained"):
         build("llama").save_pretrained(tmp_path / "pretrained")  # the reference's initial weights
     results = run_distributed(_run, world, str(tmp_path), kw, init_group=False, timeout=400)
-    ref_losses, reference, ref_val = _reference(tmp_path, make=module_factory("llama"))
+    ref_losses, reference, ref_val = _reference(
+        tmp_path, make=module_factory("llama", lora=kw.get("lora", False))
+    )
     for r in results:  # every pipeline (and tensor-parallel) rank reports the same loss
         torch.testing.assert_close(torch.tensor(r["losses"]), ref_losses)
         assert r["val_loss"] == pytest.approx(ref_val, rel=1e-5)

@@ -21,6 +21,10 @@ Supported, by ``config.model_type``:
   ``use_sliding_window``) equals its pieces for sequences no longer than the window, where the window
   masks nothing; a longer sequence is refused at the block's forward.
 
+A PEFT model (``get_peft_model(model, LoraConfig(...))``) is cut as the transformers model it wraps:
+adapters injected into the layers (LoRA, IA3, ...) sit inside the blocks and train there; prompt learning,
+whose virtual tokens the PEFT model's own forward adds, is refused.
+
 The attention kernel must be causal without a mask (``attn_implementation="sdpa"``, the default, or
 flash attention); eager attention is refused, since without a mask it would attend to later positions.
 Anything else is refused with the list above and the protocol to write by hand.
@@ -55,7 +59,9 @@ CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
 def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
-    """The pipeline layers of the Hugging Face causal LM ``model`` (module docstring)."""
+    """The pipeline layers of the Hugging Face causal LM ``model`` (module docstring), or of the model a
+    PEFT ``PeftModel`` wraps: adapters injected into the layers (LoRA, IA3, ...) are part of the blocks."""
+    model = _unwrap_peft(model)
     hf: Any = model  # transformers' attributes, looked up by name (no import of transformers here)
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
@@ -91,6 +97,23 @@ def hf_causal_lm_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = -10
     gradient of the model's own mean loss over the window's samples."""
     loss_sum, tokens = token_loss_sum(logits[:, :-1], labels[:, 1:], ignore_index=ignore_index)
     return {"loss_sum": loss_sum, "tokens": tokens}
+
+
+def _unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT model (its attribute forwarding would otherwise resolve
+    ``model.model`` to the causal LM instead of its decoder); other models unchanged."""
+    base = getattr(model, "get_base_model", None)
+    if not callable(base):
+        return model
+    if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
+        raise ValueError(
+            "hf_pipeline_layers: this PEFT model uses prompt learning (prompt, prefix or p-tuning), whose"
+            " virtual tokens are added in the PEFT model's own forward, which the pipeline pieces do not run."
+            " Use an adapter that lives inside the layers (LoRA, IA3, ...), or write pipeline_layers()"
+            " yourself."
+        )
+    unwrapped: nn.Module = base()
+    return unwrapped
 
 
 def _window(config: Any) -> int | None:
