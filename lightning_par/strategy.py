@@ -276,6 +276,8 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
                 layers, pieces = pipeline_layers_of(module), composition.pipeline.pieces
                 pp = self.pipeline_parallel_size
                 check_pipeline_units(self.model, self.zero3_units, layers=layers, pieces=pieces, pp_size=pp)
+            if self._pipeline is not None:  # a second setup (fit, then test): its tie groups go first
+                self._pipeline.tied.destroy()
             self._pipeline = build_pipeline(
                 module,
                 composition.pipeline,
@@ -390,6 +392,20 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             super().teardown()
         else:
             self._teardown_with_meta(module)
+
+    def destroy_process_groups(self) -> None:
+        """Destroy the process groups this strategy created (its mesh, the pipeline's tied-weight groups)
+        when done with it: after ``fit`` and anything that needs them afterwards
+        (``consolidated_state_dict()``, ``trainer.save_checkpoint``), on every rank. They are kept past
+        ``teardown`` for those calls; a later ``fit`` or ``test`` with this strategy builds new ones. A
+        process that runs many Trainers (``lightning-par-train -m`` calls this after every job) would
+        otherwise slow down with every group left alive (:meth:`ParallelMesh.destroy`)."""
+        if self._pipeline is not None:
+            self._pipeline.tied.destroy()
+            self._pipeline = None
+        if self._mesh is not None:
+            self._mesh.destroy()
+            self._mesh = None
 
     @classmethod
     @override

@@ -172,7 +172,10 @@ class MeshStrategy(ZeroCheckpointIO):
                 kwargs["store"] = self._launch_store
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if self._mesh is None or self._mesh.layout != self.layout:
-            # the groups of a mesh live as long as the strategy: a second fit reuses them
+            # the groups of a mesh live as long as the strategy (a second fit reuses them), or until
+            # destroy_process_groups(); a mesh of another layout is replaced, its groups destroyed
+            if self._mesh is not None:
+                self._mesh.destroy()
             self._mesh = ParallelMesh(
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,

@@ -263,6 +263,9 @@ def train(cfg: DictConfig) -> float:
         log.info("Wrote %s (step %d, %.1f s)", path, run.trainer.global_step, wall_time_s)
     else:
         metrics = {k: float(v) for k, v in run.trainer.callback_metrics.items() if v.numel() == 1}
+    release = getattr(run.trainer.strategy, "destroy_process_groups", None)
+    if callable(release):  # the next job of a sweep runs in this process: leave no group behind
+        release()
     return metrics.get("val_loss", math.nan)
 
 

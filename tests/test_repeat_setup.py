@@ -2,7 +2,8 @@
 strategy on the same model, under tensor parallelism (a PEFT LoRA Llama), ZeRO-3 (the same) and pipeline
 parallelism (the package's GPT, which has the pipeline protocol): test metrics, predictions and final
 weights equal the same sequence in one process; another layout on an already parallelised model is
-refused with what it has."""
+refused with what it has; the repeated setups add no process group, and ``destroy_process_groups()``
+leaves only the default one."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -81,12 +83,18 @@ def _sequence(module: pl.LightningModule, trainer: pl.Trainer, per_rank: int, or
     second_epoch = shuffled if order is None else DataLoader(Tokens(N), batch_sampler=order[half:])
     evaluate = DataLoader(Tokens(4, seed=9), batch_size=per_rank)
     trainer.fit(module, first_epoch, evaluate)
+    groups = _live_groups()
     first = trainer.test(module, evaluate, verbose=False)[0]["test_loss"]
     predictions = torch.cat(trainer.predict(module, evaluate))  # type: ignore[arg-type]
     trainer.fit_loop.max_epochs = 2
     trainer.fit(module, second_epoch, evaluate)
     second = trainer.test(module, evaluate, verbose=False)[0]["test_loss"]
-    return {"test": [first, second], "predict": predictions}
+    # the process groups alive after the first fit and after the whole sequence (one strategy)
+    return {"test": [first, second], "predict": predictions, "groups": [groups, _live_groups()]}
+
+
+def _live_groups() -> int:
+    return len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
 
 
 def _runs(rank: int, world: int) -> dict[str, Any]:
@@ -100,12 +108,18 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
         evaluate = DataLoader(Tokens(4, seed=9), batch_size=GLOBAL // dp)
         result["fresh_test"] = again.test(module, evaluate, verbose=False)[0]["test_loss"]
         result["state"] = again.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+        strategies = [trainer.strategy, again.strategy]
         if name == "tp2":
             other = _trainer(HybridParallelStrategy(pipeline_parallel_size=2), world, 1)
             with pytest.raises(
                 ValueError, match=r"already parallelised by lightning_par with another layout"
             ):
                 other.test(module, evaluate, verbose=False)
+            strategies.append(other.strategy)  # it built its mesh before refusing
+        # done with the strategies: their groups go, the default group stays
+        for strategy in strategies:
+            strategy.destroy_process_groups()  # type: ignore[attr-defined]
+        result["left"] = _live_groups()
         out[name] = result
     return out
 
@@ -129,6 +143,10 @@ def test_fit_test_predict_fit_again_and_a_fresh_trainer(tmp_path: Path) -> None:
             # a dp rank predicts every dp-th sample (Lightning's unshuffled distributed sampler)
             expected: Tensor = ref["predict"][rank::dp] if dp > 1 else ref["predict"]
             torch.testing.assert_close(got["predict"], expected, msg=f"{name} rank {rank} predictions")
+            # a repeated setup reuses the strategy's groups (the pipeline's tie groups are replaced, not
+            # added to); destroy_process_groups() leaves the default group only
+            assert got["groups"][0] == got["groups"][1], (name, got["groups"])
+            assert got["left"] == 1, (name, got["left"])
         state = results[0][name]["state"]
         assert results[1][name]["state"] == {}
         for key, value in ref["state"].items():

@@ -126,5 +126,12 @@ class TiedGradients:
                 grad = param.grad = torch.zeros_like(param)
             dist.all_reduce(grad, group=group)
 
+    def destroy(self) -> None:
+        """Destroy the groups built for the tied parameters (every rank, at the same point; see
+        :meth:`lightning_par.mesh.ParallelMesh.destroy`)."""
+        for group in {id(g): g for _, g in self.entries}.values():
+            dist.destroy_process_group(group)
+        self.entries = []
+
     def __len__(self) -> int:
         return len(self.entries)
