@@ -27,6 +27,7 @@ import litgpt.config as litgpt_config
 import litgpt.model as litgpt_model
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import DoublePrecision
 
@@ -120,7 +121,9 @@ def _run(
     if save is not None:
         fabric.save(save, {"model": model, "optimizer": optimizer, "step": 2})
     losses += _loop(fabric, model, optimizer, rank=rank, world=world, steps=range(2, STEPS))
-    return {"losses": losses, "state": _full_state(fabric, model)}
+    state = _full_state(fabric, model)
+    fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]  # loop after loop in one process
+    return {"losses": losses, "state": state, "groups": len(dist.distributed_c10d._world.pg_map)}
 
 
 def _full_state(fabric: Fabric, model: Any) -> dict[str, torch.Tensor] | None:
@@ -202,6 +205,7 @@ def test_litgpt_fabric_loops_equal_the_single_process_run() -> None:
     for rank, r in enumerate(results):
         for name in ("zero2", "zero3", "zero3_meta", "zero3_saved", "zero3_saved_file"):
             _assert_equal(r[name], ref, f"rank {rank} {name}")
+            assert r[name]["groups"] == 1, (name, r[name]["groups"])  # the default group only
     # continued from the checkpoint of step 2: the last two steps and the final weights
     tail = {"losses": ref["losses"][2:], "state": ref["state"]}
     _assert_equal(resumed, tail, "zero3 directory -> zero1 one process")

@@ -397,6 +397,14 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             self.engine.remove()
         super().teardown()
 
+    def destroy_process_groups(self) -> None:
+        """Destroy this strategy's mesh groups when done with it, on every rank (a process that runs one
+        Fabric loop after another; see :meth:`lightning_par.mesh.ParallelMesh.destroy`). A later launch
+        builds new ones."""
+        if self._mesh is not None:
+            self._mesh.destroy()
+            self._mesh = None
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
