@@ -1,8 +1,9 @@
 """``hf_pipeline_layers``: Hugging Face causal LMs under pipeline parallelism without hand-written wrappers.
 
-The pieces chained in one process compute the model's own ``forward(ids).logits`` bitwise (GPT-2, Llama,
-Mistral within its sliding window, Qwen2, Qwen3; training mode); refusals name the fix (eager attention,
-a sequence longer than a sliding window, a replaced module, an unsupported model); and a Llama behind the
+The pieces chained in one process compute the model's own ``forward(ids, attention_mask=mask).logits``
+bitwise, without a mask and with left and right padding (GPT-2, Llama, Mistral, Qwen2, Qwen3; eager
+attention; sliding windows shorter than the sequences; training mode); refusals name the fix (an unknown
+attention type, a replaced module, an unsupported model); and a Llama behind the
 pipeline protocol, pp2 with 1F1B and with zb, pp2 x tp2 (the shipped llama plan) with zb, pp2 from a
 ``save_pretrained`` directory, and a PEFT LoRA model (the ``PeftModel`` itself) at pp2 with 1F1B and with zb,
 trains as the single-process Trainer running the model's own ``forward``: per-step losses, validation loss
@@ -10,6 +11,7 @@ and weights; a prompt-learning PEFT model is refused with the fix."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,6 +37,7 @@ from transformers import (
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.pipeline import hf_pipeline_layers
+from lightning_par.pipeline.hf import mask_call
 from tests.distributed import run_distributed
 from tests.test_pp_trainer import GLOBAL, SEED, N, _reference, _trainer
 from tests.test_strategy import LossRecorder, Tokens
@@ -116,18 +119,57 @@ def module_factory(family: Family, seed: int = SEED, lora: bool = False) -> Any:
     return make
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "qwen3"])
-def test_the_pieces_compute_the_models_own_forward(family: Family) -> None:
-    model = build(family).train()  # training mode: dropout is off, nothing else differs
+def _padding(side: str) -> Tensor | None:
+    """A padding mask for 3 sequences of 16 tokens: the first and the last padded on ``side``."""
+    if side == "none":
+        return None
+    mask = torch.ones(3, 16, dtype=torch.long)
+    pads = {0: 5, 2: 11}
+    for row, n in pads.items():
+        if side == "left":
+            mask[row, :n] = 0
+        else:
+            mask[row, 16 - n :] = 0
+    return mask
+
+
+# sliding windows shorter than the sequences (eager, sdpa), eager attention: the pieces build the model's
+# own masks for all of them
+VARIANTS: list[tuple[Family, dict[str, Any]]] = [
+    ("gpt2", {}),
+    ("llama", {}),
+    ("mistral", {}),
+    ("qwen2", {}),
+    ("qwen3", {}),
+    ("gpt2", {"attn_implementation": "eager"}),
+    ("llama", {"attn_implementation": "eager"}),
+    ("mistral", {"sliding_window": 5}),
+    ("mistral", {"sliding_window": 5, "attn_implementation": "eager"}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+]
+
+
+@pytest.mark.parametrize(("family", "options"), VARIANTS, ids=lambda v: str(v))
+def test_the_pieces_compute_the_models_own_forward(family: Family, options: dict[str, Any]) -> None:
+    model = build(family, **options).train()  # training mode: dropout is off, nothing else differs
     ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0))
-    x: Any = ids
-    for piece in hf_pipeline_layers(model):
-        x = piece(x)
-    assert torch.equal(x, model(ids).logits)
+    pieces = hf_pipeline_layers(model)
+    for side in ("none", "left", "right"):
+        mask = _padding(side)
+        x: Any = ids if mask is None else (ids, mask)
+        for piece in pieces:
+            x = piece(x)
+        assert torch.equal(x, model(ids, attention_mask=mask).logits), side
+        if side == "left":  # the case is not trivial: without the mask the pieces compute other logits
+            y: Any = ids
+            for piece in pieces:
+                y = piece(y)
+            assert not torch.allclose(y[0], x[0]), family
     # the pieces are views: the model's parameters, each held by exactly one piece (the tied GPT-2 table
     # by the first and the last)
-    held = [p for piece in hf_pipeline_layers(model) for p in piece.parameters()]
+    held = [p for piece in pieces for p in piece.parameters()]
     assert {id(p) for p in held} == {id(p) for p in model.parameters()}
+    assert pieces[0].pipeline_input_keys == ("input_ids", "attention_mask")  # type: ignore[comparison-overlap]
 
 
 def test_the_pieces_of_a_peft_model_compute_its_forward() -> None:
@@ -156,15 +198,6 @@ def test_a_piece_refuses_to_run_a_module_the_model_replaced() -> None:
 
 
 def test_bad_models_are_refused_with_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"causal without a mask .* got attn_implementation='eager'.*'sdpa'"):
-        hf_pipeline_layers(build("llama", attn_implementation="eager"))
-    sliding = hf_pipeline_layers(
-        build("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
-    )
-    with pytest.raises(
-        ValueError, match=r"sequence of 16 tokens is longer than the model's sliding window \(8\)"
-    ):
-        sliding[1](torch.zeros(1, 16, 32))
     with pytest.raises(
         TypeError, match=r"model_type gpt2, llama, .* got Linear with model_type=None.* write"
     ):
@@ -174,6 +207,33 @@ def test_bad_models_are_refused_with_the_fix() -> None:
     prompted = get_peft_model(build("llama"), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
     with pytest.raises(ValueError, match=r"prompt learning .* virtual tokens .* \(LoRA, IA3, ...\)"):
         hf_pipeline_layers(prompted)
+    model = build("qwen2")
+    model.config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ValueError, match=r"layer 1 has attention type 'chunked_attention'.* yourself"):
+        hf_pipeline_layers(model)
+    embed = hf_pipeline_layers(build("llama"))[0]
+    with pytest.raises(TypeError, match=r"a pair \(tensor, attention_mask\), got dict.* pipeline_input"):
+        embed({"input_ids": torch.zeros(1, 4, dtype=torch.long)})
+
+
+def test_the_mask_builders_are_called_with_each_transformers_versions_argument_names() -> None:
+    """transformers 4.53-4.57 name the arguments ``input_embeds`` and ``past_key_values`` and need
+    ``cache_position``; 5.x renamed them (``inputs_embeds``, ``cache``, no ``cache_position``)."""
+    hidden, padding = torch.zeros(2, 5, 8), torch.ones(2, 5, dtype=torch.long)
+
+    def old(config: Any, input_embeds: Tensor, attention_mask: Any, cache_position: Tensor,
+            past_key_values: Any, position_ids: Any = None) -> Any:  # fmt: skip
+        return input_embeds, attention_mask, cache_position.tolist(), past_key_values, position_ids
+
+    def new(
+        config: Any, inputs_embeds: Tensor, attention_mask: Any, cache: Any, position_ids: Any = None
+    ) -> Any:
+        return inputs_embeds, attention_mask, cache, position_ids
+
+    got = mask_call(old, config=None, hidden=hidden, padding=padding)
+    assert got[0] is hidden and got[1] is padding and got[2:] == ([0, 1, 2, 3, 4], None, None)
+    got = mask_call(new, config=None, hidden=hidden, padding=None)
+    assert got[0] is hidden and got[1:] == (None, None, None)
 
 
 def _run(rank: int, world: int, tmp: str, kw: dict[str, Any]) -> dict[str, Any]:
@@ -228,3 +288,25 @@ def test_llama_pipeline_matches_single_process(world: int, kw: dict[str, Any], t
     assert set(reference) <= set(state), sorted(set(reference) - set(state))
     for name, value in reference.items():
         torch.testing.assert_close(state[name], value.detach(), msg=name)
+
+
+def test_a_stages_blocks_share_one_mask_per_micro_batch() -> None:
+    """The blocks of a stage receive the same padding tensor for a micro-batch and build its attention
+    mask once; a new micro-batch (a new padding tensor) builds it again."""
+    pieces = hf_pipeline_layers(build("llama", num_hidden_layers=4))
+    masks = pieces[1].__dict__["_masks"]
+    builds = []
+    full = masks.functions["full_attention"]
+
+    @functools.wraps(full)  # the builder's signature, which mask_call reads
+    def counted(**kwargs: Any) -> Any:
+        builds.append(kwargs["attention_mask"])
+        return full(**kwargs)
+
+    masks.functions["full_attention"] = counted
+    ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        x: Any = (ids, _padding("left"))
+        for piece in pieces:
+            x = piece(x)
+    assert len(builds) == 2 and builds[0] is not builds[1]

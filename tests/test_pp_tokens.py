@@ -252,10 +252,11 @@ def test_token_exact_loss_under_pp_equals_the_global_token_mean(tmp_path: Path) 
 
 class HFBatches(Dataset[dict[str, Tensor]]):
     """``Padded`` as a Hugging Face collator would hand it over: a dict with ``input_ids``,
-    ``attention_mask`` and unshifted ``labels`` (``-100`` on the padding)."""
+    ``attention_mask`` and unshifted ``labels`` (``-100`` on the padding), padded on the right or, as
+    for tokenizers with ``padding_side="left"``, on the left."""
 
-    def __init__(self, n: int) -> None:
-        self.padded = Padded(n)
+    def __init__(self, n: int, side: str = "right") -> None:
+        self.padded, self.side = Padded(n), side
 
     def __len__(self) -> int:
         return len(self.padded)
@@ -266,7 +267,9 @@ class HFBatches(Dataset[dict[str, Tensor]]):
         labels = x.clone()
         labels[valid:] = -100
         mask = (torch.arange(len(x)) < valid).long()
-        return {"input_ids": x, "attention_mask": mask, "labels": labels, "idx": idx}
+        shift = len(x) - valid if self.side == "left" else 0  # the valid tokens moved to the end
+        batch = {"input_ids": x, "attention_mask": mask, "labels": labels}
+        return {k: v.roll(shift) for k, v in batch.items()} | {"idx": idx}
 
 
 class NativeHF(HFCausalLM):
@@ -280,9 +283,15 @@ class NativeHF(HFCausalLM):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
 
 
+NATIVE_CASES = (("llama", "1f1b", 1), ("gpt2", "zb", 2))
+# left padding: without the mask reaching every block (the default input's pair), the valid tokens would
+# attend to the padding
+SIDE = "left"
+
+
 def _run_native(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for family, schedule, stage in (("llama", "1f1b", 1), ("gpt2", "zb", 2)):
+    for family, schedule, stage in NATIVE_CASES:
         pl.seed_everything(SEED)
         module = NativeHF(family, SEED)  # type: ignore[arg-type]
         module.configure_model()
@@ -293,19 +302,19 @@ def _run_native(rank: int, world: int, tmp: str) -> dict[str, Any]:
         trainer = _trainer(
             strategy, world, tmp, [seen], accumulate_grad_batches=ACCUM, gradient_clip_val=None
         )
-        trainer.fit(module, DataLoader(HFBatches(N), batch_size=BATCH, shuffle=False))
+        trainer.fit(module, DataLoader(HFBatches(N, SIDE), batch_size=BATCH, shuffle=False))
         state = strategy.consolidated_state_dict()
         out[family] = {"train": seen.train, "state": {k: v.clone() for k, v in state.items()}}
     return out
 
 
 def test_hf_models_own_loss_under_pp_equals_one_process_on_the_window(tmp_path: Path) -> None:
-    """Llama (1F1B, ZeRO-1) and GPT-2 with its tied table (zb, ZeRO-2) at pp2 x dp2, dict batches,
-    accumulation 2, ragged micro-batches: the weights equal one process training on
-    ``model(**window).loss``, Hugging Face's own loss over the window's samples."""
+    """Llama (1F1B, ZeRO-1) and GPT-2 with its tied table (zb, ZeRO-2) at pp2 x dp2, left-padded dict
+    batches with their attention masks, accumulation 2, ragged micro-batches: the weights equal one
+    process training on ``model(**window).loss``, Hugging Face's own loss over the window's samples."""
     results = run_distributed(_run_native, 4, str(tmp_path), init_group=False, timeout=400)
-    data = HFBatches(N)
     for family in ("llama", "gpt2"):
+        data = HFBatches(N, SIDE)
         streams = sorted({tuple(map(tuple, r[family]["train"])) for r in results})
         assert len(streams) == DP, family
         model = build(family, seed=SEED).train()  # type: ignore[arg-type]
@@ -330,7 +339,7 @@ def test_token_normalized_is_refused_under_pp_with_the_fix() -> None:
         strategy.token_normalized(torch.tensor(1.0), 3)
 
 
-def test_the_default_input_takes_input_ids_or_the_first_element_and_names_the_fix_otherwise() -> None:
+def test_the_default_input_takes_input_ids_the_first_layers_keys_or_the_first_element() -> None:
     ids = torch.arange(6).view(2, 3)
     assert default_input({"input_ids": ids, "labels": ids}, owner="M") is ids
     assert default_input((ids, ids + 1), owner="M") is ids
@@ -338,3 +347,11 @@ def test_the_default_input_takes_input_ids_or_the_first_element_and_names_the_fi
         default_input({"tokens": ids, "labels": ids}, owner="M")
     with pytest.raises(TypeError, match=r"batch of type Tensor has no default input"):
         default_input(ids, owner="M")
+    # a first layer that lists its keys (hf_pipeline_layers' embedding): the ones the batch has, in order
+    keys = ("input_ids", "attention_mask")
+    mask = torch.ones_like(ids)
+    pair = default_input({"labels": ids, "attention_mask": mask, "input_ids": ids}, owner="M", keys=keys)
+    assert isinstance(pair, tuple) and pair[0] is ids and pair[1] is mask
+    assert default_input({"input_ids": ids, "labels": ids}, owner="M", keys=keys) is ids
+    with pytest.raises(TypeError, match=r"keys \['attention_mask'\] .* \(batch\['input_ids'\] for a mapping"):
+        default_input({"attention_mask": mask}, owner="M", keys=keys)

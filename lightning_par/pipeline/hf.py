@@ -3,10 +3,22 @@ hand-written wrappers to run under pipeline parallelism.
 
 :func:`hf_pipeline_layers` cuts a model into the ordered list the pipeline protocol's
 ``pipeline_layers()`` returns: the embedding, one layer per decoder block, then the final norm with the
-LM head. Each piece maps one tensor to one tensor (token ids -> hidden states -> ... -> logits): only the
-hidden states cross a pipeline stage. Chaining the pieces computes the model's own ``forward(ids).logits``
-(tested bitwise for both families): causal attention without a padding mask, positions ``0..T-1``, no
-cache, as in pretraining or fine-tuning on packed, unpadded sequences.
+LM head. The pieces map token ids to hidden states to ... to logits; only the hidden states cross a
+pipeline stage, with the batch's padding mask beside them when there is one. Chaining the pieces computes
+the model's own ``forward(ids, attention_mask=mask).logits`` (tested bitwise for every family, with and
+without a left- or right-padded mask): positions ``0..T-1`` as the model's forward takes them, no cache,
+as in pretraining or fine-tuning.
+
+Padding masks. The first piece takes the token ids, or ``(ids, attention_mask)`` with the 2D padding mask
+of a Hugging Face collator; it declares ``pipeline_input_keys = ("input_ids", "attention_mask")``, so the
+pipeline's default input hands it both when a dict batch has a mask (:mod:`.lightning`). Each block then
+builds the attention mask as the model's forward does, with the same ``transformers.masking_utils``
+function (causal, or sliding-window causal for the layers the config declares sliding), so every
+attention kernel gets the mask format it expects: eager attention and sliding windows longer than the
+sequences work as in the model. The blocks of one stage share the mask they built for a micro-batch's
+padding mask (one build per stage and micro-batch, not per block): building it with a padding mask reads
+one flag on the host (whether the mask pads anything), as the model's own forward does once; without a
+padding mask nothing is read, and the mask is built once per sequence length.
 
 Supported, by ``config.model_type``:
 
@@ -16,25 +28,22 @@ Supported, by ``config.model_type``:
 * the Llama family, ``llama``, ``mistral``, ``qwen2`` and ``qwen3``: ``model.embed_tokens``, the decoder
   layers ``model.layers``, ``model.norm`` with ``lm_head``. The rotary position embedding is recomputed
   in every block from the hidden states' length (a few hundred flops per position), so nothing but the
-  hidden states crosses a stage; it is the model's own ``rotary_emb`` module, referenced, not copied, so
-  it follows the model to its device. A model with sliding-window attention (Mistral's default, Qwen's
-  ``use_sliding_window``) equals its pieces for sequences no longer than the window, where the window
-  masks nothing; a longer sequence is refused at the block's forward.
+  hidden states (and the padding mask) cross a stage; it is the model's own ``rotary_emb`` module,
+  referenced, not copied, so it follows the model to its device.
 
 A PEFT model (``get_peft_model(model, LoraConfig(...))``) is cut as the transformers model it wraps:
 adapters injected into the layers (LoRA, IA3, ...) sit inside the blocks and train there; prompt learning,
-whose virtual tokens the PEFT model's own forward adds, is refused.
-
-The attention kernel must be causal without a mask (``attn_implementation="sdpa"``, the default, or
-flash attention); eager attention is refused, since without a mask it would attend to later positions.
-Anything else is refused with the list above and the protocol to write by hand.
+whose virtual tokens the PEFT model's own forward adds, is refused. Anything else is refused with the list
+above and the protocol to write by hand. The masks need ``transformers.masking_utils`` (transformers
+4.53 or later); an older version is refused with that fix.
 
 :func:`hf_causal_lm_loss` is the matching ``pipeline_loss``: the model's own loss (``model(input_ids,
 labels=labels).loss``: position ``t`` predicts label ``t + 1``, ``-100`` ignored, the mean over the valid
 targets) in the pipeline's token-exact form, so that training under pp with micro-batches, accumulation
 and data parallelism takes the gradient of that mean over all of the window's samples, as one process
 feeding the whole window to the model would. With it, a ``LightningModule`` holding a Hugging Face model
-needs three one-line methods (``pipeline_input`` defaults to ``batch["input_ids"]`` for a dict batch).
+needs three one-line methods (``pipeline_input`` defaults to ``batch["input_ids"]``, with
+``batch["attention_mask"]`` when there is one, for a dict batch).
 
 The pieces wrap the model's modules (parameters are not copied). Build them in the first
 ``pipeline_layers()`` call and return the same list after: the strategy calls it after its tensor-parallel
@@ -45,6 +54,8 @@ still the model's (a few identity comparisons) and raises with that fix otherwis
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,40 +64,36 @@ from torch import Tensor, nn
 from lightning_par.loss import token_loss_sum
 
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
-# attention kernels that are causal when given no mask; eager attention without a mask attends to the
-# future, so the pieces would silently compute another model
-CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
+# what the first piece takes from a dict batch (lightning.default_input): the ids, and the padding mask
+# when the batch has one
+INPUT_KEYS = ("input_ids", "attention_mask")
 
 
 def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
     """The pipeline layers of the Hugging Face causal LM ``model`` (module docstring), or of the model a
     PEFT ``PeftModel`` wraps: adapters injected into the layers (LoRA, IA3, ...) are part of the blocks."""
     model = _unwrap_peft(model)
-    hf: Any = model  # transformers' attributes, looked up by name (no import of transformers here)
+    hf: Any = model  # transformers' attributes, looked up by name (imported for its mask builders only)
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
-    attention = getattr(config, "_attn_implementation", None)
-    if kind in SUPPORTED and attention not in CAUSAL_WITHOUT_MASK:
-        raise ValueError(
-            f"hf_pipeline_layers needs an attention kernel that is causal without a mask"
-            f" ({', '.join(CAUSAL_WITHOUT_MASK)}), got attn_implementation={attention!r}: build the model"
-            " with attn_implementation='sdpa' (from_pretrained(..., attn_implementation='sdpa'), or"
-            " model.set_attn_implementation('sdpa'))."
+    if kind not in SUPPORTED:
+        raise TypeError(
+            f"hf_pipeline_layers supports Hugging Face causal LMs of model_type {', '.join(SUPPORTED)}; got"
+            f" {type(model).__name__} with model_type={kind!r}. For another model, write pipeline_layers()"
+            " yourself: an ordered list of modules, each mapping a tensor or a flat tuple of tensors to the"
+            " next one, whose chain computes the model's logits."
         )
+    masks = _Masks(config)
     if kind == "gpt2":
         t = hf.transformer
-        blocks = [_Block((t.h, str(i)), None) for i in range(len(t.h))]
+        blocks = [_Block((t.h, str(i)), masks, "full_attention") for i in range(len(t.h))]
         return [_GPT2Embed(t), *blocks, _Head((t, "ln_f"), (hf, "lm_head"))]
-    if kind in SUPPORTED:
-        m = hf.model
-        blocks = [_Block((m.layers, str(i)), m.rotary_emb, _window(config)) for i in range(len(m.layers))]
-        return [_Embed((m, "embed_tokens")), *blocks, _Head((m, "norm"), (hf, "lm_head"))]
-    raise TypeError(
-        f"hf_pipeline_layers supports Hugging Face causal LMs of model_type {', '.join(SUPPORTED)}; got"
-        f" {type(model).__name__} with model_type={kind!r}. For another model, write pipeline_layers()"
-        " yourself: an ordered list of modules, each mapping a tensor or a flat tuple of tensors to the"
-        " next one, whose chain computes the model's logits."
-    )
+    m = hf.model
+    blocks = [
+        _Block((m.layers, str(i)), masks, _attention_type(config, i), m.rotary_emb)
+        for i in range(len(m.layers))
+    ]
+    return [_Embed((m, "embed_tokens")), *blocks, _Head((m, "norm"), (hf, "lm_head"))]
 
 
 def hf_causal_lm_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> dict[str, Tensor]:
@@ -116,15 +123,83 @@ def _unwrap_peft(model: nn.Module) -> nn.Module:
     return unwrapped
 
 
-def _window(config: Any) -> int | None:
-    """The sliding-window length of a Llama-family config, ``None`` for full causal attention."""
-    window = getattr(config, "sliding_window", None)
+def _attention_type(config: Any, index: int) -> str:
+    """The attention of decoder layer ``index`` as the model's forward picks its mask: Mistral slides every
+    layer when the config has a window, Qwen's configs list a type per layer, the others attend fully."""
     if config.model_type == "mistral":
-        return window
-    sliding = getattr(config, "use_sliding_window", False) or "sliding_attention" in (
-        getattr(config, "layer_types", None) or ()
+        return "full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"
+    types = getattr(config, "layer_types", None)
+    kind = types[index] if types else "full_attention"
+    if kind not in ("full_attention", "sliding_attention"):
+        raise ValueError(
+            f"hf_pipeline_layers: decoder layer {index} has attention type {kind!r}; the pieces build"
+            " 'full_attention' and 'sliding_attention' masks only. Write pipeline_layers() yourself."
+        )
+    return str(kind)
+
+
+class _Masks:
+    """The attention masks of one model's blocks, built by the ``transformers.masking_utils`` function
+    the model's forward uses for each attention type, from the hidden states and the 2D padding mask (or
+    none). The last mask of each type is kept with the padding mask it came from (held, so its identity
+    stays unique): the blocks of a stage receive the same padding tensor for a micro-batch and share one
+    build (module docstring)."""
+
+    def __init__(self, config: Any) -> None:
+        try:
+            from transformers import masking_utils
+        except ImportError as error:  # older than 4.53
+            raise ImportError(
+                "hf_pipeline_layers builds the model's attention masks with transformers.masking_utils,"
+                " which this transformers version lacks: install transformers>=4.53."
+            ) from error
+        self.config = config
+        self.functions = {
+            "full_attention": masking_utils.create_causal_mask,
+            "sliding_attention": masking_utils.create_sliding_window_causal_mask,
+        }
+        self._last: dict[str, tuple[Tensor | None, tuple[Any, ...], Any]] = {}
+
+    def __call__(self, hidden: Tensor, padding: Tensor | None, kind: str) -> Any:
+        key = (tuple(hidden.shape[:2]), hidden.dtype, hidden.device)
+        last = self._last.get(kind)
+        if last is not None and last[0] is padding and last[1] == key:
+            return last[2]
+        mask = mask_call(self.functions[kind], config=self.config, hidden=hidden, padding=padding)
+        self._last[kind] = (padding, key, mask)
+        return mask
+
+
+def mask_call(function: Callable[..., Any], *, config: Any, hidden: Tensor, padding: Tensor | None) -> Any:
+    """``function`` (a ``masking_utils`` mask builder) for a forward without cache over positions
+    ``0..T-1``, under the argument names of the installed transformers: ``inputs_embeds`` (``input_embeds``
+    before 5.0), ``cache`` (``past_key_values``), and ``cache_position`` where the builder needs it.
+    ``position_ids`` stay unset: positions ``0..T-1`` are what the builder assumes then, and passing them
+    would make it look for packed sequences, a host read per call."""
+    names = inspect.signature(function).parameters
+    kwargs: dict[str, Any] = {"config": config, "attention_mask": padding}
+    kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = hidden
+    kwargs["cache" if "cache" in names else "past_key_values"] = None
+    if "cache_position" in names:
+        kwargs["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
+    return function(**kwargs)
+
+
+def _unpack(x: Any) -> tuple[Tensor, Tensor | None]:
+    """A piece's input: a tensor, or ``(tensor, padding mask)``."""
+    if isinstance(x, Tensor):
+        return x, None
+    if isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(t, Tensor) for t in x):
+        return x[0], x[1]
+    raise TypeError(
+        "hf_pipeline_layers' pieces take a tensor or a pair (tensor, attention_mask), got"
+        f" {type(x).__name__}: return batch['input_ids'] (or (batch['input_ids'], batch['attention_mask']))"
+        " from pipeline_input."
     )
-    return window if sliding else None
+
+
+def _pack(out: Tensor, padding: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
+    return out if padding is None else (out, padding)
 
 
 Origin = tuple[nn.Module, str]  # (parent module, name of the wrapped child in it)
@@ -164,53 +239,59 @@ def _attr(name: str) -> str:
 class _GPT2Embed(_Piece):
     """Token plus learnt position embeddings, then the embedding dropout, as ``GPT2Model.forward``."""
 
+    pipeline_input_keys = INPUT_KEYS
+
     def __init__(self, transformer: nn.Module) -> None:
         super().__init__((transformer, "wte"), (transformer, "wpe"), (transformer, "drop"))
 
-    def forward(self, ids: Tensor) -> Tensor:
+    def forward(self, x: Any) -> Tensor | tuple[Tensor, Tensor]:
         self.check()
+        ids, padding = _unpack(x)
         positions = torch.arange(ids.shape[1], device=ids.device)
-        return self.child("drop")(self.child("wte")(ids) + self.child("wpe")(positions))
+        return _pack(self.child("drop")(self.child("wte")(ids) + self.child("wpe")(positions)), padding)
 
 
 class _Embed(_Piece):
-    def forward(self, ids: Tensor) -> Tensor:
+    pipeline_input_keys = INPUT_KEYS
+
+    def forward(self, x: Any) -> Tensor | tuple[Tensor, Tensor]:
         self.check()
-        return self.child("embed_tokens")(ids)
+        ids, padding = _unpack(x)
+        return _pack(self.child("embed_tokens")(ids), padding)
 
 
 class _Block(_Piece):
-    """One decoder block on the hidden states; with ``rotary``, the block's position embeddings are
-    computed here (the model computes them once for all blocks: the values are the same)."""
+    """One decoder block on the hidden states, with the attention mask of its type (``masks``); with
+    ``rotary``, the block's position embeddings are computed here (the model computes them once for all
+    blocks: the values are the same)."""
 
-    def __init__(self, origin: Origin, rotary: nn.Module | None, window: int | None = None) -> None:
+    def __init__(
+        self, origin: Origin, masks: _Masks, attention: str, rotary: nn.Module | None = None
+    ) -> None:
         super().__init__(origin)
-        self.__dict__["_block"], self.__dict__["_window"] = origin[1], window
+        self.__dict__["_block"], self.__dict__["_attention"] = origin[1], attention
         # referenced, not registered: the model owns it (and moves it); it holds buffers only
-        self.__dict__["rotary"] = rotary
+        self.__dict__["rotary"], self.__dict__["_masks"] = rotary, masks
 
-    def forward(self, hidden: Tensor) -> Tensor:
+    def forward(self, x: Any) -> Tensor | tuple[Tensor, Tensor]:
         self.check()
-        window = self.__dict__["_window"]
-        if window is not None and hidden.shape[1] > window:
-            raise ValueError(
-                f"A sequence of {hidden.shape[1]} tokens is longer than the model's sliding window"
-                f" ({window}): hf_pipeline_layers' blocks attend causally to every earlier token, which"
-                " equals the model only within the window. Use sequences of at most the window's length."
-            )
-        kwargs: dict[str, Any] = {}
+        hidden, padding = _unpack(x)
+        kwargs: dict[str, Any] = {
+            "attention_mask": self.__dict__["_masks"](hidden, padding, self.__dict__["_attention"])
+        }
         rotary = self.__dict__["rotary"]
         if rotary is not None:
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-            kwargs = {"position_ids": positions, "position_embeddings": rotary(hidden, positions)}
+            kwargs |= {"position_ids": positions, "position_embeddings": rotary(hidden, positions)}
         out = self.child(self.__dict__["_block"])(hidden, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        return _pack(out[0] if isinstance(out, tuple) else out, padding)
 
 
 class _Head(_Piece):
-    """The final norm, then the LM head (whatever their names in the model)."""
+    """The final norm, then the LM head (whatever their names in the model); the padding mask ends here."""
 
-    def forward(self, hidden: Tensor) -> Tensor:
+    def forward(self, x: Any) -> Tensor:
         self.check()
+        hidden, _ = _unpack(x)
         (_, norm), (_, head) = self.__dict__["_origins"]
         return self.child(head)(self.child(norm)(hidden))

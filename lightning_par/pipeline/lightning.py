@@ -5,7 +5,9 @@ The LightningModule tells the strategy its network through three methods (the pi
 * ``pipeline_layers(self) -> Sequence[nn.Module]``: ordered; the output of layer ``i`` feeds ``i + 1``
   (between stages one tensor or a flat tuple of tensors, :mod:`lightning_par.pipeline.mail`);
 * ``pipeline_input(self, batch)``: what enters layer 0 (default: ``batch["input_ids"]`` for a mapping,
-  as Hugging Face's collators make, else ``batch[0]``);
+  as Hugging Face's collators make, or the entries the first layer lists in its ``pipeline_input_keys``
+  as a tuple, e.g. ``(batch["input_ids"], batch["attention_mask"])`` for ``hf_pipeline_layers``; else
+  ``batch[0]``);
 * ``pipeline_loss(self, output, batch) -> Tensor``: the loss of the last layer's output, or a mapping
   ``{"loss": loss, "acc": ..., ...}`` whose other entries are metrics, logged as ``train_acc`` (training),
   ``val_acc`` / ``test_acc`` (evaluation);
@@ -96,18 +98,23 @@ def micro_weights(micro: list[Any]) -> list[float]:
     return [len(micro) * n / total for n in sizes if n is not None]
 
 
-def default_input(micro: Any, *, owner: str) -> Any:
+def default_input(micro: Any, *, owner: str, keys: Sequence[str] | None = None) -> Any:
     """What enters the first layer when ``owner`` (the LightningModule's class name) defines no
-    ``pipeline_input``: ``micro["input_ids"]`` for a mapping, ``micro[0]`` for a list or tuple."""
+    ``pipeline_input``: for a mapping, ``micro["input_ids"]``, or with ``keys`` (the first layer's
+    ``pipeline_input_keys``) the entries of ``keys`` the mapping has, the first required, as a tuple in
+    that order (a single entry as itself); ``micro[0]`` for a list or tuple."""
     if isinstance(micro, Mapping):
-        if "input_ids" in micro:
-            return micro["input_ids"]
+        first, *rest = keys or ("input_ids",)
+        if first in micro:
+            present = [micro[first], *(micro[k] for k in rest if k in micro)]
+            return present[0] if len(present) == 1 else tuple(present)
     elif isinstance(micro, (list, tuple)) and micro:
         return micro[0]
-    keys = f" with keys {sorted(micro)}" if isinstance(micro, Mapping) else ""
+    keys_of = f" with keys {sorted(micro)}" if isinstance(micro, Mapping) else ""
+    wanted = f"batch[{(keys or ('input_ids',))[0]!r}]"
     raise TypeError(
-        f"Pipeline parallelism: a batch of type {type(micro).__name__}{keys} has no default input"
-        f" (batch['input_ids'] for a mapping, batch[0] for a list or tuple): define {owner}.pipeline_input("
+        f"Pipeline parallelism: a batch of type {type(micro).__name__}{keys_of} has no default input"
+        f" ({wanted} for a mapping, batch[0] for a list or tuple): define {owner}.pipeline_input("
         "batch), returning what the first pipeline layer takes."
     )
 
@@ -164,6 +171,12 @@ class LightningPipeline:
                 f"{type(module).__name__}.pipeline_eval must be a method (output, batch) -> dict."
             )
         self._eval_metrics = extra
+        # what the first layer takes from a dict batch by default (its pipeline_input_keys, e.g. the
+        # ids and the padding mask of hf_pipeline_layers' embedding); only pipeline rank 0 feeds it
+        first = runtime.chunks[0] if runtime.s == 0 else None
+        while isinstance(first, nn.Sequential) and len(first) > 0:
+            first = first[0]
+        self._input_keys: Sequence[str] | None = getattr(first, "pipeline_input_keys", None)
         last = dist.get_global_rank(runtime.group, runtime.last % runtime.p)
         self.metrics = PipelineMetrics(group=runtime.group, src=last, device=runtime.device)
 
@@ -171,7 +184,8 @@ class LightningPipeline:
         to_input = getattr(self.module, "pipeline_input", None)
         if callable(to_input):
             return [to_input(mb) for mb in micro]
-        return [default_input(mb, owner=type(self.module).__name__) for mb in micro]
+        owner = type(self.module).__name__
+        return [default_input(mb, owner=owner, keys=self._input_keys) for mb in micro]
 
     def training_step(
         self,
