@@ -126,6 +126,20 @@ def _reference(
     )
 
 
+def assert_equals_reference(results: list[dict[str, Any]], reference: tuple[Any, Any, float]) -> None:
+    """Every rank's run (``losses``, ``val_loss``, rank 0's consolidated ``state``) against
+    :func:`_reference`'s: the per-step losses averaged over the ranks (data-parallel ranks log their own
+    halves' means; pipeline ranks the same value), each rank's validation loss, every weight."""
+    ref_losses, ref_state, ref_val = reference
+    torch.testing.assert_close(torch.tensor([r["losses"] for r in results]).mean(0), ref_losses)
+    for r in results:
+        assert r["val_loss"] == pytest.approx(ref_val, rel=1e-5)
+    state = results[0]["state"]
+    assert set(ref_state) <= set(state), sorted(set(ref_state) - set(state))
+    for name, value in ref_state.items():
+        torch.testing.assert_close(state[name], value.detach(), msg=name)
+
+
 CASES = [
     (2, dict(pipeline_parallel_size=2, num_microbatches=4, pipeline_schedule="gpipe")),
     (2, dict(pipeline_parallel_size=2, num_microbatches=4, pipeline_schedule="1f1b", zero_stage=1)),

@@ -11,13 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
 from tests.test_pp_hf import module_factory
-from tests.test_pp_trainer import GLOBAL, N, _reference, _trainer
+from tests.test_pp_trainer import GLOBAL, N, _reference, _trainer, assert_equals_reference
 from tests.test_strategy import LossRecorder, Tokens
 
 WORLD, DP = 4, 2
@@ -42,12 +41,4 @@ def _run(rank: int, world: int, tmp: str, schedule: str) -> dict[str, Any]:
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])  # zb: W of GPT-2's Conv1D into ZeRO-3's buffers
 def test_zero3_pipeline_on_hugging_face_gpt2_matches_single_process(schedule: str, tmp_path: Path) -> None:
     results = run_distributed(_run, WORLD, str(tmp_path), schedule, init_group=False, timeout=400)
-    ref_losses, reference, ref_val = _reference(tmp_path, make=module_factory("gpt2"))
-    losses = torch.tensor([r["losses"] for r in results])
-    torch.testing.assert_close(losses.mean(0), ref_losses)
-    for r in results:
-        assert r["val_loss"] == pytest.approx(ref_val, rel=1e-5)
-    state = results[0]["state"]
-    assert set(reference) <= set(state), sorted(set(reference) - set(state))
-    for name, value in reference.items():
-        torch.testing.assert_close(state[name], value.detach(), msg=name)
+    assert_equals_reference(results, _reference(tmp_path, make=module_factory("gpt2")))

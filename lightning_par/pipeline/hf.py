@@ -62,6 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_par.loss import token_loss_sum
+from lightning_par.pipeline.pieces import Origin, Piece
 
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 # what the first piece takes from a dict batch (lightning.default_input): the ids, and the padding mask
@@ -202,38 +203,9 @@ def _pack(out: Tensor, padding: Tensor | None) -> Tensor | tuple[Tensor, Tensor]
     return out if padding is None else (out, padding)
 
 
-Origin = tuple[nn.Module, str]  # (parent module, name of the wrapped child in it)
-
-
-class _Piece(nn.Module):
-    """A view of some of the model's modules, each registered here under the name it has in its parent,
-    with a check that the parent still holds it (module docstring)."""
-
+class _Piece(Piece):
     def __init__(self, *origins: Origin) -> None:
-        super().__init__()
-        self.__dict__["_origins"] = origins
-        for parent, name in origins:
-            self.add_module(_attr(name), parent._modules[name])
-
-    def check(self) -> None:
-        for parent, name in self.__dict__["_origins"]:
-            if parent._modules.get(name) is not self._modules[_attr(name)]:
-                raise RuntimeError(
-                    f"The model's {type(parent).__name__}.{name} was replaced after hf_pipeline_layers built"
-                    " its pieces (a tensor-parallel plan swaps modules), so a piece would run the old one."
-                    " Build the pieces in the first pipeline_layers() call, not in configure_model(), and"
-                    " return the same list after."
-                )
-
-    def child(self, name: str) -> nn.Module:
-        """The wrapped module named ``name`` in its parent."""
-        module = self._modules[_attr(name)]
-        assert module is not None
-        return module
-
-
-def _attr(name: str) -> str:
-    return f"layer_{name}" if name.isdigit() else name
+        super().__init__(*origins, builder="hf_pipeline_layers")
 
 
 class _GPT2Embed(_Piece):
