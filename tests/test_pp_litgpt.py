@@ -2,14 +2,16 @@
 
 The pieces chained in one process compute the model's own ``forward(idx)`` bitwise (Pythia-, Llama-,
 Gemma-2- and Gemma-3-shaped configs: parallel residual, grouped queries, scaled embeddings, logit
-soft-capping, sliding-window layers, ``rope_indices``); refusals name the fix (not a litgpt GPT, a
-subclass with its own forward, a sequence beyond ``max_seq_length``, a module replaced after the cut).
+soft-capping, sliding-window layers, ``rope_indices``; and litgpt's LoRA and adapter v1 / v2 models);
+refusals name the fix (not a litgpt GPT, a subclass with its own forward, a sequence beyond
+``max_seq_length``, a module replaced after the cut).
 Behind the pipeline protocol, a Pythia-shaped GPT at pp2 with 1F1B, a Llama-shaped one at pp2 x dp2 with
 zb and ZeRO-3, and a ``litgpt.lora.GPT`` (frozen base, LoRA in the attention) at pp2 with zb train as the
 single-process Trainer running the model's own ``forward``: per-step losses, validation loss, weights."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,21 @@ def test_the_pieces_compute_the_models_own_forward(shape: str) -> None:
     assert sorted(map(id, held)) == sorted(map(id, model.parameters()))  # views, each parameter once
     lora = build(shape, lora=True)
     assert torch.equal(_chain(litgpt_pipeline_layers(lora), ids), lora(ids))
+
+
+@pytest.mark.parametrize("kind", ["adapter", "adapter_v2"])
+def test_the_pieces_of_litgpts_adapter_models_compute_their_forward(kind: str) -> None:
+    """The adapter models keep GPT.forward and put their prompts and gates inside the blocks."""
+    adapter = importlib.import_module(f"litgpt.{kind}")
+    torch.manual_seed(SEED)
+    config = adapter.Config.from_name("pythia-14m", adapter_prompt_length=3, adapter_start_layer=0, **SMALL)
+    model = adapter.GPT(config)
+    with torch.no_grad():  # the gates start at zero, which would hide the prompts
+        for name, p in model.named_parameters():
+            if "adapter" in name or "gating" in name:
+                p.normal_()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_chain(litgpt_pipeline_layers(model), ids), model(ids))
 
 
 def test_bad_models_are_refused_with_the_fix() -> None:
