@@ -22,6 +22,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GemmaConfig,
+    GemmaForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -43,12 +49,28 @@ from tests.test_pp_trainer import GLOBAL, SEED, N, _reference, _trainer
 from tests.test_strategy import LossRecorder, Tokens
 from tests.third_party import add_lora
 
-Family = Literal["gpt2", "llama", "mistral", "qwen2", "qwen3"]
+Family = Literal["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"]
 _CLASSES: dict[str, tuple[Any, Any]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "gemma": (GemmaConfig, GemmaForCausalLM),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+    "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
+}
+# Gemma: small heads (their default is 256 wide), windows shorter than the sequences, tied tables; Gemma 2
+# has no sdpa path in transformers (its attention soft-caps); Gemma 3 with a global layer between local ones
+_EXTRA: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": 16},  # the window covers the test's sequences
+    "gemma": {"head_dim": 8},
+    "gemma2": {"head_dim": 8, "sliding_window": 5, "attn_implementation": "eager"},
+    "gemma3_text": {
+        "head_dim": 8,
+        "sliding_window": 5,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "final_logit_softcapping": 30.0,  # off by default for Gemma 3; on here, to be tested
+    },
 }
 _DECODER = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -66,7 +88,7 @@ def build(family: Family, *, seed: int = SEED, **options: Any) -> PreTrainedMode
         )  # fmt: skip
         return GPT2LMHeadModel(GPT2Config(**(kw | options)))
     config, model = _CLASSES[family]
-    extra = {"sliding_window": 16} if family == "mistral" else {}  # the window covers the test's sequences
+    extra = _EXTRA.get(family, {})
     return model(config(**(_DECODER | {"attn_implementation": "sdpa"} | extra | options)))
 
 
@@ -146,6 +168,10 @@ VARIANTS: list[tuple[Family, dict[str, Any]]] = [
     ("mistral", {"sliding_window": 5}),
     ("mistral", {"sliding_window": 5, "attn_implementation": "eager"}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+    ("gemma", {}),
+    ("gemma2", {}),  # final logit soft-capping, local and global layers
+    ("gemma3_text", {}),  # a rotary table per attention type
+    ("gemma3_text", {"attn_implementation": "eager"}),
 ]
 
 
@@ -211,6 +237,12 @@ def test_bad_models_are_refused_with_the_fix() -> None:
     model.config.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(ValueError, match=r"layer 1 has attention type 'chunked_attention'.* yourself"):
         hf_pipeline_layers(model)
+    old_gemma = build("gemma")
+    old_gemma.model.embed_tokens = nn.Embedding(64, 32)  # before transformers 5 the forward scaled it
+    with pytest.raises(ValueError, match=r"gemma model scales its embeddings in the model's forward"):
+        hf_pipeline_layers(old_gemma)
+    with pytest.raises(ValueError, match=r"use_bidirectional_attention=True .* causal attention"):
+        hf_pipeline_layers(build("gemma3_text", use_bidirectional_attention=True))
     embed = hf_pipeline_layers(build("llama"))[0]
     with pytest.raises(TypeError, match=r"a pair \(tensor, attention_mask\), got dict.* pipeline_input"):
         embed({"input_ids": torch.zeros(1, 4, dtype=torch.long)})

@@ -283,7 +283,8 @@ class NativeHF(HFCausalLM):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
 
 
-NATIVE_CASES = (("llama", "1f1b", 1), ("gpt2", "zb", 2))
+# Gemma 3: tied table, soft-capped logits, local and global layers with their own rotary tables
+NATIVE_CASES = (("llama", "1f1b", 1), ("gpt2", "zb", 2), ("gemma3_text", "1f1b", 1))
 # left padding: without the mask reaching every block (the default input's pair), the valid tokens would
 # attend to the padding
 SIDE = "left"
@@ -309,11 +310,12 @@ def _run_native(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 
 def test_hf_models_own_loss_under_pp_equals_one_process_on_the_window(tmp_path: Path) -> None:
-    """Llama (1F1B, ZeRO-1) and GPT-2 with its tied table (zb, ZeRO-2) at pp2 x dp2, left-padded dict
+    """Llama (1F1B, ZeRO-1), GPT-2 with its tied table (zb, ZeRO-2) and Gemma 3 (1F1B, ZeRO-1; tied,
+    soft-capped, local and global layers) at pp2 x dp2, left-padded dict
     batches with their attention masks, accumulation 2, ragged micro-batches: the weights equal one
     process training on ``model(**window).loss``, Hugging Face's own loss over the window's samples."""
     results = run_distributed(_run_native, 4, str(tmp_path), init_group=False, timeout=400)
-    for family in ("llama", "gpt2"):
+    for family, _, _ in NATIVE_CASES:
         data = HFBatches(N, SIDE)
         streams = sorted({tuple(map(tuple, r[family]["train"])) for r in results})
         assert len(streams) == DP, family

@@ -29,7 +29,12 @@ Supported, by ``config.model_type``:
   layers ``model.layers``, ``model.norm`` with ``lm_head``. The rotary position embedding is recomputed
   in every block from the hidden states' length (a few hundred flops per position), so nothing but the
   hidden states (and the padding mask) cross a stage; it is the model's own ``rotary_emb`` module,
-  referenced, not copied, so it follows the model to its device.
+  referenced, not copied, so it follows the model to its device;
+* the Gemma family, ``gemma``, ``gemma2`` and ``gemma3_text`` (``Gemma3ForCausalLM``), the same way: the
+  embedding's scale lives in ``embed_tokens`` (transformers 5; an older version, whose forward scaled
+  it, is refused), the head soft-caps the logits where the config says so, Gemma 3's blocks take the
+  rotary table of their attention type, and its ``use_bidirectional_attention`` is refused. The token
+  table is tied to the LM head by default, as GPT-2's.
 
 A PEFT model (``get_peft_model(model, LoraConfig(...))``) is cut as the transformers model it wraps:
 adapters injected into the layers (LoRA, IA3, ...) sit inside the blocks and train there; prompt learning,
@@ -64,7 +69,8 @@ from torch import Tensor, nn
 from lightning_par.loss import token_loss_sum
 from lightning_par.pipeline.pieces import Origin, Piece
 
-SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+GEMMA = ("gemma", "gemma2", "gemma3_text")
 # what the first piece takes from a dict batch (lightning.default_input): the ids, and the padding mask
 # when the batch has one
 INPUT_KEYS = ("input_ids", "attention_mask")
@@ -84,17 +90,22 @@ def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
             " yourself: an ordered list of modules, each mapping a tensor or a flat tuple of tensors to the"
             " next one, whose chain computes the model's logits."
         )
+    if kind in GEMMA:
+        _check_gemma(hf, config)
     masks = _Masks(config)
     if kind == "gpt2":
         t = hf.transformer
         blocks = [_Block((t.h, str(i)), masks, "full_attention") for i in range(len(t.h))]
         return [_GPT2Embed(t), *blocks, _Head((t, "ln_f"), (hf, "lm_head"))]
     m = hf.model
+    # Gemma 3 keeps one rotary table per attention type (local and global bases)
+    per_type = kind == "gemma3_text"
     blocks = [
-        _Block((m.layers, str(i)), masks, _attention_type(config, i), m.rotary_emb)
+        _Block((m.layers, str(i)), masks, _attention_type(config, i), m.rotary_emb, rope_by_type=per_type)
         for i in range(len(m.layers))
     ]
-    return [_Embed((m, "embed_tokens")), *blocks, _Head((m, "norm"), (hf, "lm_head"))]
+    cap = getattr(config, "final_logit_softcapping", None)
+    return [_Embed((m, "embed_tokens")), *blocks, _Head((m, "norm"), (hf, "lm_head"), cap)]
 
 
 def hf_causal_lm_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> dict[str, Tensor]:
@@ -122,6 +133,20 @@ def _unwrap_peft(model: nn.Module) -> nn.Module:
         )
     unwrapped: nn.Module = base()
     return unwrapped
+
+
+def _check_gemma(model: Any, config: Any) -> None:
+    """Refuse what the pieces would compute differently from a Gemma model's forward."""
+    if "ScaledWordEmbedding" not in type(model.model.embed_tokens).__name__:
+        raise ValueError(
+            f"hf_pipeline_layers: this {config.model_type} model scales its embeddings in the model's"
+            " forward (transformers before 5.0), which the pieces do not run; install transformers>=5."
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(
+            "hf_pipeline_layers: use_bidirectional_attention=True overlays a bidirectional mask the pieces"
+            " do not build; train with causal attention or write pipeline_layers() yourself."
+        )
 
 
 def _attention_type(config: Any, index: int) -> str:
@@ -238,9 +263,16 @@ class _Block(_Piece):
     blocks: the values are the same)."""
 
     def __init__(
-        self, origin: Origin, masks: _Masks, attention: str, rotary: nn.Module | None = None
+        self,
+        origin: Origin,
+        masks: _Masks,
+        attention: str,
+        rotary: nn.Module | None = None,
+        *,
+        rope_by_type: bool = False,
     ) -> None:
         super().__init__(origin)
+        self.__dict__["_rope_type"] = attention if rope_by_type else None
         self.__dict__["_block"], self.__dict__["_attention"] = origin[1], attention
         # referenced, not registered: the model owns it (and moves it); it holds buffers only
         self.__dict__["rotary"], self.__dict__["_masks"] = rotary, masks
@@ -254,16 +286,27 @@ class _Block(_Piece):
         rotary = self.__dict__["rotary"]
         if rotary is not None:
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-            kwargs |= {"position_ids": positions, "position_embeddings": rotary(hidden, positions)}
+            by_type = () if self.__dict__["_rope_type"] is None else (self.__dict__["_rope_type"],)
+            kwargs |= {"position_ids": positions, "position_embeddings": rotary(hidden, positions, *by_type)}
         out = self.child(self.__dict__["_block"])(hidden, **kwargs)
         return _pack(out[0] if isinstance(out, tuple) else out, padding)
 
 
 class _Head(_Piece):
-    """The final norm, then the LM head (whatever their names in the model); the padding mask ends here."""
+    """The final norm, then the LM head (whatever their names in the model), then the final logit
+    soft-capping of configs that have it (Gemma 2 and 3: ``cap * tanh(logits / cap)``, in the causal LM's
+    order of operations); the padding mask ends here."""
+
+    def __init__(self, norm: Origin, head: Origin, cap: float | None = None) -> None:
+        super().__init__(norm, head)
+        self.__dict__["_cap"] = cap
 
     def forward(self, x: Any) -> Tensor:
         self.check()
         hidden, _ = _unpack(x)
         (_, norm), (_, head) = self.__dict__["_origins"]
-        return self.child(head)(self.child(norm)(hidden))
+        logits: Tensor = self.child(head)(self.child(norm)(hidden))
+        cap = self.__dict__["_cap"]
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
