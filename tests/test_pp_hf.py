@@ -186,6 +186,18 @@ def test_the_pieces_compute_the_models_own_forward(family: Family, options: dict
         for piece in pieces:
             x = piece(x)
         assert torch.equal(x, model(ids, attention_mask=mask).logits), side
+    # packed sequences (a flattening collator's position_ids, restarting at every document), without and
+    # with a padding mask, as a dict from the default input
+    packed = torch.cat([torch.arange(n) for n in (5, 7, 4)]).expand(3, 16)
+    for mask in (None, _padding("right")):
+        batch = {"input_ids": ids, "position_ids": packed} | (
+            {} if mask is None else {"attention_mask": mask}
+        )
+        z: Any = batch
+        for piece in pieces:
+            z = piece(z)
+        assert torch.equal(z, model(**batch, use_cache=False).logits), f"packed, mask {mask is not None}"
+        assert not torch.allclose(z, model(ids, attention_mask=mask).logits)  # the positions matter
         if side == "left":  # the case is not trivial: without the mask the pieces compute other logits
             y: Any = ids
             for piece in pieces:
@@ -195,7 +207,8 @@ def test_the_pieces_compute_the_models_own_forward(family: Family, options: dict
     # by the first and the last)
     held = [p for piece in pieces for p in piece.parameters()]
     assert {id(p) for p in held} == {id(p) for p in model.parameters()}
-    assert pieces[0].pipeline_input_keys == ("input_ids", "attention_mask")  # type: ignore[comparison-overlap]
+    keys = ("input_ids", "attention_mask", "position_ids")
+    assert pieces[0].pipeline_input_keys == keys  # type: ignore[comparison-overlap]
 
 
 def test_the_pieces_of_a_peft_model_compute_its_forward() -> None:
@@ -244,8 +257,10 @@ def test_bad_models_are_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match=r"use_bidirectional_attention=True .* causal attention"):
         hf_pipeline_layers(build("gemma3_text", use_bidirectional_attention=True))
     embed = hf_pipeline_layers(build("llama"))[0]
-    with pytest.raises(TypeError, match=r"a pair \(tensor, attention_mask\), got dict.* pipeline_input"):
-        embed({"input_ids": torch.zeros(1, 4, dtype=torch.long)})
+    with pytest.raises(TypeError, match=r"a pair \(input_ids, attention_mask\), or a mapping .* got dict"):
+        embed({"ids": torch.zeros(1, 4, dtype=torch.long)})
+    with pytest.raises(TypeError, match=r"position_ids must be integers, got torch.float32"):
+        embed({"input_ids": torch.zeros(1, 4, dtype=torch.long), "position_ids": torch.zeros(1, 4)})
 
 
 def test_the_mask_builders_are_called_with_each_transformers_versions_argument_names() -> None:

@@ -253,7 +253,9 @@ def test_token_exact_loss_under_pp_equals_the_global_token_mean(tmp_path: Path) 
 class HFBatches(Dataset[dict[str, Tensor]]):
     """``Padded`` as a Hugging Face collator would hand it over: a dict with ``input_ids``,
     ``attention_mask`` and unshifted ``labels`` (``-100`` on the padding), padded on the right or, as
-    for tokenizers with ``padding_side="left"``, on the left."""
+    for tokenizers with ``padding_side="left"``, on the left; or ``"packed"`` as a flattening collator
+    packs two documents into one row: ``position_ids`` restarting at the second, no mask, ``-100`` at
+    each document's first token."""
 
     def __init__(self, n: int, side: str = "right") -> None:
         self.padded, self.side = Padded(n), side
@@ -264,6 +266,12 @@ class HFBatches(Dataset[dict[str, Tensor]]):
     def __getitem__(self, i: int) -> dict[str, Tensor]:
         x, _, idx = self.padded[i]
         valid = self.padded.valid[i]
+        if self.side == "packed":
+            x = self.padded.data[i, :-1].clone()  # no padding: the second document fills the row
+            where = torch.arange(len(x))
+            positions = torch.where(where < valid, where, where - valid)
+            labels = x.masked_fill(positions == 0, -100)
+            return {"input_ids": x, "position_ids": positions, "labels": labels, "idx": idx}
         labels = x.clone()
         labels[valid:] = -100
         mask = (torch.arange(len(x)) < valid).long()
@@ -283,16 +291,20 @@ class NativeHF(HFCausalLM):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
 
 
-# Gemma 3: tied table, soft-capped logits, local and global layers with their own rotary tables
-NATIVE_CASES = (("llama", "1f1b", 1), ("gpt2", "zb", 2), ("gemma3_text", "1f1b", 1))
-# left padding: without the mask reaching every block (the default input's pair), the valid tokens would
-# attend to the padding
-SIDE = "left"
+# (family, schedule, ZeRO stage, batches): left padding, where without the mask reaching every block the
+# valid tokens would attend to the padding; Gemma 3: tied table, soft-capped logits, local and global
+# layers with their own rotary tables; packed rows, whose positions restart and bound the attention
+NATIVE_CASES = (
+    ("llama", "1f1b", 1, "left"),
+    ("gpt2", "zb", 2, "left"),
+    ("gemma3_text", "1f1b", 1, "left"),
+    ("qwen3", "zb", 1, "packed"),
+)
 
 
 def _run_native(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for family, schedule, stage in NATIVE_CASES:
+    for family, schedule, stage, side in NATIVE_CASES:
         pl.seed_everything(SEED)
         module = NativeHF(family, SEED)  # type: ignore[arg-type]
         module.configure_model()
@@ -303,7 +315,7 @@ def _run_native(rank: int, world: int, tmp: str) -> dict[str, Any]:
         trainer = _trainer(
             strategy, world, tmp, [seen], accumulate_grad_batches=ACCUM, gradient_clip_val=None
         )
-        trainer.fit(module, DataLoader(HFBatches(N, SIDE), batch_size=BATCH, shuffle=False))
+        trainer.fit(module, DataLoader(HFBatches(N, side), batch_size=BATCH, shuffle=False))
         state = strategy.consolidated_state_dict()
         out[family] = {"train": seen.train, "state": {k: v.clone() for k, v in state.items()}}
     return out
@@ -311,23 +323,22 @@ def _run_native(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 def test_hf_models_own_loss_under_pp_equals_one_process_on_the_window(tmp_path: Path) -> None:
     """Llama (1F1B, ZeRO-1), GPT-2 with its tied table (zb, ZeRO-2) and Gemma 3 (1F1B, ZeRO-1; tied,
-    soft-capped, local and global layers) at pp2 x dp2, left-padded dict
-    batches with their attention masks, accumulation 2, ragged micro-batches: the weights equal one
-    process training on ``model(**window).loss``, Hugging Face's own loss over the window's samples."""
+    soft-capped, local and global layers) on left-padded dict batches with their attention masks, and
+    Qwen3 (zb, ZeRO-1) on packed rows with restarting position_ids, at pp2 x dp2, accumulation 2, ragged
+    micro-batches: the weights equal one process training on ``model(**window).loss``, Hugging Face's
+    own loss over the window's samples."""
     results = run_distributed(_run_native, 4, str(tmp_path), init_group=False, timeout=400)
-    for family, _, _ in NATIVE_CASES:
-        data = HFBatches(N, SIDE)
+    for family, _, _, side in NATIVE_CASES:
+        data = HFBatches(N, side)
         streams = sorted({tuple(map(tuple, r[family]["train"])) for r in results})
         assert len(streams) == DP, family
         model = build(family, seed=SEED).train()  # type: ignore[arg-type]
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         for w in range(WINDOWS):
             idx = [i for s in streams for b in s[w * ACCUM : (w + 1) * ACCUM] for i in b]
-            batch = {
-                k: torch.stack([data[i][k] for i in idx]) for k in ("input_ids", "attention_mask", "labels")
-            }
+            batch = {k: torch.stack([data[i][k] for i in idx]) for k in data[0] if k != "idx"}
             opt.zero_grad()
-            model(**batch).loss.backward()
+            model(**batch, use_cache=False).loss.backward()  # a training forward: no cache
             opt.step()
         state = results[0][family]["state"]
         for n, value in model.named_parameters():
@@ -350,10 +361,10 @@ def test_the_default_input_takes_input_ids_the_first_layers_keys_or_the_first_el
     with pytest.raises(TypeError, match=r"batch of type Tensor has no default input"):
         default_input(ids, owner="M")
     # a first layer that lists its keys (hf_pipeline_layers' embedding): the ones the batch has, in order
-    keys = ("input_ids", "attention_mask")
+    keys = ("input_ids", "attention_mask", "position_ids")
     mask = torch.ones_like(ids)
-    pair = default_input({"labels": ids, "attention_mask": mask, "input_ids": ids}, owner="M", keys=keys)
-    assert isinstance(pair, tuple) and pair[0] is ids and pair[1] is mask
-    assert default_input({"input_ids": ids, "labels": ids}, owner="M", keys=keys) is ids
+    got = default_input({"labels": ids, "attention_mask": mask, "input_ids": ids}, owner="M", keys=keys)
+    assert got == {"input_ids": ids, "attention_mask": mask}
+    assert default_input({"input_ids": ids, "labels": ids}, owner="M", keys=keys) == {"input_ids": ids}
     with pytest.raises(TypeError, match=r"keys \['attention_mask'\] .* \(batch\['input_ids'\] for a mapping"):
         default_input({"attention_mask": mask}, owner="M", keys=keys)

@@ -4,21 +4,26 @@ hand-written wrappers to run under pipeline parallelism.
 :func:`hf_pipeline_layers` cuts a model into the ordered list the pipeline protocol's
 ``pipeline_layers()`` returns: the embedding, one layer per decoder block, then the final norm with the
 LM head. The pieces map token ids to hidden states to ... to logits; only the hidden states cross a
-pipeline stage, with the batch's padding mask beside them when there is one. Chaining the pieces computes
-the model's own ``forward(ids, attention_mask=mask).logits`` (tested bitwise for every family, with and
-without a left- or right-padded mask): positions ``0..T-1`` as the model's forward takes them, no cache,
-as in pretraining or fine-tuning.
+pipeline stage, with the batch's padding mask and positions beside them when it has them. Chaining the
+pieces computes the model's own training forward ``forward(ids, attention_mask=mask, position_ids=pos,
+use_cache=False).logits`` (tested bitwise for every family: without a mask, left- and right-padded, and
+on packed rows), as in pretraining or fine-tuning.
 
-Padding masks. The first piece takes the token ids, or ``(ids, attention_mask)`` with the 2D padding mask
-of a Hugging Face collator; it declares ``pipeline_input_keys = ("input_ids", "attention_mask")``, so the
-pipeline's default input hands it both when a dict batch has a mask (:mod:`.lightning`). Each block then
-builds the attention mask as the model's forward does, with the same ``transformers.masking_utils``
-function (causal, or sliding-window causal for the layers the config declares sliding), so every
-attention kernel gets the mask format it expects: eager attention and sliding windows longer than the
-sequences work as in the model. The blocks of one stage share the mask they built for a micro-batch's
-padding mask (one build per stage and micro-batch, not per block): building it with a padding mask reads
-one flag on the host (whether the mask pads anything), as the model's own forward does once; without a
-padding mask nothing is read, and the mask is built once per sequence length.
+Masks and positions. The first piece takes the token ids, ``(ids, attention_mask)``, or a mapping with
+``input_ids`` and optionally ``attention_mask`` (a collator's 2D padding mask) and ``position_ids``
+(packed rows from a flattening collator: positions restart at every document); it declares
+``pipeline_input_keys = ("input_ids", "attention_mask", "position_ids")``, so the pipeline's default
+input hands it those a dict batch has (:mod:`.lightning`). Between stages the hidden states travel with
+the mask as ``bool`` and the positions as integers (told apart by their dtype). Each block builds its
+attention mask as the model's forward does, with the same ``transformers.masking_utils`` function (causal,
+or sliding-window causal for the layers the config declares sliding; documents of packed rows attend
+only within themselves), so every attention kernel gets the mask format it expects: eager attention and
+sliding windows shorter than the sequences work as in the model. Rotary positions come from
+``position_ids`` when given, else ``0..T-1``. The blocks of one stage share the mask they built for a
+micro-batch (one build per stage and micro-batch, not per block): a build reads one flag on the host
+when the batch has a padding mask (whether it pads anything) or positions (whether they restart), as the
+model's own forward does once; with neither, nothing is read and the mask is built once per sequence
+length.
 
 Supported, by ``config.model_type``:
 
@@ -27,8 +32,8 @@ Supported, by ``config.model_type``:
   stages holding it);
 * the Llama family, ``llama``, ``mistral``, ``qwen2`` and ``qwen3``: ``model.embed_tokens``, the decoder
   layers ``model.layers``, ``model.norm`` with ``lm_head``. The rotary position embedding is recomputed
-  in every block from the hidden states' length (a few hundred flops per position), so nothing but the
-  hidden states (and the padding mask) cross a stage; it is the model's own ``rotary_emb`` module,
+  in every block from the positions (a few hundred flops per position), so nothing but the hidden states
+  (and the mask and positions) cross a stage; it is the model's own ``rotary_emb`` module,
   referenced, not copied, so it follows the model to its device;
 * the Gemma family, ``gemma``, ``gemma2`` and ``gemma3_text`` (``Gemma3ForCausalLM``), the same way: the
   embedding's scale lives in ``embed_tokens`` (transformers 5; an older version, whose forward scaled
@@ -48,7 +53,7 @@ targets) in the pipeline's token-exact form, so that training under pp with micr
 and data parallelism takes the gradient of that mean over all of the window's samples, as one process
 feeding the whole window to the model would. With it, a ``LightningModule`` holding a Hugging Face model
 needs three one-line methods (``pipeline_input`` defaults to ``batch["input_ids"]``, with
-``batch["attention_mask"]`` when there is one, for a dict batch).
+``attention_mask`` and ``position_ids`` when the batch has them, for a dict batch).
 
 The pieces wrap the model's modules (parameters are not copied). Build them in the first
 ``pipeline_layers()`` call and return the same list after: the strategy calls it after its tensor-parallel
@@ -60,7 +65,7 @@ still the model's (a few identity comparisons) and raises with that fix otherwis
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -72,8 +77,8 @@ from lightning_par.pipeline.pieces import Origin, Piece
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 # what the first piece takes from a dict batch (lightning.default_input): the ids, and the padding mask
-# when the batch has one
-INPUT_KEYS = ("input_ids", "attention_mask")
+# and the positions (packed sequences) when the batch has them
+INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
 def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
@@ -184,26 +189,36 @@ class _Masks:
             "full_attention": masking_utils.create_causal_mask,
             "sliding_attention": masking_utils.create_sliding_window_causal_mask,
         }
-        self._last: dict[str, tuple[Tensor | None, tuple[Any, ...], Any]] = {}
+        self._last: dict[str, tuple[Tensor | None, Tensor | None, tuple[Any, ...], Any]] = {}
 
-    def __call__(self, hidden: Tensor, padding: Tensor | None, kind: str) -> Any:
+    def __call__(self, hidden: Tensor, padding: Tensor | None, positions: Tensor | None, kind: str) -> Any:
         key = (tuple(hidden.shape[:2]), hidden.dtype, hidden.device)
         last = self._last.get(kind)
-        if last is not None and last[0] is padding and last[1] == key:
-            return last[2]
-        mask = mask_call(self.functions[kind], config=self.config, hidden=hidden, padding=padding)
-        self._last[kind] = (padding, key, mask)
+        if last is not None and last[0] is padding and last[1] is positions and last[2] == key:
+            return last[3]
+        mask = mask_call(
+            self.functions[kind], config=self.config, hidden=hidden, padding=padding, positions=positions
+        )
+        self._last[kind] = (padding, positions, key, mask)
         return mask
 
 
-def mask_call(function: Callable[..., Any], *, config: Any, hidden: Tensor, padding: Tensor | None) -> Any:
-    """``function`` (a ``masking_utils`` mask builder) for a forward without cache over positions
-    ``0..T-1``, under the argument names of the installed transformers: ``inputs_embeds`` (``input_embeds``
-    before 5.0), ``cache`` (``past_key_values``), and ``cache_position`` where the builder needs it.
-    ``position_ids`` stay unset: positions ``0..T-1`` are what the builder assumes then, and passing them
-    would make it look for packed sequences, a host read per call."""
+def mask_call(
+    function: Callable[..., Any],
+    *,
+    config: Any,
+    hidden: Tensor,
+    padding: Tensor | None,
+    positions: Tensor | None = None,
+) -> Any:
+    """``function`` (a ``masking_utils`` mask builder) for a forward without cache, under the argument
+    names of the installed transformers: ``inputs_embeds`` (``input_embeds`` before 5.0), ``cache``
+    (``past_key_values``), and ``cache_position`` where the builder needs it. ``position_ids`` are passed
+    only when the batch has them (packed sequences, found by the builder where positions restart): for
+    positions ``0..T-1`` the builder's result is the same without them, and it saves the host read that
+    looks for restarts."""
     names = inspect.signature(function).parameters
-    kwargs: dict[str, Any] = {"config": config, "attention_mask": padding}
+    kwargs: dict[str, Any] = {"config": config, "attention_mask": padding, "position_ids": positions}
     kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = hidden
     kwargs["cache" if "cache" in names else "past_key_values"] = None
     if "cache_position" in names:
@@ -211,21 +226,42 @@ def mask_call(function: Callable[..., Any], *, config: Any, hidden: Tensor, padd
     return function(**kwargs)
 
 
-def _unpack(x: Any) -> tuple[Tensor, Tensor | None]:
-    """A piece's input: a tensor, or ``(tensor, padding mask)``."""
+def _first_input(x: Any) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The first piece's input as ``(ids, padding mask, positions)``: the ids, ``(ids, attention_mask)``,
+    or a mapping with ``input_ids`` and optionally ``attention_mask`` and ``position_ids`` (what the
+    default input hands over). The mask goes on as ``bool`` (what the mask builders turn it into), which
+    is what tells it from the positions between stages."""
+    if isinstance(x, Mapping) and isinstance(x.get("input_ids"), Tensor):
+        ids, padding, positions = x["input_ids"], x.get("attention_mask"), x.get("position_ids")
+    elif isinstance(x, Tensor):
+        ids, padding, positions = x, None, None
+    elif isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(t, Tensor) for t in x):
+        (ids, padding), positions = x, None
+    else:
+        raise TypeError(
+            "hf_pipeline_layers' first piece takes the token ids, a pair (input_ids, attention_mask), or a"
+            f" mapping with 'input_ids' (and optionally 'attention_mask', 'position_ids'); got"
+            f" {type(x).__name__}: return one of them from pipeline_input."
+        )
+    if positions is not None and (positions.dtype == torch.bool or positions.is_floating_point()):
+        raise TypeError(f"position_ids must be integers, got {positions.dtype}.")
+    return ids, None if padding is None else padding.to(torch.bool), positions
+
+
+def _unpack(x: Any) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """A later piece's input as ``(hidden states, padding mask, positions)``: the hidden states alone or
+    followed by the ``bool`` mask and/or the integer positions (:func:`_pack`)."""
     if isinstance(x, Tensor):
-        return x, None
-    if isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(t, Tensor) for t in x):
-        return x[0], x[1]
-    raise TypeError(
-        "hf_pipeline_layers' pieces take a tensor or a pair (tensor, attention_mask), got"
-        f" {type(x).__name__}: return batch['input_ids'] (or (batch['input_ids'], batch['attention_mask']))"
-        " from pipeline_input."
-    )
+        return x, None, None
+    hidden, *extras = x
+    padding = next((t for t in extras if t.dtype == torch.bool), None)
+    positions = next((t for t in extras if t.dtype != torch.bool), None)
+    return hidden, padding, positions
 
 
-def _pack(out: Tensor, padding: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
-    return out if padding is None else (out, padding)
+def _pack(out: Tensor, padding: Tensor | None, positions: Tensor | None) -> Tensor | tuple[Tensor, ...]:
+    extras = tuple(t for t in (padding, positions) if t is not None)
+    return (out, *extras) if extras else out
 
 
 class _Piece(Piece):
@@ -241,20 +277,21 @@ class _GPT2Embed(_Piece):
     def __init__(self, transformer: nn.Module) -> None:
         super().__init__((transformer, "wte"), (transformer, "wpe"), (transformer, "drop"))
 
-    def forward(self, x: Any) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, x: Any) -> Tensor | tuple[Tensor, ...]:
         self.check()
-        ids, padding = _unpack(x)
-        positions = torch.arange(ids.shape[1], device=ids.device)
-        return _pack(self.child("drop")(self.child("wte")(ids) + self.child("wpe")(positions)), padding)
+        ids, padding, positions = _first_input(x)
+        where = torch.arange(ids.shape[1], device=ids.device) if positions is None else positions
+        hidden = self.child("drop")(self.child("wte")(ids) + self.child("wpe")(where))
+        return _pack(hidden, padding, positions)
 
 
 class _Embed(_Piece):
     pipeline_input_keys = INPUT_KEYS
 
-    def forward(self, x: Any) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, x: Any) -> Tensor | tuple[Tensor, ...]:
         self.check()
-        ids, padding = _unpack(x)
-        return _pack(self.child("embed_tokens")(ids), padding)
+        ids, padding, positions = _first_input(x)
+        return _pack(self.child("embed_tokens")(ids), padding, positions)
 
 
 class _Block(_Piece):
@@ -277,19 +314,21 @@ class _Block(_Piece):
         # referenced, not registered: the model owns it (and moves it); it holds buffers only
         self.__dict__["rotary"], self.__dict__["_masks"] = rotary, masks
 
-    def forward(self, x: Any) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, x: Any) -> Tensor | tuple[Tensor, ...]:
         self.check()
-        hidden, padding = _unpack(x)
-        kwargs: dict[str, Any] = {
-            "attention_mask": self.__dict__["_masks"](hidden, padding, self.__dict__["_attention"])
-        }
+        hidden, padding, positions = _unpack(x)
+        masks, attention = self.__dict__["_masks"], self.__dict__["_attention"]
+        kwargs: dict[str, Any] = {"attention_mask": masks(hidden, padding, positions, attention)}
         rotary = self.__dict__["rotary"]
         if rotary is not None:
-            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+            where = (
+                positions if positions is not None else torch.arange(hidden.shape[1], device=hidden.device)
+            )
+            where = where.view(-1, hidden.shape[1])  # (1, T) or (B, T), as the model's position_ids
             by_type = () if self.__dict__["_rope_type"] is None else (self.__dict__["_rope_type"],)
-            kwargs |= {"position_ids": positions, "position_embeddings": rotary(hidden, positions, *by_type)}
+            kwargs |= {"position_ids": where, "position_embeddings": rotary(hidden, where, *by_type)}
         out = self.child(self.__dict__["_block"])(hidden, **kwargs)
-        return _pack(out[0] if isinstance(out, tuple) else out, padding)
+        return _pack(out[0] if isinstance(out, tuple) else out, padding, positions)
 
 
 class _Head(_Piece):
@@ -303,7 +342,7 @@ class _Head(_Piece):
 
     def forward(self, x: Any) -> Tensor:
         self.check()
-        hidden, _ = _unpack(x)
+        hidden, _, _ = _unpack(x)
         (_, norm), (_, head) = self.__dict__["_origins"]
         logits: Tensor = self.child(head)(self.child(norm)(hidden))
         cap = self.__dict__["_cap"]

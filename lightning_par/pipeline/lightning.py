@@ -5,9 +5,9 @@ The LightningModule tells the strategy its network through three methods (the pi
 * ``pipeline_layers(self) -> Sequence[nn.Module]``: ordered; the output of layer ``i`` feeds ``i + 1``
   (between stages one tensor or a flat tuple of tensors, :mod:`lightning_par.pipeline.mail`);
 * ``pipeline_input(self, batch)``: what enters layer 0 (default: ``batch["input_ids"]`` for a mapping,
-  as Hugging Face's collators make, or the entries the first layer lists in its ``pipeline_input_keys``
-  as a tuple, e.g. ``(batch["input_ids"], batch["attention_mask"])`` for ``hf_pipeline_layers``; else
-  ``batch[0]``);
+  as Hugging Face's collators make, or a dict of the entries the first layer lists in its
+  ``pipeline_input_keys``, e.g. ``input_ids``, ``attention_mask`` and ``position_ids`` for
+  ``hf_pipeline_layers``; else ``batch[0]``);
 * ``pipeline_loss(self, output, batch) -> Tensor``: the loss of the last layer's output, or a mapping
   ``{"loss": loss, "acc": ..., ...}`` whose other entries are metrics, logged as ``train_acc`` (training),
   ``val_acc`` / ``test_acc`` (evaluation);
@@ -101,13 +101,12 @@ def micro_weights(micro: list[Any]) -> list[float]:
 def default_input(micro: Any, *, owner: str, keys: Sequence[str] | None = None) -> Any:
     """What enters the first layer when ``owner`` (the LightningModule's class name) defines no
     ``pipeline_input``: for a mapping, ``micro["input_ids"]``, or with ``keys`` (the first layer's
-    ``pipeline_input_keys``) the entries of ``keys`` the mapping has, the first required, as a tuple in
-    that order (a single entry as itself); ``micro[0]`` for a list or tuple."""
+    ``pipeline_input_keys``) a dict of the entries of ``keys`` the mapping has, the first required;
+    ``micro[0]`` for a list or tuple."""
     if isinstance(micro, Mapping):
-        first, *rest = keys or ("input_ids",)
+        first, *_ = keys or ("input_ids",)
         if first in micro:
-            present = [micro[first], *(micro[k] for k in rest if k in micro)]
-            return present[0] if len(present) == 1 else tuple(present)
+            return {k: micro[k] for k in keys if k in micro} if keys else micro[first]
     elif isinstance(micro, (list, tuple)) and micro:
         return micro[0]
     keys_of = f" with keys {sorted(micro)}" if isinstance(micro, Mapping) else ""
