@@ -118,6 +118,13 @@ def default_input(micro: Any, *, owner: str, keys: Sequence[str] | None = None) 
     )
 
 
+def token_mean(metrics: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """Pop the token-exact form's ``loss_sum`` and ``tokens`` from a step's ``metrics``; return the token
+    mean ``loss_sum / tokens`` (``float32``; 0 when no token is valid) and the count."""
+    tokens, loss_sum = metrics.pop("tokens"), metrics.pop("loss_sum")
+    return (loss_sum / tokens.clamp(min=1)).float(), tokens
+
+
 def pipeline_layers_of(module: pl.LightningModule) -> Sequence[nn.Module]:
     layers = getattr(module, "pipeline_layers", None)
     if not callable(layers):
@@ -237,13 +244,13 @@ class LightningPipeline:
     def _count_tokens(self, metrics: dict[str, Tensor], engine: Engine) -> Tensor:
         """Add the step's valid tokens to the window's count, have ``engine`` rescale the window's
         gradients (module docstring), and return the step's token-mean loss; pops the two sums."""
-        tokens, loss_sum = metrics.pop("tokens"), metrics.pop("loss_sum")
+        mean, tokens = token_mean(metrics)
         self.tokens.add(tokens.round())
         self._token_steps += 1
         if self._listening is not engine:
             engine.on_synchronized(lambda: self._rescale(engine))
             self._listening = engine
-        return (loss_sum / tokens.clamp(min=1)).float()
+        return mean
 
     def _rescale(self, engine: Engine) -> None:
         if self._token_steps == 0 or self._listening is not engine:  # a window without the token form
@@ -281,8 +288,7 @@ class LightningPipeline:
         loss = self.runtime.forward_step(inputs=self._inputs(micro), loss_fn=loss_fn)
         metrics = self.metrics.finish(stage)
         if "tokens" in metrics:  # the batch's token mean
-            tokens, loss_sum = metrics.pop("tokens"), metrics.pop("loss_sum")
-            loss = (loss_sum / tokens.clamp(min=1)).float()
+            loss, _ = token_mean(metrics)
         self.module.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=stage == "val")
         for name, metric in metrics.items():
             self.module.log(f"{stage}_{name}", metric, sync_dist=True)
