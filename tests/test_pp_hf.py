@@ -1,9 +1,12 @@
 """``hf_pipeline_layers``: Hugging Face causal LMs under pipeline parallelism without hand-written wrappers.
 
-The pieces chained in one process compute the model's own ``forward(ids, attention_mask=mask).logits``
-bitwise, without a mask and with left and right padding (GPT-2, Llama, Mistral, Qwen2, Qwen3; eager
-attention; sliding windows shorter than the sequences; training mode); refusals name the fix (an unknown
-attention type, a replaced module, an unsupported model); and a Llama behind the
+The pieces chained in one process compute the model's own training forward (``use_cache=False``)
+bitwise, without a mask, with left and right padding, and on packed rows (restarting ``position_ids``),
+for GPT-2, the fifteen Llama-like families (Llama, Mistral, Mixtral, Qwen2 / 3 and their MoE forms,
+Phi-3, Starcoder2, OLMo 1 / 2, StableLM, Helium, GLM, SmolLM3) and Gemma 1 / 2 / 3, with eager attention
+and with sliding windows shorter than the sequences; refusals name the fix (an unknown attention type,
+the routers' auxiliary loss, Gemma's bidirectional attention or an old transformers, a replaced module,
+an unsupported model, a malformed first input); and a Llama behind the
 pipeline protocol, pp2 with 1F1B and with zb, pp2 x tp2 (the shipped llama plan) with zb, pp2 from a
 ``save_pretrained`` directory, and a PEFT LoRA model (the ``PeftModel`` itself) at pp2 with 1F1B and with zb,
 trains as the single-process Trainer running the model's own ``forward``: per-step losses, validation loss
@@ -13,12 +16,13 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from transformers import (
@@ -49,7 +53,7 @@ from tests.test_pp_trainer import GLOBAL, SEED, N, _reference, _trainer
 from tests.test_strategy import LossRecorder, Tokens
 from tests.third_party import add_lora
 
-Family = Literal["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"]
+Family = str  # a model_type: "gpt2", "llama", "gemma2", ...
 _CLASSES: dict[str, tuple[Any, Any]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
@@ -59,10 +63,36 @@ _CLASSES: dict[str, tuple[Any, Any]] = {
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
+# the other Llama-like families, by transformers' class names
+_LLAMA_LIKE = {
+    "mixtral": "Mixtral",
+    "qwen2_moe": "Qwen2Moe",
+    "qwen3_moe": "Qwen3Moe",
+    "phi3": "Phi3",
+    "starcoder2": "Starcoder2",
+    "olmo": "Olmo",
+    "olmo2": "Olmo2",
+    "stablelm": "StableLm",
+    "helium": "Helium",
+    "glm": "Glm",
+    "smollm3": "SmolLM3",
+}
+_CLASSES |= {
+    family: (getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM"))
+    for family, name in _LLAMA_LIKE.items()
+}
 # Gemma: small heads (their default is 256 wide), windows shorter than the sequences, tied tables; Gemma 2
 # has no sdpa path in transformers (its attention soft-caps); Gemma 3 with a global layer between local ones
+_MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
 _EXTRA: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": 16},  # the window covers the test's sequences
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 4, "shared_expert_intermediate_size": 16} | _MOE,
+    "qwen3_moe": {"num_experts": 4} | _MOE,
+    "phi3": {"pad_token_id": 0},  # the default pad id lies outside the small vocabulary
+    "smollm3": {"pad_token_id": 0},
+    "glm": {"pad_token_id": 0, "head_dim": 8},
+    "helium": {"head_dim": 8},
     "gemma": {"head_dim": 8},
     "gemma2": {"head_dim": 8, "sliding_window": 5, "attn_implementation": "eager"},
     "gemma3_text": {
@@ -168,6 +198,12 @@ VARIANTS: list[tuple[Family, dict[str, Any]]] = [
     ("mistral", {"sliding_window": 5}),
     ("mistral", {"sliding_window": 5, "attn_implementation": "eager"}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+    *[(family, {}) for family in _LLAMA_LIKE],
+    # sliding windows of the families that slide every layer when the config sets one
+    ("mixtral", {"sliding_window": 5}),
+    ("phi3", {"sliding_window": 5}),
+    ("starcoder2", {"sliding_window": 5}),
+    ("qwen3_moe", {"sliding_window": 5}),
     ("gemma", {}),
     ("gemma2", {}),  # final logit soft-capping, local and global layers
     ("gemma3_text", {}),  # a rotary table per attention type
@@ -256,6 +292,8 @@ def test_bad_models_are_refused_with_the_fix() -> None:
         hf_pipeline_layers(old_gemma)
     with pytest.raises(ValueError, match=r"use_bidirectional_attention=True .* causal attention"):
         hf_pipeline_layers(build("gemma3_text", use_bidirectional_attention=True))
+    with pytest.raises(ValueError, match=r"mixtral model has output_router_logits=True.* = False"):
+        hf_pipeline_layers(build("mixtral", output_router_logits=True))
     embed = hf_pipeline_layers(build("llama"))[0]
     with pytest.raises(TypeError, match=r"a pair \(input_ids, attention_mask\), or a mapping .* got dict"):
         embed({"ids": torch.zeros(1, 4, dtype=torch.long)})

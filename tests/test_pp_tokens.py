@@ -299,6 +299,7 @@ NATIVE_CASES = (
     ("gpt2", "zb", 2, "left"),
     ("gemma3_text", "1f1b", 1, "left"),
     ("qwen3", "zb", 1, "packed"),
+    ("mixtral", "1f1b", 2, "right"),  # mixture of experts: each token routed to 2 of 4
 )
 
 
@@ -324,7 +325,8 @@ def _run_native(rank: int, world: int, tmp: str) -> dict[str, Any]:
 def test_hf_models_own_loss_under_pp_equals_one_process_on_the_window(tmp_path: Path) -> None:
     """Llama (1F1B, ZeRO-1), GPT-2 with its tied table (zb, ZeRO-2) and Gemma 3 (1F1B, ZeRO-1; tied,
     soft-capped, local and global layers) on left-padded dict batches with their attention masks, and
-    Qwen3 (zb, ZeRO-1) on packed rows with restarting position_ids, at pp2 x dp2, accumulation 2, ragged
+    Qwen3 (zb, ZeRO-1) on packed rows with restarting position_ids, and Mixtral (1F1B, ZeRO-2; experts)
+    on right-padded batches, at pp2 x dp2, accumulation 2, ragged
     micro-batches: the weights equal one process training on ``model(**window).loss``, Hugging Face's
     own loss over the window's samples."""
     results = run_distributed(_run_native, 4, str(tmp_path), init_group=False, timeout=400)

@@ -30,11 +30,14 @@ Supported, by ``config.model_type``:
 * ``gpt2``: ``transformer.wte`` + ``transformer.wpe``, the blocks ``transformer.h``, ``transformer.ln_f``
   with ``lm_head`` (tied to ``wte`` by default: the pipeline sums the tied table's gradient over the
   stages holding it);
-* the Llama family, ``llama``, ``mistral``, ``qwen2`` and ``qwen3``: ``model.embed_tokens``, the decoder
-  layers ``model.layers``, ``model.norm`` with ``lm_head``. The rotary position embedding is recomputed
-  in every block from the positions (a few hundred flops per position), so nothing but the hidden states
-  (and the mask and positions) cross a stage; it is the model's own ``rotary_emb`` module,
-  referenced, not copied, so it follows the model to its device;
+* the Llama-like families, ``llama``, ``mistral``, ``mixtral``, ``qwen2``, ``qwen2_moe``, ``qwen3``,
+  ``qwen3_moe``, ``phi3``, ``starcoder2``, ``olmo``, ``olmo2``, ``stablelm``, ``helium``, ``glm`` and
+  ``smollm3``: ``model.embed_tokens``, the decoder layers ``model.layers``, ``model.norm`` with
+  ``lm_head``. The rotary position embedding is recomputed in every block from the positions (a few
+  hundred flops per position), so nothing but the hidden states (and the mask and positions) cross a
+  stage; it is the model's own ``rotary_emb`` module, referenced, not copied, so it follows the model to
+  its device. A mixture-of-experts model whose config adds the routers' load-balancing loss to the
+  model's loss (``output_router_logits=True``) is refused: the pieces compute the logits only;
 * the Gemma family, ``gemma``, ``gemma2`` and ``gemma3_text`` (``Gemma3ForCausalLM``), the same way: the
   embedding's scale lives in ``embed_tokens`` (transformers 5; an older version, whose forward scaled
   it, is refused), the head soft-caps the logits where the config says so, Gemma 3's blocks take the
@@ -74,7 +77,12 @@ from torch import Tensor, nn
 from lightning_par.loss import token_loss_sum
 from lightning_par.pipeline.pieces import Origin, Piece
 
-SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+# the decoder families whose pieces are tested bitwise against the model (tests/test_pp_hf.py)
+LLAMA_LIKE = (
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "starcoder2", "olmo",
+    "olmo2", "stablelm", "helium", "glm", "smollm3",
+)  # fmt: skip
+SUPPORTED = ("gpt2", *LLAMA_LIKE, "gemma", "gemma2", "gemma3_text")
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 # what the first piece takes from a dict batch (lightning.default_input): the ids, and the padding mask
 # and the positions (packed sequences) when the batch has them
@@ -97,6 +105,13 @@ def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
         )
     if kind in GEMMA:
         _check_gemma(hf, config)
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            f"hf_pipeline_layers: this {kind} model has output_router_logits=True, which adds the routers'"
+            " load-balancing loss in the model's forward; the pieces compute the logits only. Set"
+            " model.config.output_router_logits = False (the loss is then the causal-LM loss,"
+            " hf_causal_lm_loss), or write pipeline_layers() yourself."
+        )
     masks = _Masks(config)
     if kind == "gpt2":
         t = hf.transformer
@@ -155,12 +170,15 @@ def _check_gemma(model: Any, config: Any) -> None:
 
 
 def _attention_type(config: Any, index: int) -> str:
-    """The attention of decoder layer ``index`` as the model's forward picks its mask: Mistral slides every
-    layer when the config has a window, Qwen's configs list a type per layer, the others attend fully."""
-    if config.model_type == "mistral":
-        return "full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"
+    """The attention of decoder layer ``index`` as the model's forward picks its mask: from the config's
+    per-layer ``layer_types`` where it has them (Qwen, Gemma 2 / 3, SmolLM3), else sliding for every layer
+    when the config sets a ``sliding_window`` (Mistral, Mixtral, Phi-3, Starcoder2, Qwen3-MoE), else
+    full."""
     types = getattr(config, "layer_types", None)
-    kind = types[index] if types else "full_attention"
+    if types:
+        kind = types[index]
+    else:
+        kind = "full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"
     if kind not in ("full_attention", "sliding_attention"):
         raise ValueError(
             f"hf_pipeline_layers: decoder layer {index} has attention type {kind!r}; the pieces build"
