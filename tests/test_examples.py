@@ -71,7 +71,7 @@ def test_hf_pipeline_example_equals_one_process() -> None:
     model's own loss and reports the largest weight difference."""
     import re
 
-    out = _run("pp_hf_finetune.py", "--steps", "4", "--schedule", "zb", "--check")
+    out = _run("pp_hf_finetune.py", "--steps", "4", "--schedule", "zb", "--padding", "left", "--check")
     assert "trained 4 steps" in out, out
     found = re.search(r"max \|W_pp - W_one_process\| = (\S+)", out)
     assert found is not None, out
