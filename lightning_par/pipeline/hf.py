@@ -189,10 +189,10 @@ def _attention_type(config: Any, index: int) -> str:
 
 class _Masks:
     """The attention masks of one model's blocks, built by the ``transformers.masking_utils`` function
-    the model's forward uses for each attention type, from the hidden states and the 2D padding mask (or
-    none). The last mask of each type is kept with the padding mask it came from (held, so its identity
-    stays unique): the blocks of a stage receive the same padding tensor for a micro-batch and share one
-    build (module docstring)."""
+    the model's forward uses for each attention type, from the hidden states, the 2D padding mask and the
+    positions (each or none). The last mask of each type is kept with the padding mask and positions it
+    came from (held, so their identities stay unique): the blocks of a stage receive the same tensors for
+    a micro-batch and share one build (module docstring)."""
 
     def __init__(self, config: Any) -> None:
         try:
@@ -236,7 +236,9 @@ def mask_call(
     positions ``0..T-1`` the builder's result is the same without them, and it saves the host read that
     looks for restarts."""
     names = inspect.signature(function).parameters
-    kwargs: dict[str, Any] = {"config": config, "attention_mask": padding, "position_ids": positions}
+    kwargs: dict[str, Any] = {"config": config, "attention_mask": padding}
+    if positions is not None or "position_ids" in names:
+        kwargs["position_ids"] = positions
     kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = hidden
     kwargs["cache" if "cache" in names else "past_key_values"] = None
     if "cache_position" in names:

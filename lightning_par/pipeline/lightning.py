@@ -178,7 +178,7 @@ class LightningPipeline:
             )
         self._eval_metrics = extra
         # what the first layer takes from a dict batch by default (its pipeline_input_keys, e.g. the
-        # ids and the padding mask of hf_pipeline_layers' embedding); only pipeline rank 0 feeds it
+        # ids, padding mask and positions of hf_pipeline_layers' embedding); only pipeline rank 0 feeds it
         first = runtime.chunks[0] if runtime.s == 0 else None
         while isinstance(first, nn.Sequential) and len(first) > 0:
             first = first[0]

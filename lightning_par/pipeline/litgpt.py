@@ -6,8 +6,9 @@ under pipeline parallelism.
 returns: the token embedding (scaled by ``sqrt(n_embd)`` where the config says so, as Gemma's), one piece
 per block, then ``ln_f`` with the LM head (and the final logit soft-capping of configs that have it).
 Chaining the pieces computes the model's own ``forward(idx)`` for a training or evaluation forward
-(no KV cache: ``input_pos`` is not taken), bitwise (tested on Pythia-, Llama- and Gemma-2-shaped configs,
-the last with its sliding-window layers, soft-capping and scaled embeddings).
+(no KV cache: ``input_pos`` is not taken), bitwise (tested on Pythia-, Llama-, Gemma-2- and
+Gemma-3-shaped configs, the Gemmas with sliding-window layers, scaled embeddings, soft-capping or
+``rope_indices``, and on litgpt's LoRA and adapter models).
 
 Only the hidden states cross a pipeline stage: each block reads the rotary tables from the model's
 ``cos`` / ``sin`` buffers for the hidden states' length (the model's forward slices the same tables once
