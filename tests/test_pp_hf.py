@@ -247,6 +247,21 @@ def test_the_pieces_compute_the_models_own_forward(family: Family, options: dict
     assert pieces[0].pipeline_input_keys == keys  # type: ignore[comparison-overlap]
 
 
+def test_the_pieces_compute_the_models_own_forward_in_bf16() -> None:
+    """bf16 weights (``precision="bf16-true"``): the masks are built in the activations' dtype, as the
+    model builds them; every variant, unpadded and left-padded."""
+    ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0))
+    for family, options in VARIANTS:
+        model = build(family, **options).train().to(torch.bfloat16)
+        pieces = hf_pipeline_layers(model)
+        for mask in (None, _padding("left")):
+            x: Any = ids if mask is None else (ids, mask)
+            for piece in pieces:
+                x = piece(x)
+            assert x.dtype == torch.bfloat16
+            assert torch.equal(x, model(ids, attention_mask=mask, use_cache=False).logits), (family, options)
+
+
 def test_the_pieces_of_a_peft_model_compute_its_forward() -> None:
     peft_model = add_lora(build("llama")).train()
     ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0))

@@ -10,9 +10,10 @@ mean, the validation loss is the token mean, the naive mean of micro-batch means
 trivial), and malformed loss mappings and ``token_normalized()`` under pp are refused with the fix.
 
 A Hugging Face model with nothing but ``hf_pipeline_layers``, ``hf_causal_lm_loss`` and the default input
-(dict batches from a collator: ``input_ids``, ``attention_mask``, unshifted ``labels``) trains at pp2 x dp2
-as one process training on the model's own ``model(**window).loss`` (Llama, and GPT-2 with its tied
-table under zb).
+(dict batches from a collator: ``input_ids`` with ``attention_mask`` on left or right padding, or
+``position_ids`` on packed rows, and unshifted ``labels``) trains at pp2 x dp2 and pp2 x tp2 as one
+process training on the model's own ``model(**window).loss`` (Llama, GPT-2 with its tied table, Gemma 3,
+Qwen3, Mixtral; ``NATIVE_CASES``).
 """
 
 from __future__ import annotations
@@ -291,49 +292,56 @@ class NativeHF(HFCausalLM):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=MOMENTUM)
 
 
-# (family, schedule, ZeRO stage, batches): left padding, where without the mask reaching every block the
-# valid tokens would attend to the padding; Gemma 3: tied table, soft-capped logits, local and global
-# layers with their own rotary tables; packed rows, whose positions restart and bound the attention
-NATIVE_CASES = (
-    ("llama", "1f1b", 1, "left"),
-    ("gpt2", "zb", 2, "left"),
-    ("gemma3_text", "1f1b", 1, "left"),
-    ("qwen3", "zb", 1, "packed"),
-    ("mixtral", "1f1b", 2, "right"),  # mixture of experts: each token routed to 2 of 4
-)
+# name -> (family, batches, strategy options), world 4: left padding, where without the mask reaching every
+# block the valid tokens would attend to the padding; Gemma 3: tied table, soft-capped logits, local and
+# global layers with their own rotary tables; packed rows, whose positions restart and bound the
+# attention; Mixtral: each token routed to 2 of 4 experts; pp2 x tp2 with the shipped llama plan: the
+# mask beside head-parallel attention
+NATIVE_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("llama", "left", dict(pipeline_schedule="1f1b", zero_stage=1)),
+    "gpt2": ("gpt2", "left", dict(pipeline_schedule="zb", zero_stage=2)),
+    "gemma3": ("gemma3_text", "left", dict(pipeline_schedule="1f1b", zero_stage=1)),
+    "qwen3-packed": ("qwen3", "packed", dict(pipeline_schedule="zb", zero_stage=1)),
+    "mixtral": ("mixtral", "right", dict(pipeline_schedule="1f1b", zero_stage=2)),
+    "llama-tp2": ("llama", "left", dict(pipeline_schedule="zb", tensor_parallel_size=2, tp_plan="llama")),
+}
+
+
+def _dp(options: dict[str, Any]) -> int:
+    return 4 // (2 * options.get("tensor_parallel_size", 1))
 
 
 def _run_native(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for family, schedule, stage, side in NATIVE_CASES:
+    for name, (family, side, options) in NATIVE_CASES.items():
         pl.seed_everything(SEED)
         module = NativeHF(family, SEED)  # type: ignore[arg-type]
         module.configure_model()
-        strategy = HybridParallelStrategy(
-            pipeline_parallel_size=2, num_microbatches=2, pipeline_schedule=schedule, zero_stage=stage
-        )
+        strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, **options)
         seen = Seen()
         trainer = _trainer(
             strategy, world, tmp, [seen], accumulate_grad_batches=ACCUM, gradient_clip_val=None
         )
-        trainer.fit(module, DataLoader(HFBatches(N, side), batch_size=BATCH, shuffle=False))
+        batch_size = BATCH * DP // _dp(options)  # every sample once, in WINDOWS windows
+        trainer.fit(module, DataLoader(HFBatches(N, side), batch_size=batch_size, shuffle=False))
         state = strategy.consolidated_state_dict()
-        out[family] = {"train": seen.train, "state": {k: v.clone() for k, v in state.items()}}
+        out[name] = {"train": seen.train, "state": {k: v.clone() for k, v in state.items()}}
+        strategy.destroy_process_groups()
     return out
 
 
 def test_hf_models_own_loss_under_pp_equals_one_process_on_the_window(tmp_path: Path) -> None:
-    """Llama (1F1B, ZeRO-1), GPT-2 with its tied table (zb, ZeRO-2) and Gemma 3 (1F1B, ZeRO-1; tied,
-    soft-capped, local and global layers) on left-padded dict batches with their attention masks, and
-    Qwen3 (zb, ZeRO-1) on packed rows with restarting position_ids, and Mixtral (1F1B, ZeRO-2; experts)
-    on right-padded batches, at pp2 x dp2, accumulation 2, ragged
-    micro-batches: the weights equal one process training on ``model(**window).loss``, Hugging Face's
-    own loss over the window's samples."""
+    """At pp2 x dp2: Llama (1F1B, ZeRO-1), GPT-2 with its tied table (zb, ZeRO-2) and Gemma 3 (1F1B,
+    ZeRO-1; tied, soft-capped, local and global layers) on left-padded dict batches with their attention
+    masks, Qwen3 (zb, ZeRO-1) on packed rows with restarting position_ids, Mixtral (1F1B, ZeRO-2;
+    experts) on right-padded batches; and a left-padded Llama at pp2 x tp2 (zb, the llama plan). With
+    accumulation 2 and ragged micro-batches, the weights equal one process training on
+    ``model(**window).loss``, Hugging Face's own loss over the window's samples."""
     results = run_distributed(_run_native, 4, str(tmp_path), init_group=False, timeout=400)
-    for family, _, _, side in NATIVE_CASES:
+    for name, (family, side, options) in NATIVE_CASES.items():
         data = HFBatches(N, side)
-        streams = sorted({tuple(map(tuple, r[family]["train"])) for r in results})
-        assert len(streams) == DP, family
+        streams = sorted({tuple(map(tuple, r[name]["train"])) for r in results})
+        assert len(streams) == _dp(options), name
         model = build(family, seed=SEED).train()  # type: ignore[arg-type]
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         for w in range(WINDOWS):
@@ -342,9 +350,9 @@ def test_hf_models_own_loss_under_pp_equals_one_process_on_the_window(tmp_path: 
             opt.zero_grad()
             model(**batch, use_cache=False).loss.backward()  # a training forward: no cache
             opt.step()
-        state = results[0][family]["state"]
+        state = results[0][name]["state"]
         for n, value in model.named_parameters():
-            torch.testing.assert_close(state[f"model.{n}"], value.detach(), msg=f"{family} {n}")
+            torch.testing.assert_close(state[f"model.{n}"], value.detach(), msg=f"{name} {n}")
 
 
 def test_token_normalized_is_refused_under_pp_with_the_fix() -> None:
