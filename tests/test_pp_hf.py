@@ -3,10 +3,10 @@
 The pieces chained in one process compute the model's own training forward (``use_cache=False``)
 bitwise, without a mask, with left and right padding, and on packed rows (restarting ``position_ids``),
 for GPT-2, the fifteen Llama-like families (Llama, Mistral, Mixtral, Qwen2 / 3 and their MoE forms,
-Phi-3, Starcoder2, OLMo 1 / 2, StableLM, Helium, GLM, SmolLM3) and Gemma 1 / 2 / 3, with eager attention
-and with sliding windows shorter than the sequences; refusals name the fix (an unknown attention type,
-the routers' auxiliary loss, Gemma's bidirectional attention or an old transformers, a replaced module,
-an unsupported model, a malformed first input); and a Llama behind the
+Phi-3, Starcoder2, OLMo 1 / 2, StableLM, Helium, GLM, SmolLM3), GPT-NeoX and Gemma 1 / 2 / 3, with eager
+attention and with sliding windows shorter than the sequences, in fp32 and bf16; refusals name the fix
+(an unknown attention type, the routers' auxiliary loss, Gemma's bidirectional attention or an old
+transformers, a replaced module, an unsupported model, a malformed first input); and a Llama behind the
 pipeline protocol, pp2 with 1F1B and with zb, pp2 x tp2 (the shipped llama plan) with zb, pp2 from a
 ``save_pretrained`` directory, and a PEFT LoRA model (the ``PeftModel`` itself) at pp2 with 1F1B and with zb,
 trains as the single-process Trainer running the model's own ``forward``: per-step losses, validation loss
@@ -76,6 +76,7 @@ _LLAMA_LIKE = {
     "helium": "Helium",
     "glm": "Glm",
     "smollm3": "SmolLM3",
+    "gpt_neox": "GPTNeoX",  # Pythia: its own attribute names, partial rotary, embedding dropout
 }
 _CLASSES |= {
     family: (getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM"))
@@ -93,6 +94,7 @@ _EXTRA: dict[str, dict[str, Any]] = {
     "smollm3": {"pad_token_id": 0},
     "glm": {"pad_token_id": 0, "head_dim": 8},
     "helium": {"head_dim": 8},
+    "gpt_neox": {"rotary_pct": 0.25},
     "gemma": {"head_dim": 8},
     "gemma2": {"head_dim": 8, "sliding_window": 5, "attn_implementation": "eager"},
     "gemma3_text": {

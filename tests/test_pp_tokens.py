@@ -296,7 +296,7 @@ class NativeHF(HFCausalLM):
 # block the valid tokens would attend to the padding; Gemma 3: tied table, soft-capped logits, local and
 # global layers with their own rotary tables; packed rows, whose positions restart and bound the
 # attention; Mixtral: each token routed to 2 of 4 experts; pp2 x tp2 with the shipped llama plan: the
-# mask beside head-parallel attention
+# mask beside head-parallel attention; GPT-NeoX (Pythia) with each stage's blocks sharded by ZeRO-3
 NATIVE_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("llama", "left", dict(pipeline_schedule="1f1b", zero_stage=1)),
     "gpt2": ("gpt2", "left", dict(pipeline_schedule="zb", zero_stage=2)),
@@ -304,6 +304,7 @@ NATIVE_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3-packed": ("qwen3", "packed", dict(pipeline_schedule="zb", zero_stage=1)),
     "mixtral": ("mixtral", "right", dict(pipeline_schedule="1f1b", zero_stage=2)),
     "llama-tp2": ("llama", "left", dict(pipeline_schedule="zb", tensor_parallel_size=2, tp_plan="llama")),
+    "pythia-zero3": ("gpt_neox", "left", dict(pipeline_schedule="1f1b", zero_stage=3)),
 }
 
 
@@ -334,7 +335,8 @@ def test_hf_models_own_loss_under_pp_equals_one_process_on_the_window(tmp_path: 
     """At pp2 x dp2: Llama (1F1B, ZeRO-1), GPT-2 with its tied table (zb, ZeRO-2) and Gemma 3 (1F1B,
     ZeRO-1; tied, soft-capped, local and global layers) on left-padded dict batches with their attention
     masks, Qwen3 (zb, ZeRO-1) on packed rows with restarting position_ids, Mixtral (1F1B, ZeRO-2;
-    experts) on right-padded batches; and a left-padded Llama at pp2 x tp2 (zb, the llama plan). With
+    experts) on right-padded batches, GPT-NeoX (1F1B, ZeRO-3) left-padded; and a left-padded Llama at
+    pp2 x tp2 (zb, the llama plan). With
     accumulation 2 and ragged micro-batches, the weights equal one process training on
     ``model(**window).loss``, Hugging Face's own loss over the window's samples."""
     results = run_distributed(_run_native, 4, str(tmp_path), init_group=False, timeout=400)

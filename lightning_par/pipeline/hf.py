@@ -38,6 +38,8 @@ Supported, by ``config.model_type``:
   stage; it is the model's own ``rotary_emb`` module, referenced, not copied, so it follows the model to
   its device. A mixture-of-experts model whose config adds the routers' load-balancing loss to the
   model's loss (``output_router_logits=True``) is refused: the pieces compute the logits only;
+* ``gpt_neox`` (Pythia and its kin) the same way, under its own names: ``gpt_neox.embed_in`` with
+  ``emb_dropout``, ``gpt_neox.layers``, ``gpt_neox.final_layer_norm``, ``lm_head``;
 * the Gemma family, ``gemma``, ``gemma2`` and ``gemma3_text`` (``Gemma3ForCausalLM``), the same way: the
   embedding's scale lives in ``embed_tokens`` (transformers 5; an older version, whose forward scaled
   it, is refused), the head soft-caps the logits where the config says so, Gemma 3's blocks take the
@@ -82,7 +84,13 @@ LLAMA_LIKE = (
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "starcoder2", "olmo",
     "olmo2", "stablelm", "helium", "glm", "smollm3",
 )  # fmt: skip
-SUPPORTED = ("gpt2", *LLAMA_LIKE, "gemma", "gemma2", "gemma3_text")
+SUPPORTED = ("gpt2", *LLAMA_LIKE, "gpt_neox", "gemma", "gemma2", "gemma3_text")
+# where a Llama-like causal LM keeps its parts: the decoder's attribute, then the decoder's embedding,
+# embedding dropout (or None), blocks and final norm, then the causal LM's head
+_PARTS: dict[str, tuple[str, str, str | None, str, str, str]] = {
+    "gpt_neox": ("gpt_neox", "embed_in", "emb_dropout", "layers", "final_layer_norm", "lm_head"),
+}
+_LLAMA_PARTS = ("model", "embed_tokens", None, "layers", "norm", "lm_head")
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 # what the first piece takes from a dict batch (lightning.default_input): the ids, and the padding mask
 # and the positions (packed sequences) when the batch has them
@@ -117,15 +125,23 @@ def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
         t = hf.transformer
         blocks = [_Block((t.h, str(i)), masks, "full_attention") for i in range(len(t.h))]
         return [_GPT2Embed(t), *blocks, _Head((t, "ln_f"), (hf, "lm_head"))]
-    m = hf.model
+    decoder, embed, dropout, layers, norm, head = _PARTS.get(kind, _LLAMA_PARTS)
+    m = getattr(hf, decoder)
     # Gemma 3 keeps one rotary table per attention type (local and global bases)
     per_type = kind == "gemma3_text"
     blocks = [
-        _Block((m.layers, str(i)), masks, _attention_type(config, i), m.rotary_emb, rope_by_type=per_type)
-        for i in range(len(m.layers))
+        _Block(
+            (m._modules[layers], str(i)),
+            masks,
+            _attention_type(config, i),
+            m.rotary_emb,
+            rope_by_type=per_type,
+        )
+        for i in range(len(m._modules[layers]))
     ]
     cap = getattr(config, "final_logit_softcapping", None)
-    return [_Embed((m, "embed_tokens")), *blocks, _Head((m, "norm"), (hf, "lm_head"), cap)]
+    first = _Embed((m, embed), *([(m, dropout)] if dropout else []))
+    return [first, *blocks, _Head((m, norm), (hf, head), cap)]
 
 
 def hf_causal_lm_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> dict[str, Tensor]:
@@ -306,12 +322,18 @@ class _GPT2Embed(_Piece):
 
 
 class _Embed(_Piece):
+    """The token embedding, then the embedding dropout where the model has one (GPT-NeoX)."""
+
     pipeline_input_keys = INPUT_KEYS
 
     def forward(self, x: Any) -> Tensor | tuple[Tensor, ...]:
         self.check()
         ids, padding, positions = _first_input(x)
-        return _pack(self.child("embed_tokens")(ids), padding, positions)
+        names = [name for _, name in self.__dict__["_origins"]]
+        hidden = self.child(names[0])(ids)
+        if len(names) > 1:
+            hidden = self.child(names[1])(hidden)
+        return _pack(hidden, padding, positions)
 
 
 class _Block(_Piece):
