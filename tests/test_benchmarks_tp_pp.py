@@ -1,13 +1,16 @@
-"""Smoke tests of ``bench_tp --quick`` and ``bench_pp --quick``: they run, write complete JSON, the sharded /
-pipelined runs agree with the unsharded / unpipelined model, and the pipeline's measured bubble and
-activation counts follow the schedules."""
+"""Smoke tests of ``bench_tp --quick``, ``bench_pp --quick`` and ``bench_hf_pieces --quick``: they run, write
+complete JSON, the sharded / pipelined runs agree with the unsharded / unpipelined model (the Hugging Face
+pieces with the model's own forward), and the pipeline's measured bubble and activation counts follow the
+schedules."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from benchmarks import bench_pp, bench_tp
+import pytest
+
+from benchmarks import bench_hf_pieces, bench_pp, bench_tp
 from lightning_par.pipeline import build_schedule, peak_in_flight
 
 
@@ -141,3 +144,17 @@ def test_bench_pp_quick_bubbles_in_flight_and_equality(tmp_path: Path) -> None:
     assert pp4["config"]["world_size"] == 4 and pp4["correct"] and pp4["in_flight_matches_schedule"]
     assert pp4["implementations"]["1f1b_m16"]["peak_forwards_in_flight_per_rank"] == [4, 3, 2, 1]
     assert pp4["implementations"]["gpipe_m16"]["peak_forwards_in_flight_per_rank"] == [16] * 4
+
+
+def test_bench_hf_pieces_quick_writes_json_and_the_pieces_equal_the_model(tmp_path: Path) -> None:
+    out = tmp_path / "hf_pieces.json"
+    payload = bench_hf_pieces.main(["--quick", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(payload))
+    assert {(r["family"], r["form"]) for r in data["rows"]} == {
+        (f, form) for f in bench_hf_pieces.FAMILIES for form in bench_hf_pieces.FORMS
+    }
+    assert data["correct"] and all(r["logits_equal"] for r in data["rows"])
+    for r in data["rows"]:
+        assert len(r["step_times_s"]["model"]) == len(r["step_times_s"]["pieces"]) == data["config"]["rounds"]
+        assert r["pieces_over_model"] == pytest.approx(r["pieces_ms"] / r["model_ms"])
