@@ -77,7 +77,9 @@ class _Embed(_LitPiece):
                 f" {self.gpt.max_seq_length}."
             )
         x = self.child("wte")(idx)
-        if self.gpt.config.scale_embeddings:  # as GPT.forward: the factor in the activations' dtype
+        if self.gpt.config.scale_embeddings:
+            # as GPT.forward: the factor rounded to the activations' dtype; a 0-dim CPU tensor enters a
+            # CUDA multiplication as a scalar (no copy, no sync), and reaches no collective
             x = x * torch.tensor(self.gpt.config.n_embd**0.5, dtype=x.dtype)
         return x
 
