@@ -305,6 +305,8 @@ NATIVE_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mixtral": ("mixtral", "right", dict(pipeline_schedule="1f1b", zero_stage=2)),
     "llama-tp2": ("llama", "left", dict(pipeline_schedule="zb", tensor_parallel_size=2, tp_plan="llama")),
     "pythia-zero3": ("gpt_neox", "left", dict(pipeline_schedule="1f1b", zero_stage=3)),
+    # recomputed blocks: their mask built again from the saved padding, or taken from the stage's cache
+    "qwen2-ckpt": ("qwen2", "left", dict(pipeline_schedule="zb", activation_checkpointing=True)),
 }
 
 
@@ -326,7 +328,12 @@ def _run_native(rank: int, world: int, tmp: str) -> dict[str, Any]:
         batch_size = BATCH * DP // _dp(options)  # every sample once, in WINDOWS windows
         trainer.fit(module, DataLoader(HFBatches(N, side), batch_size=batch_size, shuffle=False))
         state = strategy.consolidated_state_dict()
-        out[name] = {"train": seen.train, "state": {k: v.clone() for k, v in state.items()}}
+        checkpointed = sum(getattr(m, "_lightning_par_checkpointed", False) for m in module.modules())
+        out[name] = {
+            "train": seen.train,
+            "state": {k: v.clone() for k, v in state.items()},
+            "checkpointed": checkpointed,
+        }
         strategy.destroy_process_groups()
     return out
 
@@ -335,8 +342,8 @@ def test_hf_models_own_loss_under_pp_equals_one_process_on_the_window(tmp_path: 
     """At pp2 x dp2: Llama (1F1B, ZeRO-1), GPT-2 with its tied table (zb, ZeRO-2) and Gemma 3 (1F1B,
     ZeRO-1; tied, soft-capped, local and global layers) on left-padded dict batches with their attention
     masks, Qwen3 (zb, ZeRO-1) on packed rows with restarting position_ids, Mixtral (1F1B, ZeRO-2;
-    experts) on right-padded batches, GPT-NeoX (1F1B, ZeRO-3) left-padded; and a left-padded Llama at
-    pp2 x tp2 (zb, the llama plan). With
+    experts) on right-padded batches, GPT-NeoX (1F1B, ZeRO-3) and Qwen2 (zb, activation checkpointing)
+    left-padded; and a left-padded Llama at pp2 x tp2 (zb, the llama plan). With
     accumulation 2 and ragged micro-batches, the weights equal one process training on
     ``model(**window).loss``, Hugging Face's own loss over the window's samples."""
     results = run_distributed(_run_native, 4, str(tmp_path), init_group=False, timeout=400)
@@ -344,6 +351,9 @@ def test_hf_models_own_loss_under_pp_equals_one_process_on_the_window(tmp_path: 
         data = HFBatches(N, side)
         streams = sorted({tuple(map(tuple, r[name]["train"])) for r in results})
         assert len(streams) == _dp(options), name
+        # the checkpointed case recomputes its decoder layers (2) in backward; the others none
+        want = 2 if options.get("activation_checkpointing") else 0
+        assert all(r[name]["checkpointed"] == want for r in results), name
         model = build(family, seed=SEED).train()  # type: ignore[arg-type]
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         for w in range(WINDOWS):
