@@ -41,10 +41,10 @@ from lightning_par.pipeline import hf_pipeline_layers
 
 NAME = "hf_pieces"
 FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"layer_types": "alternate"}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 FORMS = ("plain", "left", "packed")
 
@@ -67,7 +67,7 @@ QUICK = PiecesBenchConfig(layers=2, hidden=32, heads=4, vocab=64, batch=2, seq=1
 
 
 def build(family: str, cfg: PiecesBenchConfig) -> Any:
-    config_name, model_name, extra = FAMILIES[family]
+    config_name, model_name = FAMILIES[family]
     config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
     torch.manual_seed(cfg.seed)
     if family == "gpt2":
@@ -81,7 +81,7 @@ def build(family: str, cfg: PiecesBenchConfig) -> Any:
             num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads // 2,
             max_position_embeddings=cfg.seq, head_dim=cfg.hidden // cfg.heads,
         )  # fmt: skip
-    if extra.get("layer_types") == "alternate":  # a global layer after every local one
+    if family == "gemma3_text":  # a global layer after every local one
         kw |= {
             "sliding_window": cfg.seq // 4,
             "layer_types": ["sliding_attention", "full_attention"] * (cfg.layers // 2)

@@ -318,7 +318,7 @@ def _run_native(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (family, side, options) in NATIVE_CASES.items():
         pl.seed_everything(SEED)
-        module = NativeHF(family, SEED)  # type: ignore[arg-type]
+        module = NativeHF(family, SEED)
         module.configure_model()
         strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, **options)
         seen = Seen()
@@ -354,7 +354,7 @@ def test_hf_models_own_loss_under_pp_equals_one_process_on_the_window(tmp_path: 
         # the checkpointed case recomputes its decoder layers (2) in backward; the others none
         want = 2 if options.get("activation_checkpointing") else 0
         assert all(r[name]["checkpointed"] == want for r in results), name
-        model = build(family, seed=SEED).train()  # type: ignore[arg-type]
+        model = build(family, seed=SEED).train()
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         for w in range(WINDOWS):
             idx = [i for s in streams for b in s[w * ACCUM : (w + 1) * ACCUM] for i in b]

@@ -77,7 +77,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_par.loss import token_loss_sum
-from lightning_par.pipeline.pieces import Origin, Piece
+from lightning_par.pipeline.pieces import Origin, Piece, softcap
 
 # the decoder families whose pieces are tested bitwise against the model (tests/test_pp_hf.py)
 LLAMA_LIKE = (
@@ -386,8 +386,4 @@ class _Head(_Piece):
         self.check()
         hidden, _, _ = _unpack(x)
         (_, norm), (_, head) = self.__dict__["_origins"]
-        logits: Tensor = self.child(head)(self.child(norm)(hidden))
-        cap = self.__dict__["_cap"]
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return softcap(self.child(head)(self.child(norm)(hidden)), self.__dict__["_cap"])

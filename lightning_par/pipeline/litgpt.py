@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_par.pipeline.pieces import Origin, Piece
+from lightning_par.pipeline.pieces import Origin, Piece, softcap
 
 
 def litgpt_pipeline_layers(model: nn.Module) -> list[nn.Module]:
@@ -109,7 +109,5 @@ class _Head(_LitPiece):
 
     def forward(self, x: Tensor) -> Tensor:
         self.check()
-        logits: Tensor = self.child("lm_head")(self.child("ln_f")(x))
-        cap = self.gpt.config.final_logit_softcapping
-        # litgpt's do_softcapping, written out: the same two operations in the same order
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        # litgpt's do_softcapping computes the same operations in the same order
+        return softcap(self.child("lm_head")(self.child("ln_f")(x)), self.gpt.config.final_logit_softcapping)

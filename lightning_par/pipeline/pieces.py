@@ -11,7 +11,8 @@ the module the model no longer has.
 
 from __future__ import annotations
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 Origin = tuple[nn.Module, str]  # (parent module, name of the wrapped child in it)
 
@@ -46,3 +47,9 @@ class Piece(nn.Module):
 
 def _attr(name: str) -> str:
     return f"layer_{name}" if name.isdigit() else name
+
+
+def softcap(logits: Tensor, cap: float | None) -> Tensor:
+    """Final logit soft-capping as Gemma 2 / 3 apply it (``cap * tanh(logits / cap)``, the same operations
+    in the same order, so the result is bitwise the model's); ``logits`` unchanged when ``cap`` is None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
