@@ -103,17 +103,16 @@ def default_input(micro: Any, *, owner: str, keys: Sequence[str] | None = None) 
     ``pipeline_input``: for a mapping, ``micro["input_ids"]``, or with ``keys`` (the first layer's
     ``pipeline_input_keys``) a dict of the entries of ``keys`` the mapping has, the first required;
     ``micro[0]`` for a list or tuple."""
+    first = keys[0] if keys else "input_ids"
     if isinstance(micro, Mapping):
-        first, *_ = keys or ("input_ids",)
         if first in micro:
             return {k: micro[k] for k in keys if k in micro} if keys else micro[first]
     elif isinstance(micro, (list, tuple)) and micro:
         return micro[0]
     keys_of = f" with keys {sorted(micro)}" if isinstance(micro, Mapping) else ""
-    wanted = f"batch[{(keys or ('input_ids',))[0]!r}]"
     raise TypeError(
         f"Pipeline parallelism: a batch of type {type(micro).__name__}{keys_of} has no default input"
-        f" ({wanted} for a mapping, batch[0] for a list or tuple): define {owner}.pipeline_input("
+        f" (batch[{first!r}] for a mapping, batch[0] for a list or tuple): define {owner}.pipeline_input("
         "batch), returning what the first pipeline layer takes."
     )
 
