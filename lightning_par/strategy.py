@@ -34,8 +34,9 @@ from lightning_par.compose import ComposeOptions, compose
 from lightning_par.device_checks import check_optimizer_kernels
 from lightning_par.loss import TokenNormalizer
 from lightning_par.memory import MemoryReport, measure_memory
-from lightning_par.pipeline.lightning import LightningPipeline, build_pipeline, pipeline_layers_of
+from lightning_par.pipeline.lightning import LightningPipeline, pipeline_layers_of
 from lightning_par.pipeline.partition import PartitionMethod
+from lightning_par.pipeline.steps import pipeline_parts
 from lightning_par.precision import cast_frozen
 from lightning_par.strategy_env import MeshStrategy
 from lightning_par.strategy_options import PipelineSchedule, StartMethod, check_fit_setup, check_options
@@ -278,7 +279,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
                 check_pipeline_units(self.model, self.zero3_units, layers=layers, pieces=pieces, pp_size=pp)
             if self._pipeline is not None:  # a second setup (fit, then test): its tie groups go first
                 self._pipeline.tied.destroy()
-            self._pipeline = build_pipeline(
+            runtime, tied = pipeline_parts(
                 module,
                 composition.pipeline,
                 mesh=self.mesh,
@@ -286,6 +287,10 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
                 num_microbatches=self.num_microbatches,
                 device=self.root_device,
                 slack=self.pipeline_slack,
+            )
+            mesh = self.mesh
+            self._pipeline = LightningPipeline(
+                module, runtime, tied, dp_group=mesh.dp_group, dp_size=mesh.dp_size
             )
         plan: PretrainedPlan | None = None
         if self.pretrained is not None:

@@ -378,8 +378,9 @@ def test_the_default_input_takes_input_ids_the_first_layers_keys_or_the_first_el
     ids = torch.arange(6).view(2, 3)
     assert default_input({"input_ids": ids, "labels": ids}, owner="M") is ids
     assert default_input((ids, ids + 1), owner="M") is ids
+    owner = "M.pipeline_input(batch)"  # where the input function would come from (Trainer: the module)
     with pytest.raises(TypeError, match=r"dict with keys \['labels', 'tokens'\] .* define M.pipeline_input"):
-        default_input({"tokens": ids, "labels": ids}, owner="M")
+        default_input({"tokens": ids, "labels": ids}, owner=owner)
     with pytest.raises(TypeError, match=r"batch of type Tensor has no default input"):
         default_input(ids, owner="M")
     # a first layer that lists its keys (hf_pipeline_layers' embedding): the ones the batch has, in order

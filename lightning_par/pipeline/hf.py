@@ -148,7 +148,7 @@ def hf_causal_lm_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = -10
     """A Hugging Face causal LM's loss on ``logits`` ``(B, T, V)`` for ``labels`` ``(B, T)`` (the labels as
     passed to the model: not yet shifted) as ``{"loss_sum", "tokens"}``: ``Σ_{b, t < T-1} CE(logits[b, t],
     labels[b, t + 1])`` over the targets that are not ``ignore_index``, and their number. The pipeline
-    divides the gradient by the window's total (:mod:`lightning_par.pipeline.lightning`), which gives the
+    divides the gradient by the window's total (:mod:`lightning_par.pipeline.steps`), which gives the
     gradient of the model's own mean loss over the window's samples."""
     loss_sum, tokens = token_loss_sum(logits[:, :-1], labels[:, 1:], ignore_index=ignore_index)
     return {"loss_sum": loss_sum, "tokens": tokens}

@@ -12,8 +12,8 @@ compute more than the loss:
   of valid tokens (:func:`~lightning_par.loss.token_loss_sum` computes both). These two are summed over
   the step's micro-batches instead of averaged, reach every rank in the same broadcast as the metrics
   (in float64, so counts stay exact), and the step's loss is ``Σ S / Σ n``. The gradient rescaling that
-  makes the window's gradient the global token mean is :class:`~lightning_par.pipeline.lightning.
-  LightningPipeline`'s; the count has to reach every stage because every stage's gradients are rescaled.
+  makes the window's gradient the global token mean is :class:`~lightning_par.pipeline.steps.
+  PipelineSteps`'; the count has to reach every stage because every stage's gradients are rescaled.
 
 A metric is a scalar per micro-batch; the step's value is the mean over its micro-batches (equal sizes:
 the batch mean). :class:`PipelineMetrics` gathers them on the last stage and broadcasts them over the

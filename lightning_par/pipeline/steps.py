@@ -1,0 +1,302 @@
+"""A pipeline step on a batch, Lightning-free: what both front doors run under pipeline parallelism.
+
+:class:`PipelineSteps` takes a whole batch, splits it into the runtime's ``m`` micro-batches (along dim 0
+of every tensor), feeds them through :class:`~lightning_par.pipeline.runtime.PipelineRuntime` and
+returns the step's loss and metrics, identical on every pipeline rank. The caller supplies
+
+* ``loss_fn(output, micro_batch)``: on the last stage, the loss of the last layer's output, as a tensor,
+  as ``{"loss": loss, "metric": value, ...}``, or in the token-exact form ``{"loss_sum": S_i, "tokens":
+  n_i, ...}`` (:mod:`lightning_par.pipeline.metrics`);
+* ``input_fn(micro_batch)`` (optional): what enters the first layer (default :func:`default_input`).
+
+Gradient arithmetic of :meth:`PipelineSteps.train`: micro-batch ``i`` back-propagates its loss times
+``factor`` (the caller's constant, e.g. ``1/K`` for an accumulation window of ``K`` steps) and the fp16
+loss scale, divided by ``m`` (a mean over the micro-batches; a ragged split weights each by its size).
+In the token-exact form it back-propagates ``c S_i`` with ``c = factor / m``; the step's count ``Σ n_i``
+reaches every pipeline rank with the metrics, and when the window's gradients have been reduced over
+data parallelism (a mean over ``N`` ranks) every stage multiplies them by ``N / (c T)``, ``T`` the
+window's valid tokens over its steps and the dp ranks (:class:`~lightning_par.loss.TokenNormalizer`):
+the gradient of ``Σ S / T`` however unevenly tokens fall. Every backward runs without data-parallel
+reduction; :meth:`PipelineSteps.end_window` sums tied gradients over their stages and then reduces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from lightning_par.loss import TokenNormalizer
+from lightning_par.mesh import ParallelMesh
+from lightning_par.pipeline.apply import PipelineSplit, TiedGradients
+from lightning_par.pipeline.metrics import PipelineMetrics
+from lightning_par.pipeline.runtime import PipelineRuntime
+from lightning_par.zero.engine import Engine
+
+LossFn = Callable[[Any, Any], Any]  # (last layer's output, micro-batch) -> tensor or mapping
+InputFn = Callable[[Any], Any]  # micro-batch -> what the first layer takes
+
+
+def split_batch(batch: Any, m: int) -> list[Any]:
+    """``m`` micro-batches of ``batch``: every tensor split along dim 0, in equal parts when the size
+    divides by ``m``, else in parts one sample apart (a ragged last batch; see :func:`micro_weights`)."""
+    if isinstance(batch, Tensor):
+        if batch.shape[0] < m:
+            raise ValueError(
+                f"A batch of {batch.shape[0]} samples cannot fill num_microbatches={m}: use a batch size of"
+                f" at least {m} (with drop_last=True if the dataset leaves a smaller last batch), or fewer"
+                " micro-batches."
+            )
+        return list(batch.tensor_split(m))
+    if isinstance(batch, (list, tuple)):
+        parts = [split_batch(b, m) for b in batch]
+        return [type(batch)(p[i] for p in parts) for i in range(m)]
+    if isinstance(batch, dict):
+        parts_d = {k: split_batch(v, m) for k, v in batch.items()}
+        return [{k: v[i] for k, v in parts_d.items()} for i in range(m)]
+    return [batch] * m
+
+
+def _samples(micro: Any) -> int | None:
+    """The leading size of the first tensor in a micro-batch (None without tensors)."""
+    if isinstance(micro, Tensor):
+        return int(micro.shape[0])
+    values = micro.values() if isinstance(micro, dict) else micro if isinstance(micro, (list, tuple)) else []
+    return next((n for n in map(_samples, values) if n is not None), None)
+
+
+def micro_weights(micro: list[Any]) -> list[float]:
+    """``m n_i / N`` per micro-batch of ``n_i`` of ``N`` samples: the factor that makes the mean of the
+    micro-batch means (what the schedule computes) the mean over the batch's samples; all 1.0 when the
+    micro-batches are equal (any ragged split is then weighted exactly)."""
+    sizes = [_samples(mb) for mb in micro]
+    if any(n is None for n in sizes) or len(set(sizes)) == 1:
+        return [1.0] * len(micro)
+    total = sum(n for n in sizes if n is not None)
+    return [len(micro) * n / total for n in sizes if n is not None]
+
+
+def default_input(micro: Any, *, owner: str, keys: Sequence[str] | None = None) -> Any:
+    """What enters the first layer when ``owner`` (where the user would define the input function)
+    gives none: for a mapping, ``micro["input_ids"]``, or with ``keys`` (the first layer's
+    ``pipeline_input_keys``) a dict of the entries of ``keys`` the mapping has, the first required;
+    ``micro[0]`` for a list or tuple."""
+    first = keys[0] if keys else "input_ids"
+    if isinstance(micro, Mapping):
+        if first in micro:
+            return {k: micro[k] for k in keys if k in micro} if keys else micro[first]
+    elif isinstance(micro, (list, tuple)) and micro:
+        return micro[0]
+    keys_of = f" with keys {sorted(micro)}" if isinstance(micro, Mapping) else ""
+    raise TypeError(
+        f"Pipeline parallelism: a batch of type {type(micro).__name__}{keys_of} has no default input"
+        f" (batch[{first!r}] for a mapping, batch[0] for a list or tuple): define {owner}, returning what"
+        " the first pipeline layer takes."
+    )
+
+
+def token_mean(metrics: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """Pop the token-exact form's ``loss_sum`` and ``tokens`` from a step's ``metrics``; return the token
+    mean ``loss_sum / tokens`` (``float32``; 0 when no token is valid) and the count."""
+    tokens, loss_sum = metrics.pop("tokens"), metrics.pop("loss_sum")
+    return (loss_sum / tokens.clamp(min=1)).float(), tokens
+
+
+def layers_of(
+    module: nn.Module, layers: Callable[[nn.Module], Sequence[nn.Module]] | None = None
+) -> list[nn.Module]:
+    """The ordered pipeline layers of ``module``: ``layers(module)`` when given (e.g.
+    :func:`~lightning_par.pipeline.hf_pipeline_layers`), else its ``pipeline_layers()`` method."""
+    name = type(module).__name__
+    if layers is None:
+        method = getattr(module, "pipeline_layers", None)
+        if not callable(method):
+            raise TypeError(
+                f"Pipeline parallelism needs the model's ordered layers (the output of layer i feeds layer"
+                f" i+1): define {name}.pipeline_layers() -> Sequence[nn.Module], or pass a function of the"
+                " model that returns them (e.g. lightning_par.pipeline.hf_pipeline_layers)."
+            )
+        result = list(method())
+    else:
+        result = list(layers(module))
+    if not result or not all(isinstance(layer, nn.Module) for layer in result):
+        raise TypeError(f"The pipeline layers of {name} must be a non-empty list of modules.")
+    return result
+
+
+@dataclass
+class StepResult:
+    """A pipeline step's loss (float32, 0-dim, the same on every pipeline rank) and its metrics; in the
+    token-exact form ``loss`` is the step's token mean and ``tokens`` its valid tokens."""
+
+    loss: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+    tokens: Tensor | None = None
+
+
+class PipelineSteps:
+    """Training, evaluation and prediction steps of one rank's pipeline (see the module docstring).
+
+    Args:
+        runtime: this rank's runtime over its chunks.
+        tied: the parameters held by several stages, summed at a window's end.
+        dp_group, dp_size: the data-parallel group (for the token count) and its size.
+    """
+
+    def __init__(
+        self,
+        runtime: PipelineRuntime,
+        tied: TiedGradients,
+        *,
+        dp_group: ProcessGroup | None = None,
+        dp_size: int = 1,
+    ) -> None:
+        self.runtime = runtime
+        self.tied = tied
+        self.dp_size = dp_size
+        # the token-exact form's window count, on every pipeline rank; _token_steps counts the window's
+        # steps that used the form, _token_c their constant c, _listening the engine told to rescale
+        self.tokens = TokenNormalizer(group=dp_group, device=runtime.device)
+        self._token_steps = 0
+        self._token_c = 1.0
+        self._listening: Engine | None = None
+        # what the first layer takes from a dict batch by default (its pipeline_input_keys, e.g. the ids,
+        # padding mask and positions of hf_pipeline_layers' embedding); only pipeline rank 0 feeds it
+        first = runtime.chunks[0] if runtime.s == 0 else None
+        while isinstance(first, nn.Sequential) and len(first) > 0:
+            first = first[0]
+        self.input_keys: Sequence[str] | None = getattr(first, "pipeline_input_keys", None)
+        last = dist.get_global_rank(runtime.group, runtime.last % runtime.p)
+        self.metrics = PipelineMetrics(group=runtime.group, src=last, device=runtime.device)
+
+    def inputs(self, micro: list[Any], input_fn: InputFn | None, *, owner: str) -> list[Any]:
+        """What enters the first layer for each micro-batch (``owner`` names where ``input_fn`` would
+        come from, for the error without one)."""
+        if input_fn is not None:
+            return [input_fn(mb) for mb in micro]
+        return [default_input(mb, owner=owner, keys=self.input_keys) for mb in micro]
+
+    def train(
+        self,
+        batch: Any,
+        *,
+        loss_fn: LossFn,
+        input_fn: InputFn | None,
+        engine: Engine,
+        factor: float = 1.0,
+        loss_scale: float = 1.0,
+        names: tuple[str, str] = ("pipeline_loss", "pipeline_input(batch)"),
+    ) -> StepResult:
+        """Every micro-batch's forward and backward, without data-parallel reduction (the caller ends
+        the window with :meth:`end_window`); ``names`` are the loss and input functions' names as the
+        user knows them, for errors."""
+        m = self.runtime.m
+        micro = split_batch(batch, m)
+        weights = micro_weights(micro)
+
+        def wrapped(output: Any, i: int) -> Tensor:
+            loss, summed = self.metrics.loss_of(loss_fn(output, micro[i]), weight=weights[i], where=names[0])
+            # a token-loss sum needs no size weight: the sums of a ragged split add up exactly
+            return loss * ((1.0 if summed else weights[i]) * factor * loss_scale)
+
+        self.metrics.start(m)
+        mean = self.runtime.train_step(
+            inputs=self.inputs(micro, input_fn, owner=names[1]),
+            loss_fn=wrapped,
+            no_sync=engine.no_sync,
+            sync_last=False,
+            grad_of=engine.grad_view,  # zb's weight-gradient passes add into the engine's buffer
+        )
+        metrics = self.metrics.finish("train")
+        if "tokens" not in metrics:  # undo the scaling of the returned number: it is for logging
+            return StepResult(loss=mean / (factor * loss_scale), metrics=metrics)
+        loss, tokens = token_mean(metrics)
+        self.tokens.add(tokens.round())
+        self._token_steps += 1
+        self._token_c = factor / m
+        if self._listening is not engine:
+            engine.on_synchronized(lambda: self._rescale(engine))
+            self._listening = engine
+        return StepResult(loss=loss, metrics=metrics, tokens=tokens)
+
+    def _rescale(self, engine: Engine) -> None:
+        if self._token_steps == 0 or self._listening is not engine:  # a window without the token form
+            return
+        self._token_steps = 0
+        engine.scale_grads(self.tokens.grad_scale(loss_scale=self._token_c, dp_size=self.dp_size))
+
+    def end_window(self, engine: Engine) -> None:
+        """At the last step of an accumulation window: sum tied gradients over their stages, then reduce
+        over dp (a step inside the engine's ``no_sync()`` does neither)."""
+        if engine.sync_enabled:
+            self.tied.exchange(grad_of=engine.grad_view)
+            engine.flush()
+
+    def evaluate(
+        self,
+        batch: Any,
+        *,
+        loss_fn: LossFn,
+        metrics_fn: Callable[[Any, Any], Mapping[str, Any]] | None,
+        input_fn: InputFn | None,
+        kind: str,
+        names: tuple[str, str, str] = ("pipeline_loss", "pipeline_eval", "pipeline_input(batch)"),
+    ) -> StepResult:
+        """Forward only: the batch's loss and metrics (``loss_fn``'s and ``metrics_fn(output, micro)``'s)
+        on every pipeline rank; ``kind`` names the step (``"val"``, ``"test"``) for the metric names'
+        agreement."""
+        micro = split_batch(batch, self.runtime.m)
+        weights = micro_weights(micro)
+
+        def wrapped(output: Any, i: int) -> Tensor:
+            loss, summed = self.metrics.loss_of(loss_fn(output, micro[i]), weight=weights[i], where=names[0])
+            if metrics_fn is not None:
+                self.metrics.add(metrics_fn(output, micro[i]), weight=weights[i], where=names[1])
+            return loss if summed else loss * weights[i]
+
+        self.metrics.start(self.runtime.m)
+        loss = self.runtime.forward_step(inputs=self.inputs(micro, input_fn, owner=names[2]), loss_fn=wrapped)
+        metrics = self.metrics.finish(kind)
+        if "tokens" not in metrics:
+            return StepResult(loss=loss, metrics=metrics)
+        loss, tokens = token_mean(metrics)  # the batch's token mean
+        return StepResult(loss=loss, metrics=metrics, tokens=tokens)
+
+    def predict(
+        self, batch: Any, *, input_fn: InputFn | None, owner: str = "pipeline_input(batch)"
+    ) -> Tensor:
+        """The last stage's outputs for ``batch`` (micro-batch outputs concatenated), on every rank."""
+        micro = split_batch(batch, self.runtime.m)
+        return self.runtime.predict_step(inputs=self.inputs(micro, input_fn, owner=owner))
+
+
+def pipeline_parts(
+    module: nn.Module,
+    split: PipelineSplit,
+    *,
+    mesh: ParallelMesh,
+    schedule: str,
+    num_microbatches: int,
+    device: torch.device,
+    slack: int = 0,
+) -> tuple[PipelineRuntime, TiedGradients]:
+    """This rank's runtime over its chunks of ``split``, communicating on ``device`` (the root device: the
+    chunks may still be on the meta device here), and the tied parameters of ``module`` summed over their
+    holders (collective over the world: every rank creates every tied group)."""
+    runtime = PipelineRuntime(
+        chunks=split.chunks,
+        group=mesh.pp_group,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        device=device,
+        slack=slack,
+    )
+    tied = TiedGradients(
+        module, local=split.local, pp_group=mesh.pp_group, pp_groups=mesh.layout.groups("pp")
+    )
+    return runtime, tied
