@@ -3,6 +3,7 @@ bad value fails with the option's name and what would work."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal
 
 from lightning_par.pipeline.partition import METHODS as PARTITION_METHODS
@@ -28,7 +29,7 @@ def check_options(
     bucket_size_mb: float,
     grad_sync: GradSyncPolicy | None,
     reduce_op: ReduceChoice,
-    tp_plan: str | dict[str, str] | None,
+    tp_plan: str | Mapping[str, str] | None,
     num_microbatches: int | None,
     pipeline_schedule: PipelineSchedule,
     virtual_stages: int,
@@ -47,7 +48,7 @@ def check_options(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    if tp_plan is not None and not isinstance(tp_plan, str | dict):
+    if tp_plan is not None and not isinstance(tp_plan, str | Mapping):
         raise ValueError(f"tp_plan must be a plan name or a dict of pattern -> style, got {tp_plan!r}.")
     if isinstance(tp_plan, str):
         resolve_plan(tp_plan)  # an unknown name fails here, before any process starts

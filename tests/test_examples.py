@@ -76,3 +76,16 @@ def test_hf_pipeline_example_equals_one_process() -> None:
     found = re.search(r"max \|W_pp - W_one_process\| = (\S+)", out)
     assert found is not None, out
     assert float(found.group(1)) < 1e-5, out
+
+
+def test_hf_pipeline_fabric_example_equals_one_process() -> None:
+    """Fabric launches the ranks itself; pp2 with 1F1B on a Hugging Face Llama (``pipeline_layers=
+    hf_pipeline_layers``), packed rows, accumulation 2 and clipping in the loop; rank 0 replays the batches
+    in one process on the model's own loss and reports the largest weight difference."""
+    import re
+
+    out = _run("pp_hf_fabric.py", "--steps", "3", "--schedule", "1f1b", "--padding", "packed", "--check")
+    assert "trained 3 steps" in out, out
+    found = re.search(r"max \|W_pp - W_one_process\| = (\S+)", out)
+    assert found is not None, out
+    assert float(found.group(1)) < 1e-5, out

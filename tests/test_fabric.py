@@ -272,8 +272,8 @@ def _setup_twice(rank: int, world: int) -> list[str]:
 
 
 def test_fabric_bad_input() -> None:
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not available under Fabric"):
-        HybridParallelStrategy(pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive integer"):
+        HybridParallelStrategy(pipeline_parallel_size=0)
     with pytest.raises(ValueError, match="cannot be used with lightning_par's Fabric strategy"):
         to_parallel_precision(DoublePrecision())
     assert to_parallel_precision(Fabric(accelerator="cpu", precision="bf16-mixed")._precision).precision == (

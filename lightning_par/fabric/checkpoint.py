@@ -82,9 +82,19 @@ def layout(strategy: HybridParallelStrategy, optimizers: list[Optimizer]) -> dic
     """What a checkpoint or snapshot records of the strategy's module and layout (collective-free)."""
     assert strategy.module is not None
     mesh = strategy.mesh
-    sizes = {"world_size": strategy.world_size, "dp": mesh.dp_size, "tp": mesh.tp_size, "pp": 1}
+    sizes = {"world_size": strategy.world_size, "dp": mesh.dp_size, "tp": mesh.tp_size, "pp": mesh.pp_size}
     return layout_metadata(
         strategy.module, engine=strategy.engine, optimizers=optimizers, sizes=sizes, tp=_tp(strategy)
+    )
+
+
+def consolidated(strategy: HybridParallelStrategy) -> dict[str, Any]:
+    """The full model state dict on global rank 0, ``{}`` elsewhere (collective)."""
+    if strategy.module is None:
+        raise RuntimeError("consolidated_state_dict() needs the module set up first (fabric.setup).")
+    dp_rank = strategy.mesh.dp_rank
+    return gather_full_state_dict(
+        strategy.module, strategy.engine, tp=_tp(strategy), dp_rank=dp_rank, group=None
     )
 
 
@@ -105,11 +115,16 @@ def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any])
         record_comm_state(meta, engine)  # PowerSGD's state, beside the optimizer state (collective)
     keys = {"module": module_key, "optimizers": opt_keys}
     extras = _extras(state, {*opt_keys, *([module_key] if module_key else [])})
-    # no rank holds the whole model at stage 3 or under tensor parallelism: the parameters go in pieces
-    in_pieces = engine.shards_params or mesh.tp_size > 1
+    # no rank holds the whole model at stage 3 or under tensor or pipeline parallelism: the parameters go
+    # in pieces (other stages' layers are meta placeholders here, held by their own stage's file)
+    in_pieces = engine.shards_params or mesh.tp_size > 1 or mesh.pp_size > 1
     if (engine.stage > 0 or in_pieces) and strategy.save_distributed_checkpoint:
         params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-        model_state = {k: v for k, v in module.state_dict().items() if not in_pieces or k not in params}
+        model_state = {
+            k: v
+            for k, v in module.state_dict().items()
+            if not (in_pieces and k in params) and not (isinstance(v, Tensor) and v.is_meta)
+        }
         checkpoint = {
             "state_dict": model_state,
             "optimizer_states": [{} for _ in optimizers],

@@ -17,6 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_par.fabric.pipeline import refuse_backward
+
 if TYPE_CHECKING:
     from lightning_par.precision import ParallelPrecision
     from lightning_par.zero.engine import Engine
@@ -41,6 +43,8 @@ class FabricSteps:
         def root_device(self) -> torch.device: ...
 
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        if getattr(self, "_pipeline", None) is not None:
+            refuse_backward()
         scaler = self.precision.scaler
         if scaler is not None:
             tensor = scaler.scale_loss(tensor)

@@ -1,4 +1,5 @@
-"""The Fabric front door: ZeRO stages 0-3 and mixed precision for ``Fabric(strategy=...)`` loops.
+"""The Fabric front door: ZeRO stages 0-3, tensor and pipeline parallelism and mixed precision for
+``Fabric(strategy=...)`` loops.
 
 ``Fabric(strategy=HybridParallelStrategy(zero_stage=3), precision="bf16-mixed")`` or, after
 ``import lightning_par``, ``Fabric(strategy="zero2")``. The mechanisms are the ones the Trainer strategy
@@ -22,15 +23,17 @@ only maps Fabric's calls onto them:
   is made tensor-parallel in ``setup_module`` by the same :func:`lightning_par.compose.compose` the
   Trainer strategy calls (once per module), ZeRO then shards over the data-parallel group, the clip norm
   sums over dp and tp, and Fabric's distributed sampler splits data over the dp ranks only.
-
-Refused at construction: pipeline parallelism. A schedule must own the forward and backward of every
-micro-batch, while a Fabric loop makes those calls itself; a step helper would be a second training loop
-hidden inside Fabric's, so use the Trainer strategy (which runs the schedule inside Lightning's loop).
+* ``pipeline_parallel_size > 1``: the module's ordered layers (``pipeline_layers(module)``, e.g.
+  :func:`lightning_par.pipeline.hf_pipeline_layers`, or the module's ``pipeline_layers()``) are cut into
+  stages in ``setup_module`` (:mod:`lightning_par.fabric.setup`), the same split as under the Trainer; an
+  optimizer made before follows the placeholders of other stages' parameters; a step is one call to
+  ``fabric.strategy.pipeline.step(batch, loss_fn=...)`` (:mod:`lightning_par.fabric.pipeline`), the
+  clip norm sums over the stages too, and ``fabric.save`` writes each stage's share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -46,18 +49,21 @@ from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_par.build import ZeroOptions, build_engine, set_precision_groups
-from lightning_par.compose import ComposeOptions, compose
 from lightning_par.device_checks import check_optimizer_kernels, resolve_backend
 from lightning_par.fabric import checkpoint as fabric_checkpoint
+from lightning_par.fabric.pipeline import FabricPipeline, build_fabric_pipeline, refuse_direct_call
 from lightning_par.fabric.precision import to_parallel_precision
+from lightning_par.fabric.setup import Replaced, compose_module, follow_replaced
 from lightning_par.fabric.steps import FabricSteps
 from lightning_par.mesh import ParallelMesh
+from lightning_par.pipeline.partition import PartitionMethod
 from lightning_par.precision import ParallelPrecision, cast_frozen
 from lightning_par.rendezvous import launch_store
-from lightning_par.tensor_parallel.plan import resolve_plan
+from lightning_par.strategy_options import PipelineSchedule, check_options
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
 from lightning_par.zero.engine import Engine
 from lightning_par.zero.meta_init import move_real_tensors, params_on_meta
@@ -89,7 +95,10 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             ``False``, one torch file with the full state dict and full optimizer state in torch's format.
         tensor_parallel_size, tp_plan, sequence_parallel, activation_checkpointing: as for the Trainer
             strategy (see the module docstring).
-        pipeline_parallel_size: must be 1 under Fabric (see the module docstring).
+        pipeline_parallel_size, num_microbatches, pipeline_schedule, virtual_stages, pipeline_slack,
+            partition_method: as for the Trainer strategy (see the module docstring).
+        pipeline_layers: under pipeline parallelism, a function of the module returning its ordered layers
+            (default: the module's ``pipeline_layers()`` method).
         process_group_backend: as for the Trainer strategy (checked against the root device at setup).
     """
 
@@ -116,6 +125,12 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         sequence_parallel: bool = False,
         activation_checkpointing: bool | UnitPolicy = False,
         pipeline_parallel_size: int = 1,
+        num_microbatches: int | None = None,
+        pipeline_schedule: PipelineSchedule = "1f1b",
+        virtual_stages: int = 1,
+        pipeline_slack: int = 0,
+        partition_method: PartitionMethod = "parameters",
+        pipeline_layers: Callable[[nn.Module], Sequence[nn.Module]] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -125,23 +140,26 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         timeout_s: float = 1800.0,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
-        if pipeline_parallel_size != 1:
-            raise ValueError(
-                "pipeline_parallel_size > 1 is not available under Fabric: a pipeline schedule must run the"
-                " forward and backward of every micro-batch itself, which a Fabric loop does by hand. Use"
-                " the Trainer strategy lightning_par.HybridParallelStrategy for pipeline parallelism."
-            )
-        tp = tensor_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}.")
+        self.num_microbatches = check_options(
+            zero_stage=zero_stage,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            bucket_size_mb=bucket_size_mb,
+            grad_sync=grad_sync,
+            reduce_op=reduce_op,
+            tp_plan=tp_plan,
+            num_microbatches=num_microbatches,
+            pipeline_schedule=pipeline_schedule,
+            virtual_stages=virtual_stages,
+            pipeline_slack=pipeline_slack,
+            partition_method=partition_method,
+            timeout_s=timeout_s,
+            start_method=start_method,
+        )
         if sequence_parallel and tensor_parallel_size == 1:
             raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
-        if tp_plan is not None and not isinstance(tp_plan, str | Mapping):
-            raise ValueError(f"tp_plan must be a plan name or a dict of pattern -> style, got {tp_plan!r}.")
-        if isinstance(tp_plan, str):
-            resolve_plan(tp_plan)  # an unknown name fails here, before any process starts
+        if pipeline_layers is not None and not callable(pipeline_layers):
+            raise ValueError(f"pipeline_layers must be a function of the module, got {pipeline_layers!r}.")
         check_comm_hook(
             comm_hook,
             powersgd_rank=powersgd_rank,
@@ -158,6 +176,9 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         self.tp_plan = tp_plan
         self.sequence_parallel = sequence_parallel
         self.activation_checkpointing = activation_checkpointing
+        self.pipeline_parallel_size, self.pipeline_schedule = pipeline_parallel_size, pipeline_schedule
+        self.virtual_stages, self.pipeline_slack = virtual_stages, pipeline_slack
+        self.partition_method, self.pipeline_layers = partition_method, pipeline_layers
         self.bucket_size_mb = float(bucket_size_mb)
         self.grad_sync = grad_sync
         self.reduce_op = reduce_op
@@ -184,11 +205,13 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         self.engine: Engine | None = None
         self.module: nn.Module | None = None
         self.optimizers: list[Optimizer] = []
+        self._pipeline: FabricPipeline | None = None
+        self._refusal: RemovableHandle | None = None  # the hook refusing model(...) under a pipeline
         self._found_inf: bool | None = None  # this step's fp16 verdict, once gradients are unscaled
         self.before_optimizer_step: list[Callable[[], None]] = []
-        # parameters that tensor parallelism replaced, by their old identity: an optimizer made before
-        # setup_module is pointed at the replacements (kept until the optimizers are set up)
-        self._replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+        # parameters that tensor or pipeline parallelism replaced, by their old identity: an optimizer made
+        # before setup_module is pointed at the replacements (kept until the optimizers are set up)
+        self._replaced: Replaced = {}
 
     # ------------------------------------------------------------------ precision and processes
     @property
@@ -226,7 +249,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         if self._mesh is None:
             self._mesh = ParallelMesh(
                 tensor_parallel_size=self.tensor_parallel_size,
-                pipeline_parallel_size=1,
+                pipeline_parallel_size=self.pipeline_parallel_size,
                 timeout=self._timeout,
             )
         self.precision.configure(zero_stage=self.zero_stage, device=self.root_device)
@@ -282,31 +305,11 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
                 " checkpoints follow that module); wrap several networks in one nn.Module."
             )
         self.module_to_device(module)
-        if self.zero_stage != 3:
-            meta = [n for n, p in module.named_parameters() if p.is_meta]
-            if meta:
-                raise ValueError(
-                    f"{len(meta)} parameter(s) are on the meta device (e.g. {meta[0]!r}): only zero_stage=3"
-                    " materialises them; create the model with fabric.init_module() (empty_init=False) or"
-                    " use zero_stage=3."
-                )
-        # the model-changing steps (tensor parallel, activation checkpointing), once per model, as the
-        # Trainer strategy applies them
-        before = dict(module.named_parameters())
-        compose(
-            module,
-            options=ComposeOptions(
-                tensor_parallel_size=self.tensor_parallel_size,
-                tp_plan=self.tp_plan,
-                sequence_parallel=self.sequence_parallel,
-                activation_checkpointing=self.activation_checkpointing,
-            ),
-            tp_group=self.mesh.tp_group if self.tensor_parallel_size > 1 else None,
-            tp_rank=self.mesh.tp_rank,
-            pp_rank=0,
-        )
-        after = dict(module.named_parameters())
-        self._replaced = {id(p): (p, after[n]) for n, p in before.items() if n in after and after[n] is not p}
+        # the model-changing steps (tensor parallel, pipeline split, activation checkpointing), once per
+        # model, as the Trainer strategy applies them
+        composition, self._replaced = compose_module(self, module)
+        if composition.pipeline is not None:
+            self._pipeline = build_fabric_pipeline(self, module, composition.pipeline)
         compute, reduce = self.precision.engine_dtypes()
         self.engine = build_engine(
             module,
@@ -315,11 +318,25 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             device=self.root_device,
             compute_dtype=compute,
             grad_dtype=reduce,
+            pipelined=self._pipeline is not None,
         )
         cast_frozen(module, compute)
         setattr(module, SETUP_ATTR, True)
         self.module = module
+        if self._pipeline is not None:
+            self._refusal = refuse_direct_call(module)
         return module
+
+    @property
+    def pipeline(self) -> FabricPipeline:
+        """The pipeline steps (``pipeline_parallel_size > 1``, after ``fabric.setup``): see
+        :mod:`lightning_par.fabric.pipeline`."""
+        if self._pipeline is None:
+            raise RuntimeError(
+                "strategy.pipeline exists under pipeline_parallel_size > 1, after fabric.setup(model, ...);"
+                f" here pipeline_parallel_size={self.pipeline_parallel_size} and no pipeline is set up."
+            )
+        return self._pipeline
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -341,30 +358,13 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
                 " model = fabric.setup_module(model), from model.parameters(), then call"
                 " fabric.setup_optimizers(optimizer)."
             )
-        self._follow_replaced(optimizers)
+        follow_replaced(self._replaced, optimizers)
+        self._replaced = {}
         check_optimizer_kernels(optimizers, device=self.root_device)
         self.engine.shard_optimizers(optimizers)
         _optimizers_to_device(optimizers, self.root_device)
         self.optimizers = list(optimizers)
         set_precision_groups(self.precision, self.mesh, zero_stage=self.zero_stage)
-
-    def _follow_replaced(self, optimizers: list[Optimizer]) -> None:
-        """Point optimizers made before ``setup_module`` at the tensor-parallel slices that replaced their
-        parameters (an optimizer without state only holds references); refuse one with state."""
-        replaced, self._replaced = self._replaced, {}
-        for opt in optimizers:
-            for group in opt.param_groups:
-                for i, p in enumerate(group["params"]):
-                    old_new = replaced.get(id(p))
-                    if old_new is None or old_new[0] is not p:
-                        continue
-                    if opt.state.get(p):
-                        raise ValueError(
-                            "An optimizer with state holds parameters that tensor parallelism replaced by"
-                            " their slices; create the optimizer after model = fabric.setup_module(model),"
-                            " from model.parameters(), or before any optimizer step."
-                        )
-                    group["params"][i] = old_new[1]
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -391,16 +391,28 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
     ) -> dict[str, Any]:
         return fabric_checkpoint.load(self, Path(self.broadcast(str(path))), state, strict=strict)
 
+    def consolidated_state_dict(self) -> dict[str, Any]:
+        """The full model state dict (every stage's, tp slice's and shard's parameters, trainable ones at
+        master precision, and the buffers) on global rank 0, ``{}`` elsewhere; collective (see
+        :mod:`lightning_par.checkpoint.full`)."""
+        return fabric_checkpoint.consolidated(self)
+
     @override
     def teardown(self) -> None:
         if self.engine is not None:
             self.engine.remove()
+        if self._refusal is not None:
+            self._refusal.remove()
+            self._refusal = None
         super().teardown()
 
     def destroy_process_groups(self) -> None:
         """Destroy this strategy's mesh groups when done with it, on every rank (a process that runs one
         Fabric loop after another; see :meth:`lightning_par.mesh.ParallelMesh.destroy`). A later launch
         builds new ones."""
+        if self._pipeline is not None:  # the tied-weight groups first: built over the mesh's ranks
+            self._pipeline.steps.tied.destroy()
+            self._pipeline = None
         if self._mesh is not None:
             self._mesh.destroy()
             self._mesh = None

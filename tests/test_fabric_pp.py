@@ -1,0 +1,349 @@
+"""Pipeline parallelism in a Fabric loop (``fabric.strategy.pipeline``), on Hugging Face models cut by
+``hf_pipeline_layers`` (passed as the strategy's ``pipeline_layers``), compared with one process training
+the model itself on ``model(**window).loss``.
+
+On 4 Gloo ranks (pp2 x dp2), each loop runs 2 optimizer steps of 2 accumulation steps
+(``fabric.no_backward_sync``) over ragged micro-batches (3 samples per rank-step into 2):
+
+* a left-padded Llama, 1F1B, ZeRO-1, the token-exact loss (``hf_causal_lm_loss``), AdamW, clipping that
+  bites: losses, clip norms (every rank) and final weights equal the reference; ``evaluate`` with a
+  metric and ``predict`` equal the trained reference's loss, accuracy and logits; a ``fabric.save`` after
+  the first step, loaded by one process at ZeRO-0 (no pipeline), and a ``FlashSnapshots`` snapshot of
+  the same step, restored into a fresh pp2 x dp2 loop, both resume to the same final weights;
+* GPT-2 with its tied table, zb, ZeRO-3, packed rows (equal valid tokens per row), the mean form with a
+  metric (``{"loss", "acc"}``) and ``scale=1/2``: losses, metrics and weights equal the reference.
+
+Also: under ``precision="bf16-mixed"`` the loss function sees autocast's bf16 logits and the losses are
+the fp32 ones up to bf16 rounding; the model called directly, ``fabric.backward``, a module without its
+layers, a ZeRO-3 unit spanning both stages, ``strategy.pipeline`` without a pipeline and bad options are
+refused with the rule.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from torch import Tensor
+
+from lightning_par.fabric import FlashSnapshots, HybridParallelStrategy
+from lightning_par.pipeline import hf_causal_lm_loss, hf_pipeline_layers
+from tests.distributed import run_distributed
+from tests.test_pp_hf import build
+from tests.test_pp_tokens import HFBatches
+
+WORLD, PP, DP, ACCUM, BATCH, WINDOWS, SEED = 4, 2, 2, 2, 3, 2, 5
+N = DP * ACCUM * BATCH * WINDOWS
+MAX_NORM = 0.5
+KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
+
+
+def _rows(side: str, idx: list[int]) -> dict[str, Tensor]:
+    data = HFBatches(N, side)
+    return {k: torch.stack([data[i][k] for i in idx]) for k in data[0] if k in KEYS}
+
+
+def _window_rows(window: int, dp_rank: int, dp: int) -> list[list[int]]:
+    """The sample indices of each accumulation step of ``window`` on ``dp_rank`` (of ``dp``)."""
+    per = DP * BATCH // dp
+    start = window * ACCUM * DP * BATCH
+    return [
+        list(range(start + k * DP * BATCH + dp_rank * per, start + k * DP * BATCH + (dp_rank + 1) * per))
+        for k in range(ACCUM)
+    ]
+
+
+def _mean_loss(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
+    """Hugging Face's mean causal-LM loss on a micro-batch, and the next-token accuracy."""
+    shift, target = logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    loss = torch.nn.functional.cross_entropy(shift.float(), target, ignore_index=-100)
+    valid = target != -100
+    acc = ((shift.argmax(-1) == target) & valid).sum() / valid.sum()
+    return {"loss": loss, "acc": acc}
+
+
+# name -> (family, padding side, optimizer, strategy options, loss form)
+CASES: dict[str, tuple[str, str, str, dict[str, Any], str]] = {
+    "llama": ("llama", "left", "adamw", dict(zero_stage=1, pipeline_schedule="1f1b"), "tokens"),
+    "gpt2": ("gpt2", "packed", "sgd", dict(zero_stage=3, pipeline_schedule="zb"), "mean"),
+}
+
+
+def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-5)
+    return torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+
+
+def _fabric_loop(
+    fabric: Fabric, strategy: HybridParallelStrategy, model: Any, optimizer: Any, name: str, windows: range
+) -> dict[str, list[Any]]:
+    _, side, _, _, form = CASES[name]
+    loss_fn: Callable[[Tensor, Any], Any] = (
+        (lambda out, mb: hf_causal_lm_loss(out, mb["labels"]))
+        if form == "tokens"
+        else (lambda out, mb: _mean_loss(out, mb["labels"]))
+    )
+    mesh = strategy.mesh
+    out: dict[str, list[Any]] = {"losses": [], "norms": [], "accs": []}
+    for w in windows:
+        for k, idx in enumerate(_window_rows(w, mesh.dp_rank, mesh.dp_size)):
+            with fabric.no_backward_sync(model, enabled=k < ACCUM - 1):
+                result = strategy.pipeline.step(_rows(side, idx), loss_fn=loss_fn, scale=1 / ACCUM)
+            assert isinstance(result, dict)
+            out["losses"].append(float(result["loss"]))
+            if "acc" in result:
+                out["accs"].append(float(result["acc"]))
+        out["norms"].append(float(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return out
+
+
+def _full_state(strategy: HybridParallelStrategy) -> dict[str, Tensor] | None:
+    full = strategy.consolidated_state_dict()  # every stage's weights, on rank 0
+    return {k: v.clone() for k, v in full.items()} if full else None
+
+
+def _run_case(name: str, save: str | None) -> dict[str, Any]:
+    family, side, opt_kind, options, _ = CASES[name]
+    strategy = HybridParallelStrategy(
+        pipeline_parallel_size=PP, num_microbatches=2, pipeline_layers=hf_pipeline_layers, **options
+    )
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+    fabric.launch()
+    model = build(family, seed=SEED).train()
+    model, optimizer = fabric.setup(model, _optimizer(opt_kind, model))
+    mesh = strategy.mesh
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": DP, "rank": mesh.dp_rank}
+    out = _fabric_loop(fabric, strategy, model, optimizer, name, range(1))
+    if save is not None:  # after the first optimizer step: a sharded checkpoint and a flash snapshot
+        state = {"model": model, "optimizer": optimizer, "step": 1}
+        fabric.save(save, state)
+        with _snapshots(fabric, save) as snaps:
+            snaps.snapshot(1, state)
+    more = _fabric_loop(fabric, strategy, model, optimizer, name, range(1, WINDOWS))
+    out = {k: v + more[k] for k, v in out.items()}
+    val = _rows(side, list(range(2 * BATCH)))
+    evaluated = strategy.pipeline.evaluate(
+        val,
+        loss_fn=lambda o, mb: hf_causal_lm_loss(o, mb["labels"]),
+        metrics_fn=lambda o, mb: {"acc": _mean_loss(o, mb["labels"])["acc"]},
+    )
+    assert isinstance(evaluated, dict)
+    predicted = strategy.pipeline.predict(val)
+    refusals = []
+    for call in (lambda: model(**val), lambda: fabric.backward(evaluated["loss"])):
+        with pytest.raises(RuntimeError) as refused:
+            call()
+        refusals.append(str(refused.value))
+    state = _full_state(strategy)
+    strategy.destroy_process_groups()
+    return out | {
+        "dp_rank": mesh.dp_rank,
+        "eval": {k: float(v) for k, v in evaluated.items()},
+        "predicted": predicted,
+        "refusals": refusals,
+        "state": state,
+    }
+
+
+def _snapshots(fabric: Fabric, save: str) -> FlashSnapshots:
+    return FlashSnapshots(fabric, f"{save}-flash", shm_dir=f"{save}-shm", persist_every_n_steps=1)
+
+
+def _flash_resume(save: str) -> dict[str, Tensor] | None:
+    """A fresh pp2 x dp2 Fabric and model (other weights) restored from the Llama run's flash snapshot
+    of step 1, then the second window; the full state on rank 0."""
+    strategy = HybridParallelStrategy(
+        pipeline_parallel_size=PP, num_microbatches=2, pipeline_layers=hf_pipeline_layers, **CASES["llama"][3]
+    )
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+    fabric.launch()
+    model = build("llama", seed=SEED + 1).train()
+    model, optimizer = fabric.setup(model, _optimizer("adamw", model))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    with _snapshots(fabric, save) as snaps:
+        assert snaps.restore(state) == 1 and state["step"] == 1
+    _fabric_loop(fabric, strategy, model, optimizer, "llama", range(1, WINDOWS))
+    full = _full_state(strategy)
+    strategy.destroy_process_groups()
+    return full
+
+
+def _bf16() -> dict[str, Any]:
+    """The Llama case's first step under ``precision="bf16-mixed"``: the loss function sees the autocast
+    logits (bf16), and the step's losses are the fp32 ones up to bf16 rounding."""
+    strategy = HybridParallelStrategy(
+        pipeline_parallel_size=PP, num_microbatches=2, pipeline_layers=hf_pipeline_layers, **CASES["llama"][3]
+    )
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy, precision="bf16-mixed")
+    fabric.launch()
+    model = build("llama", seed=SEED).train()
+    model, _ = fabric.setup(model, _optimizer("adamw", model))
+    dtypes: set[torch.dtype] = set()
+
+    def loss_fn(logits: Tensor, mb: Any) -> dict[str, Tensor]:
+        dtypes.add(logits.dtype)
+        return hf_causal_lm_loss(logits, mb["labels"])
+
+    losses, dp_rank = [], strategy.mesh.dp_rank
+    for idx in _window_rows(0, dp_rank, DP):
+        result = strategy.pipeline.step(_rows("left", idx), loss_fn=loss_fn, scale=1 / ACCUM)
+        assert isinstance(result, dict)
+        losses.append(float(result["loss"]))
+    strategy.destroy_process_groups()
+    return {"losses": losses, "dtypes": sorted(map(str, dtypes)), "dp_rank": dp_rank}
+
+
+def _refusals() -> list[str]:
+    """Setup-time errors under pp2, the same on every rank: a module without its layers, and a ZeRO-3 unit
+    (the whole decoder) that spans both stages."""
+    messages = []
+    for kwargs, model in (
+        ({}, torch.nn.Sequential(torch.nn.Linear(4, 4))),
+        (
+            {"pipeline_layers": hf_pipeline_layers, "zero_stage": 3, "zero3_units": ["model"]},
+            build("llama", seed=SEED),
+        ),
+    ):
+        strategy = HybridParallelStrategy(pipeline_parallel_size=PP, num_microbatches=2, **kwargs)
+        fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+        fabric.launch()
+        with pytest.raises((TypeError, ValueError)) as refused:
+            fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        messages.append(str(refused.value))
+        strategy.destroy_process_groups()
+    return messages
+
+
+def _runs(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    save = str(Path(tmp) / "llama")
+    return {
+        "llama": _run_case("llama", save),
+        "gpt2": _run_case("gpt2", None),
+        "flash": _flash_resume(save),
+        "bf16": _bf16(),
+        "refusals": _refusals(),
+    }
+
+
+def _resume(rank: int, world: int, path: str) -> dict[str, Any]:
+    """The Llama checkpoint (pp2 x dp2, ZeRO-1) in one process at ZeRO-0, then the second window."""
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=HybridParallelStrategy(zero_stage=0))
+    fabric.launch()
+    model = build("llama", seed=SEED + 1).train()  # other weights: the checkpoint must replace them
+    model, optimizer = fabric.setup(model, _optimizer("adamw", model))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    assert fabric.load(path, state) == {} and state["step"] == 1
+    for w in range(1, WINDOWS):
+        batch = _rows("left", [i for rows in _window_rows(w, 0, 1) for i in rows])
+        fabric.backward(model(**batch, use_cache=False).loss)
+        fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _reference(name: str) -> dict[str, Any]:
+    """One process, plain torch: each window's samples on both dp ranks in one batch, the model's own
+    loss, the same clip and optimizer."""
+    family, side, opt_kind, _, form = CASES[name]
+    model = build(family, seed=SEED).train()
+    optimizer = _optimizer(opt_kind, model)
+    losses, norms, accs = [], [], []
+    for w in range(WINDOWS):
+        for k in range(ACCUM):  # what each dp rank logs: its own batch's loss, before the update
+            for d in range(DP):
+                rows = _rows(side, _window_rows(w, d, DP)[k])
+                with torch.no_grad():
+                    result = _mean_loss(model(**rows, use_cache=False).logits, rows["labels"])
+                losses.append((d, float(result["loss"])))
+                accs.append((d, float(result["acc"])))
+        batch = _rows(side, [i for d in range(DP) for rows in _window_rows(w, d, DP) for i in rows])
+        model(**batch, use_cache=False).loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+    val = _rows(side, list(range(2 * BATCH)))
+    with torch.no_grad():
+        logits = model(**val, use_cache=False).logits
+    shifted = hf_causal_lm_loss(logits, val["labels"])
+    # the accuracy metric: the mean over the two micro-batches (of equal size) of each one's accuracy
+    accuracy = (
+        sum(float(_mean_loss(logits[h], val["labels"][h])["acc"]) for h in (slice(0, 3), slice(3, 6))) / 2
+    )
+    return {
+        "losses": losses,
+        "accs": accs,
+        "norms": norms,
+        "eval": {"loss": float(shifted["loss_sum"] / shifted["tokens"]), "acc": accuracy},
+        "logits": logits,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "form": form,
+    }
+
+
+def test_fabric_pipeline_equals_one_process_on_hugging_face_models() -> None:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_distributed(_runs, WORLD, tmp, init_group=False, timeout=400)
+        resumed = run_distributed(_resume, 1, str(Path(tmp) / "llama"), init_group=False)[0]
+    for name in CASES:
+        ref = _reference(name)
+        initial = build(CASES[name][0], seed=SEED).state_dict()
+        assert max(float((ref["state"][k] - initial[k]).abs().max()) for k in initial) > 1e-3, name
+        state = results[0][name]["state"]
+        assert state is not None and set(state) >= {k for k in ref["state"] if "rotary" not in k}, name
+        for key, value in ref["state"].items():
+            if key in state:
+                torch.testing.assert_close(state[key], value, msg=lambda m, k=key, c=name: f"{c} {k}\n{m}")
+        # every rank: the clip norm is the global one (stages, dp shards; the tied table counted once)
+        for r in results:
+            torch.testing.assert_close(torch.tensor(r[name]["norms"]), torch.tensor(ref["norms"]))
+        # each rank returns its dp replica's batch losses (token means; the pipeline ranks of a replica
+        # agree), and in the mean form its accuracy metric
+        for r in results:
+            replica = r[name]["dp_rank"]
+            want = [v for d, v in ref["losses"] if d == replica]
+            torch.testing.assert_close(torch.tensor(r[name]["losses"]), torch.tensor(want), msg=name)
+            if ref["form"] == "mean":
+                want = [v for d, v in ref["accs"] if d == replica]
+                torch.testing.assert_close(torch.tensor(r[name]["accs"]), torch.tensor(want), msg=name)
+            assert r[name]["eval"]["acc"] == pytest.approx(ref["eval"]["acc"], rel=1e-5), name
+        for r in results:  # evaluation and prediction: the same on every rank, equal to the reference
+            assert r[name]["eval"]["loss"] == pytest.approx(ref["eval"]["loss"], rel=1e-5), name
+            torch.testing.assert_close(r[name]["predicted"], ref["logits"], rtol=1e-4, atol=1e-5)
+            assert "pipeline.step(batch" in r[name]["refusals"][0]
+            assert "fabric.backward is not used with pipeline parallelism" in r[name]["refusals"][1]
+    reference = _reference("llama")
+    # the loss runs on the last stage's ranks (one per dp replica) and sees autocast's logits
+    assert sorted(r["bf16"]["dtypes"] for r in results) == [[]] * DP + [["torch.bfloat16"]] * DP
+    for r in results:
+        want = [v for d, v in reference["losses"] if d == r["bf16"]["dp_rank"]][:ACCUM]
+        torch.testing.assert_close(torch.tensor(r["bf16"]["losses"]), torch.tensor(want), rtol=2e-2, atol=0)
+        layers, units = r["refusals"]
+        assert "define Sequential.pipeline_layers()" in layers and "hf_pipeline_layers" in layers
+        assert "selects 'model' as a ZeRO-3 unit" in units and "cross a stage boundary" in units, units
+    llama = reference["state"]
+    flash = results[0]["flash"]
+    for key, value in llama.items():
+        torch.testing.assert_close(resumed[key], value, msg=lambda m, k=key: f"resumed {k}\n{m}")
+        if "rotary" not in key:
+            torch.testing.assert_close(flash[key], value, msg=lambda m, k=key: f"flash {k}\n{m}")
+
+
+def test_fabric_pipeline_bad_input() -> None:
+    with pytest.raises(ValueError, match="pipeline_schedule must be one of"):
+        HybridParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="zb"):
+        HybridParallelStrategy(pipeline_parallel_size=4, num_microbatches=2, pipeline_schedule="zb")
+    with pytest.raises(ValueError, match="pipeline_layers must be a function"):
+        HybridParallelStrategy(pipeline_parallel_size=2, pipeline_layers="hf")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match=r"strategy\.pipeline exists under pipeline_parallel_size > 1"):
+        _ = HybridParallelStrategy().pipeline
