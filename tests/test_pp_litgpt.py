@@ -146,9 +146,13 @@ def module_factory(shape: str, lora: bool = False) -> Any:
     return make
 
 
+# "meta": configure_model() runs in the strategy, on the meta device (ZeRO-3's meta init), and the
+# initial weights come from a full state dict (pretrained=): the engine replaces the parameter objects
+# after the pipeline was cut, which the split backward and the tied gradients must follow
 CASES = {
     "pythia-1f1b": (2, "pythia", False, dict(pipeline_schedule="1f1b")),
     "llama-zb-zero3-dp2": (4, "llama", False, dict(pipeline_schedule="zb", zero_stage=3)),
+    "llama-zb-zero3-meta": (4, "llama", False, dict(pipeline_schedule="zb", zero_stage=3, pretrained="meta")),
     "lora-zb": (2, "llama", True, dict(pipeline_schedule="zb")),
 }
 
@@ -157,10 +161,20 @@ def _run(rank: int, world: int, tmp: str, case: str) -> dict[str, Any]:
     _, shape, lora, kw = CASES[case]
     dp = world // 2
     rec = LossRecorder()
+    meta = kw.get("pretrained") == "meta"
+    if meta:
+        kw = kw | {"pretrained": build(shape, lora=lora).state_dict()}
     strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, **kw)
     trainer = _trainer(strategy, world, tmp, [rec])
     train = DataLoader(Tokens(N), batch_size=GLOBAL // dp, shuffle=True)
-    trainer.fit(module_factory(shape, lora)(), train, DataLoader(Tokens(8), batch_size=8 // dp))
+    if meta:
+        pl.seed_everything(SEED)
+        module = LitGPTModule(shape, lora)  # built by the strategy, on the meta device
+    else:
+        module = module_factory(shape, lora)()
+    trainer.fit(module, train, DataLoader(Tokens(8), batch_size=8 // dp))
+    if meta:
+        assert module.model is not None and strategy.meta_init
     state = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
     return {
         "losses": rec.losses,

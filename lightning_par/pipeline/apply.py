@@ -94,7 +94,9 @@ class TiedGradients:
             stages = tuple(s for s, have in enumerate(gathered) if name in have)
             if len(stages) > 1:
                 holders[name] = stages
-        self.entries: list[tuple[nn.Parameter, ProcessGroup]] = []
+        # (owning module, attribute name, group): the parameter is looked up at every exchange, since an
+        # engine that materialises meta parameters (ZeRO-3 meta init) replaces the parameter objects
+        self.entries: list[tuple[nn.Module, str, ProcessGroup]] = []
         by_name = dict(module.named_parameters())
         my_stage = dist.get_rank(pp_group)
         patterns = sorted(set(holders.values()))
@@ -108,8 +110,9 @@ class TiedGradients:
             for name, held in holders.items():
                 if held == stages and group_of_mine is not None:
                     param = by_name[name]
-                    self.entries.append((param, group_of_mine))
-                    if my_stage != stages[0]:
+                    owner, _, attr = name.rpartition(".")
+                    self.entries.append((module.get_submodule(owner), attr, group_of_mine))
+                    if my_stage != stages[0]:  # a replacement copies the attribute (meta_init)
                         setattr(param, NORM_SKIP_ATTR, True)
 
     @torch.no_grad()
@@ -118,7 +121,9 @@ class TiedGradients:
         pipeline step's backwards and before the data-parallel reduction). ``grad_of`` gives where the
         gradient is accumulated (the engine's buffer, in the dtype it is reduced in); default
         ``param.grad``."""
-        for param, group in self.entries:
+        for owner, attr, group in self.entries:
+            param = owner._parameters[attr]
+            assert param is not None
             grad = grad_of(param) if grad_of is not None else param.grad
             if grad is None:
                 if grad_of is not None:
@@ -129,7 +134,7 @@ class TiedGradients:
     def destroy(self) -> None:
         """Destroy the groups built for the tied parameters (every rank, at the same point; see
         :meth:`lightning_par.mesh.ParallelMesh.destroy`)."""
-        for group in {id(g): g for _, g in self.entries}.values():
+        for group in {id(g): g for _, _, g in self.entries}.values():
             dist.destroy_process_group(group)
         self.entries = []
 

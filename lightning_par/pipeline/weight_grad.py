@@ -93,10 +93,8 @@ class WeightGradSplit:
                 " 'interleaved_1f1b') for such a model.",
                 stacklevel=2,
             )
-        deferred = {id(p) for m in self._linears for p in m.parameters(recurse=False)}
-        self._eager = [
-            [p for p in c.parameters() if p.requires_grad and id(p) not in deferred] for c in chunks
-        ]
+        self._chunks = list(chunks)
+        self._eager: list[list[nn.Parameter]] = []  # per chunk, what B differentiates besides the input
         self._key: Key | None = None
         self._stash: dict[Key, list[tuple[nn.Module, Tensor, Tensor]]] = {}
         self._kept: dict[Key, list[nn.Parameter]] = {}  # linear parameters that stay in B this time
@@ -105,6 +103,12 @@ class WeightGradSplit:
     def attached(self) -> Iterator[None]:
         """Hooks on the deferrable layers for one step; removed after it, with anything left unapplied."""
         handles = [m.register_forward_hook(self._on_forward) for m in self._linears]
+        # the parameters are read at every step, not kept from construction: an engine that materialises
+        # meta parameters (ZeRO-3 meta init) replaces the parameter objects after the split is built
+        deferred = {id(p) for m in self._linears for p in m.parameters(recurse=False)}
+        self._eager = [
+            [p for p in c.parameters() if p.requires_grad and id(p) not in deferred] for c in self._chunks
+        ]
         try:
             yield
         finally:
