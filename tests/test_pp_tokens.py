@@ -307,6 +307,9 @@ NATIVE_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "pythia-zero3": ("gpt_neox", "left", dict(pipeline_schedule="1f1b", zero_stage=3)),
     # recomputed blocks: their mask built again from the saved padding, or taken from the stage's cache
     "qwen2-ckpt": ("qwen2", "left", dict(pipeline_schedule="zb", activation_checkpointing=True)),
+    # built on the meta device by the strategy, its weights from a full state dict: the parameter objects
+    # are replaced after the cut, which the tied table's gradient exchange and the split backward follow
+    "gpt2-meta": ("gpt2", "left", dict(pipeline_schedule="zb", zero_stage=2, pretrained="meta")),
 }
 
 
@@ -319,7 +322,10 @@ def _run_native(rank: int, world: int, tmp: str) -> dict[str, Any]:
     for name, (family, side, options) in NATIVE_CASES.items():
         pl.seed_everything(SEED)
         module = NativeHF(family, SEED)
-        module.configure_model()
+        if options.get("pretrained") == "meta":
+            options = options | {"pretrained": build(family, seed=SEED).state_dict()}
+        else:
+            module.configure_model()
         strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, **options)
         seen = Seen()
         trainer = _trainer(

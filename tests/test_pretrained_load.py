@@ -536,3 +536,26 @@ def test_bad_pretrained_inputs_fail_before_training(bad: dict[str, str], files: 
     for name in ("gain_missing", "gain_missing_zero0"):  # ZeRO-3's shards, or stage 0's whole model
         gain = bad[name]
         assert "'net.1' (Gain)" in gain and "['gain']" in gain and "reset_parameters()" in gain, gain
+
+
+def test_a_tied_parameter_loads_from_either_of_its_names() -> None:
+    """GPT-2's table is ``transformer.wte.weight`` and ``lm_head.weight``: a ``state_dict()`` holds both
+    (no entry is unexpected), and a file holding only the head's name still fills the table."""
+    from lightning_par.checkpoint.load_pretrained import plan_pretrained
+
+    config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    source = transformers.GPT2LMHeadModel(config)
+    for drop in (None, "transformer.wte.weight"):
+        weights = {k: v.clone() for k, v in source.state_dict().items() if k != drop}
+        torch.manual_seed(1)
+        target = transformers.GPT2LMHeadModel(config)
+        plan = plan_pretrained(target, weights, strict=True)
+        try:
+            assert plan.load_local(target) > 0
+        finally:
+            plan.close()
+        assert target.lm_head.weight is target.transformer.wte.weight
+        torch.testing.assert_close(
+            target.transformer.wte.weight, source.transformer.wte.weight, msg=str(drop)
+        )

@@ -97,7 +97,17 @@ def plan_pretrained(
     weights = WeightSource.open(source)
     try:
         shapes, dims = _expected(module, tp_size)
-        names = match_names(weights.keys(), list(shapes))
+        # a tied parameter's other names (GPT-2's lm_head.weight, the embedding's): a state dict holds an
+        # entry for each, and either one may carry the weight
+        first = {id(p): n for n, p in module.named_parameters()}
+        aliases = {
+            n: first[id(p)] for n, p in module.named_parameters(remove_duplicate=False) if first[id(p)] != n
+        }
+        matched = match_names(weights.keys(), [*shapes, *aliases])
+        names = {m: f for m, f in matched.items() if m in shapes}
+        for alias, f in matched.items():
+            if alias in aliases:
+                names.setdefault(aliases[alias], f)
         problems = []
         reshaped = [
             f"{m}: file {weights.shape(f)} vs model {shapes[m]}"
@@ -106,7 +116,7 @@ def plan_pretrained(
         ]
         if reshaped:
             problems.append(f"{len(reshaped)} of other shapes: {reshaped[:_LIST]}")
-        unexpected = sorted(set(weights.keys()) - set(names.values()))
+        unexpected = sorted(set(weights.keys()) - set(matched.values()))
         if unexpected and strict:
             problems.append(f"{len(unexpected)} in the file match no model name: {unexpected[:_LIST]}")
         params = dict(module.named_parameters())
