@@ -11,7 +11,11 @@ On 4 Gloo ranks (pp2 x dp2), each loop runs 2 optimizer steps of 2 accumulation 
   the first step, loaded by one process at ZeRO-0 (no pipeline), and a ``FlashSnapshots`` snapshot of
   the same step, restored into a fresh pp2 x dp2 loop, both resume to the same final weights;
 * GPT-2 with its tied table, zb, ZeRO-3, packed rows (equal valid tokens per row), the mean form with a
-  metric (``{"loss", "acc"}``) and ``scale=1/2``: losses, metrics and weights equal the reference.
+  metric (``{"loss", "acc"}``) and ``scale=1/2``: losses, metrics and weights equal the reference;
+* litgpt's GPT in a loop shaped like litgpt's pretrain script: built on the meta device
+  (``fabric.init_module(empty_init=True)``, ZeRO-3, zb, ``litgpt_pipeline_layers``), the optimizer made
+  after ``setup_module`` from this stage's parameters, the weights from ``fabric.load_raw``, tuple
+  batches: losses and weights equal plain torch in one process.
 
 Also: under ``precision="bf16-mixed"`` the loss function sees autocast's bf16 logits and the losses are
 the fp32 ones up to bf16 rounding; the model called directly, ``fabric.backward``, a module without its
@@ -32,9 +36,10 @@ from lightning.fabric import Fabric
 from torch import Tensor
 
 from lightning_par.fabric import FlashSnapshots, HybridParallelStrategy
-from lightning_par.pipeline import hf_causal_lm_loss, hf_pipeline_layers
+from lightning_par.pipeline import hf_causal_lm_loss, hf_pipeline_layers, litgpt_pipeline_layers
 from tests.distributed import run_distributed
 from tests.test_pp_hf import build
+from tests.test_pp_litgpt import build as build_litgpt
 from tests.test_pp_tokens import HFBatches
 
 WORLD, PP, DP, ACCUM, BATCH, WINDOWS, SEED = 4, 2, 2, 2, 3, 2, 5
@@ -110,6 +115,13 @@ def _full_state(strategy: HybridParallelStrategy) -> dict[str, Tensor] | None:
     return {k: v.clone() for k, v in full.items()} if full else None
 
 
+def _local(model: torch.nn.Module) -> torch.nn.ParameterList:
+    """This stage's parameters: other stages' stay meta placeholders here, which Fabric refuses in an
+    optimizer made after ``fabric.setup_module`` (an optimizer made before ``fabric.setup`` follows the
+    cut by itself)."""
+    return torch.nn.ParameterList(p for p in model.parameters() if not p.is_meta)
+
+
 def _run_case(name: str, save: str | None) -> dict[str, Any]:
     family, side, opt_kind, options, _ = CASES[name]
     strategy = HybridParallelStrategy(
@@ -118,6 +130,7 @@ def _run_case(name: str, save: str | None) -> dict[str, Any]:
     fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
     fabric.launch()
     model = build(family, seed=SEED).train()
+    # an optimizer made before setup follows the cut (other stages' parameters become placeholders)
     model, optimizer = fabric.setup(model, _optimizer(opt_kind, model))
     mesh = strategy.mesh
     assert strategy.distributed_sampler_kwargs == {"num_replicas": DP, "rank": mesh.dp_rank}
@@ -222,9 +235,56 @@ def _refusals() -> list[str]:
     return messages
 
 
+def _litgpt_windows(w: int, dp_rank: int, dp: int) -> list[tuple[Tensor, Tensor]]:
+    """litgpt's pretraining batches (inputs and next-token targets of one token block) of window ``w`` on
+    ``dp_rank``, one per accumulation step."""
+    data = torch.randint(0, 64, (N, 17), generator=torch.Generator().manual_seed(11))
+    return [(data[idx, :-1], data[idx, 1:]) for idx in _window_rows(w, dp_rank, dp)]
+
+
+def _litgpt_loss(logits: Tensor, batch: Any) -> Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
+
+
+def _litgpt(initial: str) -> dict[str, Any]:
+    """A loop shaped like litgpt's pretrain script: the GPT built on the meta device
+    (``fabric.init_module(empty_init=True)``, ZeRO-3), ``setup_module``, the optimizer from the set-up
+    module, the initial weights from a full state dict (``fabric.load_raw``), tuple batches (the default
+    input takes ``batch[0]``), zb over pp2 x dp2."""
+    strategy = HybridParallelStrategy(
+        pipeline_parallel_size=PP,
+        num_microbatches=2,
+        pipeline_schedule="zb",
+        zero_stage=3,
+        pipeline_layers=litgpt_pipeline_layers,
+    )
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = build_litgpt("llama")
+    assert all(p.is_meta for p in model.parameters())
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(_optimizer("adamw", _local(model)))
+    fabric.load_raw(initial, model)
+    losses, dp_rank = [], strategy.mesh.dp_rank
+    for w in range(WINDOWS):
+        for k, batch in enumerate(_litgpt_windows(w, dp_rank, DP)):
+            with fabric.no_backward_sync(model, enabled=k < ACCUM - 1):
+                loss = strategy.pipeline.step(batch, loss_fn=_litgpt_loss, scale=1 / ACCUM)
+            assert isinstance(loss, Tensor)
+            losses.append(float(loss))
+        fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = _full_state(strategy)
+    strategy.destroy_process_groups()
+    return {"losses": losses, "dp_rank": dp_rank, "state": state}
+
+
 def _runs(rank: int, world: int, tmp: str) -> dict[str, Any]:
     save = str(Path(tmp) / "llama")
     return {
+        "litgpt": _litgpt(str(Path(tmp) / "litgpt.pt")),
         "llama": _run_case("llama", save),
         "gpt2": _run_case("gpt2", None),
         "flash": _flash_resume(save),
@@ -289,9 +349,27 @@ def _reference(name: str) -> dict[str, Any]:
     }
 
 
+def _litgpt_reference() -> dict[str, Any]:
+    model = build_litgpt("llama")
+    optimizer = _optimizer("adamw", model)
+    losses = []
+    for w in range(WINDOWS):
+        per_rank = [_litgpt_windows(w, d, DP) for d in range(DP)]
+        with torch.no_grad():
+            losses += [(d, float(_litgpt_loss(model(b[0]), b))) for d in range(DP) for b in per_rank[d]]
+        x = torch.cat([b[0] for batches in per_rank for b in batches])
+        y = torch.cat([b[1] for batches in per_rank for b in batches])
+        _litgpt_loss(model(x), (x, y)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
 def test_fabric_pipeline_equals_one_process_on_hugging_face_models() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
+        torch.save(build_litgpt("llama").state_dict(), Path(tmp) / "litgpt.pt")
         results = run_distributed(_runs, WORLD, tmp, init_group=False, timeout=400)
         resumed = run_distributed(_resume, 1, str(Path(tmp) / "llama"), init_group=False)[0]
     for name in CASES:
@@ -321,6 +399,14 @@ def test_fabric_pipeline_equals_one_process_on_hugging_face_models() -> None:
             torch.testing.assert_close(r[name]["predicted"], ref["logits"], rtol=1e-4, atol=1e-5)
             assert "pipeline.step(batch" in r[name]["refusals"][0]
             assert "fabric.backward is not used with pipeline parallelism" in r[name]["refusals"][1]
+    litgpt = _litgpt_reference()
+    state = results[0]["litgpt"]["state"]
+    for key, value in litgpt["state"].items():
+        if key not in ("cos", "sin"):
+            torch.testing.assert_close(state[key], value, msg=lambda m, k=key: f"litgpt {k}\n{m}")
+    for r in results:
+        want = [v for d, v in litgpt["losses"] if d == r["litgpt"]["dp_rank"]]
+        torch.testing.assert_close(torch.tensor(r["litgpt"]["losses"]), torch.tensor(want))
     reference = _reference("llama")
     # the loss runs on the last stage's ranks (one per dp replica) and sees autocast's logits
     assert sorted(r["bf16"]["dtypes"] for r in results) == [[]] * DP + [["torch.bfloat16"]] * DP

@@ -32,6 +32,11 @@ mask and positions) for a mapping and ``batch[0]`` for a list or tuple.
 
 Calling the module itself (``model(x)``) or ``fabric.backward`` under pp > 1 is refused with this rule:
 other stages' layers are meta placeholders here, and the step has run every backward already.
+
+Optimizers: one made before ``fabric.setup(model, optimizer)`` follows the cut by itself (its parameters
+of other stages become their placeholders, which it never updates). Fabric refuses meta parameters in an
+optimizer made after ``fabric.setup_module`` (the way under ``fabric.init_module(empty_init=True)``), so
+there it takes this stage's parameters: ``AdamW(p for p in model.parameters() if not p.is_meta)``.
 """
 
 from __future__ import annotations
