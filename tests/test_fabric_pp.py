@@ -10,6 +10,7 @@ On 4 Gloo ranks (pp2 x dp2), each loop runs 2 optimizer steps of 2 accumulation 
   metric and ``predict`` equal the trained reference's loss, accuracy and logits; a ``fabric.save`` after
   the first step, loaded by one process at ZeRO-0 (no pipeline), and a ``FlashSnapshots`` snapshot of
   the same step, restored into a fresh pp2 x dp2 loop, both resume to the same final weights;
+* the same right-padded at pp2 x tp2 (the shipped ``llama`` plan, zb, dp 1);
 * GPT-2 with its tied table, zb, ZeRO-3, packed rows (equal valid tokens per row), the mean form with a
   metric (``{"loss", "acc"}``) and ``scale=1/2``: losses, metrics and weights equal the reference;
 * litgpt's GPT in a loop shaped like litgpt's pretrain script: built on the meta device
@@ -73,10 +74,22 @@ def _mean_loss(logits: Tensor, labels: Tensor) -> dict[str, Tensor]:
 
 
 # name -> (family, padding side, optimizer, strategy options, loss form)
+# (tp2 x pp2: the shipped llama plan, head-parallel attention beside the padding mask; dp 1)
 CASES: dict[str, tuple[str, str, str, dict[str, Any], str]] = {
     "llama": ("llama", "left", "adamw", dict(zero_stage=1, pipeline_schedule="1f1b"), "tokens"),
     "gpt2": ("gpt2", "packed", "sgd", dict(zero_stage=3, pipeline_schedule="zb"), "mean"),
+    "llama-tp2": (
+        "llama",
+        "right",
+        "adamw",
+        dict(zero_stage=1, pipeline_schedule="zb", tensor_parallel_size=2, tp_plan="llama"),
+        "tokens",
+    ),
 }
+
+
+def _dp(name: str) -> int:
+    return WORLD // (PP * CASES[name][3].get("tensor_parallel_size", 1))
 
 
 def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -133,7 +146,7 @@ def _run_case(name: str, save: str | None) -> dict[str, Any]:
     # an optimizer made before setup follows the cut (other stages' parameters become placeholders)
     model, optimizer = fabric.setup(model, _optimizer(opt_kind, model))
     mesh = strategy.mesh
-    assert strategy.distributed_sampler_kwargs == {"num_replicas": DP, "rank": mesh.dp_rank}
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": _dp(name), "rank": mesh.dp_rank}
     out = _fabric_loop(fabric, strategy, model, optimizer, name, range(1))
     if save is not None:  # after the first optimizer step: a sharded checkpoint and a flash snapshot
         state = {"model": model, "optimizer": optimizer, "step": 1}
@@ -287,6 +300,7 @@ def _runs(rank: int, world: int, tmp: str) -> dict[str, Any]:
         "litgpt": _litgpt(str(Path(tmp) / "litgpt.pt")),
         "llama": _run_case("llama", save),
         "gpt2": _run_case("gpt2", None),
+        "llama-tp2": _run_case("llama-tp2", None),
         "flash": _flash_resume(save),
         "bf16": _bf16(),
         "refusals": _refusals(),
@@ -316,11 +330,11 @@ def _reference(name: str) -> dict[str, Any]:
     family, side, opt_kind, _, form = CASES[name]
     model = build(family, seed=SEED).train()
     optimizer = _optimizer(opt_kind, model)
-    losses, norms, accs = [], [], []
+    losses, norms, accs, dp = [], [], [], _dp(name)
     for w in range(WINDOWS):
         for k in range(ACCUM):  # what each dp rank logs: its own batch's loss, before the update
-            for d in range(DP):
-                rows = _rows(side, _window_rows(w, d, DP)[k])
+            for d in range(dp):
+                rows = _rows(side, _window_rows(w, d, dp)[k])
                 with torch.no_grad():
                     result = _mean_loss(model(**rows, use_cache=False).logits, rows["labels"])
                 losses.append((d, float(result["loss"])))
@@ -370,7 +384,7 @@ def test_fabric_pipeline_equals_one_process_on_hugging_face_models() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         torch.save(build_litgpt("llama").state_dict(), Path(tmp) / "litgpt.pt")
-        results = run_distributed(_runs, WORLD, tmp, init_group=False, timeout=400)
+        results = run_distributed(_runs, WORLD, tmp, init_group=False, timeout=600)
         resumed = run_distributed(_resume, 1, str(Path(tmp) / "llama"), init_group=False)[0]
     for name in CASES:
         ref = _reference(name)

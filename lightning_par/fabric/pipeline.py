@@ -22,7 +22,8 @@ A pipeline schedule owns the forward and backward of every micro-batch, so under
   "tokens": n, ...}`` (:mod:`lightning_par.pipeline.steps`). Each micro-batch back-propagates its loss
   times ``scale``, over ``m`` (the mean over the batch); the returned loss is unscaled and the same on
   every pipeline rank: a tensor, or ``{"loss": ..., metrics...}`` when ``loss_fn`` reports metrics
-  (with ``"tokens"``, the step's valid tokens, in the token-exact form, where ``scale`` cancels out).
+  (with ``"tokens"``, the step's valid tokens, in the token-exact form, where ``scale`` cancels out if
+  it is the same in every step of a window).
 * :meth:`FabricPipeline.evaluate`: forward only, loss and ``metrics_fn(output, micro_batch)``'s metrics.
 * :meth:`FabricPipeline.predict`: the last layer's outputs for the whole batch, on every pipeline rank.
 
