@@ -213,17 +213,39 @@ VARIANTS: list[tuple[Family, dict[str, Any]]] = [
 ]
 
 
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+# before transformers 5: refused (the models' forwards scale embeddings or hand rotary tables otherwise);
+# packed rows refused (the models' own masks ignore the positions)
+REFUSED_BEFORE_5 = {"gemma", "gemma2", "gemma3_text"}
+PACKED_REFUSED_BEFORE_5 = {"qwen2_moe", "stablelm"}
+
+
+def assert_same_logits(got: Tensor, want: Tensor, mask: Tensor | None, what: Any) -> None:
+    """Bitwise equal logits; before transformers 5 at the valid positions only: some 4.x models (Qwen2-MoE,
+    StableLM) give the padding's query positions, whose logits no loss reads, another fully-masked-row
+    rule (checked with transformers 4.57)."""
+    if mask is None or TRANSFORMERS_5:
+        assert torch.equal(got, want), what
+    else:
+        valid = mask.bool()
+        assert torch.equal(got[valid], want[valid]), what
+
+
 @pytest.mark.parametrize(("family", "options"), VARIANTS, ids=lambda v: str(v))
 def test_the_pieces_compute_the_models_own_forward(family: Family, options: dict[str, Any]) -> None:
     model = build(family, **options).train()  # training mode: dropout is off, nothing else differs
     ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0))
+    if family in REFUSED_BEFORE_5 and not TRANSFORMERS_5:
+        with pytest.raises(ValueError, match=r"\(transformers before 5\.0\).* install transformers>=5"):
+            hf_pipeline_layers(model)
+        return
     pieces = hf_pipeline_layers(model)
     for side in ("none", "left", "right"):
         mask = _padding(side)
         x: Any = ids if mask is None else (ids, mask)
         for piece in pieces:
             x = piece(x)
-        assert torch.equal(x, model(ids, attention_mask=mask).logits), side
+        assert_same_logits(x, model(ids, attention_mask=mask).logits, mask, side)
     # packed sequences (a flattening collator's position_ids, restarting at every document), without and
     # with a padding mask, as a dict from the default input
     packed = torch.cat([torch.arange(n) for n in (5, 7, 4)]).expand(3, 16)
@@ -231,10 +253,16 @@ def test_the_pieces_compute_the_models_own_forward(family: Family, options: dict
         batch = {"input_ids": ids, "position_ids": packed} | (
             {} if mask is None else {"attention_mask": mask}
         )
+        if family in PACKED_REFUSED_BEFORE_5 and not TRANSFORMERS_5:
+            with pytest.raises(ValueError, match=r"packed documents attend to each other"):
+                pieces[0](batch)
+            continue
         z: Any = batch
         for piece in pieces:
             z = piece(z)
-        assert torch.equal(z, model(**batch, use_cache=False).logits), f"packed, mask {mask is not None}"
+        assert_same_logits(
+            z, model(**batch, use_cache=False).logits, mask, f"packed, mask {mask is not None}"
+        )
         assert not torch.allclose(z, model(ids, attention_mask=mask).logits)  # the positions matter
         if side == "left":  # the case is not trivial: without the mask the pieces compute other logits
             y: Any = ids
@@ -254,6 +282,8 @@ def test_the_pieces_compute_the_models_own_forward_in_bf16() -> None:
     model builds them; every variant, unpadded and left-padded."""
     ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0))
     for family, options in VARIANTS:
+        if family in REFUSED_BEFORE_5 and not TRANSFORMERS_5:
+            continue  # refused, as the test above checks
         model = build(family, **options).train().to(torch.bfloat16)
         pieces = hf_pipeline_layers(model)
         for mask in (None, _padding("left")):
@@ -261,7 +291,8 @@ def test_the_pieces_compute_the_models_own_forward_in_bf16() -> None:
             for piece in pieces:
                 x = piece(x)
             assert x.dtype == torch.bfloat16
-            assert torch.equal(x, model(ids, attention_mask=mask, use_cache=False).logits), (family, options)
+            want = model(ids, attention_mask=mask, use_cache=False).logits
+            assert_same_logits(x, want, mask, (family, options))
 
 
 def test_the_pieces_of_a_peft_model_compute_its_forward() -> None:
@@ -311,11 +342,39 @@ def test_bad_models_are_refused_with_the_fix() -> None:
         hf_pipeline_layers(build("gemma3_text", use_bidirectional_attention=True))
     with pytest.raises(ValueError, match=r"mixtral model has output_router_logits=True.* = False"):
         hf_pipeline_layers(build("mixtral", output_router_logits=True))
+    # what transformers 4.x models look like (checked with 4.57): Gemma 3's separate local rotary table;
+    # a decoder building its masks without the positions, whose packed rows are refused (padding is not)
+    gemma3 = build("gemma3_text")
+    gemma3.model.rotary_emb_local = gemma3.model.rotary_emb
+    with pytest.raises(ValueError, match=r"local rotary table apart .* install transformers>=5"):
+        hf_pipeline_layers(gemma3)
+    legacy = build("qwen2")
+    legacy.model._update_causal_mask = lambda *args: None
+    first = hf_pipeline_layers(legacy)[0]
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    first({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    with pytest.raises(ValueError, match=r"Qwen2Model builds its attention masks without the positions"):
+        first({"input_ids": ids, "position_ids": torch.arange(4)[None]})
     embed = hf_pipeline_layers(build("llama"))[0]
     with pytest.raises(TypeError, match=r"a pair \(input_ids, attention_mask\), or a mapping .* got dict"):
         embed({"ids": torch.zeros(1, 4, dtype=torch.long)})
     with pytest.raises(TypeError, match=r"position_ids must be integers, got torch.float32"):
         embed({"input_ids": torch.zeros(1, 4, dtype=torch.long), "position_ids": torch.zeros(1, 4)})
+
+
+def test_gpt_neox_with_its_head_named_as_before_transformers_5() -> None:
+    """GPT-NeoX's LM head was ``embed_out`` before transformers 5 (checked with 4.57: the pieces equal the
+    model there); a model with that name is cut with it."""
+    model = build("gpt_neox").train()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    want = model(ids).logits
+    if "lm_head" in model._modules:  # transformers 5: renamed as before
+        model._modules["embed_out"] = model._modules.pop("lm_head")
+    assert "embed_out" in model._modules and "lm_head" not in model._modules
+    x: Any = ids
+    for piece in hf_pipeline_layers(model):
+        x = piece(x)
+    assert torch.equal(x, want)
 
 
 def test_the_mask_builders_are_called_with_each_transformers_versions_argument_names() -> None:

@@ -39,7 +39,8 @@ Supported, by ``config.model_type``:
   its device. A mixture-of-experts model whose config adds the routers' load-balancing loss to the
   model's loss (``output_router_logits=True``) is refused: the pieces compute the logits only;
 * ``gpt_neox`` (Pythia and its kin) the same way, under its own names: ``gpt_neox.embed_in`` with
-  ``emb_dropout``, ``gpt_neox.layers``, ``gpt_neox.final_layer_norm``, ``lm_head``;
+  ``emb_dropout``, ``gpt_neox.layers``, ``gpt_neox.final_layer_norm``, ``lm_head`` (``embed_out``
+  before transformers 5);
 * the Gemma family, ``gemma``, ``gemma2`` and ``gemma3_text`` (``Gemma3ForCausalLM``), the same way: the
   embedding's scale lives in ``embed_tokens`` (transformers 5; an older version, whose forward scaled
   it, is refused), the head soft-caps the logits where the config says so, Gemma 3's blocks take the
@@ -50,7 +51,11 @@ A PEFT model (``get_peft_model(model, LoraConfig(...))``) is cut as the transfor
 adapters injected into the layers (LoRA, IA3, ...) sit inside the blocks and train there; prompt learning,
 whose virtual tokens the PEFT model's own forward adds, is refused. Anything else is refused with the list
 above and the protocol to write by hand. The masks need ``transformers.masking_utils`` (transformers
-4.53 or later); an older version is refused with that fix.
+4.53 or later); an older version is refused with that fix. With transformers 4.53-4.x (checked with 4.57):
+the Gemma family is refused (its forwards scale the embeddings or hand the rotary tables otherwise), and
+Qwen2-MoE and StableLM, whose decoders still build their masks without the positions, refuse packed rows
+(their own forwards let the documents attend to each other); the logits of padding positions, which no
+loss reads, may differ there.
 
 :func:`hf_causal_lm_loss` is the matching ``pipeline_loss``: the model's own loss (``model(input_ids,
 labels=labels).loss``: position ``t`` predicts label ``t + 1``, ``-100`` ignored, the mean over the valid
@@ -126,6 +131,8 @@ def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
         blocks = [_Block((t.h, str(i)), masks, "full_attention") for i in range(len(t.h))]
         return [_GPT2Embed(t), *blocks, _Head((t, "ln_f"), (hf, "lm_head"))]
     decoder, embed, dropout, layers, norm, head = _PARTS.get(kind, _LLAMA_PARTS)
+    if head not in hf._modules and "embed_out" in hf._modules:  # GPT-NeoX's head before transformers 5
+        head = "embed_out"
     m = getattr(hf, decoder)
     # Gemma 3 keeps one rotary table per attention type (local and global bases)
     per_type = kind == "gemma3_text"
@@ -141,6 +148,10 @@ def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
     ]
     cap = getattr(config, "final_logit_softcapping", None)
     first = _Embed((m, embed), *([(m, dropout)] if dropout else []))
+    if hasattr(
+        m, "_update_causal_mask"
+    ):  # a decoder that builds its masks the pre-5 way (Qwen2-MoE, StableLM)
+        first.__dict__["_legacy"] = type(m).__name__
     return [first, *blocks, _Head((m, norm), (hf, head), cap)]
 
 
@@ -182,6 +193,12 @@ def _check_gemma(model: Any, config: Any) -> None:
         raise ValueError(
             "hf_pipeline_layers: use_bidirectional_attention=True overlays a bidirectional mask the pieces"
             " do not build; train with causal attention or write pipeline_layers() yourself."
+        )
+    if hasattr(model.model, "rotary_emb_local"):
+        raise ValueError(
+            "hf_pipeline_layers: this gemma3_text model keeps its local rotary table apart and hands its"
+            " layers both tables (transformers before 5.0), which the pieces do not do; install"
+            " transformers>=5."
         )
 
 
@@ -329,6 +346,14 @@ class _Embed(_Piece):
     def forward(self, x: Any) -> Tensor | tuple[Tensor, ...]:
         self.check()
         ids, padding, positions = _first_input(x)
+        legacy = self.__dict__.get("_legacy")
+        if positions is not None and legacy is not None:
+            raise ValueError(
+                f"hf_pipeline_layers: {legacy} builds its attention masks without the positions (transformers"
+                " before 5.0), so its own forward lets packed documents attend to each other, which the"
+                " pieces do not: the two would train different models. Install transformers>=5, or pass"
+                " padded batches without position_ids."
+            )
         names = [name for _, name in self.__dict__["_origins"]]
         hidden = self.child(names[0])(ids)
         if len(names) > 1:
