@@ -16,7 +16,9 @@ On 4 Gloo ranks (pp2 x dp2), each loop runs 2 optimizer steps of 2 accumulation 
 * litgpt's GPT in a loop shaped like litgpt's pretrain script: built on the meta device
   (``fabric.init_module(empty_init=True)``, ZeRO-3, zb, ``litgpt_pipeline_layers``), the optimizer made
   after ``setup_module`` from this stage's parameters, the weights from ``fabric.load_raw``, tuple
-  batches: losses and weights equal plain torch in one process.
+  batches: losses and weights equal plain torch in one process, and its one-file ``fabric.save`` holds
+  the optimizer state in torch's format, numbered for an optimizer of the whole model (which loads it),
+  equal to the reference's.
 
 Also: under ``precision="bf16-mixed"`` the loss function sees autocast's bf16 logits and the losses are
 the fp32 ones up to bf16 rounding; the model called directly, ``fabric.backward``, a module without its
@@ -228,8 +230,8 @@ def _bf16() -> dict[str, Any]:
 
 
 def _refusals() -> list[str]:
-    """Setup-time errors under pp2, the same on every rank: a module without its layers, and a ZeRO-3 unit
-    (the whole decoder) that spans both stages."""
+    """Setup-time errors under pp2, the same on every rank: a module without its layers, a ZeRO-3 unit
+    (the whole decoder) that spans both stages, and optimizers whose groups differ across the stages."""
     messages = []
     for kwargs, model in (
         ({}, torch.nn.Sequential(torch.nn.Linear(4, 4))),
@@ -245,6 +247,19 @@ def _refusals() -> list[str]:
             fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         messages.append(str(refused.value))
         strategy.destroy_process_groups()
+    # optimizers made after setup by another rule on each stage: two groups on the first, one on the last
+    strategy = HybridParallelStrategy(
+        pipeline_parallel_size=PP, num_microbatches=2, pipeline_layers=hf_pipeline_layers
+    )
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(build("llama", seed=SEED))
+    local = list(_local(model))
+    groups = [local[:1], local[1:]] if strategy.mesh.pp_rank == 0 else [local]
+    with pytest.raises(ValueError) as refused:
+        fabric.setup_optimizers(torch.optim.SGD([{"params": g} for g in groups], lr=0.1))
+    messages.append(str(refused.value))
+    strategy.destroy_process_groups()
     return messages
 
 
@@ -270,6 +285,7 @@ def _litgpt(initial: str) -> dict[str, Any]:
         pipeline_schedule="zb",
         zero_stage=3,
         pipeline_layers=litgpt_pipeline_layers,
+        save_distributed_checkpoint=False,  # fabric.save: one torch file, optimizer state in torch's format
     )
     fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
     fabric.launch()
@@ -290,6 +306,7 @@ def _litgpt(initial: str) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
     state = _full_state(strategy)
+    fabric.save(initial.replace(".pt", "-trained.pt"), {"model": model, "optimizer": optimizer})
     strategy.destroy_process_groups()
     return {"losses": losses, "dp_rank": dp_rank, "state": state}
 
@@ -377,7 +394,11 @@ def _litgpt_reference() -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         optimizer.step()
         optimizer.zero_grad()
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+    }
 
 
 def test_fabric_pipeline_equals_one_process_on_hugging_face_models() -> None:
@@ -386,6 +407,7 @@ def test_fabric_pipeline_equals_one_process_on_hugging_face_models() -> None:
         torch.save(build_litgpt("llama").state_dict(), Path(tmp) / "litgpt.pt")
         results = run_distributed(_runs, WORLD, tmp, init_group=False, timeout=600)
         resumed = run_distributed(_resume, 1, str(Path(tmp) / "llama"), init_group=False)[0]
+        saved = torch.load(Path(tmp) / "litgpt-trained.pt", weights_only=False)
     for name in CASES:
         ref = _reference(name)
         initial = build(CASES[name][0], seed=SEED).state_dict()
@@ -421,13 +443,26 @@ def test_fabric_pipeline_equals_one_process_on_hugging_face_models() -> None:
     for r in results:
         want = [v for d, v in litgpt["losses"] if d == r["litgpt"]["dp_rank"]]
         torch.testing.assert_close(torch.tensor(r["litgpt"]["losses"]), torch.tensor(want))
+    # the one-file checkpoint of the optimizers built from each stage's parameters: torch's format,
+    # numbered as an optimizer of the whole model, which loads it and holds the reference's moments
+    model = build_litgpt("llama")
+    optimizer = _optimizer("adamw", model)
+    optimizer.load_state_dict(saved["optimizer"])
+    want_state = litgpt["optimizer"]["state"]
+    assert len(saved["optimizer"]["state"]) == len(want_state) == len(list(model.parameters()))
+    for index, moments in want_state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                saved["optimizer"]["state"][index][key], moments[key], msg=f"{index} {key}"
+            )
     reference = _reference("llama")
     # the loss runs on the last stage's ranks (one per dp replica) and sees autocast's logits
     assert sorted(r["bf16"]["dtypes"] for r in results) == [[]] * DP + [["torch.bfloat16"]] * DP
     for r in results:
         want = [v for d, v in reference["losses"] if d == r["bf16"]["dp_rank"]][:ACCUM]
         torch.testing.assert_close(torch.tensor(r["bf16"]["losses"]), torch.tensor(want), rtol=2e-2, atol=0)
-        layers, units = r["refusals"]
+        layers, units, groups = r["refusals"]
+        assert "optimizers differ across pipeline stages" in groups and "[(1,), (2,)]" in groups, groups
         assert "define Sequential.pipeline_layers()" in layers and "hf_pipeline_layers" in layers
         assert "selects 'model' as a ZeRO-3 unit" in units and "cross a stage boundary" in units, units
     llama = reference["state"]

@@ -37,7 +37,9 @@ other stages' layers are meta placeholders here, and the step has run every back
 Optimizers: one made before ``fabric.setup(model, optimizer)`` follows the cut by itself (its parameters
 of other stages become their placeholders, which it never updates). Fabric refuses meta parameters in an
 optimizer made after ``fabric.setup_module`` (the way under ``fabric.init_module(empty_init=True)``), so
-there it takes this stage's parameters: ``AdamW(p for p in model.parameters() if not p.is_meta)``.
+there it takes this stage's parameters: ``AdamW(p for p in model.parameters() if not p.is_meta)``;
+``fabric.setup_optimizers`` then completes its groups with the other stages' placeholders (by the same
+rule on every stage, else refused), so checkpoints number its state as for the whole model.
 """
 
 from __future__ import annotations

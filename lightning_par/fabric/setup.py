@@ -5,14 +5,18 @@
 objects it replaced: tensor-parallel slices, and under pipeline parallelism the meta placeholders of
 other stages' layers. An optimizer made before ``fabric.setup`` still holds the old objects; without
 state it only holds references, so :func:`follow_replaced` points it at the new ones (one with state is
-refused, with the fix).
+refused, with the fix). Under pipeline parallelism :func:`complete_stage_groups` then gives every stage's
+optimizers the same parameter groups (other stages' parameters as their placeholders), so that an
+optimizer built from this stage's parameters alone numbers its state as one built from the whole model.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from lightning_par.compose import ComposeOptions, Composition, compose
@@ -77,3 +81,37 @@ def follow_replaced(replaced: Replaced, optimizers: list[Optimizer]) -> None:
                         " before any optimizer step."
                     )
                 group["params"][i] = old_new[1]
+
+
+def complete_stage_groups(optimizers: list[Optimizer], module: nn.Module, *, pp_group: ProcessGroup) -> None:
+    """Add to each param group the placeholders of the parameters the same group holds on other pipeline
+    stages, each group then in the model's parameter order (collective over ``pp_group``).
+
+    An optimizer made after ``fabric.setup_module`` must leave other stages' meta placeholders out (Fabric
+    refuses meta parameters in an optimizer), so each stage's groups would list only its own parameters,
+    and a full optimizer state (``save_distributed_checkpoint=False``), numbered in group order, would
+    not fit an optimizer built from the whole model. An optimizer that lists every parameter already is
+    left as it is."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = {n: i for i, n in enumerate(names.values())}
+    mine = [
+        [[names[id(p)] for p in g["params"] if id(p) in names] for g in opt.param_groups]
+        for opt in optimizers
+    ]
+    gathered: list[Any] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(gathered, mine, group=pp_group)
+    shapes = {tuple(len(groups) for groups in stage) for stage in gathered}
+    if len(shapes) != 1:
+        raise ValueError(
+            "The optimizers differ across pipeline stages (optimizers and param groups per stage:"
+            f" {sorted(shapes)}): build them by the same rule on every stage, e.g. one group from"
+            " [p for p in model.parameters() if not p.is_meta]."
+        )
+    by_name = dict(module.named_parameters())
+    for k, opt in enumerate(optimizers):
+        for j, group in enumerate(opt.param_groups):
+            have = {names.get(id(p)) for p in group["params"]}
+            missing = sorted({n for stage in gathered for n in stage[k][j]} - have, key=order.__getitem__)
+            if missing:
+                params = [*group["params"], *(by_name[n] for n in missing)]
+                group["params"] = sorted(params, key=lambda p: order.get(names.get(id(p), ""), len(order)))

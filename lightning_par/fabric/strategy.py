@@ -57,7 +57,7 @@ from lightning_par.device_checks import check_optimizer_kernels, resolve_backend
 from lightning_par.fabric import checkpoint as fabric_checkpoint
 from lightning_par.fabric.pipeline import FabricPipeline, build_fabric_pipeline, refuse_direct_call
 from lightning_par.fabric.precision import to_parallel_precision
-from lightning_par.fabric.setup import Replaced, compose_module, follow_replaced
+from lightning_par.fabric.setup import Replaced, complete_stage_groups, compose_module, follow_replaced
 from lightning_par.fabric.steps import FabricSteps
 from lightning_par.mesh import ParallelMesh
 from lightning_par.pipeline.partition import PartitionMethod
@@ -360,6 +360,9 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             )
         follow_replaced(self._replaced, optimizers)
         self._replaced = {}
+        if self._pipeline is not None:
+            assert self.module is not None
+            complete_stage_groups(optimizers, self.module, pp_group=self.mesh.pp_group)
         check_optimizer_kernels(optimizers, device=self.root_device)
         self.engine.shard_optimizers(optimizers)
         _optimizers_to_device(optimizers, self.root_device)
