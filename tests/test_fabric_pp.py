@@ -11,8 +11,9 @@ On 4 Gloo ranks (pp2 x dp2), each loop runs 2 optimizer steps of 2 accumulation 
   the first step, loaded by one process at ZeRO-0 (no pipeline), and a ``FlashSnapshots`` snapshot of
   the same step, restored into a fresh pp2 x dp2 loop, both resume to the same final weights;
 * the same right-padded at pp2 x tp2 (the shipped ``llama`` plan, zb, dp 1);
-* GPT-2 with its tied table, interleaved zb (2 chunks per rank), ZeRO-3, packed rows (equal valid tokens per row), the mean form with a
-  metric (``{"loss", "acc"}``) and ``scale=1/2``: losses, metrics and weights equal the reference;
+* GPT-2 with its tied table, interleaved zb (2 chunks per rank), ZeRO-3, packed rows (equal valid
+  tokens per row), the mean form with a metric (``{"loss", "acc"}``) and ``scale=1/2``: losses, metrics
+  and weights equal the reference;
 * litgpt's GPT in a loop shaped like litgpt's pretrain script: built on the meta device
   (``fabric.init_module(empty_init=True)``, ZeRO-3, zb, ``litgpt_pipeline_layers``), the optimizer made
   after ``setup_module`` from this stage's parameters, the weights from ``fabric.load_raw``, tuple
@@ -21,9 +22,11 @@ On 4 Gloo ranks (pp2 x dp2), each loop runs 2 optimizer steps of 2 accumulation 
   equal to the reference's.
 
 Also: under ``precision="bf16-mixed"`` the loss function sees autocast's bf16 logits and the losses are
-the fp32 ones up to bf16 rounding; the model called directly, ``fabric.backward``, a module without its
-layers, a ZeRO-3 unit spanning both stages, ``strategy.pipeline`` without a pipeline and bad options are
-refused with the rule.
+the fp32 ones up to bf16 rounding; under ``"16-mixed"`` (loss scale 256) an SGD step equals the fp32
+one up to fp16 rounding (a missing unscale would move the weights 256 times as far); the model called
+directly, ``fabric.backward``, a module without its layers, a ZeRO-3 unit spanning both stages,
+optimizers whose groups differ across stages, ``strategy.pipeline`` without a pipeline and bad options
+are refused with the rule.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from torch import Tensor
 
 from lightning_par.fabric import FlashSnapshots, HybridParallelStrategy
 from lightning_par.pipeline import hf_causal_lm_loss, hf_pipeline_layers, litgpt_pipeline_layers
+from lightning_par.precision import ParallelPrecision
 from tests.distributed import run_distributed
 from tests.test_pp_hf import build
 from tests.test_pp_litgpt import build as build_litgpt
@@ -235,6 +239,31 @@ def _bf16() -> dict[str, Any]:
     return {"losses": losses, "dtypes": sorted(map(str, dtypes)), "dp_rank": dp_rank}
 
 
+def _fp16() -> dict[str, Any]:
+    """One optimizer step (SGD, 2 pipeline steps) of the Llama case under ``precision="16-mixed"`` with a
+    loss scale of 256: each micro-batch's loss is scaled, the gradients unscaled once before the step."""
+    strategy = HybridParallelStrategy(
+        pipeline_parallel_size=PP, num_microbatches=2, pipeline_layers=hf_pipeline_layers, **CASES["llama"][3]
+    )
+    plugin = ParallelPrecision("16-mixed", loss_scale={"init_scale": 256.0})
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy, plugins=[plugin])
+    fabric.launch()
+    model = build("llama", seed=SEED).train()
+    model, optimizer = fabric.setup(model, _optimizer("sgd", model))
+    for k, idx in enumerate(_window_rows(0, strategy.mesh.dp_rank, DP)):
+        with fabric.no_backward_sync(model, enabled=k < ACCUM - 1):
+            strategy.pipeline.step(
+                _rows("left", idx), loss_fn=lambda o, mb: hf_causal_lm_loss(o, mb["labels"]), scale=1 / ACCUM
+            )
+    optimizer.step()
+    optimizer.zero_grad()
+    scaler = strategy.precision.scaler
+    assert scaler is not None
+    state = _full_state(strategy)
+    strategy.destroy_process_groups()
+    return {"state": state, "scale": scaler.scale}
+
+
 def _refusals() -> list[str]:
     """Setup-time errors under pp2, the same on every rank: a module without its layers, a ZeRO-3 unit
     (the whole decoder) that spans both stages, and optimizers whose groups differ across the stages."""
@@ -326,6 +355,7 @@ def _runs(rank: int, world: int, tmp: str) -> dict[str, Any]:
         "llama-tp2": _run_case("llama-tp2", None),
         "flash": _flash_resume(save),
         "bf16": _bf16(),
+        "fp16": _fp16(),
         "refusals": _refusals(),
     }
 
@@ -461,6 +491,18 @@ def test_fabric_pipeline_equals_one_process_on_hugging_face_models() -> None:
             torch.testing.assert_close(
                 saved["optimizer"]["state"][index][key], moments[key], msg=f"{index} {key}"
             )
+    # fp16: the step taken (not skipped) and unscaled: one process's fp32 SGD step up to fp16 rounding
+    model = build("llama", seed=SEED).train()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    window = _rows("left", [i for d in range(DP) for rows in _window_rows(0, d, DP) for i in rows])
+    model(**window, use_cache=False).loss.backward()
+    _optimizer("sgd", model).step()
+    fp16 = results[0]["fp16"]
+    assert fp16["scale"] == 256.0  # no overflow: the step was taken
+    moved = max(float((v - initial[k]).abs().max()) for k, v in model.state_dict().items())
+    for key, value in model.state_dict().items():
+        if "rotary" not in key:
+            torch.testing.assert_close(fp16["state"][key], value, rtol=0, atol=moved / 20, msg=key)
     reference = _reference("llama")
     # the loss runs on the last stage's ranks (one per dp replica) and sees autocast's logits
     assert sorted(r["bf16"]["dtypes"] for r in results) == [[]] * DP + [["torch.bfloat16"]] * DP
