@@ -6,8 +6,9 @@ window and a ragged split (3 samples per rank-step into 2 micro-batches): 1F1B w
 ZeRO-2, 1F1B with ZeRO-3. The reference is plain torch in one process: per optimizer step, the gradient
 of (sum of token losses) / (valid tokens) over exactly the samples the window consumed on both
 data-parallel ranks, then the same SGD step. Also: each rank's logged per-step loss is its batch's token
-mean, the validation loss is the token mean, the naive mean of micro-batch means differs (the case is not
-trivial), and malformed loss mappings and ``token_normalized()`` under pp are refused with the fix.
+mean, the validation loss is the token mean over both data-parallel ranks' batches (not the mean of
+their means), the naive mean of micro-batch means differs (the case is not trivial), and malformed loss
+mappings and ``token_normalized()`` under pp are refused with the fix.
 
 A Hugging Face model with nothing but ``hf_pipeline_layers``, ``hf_causal_lm_loss`` and the default input
 (dict batches from a collator: ``input_ids`` with ``attention_mask`` on left or right padding, or
@@ -231,10 +232,15 @@ def test_token_exact_loss_under_pp_equals_the_global_token_mean(tmp_path: Path) 
         assert naive_differs, "the case must tell the token mean from the mean of micro-batch means"
 
         model.eval()
-        with torch.no_grad():
-            val_means = [
-                float(_token_mean(model, *_batch(val, b[0]))) for b in (r[case]["val"] for r in results)
+        with torch.no_grad():  # each dp rank's validation batch (pipeline ranks of a replica agree)
+            val_batches = sorted({tuple(r[case]["val"][0]) for r in results})
+            assert len(val_batches) == DP, case
+            sums = [
+                token_loss_sum(model(x).logits, y) for x, y in (_batch(val, list(b)) for b in val_batches)
             ]
+            val_mean = float(sum(s for s, _ in sums) / sum(n for _, n in sums))
+            per_rank = [float(s / n) for s, n in sums]
+        assert abs(val_mean - sum(per_rank) / DP) > 1e-4, "the case must tell the two means apart"
         for r in results:
             got = r[case]
             # this rank's first step: the token mean of its batch at the initial weights (Lightning's
@@ -242,8 +248,8 @@ def test_token_exact_loss_under_pp_equals_the_global_token_mean(tmp_path: Path) 
             assert got["losses"][0] * ACCUM == pytest.approx(
                 first_losses[tuple(got["train"][0])], rel=1e-5
             ), case
-            # the validation loss: the token mean of each rank's batch, averaged over the ranks
-            assert got["val_loss"] == pytest.approx(sum(val_means) / len(val_means), rel=1e-5), case
+            # the validation loss: the token mean over the dp ranks' batches
+            assert got["val_loss"] == pytest.approx(val_mean, rel=1e-5), case
         reference = {f"model.{n}": v for n, v in model.named_parameters()}  # the module's attribute
         state = results[0][case]["state"]
         assert set(reference) <= set(state), sorted(set(reference) - set(state))

@@ -27,7 +27,8 @@ which weights the tokens of sparse micro-batches more.
 loss, identical on every pipeline rank, after all forwards and backwards: Lightning's own ``backward`` is then
 a no-op (the strategy skips it). Each micro-batch loss is divided by ``accumulate_grad_batches`` (what
 Lightning does to a step's loss) and, with fp16, multiplied by the loss scale. Validation and test run
-the pipeline forward only and log ``val_loss`` / ``test_loss`` and the metrics; the LightningModule's own
+the pipeline forward only and log ``val_loss`` / ``test_loss`` (in the token-exact form the token mean
+over the data-parallel ranks' batches) and the metrics; the LightningModule's own
 ``training_step`` / ``validation_step`` are not called (a step's outputs exist only on the last stage:
 the protocol's methods are what runs there). Metrics are means over the micro-batches, broadcast from
 the last stage so every rank logs the same values. A batch that does not divide by ``m`` (a ragged last
@@ -155,7 +156,10 @@ class LightningPipeline(PipelineSteps):
             kind=stage,
             names=("pipeline_loss", "pipeline_eval", self._owner),
         )
-        self.module.log(f"{stage}_loss", result.loss, sync_dist=True, prog_bar=stage == "val")
+        # the token-exact form: the token mean over the dp ranks' batches (their own means would weigh a
+        # rank's tokens by how few it had); the same on every rank, so sync_dist leaves it as it is
+        loss = self.dp_token_mean(result)
+        self.module.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=stage == "val")
         for name, metric in result.metrics.items():
             self.module.log(f"{stage}_{name}", metric, sync_dist=True)
-        return result.loss
+        return loss

@@ -158,7 +158,7 @@ class PipelineSteps:
     ) -> None:
         self.runtime = runtime
         self.tied = tied
-        self.dp_size = dp_size
+        self.dp_group, self.dp_size = dp_group, dp_size
         # the token-exact form's window count, on every pipeline rank; _token_steps counts the window's
         # steps that used the form, _token_c their constant c, _listening the engine told to rescale
         self.tokens = TokenNormalizer(group=dp_group, device=runtime.device)
@@ -266,6 +266,16 @@ class PipelineSteps:
             return StepResult(loss=loss, metrics=metrics)
         loss, tokens = token_mean(metrics)  # the batch's token mean
         return StepResult(loss=loss, metrics=metrics, tokens=tokens)
+
+    def dp_token_mean(self, result: StepResult) -> Tensor:
+        """The token mean of a token-exact step's batches over the data-parallel group, ``Σ S / Σ n`` (one
+        all-reduce of two float64 values; collective over dp), the same on every rank; the step's own
+        loss without the token form or data parallelism."""
+        if result.tokens is None or self.dp_size == 1:
+            return result.loss
+        pair = torch.stack([result.loss.double() * result.tokens, result.tokens.double()])
+        dist.all_reduce(pair, group=self.dp_group)
+        return (pair[0] / pair[1].clamp(min=1)).float()
 
     def predict(
         self, batch: Any, *, input_fn: InputFn | None, owner: str = "pipeline_input(batch)"
