@@ -34,7 +34,7 @@ from lightning_par.pipeline import hf_causal_lm_loss
 from lightning_par.pipeline.lightning import default_input
 from lightning_par.pipeline.metrics import PipelineMetricError, PipelineMetrics
 from tests.distributed import run_distributed
-from tests.test_pp_hf import HFCausalLM, build
+from tests.test_pp_hf import REFUSED_BEFORE_5, TRANSFORMERS_5, HFCausalLM, build
 from tests.test_pp_trainer import _trainer
 
 SEED, LR, MOMENTUM = 5, 0.3, 0.9
@@ -319,13 +319,17 @@ NATIVE_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+# before transformers 5 the Gemma family is refused (test_pp_hf asserts the refusal): its case leaves out
+RUN_NATIVE = {k: v for k, v in NATIVE_CASES.items() if TRANSFORMERS_5 or v[0] not in REFUSED_BEFORE_5}
+
+
 def _dp(options: dict[str, Any]) -> int:
     return 4 // (2 * options.get("tensor_parallel_size", 1))
 
 
 def _run_native(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, (family, side, options) in NATIVE_CASES.items():
+    for name, (family, side, options) in RUN_NATIVE.items():
         pl.seed_everything(SEED)
         module = NativeHF(family, SEED)
         if options.get("pretrained") == "meta":
@@ -359,7 +363,7 @@ def test_hf_models_own_loss_under_pp_equals_one_process_on_the_window(tmp_path: 
     accumulation 2 and ragged micro-batches, the weights equal one process training on
     ``model(**window).loss``, Hugging Face's own loss over the window's samples."""
     results = run_distributed(_run_native, 4, str(tmp_path), init_group=False, timeout=400)
-    for name, (family, side, options) in NATIVE_CASES.items():
+    for name, (family, side, options) in RUN_NATIVE.items():
         data = HFBatches(N, side)
         streams = sorted({tuple(map(tuple, r[name]["train"])) for r in results})
         assert len(streams) == _dp(options), name
