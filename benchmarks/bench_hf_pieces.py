@@ -46,6 +46,8 @@ FAMILIES = {
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
+if int(transformers.__version__.split(".")[0]) < 5:  # hf_pipeline_layers refuses Gemma before 5.0
+    del FAMILIES["gemma3_text"]
 FORMS = ("plain", "left", "packed")
 
 
