@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from lightning_par.fabric.pipeline import refuse_backward
 
 if TYPE_CHECKING:
+    from lightning_par.fabric.pipeline import FabricPipeline
     from lightning_par.precision import ParallelPrecision
     from lightning_par.zero.engine import Engine
 
@@ -33,6 +34,7 @@ class FabricSteps:
     # the weights finishes before they change (registered and removed by their owners)
     before_optimizer_step: list[Callable[[], None]]
     _found_inf: bool | None  # this step's fp16 verdict, once gradients are unscaled
+    _pipeline: FabricPipeline | None  # under pipeline parallelism: its steps run every backward
 
     if TYPE_CHECKING:
 
@@ -43,7 +45,7 @@ class FabricSteps:
         def root_device(self) -> torch.device: ...
 
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        if getattr(self, "_pipeline", None) is not None:
+        if self._pipeline is not None:
             refuse_backward()
         scaler = self.precision.scaler
         if scaler is not None:
