@@ -22,7 +22,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_par.activation_checkpointing import apply_activation_checkpointing
 from lightning_par.pipeline.apply import PipelineSplit, apply_pipeline
-from lightning_par.pipeline.partition import PartitionMethod
+from lightning_par.pipeline.partition import Cut
 from lightning_par.tensor_parallel import apply_tensor_parallel
 from lightning_par.zero.units import UnitPolicy
 
@@ -39,7 +39,7 @@ class ComposeOptions:
     sequence_parallel: bool = False
     pipeline_parallel_size: int = 1
     virtual_stages: int = 1
-    partition_method: PartitionMethod = "parameters"
+    partition_method: Cut = "compute"
     activation_checkpointing: bool | UnitPolicy = False
 
     def key(self, *, tp_rank: int, pp_rank: int) -> tuple[Any, ...]:
@@ -79,9 +79,11 @@ def compose(
     pp_rank: int,
     layers: Callable[[], Sequence[nn.Module]] | None = None,
     sample: Tensor | None = None,
+    cut_groups: Sequence[ProcessGroup] = (),
 ) -> Composition:
     """Apply tensor parallelism (over ``tp_group``), the pipeline split (this rank's stage ``pp_rank`` of
-    the ordered ``layers()``) and activation checkpointing to ``module``, once (see the module
+    the ordered ``layers()``, cut the same way on every rank of ``cut_groups``: the mesh's pipeline, data-
+    and tensor-parallel groups) and activation checkpointing to ``module``, once (see the module
     docstring)."""
     key = options.key(tp_rank=tp_rank, pp_rank=pp_rank)
     done: Composition | None = getattr(module, COMPOSITION_ATTR, None)
@@ -119,6 +121,7 @@ def compose(
             virtual_stages=options.virtual_stages,
             method=options.partition_method,
             sample=sample,
+            groups=cut_groups,
         )
     if options.activation_checkpointing is not False:
         policy = None if options.activation_checkpointing is True else options.activation_checkpointing

@@ -13,7 +13,7 @@ run: the hooks wrapped for a run (:mod:`lightning_par.lightning_hooks`) are rest
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +35,7 @@ from lightning_par.device_checks import check_optimizer_kernels
 from lightning_par.loss import TokenNormalizer
 from lightning_par.memory import MemoryReport, measure_memory
 from lightning_par.pipeline.lightning import LightningPipeline, pipeline_layers_of
-from lightning_par.pipeline.partition import PartitionMethod
+from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
 from lightning_par.pipeline.steps import pipeline_parts
 from lightning_par.precision import cast_frozen
 from lightning_par.strategy_env import MeshStrategy
@@ -114,8 +114,12 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         pipeline_slack: ``1f1b`` / ``zb``: extra micro-batches in flight on every stage but the last,
             which absorb fluctuating action times for that many more micro-batches of activations
             (:mod:`lightning_par.pipeline.schedule`).
-        partition_method: how layers are balanced over stages: ``"uniform"``, ``"parameters"`` or
-            ``"profile"`` (measured time; uses the LightningModule's ``example_input_array``).
+        partition_method: how layers are balanced over stages: ``"compute"`` (default: each layer's
+            matrix-product weights, counted at every use, lookups free, so a tied LM head weighs its
+            vocabulary-wide product and the embedding nothing), ``"parameters"``, ``"uniform"``,
+            ``"profile"`` (measured time; uses the LightningModule's ``example_input_array``), or layer
+            counts per piece (``[9, 5]``; ``p * v`` of them, in virtual-stage order); every rank cuts
+            the same way (costs averaged over the job; :mod:`lightning_par.pipeline.partition`).
         process_group_backend: default ``"gloo"`` on CPUs and ``"cpu:gloo,cuda:nccl"`` on CUDA (NCCL for
             the step, Gloo for CPU-side objects); a backend that cannot move the root device's tensors
             (``"nccl"`` without CUDA, a Gloo-only group for a CUDA model) is refused at setup.
@@ -148,7 +152,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         pipeline_schedule: PipelineSchedule = "1f1b",
         virtual_stages: int = 1,
         pipeline_slack: int = 0,
-        partition_method: PartitionMethod = "parameters",
+        partition_method: PartitionMethod | Sequence[int] = "compute",
         process_group_backend: str | None = None,
         timeout_s: float = 1800.0,
         start_method: StartMethod = "popen",
@@ -219,7 +223,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         self.pipeline_schedule = pipeline_schedule
         self.num_microbatches = num_microbatches
         self.virtual_stages, self.pipeline_slack = virtual_stages, pipeline_slack
-        self.partition_method: PartitionMethod = partition_method
+        self.partition_method: Cut = as_cut(partition_method)
         self._pipeline: LightningPipeline | None = None
         self._engine: Engine | None = None
         self._sharded_source: Path | None = None
@@ -270,6 +274,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             pp_rank=self.mesh.pp_rank,
             layers=(lambda: pipeline_layers_of(module)) if self.pipeline_parallel_size > 1 else None,
             sample=getattr(module, "example_input_array", None) if profile else None,
+            cut_groups=(self.mesh.pp_group, self.mesh.dp_group, self.mesh.tp_group),
         )
         if composition.pipeline is not None:
             assert self.num_microbatches is not None

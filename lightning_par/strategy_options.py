@@ -3,11 +3,10 @@ bad value fails with the option's name and what would work."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
-from lightning_par.pipeline.partition import METHODS as PARTITION_METHODS
-from lightning_par.pipeline.partition import PartitionMethod
+from lightning_par.pipeline.partition import PartitionMethod, as_cut
 from lightning_par.pipeline.schedule import SCHEDULES, ScheduleName, validate_sizes
 from lightning_par.tensor_parallel import resolve_plan
 from lightning_par.zero.engine import ReduceChoice
@@ -34,7 +33,7 @@ def check_options(
     pipeline_schedule: PipelineSchedule,
     virtual_stages: int,
     pipeline_slack: int,
-    partition_method: PartitionMethod,
+    partition_method: PartitionMethod | Sequence[int],
     timeout_s: float,
     start_method: StartMethod,
 ) -> int | None:
@@ -62,8 +61,13 @@ def check_options(
                 " reduced once, after the schedule (tied stage gradients are summed first); use"
                 " grad_sync='boundary' or leave it unset."
             )
-    if partition_method not in PARTITION_METHODS:
-        raise ValueError(f"partition_method must be one of {PARTITION_METHODS}, got {partition_method!r}.")
+    cut, pieces = as_cut(partition_method), pipeline_parallel_size * virtual_stages
+    if isinstance(cut, tuple) and pipeline_parallel_size > 1 and len(cut) != pieces:
+        raise ValueError(
+            f"partition_method={list(cut)} gives {len(cut)} layer counts for {pipeline_parallel_size}"
+            f" stages x {virtual_stages} virtual stages: give one count per piece, {pieces} in all, in"
+            " virtual-stage order."
+        )
     if pipeline_schedule not in SCHEDULES:
         raise ValueError(f"pipeline_schedule must be one of {SCHEDULES}, got {pipeline_schedule!r}.")
     if not bucket_size_mb > 0:

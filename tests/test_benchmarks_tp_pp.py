@@ -1,7 +1,7 @@
-"""Smoke tests of ``bench_tp --quick``, ``bench_pp --quick`` and ``bench_hf_pieces --quick``: they run, write
-complete JSON, the sharded / pipelined runs agree with the unsharded / unpipelined model (the Hugging Face
-pieces with the model's own forward), and the pipeline's measured bubble and activation counts follow the
-schedules."""
+"""Smoke tests of ``bench_tp --quick``, ``bench_pp --quick``, ``bench_hf_pieces --quick`` and
+``bench_pp_partition --quick``: they run, write complete JSON, the sharded / pipelined runs agree with the
+unsharded / unpipelined model (the Hugging Face pieces with the model's own forward; the cuts with each
+other), and the pipeline's measured bubble and activation counts follow the schedules."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_hf_pieces, bench_pp, bench_tp
+from benchmarks import bench_hf_pieces, bench_pp, bench_pp_partition, bench_tp
 from lightning_par.pipeline import build_schedule, peak_in_flight
 
 
@@ -158,3 +158,19 @@ def test_bench_hf_pieces_quick_writes_json_and_the_pieces_equal_the_model(tmp_pa
     for r in data["rows"]:
         assert len(r["step_times_s"]["model"]) == len(r["step_times_s"]["pieces"]) == data["config"]["rounds"]
         assert r["pieces_over_model"] == pytest.approx(r["pieces_ms"] / r["model_ms"])
+
+
+def test_bench_pp_partition_quick_default_cut_is_the_flop_optimal_one(tmp_path: Path) -> None:
+    out = tmp_path / "pp_partition.json"
+    payload = bench_pp_partition.main(["--quick", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(payload))
+    methods = data["methods"]
+    assert set(methods) == set(bench_pp_partition.ALL_METHODS)
+    assert data["correct"] and all(r["losses_agree"] for r in methods.values())
+    assert methods["compute"]["pieces"] == methods["flops"]["pieces"]
+    assert methods["parameters"]["max_over_ideal"] > 1.5 * methods["compute"]["max_over_ideal"]
+    for r in methods.values():
+        steps = data["config"]["warmup"] + data["config"]["steps"]
+        assert len(r["losses"]) == steps and r["step_time_median_s"] > 0
+        assert sum(r["stage_flops_share"]) == pytest.approx(1.0)

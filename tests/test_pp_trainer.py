@@ -142,7 +142,16 @@ def assert_equals_reference(results: list[dict[str, Any]], reference: tuple[Any,
 
 CASES = [
     (2, dict(pipeline_parallel_size=2, num_microbatches=4, pipeline_schedule="gpipe")),
-    (2, dict(pipeline_parallel_size=2, num_microbatches=4, pipeline_schedule="1f1b", zero_stage=1)),
+    (  # an explicit cut: embedding and both blocks on stage 0, the head alone on stage 1
+        2,
+        dict(
+            pipeline_parallel_size=2,
+            num_microbatches=4,
+            pipeline_schedule="1f1b",
+            zero_stage=1,
+            partition_method=[3, 1],
+        ),
+    ),
     (
         2,
         dict(
@@ -213,6 +222,10 @@ def test_pipeline_trainer_matches_single_process(world: int, kw: dict[str, Any],
         assert 0.0 <= r["bubble"] < 1.0
         assert r["val_loss"] == pytest.approx(ref_val, rel=1e-5)
     assert set(merged) == set(ref_state)
+    if kw.get("partition_method") == [3, 1]:  # the cut as told: both blocks on stage 0, the head on 1
+        assert any(".blocks.1." in n for n in results[0]["state"]), sorted(results[0]["state"])
+        assert not any(".blocks." in n for n in results[1]["state"]), sorted(results[1]["state"])
+        assert "model.head.norm.weight" in results[1]["state"]
     for k, v in ref_state.items():
         torch.testing.assert_close(merged[k], v, msg=k)
 

@@ -58,6 +58,7 @@ def compose_module(strategy: HybridParallelStrategy, module: nn.Module) -> tuple
         pp_rank=mesh.pp_rank,
         layers=(lambda: layers_of(module, strategy.pipeline_layers)) if pp > 1 else None,
         sample=getattr(module, "example_input_array", None) if profile else None,
+        cut_groups=(mesh.pp_group, mesh.dp_group, mesh.tp_group),
     )
     after = dict(module.named_parameters())
     replaced = {id(p): (p, after[n]) for n, p in before.items() if n in after and after[n] is not p}

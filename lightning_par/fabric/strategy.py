@@ -60,7 +60,7 @@ from lightning_par.fabric.precision import to_parallel_precision
 from lightning_par.fabric.setup import Replaced, complete_stage_groups, compose_module, follow_replaced
 from lightning_par.fabric.steps import FabricSteps
 from lightning_par.mesh import ParallelMesh
-from lightning_par.pipeline.partition import PartitionMethod
+from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
 from lightning_par.precision import ParallelPrecision, cast_frozen
 from lightning_par.rendezvous import launch_store
 from lightning_par.strategy_options import PipelineSchedule, check_options
@@ -129,7 +129,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         pipeline_schedule: PipelineSchedule = "1f1b",
         virtual_stages: int = 1,
         pipeline_slack: int = 0,
-        partition_method: PartitionMethod = "parameters",
+        partition_method: PartitionMethod | Sequence[int] = "compute",
         pipeline_layers: Callable[[nn.Module], Sequence[nn.Module]] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -178,7 +178,8 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.pipeline_parallel_size, self.pipeline_schedule = pipeline_parallel_size, pipeline_schedule
         self.virtual_stages, self.pipeline_slack = virtual_stages, pipeline_slack
-        self.partition_method, self.pipeline_layers = partition_method, pipeline_layers
+        self.partition_method: Cut = as_cut(partition_method)
+        self.pipeline_layers = pipeline_layers
         self.bucket_size_mb = float(bucket_size_mb)
         self.grad_sync = grad_sync
         self.reduce_op = reduce_op

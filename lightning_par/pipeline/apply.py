@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lightning_par.pipeline.partition import PartitionMethod, layer_costs, partition
+from lightning_par.pipeline.partition import Cut, cut
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.zero.units import REMOTE_ATTR
 
@@ -44,11 +44,14 @@ def apply_pipeline(
     pp_rank: int,
     pp_size: int,
     virtual_stages: int = 1,
-    method: PartitionMethod = "parameters",
+    method: Cut = "compute",
     sample: Tensor | None = None,
+    groups: Sequence[ProcessGroup] = (),
 ) -> PipelineSplit:
-    """This rank's chunks; the parameters of every other layer are released (see the module docstring)."""
-    pieces = partition(layer_costs(layers, method, sample=sample), pp_size * virtual_stages)
+    """This rank's chunks; the parameters of every other layer are released (see the module docstring).
+    ``groups``: the process groups over which the cut is agreed (:func:`.partition.cut`): the mesh's
+    pipeline, data- and tensor-parallel groups."""
+    pieces = cut(layers, method, pieces=pp_size * virtual_stages, sample=sample, groups=groups)
     mine = [c * pp_size + pp_rank for c in range(virtual_stages)]
     chunks: list[nn.Module] = [nn.Sequential(*layers[slice(*pieces[g])]) for g in mine]
     local = {id(p) for chunk in chunks for p in chunk.parameters()}

@@ -5,25 +5,73 @@ when interleaving), :func:`partition` returns boundaries ``0 = b_0 < b_1 < ... <
 largest piece cost ``max_j sum(w[b_j : b_{j+1}])`` (the pipeline's bottleneck), every piece non-empty
 (exact dynamic programme, ``O(k L^2)``; ties prefer earlier cuts). Costs by method:
 
+* ``"compute"`` (the default): each layer's matrix-product work per token, read from its modules without
+  running them (so it works on meta-device models): the weight of every ``nn.Linear``, ``nn.ConvNd``,
+  transformers ``Conv1D`` and tensor-parallel linear counts its element count at each module that applies
+  it (a LM head tied to the token table is a full product over the vocabulary, ``2 V d`` flops per token,
+  however its weight is shared), an embedding lookup counts nothing (a gather), and any other parameter
+  its element count once. Attention's sequence-length term is left out (it is the same in every block);
+  a layer that multiplies by a weight outside such a module (``F.linear(x, other.weight)``) is seen as
+  cheap, and a convolution's work also grows with its output's spatial size, which shrinks through a
+  CNN: give those ``"profile"`` or explicit counts;
+* ``"parameters"``: the layer's parameter count (tied parameters counted where first seen); it weighs a
+  vocabulary-sized embedding like a head of the same size, so with a large vocabulary the first stage
+  gets too few blocks and a tied head's stage too many;
 * ``"uniform"``: every layer 1 (equal layer counts);
-* ``"parameters"``: the layer's parameter count (tied parameters counted where first seen);
 * ``"profile"``: measured forward + backward seconds of each layer on a sample input
-  (:func:`profile_costs`).
+  (:func:`profile_costs`);
+* a sequence of ``k`` positive layer counts, one per piece in virtual-stage order (``[9, 5]``: layers 0-8
+  on the first stage, 9-13 on the second): the cut as given, as Megatron's and torchtitan's manual
+  splits.
+
+Every rank must cut the same way, or stages would hold overlapping or missing layers. :func:`cut`
+therefore averages the costs over the given process groups (the mesh's pipeline, data- and
+tensor-parallel groups in turn: the mean over the whole job), which makes ``"profile"``'s per-rank
+timings, and costs that differ with uneven tensor-parallel shards, one vector; a rank whose
+``pipeline_layers()`` returned another number of layers is named in an error raised on every rank.
 
 The first piece always holds layer 0 (the embedding) and the last piece the last layer (the head).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
-PartitionMethod = Literal["uniform", "parameters", "profile"]
-METHODS: tuple[str, ...] = ("uniform", "parameters", "profile")
+from lightning_par.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+PartitionMethod = Literal["compute", "parameters", "uniform", "profile"]
+METHODS: tuple[str, ...] = ("compute", "parameters", "uniform", "profile")
+Cut = PartitionMethod | tuple[int, ...]  # a method, or layer counts per piece
+
+
+def as_cut(value: object) -> Cut:
+    """A validated ``partition_method`` option: a method name, or a sequence of layer counts (a list, a
+    tuple, an OmegaConf ``ListConfig``) returned as a tuple."""
+    if isinstance(value, str):
+        if value in METHODS:
+            return value  # type: ignore[return-value]
+    elif isinstance(value, Sequence) and value and all(_is_count(x) for x in value):
+        return tuple(int(x) for x in value)
+    raise ValueError(
+        f"partition_method must be one of {METHODS} or a list of layer counts per pipeline piece, each"
+        f" >= 1 (e.g. [9, 5]: layers 0-8 on stage 0, the next 5 on stage 1), got {value!r}."
+    )
+
+
+def _is_count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
 def partition(costs: Sequence[float], pieces: int) -> list[tuple[int, int]]:
@@ -57,6 +105,19 @@ def partition(costs: Sequence[float], pieces: int) -> list[tuple[int, int]]:
     return [(bounds[j], bounds[j + 1]) for j in range(pieces)]
 
 
+def counted_pieces(counts: Sequence[int], *, layers: int) -> list[tuple[int, int]]:
+    """The ``[start, end)`` ranges of explicit per-piece layer counts, which must cover ``layers``."""
+    if sum(counts) != layers:
+        raise ValueError(
+            f"partition_method={list(counts)} places {sum(counts)} layers, but pipeline_layers() returned"
+            f" {layers}: the counts must add up to the number of layers."
+        )
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    return [(bounds[j], bounds[j + 1]) for j in range(len(counts))]
+
+
 def parameter_costs(layers: Sequence[nn.Module]) -> list[float]:
     seen: set[int] = set()
     costs = []
@@ -66,6 +127,38 @@ def parameter_costs(layers: Sequence[nn.Module]) -> list[float]:
             if id(p) not in seen:
                 seen.add(id(p))
                 total += p.numel()
+        costs.append(float(max(total, 1)))
+    return costs
+
+
+def _product_weight(module: nn.Module) -> Tensor | None:
+    """The weight a module multiplies its input by, ``None`` if it is no matrix-product layer."""
+    products: tuple[type, ...] = (nn.Linear, nn.modules.conv._ConvNd, ColumnParallelLinear, RowParallelLinear)
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    if isinstance(module, products) or (conv1d is not None and isinstance(module, conv1d)):
+        weight = getattr(module, "weight", None)
+        return weight if isinstance(weight, Tensor) else None
+    return None
+
+
+def compute_costs(layers: Sequence[nn.Module]) -> list[float]:
+    """Matrix-product weights per layer, counted at every use; lookups free (the module docstring)."""
+    lookups = (nn.Embedding, nn.EmbeddingBag, VocabParallelEmbedding)
+    seen: set[int] = set()
+    costs = []
+    for layer in layers:
+        total = 0
+        for module in layer.modules():
+            product = _product_weight(module)
+            if product is not None:
+                total += product.numel()  # a tied head multiplies by the table again: count it here too
+            free = {id(product)} if product is not None else set()
+            if isinstance(module, lookups):
+                free.add(id(module.weight))
+            for p in module.parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += 0 if id(p) in free else p.numel()
         costs.append(float(max(total, 1)))
     return costs
 
@@ -98,7 +191,51 @@ def layer_costs(
         return [1.0] * len(layers)
     if method == "parameters":
         return parameter_costs(layers)
+    if method == "compute":
+        return compute_costs(layers)
     if sample is None:
         raise ValueError("partition method 'profile' needs a sample input for the first layer.")
     with torch.random.fork_rng(devices=[]):
         return profile_costs(layers, sample)
+
+
+def agree(costs: list[float], groups: Sequence[ProcessGroup]) -> list[float]:
+    """The mean of every rank's ``costs`` over ``groups`` in turn (module docstring), the same list on
+    every rank; raises on every rank if the ranks' layer counts differ."""
+    for group in groups:
+        size = dist.get_world_size(group)
+        if size == 1:
+            continue
+        gathered: list[list[float] | None] = [None] * size
+        dist.all_gather_object(gathered, costs, group=group)  # once, at setup: a list of floats per rank
+        lengths = [len(c or ()) for c in gathered]
+        if len(set(lengths)) > 1:
+            by_rank = {dist.get_global_rank(group, r): n for r, n in enumerate(lengths)}
+            raise ValueError(
+                "pipeline_layers() returned different numbers of layers on different ranks"
+                f" ({by_rank} by global rank): every rank must list the same layers, in the same"
+                " order, for the pipeline to cut them the same way."
+            )
+        costs = [sum(column) / size for column in zip(*(c or () for c in gathered), strict=True)]
+    return costs
+
+
+def cut(
+    layers: Sequence[nn.Module],
+    method: Cut,
+    *,
+    pieces: int,
+    sample: Tensor | None = None,
+    groups: Sequence[ProcessGroup] = (),
+) -> list[tuple[int, int]]:
+    """The ``pieces`` ``[start, end)`` ranges of ``layers`` by ``method``, the same on every rank of
+    ``groups`` (module docstring)."""
+    if isinstance(method, tuple):
+        if len(method) != pieces:
+            raise ValueError(
+                f"partition_method={list(method)} gives {len(method)} layer counts, but the pipeline has"
+                f" {pieces} pieces (pipeline_parallel_size x virtual_stages): give one count per piece."
+            )
+        agree([1.0] * len(layers), groups)  # the same number of layers everywhere
+        return counted_pieces(method, layers=len(layers))
+    return partition(agree(layer_costs(layers, method, sample=sample), groups), pieces)
