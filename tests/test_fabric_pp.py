@@ -42,7 +42,13 @@ from lightning.fabric import Fabric
 from torch import Tensor
 
 from lightning_par.fabric import FlashSnapshots, HybridParallelStrategy
-from lightning_par.pipeline import hf_causal_lm_loss, hf_pipeline_layers, litgpt_pipeline_layers
+from lightning_par.pipeline import (
+    hf_causal_lm_loss,
+    hf_pipeline_layers,
+    layer_costs,
+    litgpt_pipeline_layers,
+    partition,
+)
 from lightning_par.precision import ParallelPrecision
 from tests.distributed import run_distributed
 from tests.test_pp_hf import build
@@ -214,6 +220,34 @@ def _flash_resume(save: str) -> dict[str, Tensor] | None:
     return full
 
 
+def _flash_elsewhere(save: str) -> tuple[str, list[int]]:
+    """The Llama run's flash snapshot offered to a pp2 x dp2 job that cuts the layers elsewhere: refused on
+    every rank, naming the snapshot's layer counts to resume with (a rank's share holds its layers only)."""
+    layers = hf_pipeline_layers(build("llama", seed=SEED))
+    default = [b - a for a, b in partition(layer_costs(layers, "compute"), PP)]
+    elsewhere = [default[0] + 1, default[1] - 1] if default[1] > 1 else [default[0] - 1, default[1] + 1]
+    strategy = HybridParallelStrategy(
+        pipeline_parallel_size=PP,
+        num_microbatches=2,
+        pipeline_layers=hf_pipeline_layers,
+        partition_method=elsewhere,
+        **CASES["llama"][3],
+    )
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+    fabric.launch()
+    model = build("llama", seed=SEED + 1).train()
+    model, optimizer = fabric.setup(model, _optimizer("adamw", model))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    message = ""
+    with _snapshots(fabric, save) as snaps:
+        try:
+            snaps.restore(state)
+        except ValueError as err:
+            message = str(err)
+    strategy.destroy_process_groups()
+    return message, default
+
+
 def _bf16() -> dict[str, Any]:
     """The Llama case's first step under ``precision="bf16-mixed"``: the loss function sees the autocast
     logits (bf16), and the step's losses are the fp32 ones up to bf16 rounding."""
@@ -354,6 +388,7 @@ def _runs(rank: int, world: int, tmp: str) -> dict[str, Any]:
         "gpt2": _run_case("gpt2", None),
         "llama-tp2": _run_case("llama-tp2", None),
         "flash": _flash_resume(save),
+        "flash_elsewhere": _flash_elsewhere(save),
         "bf16": _bf16(),
         "fp16": _fp16(),
         "refusals": _refusals(),
@@ -513,6 +548,9 @@ def test_fabric_pipeline_equals_one_process_on_hugging_face_models() -> None:
         assert "optimizers differ across pipeline stages" in groups and "[(1,), (2,)]" in groups, groups
         assert "define Sequential.pipeline_layers()" in layers and "hf_pipeline_layers" in layers
         assert "selects 'model' as a ZeRO-3 unit" in units and "cross a stage boundary" in units, units
+        elsewhere, default = r["flash_elsewhere"]
+        assert f"pipeline cut: the snapshot's stages held {default} layers per piece" in elsewhere, elsewhere
+        assert f"resume with partition_method={default}" in elsewhere and "Nothing was loaded" in elsewhere
     llama = reference["state"]
     flash = results[0]["flash"]
     for key, value in llama.items():

@@ -230,18 +230,24 @@ def test_pipeline_trainer_matches_single_process(world: int, kw: dict[str, Any],
         torch.testing.assert_close(merged[k], v, msg=k)
 
 
-def test_pipeline_checkpoint_reloads_at_another_pipeline_size(tmp_path: Path) -> None:
+def test_pipeline_checkpoint_reloads_at_another_pipeline_size_and_cut(tmp_path: Path) -> None:
     ckpt = os.path.join(str(tmp_path), "pp.ckpt")
-    first = dict(pipeline_parallel_size=2, num_microbatches=4, zero_stage=1)
+    first = dict(pipeline_parallel_size=2, num_microbatches=4, zero_stage=1, partition_method=[3, 1])
     saved = run_distributed(_run, 2, str(tmp_path), first, 1, None, ckpt, init_group=False)
-    # continue on a single pipeline stage with data parallelism over 2 ranks
-    resumed = run_distributed(_run, 2, str(tmp_path), dict(zero_stage=2), 2, ckpt, init_group=False)
     ref_losses, ref_state, _ = _reference(tmp_path, epochs=2)
     half = len(ref_losses) // 2
     torch.testing.assert_close(torch.tensor(saved[0]["losses"]), ref_losses[:half])
-    torch.testing.assert_close(torch.tensor([r["losses"] for r in resumed]).mean(0), ref_losses[half:])
-    for k, v in ref_state.items():
-        torch.testing.assert_close(resumed[0]["state"][k], v, msg=k)
+    # continue on a single pipeline stage with data parallelism over 2 ranks, and on two stages cut
+    # elsewhere (the default cut, [2, 2] here: a checkpoint written before the default changed)
+    pp_elsewhere = dict(pipeline_parallel_size=2, num_microbatches=4, zero_stage=1)
+    for resume in (dict(zero_stage=2), pp_elsewhere):
+        resumed = run_distributed(_run, 2, str(tmp_path), resume, 2, ckpt, init_group=False)
+        torch.testing.assert_close(torch.tensor([r["losses"] for r in resumed]).mean(0), ref_losses[half:])
+        merged = {k: v for r in resumed for k, v in r["state"].items()}
+        if resume is pp_elsewhere:
+            assert any(".blocks.1." in n for n in resumed[1]["state"]), sorted(resumed[1]["state"])
+        for k, v in ref_state.items():
+            torch.testing.assert_close(merged[k], v, msg=k)
 
 
 def test_pipeline_bad_input_is_named() -> None:

@@ -46,6 +46,7 @@ from lightning_par.checkpoint.sharded import (
     write_rank_file,
 )
 from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, localize, localize_state_dict
+from lightning_par.compose import COMPOSITION_ATTR
 from lightning_par.zero.engine import Engine
 
 
@@ -77,6 +78,10 @@ def layout_metadata(
             for k, opt in enumerate(optimizers)
         ],
     }
+    composition = getattr(module, COMPOSITION_ATTR, None)
+    if composition is not None and composition.pipeline is not None:
+        # which layers each pipeline piece holds: a same-layout snapshot is only valid for the same cut
+        meta["pipeline_cut"] = [[start, end] for start, end in composition.pipeline.pieces]
     return meta
 
 

@@ -235,7 +235,7 @@ def fingerprint(
     """What must be equal for a snapshot to load: strategy, world size, parameters, optimizers and, for
     our strategies, the layout metadata a checkpoint records (``layout``, which then replaces the rest)."""
     if layout is not None:
-        keys = ("zero_stage", "world_size", "dp", "tp", "pp", "params", "optimizers")
+        keys = ("zero_stage", "world_size", "dp", "tp", "pp", "pipeline_cut", "params", "optimizers")
         return {"strategy": strategy, **{k: layout[k] for k in keys if k in layout}}
     names = {id(p): n for n, p in module.named_parameters()}
     return {
@@ -277,6 +277,12 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
                     out.append(f"parameters {label}: {items}")
         elif key == "optimizers":
             out.append("optimizers (class or parameter groups) differ")
+        elif key == "pipeline_cut" and isinstance(a, list) and isinstance(b, list):
+            was, now = [e - s for s, e in a], [e - s for s, e in b]
+            out.append(
+                f"pipeline cut: the snapshot's stages held {was} layers per piece, now {now}; resume with"
+                f" partition_method={was}"
+            )
         else:
             out.append(f"{key}: snapshot {a!r}, now {b!r}")
     return out
