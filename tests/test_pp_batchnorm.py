@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
@@ -104,7 +104,11 @@ def _reference(tmp: Path) -> tuple[dict[str, Tensor], float]:
     pl.seed_everything(SEED)
     module = ResNetModule()
     trainer = _trainer("auto", M, str(tmp / "ref"))
-    trainer.fit(module, DataLoader(Images(N), batch_size=BATCH // M))  # the pipeline's micro-batches
+    # the pipeline's micro-batches: Lightning shuffles training data under a distributed sampler (seeded
+    # by seed_everything), and the pipeline cuts each batch into M contiguous parts
+    order = list(DistributedSampler(Images(N), num_replicas=1, rank=0, shuffle=True, seed=SEED))
+    micro = [order[i : i + BATCH // M] for i in range(0, N, BATCH // M)]
+    trainer.fit(module, DataLoader(Images(N), batch_sampler=micro))
     return {k: v.detach().clone() for k, v in module.state_dict().items()}, _val_loss(module)
 
 
@@ -132,4 +136,3 @@ def test_batchnorm_statistics_under_pipeline_parallelism(tmp_path: Path) -> None
     for r in resumed:
         for k, v in ref_state.items():
             torch.testing.assert_close(r[k], v, msg=k)
-

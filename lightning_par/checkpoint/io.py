@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -340,7 +341,10 @@ def load_module_state(
     state = full_state_dict_of(dict(checkpoint), sharded_path)
     # a model already made tensor-parallel (a second fit in the same process) takes its slices
     state = localize_state_dict(state, module, tp)
-    remote = {n for n, p in module.named_parameters(remove_duplicate=False) if p.is_meta}
+    held = itertools.chain(
+        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
+    )
+    remote = {n for n, t in held if t.is_meta}
     state = {k: v for k, v in state.items() if k not in remote}  # other pipeline stages' layers
     missing, unexpected = module.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in remote]

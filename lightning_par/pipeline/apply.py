@@ -4,7 +4,10 @@
 pieces of virtual stages ``c * p + s`` (chunks ``c = 0..v-1`` of pipeline rank ``s``) as
 ``nn.Sequential`` chunks, and releases the others: their parameters become meta-device placeholders
 marked ``_lp_remote`` (with the ``requires_grad`` they had, so the user's ``configure_optimizers()``
-builds the same groups on every stage), which cost no memory, get no gradient, and no engine touches.
+builds the same groups on every stage), which cost no memory, get no gradient, and no engine touches;
+their buffers become meta tensors too, so the only real copy of a layer's buffers (BatchNorm's running
+statistics) is the stage's that updates them, and exports and checkpoints take it from there. Modules
+outside the layers, and modules a kept layer shares, stay as they are.
 
 A parameter shared by layers on different pipeline ranks (a tied embedding and LM head) stays real on
 each of them; its copies are kept equal by summing their gradients over the ranks that hold it
@@ -55,11 +58,17 @@ def apply_pipeline(
     mine = [c * pp_size + pp_rank for c in range(virtual_stages)]
     chunks: list[nn.Module] = [nn.Sequential(*layers[slice(*pieces[g])]) for g in mine]
     local = {id(p) for chunk in chunks for p in chunk.parameters()}
+    local_buffers = {id(b) for chunk in chunks for b in chunk.buffers()}
     kept = {i for g in mine for i in range(*pieces[g])}
     for index, layer in enumerate(layers):
         if index in kept:
             continue
         for module in layer.modules():
+            for name, b in list(module._buffers.items()):
+                # another stage's statistics (BatchNorm's running mean): a stale copy here would be
+                # exported or checkpointed in place of the owner's
+                if b is not None and id(b) not in local_buffers and not b.is_meta:
+                    module._buffers[name] = torch.empty_like(b, device="meta")
             for name, p in list(module._parameters.items()):
                 if p is not None and id(p) not in local:
                     # requires_grad as it was: the user's configure_optimizers() sees the same model on
