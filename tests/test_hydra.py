@@ -222,6 +222,17 @@ def test_powersgd_from_the_command_line(tmp_path: Path) -> None:
     assert info.value.group == "strategy" and "powersgd_rank" in info.value.message
 
 
+def test_pipeline_cut_from_the_command_line(tmp_path: Path) -> None:
+    """``strategy.partition_method=[3,1]`` (a Hydra list) reaches the strategy as layer counts; a count
+    list of the wrong length is refused with the strategy group named."""
+    overrides = ("strategy=hybrid", "strategy.pipeline_parallel_size=2", "strategy.num_microbatches=2")
+    strategy = build(compose_config(tmp_path, *overrides, "strategy.partition_method=[3,1]")).trainer.strategy
+    assert isinstance(strategy, HybridParallelStrategy) and strategy.partition_method == (3, 1)
+    with pytest.raises(ConfigError) as info:
+        build(compose_config(tmp_path, *overrides, "strategy.partition_method=[1,1,2]"))
+    assert info.value.group == "strategy" and "gives 3 layer counts for 2 stages" in info.value.message
+
+
 def test_bad_value_names_its_group(tmp_path: Path) -> None:
     cfg = compose_config(tmp_path, "model.n_head=3")
     with pytest.raises(ConfigError) as info:
