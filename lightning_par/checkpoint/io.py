@@ -328,10 +328,16 @@ def load_module_state(
     ZeRO-3 shards are filled directly; otherwise the full state dict is cut to this rank's tensor-parallel
     pieces (other pipeline stages' layers skipped), loaded, and, where ZeRO 1/2 keeps separate fp32
     masters, copied into them at full precision (the compute copy alone would be rounded)."""
+    # names of other pipeline stages' layers (meta placeholders here): skipped, their owners load them
+    held = itertools.chain(
+        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
+    )
+    remote = {n for n, t in held if t.is_meta}
     if engine is not None and engine.shards_params:
         rest = load_stage3_params(checkpoint, engine, sharded_path, tp)
+        rest = {k: v for k, v in rest.items() if k not in remote}
         missing, unexpected = module.load_state_dict(rest, strict=False)
-        buffers = {n for n, _ in module.named_buffers()}
+        buffers = {n for n, b in module.named_buffers() if not b.is_meta}
         if strict and (set(missing) & buffers or unexpected):
             raise KeyError(
                 f"Buffers missing from the checkpoint: {sorted(set(missing) & buffers)};"
@@ -341,11 +347,7 @@ def load_module_state(
     state = full_state_dict_of(dict(checkpoint), sharded_path)
     # a model already made tensor-parallel (a second fit in the same process) takes its slices
     state = localize_state_dict(state, module, tp)
-    held = itertools.chain(
-        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
-    )
-    remote = {n for n, t in held if t.is_meta}
-    state = {k: v for k, v in state.items() if k not in remote}  # other pipeline stages' layers
+    state = {k: v for k, v in state.items() if k not in remote}
     missing, unexpected = module.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in remote]
     if strict and (missing or unexpected):
