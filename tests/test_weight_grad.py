@@ -237,3 +237,39 @@ def _tp_split(rank: int, world: int) -> str:
 
 def test_split_backward_defers_tensor_parallel_linears() -> None:
     assert run_distributed(_tp_split, 2) == ["ok", "ok"]
+
+
+class _TorchEncoderLayer(nn.Module):
+    """``nn.TransformerEncoderLayer``: its ``nn.MultiheadAttention`` multiplies by ``out_proj.weight``
+    inside ``F.multi_head_attention_forward``, never calling ``out_proj`` (an ``nn.Linear``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+
+    def forward(self, x: Tensor, const: Tensor) -> Tensor:
+        return self.layer(x + const)
+
+
+def test_a_linear_applied_without_its_forward_stays_in_b() -> None:
+    """A deferrable layer whose forward did not run in a micro-batch (its weight used functionally, as
+    ``nn.MultiheadAttention``'s ``out_proj``) has nothing recorded for ``W``: its gradients come from
+    ``B``, and every gradient equals the fused backward's."""
+    torch.manual_seed(4)
+    net = _TorchEncoderLayer()
+    xs = [torch.randn(2, 5, 16) for _ in range(2)]
+    const = torch.randn(2, 5, 16)
+    ref_inputs = _run(net, xs, const, split=None, dtype=None)
+    ref = _grads(net)
+    net.zero_grad(set_to_none=True)
+    buffers = {p: torch.zeros_like(p) for p in net.parameters()}
+    split = WeightGradSplit([net])
+    got_inputs = _run(net, xs, const, split=split, dtype=None, grad_of=buffers.get)
+    for a, b in zip(got_inputs, ref_inputs, strict=True):
+        torch.testing.assert_close(a, b)
+    out_proj = net.layer.self_attn.out_proj
+    assert out_proj.weight.grad is not None  # B computed it: the layer's forward never ran
+    assert net.layer.linear1.weight.grad is None and buffers[net.layer.linear1.weight].abs().sum() > 0
+    for name, p in net.named_parameters():
+        got_g = buffers[p] if p.grad is None else p.grad
+        torch.testing.assert_close(got_g, ref[name], msg=name)

@@ -23,8 +23,13 @@ a row-parallel layer's all-reduce has an identity backward, so without sequence 
 gradient is the local product's. With ``gather_output`` or sequence parallelism the layer's output
 gradient is not the product's, and it stays in ``B``.
 
-A layer whose parameter is shared with another module, or whose input needs no gradient in a given
-forward (its output gradient would then not be computed by ``B``), stays in ``B``. The hooks are
+A layer whose parameter is shared with another module, whose input needs no gradient in a given
+forward (its output gradient would then not be computed by ``B``), or whose forward did not run in a
+given micro-batch (``nn.MultiheadAttention`` multiplies by ``out_proj.weight`` without calling
+``out_proj``), stays in ``B``. Not detected: a weight used both by its layer's forward and directly in
+the same micro-batch (``F.linear(x, layer.weight)`` in another module's code); ``W`` would add only the
+forward's share. Register such a weight as a parameter of both modules (shared, it stays in ``B``), or
+use ``1f1b``. The hooks are
 registered for a step and removed after it (:meth:`attached`). Chunks with none of these layers have
 empty ``W`` passes, which leaves zero bubble with 1F1B's work in a schedule built for less: a warning
 says so when the split is built.
@@ -94,10 +99,13 @@ class WeightGradSplit:
                 stacklevel=2,
             )
         self._chunks = list(chunks)
+        mine = [{id(m) for m in c.modules()} for c in self._chunks]
+        self._chunk_linears = [[m for m in self._linears if id(m) in ids] for ids in mine]
         self._eager: list[list[nn.Parameter]] = []  # per chunk, what B differentiates besides the input
         self._key: Key | None = None
         self._stash: dict[Key, list[tuple[nn.Module, Tensor, Tensor]]] = {}
         self._kept: dict[Key, list[nn.Parameter]] = {}  # linear parameters that stay in B this time
+        self._hooked: dict[Key, set[nn.Module]] = {}  # layers whose forward ran (recorded or kept)
 
     @contextmanager
     def attached(self) -> Iterator[None]:
@@ -114,7 +122,7 @@ class WeightGradSplit:
         finally:
             for handle in handles:
                 handle.remove()
-            self._stash, self._kept, self._key = {}, {}, None
+            self._stash, self._kept, self._hooked, self._key = {}, {}, {}, None
 
     @contextmanager
     def forward(self, key: Key) -> Iterator[None]:
@@ -129,6 +137,7 @@ class WeightGradSplit:
         key = self._key
         if key is None or not torch.is_grad_enabled() or not isinstance(output, Tensor):
             return  # evaluation, or a recomputation inside backward (activation checkpointing)
+        self._hooked.setdefault(key, set()).add(module)
         x = args[0] if args else None
         if not isinstance(x, Tensor) or not x.requires_grad:
             # B would not compute this output's gradient: the layer's weights stay in B
@@ -149,7 +158,17 @@ class WeightGradSplit:
         if not outs:  # nothing in the output needs a gradient: no backward, nothing for W
             self._stash.pop(key, None)
             return
-        inputs: list[Tensor] = [*self._eager[chunk], *self._kept.pop(key, []), *grad_leaves(x)]
+        # a layer whose forward did not run has nothing recorded for W, yet its weight may have been
+        # used (nn.MultiheadAttention applies out_proj.weight without calling out_proj): B computes it
+        hooked = self._hooked.pop(key, set())
+        unhooked = [
+            p
+            for m in self._chunk_linears[chunk]
+            if m not in hooked
+            for p in m.parameters(recurse=False)
+            if p.requires_grad
+        ]
+        inputs: list[Tensor] = [*self._eager[chunk], *self._kept.pop(key, []), *unhooked, *grad_leaves(x)]
         if inputs:
             torch.autograd.backward(outs, dys, inputs=inputs)
         else:  # nothing but deferred weights: one ordinary backward, nothing left for W
