@@ -5,7 +5,8 @@ statistics of the stage that owns each layer, not the untouched copies other sta
 
 Reference: one process feeding the same micro-batches one at a time with gradient accumulation over
 ``m`` of them (BatchNorm normalises each micro-batch by its own statistics, so the pipeline's split is
-part of the model's arithmetic; the reference splits the same way)."""
+part of the model's arithmetic; the reference splits the same way). Gradients are clipped at 0.5 on
+both sides."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
 from tests.test_batchnorm import SEED, Images, ResNetModule
+from tests.test_pp_trainer import _trainer  # the pipeline tests' Trainer (clipping at 0.5)
 
-M, BATCH, N, EPOCHS = 2, 8, 32, 1
+M, BATCH, N = 2, 8, 32
 
 
 class _Head(nn.Module):
@@ -59,27 +61,11 @@ class PipelinedResNet(ResNetModule):
         return batch[0]
 
 
-def _trainer(strategy: Any, accumulate: int, tmp: str) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=2 if strategy != "auto" else 1,
-        strategy=strategy,
-        max_epochs=EPOCHS,
-        accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=tmp,
-    )
-
-
 def _pipelined(rank: int, world: int, tmp: str) -> dict[str, Any]:
     pl.seed_everything(SEED)
     module = PipelinedResNet()
     strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=M, pipeline_schedule="1f1b")
-    trainer = _trainer(strategy, 1, tmp)
+    trainer = _trainer(strategy, 2, tmp, [])
     train, val = DataLoader(Images(N), batch_size=BATCH), DataLoader(Images(8), batch_size=BATCH)
     trainer.fit(module, train, val)
     trainer.save_checkpoint(os.path.join(tmp, "pp.ckpt"))
@@ -94,7 +80,7 @@ def _resumed(rank: int, world: int, tmp: str) -> dict[str, Tensor]:
     """The pipeline's checkpoint loaded without a pipeline (ZeRO-1 over 2 ranks), with no step left."""
     pl.seed_everything(SEED + 1)
     module = ResNetModule()
-    trainer = _trainer(HybridParallelStrategy(zero_stage=1), 1, tmp)
+    trainer = _trainer(HybridParallelStrategy(zero_stage=1), 2, tmp, [])
     train = DataLoader(Images(N), batch_size=BATCH // 2)
     trainer.fit(module, train, ckpt_path=os.path.join(tmp, "pp.ckpt"))  # max_epochs reached: loads only
     return {k: v.clone() for k, v in module.state_dict().items()}
@@ -103,7 +89,7 @@ def _resumed(rank: int, world: int, tmp: str) -> dict[str, Tensor]:
 def _reference(tmp: Path) -> tuple[dict[str, Tensor], float]:
     pl.seed_everything(SEED)
     module = ResNetModule()
-    trainer = _trainer("auto", M, str(tmp / "ref"))
+    trainer = _trainer("auto", 1, str(tmp / "ref"), [], accumulate_grad_batches=M)
     # the pipeline's micro-batches: Lightning shuffles training data under a distributed sampler (seeded
     # by seed_everything), and the pipeline cuts each batch into M contiguous parts
     order = list(DistributedSampler(Images(N), num_replicas=1, rank=0, shuffle=True, seed=SEED))

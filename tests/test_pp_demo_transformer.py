@@ -4,11 +4,12 @@ modules, and the encoder's output (the decoder's memory) travels beside the deco
 between stages, its gradient back from every decoder layer. ``nn.MultiheadAttention`` multiplies by
 ``out_proj.weight`` without calling ``out_proj``, so the zero-bubble split must leave that weight in
 ``B``. At pp2 with 1F1B and with zb, the per-step losses and the final weights equal one process running
-the demo's own ``training_step``."""
+the demo's own ``training_step`` (gradients clipped at 0.5 on both sides)."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,8 +23,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
+from tests.test_pp_trainer import _trainer  # the pipeline tests' Trainer (clipping at 0.5)
 
-SEED, VOCAB, T, N, BATCH, M = 3, 64, 12, 16, 8, 4
+SEED, VOCAB, T, N, BATCH, M, EPOCHS = 3, 64, 12, 16, 8, 4, 2
 
 
 class Pairs(Dataset[tuple[Tensor, Tensor]]):
@@ -132,54 +134,39 @@ class Losses(pl.Callback):
         self.losses.append(float(loss))
 
 
-def _trainer(strategy: Any, devices: int, callback: pl.Callback, epochs: int = 2) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[callback],
-    )
-
-
-def _pipelined(rank: int, world: int, schedule: str) -> dict[str, Any]:
+def _pipelined(rank: int, world: int, schedule: str, tmp: str) -> dict[str, Any]:
     pl.seed_everything(SEED)
     module, losses = PipelinedDemo(), Losses()
     strategy = HybridParallelStrategy(
         pipeline_parallel_size=2, num_microbatches=M, pipeline_schedule=schedule
     )
-    _trainer(strategy, 2, losses).fit(module, DataLoader(Pairs(), batch_size=BATCH))
+    _trainer(strategy, 2, tmp, [losses], EPOCHS).fit(module, DataLoader(Pairs(), batch_size=BATCH))
     return {
         "losses": losses.losses,
         "state": {k: v for k, v in module.model.state_dict().items() if not v.is_meta},
     }
 
 
-def _reference() -> tuple[list[float], dict[str, Tensor]]:
+def _reference(tmp: str) -> tuple[list[float], dict[str, Tensor]]:
     """One process, the demo's own forward and training_step, the batches in the order Lightning's
     distributed sampler dealt them (it shuffles training data, seeded by seed_everything)."""
     pl.seed_everything(SEED)
     module, losses = PipelinedDemo(), Losses()
     orders = []
-    for epoch in range(2):
+    for epoch in range(EPOCHS):
         sampler = DistributedSampler(Pairs(), num_replicas=1, rank=0, shuffle=True, seed=SEED)
         sampler.set_epoch(epoch)
         order = list(sampler)
         orders += [order[i : i + BATCH] for i in range(0, N, BATCH)]
     # both epochs' orders in one pass
-    _trainer("auto", 1, losses, epochs=1).fit(module, DataLoader(Pairs(), batch_sampler=orders))
+    _trainer("auto", 1, tmp, [losses]).fit(module, DataLoader(Pairs(), batch_sampler=orders))
     return losses.losses, module.model.state_dict()
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])
-def test_lightning_demo_transformer_under_pipeline_equals_one_process(schedule: str) -> None:
-    results = run_distributed(_pipelined, 2, schedule, init_group=False)
-    ref_losses, ref_state = _reference()
+def test_lightning_demo_transformer_under_pipeline_equals_one_process(schedule: str, tmp_path: Path) -> None:
+    results = run_distributed(_pipelined, 2, schedule, str(tmp_path), init_group=False)
+    ref_losses, ref_state = _reference(str(tmp_path / "ref"))
     for r in results:  # every pipeline rank logs the step's loss
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses))
     merged = {k: v for r in results for k, v in r["state"].items()}

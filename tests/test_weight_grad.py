@@ -128,6 +128,26 @@ def test_split_backward_under_bf16_autocast_adds_into_an_fp32_buffer() -> None:
         torch.testing.assert_close(got_g, ref[name], rtol=2e-2, atol=2e-3, msg=name)
 
 
+def _split_equals_fused(net: nn.Module) -> tuple[WeightGradSplit, dict[nn.Parameter, Tensor]]:
+    """Two micro-batches through ``net`` (width 16) with the split backward into engine buffers against
+    the fused backward: input gradients and every parameter's gradient equal; the split and the buffers
+    (what W filled) for further checks."""
+    xs = [torch.randn(2, 5, 16) for _ in range(2)]
+    const = torch.randn(2, 5, 16)
+    ref_inputs = _run(net, xs, const, split=None, dtype=None)
+    ref = _grads(net)
+    net.zero_grad(set_to_none=True)
+    buffers = {p: torch.zeros_like(p) for p in net.parameters()}
+    split = WeightGradSplit([net])
+    got_inputs = _run(net, xs, const, split=split, dtype=None, grad_of=buffers.get)
+    for a, b in zip(got_inputs, ref_inputs, strict=True):
+        torch.testing.assert_close(a, b)
+    for name, p in net.named_parameters():
+        got_g = buffers[p] if p.grad is None else p.grad
+        torch.testing.assert_close(got_g, ref[name], msg=name)
+    return split, buffers
+
+
 class _HFBlock(nn.Module):
     """One GPT-2 block (four ``Conv1D`` layers, two norms) in ``_run``'s calling convention."""
 
@@ -148,21 +168,9 @@ def test_split_backward_defers_hugging_face_conv1d() -> None:
     buffer, and the block's gradients equal the fused backward's."""
     torch.manual_seed(2)
     net = _HFBlock()
-    xs = [torch.randn(2, 5, 16) for _ in range(2)]
-    const = torch.randn(2, 5, 16)
-    ref_inputs = _run(net, xs, const, split=None, dtype=None)
-    ref = _grads(net)
-    net.zero_grad(set_to_none=True)
-    buffers = {p: torch.zeros_like(p) for p in net.parameters()}
-    split = WeightGradSplit([net])
+    split, buffers = _split_equals_fused(net)
     conv = [m for m in net.modules() if isinstance(m, Conv1D)]
     assert len(conv) == 4 and set(split._linears) == set(conv)
-    got_inputs = _run(net, xs, const, split=split, dtype=None, grad_of=buffers.get)
-    for a, b in zip(got_inputs, ref_inputs, strict=True):
-        torch.testing.assert_close(a, b)
-    for name, p in net.named_parameters():
-        got_g = buffers[p] if p.grad is None else p.grad
-        torch.testing.assert_close(got_g, ref[name], msg=name)
     for m in conv:  # deferred to W: nothing in .grad, everything in the buffer
         assert m.weight.grad is None and m.bias.grad is None and buffers[m.weight].abs().sum() > 0
     assert net.block.ln_1.weight.grad is not None  # norms stay in B
@@ -257,19 +265,7 @@ def test_a_linear_applied_without_its_forward_stays_in_b() -> None:
     ``B``, and every gradient equals the fused backward's."""
     torch.manual_seed(4)
     net = _TorchEncoderLayer()
-    xs = [torch.randn(2, 5, 16) for _ in range(2)]
-    const = torch.randn(2, 5, 16)
-    ref_inputs = _run(net, xs, const, split=None, dtype=None)
-    ref = _grads(net)
-    net.zero_grad(set_to_none=True)
-    buffers = {p: torch.zeros_like(p) for p in net.parameters()}
-    split = WeightGradSplit([net])
-    got_inputs = _run(net, xs, const, split=split, dtype=None, grad_of=buffers.get)
-    for a, b in zip(got_inputs, ref_inputs, strict=True):
-        torch.testing.assert_close(a, b)
+    _, buffers = _split_equals_fused(net)
     out_proj = net.layer.self_attn.out_proj
     assert out_proj.weight.grad is not None  # B computed it: the layer's forward never ran
     assert net.layer.linear1.weight.grad is None and buffers[net.layer.linear1.weight].abs().sum() > 0
-    for name, p in net.named_parameters():
-        got_g = buffers[p] if p.grad is None else p.grad
-        torch.testing.assert_close(got_g, ref[name], msg=name)
