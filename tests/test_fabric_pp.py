@@ -201,17 +201,28 @@ def _snapshots(fabric: Fabric, save: str) -> FlashSnapshots:
     return FlashSnapshots(fabric, f"{save}-flash", shm_dir=f"{save}-shm", persist_every_n_steps=1)
 
 
-def _flash_resume(save: str) -> dict[str, Tensor] | None:
-    """A fresh pp2 x dp2 Fabric and model (other weights) restored from the Llama run's flash snapshot
-    of step 1, then the second window; the full state on rank 0."""
+def _fresh_llama(**options: Any) -> tuple[HybridParallelStrategy, Fabric, dict[str, Any]]:
+    """A pp2 x dp2 Fabric (the Llama case's options, plus ``options``) and a fresh model with other
+    weights, set up with AdamW: the state a loop restores a snapshot into."""
     strategy = HybridParallelStrategy(
-        pipeline_parallel_size=PP, num_microbatches=2, pipeline_layers=hf_pipeline_layers, **CASES["llama"][3]
+        pipeline_parallel_size=PP,
+        num_microbatches=2,
+        pipeline_layers=hf_pipeline_layers,
+        **CASES["llama"][3],
+        **options,
     )
     fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
     fabric.launch()
     model = build("llama", seed=SEED + 1).train()
     model, optimizer = fabric.setup(model, _optimizer("adamw", model))
-    state = {"model": model, "optimizer": optimizer, "step": 0}
+    return strategy, fabric, {"model": model, "optimizer": optimizer, "step": 0}
+
+
+def _flash_resume(save: str) -> dict[str, Tensor] | None:
+    """A fresh pp2 x dp2 Fabric and model (other weights) restored from the Llama run's flash snapshot
+    of step 1, then the second window; the full state on rank 0."""
+    strategy, fabric, state = _fresh_llama()
+    model, optimizer = state["model"], state["optimizer"]
     with _snapshots(fabric, save) as snaps:
         assert snaps.restore(state) == 1 and state["step"] == 1
     _fabric_loop(fabric, strategy, model, optimizer, "llama", range(1, WINDOWS))
@@ -226,18 +237,7 @@ def _flash_elsewhere(save: str) -> tuple[str, list[int]]:
     layers = hf_pipeline_layers(build("llama", seed=SEED))
     default = [b - a for a, b in partition(layer_costs(layers, "compute"), PP)]
     elsewhere = [default[0] + 1, default[1] - 1] if default[1] > 1 else [default[0] - 1, default[1] + 1]
-    strategy = HybridParallelStrategy(
-        pipeline_parallel_size=PP,
-        num_microbatches=2,
-        pipeline_layers=hf_pipeline_layers,
-        partition_method=elsewhere,
-        **CASES["llama"][3],
-    )
-    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
-    fabric.launch()
-    model = build("llama", seed=SEED + 1).train()
-    model, optimizer = fabric.setup(model, _optimizer("adamw", model))
-    state = {"model": model, "optimizer": optimizer, "step": 0}
+    strategy, fabric, state = _fresh_llama(partition_method=elsewhere)
     message = ""
     with _snapshots(fabric, save) as snaps:
         try:

@@ -113,8 +113,8 @@ class PipelinedDemo(LightningTransformer):
             ]
         return self._layers
 
-    def prepare_data(self) -> None:  # the demo downloads WikiText-2 here; these tests bring their data
-        pass
+    def prepare_data(self) -> None:
+        """Nothing to fetch: the demo downloads WikiText-2 here, these tests bring their data."""
 
     def pipeline_input(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         return batch[0], batch[1]

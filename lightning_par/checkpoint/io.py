@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -30,6 +29,7 @@ from lightning_par.checkpoint.optimizer_state import (
     load_unsharded,
     pieces_from_state_dict,
 )
+from lightning_par.checkpoint.rank_state import meta_names
 from lightning_par.checkpoint.sharded import (
     METADATA_KEY,
     _payloads,
@@ -328,11 +328,7 @@ def load_module_state(
     ZeRO-3 shards are filled directly; otherwise the full state dict is cut to this rank's tensor-parallel
     pieces (other pipeline stages' layers skipped), loaded, and, where ZeRO 1/2 keeps separate fp32
     masters, copied into them at full precision (the compute copy alone would be rounded)."""
-    # names of other pipeline stages' layers (meta placeholders here): skipped, their owners load them
-    held = itertools.chain(
-        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
-    )
-    remote = {n for n, t in held if t.is_meta}
+    remote = meta_names(module)  # other pipeline stages' layers: skipped, their owners load them
     if engine is not None and engine.shards_params:
         rest = load_stage3_params(checkpoint, engine, sharded_path, tp)
         rest = {k: v for k, v in rest.items() if k not in remote}

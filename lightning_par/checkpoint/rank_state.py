@@ -47,6 +47,15 @@ from lightning_par.zero.engine import Engine
 from lightning_par.zero.powersgd import merge_states
 
 
+def meta_names(module: nn.Module) -> set[str]:
+    """The names (every alias) of ``module``'s meta parameters and buffers: placeholders of other
+    pipeline stages' layers, loaded by their owners."""
+    held = itertools.chain(
+        module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
+    )
+    return {n for n, t in held if t.is_meta}
+
+
 def _param_names(module: nn.Module) -> set[str]:
     return {n for n, _ in module.named_parameters(remove_duplicate=False)}
 
@@ -130,8 +139,7 @@ def load(
             return None if piece is None else piece["param"]
 
         engine.load_param_shards(values)
-    meta = {n for n, t in itertools.chain(module.named_parameters(), module.named_buffers()) if t.is_meta}
-    skip = meta | (_param_names(module) if shards_params else set())
+    skip = meta_names(module) | (_param_names(module) if shards_params else set())
     _load_model(module, model, skip=skip)
     if optim["kind"] == "fragments":
         sharded = engine.sharded_state if engine is not None else None

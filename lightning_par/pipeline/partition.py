@@ -35,7 +35,6 @@ The first piece always holds layer 0 (the embedding) and the last piece the last
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 from typing import Literal
@@ -45,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lightning_par.pipeline.weight_grad import weight_layout
 from lightning_par.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -132,10 +132,11 @@ def parameter_costs(layers: Sequence[nn.Module]) -> list[float]:
 
 
 def _product_weight(module: nn.Module) -> Tensor | None:
-    """The weight a module multiplies its input by, ``None`` if it is no matrix-product layer."""
-    products: tuple[type, ...] = (nn.Linear, nn.modules.conv._ConvNd, ColumnParallelLinear, RowParallelLinear)
-    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
-    if isinstance(module, products) or (conv1d is not None and isinstance(module, conv1d)):
+    """The weight a module multiplies its input by, ``None`` if it is no matrix-product layer: the
+    layers the zero-bubble split recognises (:func:`.weight_grad.weight_layout`), whatever their
+    options, and convolutions."""
+    products = (nn.modules.conv._ConvNd, ColumnParallelLinear, RowParallelLinear)
+    if weight_layout(module) is not None or isinstance(module, products):
         weight = getattr(module, "weight", None)
         return weight if isinstance(weight, Tensor) else None
     return None
