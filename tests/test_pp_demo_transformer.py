@@ -158,7 +158,7 @@ def _reference(tmp: str) -> tuple[list[float], dict[str, Tensor]]:
         sampler.set_epoch(epoch)
         order = list(sampler)
         orders += [order[i : i + BATCH] for i in range(0, N, BATCH)]
-    # both epochs' orders in one pass
+    # both epochs' orders, one after the other, in a single epoch
     _trainer("auto", 1, tmp, [losses]).fit(module, DataLoader(Pairs(), batch_sampler=orders))
     return losses.losses, module.model.state_dict()
 
