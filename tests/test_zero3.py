@@ -14,11 +14,12 @@ from torch.utils.checkpoint import checkpoint
 from lightning_par.grad_norm import clip_grad_norm_
 from lightning_par.models.gpt import GPT, GPTConfig
 from lightning_par.models.lit_gpt import warmup_cosine
-from lightning_par.zero.meta_init import materialize_model
+from lightning_par.zero.meta_init import materialize_model, params_on_meta
 from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.units import plan_units
 from tests.distributed import run_distributed
 from tests.reference import data_parallel_backward
+from tests.third_party import gpt2, llama
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32, bias=False)
 BATCH, STEPS, MICRO = 8, 4, 2
@@ -212,18 +213,30 @@ def _twice(rank: int, world: int) -> str:
 
 
 def _meta_init(rank: int, world: int) -> str:
-    """Created on the meta device, materialised shard by shard: equals the unsharded twin, sliced."""
-    with torch.device("meta"):
-        model = GPT(CFG)
-    engine = Stage3Engine(model, group=dist.group.WORLD, init_seed=123)
-    state = engine.full_state_dict(to_rank=rank)
-    with torch.device("meta"):
-        twin = GPT(CFG)
-    materialize_model(twin, seed=123, device=torch.device("cpu"))
-    assert twin.head.lm_head.weight is twin.embed.tok.weight  # ties survive materialisation
-    for k, v in twin.state_dict().items():
-        torch.testing.assert_close(state[k], v, msg=k)
-    engine.remove()
+    """Created on the meta device, materialised shard by shard: equals the unsharded twin, sliced. Our GPT
+    built under ``torch.device("meta")``; Hugging Face's GPT-2 and Llama under ``params_on_meta()``, as the
+    strategies build them, initialised by their own ``_init_weights`` (``tests/test_meta_init_hf.py``)."""
+    builds = [
+        (partial(GPT, CFG), partial(torch.device, "meta")),
+        (gpt2, params_on_meta),
+        (llama, params_on_meta),
+    ]
+    twins: list[nn.Module] = []
+    for build, context in builds:
+        with context():
+            model = build()
+        engine = Stage3Engine(model, group=dist.group.WORLD, init_seed=123)
+        state = engine.full_state_dict(to_rank=rank)
+        with context():
+            twin = build()
+        materialize_model(twin, seed=123, device=torch.device("cpu"))
+        for k, v in twin.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=k)
+        engine.remove()
+        twins.append(twin)
+    gpt, hf_gpt2 = twins[:2]  # ties survive materialisation
+    assert gpt.head.lm_head.weight is gpt.embed.tok.weight
+    assert hf_gpt2.lm_head.weight is hf_gpt2.transformer.wte.weight
     return "ok"
 
 

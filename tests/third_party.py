@@ -1,6 +1,6 @@
-"""Models this package did not write, wrapped as LightningModules the way users wrap them: a Hugging Face
-Llama with a PEFT LoRA adapter, a Hugging Face ResNet (BatchNorm), and helpers to replay Lightning's
-distributed data order in a single-process reference."""
+"""Models this package did not write, wrapped as LightningModules the way users wrap them: Hugging Face
+GPT-2 and Llama, the Llama with a PEFT LoRA adapter, a Hugging Face ResNet (BatchNorm), and helpers to
+replay Lightning's distributed data order in a single-process reference."""
 
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ from torch.utils.data import Dataset, DistributedSampler
 from tests.test_strategy import LossRecorder
 
 __all__ = [
+    "GPT2",
     "LLAMA",
     "LORA_TARGETS",
     "LoraLlama",
     "LossRecorder",
     "Tokens",
     "add_lora",
+    "gpt2",
     "llama",
     "replay_order",
 ]
@@ -43,6 +45,17 @@ def llama(seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**LLAMA))
+
+
+GPT2: dict[str, Any] = dict(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+
+
+def gpt2(seed: int = 0) -> torch.nn.Module:
+    """Hugging Face's GPT-2: a tied table, ``Conv1D`` layers, residual projections initialised smaller."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(**GPT2))
 
 
 def add_lora(model: torch.nn.Module, *, seed: int = 1) -> torch.nn.Module:

@@ -1,9 +1,11 @@
 """Large-model initialisation for ZeRO-3: meta-device parameters materialised one unit at a time.
 
 A model built on the meta device has shapes but no storage. Each unit in turn gets real storage, is
-filled from pretrained weights where a source has them, otherwise initialised by its modules' own
-``reset_parameters()`` under a seed derived from the unit's index (the same on every rank and for any
-world size), is sliced into shards, and is released, so no rank ever holds more than one unit in full.
+filled from pretrained weights where a source has them, otherwise initialised as on a real device (its
+modules' own ``reset_parameters()``, then, inside a Hugging Face model, that model's ``_init_weights``:
+:mod:`lightning_par.zero.hf_init`) under a seed derived from the unit's index (the same on every rank
+and for any world size), is sliced into shards, and is released, so no rank ever holds more than one
+unit in full.
 Trainable and frozen parameters are materialised alike. PEFT LoRA layers (modules with
 ``reset_lora_parameters``) get their adapters re-initialised the way PEFT's default does (A as
 ``nn.Linear``, B zero), so an adapter starts as the identity. :func:`materialize_model` does the same
@@ -23,6 +25,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from lightning_par.zero.hf_init import hf_initialisers
 from lightning_par.zero.units import REMOTE_ATTR, UnitPolicy, plan_units
 
 # A parameter's values from a pretrained source (None: not in the source, initialise it).
@@ -82,13 +85,17 @@ def materialize_unit(
     """Replace meta ``params`` by real ones on ``device`` (everywhere they are registered, so ties hold).
 
     With ``values`` (and ``names``, the parameters' names), a parameter whose values the source has is
-    filled from it; the others are initialised by their modules' ``reset_parameters()`` under
-    ``torch.manual_seed(seed)``: the same values on every rank and for any world size, so a sharded init
-    equals the full init sliced (see :func:`materialize_model`). A module whose parameters are all loaded
-    needs no ``reset_parameters()``; one that must be initialised and has none is named in a
-    ``ValueError``. Returns the new parameters in the order of ``params``."""
+    filled from it; the others are initialised as on a real device, under ``torch.manual_seed(seed)``:
+    their modules' ``reset_parameters()``, then, inside a Hugging Face model, the model's own
+    ``_init_weights`` (:mod:`lightning_par.zero.hf_init`), then PEFT's adapter init. The same values on
+    every rank and for any world size, so a sharded init equals the full init sliced (see
+    :func:`materialize_model`). A module whose parameters are all loaded needs no initialiser; one that
+    must be initialised and has none is named in a ``ValueError`` before anything is replaced, and a
+    parameter its initialisers left unset (filled with NaN until then) in one after. Returns the new
+    parameters in the order of ``params``."""
     wanted = {id(p): p for p in params if p.is_meta}
     name_of = dict(zip(map(id, params), names, strict=True)) if names is not None else {}
+    label = dict(name_of)  # names for messages: the given ones, else the module path
     places: dict[int, list[tuple[nn.Module, str]]] = {}
     owners: list[tuple[str, nn.Module, set[int]]] = []  # (name, module, ids of the meta params it holds)
     for module_name, m in root.named_modules(remove_duplicate=False):
@@ -96,6 +103,7 @@ def materialize_unit(
         for attr, p in m._parameters.items():
             if p is not None and id(p) in wanted:
                 places.setdefault(id(p), []).append((m, attr))
+                label.setdefault(id(p), f"{module_name}.{attr}" if module_name else attr)
         if held and all(m is not o for _, o, _ in owners):
             owners.append((module_name, m, held))
     loaded: dict[int, Tensor] = {}
@@ -104,9 +112,12 @@ def materialize_unit(
             value = values(name_of[pid]) if pid in name_of else None
             if value is not None:
                 loaded[pid] = value
+    todo = wanted.keys() - loaded.keys()
+    hf_calls = hf_initialisers(root, todo)  # before replacing: it looks for parameters still on meta
+    by_model = {id(m) for m, _ in hf_calls}
     to_init = [(module_name, m) for module_name, m, held in owners if held - loaded.keys()]
     for module_name, m in to_init:  # checked before anything is replaced
-        if not callable(getattr(m, "reset_parameters", None)):
+        if id(m) not in by_model and not callable(getattr(m, "reset_parameters", None)):
             missing = [attr for attr, p in m._parameters.items() if p is not None and id(p) not in loaded]
             raise ValueError(
                 f"Module {module_name or '<root>'!r} ({type(m).__name__}) holds meta-device parameters"
@@ -122,22 +133,45 @@ def materialize_unit(
             )
     fresh: dict[int, nn.Parameter] = {}
     for pid, old in wanted.items():
-        new = nn.Parameter(
-            torch.empty(old.shape, dtype=old.dtype, device=device), requires_grad=old.requires_grad
-        )
+        data = torch.empty(old.shape, dtype=old.dtype, device=device)
+        if pid in todo and data.is_floating_point():
+            data.fill_(float("nan"))  # a value no initialiser leaves: an unset parameter shows
+        new = nn.Parameter(data, requires_grad=old.requires_grad)
         new.__dict__.update(old.__dict__)
+        if pid in todo:  # transformers' init functions skip tensors flagged as initialised
+            new.__dict__.pop("_is_hf_initialized", None)
         for m, attr in places[pid]:
             m._parameters[attr] = new
         fresh[pid] = new
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
-        for _, m in to_init:
-            m.reset_parameters()  # type: ignore[operator]
-        _reset_lora(root, {id(p) for p in fresh.values()} - {id(fresh[pid]) for pid in loaded})
+        for _, m in to_init:  # as the layers' constructors do on a real device
+            if callable(reset := getattr(m, "reset_parameters", None)):
+                reset()
+        for m, init in hf_calls:  # then a Hugging Face model's post_init()
+            init(m)
+        _reset_lora(root, {id(fresh[pid]) for pid in todo})
+    _check_set([(label[pid], fresh[pid]) for pid in todo])
     with torch.no_grad():
         for pid, value in loaded.items():
             fresh[pid].copy_(value)
     return [fresh.get(id(p), p) for p in params]
+
+
+def _check_set(initialised: Sequence[tuple[str, Tensor]]) -> None:
+    """Refuse parameters still holding the NaN they were created with (one host read, at setup)."""
+    floating = [(name, p) for name, p in initialised if p.is_floating_point()]
+    if not floating:
+        return
+    unset = torch.stack([p.isnan().any() for _, p in floating]).tolist()
+    names = [name for (name, _), bad in zip(floating, unset, strict=True) if bad]
+    if names:
+        raise ValueError(
+            f"Parameters {names} were left unset by their modules' initialisers (reset_parameters(), or"
+            " a Hugging Face model's _init_weights), so ZeRO-3 cannot initialise them from the meta"
+            " device; give the module a reset_parameters() that sets them, load them (pretrained=...),"
+            " or create the model on a real device."
+        )
 
 
 def _reset_lora(root: nn.Module, initialised: set[int]) -> None:

@@ -1,0 +1,180 @@
+"""Hugging Face models trained from their config at ZeRO-3 under meta init get the model's own
+initialisation, as they would on a real device.
+
+Before, ZeRO-3 materialised a meta parameter with its module's ``reset_parameters()`` only: a Llama's
+RMSNorm (which has none) was refused, so a Hugging Face model could be meta-initialised only from
+pretrained weights, and the layers that have one got torch's defaults instead of the model's (an embedding
+``N(0, 1)`` against Hugging Face's ``N(0, 0.02)``, GPT-2's residual projections unscaled).
+
+* One process: GPT-2 (tied table, ``Conv1D``, projections scaled by ``1 / sqrt(2 n_layer)``) and Llama
+  (RMSNorm, rotary buffers) built under ``params_on_meta()`` (the strategies' context) and materialised by
+  ``materialize_model`` (ZeRO-3's unsharded twin; ``tests/test_zero3.py`` checks the shards equal it)
+  against the same model built on the CPU: the constant parameters (norm weights, biases) equal, every
+  random one with the real init's mean and spread, buffers equal, the tie kept. A PEFT LoRA model on a
+  Llama from its config: base as above, B zero and A as PEFT makes them.
+* A parameter that no initialiser sets (inside a Hugging Face model without ``reset_parameters()``, or
+  outside with one that forgets it) is refused, named.
+* Two ranks, Fabric at ZeRO-3, ``fabric.init_module(empty_init=True)`` around ``LlamaForCausalLM(config)``:
+  the gathered initial weights are the model's own init as above, and 3 steps of AdamW with gradient
+  accumulation and clipping equal one process starting from those weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import peft
+import pytest
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from lightning_par.fabric import HybridParallelStrategy
+from lightning_par.zero.meta_init import materialize_model, params_on_meta
+from tests.distributed import run_distributed
+from tests.test_fabric_tp import STEPS, _adamw, _loop
+from tests.third_party import LORA_TARGETS, add_lora, gpt2, llama
+
+SPREAD_RTOL = 0.15  # sample std of >= 512 draws against another sample's: well under 4 % apart here
+
+
+def assert_own_init(state: dict[str, torch.Tensor], real: nn.Module, what: str) -> None:
+    """``state`` is distributed as ``real``'s init: constants equal, random tensors with its mean and
+    standard deviation (a different draw, so not bitwise)."""
+    expected = real.state_dict()
+    assert set(state) == set(expected), what
+    for name, want in expected.items():
+        got = state[name]
+        assert got.shape == want.shape and got.dtype == want.dtype, f"{what}: {name}"
+        spread = float(want.std()) if want.numel() > 1 else 0.0
+        if spread == 0.0:
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{what}: {name} (constant)")
+            continue
+        assert want.numel() >= 512, f"{what}: {name} is too small to compare spreads"
+        assert abs(float(got.mean()) - float(want.mean())) < 0.2 * spread, f"{what}: mean of {name}"
+        torch.testing.assert_close(
+            got.std(), want.std(), rtol=SPREAD_RTOL, atol=0, msg=lambda m, n=name: f"{what}: std of {n}\n{m}"
+        )
+
+
+def _materialized(build: Any) -> nn.Module:
+    with params_on_meta():
+        model = build()
+    assert all(p.is_meta for p in model.parameters())
+    materialize_model(model, seed=7, device=torch.device("cpu"))
+    return model
+
+
+def test_hf_models_get_their_own_init_from_the_meta_device() -> None:
+    for build in (gpt2, llama):
+        model, real = _materialized(build), build()
+        name = type(real).__name__
+        assert_own_init(model.state_dict(), real, name)
+        for (key, got), (_, want) in zip(model.named_buffers(), real.named_buffers(), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name}: buffer {key}")
+    model = _materialized(gpt2)
+    assert model.lm_head.weight is model.transformer.wte.weight  # the tie survives
+    # GPT-2's residual projections: std 0.02 / sqrt(2 n_layer) = 0.01 here, the other Conv1D 0.02; an
+    # embedding as torch initialises it would have std 1
+    proj = torch.cat([b.attn.c_proj.weight.flatten() for b in model.transformer.h])
+    torch.testing.assert_close(proj.std(), torch.tensor(0.01), rtol=0.1, atol=0)
+    torch.testing.assert_close(model.transformer.wte.weight.std(), torch.tensor(0.02), rtol=0.1, atol=0)
+
+
+def test_peft_lora_on_a_model_from_its_config() -> None:
+    model = _materialized(lambda: add_lora(llama()))
+    torch.manual_seed(3)
+    real = peft.get_peft_model(
+        llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    )
+    state = model.state_dict()
+    assert any("lora_B" in k for k in state)
+    for k in state:
+        if "lora_B" in k:
+            assert not state[k].any(), k  # the adapter starts as the identity
+    # lora_A: PEFT's kaiming init (std 1 / sqrt(3 * 32) = 0.10), not the model's N(0, 0.02); checked over
+    # all adapters at once, each being below 512 draws
+    a_got = torch.cat([v.flatten() for k, v in state.items() if "lora_A" in k])
+    a_want = torch.cat([v.flatten() for k, v in real.state_dict().items() if "lora_A" in k])
+    torch.testing.assert_close(a_got.std(), a_want.std(), rtol=SPREAD_RTOL, atol=0)
+    base = {k: v for k, v in state.items() if "lora_" not in k}
+    real_base = llama()
+    assert_own_init(
+        {k.removeprefix("base_model.model.").replace(".base_layer", ""): v for k, v in base.items()},
+        real_base,
+        "LoRA base",
+    )
+
+
+class Gain(nn.Module):
+    """A parameter held directly, and no ``reset_parameters()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(4))
+
+
+class Half(nn.Module):
+    """A ``reset_parameters()`` that sets one parameter of two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.a)
+
+
+def test_parameters_no_initialiser_sets_are_refused() -> None:
+    def llama_with_gain() -> nn.Module:
+        model = llama()
+        model.model.layers[0].gain = Gain()  # the model's _init_weights does not know it
+        return model
+
+    with pytest.raises(ValueError, match=r"\['model\.layers\.0\.gain\.gain'\] were left unset"):
+        _materialized(llama_with_gain)
+    with pytest.raises(ValueError, match=r"\['1\.b'\] were left unset.*reset_parameters\(\)"):
+        _materialized(lambda: nn.Sequential(nn.Linear(4, 4), Half()))
+    with params_on_meta():
+        plain = nn.Sequential(nn.Linear(4, 4), Gain())
+    with pytest.raises(ValueError, match=r"'1' \(Gain\).*no reset_parameters\(\)"):
+        materialize_model(plain, seed=0, device=torch.device("cpu"))  # outside a Hugging Face model
+
+
+# ---------------------------------------------------------------------------------------------- Fabric
+def _zero3_from_config(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=HybridParallelStrategy(zero_stage=3))
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = llama()
+    assert all(p.is_meta for p in model.parameters())
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(_adamw(model))
+    engine = fabric.strategy.engine  # type: ignore[attr-defined]
+    initial = {k: v.clone() for k, v in engine.full_state_dict(to_rank=rank).items()}
+    losses = _loop(fabric, model, optimizer, dp_rank=rank, dp=world, steps=range(STEPS), norms=[])
+    final = {k: v.clone() for k, v in engine.full_state_dict(to_rank=rank).items()}
+    fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]
+    return {"initial": initial, "losses": losses, "final": final}
+
+
+def test_fabric_zero3_meta_init_of_a_model_from_its_config() -> None:
+    runs = run_distributed(_zero3_from_config, 2, init_group=False)
+    initial = runs[0]["initial"]
+    assert_own_init(initial, llama(), "Fabric ZeRO-3 meta init")
+    for run in runs[1:]:
+        for k, v in initial.items():
+            torch.testing.assert_close(run["initial"][k], v, rtol=0, atol=0, msg=k)  # one init, all ranks
+    torch.set_num_threads(1)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    reference = llama()
+    reference.load_state_dict(initial)
+    reference, optimizer = fabric.setup(reference, _adamw(reference))
+    losses = _loop(fabric, reference, optimizer, dp_rank=0, dp=1, steps=range(STEPS), norms=[])
+    for run in runs:
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(losses))
+        for k, v in reference.state_dict().items():
+            torch.testing.assert_close(run["final"][k], v, msg=k)
+    moved = max(float((reference.state_dict()[k] - initial[k]).abs().max()) for k in initial)
+    assert moved > 1e-3  # it trained
