@@ -19,7 +19,7 @@ from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.units import plan_units
 from tests.distributed import run_distributed
 from tests.reference import data_parallel_backward
-from tests.third_party import gpt2, llama
+from tests.third_party import T5, gpt2, hf_model, llama
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32, bias=False)
 BATCH, STEPS, MICRO = 8, 4, 2
@@ -215,21 +215,28 @@ def _twice(rank: int, world: int) -> str:
 def _meta_init(rank: int, world: int) -> str:
     """Created on the meta device, materialised shard by shard: equals the unsharded twin, sliced. Our GPT
     built under ``torch.device("meta")``; Hugging Face's GPT-2 and Llama under ``params_on_meta()``, as the
-    strategies build them, initialised by their own ``_init_weights`` (``tests/test_meta_init_hf.py``)."""
+    strategies build them, initialised by their own ``_init_weights`` (``tests/test_meta_init_hf.py``).
+    Parents that set a child's parameter, with the child in an earlier unit: GPT-2 with its residual
+    projections as units (their attention and MLP modules, which scale them, are in the root unit) and
+    an untied T5 (transformers 4; 5 ties it regardless) whose model sets its LM head, a unit of its own.
+    Each parent's init runs for both units, the child's sharded the second time."""
+    t5 = partial(hf_model, "T5ForConditionalGeneration", "T5Config", **T5, tie_word_embeddings=False)
     builds = [
-        (partial(GPT, CFG), partial(torch.device, "meta")),
-        (gpt2, params_on_meta),
-        (llama, params_on_meta),
+        (partial(GPT, CFG), partial(torch.device, "meta"), None),
+        (gpt2, params_on_meta, None),
+        (gpt2, params_on_meta, ["*.c_proj"]),  # scaled by their attention / MLP, in the root unit
+        (llama, params_on_meta, None),
+        (t5, params_on_meta, ["lm_head", "encoder.block.?", "decoder.block.?"]),
     ]
     twins: list[nn.Module] = []
-    for build, context in builds:
+    for build, context, units in builds:
         with context():
             model = build()
-        engine = Stage3Engine(model, group=dist.group.WORLD, init_seed=123)
+        engine = Stage3Engine(model, group=dist.group.WORLD, init_seed=123, units=units)
         state = engine.full_state_dict(to_rank=rank)
         with context():
             twin = build()
-        materialize_model(twin, seed=123, device=torch.device("cpu"))
+        materialize_model(twin, units=units, seed=123, device=torch.device("cpu"))
         for k, v in twin.state_dict().items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=k)
         engine.remove()

@@ -18,11 +18,13 @@ __all__ = [
     "GPT2",
     "LLAMA",
     "LORA_TARGETS",
+    "T5",
     "LoraLlama",
     "LossRecorder",
     "Tokens",
     "add_lora",
     "gpt2",
+    "hf_model",
     "llama",
     "replay_order",
 ]
@@ -56,6 +58,17 @@ def gpt2(seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     return GPT2LMHeadModel(GPT2Config(**GPT2))
+
+
+def hf_model(model_class: str, config_class: str, *, seed: int = 0, **options: Any) -> torch.nn.Module:
+    """``transformers.<model_class>(transformers.<config_class>(**options))``, seeded."""
+    import transformers
+
+    torch.manual_seed(seed)
+    return getattr(transformers, model_class)(getattr(transformers, config_class)(**options))
+
+
+T5: dict[str, Any] = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64)  # its model sets the shared table
 
 
 def add_lora(model: torch.nn.Module, *, seed: int = 1) -> torch.nn.Module:

@@ -6,23 +6,26 @@ constructor runs its ``reset_parameters()``, then the model's ``post_init()`` ap
 above it (a composite model dispatches its sub-models' own). That second pass is what the model's authors
 chose: ``N(0, initializer_range)`` for linear layers and embeddings (torch's default embedding is
 ``N(0, 1)``, 50 times wider at GPT-2's 0.02), ones for RMSNorm (which has no ``reset_parameters()``),
-GPT-2's residual projections scaled by ``1 / sqrt(2 n_layer)`` from their parent attention or MLP module.
-On the meta device both passes run on tensors without storage, so ZeRO-3, materialising a unit's
-parameters later, must replay them: :func:`hf_initialisers` lists the second pass's calls for the
-parameters being materialised.
+GPT-2's residual projections scaled by ``1 / sqrt(2 n_layer)`` from their parent attention or MLP module,
+T5's shared table set from the model itself. On the meta device both passes run on tensors without
+storage, so ZeRO-3, materialising one unit's parameters at a time, replays them on that unit.
 
-A call is listed for a module whose subtree holds at least one of those parameters and whose parameters
-are all still on the meta device, so no call writes a parameter materialised (and sharded) with an earlier
-unit; on meta tensors the calls do nothing. A parent spanning several units (the model itself, a block
-list) is therefore not called, which matters only for a model whose ``_init_weights`` sets a child's
-parameter from such a parent; ``materialize_unit`` names any parameter left unset.
+:func:`hf_initialisers` lists the second pass's calls for a unit: every module inside a Hugging Face model
+whose subtree holds one of the unit's parameters, in ``post_init()``'s order. :func:`replay` runs them
+with every other real parameter below the called module (those of units materialised, and sharded,
+before) replaced by a meta stand-in for the duration of the call, so a parent spanning several units
+writes only this unit's parameters; on meta tensors the init functions do nothing. Buffers are left
+visible: those the models' inits write (rotary tables, BatchNorm statistics) get values that do not
+depend on the random state.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 Initialiser = Callable[[nn.Module], None]
@@ -36,12 +39,12 @@ def _pretrained_model_class() -> type | None:
     return found if isinstance(found, type) else None
 
 
-def hf_initialisers(root: nn.Module, todo: set[int]) -> list[tuple[nn.Module, Initialiser]]:
+def hf_initialisers(root: nn.Module, unit: set[int]) -> list[tuple[nn.Module, Initialiser]]:
     """``(module, model._init_weights)`` in ``post_init()``'s order (children first) for the modules of
-    ``root`` inside a Hugging Face model that hold a parameter whose id is in ``todo`` (module
-    docstring). Empty without Hugging Face models."""
+    ``root`` inside a Hugging Face model whose subtree holds a parameter whose id is in ``unit``. Empty
+    without Hugging Face models."""
     base = _pretrained_model_class()
-    if base is None or not todo:
+    if base is None or not unit:
         return []
     calls: list[tuple[nn.Module, Initialiser]] = []
 
@@ -50,10 +53,33 @@ def hf_initialisers(root: nn.Module, todo: set[int]) -> list[tuple[nn.Module, In
             init = getattr(module, "_init_weights")  # noqa: B009  (nn.Module's __getattr__ types it wrongly)
         for child in module.children():
             visit(child, init)
-        if init is not None:
-            params = list(module.parameters())
-            if any(id(p) in todo for p in params) and all(p.is_meta for p in params):
-                calls.append((module, init))
+        if init is not None and any(id(p) in unit for p in module.parameters()):
+            calls.append((module, init))
 
     visit(root, None)
     return calls
+
+
+def replay(calls: Sequence[tuple[nn.Module, Initialiser]], unit: set[int]) -> None:
+    """Run ``calls``, each seeing as real only the parameters whose ids are in ``unit`` (module
+    docstring)."""
+    for module, init in calls:
+        with _others_on_meta(module, unit):
+            init(module)
+
+
+@contextmanager
+def _others_on_meta(module: nn.Module, unit: set[int]) -> Iterator[None]:
+    """Within: the real parameters below ``module`` outside ``unit`` are meta stand-ins; restored after."""
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    try:
+        for m in module.modules():
+            for attr, p in m._parameters.items():
+                if p is not None and not p.is_meta and id(p) not in unit:
+                    swapped.append((m, attr, p))
+                    stand_in = torch.empty(p.shape, dtype=p.dtype, device="meta")  # reads no storage
+                    m._parameters[attr] = nn.Parameter(stand_in, requires_grad=p.requires_grad)
+        yield
+    finally:
+        for m, attr, p in swapped:
+            m._parameters[attr] = p

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from lightning_par.zero.hf_init import hf_initialisers
+from lightning_par.zero.hf_init import hf_initialisers, replay
 from lightning_par.zero.units import REMOTE_ATTR, UnitPolicy, plan_units
 
 # A parameter's values from a pretrained source (None: not in the source, initialise it).
@@ -113,7 +113,7 @@ def materialize_unit(
             if value is not None:
                 loaded[pid] = value
     todo = wanted.keys() - loaded.keys()
-    hf_calls = hf_initialisers(root, todo)  # before replacing: it looks for parameters still on meta
+    hf_calls = hf_initialisers(root, todo)
     by_model = {id(m) for m, _ in hf_calls}
     to_init = [(module_name, m) for module_name, m, held in owners if held - loaded.keys()]
     for module_name, m in to_init:  # checked before anything is replaced
@@ -148,9 +148,9 @@ def materialize_unit(
         for _, m in to_init:  # as the layers' constructors do on a real device
             if callable(reset := getattr(m, "reset_parameters", None)):
                 reset()
-        for m, init in hf_calls:  # then a Hugging Face model's post_init()
-            init(m)
-        _reset_lora(root, {id(fresh[pid]) for pid in todo})
+        initialised = {id(fresh[pid]) for pid in todo}
+        replay(hf_calls, initialised)  # then a Hugging Face model's post_init()
+        _reset_lora(root, initialised)
     _check_set([(label[pid], fresh[pid]) for pid in todo])
     with torch.no_grad():
         for pid, value in loaded.items():
