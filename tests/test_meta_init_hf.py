@@ -37,7 +37,7 @@ from tests.distributed import run_distributed
 from tests.test_fabric_tp import STEPS, _adamw, _loop
 from tests.third_party import LORA_TARGETS, T5, add_lora, gpt2, hf_model, llama
 
-SPREAD_RTOL = 0.15  # sample std of >= 512 draws against another sample's: well under 4 % apart here
+SPREAD_RTOL = 0.15  # two samples' std over >= 512 draws: 5.4 % apart at most here (a wrong init: 2-50x)
 
 
 def assert_own_init(state: dict[str, torch.Tensor], real: nn.Module, what: str) -> None:
@@ -52,7 +52,7 @@ def assert_own_init(state: dict[str, torch.Tensor], real: nn.Module, what: str) 
         if spread == 0.0:
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{what}: {name} (constant)")
             continue
-        big = want.numel() >= 512  # smaller ones (a router, a bias table) only within a factor 1.5
+        big = want.numel() >= 512  # smaller ones (a router, a bias table; 8.9 % apart at most here)
         rtol = SPREAD_RTOL if big else 0.5
         assert abs(float(got.mean()) - float(want.mean())) < (0.2 if big else 0.5) * spread, f"{what}: {name}"
         torch.testing.assert_close(
