@@ -1,10 +1,11 @@
 """Hugging Face models trained from their config at ZeRO-3 under meta init get the model's own
 initialisation, as they would on a real device.
 
-Before, ZeRO-3 materialised a meta parameter with its module's ``reset_parameters()`` only: a Llama's
-RMSNorm (which has none) was refused, so a Hugging Face model could be meta-initialised only from
-pretrained weights, and the layers that have one got torch's defaults instead of the model's (an embedding
-``N(0, 1)`` against Hugging Face's ``N(0, 0.02)``, GPT-2's residual projections unscaled).
+Before, ZeRO-3 materialised a meta parameter with its module's ``reset_parameters()`` only: every model
+below was refused at its first module without one (Llama's RMSNorm, GPT-2's ``Conv1D``, ``T5LayerNorm``,
+BERT's prediction-head bias), so a Hugging Face model could be meta-initialised only from pretrained
+weights, and a model without such a module would have got torch's defaults instead of its own (an
+embedding ``N(0, 1)`` against Hugging Face's ``N(0, 0.02)``, GPT-2's residual projections unscaled).
 
 * One process: GPT-2 (tied table, ``Conv1D``, projections scaled by ``1 / sqrt(2 n_layer)``) and Llama
   (RMSNorm, rotary buffers) built under ``params_on_meta()`` (the strategies' context) and materialised by
@@ -35,7 +36,7 @@ from lightning_par.fabric import HybridParallelStrategy
 from lightning_par.zero.meta_init import materialize_model, params_on_meta
 from tests.distributed import run_distributed
 from tests.test_fabric_tp import STEPS, _adamw, _loop
-from tests.third_party import LORA_TARGETS, T5, add_lora, gpt2, hf_model, llama
+from tests.third_party import LLAMA, LORA_TARGETS, T5, add_lora, gpt2, hf_model, llama
 
 SPREAD_RTOL = 0.15  # two samples' std over >= 512 draws: 5.4 % apart at most here (a wrong init: 2-50x)
 
@@ -84,22 +85,13 @@ def test_hf_models_get_their_own_init_from_the_meta_device() -> None:
     torch.testing.assert_close(model.transformer.wte.weight.std(), torch.tensor(0.02), rtol=0.1, atol=0)
 
 
-DECODER = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-)
 ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", DECODER | dict(head_dim=8)),  # RMSNorm as 1 + w
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", DECODER | dict(head_dim=8)),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", DECODER | dict(pad_token_id=None, eos_token_id=None)),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", DECODER),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", DECODER | dict(num_local_experts=4)),
-    "bert": ("BertConfig", "BertForMaskedLM", DECODER | dict(type_vocab_size=2)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", LLAMA | dict(head_dim=8)),  # RMSNorm as 1 + w
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", LLAMA | dict(head_dim=8)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", LLAMA | dict(pad_token_id=None, eos_token_id=None)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", LLAMA),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", LLAMA | dict(num_local_experts=4)),
+    "bert": ("BertConfig", "BertForMaskedLM", LLAMA | dict(type_vocab_size=2)),
     "t5": ("T5Config", "T5ForConditionalGeneration", T5),
 }
 
