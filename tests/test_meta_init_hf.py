@@ -18,7 +18,9 @@ embedding ``N(0, 1)`` against Hugging Face's ``N(0, 0.02)``, GPT-2's residual pr
   outside with one that forgets it) is refused, named.
 * Two ranks, Fabric at ZeRO-3, ``fabric.init_module(empty_init=True)`` around ``LlamaForCausalLM(config)``:
   the gathered initial weights are the model's own init as above, and 3 steps of AdamW with gradient
-  accumulation and clipping equal one process starting from those weights.
+  accumulation and clipping equal one process starting from those weights. With tensor parallelism the
+  same is refused at setup, the slices named in order on both ranks (an initialiser would draw the same
+  slice on every tp rank; slices are filled from pretrained weights only).
 """
 
 from __future__ import annotations
@@ -180,7 +182,16 @@ def _zero3_from_config(rank: int, world: int) -> dict[str, Any]:
     losses = _loop(fabric, model, optimizer, dp_rank=rank, dp=world, steps=range(STEPS), norms=[])
     final = {k: v.clone() for k, v in engine.full_state_dict(to_rank=rank).items()}
     fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]
-    return {"initial": initial, "losses": losses, "final": final}
+    # with tensor parallelism: refused (an initialiser would draw the same slice on both tp ranks)
+    strategy = HybridParallelStrategy(zero_stage=3, tensor_parallel_size=world, tp_plan="llama")
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = llama()
+    with pytest.raises(ValueError, match="are tensor-parallel slices of a model built on the meta") as tp:
+        fabric.setup_module(model)
+    strategy.destroy_process_groups()
+    return {"initial": initial, "losses": losses, "final": final, "tp": str(tp.value)}
 
 
 def test_fabric_zero3_meta_init_of_a_model_from_its_config() -> None:
@@ -202,3 +213,9 @@ def test_fabric_zero3_meta_init_of_a_model_from_its_config() -> None:
             torch.testing.assert_close(run["final"][k], v, msg=k)
     moved = max(float((reference.state_dict()[k] - initial[k]).abs().max()) for k in initial)
     assert moved > 1e-3  # it trained
+    for run in runs:  # every rank names the same slices, in the model's order, and the fixes
+        assert run["tp"] == runs[0]["tp"], run["tp"]
+        assert (
+            "['model.layers.0.self_attn.q_proj.weight', 'model.layers.0.self_attn.k_proj.weight'" in run["tp"]
+        )
+        assert "meta_init=False" in run["tp"] and "pretrained=" in run["tp"]

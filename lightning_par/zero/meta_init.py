@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.zero.hf_init import hf_initialisers, replay
 from lightning_par.zero.units import REMOTE_ATTR, UnitPolicy, plan_units
 
@@ -112,7 +113,16 @@ def materialize_unit(
             value = values(name_of[pid]) if pid in name_of else None
             if value is not None:
                 loaded[pid] = value
-    todo = wanted.keys() - loaded.keys()
+    ordered = [pid for pid in wanted if pid not in loaded]  # to initialise, in the order of params
+    todo = set(ordered)
+    sliced = [label[pid] for pid in ordered if hasattr(wanted[pid], TP_DIM_ATTR)]
+    if sliced:  # an initialiser would draw the same slice on every tp rank, not slices of one matrix
+        raise ValueError(
+            f"Parameters {sliced} are tensor-parallel slices of a model built on the meta device, and no"
+            " pretrained weights fill them: ZeRO-3 fills such slices only from pretrained=... . To train"
+            " from scratch with tensor parallelism, build the model on a real device (meta_init=False, or"
+            " Fabric's init_module() without empty_init), or pass pretrained=... ."
+        )
     hf_calls = hf_initialisers(root, todo)
     by_model = {id(m) for m, _ in hf_calls}
     to_init = [(module_name, m) for module_name, m, held in owners if held - loaded.keys()]
@@ -151,7 +161,7 @@ def materialize_unit(
         initialised = {id(fresh[pid]) for pid in todo}
         replay(hf_calls, initialised)  # then a Hugging Face model's post_init()
         _reset_lora(root, initialised)
-    _check_set([(label[pid], fresh[pid]) for pid in todo])
+    _check_set([(label[pid], fresh[pid]) for pid in ordered])
     with torch.no_grad():
         for pid, value in loaded.items():
             fresh[pid].copy_(value)
