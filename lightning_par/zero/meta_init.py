@@ -91,7 +91,8 @@ def materialize_unit(
     ``_init_weights`` (:mod:`lightning_par.zero.hf_init`), then PEFT's adapter init. The same values on
     every rank and for any world size, so a sharded init equals the full init sliced (see
     :func:`materialize_model`). A module whose parameters are all loaded needs no initialiser; one that
-    must be initialised and has none is named in a ``ValueError`` before anything is replaced, and a
+    must be initialised and has none is named in a ``ValueError`` before anything is replaced, as are
+    tensor-parallel slices to initialise (one seed would give every tp rank the same slice), and a
     parameter its initialisers left unset (filled with NaN until then) in one after. Returns the new
     parameters in the order of ``params``."""
     wanted = {id(p): p for p in params if p.is_meta}
