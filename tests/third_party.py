@@ -42,11 +42,16 @@ LLAMA: dict[str, Any] = dict(
 LORA_TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
 
 
-def llama(seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def hf_model(model_class: str, config_class: str, *, seed: int = 0, **options: Any) -> torch.nn.Module:
+    """``transformers.<model_class>(transformers.<config_class>(**options))``, seeded."""
+    import transformers
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**LLAMA))
+    return getattr(transformers, model_class)(getattr(transformers, config_class)(**options))
+
+
+def llama(seed: int = 0) -> torch.nn.Module:
+    return hf_model("LlamaForCausalLM", "LlamaConfig", seed=seed, **LLAMA)
 
 
 GPT2: dict[str, Any] = dict(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4)
@@ -54,18 +59,7 @@ GPT2: dict[str, Any] = dict(vocab_size=64, n_positions=32, n_embd=32, n_layer=2,
 
 def gpt2(seed: int = 0) -> torch.nn.Module:
     """Hugging Face's GPT-2: a tied table, ``Conv1D`` layers, residual projections initialised smaller."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config(**GPT2))
-
-
-def hf_model(model_class: str, config_class: str, *, seed: int = 0, **options: Any) -> torch.nn.Module:
-    """``transformers.<model_class>(transformers.<config_class>(**options))``, seeded."""
-    import transformers
-
-    torch.manual_seed(seed)
-    return getattr(transformers, model_class)(getattr(transformers, config_class)(**options))
+    return hf_model("GPT2LMHeadModel", "GPT2Config", seed=seed, **GPT2)
 
 
 T5: dict[str, Any] = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64)  # its model sets the shared table
