@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_par.models.gpt import GPT, GPTConfig
+from lightning_par.pipeline.weight_grad import weight_layout
 from lightning_par.tensor_parallel import TP_DIM_ATTR, TP_STATE_ATTR, apply_tensor_parallel
+from lightning_par.tensor_parallel.layers import SUMMED_ATTR
 from tests.distributed import run_distributed
 from tests.test_tensor_parallel import LlamaForCausalLM as ToyLlama
 from tests.test_tensor_parallel import gather_full
@@ -116,6 +118,8 @@ def _peft_case(plan: str | dict[str, str], sp: bool) -> dict[str, Any]:
     initial = {n: p.detach().clone() for n, p in ref.named_parameters()}
     applied = apply_tensor_parallel(model, group=WORLD, plan=plan, sequence_parallel=sp)
     dims = {n: getattr(p, TP_DIM_ATTR, None) for n, p in model.named_parameters()}
+    summed = _replace_summed(model)
+    kept_in_b = sorted(n for n, m in model.named_modules() if "lora_" in n and weight_layout(m) is None)
     got = _train(model, tp=True)
     want = _train(ref, tp=False)
     return {
@@ -130,7 +134,25 @@ def _peft_case(plan: str | dict[str, str], sp: bool) -> dict[str, Any]:
         "dims": dims,
         "merged": _merged_logits(model),
         "ref_merged": _merged_logits(ref),
+        "summed": summed,
+        "kept_in_b": kept_in_b,
     }
+
+
+def _replace_summed(model: nn.Module) -> list[str]:
+    """Replace every parameter whose gradient is summed over the group by a new Parameter of the same
+    values, as ZeRO-3's meta init and pretrained loading replace parameters after the plan; the sums must
+    follow (before, their hooks stayed on the objects replaced). Returns the names replaced."""
+    names = []
+    for module_name, m in model.named_modules():
+        for attr in sorted(getattr(m, SUMMED_ATTR, ())):
+            old = m._parameters[attr]
+            assert old is not None
+            new = nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad)
+            new.__dict__.update(old.__dict__)
+            m._parameters[attr] = new
+            names.append(f"{module_name}.{attr}")
+    return names
 
 
 def _frozen_gpt(rank: int, world: int) -> dict[str, Any]:
@@ -309,6 +331,13 @@ def test_peft_lora_llama_trains_like_unsharded(results: list[dict[str, Any]], ke
             else:
                 assert not torch.equal(c["state"][n], c["initial"][n]), f"{n} trained"
         torch.testing.assert_close(c["merged"], c["ref_merged"])
+        # lora_A of a column-parallel layer has its gradient summed: replaced, it still trained as above,
+        # and the zero-bubble split keeps it in B (a deferred W would skip the sum); so is a row-parallel
+        # layer's lora_B under sequence parallelism (it saw a sequence shard), deferred otherwise
+        assert any(".q_proj.lora_A." in n for n in c["summed"])
+        assert [n for n in c["kept_in_b"] if ".q_proj.lora_A." in n], c["kept_in_b"]
+        sp = {k: sp for k, _, sp in CASES}[key]
+        assert bool([n for n in c["kept_in_b"] if ".o_proj.lora_B." in n]) == sp, c["kept_in_b"]
     # replicated gradients (lora_A of colwise layers, lora_B of rowwise ones) are the same on the ranks
     rep0, rep1 = results[0][key]["got"]["replicated_grads"], results[1][key]["got"]["replicated_grads"]
     assert sorted(rep0) == sorted(rep1) and any("q_proj.lora_A" in n for n in rep0)

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_par.pipeline.mail import backward_args, grad_leaves
-from lightning_par.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lightning_par.tensor_parallel.layers import SUMMED_ATTR, ColumnParallelLinear, RowParallelLinear
 
 GradOf = Callable[[nn.Parameter], Tensor | None]
 Key = tuple[int, int]  # (virtual stage, micro-batch)
@@ -57,7 +57,11 @@ Layout = Literal["out_in", "in_out"]  # how a deferrable layer stores its weight
 
 def weight_layout(module: nn.Module) -> Layout | None:
     """``"out_in"`` for a layer computing ``x Wᵀ + b``, ``"in_out"`` for ``x W + b`` (transformers'
-    ``Conv1D``), ``None`` for a layer whose weight gradient the split cannot defer (module docstring)."""
+    ``Conv1D``), ``None`` for a layer whose weight gradient the split cannot defer (module docstring).
+    A layer with a parameter whose gradient a hook sums over the tensor-parallel group (a LoRA ``A``
+    beside a column-parallel ``B``) is not deferred: ``W`` adds into the gradient past tensor hooks."""
+    if getattr(module, SUMMED_ATTR, None):
+        return None
     if isinstance(module, nn.Linear):
         return "out_in"
     if isinstance(module, ColumnParallelLinear):

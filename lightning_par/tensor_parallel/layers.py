@@ -24,6 +24,7 @@ tensor is the concatenation of the ranks' pieces, used by checkpoints and gradie
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from lightning_par.tensor_parallel.comm import (
 )
 
 TP_DIM_ATTR = "_lp_tp_dim"
+SUMMED_ATTR = "_lp_grad_summed"  # names of a module's parameters whose gradients a hook sums
 
 
 def _mark(param: nn.Parameter, dim: int) -> nn.Parameter:
@@ -240,35 +242,37 @@ def make_region_input(module: nn.Module, *, group: ProcessGroup, sequence_parall
     if not sequence_parallel:
         module.register_forward_hook(lambda _m, _a, out: copy_to(out, group))
         return module
-    for p in module.parameters(recurse=False):
-        sum_grad_over_group(module, p, group=group)
+    for name, _ in module.named_parameters(recurse=False):
+        sum_grad_over_group(module, name, group=group)
     module.register_forward_hook(lambda _m, _a, out: gather_seq(out, group))
     return module
 
 
-def sum_grad_over_group(owner: nn.Module, param: Tensor, *, group: ProcessGroup) -> None:
-    """All-reduce (sum) the gradient of ``param`` (used by ``owner``) over ``group`` as it is computed: for
+def sum_grad_over_group(owner: nn.Module, name: str, *, group: ProcessGroup) -> None:
+    """All-reduce (sum) the gradient of ``owner``'s parameter ``name`` over ``group`` as it is computed: for
     a replicated parameter whose gradient on each rank is only a partial sum (it saw a sequence shard, or
     was reached through a column-parallel slice), so that every rank then holds the full, identical one.
 
-    A tensor hook cannot be put on a frozen parameter (a PEFT model's norms, an inactive adapter), so such
-    a parameter gets it at the first forward of ``owner`` in which it requires grad: unfreezing it later
-    still sums its gradient."""
+    The tensor hook goes, at each forward of ``owner``, on the Parameter registered as ``name`` at that
+    time, if it requires grad and has none yet. So a frozen parameter (a PEFT model's norms, an inactive
+    adapter) gets it once unfrozen, and a parameter replaced after this call (materialised from the meta
+    device by ZeRO-3's meta init, filled from pretrained weights) gets it too, where a hook put on the
+    object at hand would stay on the discarded one. ``owner`` lists ``name`` in ``SUMMED_ATTR``: the
+    zero-bubble split keeps such a layer's weight gradient in its backward, since a deferred product
+    (:mod:`lightning_par.pipeline.weight_grad`) would skip the hook."""
+    hooked: dict[int, weakref.ref[Tensor]] = {}  # by id, checked by identity (a tensor's == is elementwise)
 
-    def attach() -> bool:
-        if not param.requires_grad:
-            return False
-        param.register_hook(lambda g: _all_reduce_grad(g, group))
-        return True
+    def pre_hook(module: nn.Module, _args: Any) -> None:
+        param = module._parameters.get(name)
+        if param is None or not param.requires_grad:
+            return
+        seen = hooked.get(id(param))
+        if seen is None or seen() is not param:
+            param.register_hook(lambda g: _all_reduce_grad(g, group))
+            hooked[id(param)] = weakref.ref(param)
 
-    if attach():
-        return
-
-    def pre_hook(_m: nn.Module, _args: Any) -> None:
-        if attach():
-            handle.remove()
-
-    handle = owner.register_forward_pre_hook(pre_hook)
+    owner.register_forward_pre_hook(pre_hook)
+    owner.__dict__.setdefault(SUMMED_ATTR, set()).add(name)
 
 
 def make_scatter_sequence(module: nn.Module, *, group: ProcessGroup, at_input: bool = False) -> nn.Module:

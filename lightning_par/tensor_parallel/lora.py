@@ -175,7 +175,7 @@ def convert_lora_linear(
                 # B saw only this rank's tokens: its weight gradient is a partial sum over the sequence
                 b_layer = lora_b[adapter]
                 assert isinstance(b_layer, nn.Linear)
-                sum_grad_over_group(b_layer, b_layer.weight, group=group)
+                sum_grad_over_group(b_layer, "weight", group=group)
         return module
     gather = style == "colwise_gather"
     module.base_layer = ColumnParallelLinear.from_linear(
@@ -191,7 +191,7 @@ def convert_lora_linear(
         a_layer = lora_a[adapter]
         assert isinstance(a_layer, nn.Linear)
         # dA on rank r is Σ over its own B_r rows only: sum the partial gradients over the group
-        sum_grad_over_group(a_layer, a_layer.weight, group=group)
+        sum_grad_over_group(a_layer, "weight", group=group)
         if not in_region:
             # the input gradient A^T dh_r is partial too; no region copy_to sums it, so copy_to here
             a_layer.register_forward_pre_hook(_copy_input(group))
