@@ -10,6 +10,7 @@ compose the same mechanisms in the same order. Lightning-free.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -64,6 +65,7 @@ def build_engine(
     fitting: bool = True,
     values: ValuesFn | None = None,
     pipelined: bool = False,
+    seed_groups: Sequence[ProcessGroup] = (),
 ) -> Engine | None:
     """The ZeRO engine of ``module`` over ``group`` (``None`` when evaluating below stage 3, after the
     module states were broadcast so every rank evaluates the same weights).
@@ -73,6 +75,8 @@ def build_engine(
     ``device``. Under a pipeline (``pipelined``) a step's micro-batches are its accumulation window, so
     stages 1/2 reduce once at the window's end, and stage 3 keeps its units gathered across the
     micro-batches (``reshard_after_forward`` unset) and reduce-scatters once, at ``flush()``.
+    ``seed_groups`` (the tensor- and pipeline-parallel groups) agree with ``group`` on the seed of that
+    init, so every rank of the mesh draws it alike.
     """
     compression = resolve_comm_hook(
         options.comm_hook, options.comm_hook_state, group=group, powersgd_rank=options.powersgd_rank
@@ -96,6 +100,7 @@ def build_engine(
             comm_dtype=compression.dtype,
             gather_dtype=GATHER_DTYPES[options.gather_dtype] if options.gather_dtype else None,
             defer_reduction=pipelined,
+            seed_groups=seed_groups,
         )
     if not fitting:
         broadcast_module_states(module, group=group)

@@ -355,6 +355,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             fitting=fitting,
             values=values,
             pipelined=self.pipeline_parallel_size > 1,
+            seed_groups=(self.mesh.tp_group, self.mesh.pp_group),
         )
 
     @override

@@ -16,11 +16,15 @@ embedding ``N(0, 1)`` against Hugging Face's ``N(0, 0.02)``, GPT-2's residual pr
   config: base as above, B zero and A as PEFT makes them.
 * A parameter that no initialiser sets (inside a Hugging Face model without ``reset_parameters()``, or
   outside with one that forgets it) is refused, named.
-* Two ranks, Fabric at ZeRO-3, ``fabric.init_module(empty_init=True)`` around ``LlamaForCausalLM(config)``:
-  the gathered initial weights are the model's own init as above, and 3 steps of AdamW with gradient
-  accumulation and clipping equal one process starting from those weights. With tensor parallelism the
-  same is refused at setup, the slices named in order on both ranks (an initialiser would draw the same
-  slice on every tp rank; slices are filled from pretrained weights only).
+* The init depends on the run's seed and each module's path only: unit policies give the same model, seeds
+  differ, blocks alike are drawn apart, and the caller's random state is left as it was.
+* Two ranks, Fabric at ZeRO-3, ``fabric.init_module(empty_init=True)`` around ``LlamaForCausalLM(config)``,
+  each rank in a different random state: at dp2 the gathered initial weights are the model's own init as
+  above; at tp2 they are the same weights bitwise (each slice drawn from its full-size layer; before,
+  refused); a PEFT LoRA Llama at tp2 equals its one-process twin (``materialize_model`` with the run's
+  seed) bitwise. Each trains 3 steps of AdamW with gradient accumulation and clipping equal to one process
+  starting from those weights (the LoRA one needs the gradient sums of its replicated ``lora_A`` to
+  follow the parameters meta init replaces; before, their hooks stayed on the discarded meta ones).
 """
 
 from __future__ import annotations
@@ -35,10 +39,13 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_par.fabric import HybridParallelStrategy
+from lightning_par.tensor_parallel import SOURCE_ATTR
 from lightning_par.zero.meta_init import materialize_model, params_on_meta
 from tests.distributed import run_distributed
 from tests.test_fabric_tp import STEPS, _adamw, _loop
 from tests.third_party import LLAMA, LORA_TARGETS, T5, add_lora, gpt2, hf_model, llama
+
+SEED = 11
 
 SPREAD_RTOL = 0.15  # two samples' std over >= 512 draws: 5.4 % apart at most here (a wrong init: 2-50x)
 
@@ -63,12 +70,33 @@ def assert_own_init(state: dict[str, torch.Tensor], real: nn.Module, what: str) 
         )
 
 
-def _materialized(build: Any) -> nn.Module:
+def _materialized(build: Any, seed: int = 7, units: list[str] | None = None) -> nn.Module:
     with params_on_meta():
         model = build()
     assert all(p.is_meta for p in model.parameters())
-    materialize_model(model, seed=7, device=torch.device("cpu"))
+    materialize_model(model, units=units, seed=seed, device=torch.device("cpu"))
     return model
+
+
+def test_the_init_depends_on_the_seed_and_the_modules_only() -> None:
+    """Each module's initialisers run under a seed of the run's seed and its path: the unit policy does not
+    change the model (nor, therefore, the pipeline stage or the world size); the seed does, and blocks
+    alike are drawn apart. The caller's random state is left as it was."""
+    with params_on_meta():
+        model = gpt2()
+    before = torch.get_rng_state()
+    materialize_model(model, seed=7, device=torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), before)
+    base = model.state_dict()
+    for units in (["*.c_proj"], ["transformer.h.0", "transformer.h.1.mlp"]):
+        for k, v in _materialized(gpt2, units=units).state_dict().items():
+            torch.testing.assert_close(v, base[k], rtol=0, atol=0, msg=f"{units}: {k}")
+    other = _materialized(gpt2, seed=8).state_dict()
+    weights = [k for k, v in base.items() if k.endswith("weight") and v.std() > 0]
+    assert weights and all(not torch.equal(other[k], base[k]) for k in weights)
+    assert not torch.equal(
+        base["transformer.h.0.attn.c_attn.weight"], base["transformer.h.1.attn.c_attn.weight"]
+    )
 
 
 def test_hf_models_get_their_own_init_from_the_meta_device() -> None:
@@ -170,52 +198,66 @@ def test_parameters_no_initialiser_sets_are_refused() -> None:
 # ---------------------------------------------------------------------------------------------- Fabric
 def _zero3_from_config(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    fabric = Fabric(accelerator="cpu", devices=world, strategy=HybridParallelStrategy(zero_stage=3))
-    fabric.launch()
-    with fabric.init_module(empty_init=True):
-        model = llama()
-    assert all(p.is_meta for p in model.parameters())
-    model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(_adamw(model))
-    engine = fabric.strategy.engine  # type: ignore[attr-defined]
-    initial = {k: v.clone() for k, v in engine.full_state_dict(to_rank=rank).items()}
-    losses = _loop(fabric, model, optimizer, dp_rank=rank, dp=world, steps=range(STEPS), norms=[])
-    final = {k: v.clone() for k, v in engine.full_state_dict(to_rank=rank).items()}
-    fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]
-    # with tensor parallelism: refused (an initialiser would draw the same slice on both tp ranks)
-    strategy = HybridParallelStrategy(zero_stage=3, tensor_parallel_size=world, tp_plan="llama")
-    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
-    fabric.launch()
-    with fabric.init_module(empty_init=True):
-        model = llama()
-    with pytest.raises(ValueError, match="are tensor-parallel slices of a model built on the meta") as tp:
-        fabric.setup_module(model)
-    strategy.destroy_process_groups()
-    return {"initial": initial, "losses": losses, "final": final, "tp": str(tp.value)}
+    out: dict[str, Any] = {}
+    # dp2 x ZeRO-3, then tp2 x ZeRO-3 from the same seed: the same model, its slices drawn from it; then
+    # a PEFT LoRA model at tp2 x ZeRO-3 (adapters sharded with their base layers)
+    tp = dict(tensor_parallel_size=world, tp_plan="llama")
+    layouts = {"dp": ({}, llama), "tp": (tp, llama), "tp_lora": (tp, lambda: add_lora(llama()))}
+    for name, (kw, build) in layouts.items():
+        strategy = HybridParallelStrategy(zero_stage=3, **kw)  # type: ignore[arg-type]
+        fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+        fabric.launch()
+        with fabric.init_module(empty_init=True):
+            model = build()
+        assert all(p.is_meta for p in model.parameters())
+        torch.manual_seed(SEED + rank)  # the init's seed: drawn by the first rank, agreed by all
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(_adamw(model))
+        initial = {k: v.clone() for k, v in strategy.consolidated_state_dict().items()}
+        dp_rank, dp = strategy.mesh.dp_rank, strategy.mesh.dp_size
+        losses = _loop(fabric, model, optimizer, dp_rank=dp_rank, dp=dp, steps=range(STEPS), norms=[])
+        final = {k: v.clone() for k, v in strategy.consolidated_state_dict().items()}
+        sources = [n for n, m in model.named_modules() if SOURCE_ATTR in m.__dict__]
+        strategy.destroy_process_groups()
+        seed = strategy.engine.init_seed  # type: ignore[union-attr]
+        out[name] = {"initial": initial, "losses": losses, "final": final, "sources": sources, "seed": seed}
+    return out
 
 
 def test_fabric_zero3_meta_init_of_a_model_from_its_config() -> None:
     runs = run_distributed(_zero3_from_config, 2, init_group=False)
-    initial = runs[0]["initial"]
+    initial = runs[0]["dp"]["initial"]
     assert_own_init(initial, llama(), "Fabric ZeRO-3 meta init")
-    for run in runs[1:]:
-        for k, v in initial.items():
-            torch.testing.assert_close(run["initial"][k], v, rtol=0, atol=0, msg=k)  # one init, all ranks
+    # tensor parallelism draws each slice from the full matrix: the same model, bitwise (before, refused)
+    assert initial.keys() == runs[0]["tp"]["initial"].keys()
+    for k, v in initial.items():
+        torch.testing.assert_close(runs[0]["tp"]["initial"][k], v, rtol=0, atol=0, msg=k)
     torch.set_num_threads(1)
-    fabric = Fabric(accelerator="cpu", devices=1)
     reference = llama()
     reference.load_state_dict(initial)
-    reference, optimizer = fabric.setup(reference, _adamw(reference))
-    losses = _loop(fabric, reference, optimizer, dp_rank=0, dp=1, steps=range(STEPS), norms=[])
-    for run in runs:
-        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(losses))
-        for k, v in reference.state_dict().items():
-            torch.testing.assert_close(run["final"][k], v, msg=k)
-    moved = max(float((reference.state_dict()[k] - initial[k]).abs().max()) for k in initial)
-    assert moved > 1e-3  # it trained
-    for run in runs:  # every rank names the same slices, in the model's order, and the fixes
-        assert run["tp"] == runs[0]["tp"], run["tp"]
-        assert (
-            "['model.layers.0.self_attn.q_proj.weight', 'model.layers.0.self_attn.k_proj.weight'" in run["tp"]
-        )
-        assert "meta_init=False" in run["tp"] and "pretrained=" in run["tp"]
+    # the LoRA model's twin: built on the meta device, materialised in one process with the run's seed
+    with params_on_meta():
+        lora_twin = add_lora(llama())
+    materialize_model(lora_twin, seed=runs[0]["tp_lora"]["seed"], device=torch.device("cpu"))
+    lora_initial = runs[0]["tp_lora"]["initial"]
+    assert lora_initial.keys() == lora_twin.state_dict().keys()
+    for k, v in lora_twin.state_dict().items():
+        torch.testing.assert_close(lora_initial[k], v, rtol=0, atol=0, msg=f"tp_lora initial: {k}")
+    lora_b = [v for k, v in lora_initial.items() if "lora_B" in k]
+    assert lora_b and all(not v.any() for v in lora_b)  # PEFT's init: each adapter starts as the identity
+    # one process from each starting model; dp2 and tp2 started from the same one
+    for layouts, model in ((("dp", "tp"), reference), (("tp_lora",), lora_twin)):
+        fabric = Fabric(accelerator="cpu", devices=1)
+        model, optimizer = fabric.setup(model, _adamw(model))
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        losses = _loop(fabric, model, optimizer, dp_rank=0, dp=1, steps=range(STEPS), norms=[])
+        state = model.state_dict()
+        assert max(float((state[k] - start[k]).abs().max()) for k in state) > 1e-3, layouts  # it trained
+        for layout in layouts:
+            for run in runs:
+                torch.testing.assert_close(
+                    torch.tensor(run[layout]["losses"]), torch.tensor(losses), msg=layout
+                )
+                assert run[layout]["sources"] == [], layout  # released once the slices are drawn
+            for k, v in state.items():
+                torch.testing.assert_close(runs[0][layout]["final"][k], v, msg=f"{layout} final: {k}")

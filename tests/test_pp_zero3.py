@@ -8,6 +8,11 @@ reference's losses, validation loss and final weights (``consolidated_state_dict
 stages and shards), and ``trainer.test`` after fit gives the reference's final validation loss; the
 counts of gathers and reductions per step are checked against what the mode promises. A unit policy
 that crosses a stage boundary is refused at setup, on every rank.
+
+A model built by the strategy on the meta device (``configure_model()`` under ``meta_init``) starts as
+the one-process twin (``materialize_model`` with the engine's seed), bitwise, whichever stage holds a
+block; before, each stage seeded its units by their index within the stage, so block 1 (stage 1) was
+drawn exactly as block 0 (stage 0).
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.models import GPTModule
+from lightning_par.zero.meta_init import materialize_model, params_on_meta
 from lightning_par.zero.units import check_pipeline_units
 from tests.distributed import run_distributed
-from tests.test_pp_trainer import GLOBAL, KW, N, _module, _reference, _trainer
+from tests.test_pp_trainer import GLOBAL, KW, SGDGPT, N, _module, _reference, _trainer
 from tests.test_strategy import LossRecorder, Tokens
 
 WORLD, DP = 4, 2
@@ -102,6 +108,7 @@ def _run(rank: int, world: int, tmp: str) -> dict[str, Any]:
             "units": count.units,
             "test_loss": tested[0]["test_loss"] if name == "1f1b" else None,
         }
+    out["meta"] = _meta_init(world, tmp)
     # blocks 0 and 1 are pipeline layers on different stages: a unit holding both crosses the boundary
     strategy = HybridParallelStrategy(zero_stage=3, pipeline_parallel_size=2, zero3_units=["model.blocks"])
     trainer = _trainer(strategy, world, str(Path(tmp) / "bad"), [])
@@ -111,8 +118,50 @@ def _run(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return out
 
 
+class InitialState(pl.Callback):
+    """The consolidated weights when training starts, and the seed the engine initialised them from."""
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.state = {k: v.clone() for k, v in trainer.strategy.consolidated_state_dict().items()}  # type: ignore[attr-defined]
+        self.seed = trainer.strategy.engine.init_seed  # type: ignore[attr-defined]
+
+
+class RankSeeded(SGDGPT):
+    """Builds its network in a random state that differs across ranks, as a model whose construction draws
+    differently per rank would: the engine then draws the init's seed, which the first rank's must win."""
+
+    def configure_model(self) -> None:
+        torch.manual_seed(self.global_rank)
+        super().configure_model()
+
+
+def _meta_init(world: int, tmp: str) -> dict[str, Any]:
+    grab = InitialState()
+    strategy = HybridParallelStrategy(zero_stage=3, pipeline_parallel_size=2, num_microbatches=2)
+    trainer = _trainer(strategy, world, str(Path(tmp) / "meta"), [grab], max_steps=1)
+    module = RankSeeded(**KW)  # configure_model() left to the strategy: built on the meta device
+    trainer.fit(module, DataLoader(Tokens(N), batch_size=GLOBAL // DP))
+    return {"state": grab.state, "seed": grab.seed}
+
+
+def _check_meta_init(results: list[dict[str, Any]]) -> None:
+    seed = results[0]["meta"]["seed"]
+    assert all(r["meta"]["seed"] == seed for r in results)
+    twin = SGDGPT(**KW)
+    with params_on_meta():
+        twin.configure_model()
+    materialize_model(twin, seed=seed, device=torch.device("cpu"))
+    state = results[0]["meta"]["state"]
+    assert state.keys() == twin.state_dict().keys()
+    for k, v in twin.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=k)
+    blocks = [state[f"model.blocks.{i}.attn.q_proj.weight"] for i in range(KW["n_layer"])]
+    assert not torch.equal(blocks[0], blocks[1])  # stage 0's block and stage 1's
+
+
 def test_zero3_pipeline_matches_single_process(tmp_path: Path) -> None:
     results = run_distributed(_run, WORLD, str(tmp_path), init_group=False, timeout=400)
+    _check_meta_init(results)
     ref_losses, ref_state, ref_val = _reference(tmp_path)
     steps = len(ref_losses)
     for name, kw in CASES.items():

@@ -320,6 +320,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             compute_dtype=compute,
             grad_dtype=reduce,
             pipelined=self._pipeline is not None,
+            seed_groups=(self.mesh.tp_group, self.mesh.pp_group),
         )
         cast_frozen(module, compute)
         setattr(module, SETUP_ATTR, True)

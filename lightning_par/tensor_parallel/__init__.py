@@ -2,6 +2,7 @@
 (PEFT-style LoRA layers included, see :mod:`lightning_par.tensor_parallel.lora`)."""
 
 from lightning_par.tensor_parallel.layers import (
+    SOURCE_ATTR,
     TP_DIM_ATTR,
     ColumnParallelLinear,
     RowParallelLinear,
@@ -19,6 +20,7 @@ from lightning_par.tensor_parallel.plan import (
 
 __all__ = [
     "PLANS",
+    "SOURCE_ATTR",
     "STYLES",
     "TP_DIM_ATTR",
     "TP_STATE_ATTR",

@@ -19,7 +19,10 @@ the sequence, and parameters used on sequence shards (norm weights, row-parallel
 partial gradients all-reduced over the group.
 
 Sharded parameters carry ``_lp_tp_dim`` (0: rows, 1: columns): the dimension along which the full
-tensor is the concatenation of the ranks' pieces, used by checkpoints and gradient norms.
+tensor is the concatenation of the ranks' pieces, used by checkpoints and gradient norms. A layer
+converted from one on the meta device (a model built for ZeRO-3's meta init) keeps that layer, storage-
+less, as ``_lp_tp_source``: the full-size layer :mod:`lightning_par.zero.tp_init` initialises in its place
+and slices, so that the ranks' slices are parts of one matrix.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from lightning_par.tensor_parallel.comm import (
 )
 
 TP_DIM_ATTR = "_lp_tp_dim"
+SOURCE_ATTR = "_lp_tp_source"
 SUMMED_ATTR = "_lp_grad_summed"  # names of a module's parameters whose gradients a hook sums
 
 
@@ -51,13 +55,18 @@ def _mark(param: nn.Parameter, dim: int) -> nn.Parameter:
     return param
 
 
-def _keep_requires_grad(new: nn.Module, old: nn.Module) -> None:
-    """The sharded twin trains what the original trained: a frozen weight (a LoRA base layer, a frozen
-    embedding) stays frozen, weight and bias each as they were (fresh Parameters would require grad)."""
+def _inherit(new: nn.Module, old: nn.Module) -> None:
+    """What the sharded layer ``new`` takes over from ``old``, the layer it replaces. It trains what the
+    original trained: a frozen weight (a LoRA base layer, a frozen embedding) stays frozen, weight and
+    bias each as they were (fresh Parameters would require grad). A meta-device ``old`` is kept as
+    ``new``'s source (module docstring): in ``__dict__``, so it is no submodule, moves with no ``.to()``
+    and holds no storage."""
     for pname, p in new.named_parameters(recurse=False):
         before = getattr(old, pname, None)
         if isinstance(before, torch.Tensor):
             p.requires_grad_(before.requires_grad)
+    if any(p.is_meta for p in old.parameters(recurse=False)):
+        new.__dict__[SOURCE_ATTR] = old
 
 
 def _divide(n: int, t: int, what: str, fix: str) -> int:
@@ -117,7 +126,7 @@ class ColumnParallelLinear(nn.Module):
                 layer.bias.data = linear.bias.detach()[
                     r * layer.local_out : (r + 1) * layer.local_out
                 ].clone()
-        _keep_requires_grad(layer, linear)
+        _inherit(layer, linear)
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
@@ -177,7 +186,7 @@ class RowParallelLinear(nn.Module):
             ].clone()
             if linear.bias is not None and layer.bias is not None:
                 layer.bias.data = linear.bias.detach().clone()
-        _keep_requires_grad(layer, linear)
+        _inherit(layer, linear)
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
@@ -223,7 +232,7 @@ class VocabParallelEmbedding(nn.Module):
             layer = cls(emb.num_embeddings, emb.embedding_dim, group=group, name=name)
         with torch.no_grad():
             layer.weight.data = emb.weight.detach()[layer.start : layer.end].clone()
-        _keep_requires_grad(layer, emb)
+        _inherit(layer, emb)
         return layer
 
     def forward(self, ids: Tensor) -> Tensor:

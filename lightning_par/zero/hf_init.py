@@ -39,31 +39,34 @@ def _pretrained_model_class() -> type | None:
     return found if isinstance(found, type) else None
 
 
-def hf_initialisers(root: nn.Module, unit: set[int]) -> list[tuple[nn.Module, Initialiser]]:
-    """``(module, model._init_weights)`` in ``post_init()``'s order (children first) for the modules of
-    ``root`` inside a Hugging Face model whose subtree holds a parameter whose id is in ``unit``. Empty
+def hf_initialisers(root: nn.Module, unit: set[int]) -> list[tuple[str, nn.Module, Initialiser]]:
+    """``(path, module, model._init_weights)`` in ``post_init()``'s order (children first) for the modules
+    of ``root`` inside a Hugging Face model whose subtree holds a parameter whose id is in ``unit``. Empty
     without Hugging Face models."""
     base = _pretrained_model_class()
     if base is None or not unit:
         return []
-    calls: list[tuple[nn.Module, Initialiser]] = []
+    calls: list[tuple[str, nn.Module, Initialiser]] = []
 
-    def visit(module: nn.Module, init: Initialiser | None) -> None:
+    def visit(path: str, module: nn.Module, init: Initialiser | None) -> None:
         if isinstance(module, base):
             init = getattr(module, "_init_weights")  # noqa: B009  (nn.Module's __getattr__ types it wrongly)
-        for child in module.children():
-            visit(child, init)
+        for name, child in module.named_children():
+            visit(f"{path}.{name}" if path else name, child, init)
         if init is not None and any(id(p) in unit for p in module.parameters()):
-            calls.append((module, init))
+            calls.append((path, module, init))
 
-    visit(root, None)
+    visit("", root, None)
     return calls
 
 
-def replay(calls: Sequence[tuple[nn.Module, Initialiser]], unit: set[int]) -> None:
-    """Run ``calls``, each seeing as real only the parameters whose ids are in ``unit`` (module
-    docstring)."""
-    for module, init in calls:
+def replay(
+    calls: Sequence[tuple[str, nn.Module, Initialiser]], unit: set[int], *, reseed: Callable[[str], None]
+) -> None:
+    """Run ``calls``, each after ``reseed(path)`` and seeing as real only the parameters whose ids are in
+    ``unit`` (module docstring)."""
+    for path, module, init in calls:
+        reseed(path)
         with _others_on_meta(module, unit):
             init(module)
 

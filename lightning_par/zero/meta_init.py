@@ -3,9 +3,13 @@
 A model built on the meta device has shapes but no storage. Each unit in turn gets real storage, is
 filled from pretrained weights where a source has them, otherwise initialised as on a real device (its
 modules' own ``reset_parameters()``, then, inside a Hugging Face model, that model's ``_init_weights``:
-:mod:`lightning_par.zero.hf_init`) under a seed derived from the unit's index (the same on every rank
-and for any world size), is sliced into shards, and is released, so no rank ever holds more than one
-unit in full.
+:mod:`lightning_par.zero.hf_init`), is sliced into shards, and is released, so no rank ever holds more
+than one unit in full. Each initialiser runs under its own seed, :func:`module_seed` of the run's seed
+and the module's path: a module's initial values depend on nothing else, not on the unit it falls in,
+the pipeline stage that holds it or the world size, so every rank that holds a copy draws the same
+values and any layout starts from the same model. A tensor-parallel layer is initialised as the
+full-size layer it replaced, then sliced (:mod:`lightning_par.zero.tp_init`), so its slices are parts of
+one matrix.
 Trainable and frozen parameters are materialised alike. PEFT LoRA layers (modules with
 ``reset_lora_parameters``) get their adapters re-initialised the way PEFT's default does (A as
 ``nn.Linear``, B zero), so an adapter starts as the identity. :func:`materialize_model` does the same
@@ -19,6 +23,7 @@ on the meta device, buffers on the CPU, because buffers are small and often comp
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -27,10 +32,20 @@ from torch import Tensor, nn
 
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.zero.hf_init import hf_initialisers, replay
+from lightning_par.zero.tp_init import parallel_layers, release_sources, slice_of, sources_in_place
 from lightning_par.zero.units import REMOTE_ATTR, UnitPolicy, plan_units
 
 # A parameter's values from a pretrained source (None: not in the source, initialise it).
 ValuesFn = Callable[[str], Tensor | None]
+
+
+def module_seed(seed: int, path: str) -> int:
+    """The seed the initialisers of the module at ``path`` (its name in the model) run under: a 32-bit
+    hash of the run's ``seed`` and the path (see the module docstring). 32 bits, because torch's CPU
+    generator keeps only the low 32 bits of a seed: a seed with the run's part above them would give
+    every run the same model."""
+    digest = hashlib.blake2b(f"{seed}:{path}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
 
 
 def target_device(module: nn.Module, *, default: torch.device | None = None) -> torch.device:
@@ -86,46 +101,121 @@ def materialize_unit(
     """Replace meta ``params`` by real ones on ``device`` (everywhere they are registered, so ties hold).
 
     With ``values`` (and ``names``, the parameters' names), a parameter whose values the source has is
-    filled from it; the others are initialised as on a real device, under ``torch.manual_seed(seed)``:
-    their modules' ``reset_parameters()``, then, inside a Hugging Face model, the model's own
-    ``_init_weights`` (:mod:`lightning_par.zero.hf_init`), then PEFT's adapter init. The same values on
-    every rank and for any world size, so a sharded init equals the full init sliced (see
+    filled from it; the others are initialised as on a real device: their modules' ``reset_parameters()``,
+    then, inside a Hugging Face model, the model's own ``_init_weights`` (:mod:`lightning_par.zero.hf_init`),
+    then PEFT's adapter init, each module's under :func:`module_seed` of ``seed``. A tensor-parallel layer
+    is initialised as the full-size layer it replaced and sliced (:mod:`lightning_par.zero.tp_init`). The
+    same values on every rank and for any layout, so a sharded init equals the full init sliced (see
     :func:`materialize_model`). A module whose parameters are all loaded needs no initialiser; one that
     must be initialised and has none is named in a ``ValueError`` before anything is replaced, as are
-    tensor-parallel slices to initialise (one seed would give every tp rank the same slice), and a
-    parameter its initialisers left unset (filled with NaN until then) in one after. Returns the new
-    parameters in the order of ``params``."""
+    tensor-parallel slices to initialise without a full-size layer to draw them from, and a parameter its
+    initialisers left unset (filled with NaN until then) in one after. Returns the new parameters in the
+    order of ``params``."""
     wanted = {id(p): p for p in params if p.is_meta}
     name_of = dict(zip(map(id, params), names, strict=True)) if names is not None else {}
-    label = dict(name_of)  # names for messages: the given ones, else the module path
-    places: dict[int, list[tuple[nn.Module, str]]] = {}
-    owners: list[tuple[str, nn.Module, set[int]]] = []  # (name, module, ids of the meta params it holds)
-    for module_name, m in root.named_modules(remove_duplicate=False):
-        held = {id(p) for p in m._parameters.values() if p is not None and id(p) in wanted}
-        for attr, p in m._parameters.items():
-            if p is not None and id(p) in wanted:
-                places.setdefault(id(p), []).append((m, attr))
-                label.setdefault(id(p), f"{module_name}.{attr}" if module_name else attr)
-        if held and all(m is not o for _, o, _ in owners):
-            owners.append((module_name, m, held))
+    label = _labels(root, wanted, name_of)
     loaded: dict[int, Tensor] = {}
     if values is not None:
         for pid in wanted:
             value = values(name_of[pid]) if pid in name_of else None
             if value is not None:
                 loaded[pid] = value
-    ordered = [pid for pid in wanted if pid not in loaded]  # to initialise, in the order of params
-    todo = set(ordered)
-    sliced = [label[pid] for pid in ordered if hasattr(wanted[pid], TP_DIM_ATTR)]
-    if sliced:  # an initialiser would draw the same slice on every tp rank, not slices of one matrix
+    for pid, value in loaded.items():
+        if tuple(value.shape) != tuple(wanted[pid].shape):
+            raise ValueError(
+                f"Pretrained weight {name_of[pid]!r} has shape {tuple(value.shape)}, the model's parameter"
+                f" {tuple(wanted[pid].shape)}."
+            )
+    todo = {pid for pid in wanted if pid not in loaded}
+    swaps = parallel_layers(root, todo)
+    swapped = {id(p) for s in swaps for p in s.layer.parameters(recurse=False)}
+    unsourced = [label[pid] for pid in wanted if pid in todo - swapped and hasattr(wanted[pid], TP_DIM_ATTR)]
+    if unsourced:  # an initialiser would draw the same slice on every tp rank, not slices of one matrix
         raise ValueError(
-            f"Parameters {sliced} are tensor-parallel slices of a model built on the meta device, and no"
-            " pretrained weights fill them: ZeRO-3 fills such slices only from pretrained=... . To train"
-            " from scratch with tensor parallelism, build the model on a real device (meta_init=False, or"
-            " Fabric's init_module() without empty_init), or pass pretrained=... ."
+            f"Parameters {unsourced} are tensor-parallel slices on the meta device that no pretrained"
+            " weights fill and no full-size layer was kept for (their layers were not converted by a"
+            " tp_plan from layers on the meta device), so ZeRO-3 cannot draw them as slices of one matrix;"
+            " apply the tp_plan to the model built on the meta device, pass pretrained=..., or build the"
+            " model on a real device."
         )
+    if not swaps:
+        fresh = _materialize(root, wanted, loaded, label, seed=seed, device=device)
+        release_sources(root, {id(p) for p in fresh.values()})  # parallel layers filled from pretrained
+        return [fresh.get(id(p), p) for p in params]
+    # the parallel layers' parameters: their sources' full-size ones initialised in their place, sliced
+    with sources_in_place(swaps):
+        full = {id(p): p for s in swaps for p in s.source.parameters(recurse=False) if p.is_meta}
+        drawn_from = {  # a parallel layer's parameter to initialise -> its source's full-size one
+            id(p): id(s.source._parameters[attr])
+            for s in swaps
+            for attr, p in s.layer._parameters.items()
+            if p is not None and id(p) in todo and id(s.source._parameters[attr]) in full
+        }
+        outer = {pid: p for pid, p in wanted.items() if pid not in swapped}
+        label |= _labels(root, full, {})
+        fresh = _materialize(root, outer | full, loaded, label, seed=seed, device=device)
+        parts = {
+            id(p): (
+                slice_of(s.layer, attr, fresh[drawn_from[id(p)]])
+                if id(p) in drawn_from
+                else loaded[id(p)].to(device=device, dtype=p.dtype)
+            )
+            for s in swaps
+            for attr, p in s.layer._parameters.items()
+            if p is not None and id(p) in wanted
+        }
+    fresh |= _replace(root, {pid: wanted[pid] for pid in parts}, parts)
+    release_sources(root, {id(p) for p in fresh.values()})
+    return [fresh.get(id(p), p) for p in params]
+
+
+def _labels(root: nn.Module, wanted: dict[int, nn.Parameter], name_of: dict[int, str]) -> dict[int, str]:
+    """Names for messages: the given ones, else the first module path that registers the parameter."""
+    label = dict(name_of)
+    for module_name, m in root.named_modules(remove_duplicate=False):
+        for attr, p in m._parameters.items():
+            if p is not None and id(p) in wanted:
+                label.setdefault(id(p), f"{module_name}.{attr}" if module_name else attr)
+    return label
+
+
+def _replace(
+    root: nn.Module, old: dict[int, nn.Parameter], data: dict[int, Tensor]
+) -> dict[int, nn.Parameter]:
+    """Register ``data[id]`` as a Parameter in place of ``old[id]`` everywhere in ``root``; the new ones
+    keep the old ones' ``requires_grad`` and attributes (a tensor-parallel mark, a pipeline flag)."""
+    fresh: dict[int, nn.Parameter] = {}
+    for pid, p in old.items():
+        new = nn.Parameter(data[pid], requires_grad=p.requires_grad)
+        new.__dict__.update(p.__dict__)
+        fresh[pid] = new
+    for m in root.modules():
+        for attr, registered in m._parameters.items():
+            if registered is not None and id(registered) in fresh:
+                m._parameters[attr] = fresh[id(registered)]
+    return fresh
+
+
+def _materialize(
+    root: nn.Module,
+    wanted: dict[int, nn.Parameter],
+    loaded: dict[int, Tensor],
+    label: dict[int, str],
+    *,
+    seed: int,
+    device: torch.device,
+) -> dict[int, nn.Parameter]:
+    """:func:`materialize_unit` for ``wanted`` (id -> meta parameter) with no tensor-parallel layer left
+    to swap: ``loaded`` values copied, the others initialised; returns the new parameters by old id."""
+    owners: list[tuple[str, nn.Module, set[int]]] = []  # (name, module, ids of the meta params it holds)
+    for module_name, m in root.named_modules(remove_duplicate=False):
+        held = {id(p) for p in m._parameters.values() if p is not None and id(p) in wanted}
+        if held and all(m is not o for _, o, _ in owners):
+            owners.append((module_name, m, held))
+    ordered = [pid for pid in wanted if pid not in loaded]  # to initialise, in the order given
+    todo = set(ordered)
     hf_calls = hf_initialisers(root, todo)
-    by_model = {id(m) for m, _ in hf_calls}
+    by_model = {id(m) for _, m, _ in hf_calls}
     to_init = [(module_name, m) for module_name, m, held in owners if held - loaded.keys()]
     for module_name, m in to_init:  # checked before anything is replaced
         if id(m) not in by_model and not callable(getattr(m, "reset_parameters", None)):
@@ -136,37 +226,52 @@ def materialize_unit(
                 " cannot initialise its shard; give it one, load its weights (pretrained=...), or create"
                 " the model on a real device."
             )
-    for pid, value in loaded.items():
-        if tuple(value.shape) != tuple(wanted[pid].shape):
-            raise ValueError(
-                f"Pretrained weight {name_of[pid]!r} has shape {tuple(value.shape)}, the model's parameter"
-                f" {tuple(wanted[pid].shape)}."
-            )
-    fresh: dict[int, nn.Parameter] = {}
+    data: dict[int, Tensor] = {}
     for pid, old in wanted.items():
-        data = torch.empty(old.shape, dtype=old.dtype, device=device)
-        if pid in todo and data.is_floating_point():
-            data.fill_(float("nan"))  # a value no initialiser leaves: an unset parameter shows
-        new = nn.Parameter(data, requires_grad=old.requires_grad)
-        new.__dict__.update(old.__dict__)
-        if pid in todo:  # transformers' init functions skip tensors flagged as initialised
-            new.__dict__.pop("_is_hf_initialized", None)
-        for m, attr in places[pid]:
-            m._parameters[attr] = new
-        fresh[pid] = new
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        for _, m in to_init:  # as the layers' constructors do on a real device
+        data[pid] = torch.empty(old.shape, dtype=old.dtype, device=device)
+        if pid in todo and data[pid].is_floating_point():
+            data[pid].fill_(float("nan"))  # a value no initialiser leaves: an unset parameter shows
+    fresh = _replace(root, wanted, data)
+    for pid in todo:  # transformers' init functions skip tensors flagged as initialised
+        fresh[pid].__dict__.pop("_is_hf_initialized", None)
+    with _own_rng(device) as reseed, torch.no_grad():
+        for module_name, m in to_init:  # as the layers' constructors do on a real device
             if callable(reset := getattr(m, "reset_parameters", None)):
+                reseed(module_seed(seed, module_name))
                 reset()
         initialised = {id(fresh[pid]) for pid in todo}
-        replay(hf_calls, initialised)  # then a Hugging Face model's post_init()
-        _reset_lora(root, initialised)
+        # then a Hugging Face model's post_init()
+        replay(hf_calls, initialised, reseed=lambda path: reseed(module_seed(seed, path)))
+        _reset_lora(root, initialised, reseed=lambda path: reseed(module_seed(seed, path)))
     _check_set([(label[pid], fresh[pid]) for pid in ordered])
     with torch.no_grad():
         for pid, value in loaded.items():
-            fresh[pid].copy_(value)
-    return [fresh.get(id(p), p) for p in params]
+            if pid in fresh:
+                fresh[pid].copy_(value)
+    return fresh
+
+
+@contextmanager
+def _own_rng(device: torch.device) -> Iterator[Callable[[int], None]]:
+    """Within: a function that seeds the CPU's random state and ``device``'s; both states are restored
+    after, so the user's random streams (dropout, data order) go on as if nothing had been drawn."""
+    backend = torch.get_device_module(device.type) if device.type not in ("cpu", "meta") else None
+    index = 0
+    if backend is not None:
+        index = device.index if device.index is not None else backend.current_device()
+
+    def seed(value: int) -> None:
+        torch.random.default_generator.manual_seed(value)
+        if backend is not None:
+            with backend.device(index):
+                backend.manual_seed(value)
+
+    if backend is None:
+        with torch.random.fork_rng(devices=[]):
+            yield seed
+    else:
+        with torch.random.fork_rng(devices=[index], device_type=device.type):
+            yield seed
 
 
 def _check_set(initialised: Sequence[tuple[str, Tensor]]) -> None:
@@ -185,15 +290,17 @@ def _check_set(initialised: Sequence[tuple[str, Tensor]]) -> None:
         )
 
 
-def _reset_lora(root: nn.Module, initialised: set[int]) -> None:
-    """PEFT LoRA layers whose adapter weights were just initialised: A as nn.Linear, B zero."""
-    for m in root.modules():
+def _reset_lora(root: nn.Module, initialised: set[int], *, reseed: Callable[[str], None]) -> None:
+    """PEFT LoRA layers whose adapter weights were just initialised: A as nn.Linear, B zero (each adapter
+    after ``reseed`` with the path of its ``lora_A`` layer)."""
+    for name, m in root.named_modules():
         reset = getattr(m, "reset_lora_parameters", None)
         lora_a = getattr(m, "lora_A", None)
         if not callable(reset) or not isinstance(lora_a, nn.ModuleDict):
             continue
         for adapter, layer in lora_a.items():
             if any(id(p) in initialised for p in layer.parameters()):
+                reseed(f"{name}.lora_A.{adapter}" if name else f"lora_A.{adapter}")
                 reset(adapter, True)
 
 
@@ -207,11 +314,11 @@ def materialize_model(
 ) -> None:
     """Unsharded twin of stage-3 initialisation: unit by unit, the same seeds, the whole model."""
     plan = [entry for entry in plan_units(root, units).units if entry[2]]
-    for index, (_, _, named) in enumerate(plan):
+    for _, _, named in plan:
         params = [p for _, p in named]
         if any(p.is_meta for p in params):
             materialize_unit(
-                root, params, seed=seed + index, device=device, names=[n for n, _ in named], values=values
+                root, params, seed=seed, device=device, names=[n for n, _ in named], values=values
             )
 
 

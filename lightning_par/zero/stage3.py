@@ -107,6 +107,7 @@ class Stage3Engine(Stage3Reduce):
         find_unused_parameters: bool = False,
         max_inflight: int = 2,
         init_seed: int | None = None,
+        seed_groups: Sequence[ProcessGroup] = (),
         compute_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
         values: ValuesFn | None = None,
@@ -142,10 +143,12 @@ class Stage3Engine(Stage3Reduce):
         # the communication device: the strategy's root device (a model wholly on the meta device has
         # no other to tell), else where the model's real tensors are
         self.device = device if device is not None else target_device(module)
-        seed = self._agree_seed(init_seed)
+        # the seed meta parameters were initialised from, the same on every rank: materialize_model of an
+        # unsharded twin with it gives the same model
+        self.init_seed = self._agree_seed(init_seed, seed_groups)
         self.units: list[Unit] = []
         for index, (name, unit_module, named) in enumerate(plan):
-            self.units.append(self._shard_unit(index, name, unit_module, named, seed))
+            self.units.append(self._shard_unit(index, name, unit_module, named, self.init_seed))
             self.units[-1].gather_dtype = gather_dtype  # the masters stay exact in the shards
         self.root: Unit | None = self.units[-1] if self.units[-1].module is module else None
         self._unit_of: dict[int, tuple[Unit, int]] = {
@@ -170,11 +173,17 @@ class Stage3Engine(Stage3Reduce):
         self._masters: list[tuple[Unit, Fragment, Tensor]] = []  # (unit, fragment, master view)
 
     # ------------------------------------------------------------------ construction
-    def _agree_seed(self, init_seed: int | None) -> int:
+    def _agree_seed(self, init_seed: int | None, seed_groups: Sequence[ProcessGroup]) -> int:
+        """The seed meta parameters are initialised from: ``init_seed``, else drawn from the global random
+        state, then broadcast from the first rank of ``group`` and of each of ``seed_groups`` in turn, so
+        that (the groups spanning the mesh's dimensions) every rank ends with the first rank's value:
+        tensor-parallel peers must draw the same full matrices and replicated parameters, and pipeline
+        stages the same copies of tied ones."""
         value = init_seed if init_seed is not None else int(torch.randint(0, 2**31 - 1, (1,)))
         seed = torch.tensor([value], device=self.device)
-        if self.world > 1:
-            dist.broadcast(seed, src=dist.get_global_rank(self.group, 0), group=self.group)
+        for group in (self.group, *seed_groups):
+            if dist.get_world_size(group) > 1:
+                dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
         return int(seed.item())
 
     def _shard_unit(
@@ -185,7 +194,7 @@ class Stage3Engine(Stage3Reduce):
             params = materialize_unit(
                 self.module,
                 [p for _, p in named],
-                seed=seed + index,
+                seed=seed,
                 device=self.device,
                 names=[n for n, _ in named],
                 values=self._values,
