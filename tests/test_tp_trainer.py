@@ -1,5 +1,9 @@
 """Tensor parallelism inside the Trainer: tp=2 (world 2) and tp=2 x dp=2 with ZeRO-1 (world 4) train like
-the single-process model, with clipping (the norm counts tp-replicated parameters once)."""
+the single-process model, with clipping (the norm counts tp-replicated parameters once). At ZeRO-3 with
+sequence parallelism, a model the strategy builds on the meta device (``configure_model()`` left to it)
+starts as its one-process twin, bitwise (each slice drawn from its full-size layer, the tied embedding
+and head sharded alike), and trains like the single-process model started there; before, its slices
+were refused without ``pretrained=``."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.models import GPTModule
+from lightning_par.zero.meta_init import materialize_model, params_on_meta
 from tests.distributed import run_distributed
 from tests.test_strategy import LossRecorder, Tokens
 from tests.test_tensor_parallel import gather_full
@@ -86,10 +91,14 @@ def _run(rank: int, world: int, tmp: str, tp: int, stage: int, sp: bool) -> dict
     return {"losses": rec.losses, "state": gather.state}
 
 
-def _reference(tmp: Path) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _reference(
+    tmp: Path, start: dict[str, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     # global micro-batch = 2 * MICRO samples (as in test_strategy with 2 data-parallel ranks)
     rec = LossRecorder()
     module = _module()
+    if start is not None:
+        module.load_state_dict(start)
     # DistributedSampler's permutation cut in global micro-batches: the union of the dp ranks' k-th
     # batches is block k of the permutation, whatever the dp size
     perm = list(DistributedSampler(Tokens(N), num_replicas=1, rank=0, shuffle=True, seed=5))
@@ -114,6 +123,49 @@ def test_tensor_parallel_trainer_matches_single_process(
     for rank, r in enumerate(results):
         for k, v in ref_state.items():
             torch.testing.assert_close(r["state"][k], v, msg=f"rank {rank} {k}")
+
+
+class Consolidated(pl.Callback):
+    """The full weights when training starts and ends, and the seed meta parameters were drawn from."""
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.initial = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+        self.seed = trainer.strategy.engine.init_seed  # type: ignore[attr-defined]
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.final = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+
+
+def _from_meta(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    rec, seen = LossRecorder(), Consolidated()
+    strategy = HybridParallelStrategy(
+        zero_stage=3, tensor_parallel_size=2, tp_plan="gpt", sequence_parallel=True
+    )
+    trainer = _trainer(strategy, world, tmp, [rec, seen])
+    pl.seed_everything(5)
+    module = SGDGPT(**KW)  # built by the strategy, on the meta device
+    trainer.fit(module, DataLoader(Tokens(N), batch_size=MICRO * 2, shuffle=True))
+    return {"losses": rec.losses, "initial": seen.initial, "final": seen.final, "seed": seen.seed}
+
+
+def test_tensor_parallel_zero3_from_the_meta_device(tmp_path: Path) -> None:
+    results = run_distributed(_from_meta, 2, str(tmp_path), init_group=False)
+    seed = results[0]["seed"]
+    assert results[1]["seed"] == seed and results[1]["initial"] == {}  # consolidated on rank 0
+    twin = SGDGPT(**KW)
+    with params_on_meta():
+        twin.configure_model()
+    materialize_model(twin, seed=seed, device=torch.device("cpu"))
+    initial = results[0]["initial"]
+    assert initial.keys() == twin.state_dict().keys()
+    for k, v in twin.state_dict().items():
+        torch.testing.assert_close(initial[k], v, rtol=0, atol=0, msg=k)
+    ref_losses, ref_state = _reference(tmp_path, start=initial)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), ref_losses)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(results[0]["final"][k], v, msg=k)
+    assert not torch.equal(results[0]["final"]["model.embed.tok.weight"], initial["model.embed.tok.weight"])
 
 
 class Export(pl.Callback):
