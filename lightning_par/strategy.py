@@ -46,7 +46,13 @@ from lightning_par.zero.buffers import BufferSync
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
 from lightning_par.zero.engine import Engine, ReduceChoice
 from lightning_par.zero.grad_sync import GradSyncPolicy
-from lightning_par.zero.meta_init import ValuesFn, materialize_local, move_real_tensors, params_on_meta
+from lightning_par.zero.meta_init import (
+    ValuesFn,
+    agree_seed,
+    materialize_local,
+    move_real_tensors,
+    params_on_meta,
+)
 from lightning_par.zero.units import UnitPolicy, check_pipeline_units
 
 if TYPE_CHECKING:
@@ -309,7 +315,11 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         try:
             values = plan.value if plan is not None else None
             if self.zero_stage != 3:  # stage 3 materialises unit by unit, into its shards
-                seed = int(torch.initial_seed()) % (2**31)
+                seed = 0
+                if values is not None:  # parameters the file lacks are drawn alike on every rank
+                    mesh = self.mesh
+                    groups = (mesh.dp_group, mesh.tp_group, mesh.pp_group)
+                    seed = agree_seed(torch.initial_seed() % 2**31, groups=groups, device=self.root_device)
                 materialize_local(self.model, device=self.root_device, values=values, seed=seed)
             self._build_engine(fitting, values)
         finally:

@@ -4,7 +4,8 @@ safetensors file, a sharded index, a ``torch.save`` state dict) loaded into a Li
 parallel size 2, against ``LlamaForCausalLM.from_pretrained`` in one process: parameters on the meta device
 while the model was built, no rank holding the whole model, the first step's loss and gradients those of
 the unsharded model, a PEFT LoRA model whose base comes from the file and whose adapters are initialised
-(and named in a warning), and bad inputs refused with a clear message before training, files untouched.
+(and named in a warning; at ZeRO-3 and at TP=2 with ranks in different random states), and bad inputs
+refused with a clear message before training, files untouched.
 
 TP=2 is checked both into a model built on the meta device (the default) and with ``meta_init=False``;
 ``trainer.validate`` after ``trainer.fit`` evaluates the trained weights, not the file's again.
@@ -50,15 +51,18 @@ class PretrainedLlama(pl.LightningModule):
     """A user's module: ``configure_model()`` builds ``LlamaForCausalLM(config)`` (optionally under PEFT
     LoRA) and records whether its parameters were on the meta device; one SGD step."""
 
-    def __init__(self, lora: bool = False) -> None:
+    def __init__(self, lora: bool = False, rank_seeded: bool = False) -> None:
         super().__init__()
         self.lora = lora
+        self.rank_seeded = rank_seeded  # build in a random state that differs across ranks
         self.model: nn.Module | None = None
         self.built_on_meta: bool | None = None
 
     def configure_model(self) -> None:
         if self.model is not None:
             return
+        if self.rank_seeded:
+            torch.manual_seed(self.global_rank)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
         if self.lora:
             config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0)
@@ -272,6 +276,9 @@ def _good_runs(rank: int, world: int, paths: dict[str, Path], tmp: str) -> dict[
         ),
         "tp2_real_sharded": _attempt(tp2(paths["sharded"], False), PretrainedLlama(), tokens, N, tmp),
         "zero3_lora": _attempt(s3(paths["hf"]), PretrainedLlama(lora=True), tokens, dp_batch, tmp),
+        "tp2_lora": _attempt(
+            tp2(paths["hf"], True), PretrainedLlama(lora=True, rank_seeded=True), tokens, N, tmp
+        ),
         "zero3_gain": _attempt(s3(paths["gain"]), GainModule(), gain_data(), dp_batch, tmp),
     }
 
@@ -446,13 +453,17 @@ def test_validate_after_fit_keeps_the_trained_weights(
         assert changed == [], f"{name} rank {rank}: validate() changed {len(changed)} tensors: {changed[:4]}"
 
 
-def test_zero3_lora_on_pretrained_base(good: list[dict], reference: Reference) -> None:
-    """PEFT LoRA at ZeRO-3 under meta init: the frozen base is the file's, untouched; the adapters are
-    initialised as PEFT does (B = 0) and named in a warning, so the first loss is the base model's; after
-    the step A is unchanged (zero gradient) and B moved by the reference LoRA model's gradient (same A)."""
-    ranks = _ranks(good, "zero3_lora")
+@pytest.mark.parametrize("name", ["zero3_lora", "tp2_lora"])
+def test_lora_on_pretrained_base(name: str, good: list[dict], reference: Reference) -> None:
+    """PEFT LoRA under meta init, at ZeRO-3 and at TP=2 (stage 0): the frozen base is the file's, untouched;
+    the adapters are initialised as PEFT does (B = 0) and named in a warning, so the first loss is the base
+    model's; after the step A is unchanged (zero gradient) and B moved by the reference LoRA model's
+    gradient (same A). At TP=2 the ranks build in different random states: the seed the adapters are
+    drawn from is rank 0's on both (before, each rank's own), so the replicated A of a column-parallel
+    layer is one and the row-parallel A's slices are parts of one matrix (before, refused)."""
+    ranks = _ranks(good, name)
     assert [r["meta"] for r in ranks] == [True] * WORLD
-    torch.testing.assert_close(_loss_of(ranks, WORLD), reference.loss)
+    torch.testing.assert_close(_loss_of(ranks, 1 if name.startswith("tp2") else WORLD), reference.loss)
     export = ranks[0]["export"]
     base = {k: v for k, v in export.items() if "lora_" not in k}
     adapters = {k: v for k, v in export.items() if "lora_" in k}

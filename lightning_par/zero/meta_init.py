@@ -28,7 +28,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.zero.hf_init import hf_initialisers, replay
@@ -46,6 +48,18 @@ def module_seed(seed: int, path: str) -> int:
     every run the same model."""
     digest = hashlib.blake2b(f"{seed}:{path}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little")
+
+
+def agree_seed(value: int, *, groups: Sequence[ProcessGroup], device: torch.device) -> int:
+    """``value`` of the first rank of the mesh, on every rank: broadcast from the first rank of each of
+    ``groups`` in turn (groups spanning the mesh's dimensions: data, tensor and pipeline parallel). The
+    seed meta parameters are drawn from must be one: tensor-parallel peers draw the same full matrices and
+    replicated parameters, pipeline stages the same copies of tied ones. One host read, at setup."""
+    seed = torch.tensor([value], device=device)
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
+    return int(seed.item())
 
 
 def target_device(module: nn.Module, *, default: torch.device | None = None) -> torch.device:

@@ -82,7 +82,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_par.zero.broadcast import broadcast_module_states
 from lightning_par.zero.grad_buckets import ReduceOp
 from lightning_par.zero.layout import Fragment
-from lightning_par.zero.meta_init import ValuesFn, materialize_unit, target_device
+from lightning_par.zero.meta_init import ValuesFn, agree_seed, materialize_unit, target_device
 from lightning_par.zero.stage3_reduce import Stage3Reduce
 from lightning_par.zero.unit import Unit, build_unit
 from lightning_par.zero.units import UnitPolicy, plan_units
@@ -145,7 +145,8 @@ class Stage3Engine(Stage3Reduce):
         self.device = device if device is not None else target_device(module)
         # the seed meta parameters were initialised from, the same on every rank: materialize_model of an
         # unsharded twin with it gives the same model
-        self.init_seed = self._agree_seed(init_seed, seed_groups)
+        drawn = init_seed if init_seed is not None else int(torch.randint(0, 2**31 - 1, (1,)))
+        self.init_seed = agree_seed(drawn, groups=(group, *seed_groups), device=self.device)
         self.units: list[Unit] = []
         for index, (name, unit_module, named) in enumerate(plan):
             self.units.append(self._shard_unit(index, name, unit_module, named, self.init_seed))
@@ -173,19 +174,6 @@ class Stage3Engine(Stage3Reduce):
         self._masters: list[tuple[Unit, Fragment, Tensor]] = []  # (unit, fragment, master view)
 
     # ------------------------------------------------------------------ construction
-    def _agree_seed(self, init_seed: int | None, seed_groups: Sequence[ProcessGroup]) -> int:
-        """The seed meta parameters are initialised from: ``init_seed``, else drawn from the global random
-        state, then broadcast from the first rank of ``group`` and of each of ``seed_groups`` in turn, so
-        that (the groups spanning the mesh's dimensions) every rank ends with the first rank's value:
-        tensor-parallel peers must draw the same full matrices and replicated parameters, and pipeline
-        stages the same copies of tied ones."""
-        value = init_seed if init_seed is not None else int(torch.randint(0, 2**31 - 1, (1,)))
-        seed = torch.tensor([value], device=self.device)
-        for group in (self.group, *seed_groups):
-            if dist.get_world_size(group) > 1:
-                dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
-        return int(seed.item())
-
     def _shard_unit(
         self, index: int, name: str, module: nn.Module, named: list[tuple[str, nn.Parameter]], seed: int
     ) -> Unit:
