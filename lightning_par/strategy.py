@@ -46,6 +46,7 @@ from lightning_par.zero.buffers import BufferSync
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
 from lightning_par.zero.engine import Engine, ReduceChoice
 from lightning_par.zero.grad_sync import GradSyncPolicy
+from lightning_par.zero.meta_buffers import materialize_buffers
 from lightning_par.zero.meta_init import (
     ValuesFn,
     agree_seed,
@@ -371,9 +372,11 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
     @override
     def model_to_device(self) -> None:
         """Real parameters and buffers move to this rank's device; meta parameters (meta init, other
-        pipeline stages) stay where they are, to be materialised by the engine or pretrained weights."""
+        pipeline stages) stay where they are, to be materialised by the engine or pretrained weights.
+        Meta buffers (a model built under ``torch.device("meta")``) are computed here, on the device."""
         assert self.model is not None
         move_real_tensors(self.model, self.root_device)
+        materialize_buffers(self.model, device=self.root_device)
 
     @contextmanager
     @override

@@ -16,15 +16,19 @@ embedding ``N(0, 1)`` against Hugging Face's ``N(0, 0.02)``, GPT-2's residual pr
   config: base as above, B zero and A as PEFT makes them.
 * A parameter that no initialiser sets (inside a Hugging Face model without ``reset_parameters()``, or
   outside with one that forgets it) is refused, named.
+* A model built under ``torch.device("meta")`` (buffers too): its buffers are computed as on a real device
+  (rotary frequencies, BatchNorm statistics, BERT's position ids, litgpt's rope cache; with transformers 4
+  the Hugging Face ones are refused, named), and a buffer no initialiser sets, or sets in part, is refused.
 * The init depends on the run's seed and each module's path only: unit policies give the same model, seeds
   differ, blocks alike are drawn apart, and the caller's random state is left as it was.
 * Two ranks, Fabric at ZeRO-3, ``fabric.init_module(empty_init=True)`` around ``LlamaForCausalLM(config)``,
   each rank in a different random state: at dp2 the gathered initial weights are the model's own init as
   above; at tp2 they are the same weights bitwise (each slice drawn from its full-size layer; before,
-  refused); a PEFT LoRA Llama at tp2 equals its one-process twin (``materialize_model`` with the run's
-  seed) bitwise. Each trains 3 steps of AdamW with gradient accumulation and clipping equal to one process
-  starting from those weights (the LoRA one needs the gradient sums of its replicated ``lora_A`` to
-  follow the parameters meta init replaces; before, their hooks stayed on the discarded meta ones).
+  refused), and so are they for the model built under ``torch.device("meta")``; a PEFT LoRA Llama at
+  tp2 equals its one-process twin (``materialize_model`` with the run's seed) bitwise. Each trains 3
+  steps of AdamW with gradient accumulation and clipping equal to one process starting from those
+  weights (the LoRA one needs the gradient sums of its replicated ``lora_A`` to follow the parameters
+  meta init replaces; before, their hooks stayed on the discarded meta ones).
 """
 
 from __future__ import annotations
@@ -35,14 +39,18 @@ from typing import Any
 import peft
 import pytest
 import torch
+import transformers
 from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_par.fabric import HybridParallelStrategy
 from lightning_par.tensor_parallel import SOURCE_ATTR
+from lightning_par.zero.meta_buffers import materialize_buffers
 from lightning_par.zero.meta_init import materialize_model, params_on_meta
 from tests.distributed import run_distributed
+from tests.test_batchnorm import ResNetModule
 from tests.test_fabric_tp import STEPS, _adamw, _loop
+from tests.test_pp_litgpt import build as litgpt_build
 from tests.third_party import LLAMA, LORA_TARGETS, T5, add_lora, gpt2, hf_model, llama
 
 SEED = 11
@@ -195,21 +203,87 @@ def test_parameters_no_initialiser_sets_are_refused() -> None:
         materialize_model(plain, seed=0, device=torch.device("cpu"))  # outside a Hugging Face model
 
 
+# --------------------------------------------------------------------- buffers of models built on meta
+def _buffer_builds() -> dict[str, Any]:
+    """Models with buffers of every kind: rotary frequencies (Hugging Face decoders, litgpt's rope cache),
+    BatchNorm statistics (Hugging Face's ResNet, a plain net), BERT's position ids."""
+    builds: dict[str, Any] = {"llama": llama}
+    for arch in ("gemma3", "gpt_neox", "bert"):
+        config_name, model_name, options = ARCHITECTURES[arch]
+        builds[arch] = partial(hf_model, model_name, config_name, **options)
+    builds["resnet"] = lambda: ResNetModule().net
+    builds["batchnorm"] = lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    builds["litgpt"] = partial(litgpt_build, "llama")
+    return builds
+
+
+def test_buffers_of_a_model_built_on_the_meta_device() -> None:
+    """A model built under ``torch.device("meta")`` (the FSDP2 / torchtitan idiom) gets its buffers
+    computed as on a real device, bitwise; before, the engine failed with torch's "Cannot copy out of meta
+    tensor". transformers 4 computes rotary frequencies and BERT's position ids only in ``__init__``:
+    refused, named."""
+    hf_computes_buffers = int(transformers.__version__.split(".")[0]) >= 5
+    for name, build in _buffer_builds().items():
+        real = build()
+        with torch.device("meta"):
+            model = build()
+        meta = [k for k, b in model.named_buffers() if b.is_meta]
+        assert meta, name
+        if name in ("llama", "gemma3", "gpt_neox", "bert") and not hf_computes_buffers:
+            with pytest.raises(
+                ValueError, match=r"Buffers \[.*(inv_freq|position_ids).*\] are on the meta.*meta'\)"
+            ):
+                materialize_buffers(model, device=torch.device("cpu"))
+            assert all(b.is_meta for b in model.buffers()), name  # left as they were
+            continue
+        assert materialize_buffers(model, device=torch.device("cpu")) == meta, name
+        for (key, got), (_, want) in zip(model.named_buffers(), real.named_buffers(), strict=True):
+            assert torch.equal(got, want), f"{name}: {key}"
+        assert all(p.is_meta for p in model.parameters()), name  # the parameters are the engine's
+
+
+class Frequencies(nn.Module):
+    """A buffer computed in ``__init__`` only; ``half`` resets half of it."""
+
+    def __init__(self, half: bool = False) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.register_buffer("freq", torch.arange(4.0))
+        if half:
+            self.reset_parameters = lambda: self.freq[:2].zero_()  # type: ignore[method-assign]
+
+
+def test_buffers_no_initialiser_sets_are_refused() -> None:
+    for half in (False, True):  # no initialiser, or one that sets part of the buffer
+        with torch.device("meta"):
+            model = nn.Sequential(nn.BatchNorm1d(4), Frequencies(half))
+        with pytest.raises(ValueError, match=r"Buffers \['1\.freq'\] are on the meta device"):
+            materialize_buffers(model, device=torch.device("cpu"))
+        assert all(b.is_meta for b in model.buffers())  # nothing replaced, the BatchNorm's included
+
+
 # ---------------------------------------------------------------------------------------------- Fabric
 def _zero3_from_config(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    # dp2 x ZeRO-3, then tp2 x ZeRO-3 from the same seed: the same model, its slices drawn from it; then
-    # a PEFT LoRA model at tp2 x ZeRO-3 (adapters sharded with their base layers)
+    # dp2 x ZeRO-3, then tp2 x ZeRO-3 from the same seed: the same model, its slices drawn from it; the
+    # same model built by the user under torch.device("meta") (buffers too); a PEFT LoRA model at tp2 x
+    # ZeRO-3 (adapters sharded with their base layers)
     tp = dict(tensor_parallel_size=world, tp_plan="llama")
-    layouts = {"dp": ({}, llama), "tp": (tp, llama), "tp_lora": (tp, lambda: add_lora(llama()))}
-    for name, (kw, build) in layouts.items():
+    layouts = {
+        "dp": ({}, llama, False),
+        "tp": (tp, llama, False),
+        "meta_device": ({}, llama, True),
+        "tp_lora": (tp, lambda: add_lora(llama()), False),
+    }
+    for name, (kw, build, on_meta) in layouts.items():
         strategy = HybridParallelStrategy(zero_stage=3, **kw)  # type: ignore[arg-type]
         fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
         fabric.launch()
-        with fabric.init_module(empty_init=True):
+        with torch.device("meta") if on_meta else fabric.init_module(empty_init=True):
             model = build()
         assert all(p.is_meta for p in model.parameters())
+        assert all(b.is_meta for b in model.buffers()) == on_meta
         torch.manual_seed(SEED + rank)  # the init's seed: drawn by the first rank, agreed by all
         model = fabric.setup_module(model)
         optimizer = fabric.setup_optimizers(_adamw(model))
@@ -229,9 +303,12 @@ def test_fabric_zero3_meta_init_of_a_model_from_its_config() -> None:
     initial = runs[0]["dp"]["initial"]
     assert_own_init(initial, llama(), "Fabric ZeRO-3 meta init")
     # tensor parallelism draws each slice from the full matrix: the same model, bitwise (before, refused)
-    assert initial.keys() == runs[0]["tp"]["initial"].keys()
-    for k, v in initial.items():
-        torch.testing.assert_close(runs[0]["tp"]["initial"][k], v, rtol=0, atol=0, msg=k)
+    # and so does a model built under torch.device("meta"), its buffers computed (before, refused by
+    # torch: "Cannot copy out of meta tensor")
+    for layout in ("tp", "meta_device"):
+        assert initial.keys() == runs[0][layout]["initial"].keys()
+        for k, v in initial.items():
+            torch.testing.assert_close(runs[0][layout]["initial"][k], v, rtol=0, atol=0, msg=f"{layout}: {k}")
     torch.set_num_threads(1)
     reference = llama()
     reference.load_state_dict(initial)
@@ -246,7 +323,7 @@ def test_fabric_zero3_meta_init_of_a_model_from_its_config() -> None:
     lora_b = [v for k, v in lora_initial.items() if "lora_B" in k]
     assert lora_b and all(not v.any() for v in lora_b)  # PEFT's init: each adapter starts as the identity
     # one process from each starting model; dp2 and tp2 started from the same one
-    for layouts, model in ((("dp", "tp"), reference), (("tp_lora",), lora_twin)):
+    for layouts, model in ((("dp", "tp", "meta_device"), reference), (("tp_lora",), lora_twin)):
         fabric = Fabric(accelerator="cpu", devices=1)
         model, optimizer = fabric.setup(model, _adamw(model))
         start = {k: v.clone() for k, v in model.state_dict().items()}

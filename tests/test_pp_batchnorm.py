@@ -69,9 +69,14 @@ def _pipelined(rank: int, world: int, tmp: str) -> dict[str, Any]:
     train, val = DataLoader(Images(N), batch_size=BATCH), DataLoader(Images(8), batch_size=BATCH)
     trainer.fit(module, train, val)
     trainer.save_checkpoint(os.path.join(tmp, "pp.ckpt"))
+    val_loss = float(trainer.callback_metrics["val_loss"])
+    # a second setup of the pipelined model: the other stage's statistics stay its own (here they are
+    # meta placeholders, not buffers to compute)
+    validated = trainer.validate(module, val, verbose=False)[0]["val_loss"]
     return {
         "state": strategy.consolidated_state_dict(),  # collective; rank 0's is the full state
-        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "val_loss": val_loss,
+        "validated": validated,
         "own": {k: v.clone() for k, v in module.state_dict().items() if "running_mean" in k},
     }
 
@@ -118,6 +123,7 @@ def test_batchnorm_statistics_under_pipeline_parallelism(tmp_path: Path) -> None
         torch.testing.assert_close(state[k], v, msg=k)
     for r in results:
         assert r["val_loss"] == pytest.approx(ref_val, rel=1e-5)
+        assert r["validated"] == pytest.approx(ref_val, rel=1e-5)
     resumed = run_distributed(_resumed, 2, str(tmp_path), init_group=False)
     for r in resumed:
         for k, v in ref_state.items():

@@ -66,6 +66,7 @@ from lightning_par.rendezvous import launch_store
 from lightning_par.strategy_options import PipelineSchedule, check_options
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
 from lightning_par.zero.engine import Engine
+from lightning_par.zero.meta_buffers import materialize_buffers
 from lightning_par.zero.meta_init import move_real_tensors, params_on_meta
 from lightning_par.zero.units import UnitPolicy
 
@@ -282,8 +283,10 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
-        """Real tensors move to the root device; meta parameters wait for the engine (stage 3)."""
+        """Real tensors move to the root device; meta parameters wait for the engine (stage 3); meta
+        buffers (a model built under ``torch.device("meta")``) are computed on the device."""
         move_real_tensors(module, self.root_device)
+        materialize_buffers(module, device=self.root_device)
 
     @override
     def setup_module_and_optimizers(

@@ -69,6 +69,7 @@ def apply_pipeline(
                 # exported or checkpointed in place of the owner's
                 if b is not None and id(b) not in local_buffers and not b.is_meta:
                     module._buffers[name] = torch.empty_like(b, device="meta")
+                    setattr(module._buffers[name], REMOTE_ATTR, True)  # not one to materialise
             for name, p in list(module._parameters.items()):
                 if p is not None and id(p) not in local:
                     # requires_grad as it was: the user's configure_optimizers() sees the same model on

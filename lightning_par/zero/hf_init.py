@@ -39,12 +39,15 @@ def _pretrained_model_class() -> type | None:
     return found if isinstance(found, type) else None
 
 
-def hf_initialisers(root: nn.Module, unit: set[int]) -> list[tuple[str, nn.Module, Initialiser]]:
+def hf_initialisers(
+    root: nn.Module, unit: set[int], *, buffers: set[int] | None = None
+) -> list[tuple[str, nn.Module, Initialiser]]:
     """``(path, module, model._init_weights)`` in ``post_init()``'s order (children first) for the modules
-    of ``root`` inside a Hugging Face model whose subtree holds a parameter whose id is in ``unit``. Empty
-    without Hugging Face models."""
+    of ``root`` inside a Hugging Face model whose subtree holds a parameter whose id is in ``unit`` (or a
+    buffer whose id is in ``buffers``). Empty without Hugging Face models."""
     base = _pretrained_model_class()
-    if base is None or not unit:
+    buffers = buffers or set()
+    if base is None or not (unit or buffers):
         return []
     calls: list[tuple[str, nn.Module, Initialiser]] = []
 
@@ -53,7 +56,8 @@ def hf_initialisers(root: nn.Module, unit: set[int]) -> list[tuple[str, nn.Modul
             init = getattr(module, "_init_weights")  # noqa: B009  (nn.Module's __getattr__ types it wrongly)
         for name, child in module.named_children():
             visit(f"{path}.{name}" if path else name, child, init)
-        if init is not None and any(id(p) in unit for p in module.parameters()):
+        held = any(id(p) in unit for p in module.parameters())
+        if init is not None and (held or any(id(b) in buffers for b in module.buffers())):
             calls.append((path, module, init))
 
     visit("", root, None)

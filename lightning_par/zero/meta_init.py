@@ -248,7 +248,7 @@ def _materialize(
     fresh = _replace(root, wanted, data)
     for pid in todo:  # transformers' init functions skip tensors flagged as initialised
         fresh[pid].__dict__.pop("_is_hf_initialized", None)
-    with _own_rng(device) as reseed, torch.no_grad():
+    with own_rng(device) as reseed, torch.no_grad():
         for module_name, m in to_init:  # as the layers' constructors do on a real device
             if callable(reset := getattr(m, "reset_parameters", None)):
                 reseed(module_seed(seed, module_name))
@@ -266,7 +266,7 @@ def _materialize(
 
 
 @contextmanager
-def _own_rng(device: torch.device) -> Iterator[Callable[[int], None]]:
+def own_rng(device: torch.device) -> Iterator[Callable[[int], None]]:
     """Within: a function that seeds the CPU's random state and ``device``'s; both states are restored
     after, so the user's random streams (dropout, data order) go on as if nothing had been drawn."""
     backend = torch.get_device_module(device.type) if device.type not in ("cpu", "meta") else None
