@@ -2,10 +2,9 @@
 
 ``params_on_meta()`` (the strategies' ``configure_model()`` context, and Fabric's
 ``init_module(empty_init=True)``) keeps buffers real: they are small and often computed in ``__init__``.
-A model built under
-``torch.device("meta")`` by the user (the FSDP2 / torchtitan idiom) has meta buffers too, rotary
-frequencies and BatchNorm statistics among them, and nothing would ever fill them: before, the engine
-failed in its first copy with torch's "Cannot copy out of meta tensor; no data!".
+A model the user builds under ``torch.device("meta")`` (the FSDP2 / torchtitan idiom) has meta buffers
+too, rotary frequencies and BatchNorm statistics among them, which nothing else fills (the engine's
+first copy of one would fail in torch: "Cannot copy out of meta tensor; no data!").
 
 :func:`materialize_buffers` gives each meta buffer storage on the device and runs the initialisers that
 compute buffers on a real device: the module's ``reset_parameters()`` (BatchNorm resets its statistics
@@ -83,4 +82,4 @@ def _run(
                 reset()
         replay(calls, set(), reseed=lambda path: reseed(module_seed(0, path)))
     out = [m._buffers[name] for _, m, name, _ in found]
-    return [b for b in out if b is not None]
+    return [b for b in out if b is not None]  # none is: each was just set

@@ -43,9 +43,10 @@ def parallel_layers(root: nn.Module, unit: set[int]) -> list[Swap]:
     found: list[Swap] = []
     for parent in root.modules():
         for attr, child in parent._modules.items():
-            source = getattr(child, SOURCE_ATTR, None) if child is not None else None
-            held = child is not None and any(id(p) in unit for p in child.parameters(recurse=False))
-            if isinstance(source, nn.Module) and child is not None and held:
+            if child is None:
+                continue
+            source = getattr(child, SOURCE_ATTR, None)
+            if isinstance(source, nn.Module) and any(id(p) in unit for p in child.parameters(recurse=False)):
                 found.append(Swap(parent, attr, child, source))
     return found
 
@@ -89,6 +90,6 @@ def release_sources(root: nn.Module, unit: set[int]) -> None:
     for m in root.modules():
         if SOURCE_ATTR not in m.__dict__:
             continue
-        own = [p for p in m.parameters(recurse=False)]
+        own = list(m.parameters(recurse=False))
         if any(id(p) in unit for p in own) and not any(p.is_meta for p in own):
             del m.__dict__[SOURCE_ATTR]
