@@ -429,11 +429,16 @@ LLAMA_CASES = [
     # defers the adapters' weight gradients (their A and B are nn.Linear) and skips the frozen bases
     (2, dict(pipeline_schedule="1f1b", lora=True)),
     (2, dict(pipeline_schedule="zb", lora=True, zero_stage=1)),
+    # LoRA at pp2 x tp2: the A of a column-parallel projection is replicated and its gradient summed over
+    # the tp group by a hook, so zb keeps it in B (a deferred W would skip the sum)
+    (4, dict(pipeline_schedule="zb", lora=True, tensor_parallel_size=2, tp_plan="llama")),
 ]
 
 
 @pytest.mark.parametrize(
-    ("world", "kw"), LLAMA_CASES, ids=["1f1b", "zb", "zb-tp2", "pretrained", "lora-1f1b", "lora-zb"]
+    ("world", "kw"),
+    LLAMA_CASES,
+    ids=["1f1b", "zb", "zb-tp2", "pretrained", "lora-1f1b", "lora-zb", "lora-zb-tp2"],
 )
 def test_llama_pipeline_matches_single_process(world: int, kw: dict[str, Any], tmp_path: Path) -> None:
     if kw.get("pretrained"):
