@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_par.zero.hf_init import hf_initialisers, replay
+from lightning_par.zero.hf_init import Initialiser, hf_initialisers, replay
 from lightning_par.zero.meta_init import module_seed, own_rng
 from lightning_par.zero.units import REMOTE_ATTR
 
@@ -41,7 +41,10 @@ def materialize_buffers(root: nn.Module, *, device: torch.device) -> list[str]:
     owners: dict[int, tuple[str, nn.Module]] = {}
     for module_name, m, _, _ in found:
         owners.setdefault(id(m), (module_name, m))
-    runs = [_run(root, found, owners, fill, device) for fill in (0, 1)]
+    # the owners' own Hugging Face calls only: a parent's init writes parameters, meta here or left alone
+    meta_ids = {id(b) for _, _, _, b in found}
+    calls = [c for c in hf_initialisers(root, set(), buffers=meta_ids) if id(c[1]) in owners]
+    runs = [_run(found, owners, calls, fill, device) for fill in (0, 1)]
     unset = [
         f"{module_name}.{name}" if module_name else name
         for (module_name, _, name, _), first, second in zip(found, *runs, strict=True)
@@ -61,9 +64,9 @@ def materialize_buffers(root: nn.Module, *, device: torch.device) -> list[str]:
 
 
 def _run(
-    root: nn.Module,
     found: list[tuple[str, nn.Module, str, Tensor]],
     owners: dict[int, tuple[str, nn.Module]],
+    calls: list[tuple[str, nn.Module, Initialiser]],
     fill: int,
     device: torch.device,
 ) -> list[Tensor]:
@@ -71,9 +74,6 @@ def _run(
     seed of its path; buffers' inits rarely draw); returns the buffers."""
     for _, m, name, meta in found:
         m._buffers[name] = torch.full(meta.shape, fill, dtype=meta.dtype, device=device)
-    ids = {id(m._buffers[name]) for _, m, name, _ in found}
-    # the owners' own calls only: a parent's init writes parameters, which are meta here or left alone
-    calls = [c for c in hf_initialisers(root, set(), buffers=ids) if id(c[1]) in owners]
     with own_rng(device) as reseed, torch.no_grad():
         for module_name, m in owners.values():
             reset = getattr(m, "reset_parameters", None)
