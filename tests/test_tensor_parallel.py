@@ -82,6 +82,17 @@ def _layers(rank: int, world: int) -> str:
     torch.testing.assert_close(out, emb(ids))
     (out**2).sum().backward()
     torch.testing.assert_close(vemb.weight.grad, _slice(emb.weight.grad, 0, rank, world))  # type: ignore[arg-type]
+    # the replaced layer's hooks run on the sharded one (Hugging Face's enable_input_require_grads), and
+    # the handles given out for them still remove them
+    seen: list[Any] = []
+    hooked = nn.Embedding(16, 6)
+    pre = hooked.register_forward_pre_hook(lambda _m, _args: seen.append("pre"))
+    post = hooked.register_forward_hook(lambda _m, _args, out: out.requires_grad_(True))
+    frozen = VocabParallelEmbedding.from_embedding(hooked.requires_grad_(False), group=WORLD)
+    assert frozen(ids).requires_grad and seen == ["pre"]
+    pre.remove()
+    post.remove()
+    assert not frozen(ids).requires_grad and seen == ["pre"]
     # vocab-parallel cross-entropy (with ignored targets) against F.cross_entropy on full logits
     logits = torch.randn(10, 16)
     target = torch.randint(0, 16, (10,))

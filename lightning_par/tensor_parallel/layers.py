@@ -55,16 +55,35 @@ def _mark(param: nn.Parameter, dim: int) -> nn.Parameter:
     return param
 
 
+_HOOK_TABLES = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+
+
 def _inherit(new: nn.Module, old: nn.Module) -> None:
     """What the sharded layer ``new`` takes over from ``old``, the layer it replaces. It trains what the
     original trained: a frozen weight (a LoRA base layer, a frozen embedding) stays frozen, weight and
-    bias each as they were (fresh Parameters would require grad). A meta-device ``old`` is kept as
-    ``new``'s source (module docstring): in ``__dict__``, so it is no submodule, moves with no ``.to()``
-    and holds no storage."""
+    bias each as they were (fresh Parameters would require grad). It runs the forward and backward hooks
+    registered on the original (Hugging Face's ``enable_input_require_grads`` hooks the input embedding,
+    which reentrant checkpointing needs under a frozen base): the two share the hook tables, so a handle
+    given out for the original still removes its hook. A meta-device ``old`` is kept as ``new``'s source
+    (module docstring): in ``__dict__``, so it is no submodule, moves with no ``.to()`` and holds no
+    storage."""
     for pname, p in new.named_parameters(recurse=False):
         before = getattr(old, pname, None)
         if isinstance(before, torch.Tensor):
             p.requires_grad_(before.requires_grad)
+    for table in _HOOK_TABLES:
+        shared = getattr(old, table)
+        shared.update(getattr(new, table))
+        setattr(new, table, shared)
+    new._is_full_backward_hook = old._is_full_backward_hook
     if any(p.is_meta for p in old.parameters(recurse=False)):
         new.__dict__[SOURCE_ATTR] = old
 
