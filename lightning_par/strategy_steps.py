@@ -91,6 +91,8 @@ class StrategySteps(ZeroCheckpointIO):
             assert self._engine is not None
             self._pipeline.end_window(self._engine)
             return closure_loss
+        if self._engine is not None:  # its reductions end with this pass, past reentrant checkpoints'
+            self._engine.watch_backward(closure_loss)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override

@@ -3,7 +3,8 @@ write; the shipped ``"llama"`` plan), compared with the same Fabric loop in one 
 
 On 4 Gloo ranks (dp 2 x tp 2), ZeRO-1 and ZeRO-3 each train 3 steps of AdamW with gradient accumulation
 and clipping that bites: the losses, the final weights (gathered from the tp slices and dp shards) and
-the clip norms (on every rank) equal Fabric's single-device run. The ZeRO-3 run also ``fabric.save``s a
+the clip norms (on every rank) equal Fabric's single-device run; the ZeRO-3 run with Hugging Face's
+activation checkpointing on (non-reentrant, transformers 5's default). The ZeRO-3 run also ``fabric.save``s a
 sharded checkpoint after step 2; it is loaded in one process at ZeRO-0 (no tensor parallelism) and the
 last step there equals the uninterrupted run. litgpt's GPT has no shipped plan (its fused ``attn.attn``
 projection and the heads it reads from a shared config would need one of their own), so it is not
@@ -24,7 +25,7 @@ from lightning_par.checkpoint.full import gather_full_state_dict
 from lightning_par.checkpoint.tp_reshard import tp_info
 from lightning_par.fabric import HybridParallelStrategy
 from tests.distributed import run_distributed
-from tests.third_party import LLAMA, llama
+from tests.third_party import LLAMA, checkpoint_layers, llama
 
 WORLD, TP, MICRO, ACCUM, STEPS, SEQ, LR = 4, 2, 2, 2, 3, 16, 3e-3
 DP = WORLD // TP
@@ -68,6 +69,8 @@ def _tp_run(rank: int, world: int, stage: int, save: str | None) -> dict[str, An
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
     model = llama(seed=0)
+    if stage == 3:  # Hugging Face's activation checkpointing: ZeRO-3 gathers each layer again in backward
+        checkpoint_layers(model, reentrant=False)
     model, optimizer = fabric.setup(model, _adamw(model))
     mesh = strategy.mesh
     assert fabric.strategy.distributed_sampler_kwargs == {"num_replicas": DP, "rank": mesh.dp_rank}

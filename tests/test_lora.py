@@ -1,6 +1,9 @@
 """A Hugging Face Llama with a PEFT LoRA adapter, fine-tuned with ``AdamW(self.parameters())`` (frozen base
 weights in the optimizer) at ZeRO stages 0-3 and under tensor parallelism, against the same LightningModule
-in one process: adapters and base weights equal, base weights untouched, and at stage 3 the frozen base
+in one process, each run with Hugging Face's reentrant activation checkpointing on (the nested backward
+passes of its layers must not end the gradient reduction early; before, stages 0-2 lost the first
+layer's adapter gradients, and the tensor-parallel embedding dropped the hook that makes its output
+require grad): adapters and base weights equal, base weights untouched, and at stage 3 the frozen base
 sharded 1/N with optimizer state for the adapters only (as estimate_memory predicts); a frozen block
 under pipeline parallelism (1F1B and zb); a FlashCheckpoint resume at stage 3 bitwise equal to an
 uninterrupted run."""
@@ -13,14 +16,26 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.callbacks import FlashCheckpoint
+from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
 from lightning_par.memory import estimate_memory
 from lightning_par.models import GPTModule
 from tests.distributed import run_distributed
-from tests.third_party import LoraLlama, LossRecorder, Tokens, replay_order
+from tests.test_fabric_tp import STEPS
+from tests.test_fabric_tp import _loop as _fabric_loop
+from tests.third_party import (
+    LoraLlama,
+    LossRecorder,
+    Tokens,
+    add_lora,
+    checkpoint_layers,
+    llama,
+    replay_order,
+)
 
 SEED, MICRO, N = 3, 2, 16
 
@@ -94,7 +109,9 @@ def _runs(rank: int, world: int, tmp: str) -> dict[str, Any]:
         pl.seed_everything(SEED)
         rec, probe = LossRecorder(), Probe()
         trainer = _trainer(HybridParallelStrategy(**kw), world, tmp, [rec, probe])
-        trainer.fit(LoraLlama(), DataLoader(Tokens(N), batch_size=MICRO * world // dp, shuffle=True))
+        # Hugging Face's reentrant activation checkpointing in every layout, the reference without it
+        module = LoraLlama(checkpointing=True)
+        trainer.fit(module, DataLoader(Tokens(N), batch_size=MICRO * world // dp, shuffle=True))
         out[name] = {
             "losses": rec.losses,
             "report": probe.report,
@@ -228,3 +245,45 @@ def _check_run(
             assert torch.equal(export[key], initial[key]), f"{name}: frozen {key} changed"
         elif key.endswith("weight"):
             assert not torch.equal(value, initial[key]), f"{name}: {key} did not train"
+
+
+def _fabric_lora(rank: int, world: int) -> dict[str, Any]:
+    """Fabric's loop over a LoRA Llama with reentrant checkpointing at ZeRO-2 and ZeRO-3; the final
+    adapter weights."""
+    torch.set_num_threads(1)
+    out = {}
+    for stage in (2, 3):
+        fabric = Fabric(accelerator="cpu", devices=world, strategy=FabricStrategy(zero_stage=stage))
+        fabric.launch()
+        model = llama(seed=0)
+        checkpoint_layers(model, reentrant=True)
+        model = add_lora(model)
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-5))
+        losses = _fabric_loop(fabric, model, optimizer, dp_rank=rank, dp=world, steps=range(STEPS), norms=[])
+        full = fabric.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+        out[f"zero{stage}"] = {
+            "losses": losses,
+            "lora": {k: v.clone() for k, v in full.items() if "lora_" in k},
+        }
+        fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]
+    return out
+
+
+def test_fabric_lora_with_reentrant_checkpointing_equals_one_process() -> None:
+    """The Fabric front door hands each loss to the engine: at ZeRO-2 the reduction waits for the outer
+    backward pass (before, the first layer's adapters got no gradient: UnusedParametersError); ZeRO-3
+    the same way. (Units whose hooks run inside a reentrant checkpoint, as transformers 4 calls its
+    layers: ``tests/test_zero3.py``.)"""
+    runs = run_distributed(_fabric_lora, 2, init_group=False)
+    torch.set_num_threads(1)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = add_lora(llama(seed=0))
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-5))
+    losses = _fabric_loop(fabric, model, optimizer, dp_rank=0, dp=1, steps=range(STEPS), norms=[])
+    trained = {k: v.detach() for k, v in model.state_dict().items() if "lora_" in k}
+    for stage in ("zero2", "zero3"):
+        for run in runs:
+            torch.testing.assert_close(torch.tensor(run[stage]["losses"]), torch.tensor(losses), msg=stage)
+        assert trained.keys() == runs[0][stage]["lora"].keys()
+        for k, v in trained.items():
+            torch.testing.assert_close(runs[0][stage]["lora"][k], v, msg=f"{stage}: {k}")

@@ -133,6 +133,7 @@ def _cases(rank: int, world: int) -> dict[str, Any]:
         "ckpt_ar": _train(rank, world, checkpointing=True, reduce_op="all_reduce", reshard=True),
         "keep": _train(rank, world, checkpointing=False, reduce_op="all_reduce", reshard=False),
         "twice": _twice(rank, world),
+        "reentrant": _reentrant(rank, world),
         "meta": _meta_init(rank, world),
         "errors": _errors(rank, world),
     }
@@ -154,7 +155,7 @@ def _check(results: list[dict[str, Any]], world: int) -> None:
             largest = got["mem"]["largest_unit"]
             assert got["live_max"] <= 3 * largest, (case, got["live_max"], largest)
     for r in results:
-        assert r["twice"] == "ok" and r["meta"] == "ok" and r["errors"] == "ok"
+        assert r["twice"] == r["reentrant"] == r["meta"] == r["errors"] == "ok"
 
 
 def test_zero3_matches_single_process_two_ranks() -> None:
@@ -188,16 +189,15 @@ class Twice(nn.Module):
         return self.layers[1](torch.tanh(self.layers[0](h)))
 
 
-def _twice(rank: int, world: int) -> str:
-    torch.manual_seed(1)
-    ref = Twice()
-    model = Twice()
+def _equals_reference(rank: int, ref: nn.Module, model: nn.Module) -> str:
+    """Two SGD steps of ``model`` at ZeRO-3 on this rank's half of a batch and of ``ref`` on all of it,
+    from the same weights: the gathered weights must be equal."""
     model.load_state_dict(ref.state_dict())
     engine = Stage3Engine(model, group=dist.group.WORLD)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     engine.shard_optimizers([opt])
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2), requires_grad=True)
     for _ in range(2):
         model(x[rank * 2 : rank * 2 + 2]).pow(2).mean().backward()
         opt.step()
@@ -208,8 +208,51 @@ def _twice(rank: int, world: int) -> str:
     state = engine.full_state_dict(to_rank=rank)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(state[k], v, msg=k)
+    assert engine.memory_bytes()["live_units"] == 0
     engine.remove()
     return "ok"
+
+
+def _twice(rank: int, world: int) -> str:
+    torch.manual_seed(1)
+    return _equals_reference(rank, Twice(), Twice())
+
+
+class _FrozenThenTrained(nn.Module):
+    """A frozen layer, then a trained one: in backward the trained weight's gradient is done before the
+    frozen weight has computed the input's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(6, 6).requires_grad_(False)
+        self.trained = nn.Linear(6, 6)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.trained(self.frozen(h)))
+
+
+class Reentrant(nn.Module):
+    """Units called through ``checkpoint(block, h, use_reentrant=True)``, as transformers 4 calls its
+    layers: the units' hooks run inside the checkpoint, again in the recomputation, whose backward is a
+    nested pass of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_FrozenThenTrained() for _ in range(2))
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=True)
+        return self.head(x)
+
+
+def _reentrant(rank: int, world: int) -> str:
+    """The frozen weights stay gathered until the nested pass has computed the unit's input gradient
+    (before, the unit was freed once its trained weights' gradients were reduced: "setStorage ... out of
+    bounds for storage of size 0")."""
+    torch.manual_seed(1)
+    return _equals_reference(rank, Reentrant(), Reentrant())
 
 
 def _meta_init(rank: int, world: int) -> str:

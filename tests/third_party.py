@@ -23,6 +23,7 @@ __all__ = [
     "LossRecorder",
     "Tokens",
     "add_lora",
+    "checkpoint_layers",
     "gpt2",
     "hf_model",
     "llama",
@@ -81,10 +82,25 @@ def add_lora(model: torch.nn.Module, *, seed: int = 1) -> torch.nn.Module:
     return peft_model
 
 
+def checkpoint_layers(model: Any, *, reentrant: bool) -> None:
+    """Hugging Face's activation checkpointing of every decoder layer, as a user turns it on: each layer's
+    forward runs again inside the backward. The reentrant form
+    (transformers 4's default) runs each layer's backward as a nested pass and, under a frozen embedding,
+    needs inputs that require grad (``enable_input_require_grads``, Hugging Face's advice)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5's name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.enable_input_require_grads()
+
+
 class LoraLlama(pl.LightningModule):
     """A user's fine-tuning module: ``AdamW(self.parameters())`` over a model whose base is frozen."""
 
-    def __init__(self, lr: float = 1e-2, lora: bool = True, seed: int = 0) -> None:
+    def __init__(
+        self, lr: float = 1e-2, lora: bool = True, seed: int = 0, checkpointing: bool = False
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model: torch.nn.Module | None = None
@@ -93,6 +109,8 @@ class LoraLlama(pl.LightningModule):
         if self.model is not None:
             return
         model = llama(self.hparams["seed"])
+        if self.hparams["checkpointing"]:
+            checkpoint_layers(model, reentrant=True)
         self.model = add_lora(model) if self.hparams["lora"] else model
 
     def forward(self, ids: Tensor) -> Tensor:

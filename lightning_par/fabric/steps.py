@@ -47,6 +47,8 @@ class FabricSteps:
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         if self._pipeline is not None:
             refuse_backward()
+        if self.engine is not None:  # its reductions end with this pass, past reentrant checkpoints'
+            self.engine.watch_backward(tensor)
         scaler = self.precision.scaler
         if scaler is not None:
             tensor = scaler.scale_loss(tensor)

@@ -110,6 +110,10 @@ class ZeroEngine:
         """Reduce the window's accumulated gradients now (see :meth:`GradSync.flush`)."""
         self.sync.flush()
 
+    def watch_backward(self, root: Tensor) -> None:
+        """The backward about to start from ``root`` ends the pass (see :meth:`GradSync.watch_backward`)."""
+        self.sync.watch_backward(root)
+
     def grad_view(self, param: nn.Parameter) -> Tensor | None:
         """Where ``param``'s gradient accumulates before the reduction (see :meth:`GradSync.grad_view`)."""
         return self.sync.grad_view(param)
@@ -191,6 +195,9 @@ class Engine(Protocol):
     * ``memory_bytes()``: bytes by category; keys present override what a caller would count itself.
     * ``comm_state()`` / ``load_comm_state()``: the gradient compressor's state for checkpoints (None
       when there is none).
+    * ``watch_backward(loss)``: called with the tensor a backward starts from, before it starts; the
+      engine's end-of-backward work then waits for that pass, past the nested passes of reentrant
+      activation checkpoints.
     """
 
     stage: int
@@ -203,6 +210,7 @@ class Engine(Protocol):
     def on_synchronized(self, listener: Callable[[], None]) -> None: ...
     def scale_grads(self, factor: float | Tensor) -> None: ...
     def flush(self) -> None: ...
+    def watch_backward(self, root: Tensor) -> None: ...
     def grad_view(self, param: nn.Parameter) -> Tensor | None: ...
     @property
     def sync_enabled(self) -> bool: ...

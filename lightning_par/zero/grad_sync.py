@@ -35,8 +35,10 @@ rank used keep ``grad=None`` while partially used ones are averaged with zeros. 
 The layout, the buffers and the reductions in flight are :class:`~lightning_par.zero.grad_buckets.GradBuckets`
 (the base class); :mod:`lightning_par.zero.broadcast` holds the module-state broadcast.
 
-Limits: one backward per pass (accumulate with :meth:`no_sync`); reentrant activation checkpointing
-(``use_reentrant=True``) is not supported, the non-reentrant kind is.
+Limits: one backward per pass (accumulate with :meth:`no_sync`). Reentrant activation checkpointing
+(``use_reentrant=True``) runs each region's backward as a nested pass: the front doors hand the loss to
+:meth:`GradSync.watch_backward`, so the window ends with the outer pass; a parameter used in two such
+regions gets two gradients in one pass and is refused.
 """
 
 from __future__ import annotations
@@ -187,16 +189,27 @@ class GradSync(GradBuckets):
                 listener()
 
     # ------------------------------------------------------------------ hooks
-    def _on_grad_ready(self, param: Tensor) -> None:
-        slot = self._slot_of[id(param)]
+    def watch_backward(self, root: Tensor) -> None:
+        """Run the end-of-backward work when the backward pass started from ``root`` ends. Without this,
+        it is queued from the first gradient hook, in whichever pass that hook runs: under a reentrant
+        checkpoint (``use_reentrant=True``) each region's backward is a nested pass of its own, whose end
+        comes before the earlier layers' gradients."""
+        if root.requires_grad:
+            root.register_hook(self._queue_finalize)
+
+    def _queue_finalize(self, grad: Tensor | None = None) -> None:
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finalize_backward)
+
+    def _on_grad_ready(self, param: Tensor) -> None:
+        slot = self._slot_of[id(param)]
+        self._queue_finalize()
         if self._ready_in_backward[slot]:
             raise RuntimeError(
-                f"Parameter {self._names[slot]!r} received two gradients in one backward pass (reentrant"
-                " activation checkpointing or two backward calls). Use non-reentrant checkpointing and one"
-                " backward per step, accumulating under no_sync()/block_backward_sync()."
+                f"Parameter {self._names[slot]!r} received two gradients in one backward pass (used in two"
+                " reentrant checkpoint regions, or two backward calls). Use non-reentrant checkpointing"
+                " there, and one backward per step, accumulating under no_sync()/block_backward_sync()."
             )
         self._ready_in_backward[slot] = True
         if self._order_pending:

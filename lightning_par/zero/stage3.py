@@ -15,7 +15,9 @@ unit's use:
   flowing into them re-gathers the unit (and prefetches the previous one) before its backward;
 * gradient hooks: each parameter's gradient is copied into a unit gradient buffer and released; when the
   unit's last gradient arrives the buffer is reduced into the unit's gradient shard (reduce-scatter, or
-  all-reduce and slice on Gloo) and the gathered parameters are freed.
+  all-reduce and slice on Gloo) and the gathered parameters are freed; a unit with frozen parameters
+  once its inputs' gradients are computed too (its frozen weights compute them), also when a reentrant
+  checkpoint recomputes the unit inside the backward and runs its backward as a nested pass.
 
 After the window's final backward, ``grad_shard`` holds this rank's slice of ``(1/N) Σ_r Σ_k g_{r,k}``,
 exactly what stage 2 holds; the optimizer is the user's, rebuilt over the shard fragments, and the shard
@@ -77,6 +79,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
+from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.hooks import RemovableHandle
 
 from lightning_par.zero.broadcast import broadcast_module_states
@@ -90,6 +93,14 @@ from lightning_par.zero.units import UnitPolicy, plan_units
 
 def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _in_reentrant_recompute() -> bool:
+    """Whether a reentrant checkpoint (``use_reentrant=True``) is recomputing its region: that forward
+    runs inside the backward, and a nested backward pass through the recomputed graph follows. (The
+    non-reentrant kind recomputes inside the node that needs a saved tensor, with no pass of its own.)"""
+    node = torch._C._current_autograd_node()
+    return node is not None and type(node) is CheckpointFunction._backward_cls
 
 
 class Stage3Engine(Stage3Reduce):
@@ -214,7 +225,13 @@ class Stage3Engine(Stage3Reduce):
     def _make_pre_forward(self, unit: Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             self._pre_forward(unit)
-            if unit.has_frozen and torch.is_grad_enabled() and not _in_backward():
+            # frozen weights are needed until the input gradients are computed, after the trainable
+            # ones' are reduced: in the backward of this forward, or of a reentrant recomputation's
+            if (
+                unit.has_frozen
+                and torch.is_grad_enabled()
+                and (not _in_backward() or _in_reentrant_recompute())
+            ):
                 self._watch_inputs(unit, [args, kwargs])
 
         return hook

@@ -86,6 +86,12 @@ class Stage3Reduce(Stage3Optim):
             self._free(unit)
 
     # ------------------------------------------------------------------ backward
+    def watch_backward(self, root: Tensor) -> None:
+        """End the backward work with the pass started from ``root``, not with a nested pass inside it
+        (a reentrant checkpoint's region; see :meth:`GradSync.watch_backward`)."""
+        if root.requires_grad:
+            root.register_hook(lambda grad: self._queue_callback())
+
     def _queue_callback(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
