@@ -51,7 +51,7 @@ from lightning_par.pipeline.hf import mask_call
 from tests.distributed import run_distributed
 from tests.test_pp_trainer import GLOBAL, SEED, N, _reference, _trainer
 from tests.test_strategy import LossRecorder, Tokens
-from tests.third_party import add_lora
+from tests.third_party import add_lora, checkpoint_layers
 
 Family = str  # a model_type: "gpt2", "llama", "gemma2", ...
 _CLASSES: dict[str, tuple[Any, Any]] = {
@@ -403,12 +403,16 @@ def _run(rank: int, world: int, tmp: str, kw: dict[str, Any]) -> dict[str, Any]:
     if kw.get("pretrained"):  # the reference's weights come from the file, this model's own are others
         kw = kw | {"pretrained": str(Path(tmp) / "pretrained")}
         seed = SEED + 1
-    lora, kw = kw.get("lora", False), {k: v for k, v in kw.items() if k != "lora"}
+    lora, reentrant = kw.get("lora", False), kw.get("checkpointing")
+    kw = {k: v for k, v in kw.items() if k not in ("lora", "checkpointing")}
     strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, **kw)
     trainer = _trainer(strategy, world, tmp, [rec])
     train = DataLoader(Tokens(N), batch_size=GLOBAL, shuffle=True)
-    make = module_factory("llama", seed, lora=lora)
-    trainer.fit(make(), train, DataLoader(Tokens(8), batch_size=8))
+    module = module_factory("llama", seed, lora=lora)()
+    if reentrant is not None:  # Hugging Face's activation checkpointing in the blocks the pieces run
+        assert module.model is not None
+        checkpoint_layers(module.model, reentrant=reentrant)
+    trainer.fit(module, train, DataLoader(Tokens(8), batch_size=8))
     state = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
     return {
         "losses": rec.losses,
@@ -426,9 +430,11 @@ LLAMA_CASES = [
     # fine-tuning a checkpoint: a save_pretrained directory read lazily into the stages (meta init)
     (2, dict(pipeline_schedule="1f1b", pretrained=True)),
     # a PEFT LoRA model handed over as it is: frozen base, adapters inside the blocks' projections; zb
-    # defers the adapters' weight gradients (their A and B are nn.Linear) and skips the frozen bases
-    (2, dict(pipeline_schedule="1f1b", lora=True)),
-    (2, dict(pipeline_schedule="zb", lora=True, zero_stage=1)),
+    # defers the adapters' weight gradients (their A and B are nn.Linear) and skips the frozen bases.
+    # Both with Hugging Face's activation checkpointing (the reference without): reentrant under 1f1b,
+    # non-reentrant under zb (zb refuses the reentrant kind)
+    (2, dict(pipeline_schedule="1f1b", lora=True, checkpointing=True)),
+    (2, dict(pipeline_schedule="zb", lora=True, zero_stage=1, checkpointing=False)),
     # LoRA at pp2 x tp2: the A of a column-parallel projection is replicated and its gradient summed over
     # the tp group by a hook, so zb keeps it in B (a deferred W would skip the sum)
     (4, dict(pipeline_schedule="zb", lora=True, tensor_parallel_size=2, tp_plan="llama")),

@@ -1,8 +1,8 @@
 """The split backward of ``zb`` (``WeightGradSplit``) against autograd's fused backward, in one process:
 gradients from nothing, accumulated onto existing ones, into an engine buffer (``grad_of``), and under
 bf16 autocast where the buffer's dtype differs from the output gradient's; Hugging Face's ``Conv1D``
-(GPT-2's block); our tensor-parallel linears on 2 ranks against the unsharded layers; and a chunk with
-nothing to defer."""
+(GPT-2's block); our tensor-parallel linears on 2 ranks against the unsharded layers; a chunk with
+nothing to defer; and reentrant activation checkpointing refused with the fix."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from transformers import GPT2Config
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.pytorch_utils import Conv1D
@@ -18,6 +19,7 @@ from transformers.pytorch_utils import Conv1D
 from lightning_par.pipeline.weight_grad import GradOf, WeightGradSplit
 from lightning_par.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from tests.distributed import run_distributed
+from tests.third_party import checkpoint_layers, gpt2
 
 
 class _Net(nn.Module):
@@ -269,3 +271,37 @@ def test_a_linear_applied_without_its_forward_stays_in_b() -> None:
     out_proj = net.layer.self_attn.out_proj
     assert out_proj.weight.grad is not None  # B computed it: the layer's forward never ran
     assert net.layer.linear1.weight.grad is None and buffers[net.layer.linear1.weight].abs().sum() > 0
+
+
+class _HandCheckpointed(nn.Module):
+    """A user's layer checkpointed by hand, reentrantly: no flag to see, torch raises inside ``B``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return checkpoint(self.lin, x, use_reentrant=True)
+
+
+def test_reentrant_activation_checkpointing_is_refused_with_the_fix() -> None:
+    fix = r"use_reentrant=False .* or use pipeline_schedule='1f1b'"
+    model = gpt2()
+    blocks = model.transformer.h  # a chunk of Hugging Face blocks
+    checkpoint_layers(model, reentrant=True)
+    with pytest.raises(
+        ValueError, match=r"2 layer\(s\) .* reentrant activation checkpointing \(0, 1\)\. .*" + fix
+    ):
+        WeightGradSplit([blocks])
+    checkpoint_layers(model, reentrant=False)  # the non-reentrant kind is deferred as usual
+    split = WeightGradSplit([blocks])
+    checkpoint_layers(model, reentrant=True)  # turned on after the split was built: refused at the step
+    with pytest.raises(ValueError, match=fix), split.attached():
+        pass
+    net = _HandCheckpointed()
+    split = WeightGradSplit([net])
+    x = torch.randn(2, 8, requires_grad=True)
+    with split.attached(), pytest.raises(RuntimeError, match=r"inside a pipeline chunk\. .*" + fix):
+        with split.forward((0, 0)):
+            out = net(x).sum()
+        split.backward(out, None, x, chunk=0, key=(0, 0))

@@ -29,7 +29,9 @@ given micro-batch (``nn.MultiheadAttention`` multiplies by ``out_proj.weight`` w
 ``out_proj``), stays in ``B``. Not detected: a weight used both by its layer's forward and directly in
 the same micro-batch (``F.linear(x, layer.weight)`` in another module's code); ``W`` would add only the
 forward's share. Register such a weight as a parameter of both modules (shared, it stays in ``B``), or
-use ``1f1b``. The hooks are
+use ``1f1b``. Reentrant activation checkpointing (``use_reentrant=True``) runs a region's backward as
+a nested pass that ``inputs=`` cannot restrict, which torch refuses: the split refuses Hugging Face's
+reentrant flag when built and at every step, and names the fix if torch raises for another. The hooks are
 registered for a step and removed after it (:meth:`attached`). Chunks with none of these layers have
 empty ``W`` passes, which leaves zero bubble with 1F1B's work in a schedule built for less: a warning
 says so when the split is built.
@@ -37,6 +39,7 @@ says so when the split is built.
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from collections import Counter
@@ -75,6 +78,31 @@ def weight_layout(module: nn.Module) -> Layout | None:
     return None
 
 
+_REENTRANT_FIX = (
+    " The zero-bubble schedules split each backward with torch.autograd.backward(inputs=...), which"
+    " reentrant activation checkpointing refuses. Checkpoint with use_reentrant=False (Hugging Face:"
+    " model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}), the"
+    " default from transformers 5), or use pipeline_schedule='1f1b' / 'interleaved_1f1b'."
+)
+
+
+def reentrant_checkpointed(chunks: Sequence[nn.Module]) -> list[str]:
+    """The layers of ``chunks`` that Hugging Face's activation checkpointing runs reentrantly: flagged
+    ``gradient_checkpointing`` with a checkpoint function bound to ``use_reentrant=True`` (torch's
+    default when unset; transformers 4 binds it)."""
+    found = []
+    for c in chunks:
+        for name, m in c.named_modules():
+            func = getattr(m, "_gradient_checkpointing_func", None)
+            if (
+                getattr(m, "gradient_checkpointing", False) is True
+                and isinstance(func, functools.partial)
+                and func.keywords.get("use_reentrant", True)
+            ):
+                found.append(name or type(m).__name__)
+    return found
+
+
 class WeightGradSplit:
     """Defers the weight gradients of ``chunks``' matrix-product layers from ``B`` to ``W`` (module
     docstring). ``rank`` only names this rank in the warning about chunks with nothing to defer."""
@@ -110,10 +138,22 @@ class WeightGradSplit:
         self._stash: dict[Key, list[tuple[nn.Module, Tensor, Tensor]]] = {}
         self._kept: dict[Key, list[nn.Parameter]] = {}  # linear parameters that stay in B this time
         self._hooked: dict[Key, set[nn.Module]] = {}  # layers whose forward ran (recorded or kept)
+        self._refuse_reentrant()  # at setup already, where the model came with checkpointing on
+
+    def _refuse_reentrant(self) -> None:
+        reentrant = reentrant_checkpointed(self._chunks)
+        if reentrant:
+            raise ValueError(
+                f"{len(reentrant)} layer(s) of this pipeline rank use reentrant activation checkpointing"
+                f" ({', '.join(reentrant[:3])}{', ...' if len(reentrant) > 3 else ''})." + _REENTRANT_FIX
+            )
 
     @contextmanager
     def attached(self) -> Iterator[None]:
-        """Hooks on the deferrable layers for one step; removed after it, with anything left unapplied."""
+        """Hooks on the deferrable layers for one step; removed after it, with anything left unapplied.
+        Refuses reentrant activation checkpointing first (turned on since construction), before the
+        step's first transfer."""
+        self._refuse_reentrant()
         handles = [m.register_forward_hook(self._on_forward) for m in self._linears]
         # the parameters are read at every step, not kept from construction: an engine that materialises
         # meta parameters (ZeRO-3 meta init) replaces the parameter objects after the split is built
@@ -174,7 +214,14 @@ class WeightGradSplit:
         ]
         inputs: list[Tensor] = [*self._eager[chunk], *self._kept.pop(key, []), *unhooked, *grad_leaves(x)]
         if inputs:
-            torch.autograd.backward(outs, dys, inputs=inputs)
+            try:
+                torch.autograd.backward(outs, dys, inputs=inputs)
+            except RuntimeError as error:  # a reentrant checkpoint called directly, not flagged
+                if "use_reentrant=True" not in str(error):
+                    raise
+                raise RuntimeError(
+                    "Reentrant activation checkpointing inside a pipeline chunk." + _REENTRANT_FIX
+                ) from error
         else:  # nothing but deferred weights: one ordinary backward, nothing left for W
             torch.autograd.backward(outs, dys)
             self._stash.pop(key, None)
