@@ -25,7 +25,8 @@ itself is the fp32 master. Gradients are reduced after every backward (the memor
 stage 3), so ``no_sync`` only marks non-final micro-batches. The root unit (what no unit owns: e.g.
 embeddings, final norm, tied head) is gathered by :meth:`Stage3Engine.forward_context` (the strategy
 wraps every step in it) or by a pre-hook on the root module, and stays gathered until its gradients are
-reduced.
+reduced. Outside both (the model's own code calling its embedding or head from a Lightning hook, as
+``generate()`` does), each module holding root parameters gathers the root for its call.
 
 Deferred reduction (``defer_reduction=True``, what pipeline parallelism uses): a pipeline step runs the
 forwards and backwards of its micro-batches interleaved, so a unit's backward comes once per micro-batch.
@@ -169,6 +170,7 @@ class Stage3Engine(Stage3Reduce):
         self._order: list[Unit] = []
         self._recording = True
         self._in_step = 0  # inside forward_context (a training/eval step)
+        self._borrower: nn.Module | None = None  # a module call that gathered the root (_borrow_root)
         self._sync = True
         self._callback_queued = False
         self._inflight: list[tuple[Unit, Any, Tensor, Tensor | None]] = []
@@ -220,6 +222,27 @@ class Stage3Engine(Stage3Reduce):
             self._handles.append(module.register_forward_hook(self._make_post_forward(unit)))
             for p in unit.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        if self.root is not None:  # the modules holding root parameters, called without the root's forward
+            mine = {id(p) for part in self.root.parts for p in part.params}
+            for m in self.module.modules():
+                if m is not self.module and any(id(p) in mine for p in m.parameters(recurse=False)):
+                    self._handles.append(m.register_forward_pre_hook(self._borrow_root))
+                    self._handles.append(m.register_forward_hook(self._return_root))
+
+    def _borrow_root(self, module: nn.Module, args: Any) -> None:
+        """Gather the root unit for a call of ``module`` (it holds root parameters) while nothing else
+        holds it: no step, no forward of the root module. Hugging Face's ``generate()`` in a Lightning
+        hook calls the embedding and the head that way; placeholders would give NaN logits."""
+        if self.root is not None and self.root.state == "sharded":
+            self._wait(self.root)
+            self._borrower = module
+
+    def _return_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The borrower's call is over: free the root, unless a backward will need it (as in a step)."""
+        if module is self._borrower and self.root is not None:
+            self._borrower = None
+            if not torch.is_grad_enabled() and not _in_backward():
+                self._free(self.root)
 
     # ------------------------------------------------------------------ forward hooks
     def _make_pre_forward(self, unit: Unit) -> Callable[..., None]:

@@ -1,0 +1,106 @@
+"""Hugging Face's ``generate()`` on a model trained under ZeRO-3, called where users call it: in
+``validation_step``, in ``on_validation_epoch_end`` and in a callback's ``on_validation_end`` (outside
+any step: the model's own code calls the embedding and the head without the LightningModule's forward,
+so the strategy's step context does not gather them), and after ``fit``. At ZeRO-3 and at tp2 x ZeRO-3
+(its KV cache holding the local heads), each greedy generation equals the one of the single-process
+model at the weights the run ended with. Before, the two hooks generated from the root unit's NaN
+placeholders: token 0 after the prompt, silently."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_par import HybridParallelStrategy
+from tests.distributed import run_distributed
+from tests.third_party import Tokens, llama
+
+PROMPT = torch.tensor([[5, 9, 3, 7], [1, 2, 3, 4]])
+
+
+def _generate(model: Any) -> Tensor:
+    return model.generate(PROMPT, max_new_tokens=5, do_sample=False, pad_token_id=0).cpu()
+
+
+class Generating(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: Any = None
+        self.generated: dict[str, Tensor] = {}
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = llama(seed=0)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(input_ids=x).logits.flatten(0, 1), y.flatten())
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        if batch_idx == 0:
+            self.generated["validation_step"] = _generate(self.model)
+
+    def on_validation_epoch_end(self) -> None:
+        self.generated["on_validation_epoch_end"] = _generate(self.model)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class Sampler(pl.Callback):
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pl_module.generated["callback"] = _generate(pl_module.model)  # type: ignore[operator]
+        # gathered for the calls only: nothing stays gathered after them
+        self.live_units = trainer.strategy.engine.memory_bytes()["live_units"]  # type: ignore[attr-defined]
+
+
+def _runs(rank: int, world: int) -> dict[str, Any]:
+    out = {}
+    layouts = {"zero3": {}, "tp2_zero3": {"tensor_parallel_size": 2, "tp_plan": "llama"}}
+    for name, kw in layouts.items():
+        pl.seed_everything(0)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=HybridParallelStrategy(zero_stage=3, **kw),  # type: ignore[arg-type]
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[Sampler()],
+        )
+        module, sampler = Generating(), trainer.callbacks[0]
+        trainer.fit(module, DataLoader(Tokens(8), batch_size=4), DataLoader(Tokens(4), batch_size=2))
+        state = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+        generated = dict(module.generated)
+        generated["after_fit"] = _generate(module.model)
+        trainer.strategy.destroy_process_groups()  # type: ignore[attr-defined]
+        prefix = "model."  # the LightningModule's attribute
+        assert sampler.live_units == 0  # type: ignore[attr-defined]
+        out[name] = {
+            "generated": generated,
+            "state": {k.removeprefix(prefix): v.clone() for k, v in state.items()},
+        }
+    return out
+
+
+def test_generate_inside_and_outside_steps_at_zero3_equals_one_process() -> None:
+    runs = run_distributed(_runs, 2, init_group=False)
+    torch.set_num_threads(1)
+    start = _generate(llama(seed=0))
+    for name in ("zero3", "tp2_zero3"):
+        reference = llama(seed=0)
+        reference.load_state_dict(runs[0][name]["state"])  # the weights the run ended with
+        want = _generate(reference)
+        assert not torch.equal(want, start)  # training changed what it generates
+        for rank, run in enumerate(runs):
+            generated = run[name]["generated"]
+            assert generated.keys() == {"validation_step", "on_validation_epoch_end", "callback", "after_fit"}
+            for where, got in generated.items():
+                assert torch.equal(got, want), (name, rank, where, got.tolist(), want.tolist())
