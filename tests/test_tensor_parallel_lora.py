@@ -39,7 +39,11 @@ CASES: list[tuple[str, str | dict[str, str], bool]] = [
     ("llama", "llama", False),
     ("llama-sp", "llama", True),
     ("no-region", NO_REGION_PLAN, False),
+    # PEFT's modules_to_save: a trained copy of the head and of the embedding beside the frozen originals,
+    # all four sharded by the plan's styles, the wrappers kept (before, refused: "needs an nn.Linear")
+    ("llama-saved", "llama", False),
 ]
+SAVED = {"llama-saved": ["lm_head", "embed_tokens"]}
 
 
 def hf_llama(**lora: Any) -> nn.Module:
@@ -112,8 +116,8 @@ def _merged_logits(model: nn.Module) -> Tensor:
     return logits
 
 
-def _peft_case(plan: str | dict[str, str], sp: bool) -> dict[str, Any]:
-    model = hf_llama()
+def _peft_case(plan: str | dict[str, str], sp: bool, saved: list[str] | None) -> dict[str, Any]:
+    model = hf_llama(modules_to_save=saved)
     ref = copy.deepcopy(model)
     initial = {n: p.detach().clone() for n, p in ref.named_parameters()}
     applied = apply_tensor_parallel(model, group=WORLD, plan=plan, sequence_parallel=sp)
@@ -278,7 +282,7 @@ def _refusals(rank: int, world: int, singles: list[Any]) -> str:
 
 def _all(rank: int, world: int) -> dict[str, Any]:
     singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
-    out: dict[str, Any] = {key: _peft_case(plan, sp) for key, plan, sp in CASES}
+    out: dict[str, Any] = {key: _peft_case(plan, sp, SAVED.get(key)) for key, plan, sp in CASES}
     out["gpt"] = _frozen_gpt(rank, world)
     out["toy"] = _toy_heads(rank, world)
     out["refusals"] = _refusals(rank, world, singles)
@@ -321,7 +325,12 @@ def test_peft_lora_llama_trains_like_unsharded(results: list[dict[str, Any]], ke
                     assert dim == want, f"{n}: {TP_DIM_ATTR}={dim}, want {want}"
         torch.testing.assert_close(torch.tensor(c["got"]["losses"]), torch.tensor(c["want"]["losses"]))
         grads, ref_grads = c["got"]["first_grads"], c["want"]["first_grads"]
-        assert sorted(grads) == sorted(ref_grads) and all("lora_" in n for n in grads)
+        assert sorted(grads) == sorted(ref_grads)
+        assert all("lora_" in n or ".modules_to_save." in n for n in grads)
+        saved = [n for n in c["dims"] if ".original_module." in n or ".modules_to_save." in n]
+        assert len(saved) == (4 if key in SAVED else 0), saved
+        for n in saved:  # the original and the trained copy are sharded alike (rows: vocab / output)
+            assert c["dims"][n] == 0, (n, c["dims"][n])
         for n, g in ref_grads.items():
             torch.testing.assert_close(grads[n], g, msg=f"rank {rank} {key} grad {n}")
         for n, v in c["ref_state"].items():

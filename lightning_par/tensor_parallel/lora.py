@@ -24,6 +24,10 @@ is still called ``weight``, so parameter names (``...q_proj.lora_A.default.weigh
     sequence-parallel :class:`RowParallelLinear`), so ``B`` sees only this rank's tokens and its weight
     gradient is all-reduced.
 
+PEFT's ``modules_to_save`` wrapper (a trained copy of a whole layer beside its frozen original, e.g. the
+LM head or the embedding) is kept as well: the original and every adapter's copy get the plan's style,
+as the layer alone would (:func:`saved_copies`).
+
 Refused (``ValueError``), because the sharded layer would not compute the same function: DoRA (its
 magnitude needs the norms of the full ``W + s B A``), ``lora_bias``, other LoRA variants, merged
 adapters, ``fan_in_fan_out``, and LoRA on an embedding. Dropout > 0 is allowed; as for any dropout under
@@ -68,6 +72,16 @@ def is_lora_wrapper(module: nn.Module) -> bool:
         and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
         and isinstance(getattr(module, "lora_B", None), nn.ModuleDict)
     )
+
+
+def saved_copies(module: nn.Module) -> dict[str, nn.Module] | None:
+    """PEFT's ``modules_to_save`` wrapper (duck typing: ``original_module`` and a ``modules_to_save``
+    ModuleDict): ``{path inside the wrapper: layer}`` of the frozen original and each adapter's trained
+    copy, which a plan style shards alike, the wrapper kept; None for any other module."""
+    original, copies = getattr(module, "original_module", None), getattr(module, "modules_to_save", None)
+    if not isinstance(original, nn.Module) or not isinstance(copies, nn.ModuleDict):
+        return None
+    return {"original_module": original} | {f"modules_to_save.{k}": m for k, m in copies.items()}
 
 
 def _adapter_flag(module: nn.Module, attr: str, adapter: str) -> bool:

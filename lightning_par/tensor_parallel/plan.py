@@ -53,6 +53,7 @@ from lightning_par.tensor_parallel.lora import (
     check_lora,
     convert_lora_linear,
     is_lora_wrapper,
+    saved_copies,
 )
 
 Style = Literal[
@@ -206,6 +207,10 @@ def apply_tensor_parallel(
         if is_lora_wrapper(modules[name]):
             for part in style.split("+"):
                 check_lora(modules[name], name=name, style=part)
+        for path, layer in (saved_copies(modules[name]) or {}).items():
+            for part in style.split("+"):
+                _refuse_parallel(layer, f"{name}.{path}")
+                _check_kind(layer, f"{name}.{path}", part)
     applied: dict[str, str] = {}
     for name, style in targets:
         parent_name, _, attr = name.rpartition(".")
@@ -250,27 +255,38 @@ def _convert(
             return convert_lora_linear(
                 old, name=name, style=style, group=group, sequence_parallel=sp, in_region=in_region
             )
+        copies = saved_copies(old)
+        if copies is not None:  # PEFT's modules_to_save: the original and each trained copy alike
+            for path, layer in copies.items():
+                holder, _, attr = path.rpartition(".")
+                owner = old.get_submodule(holder) if holder else old
+                setattr(owner, attr, _convert(layer, f"{name}.{path}", style, group, sp, in_region))
+            return old
+        _check_kind(old, name, style)
     if style in _LINEAR_STYLES:
-        if not isinstance(old, nn.Linear):
-            raise ValueError(
-                f"tp_plan style {style!r} needs an nn.Linear, but {name!r} is {type(old).__name__}."
-            )
+        assert isinstance(old, nn.Linear)  # _check_kind
         if style == "rowwise":
             return RowParallelLinear.from_linear(old, group=group, name=name, sequence_parallel=sp)
         return ColumnParallelLinear.from_linear(
             old, group=group, name=name, gather_output=style == "colwise_gather", copy_input=not in_region
         )
     if style == "vocab":
-        if not isinstance(old, nn.Embedding):
-            raise ValueError(
-                f"tp_plan style 'vocab' needs an nn.Embedding, but {name!r} is {type(old).__name__}."
-            )
+        assert isinstance(old, nn.Embedding)  # _check_kind
         return VocabParallelEmbedding.from_embedding(old, group=group, name=name)
     if style == "region_input":
         return make_region_input(old, group=group, sequence_parallel=sp)
     if not sp:
         raise ValueError(f"tp_plan style {style!r} on {name!r} needs sequence_parallel=True.")
     return make_scatter_sequence(old, group=group, at_input=style == "scatter_sequence_input")
+
+
+def _check_kind(old: nn.Module, name: str, style: str) -> None:
+    if style in _LINEAR_STYLES and not isinstance(old, nn.Linear):
+        raise ValueError(f"tp_plan style {style!r} needs an nn.Linear, but {name!r} is {type(old).__name__}.")
+    if style == "vocab" and not isinstance(old, nn.Embedding):
+        raise ValueError(
+            f"tp_plan style 'vocab' needs an nn.Embedding, but {name!r} is {type(old).__name__}."
+        )
 
 
 def _divide_heads(attention: nn.Module, t: int, name: str) -> None:
