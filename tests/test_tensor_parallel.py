@@ -23,6 +23,7 @@ from lightning_par.tensor_parallel import (
 )
 from lightning_par.tensor_parallel import comm as tp_comm
 from tests.distributed import run_distributed
+from tests.third_party import LLAMA, hf_model
 
 WORLD = dist.group.WORLD
 
@@ -155,6 +156,7 @@ def _gpt(rank: int, world: int) -> dict[str, Any]:
             "applied": applied,
         }
     out["llama"] = _llama(rank, world)
+    out["hf_without_lm_head"] = _hf_without_lm_head(rank, world)
     out["counts"] = _count(rank, world)
     out["errors"] = _errors(rank, world)
     return out
@@ -175,7 +177,7 @@ def test_gpt_tp2_matches_unsharded_with_and_without_sequence_parallel() -> None:
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses))
             for k, v in ref.named_parameters():
                 torch.testing.assert_close(got["state"][k], v.detach(), msg=f"sp={sp} {k}")
-        assert r["llama"] == "ok" and r["errors"] == "ok"
+        assert r["llama"] == r["hf_without_lm_head"] == r["errors"] == "ok"
     # per transformer block: 2 all-reduces in forward and 2 in backward without sequence parallelism;
     # with it, 2 all-gathers + 2 reduce-scatters each way, plus, in backward, one small all-reduce per
     # parameter that saw only this rank's tokens (ln_1 and ln_2 weight and bias, out_proj and fc_out bias)
@@ -312,7 +314,48 @@ def _llama(rank: int, world: int) -> str:
     return "ok"
 
 
+def _hf_without_lm_head(rank: int, world: int) -> str:
+    """The llama plan on Hugging Face Llamas without an LM head: a sequence classifier (its ``score``
+    head) and a bare ``LlamaModel`` (a loss on the hidden states). The head stays replicated and the final
+    norm is no region input, or under SP ends it (``sequence_output``): 3 SGD steps equal the unsharded
+    model. Before, refused ("'*.lm_head' matches no module"); with the norm a region input, the input
+    gradients would have been summed over the replicated head, t times too large."""
+    builds = {
+        "classifier": lambda: hf_model(
+            "LlamaForSequenceClassification", "LlamaConfig", **LLAMA, num_labels=3, pad_token_id=0
+        ),
+        "base": lambda: hf_model("LlamaModel", "LlamaConfig", **LLAMA),
+    }
+    labels = torch.tensor([0, 2, 1, 1])
+
+    def loss_of(model: nn.Module, x: Tensor, kind: str) -> Tensor:
+        if kind == "classifier":  # pooled at the token before each row's first pad (id 0), or the last
+            return F.cross_entropy(model(input_ids=x).logits, labels)
+        return model(input_ids=x).last_hidden_state.pow(2).mean()
+
+    for kind, build in builds.items():
+        for sp in (False, True):
+            ref = build()
+            model = copy.deepcopy(ref)
+            applied = apply_tensor_parallel(model, group=WORLD, plan="llama", sequence_parallel=sp)
+            norm = "norm" if kind == "base" else "model.norm"
+            assert not any(n.endswith(("lm_head", "score")) for n in applied)
+            assert applied.get(norm) == ("sequence_output" if sp else None), applied.get(norm)
+            for net in (ref, model):
+                opt = torch.optim.SGD(net.parameters(), lr=0.5)
+                for x, _ in _batches():
+                    opt.zero_grad()
+                    loss_of(net, x, kind).backward()
+                    opt.step()
+            state = gather_full(model)
+            for k, v in ref.named_parameters():
+                torch.testing.assert_close(state[k], v.detach(), msg=f"{kind} sp={sp} {k}")
+    return "ok"
+
+
 def _errors(rank: int, world: int) -> str:
+    with pytest.raises(ValueError, match=r"\['max_norm', 'sparse'\].*leave it out of the tp_plan"):
+        VocabParallelEmbedding.from_embedding(nn.Embedding(64, 8, max_norm=1.0, sparse=True), group=WORLD)
     with pytest.raises(ValueError, match=r"n_head=3, not divisible by tensor_parallel_size=2"):
         apply_tensor_parallel(
             GPT(GPTConfig(vocab_size=64, n_head=3, n_embd=48, n_layer=1)), group=WORLD, plan="gpt"

@@ -152,6 +152,12 @@ def gather_seq(x: Tensor, group: ProcessGroup) -> Tensor:
     return _GatherDim.apply(x, 1, group, True)
 
 
+def gather_seq_replicated(x: Tensor, group: ProcessGroup) -> Tensor:
+    """Forward all-gather along the sequence dim (1), backward keep this rank's slice: sequence
+    parallelism ends before a replicated consumer, whose output gradient is the same on every rank."""
+    return _GatherDim.apply(x, 1, group, False)
+
+
 def reduce_scatter_seq(x: Tensor, group: ProcessGroup) -> Tensor:
     """Forward reduce-scatter along the sequence dim, backward all-gather: sequence-parallel exit."""
     return _ReduceScatterDim.apply(x, 1, group)

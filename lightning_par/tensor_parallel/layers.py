@@ -27,7 +27,6 @@ and slices, so that the ranks' slices are parts of one matrix.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -39,10 +38,8 @@ from torch.distributed import ProcessGroup
 from lightning_par.tensor_parallel.comm import (
     copy_to,
     gather_last,
-    gather_seq,
     reduce_from,
     reduce_scatter_seq,
-    scatter_seq,
 )
 
 TP_DIM_ATTR = "_lp_tp_dim"
@@ -224,10 +221,17 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """``nn.Embedding`` whose table rows (the vocabulary) are split over the group."""
+    """``nn.Embedding`` whose table rows (the vocabulary) are split over the group. ``padding_idx`` (a
+    global id, as ``nn.Embedding``'s) gets no gradient on the rank holding its row, as unsharded."""
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, *, group: ProcessGroup, name: str = ""
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        group: ProcessGroup,
+        name: str = "",
+        padding_idx: int | None = None,
     ) -> None:
         super().__init__()
         self.group = group
@@ -241,14 +245,30 @@ class VocabParallelEmbedding(nn.Module):
         )
         self.start = dist.get_rank(group) * local
         self.end = self.start + local
+        self.padding_idx = padding_idx
+        self._local_padding_idx: int | None = None  # this rank's row of padding_idx, if it holds it
+        if padding_idx is not None and self.start <= padding_idx < self.end:
+            self._local_padding_idx = padding_idx - self.start
         self.weight = _mark(nn.Parameter(torch.empty(local, embedding_dim)), 0)
 
     @classmethod
     def from_embedding(
         cls, emb: nn.Embedding, *, group: ProcessGroup, name: str = ""
     ) -> VocabParallelEmbedding:
+        unsupported = {
+            "max_norm": emb.max_norm is not None,
+            "scale_grad_by_freq": emb.scale_grad_by_freq,
+            "sparse": emb.sparse,
+        }
+        if any(unsupported.values()):
+            raise ValueError(
+                f"{name or 'The embedding'} uses {[k for k, v in unsupported.items() if v]}, which need the"
+                " whole vocabulary on one rank; leave it out of the tp_plan (it then stays replicated)."
+            )
         with torch.device(emb.weight.device):
-            layer = cls(emb.num_embeddings, emb.embedding_dim, group=group, name=name)
+            layer = cls(
+                emb.num_embeddings, emb.embedding_dim, group=group, name=name, padding_idx=emb.padding_idx
+            )
         with torch.no_grad():
             layer.weight.data = emb.weight.detach()[layer.start : layer.end].clone()
         _inherit(layer, emb)
@@ -257,90 +277,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from(out, self.group)
-
-
-def make_region_input(module: nn.Module, *, group: ProcessGroup, sequence_parallel: bool) -> nn.Module:
-    """Make ``module``'s output (a norm's) the input of a tensor-parallel region. Without sequence
-    parallelism: ``copy_to`` on the output, so the partial input gradients of all the column-parallel
-    layers that read it are summed by one all-reduce. With it: the module runs on this rank's sequence
-    shard, its parameters' gradients (which saw only part of the tokens) are all-reduced over the group,
-    and its output is all-gathered along the sequence. Hooks, not a wrapper: parameter names stay."""
-    if not sequence_parallel:
-        module.register_forward_hook(lambda _m, _a, out: copy_to(out, group))
-        return module
-    for name, _ in module.named_parameters(recurse=False):
-        sum_grad_over_group(module, name, group=group)
-    module.register_forward_hook(lambda _m, _a, out: gather_seq(out, group))
-    return module
-
-
-def sum_grad_over_group(owner: nn.Module, name: str, *, group: ProcessGroup) -> None:
-    """All-reduce (sum) the gradient of ``owner``'s parameter ``name`` over ``group`` as it is computed: for
-    a replicated parameter whose gradient on each rank is only a partial sum (it saw a sequence shard, or
-    was reached through a column-parallel slice), so that every rank then holds the full, identical one.
-
-    The tensor hook goes, at each forward of ``owner``, on the Parameter registered as ``name`` at that
-    time, if it requires grad and has none yet. So a frozen parameter (a PEFT model's norms, an inactive
-    adapter) gets it once unfrozen, and a parameter replaced after this call (materialised from the meta
-    device by ZeRO-3's meta init, filled from pretrained weights) gets it too, where a hook put on the
-    object at hand would stay on the discarded one. ``owner`` lists ``name`` in ``SUMMED_ATTR``: the
-    zero-bubble split keeps such a layer's weight gradient in its backward, since a deferred product
-    (:mod:`lightning_par.pipeline.weight_grad`) would skip the hook."""
-    hooked: dict[int, weakref.ref[Tensor]] = {}  # by id, checked by identity (a tensor's == is elementwise)
-
-    def pre_hook(module: nn.Module, _args: Any) -> None:
-        param = module._parameters.get(name)
-        if param is None or not param.requires_grad:
-            return
-        seen = hooked.get(id(param))
-        if seen is None or seen() is not param:
-            param.register_hook(lambda g: _all_reduce_grad(g, group))
-            hooked[id(param)] = weakref.ref(param)
-
-    owner.register_forward_pre_hook(pre_hook)
-    owner.__dict__.setdefault(SUMMED_ATTR, set()).add(name)
-
-
-def make_scatter_sequence(module: nn.Module, *, group: ProcessGroup, at_input: bool = False) -> nn.Module:
-    """Keep this rank's slice of ``module``'s output along the sequence: sequence parallelism starts here
-    (the backward all-gathers). ``at_input``: slice its input instead (the first positional argument, or
-    ``hidden_states=``), for models that derive positions and attention masks from the length of the
-    embedding's output (Hugging Face decoders: SP then starts at the first decoder layer)."""
-
-    def scatter(out: Tensor) -> Tensor:
-        t = dist.get_world_size(group)
-        if out.shape[1] % t != 0:
-            raise ValueError(
-                f"Sequence parallelism splits the sequence over tensor_parallel_size={t} ranks, but the"
-                f" sequence length is {out.shape[1]}; use a length divisible by {t}."
-            )
-        return scatter_seq(out, group)
-
-    def scatter_input(
-        _m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if args:
-            return (scatter(args[0]), *args[1:]), kwargs
-        if isinstance(kwargs.get("hidden_states"), Tensor):
-            return args, {**kwargs, "hidden_states": scatter(kwargs["hidden_states"])}
-        raise ValueError(
-            f"scatter_sequence_input on {type(module).__name__}: it was called without a positional input"
-            " or hidden_states=, so there is no sequence to split."
-        )
-
-    if at_input:
-        module.register_forward_pre_hook(scatter_input, with_kwargs=True)
-    else:
-        module.register_forward_hook(lambda _m, _a, out: scatter(out))
-    return module
-
-
-def _all_reduce_grad(grad: Tensor, group: ProcessGroup) -> Tensor:
-    grad = grad.clone()
-    dist.all_reduce(grad, group=group)
-    return grad
+        out = F.embedding(local, self.weight, padding_idx=self._local_padding_idx)
+        return reduce_from(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -48,8 +48,8 @@ from lightning_par.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    sum_grad_over_group,
 )
+from lightning_par.tensor_parallel.regions import sum_grad_over_group
 
 PARALLEL_TYPES: tuple[type[nn.Module], ...] = (
     ColumnParallelLinear,

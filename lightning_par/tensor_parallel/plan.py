@@ -12,6 +12,8 @@ and ``model.blocks.3.attn.q_proj``). Styles:
 ``region_input``   any module (the norm before a region) -> its output enters a tensor-parallel region:
                    ``copy_to`` (one gradient all-reduce for all the column-parallel layers that read it);
                    with SP the module runs on sequence shards and its output is all-gathered
+``sequence_output`` any module (a final norm before a replicated head) -> runs on sequence shards, its
+                   output all-gathered, the backward keeping this rank's slice (SP only: where SP ends)
 ``scatter_sequence`` any module -> output split along the sequence (SP only: where SP starts)
 ``scatter_sequence_input`` any module -> its input split along the sequence (SP only: where SP starts,
                    for models that compute positions and masks from the embedding's output length)
@@ -45,8 +47,6 @@ from lightning_par.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    make_region_input,
-    make_scatter_sequence,
 )
 from lightning_par.tensor_parallel.lora import (
     PARALLEL_TYPES,
@@ -55,6 +55,11 @@ from lightning_par.tensor_parallel.lora import (
     is_lora_wrapper,
     saved_copies,
 )
+from lightning_par.tensor_parallel.regions import (
+    make_region_input,
+    make_scatter_sequence,
+    make_sequence_output,
+)
 
 Style = Literal[
     "colwise",
@@ -62,6 +67,7 @@ Style = Literal[
     "rowwise",
     "vocab",
     "region_input",
+    "sequence_output",
     "scatter_sequence",
     "scatter_sequence_input",
 ]
@@ -71,6 +77,7 @@ STYLES: tuple[str, ...] = (
     "rowwise",
     "vocab",
     "region_input",
+    "sequence_output",
     "scatter_sequence",
     "scatter_sequence_input",
 )
@@ -152,6 +159,26 @@ def _matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase("." + name, pattern)
 
 
+# A shipped plan's (LM head, final norm) entries: the norm is a region input for the column-parallel head
+_HEADS: dict[str, tuple[str, str]] = {"llama": ("*.lm_head", "*.norm")}
+
+
+def _fit_head(
+    resolved: dict[str, str], plan: str | Mapping[str, str], names: list[str], sp: bool
+) -> dict[str, str]:
+    """A model without the shipped plan's LM head (a sequence-classification or reward head, a bare base
+    model) keeps its head replicated, and its final norm is no region input: ``copy_to`` (or, with
+    sequence parallelism, the gather's reduce-scatter) would sum the replicated head's equal input
+    gradients over the group (``t`` times the gradient). Under SP the norm ends it: ``sequence_output``."""
+    head = _HEADS.get(plan) if isinstance(plan, str) else None
+    if head is None or any(_matches(n, head[0]) for n in names):
+        return resolved
+    fitted = {k: v for k, v in resolved.items() if k not in head}
+    if sp:
+        fitted[head[1]] = "sequence_output"
+    return fitted
+
+
 def apply_tensor_parallel(
     module: nn.Module, *, group: ProcessGroup, plan: str | Mapping[str, str], sequence_parallel: bool = False
 ) -> dict[str, str]:
@@ -186,7 +213,8 @@ def apply_tensor_parallel(
         for pname, p in m.named_parameters(recurse=False):
             tied.setdefault(id(p), []).append((name, pname))
     hit_styles: dict[str, list[str]] = {}
-    for pattern, style in resolved.items():
+    fitted = _fit_head(resolved, plan, [n for n in modules if n], sequence_parallel)
+    for pattern, style in fitted.items():
         hits = [n for n in modules if n and _matches(n, pattern)]
         if not hits:
             examples = [n for n in modules if n][:6]
@@ -277,6 +305,8 @@ def _convert(
         return make_region_input(old, group=group, sequence_parallel=sp)
     if not sp:
         raise ValueError(f"tp_plan style {style!r} on {name!r} needs sequence_parallel=True.")
+    if style == "sequence_output":
+        return make_sequence_output(old, group=group)
     return make_scatter_sequence(old, group=group, at_input=style == "scatter_sequence_input")
 
 
