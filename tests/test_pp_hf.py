@@ -8,8 +8,9 @@ attention and with sliding windows shorter than the sequences, in fp32 and bf16;
 (an unknown attention type, the routers' auxiliary loss, Gemma's bidirectional attention or an old
 transformers, a replaced module, an unsupported model, a malformed first input); and a Llama behind the
 pipeline protocol, pp2 with 1F1B and with zb, pp2 x tp2 (the shipped llama plan) with zb, pp2 from a
-``save_pretrained`` directory, and a PEFT LoRA model (the ``PeftModel`` itself) at pp2 with 1F1B and with zb,
-trains as the single-process Trainer running the model's own ``forward``: per-step losses, validation loss
+``save_pretrained`` directory, and a PEFT LoRA model (the ``PeftModel`` itself) at pp2 with 1F1B and with zb
+(Hugging Face's activation checkpointing on; under zb the LM head also trained as a ``modules_to_save``
+copy), trains as the single-process Trainer running the model's own ``forward``: per-step losses, validation loss
 and weights; a prompt-learning PEFT model is refused with the fix."""
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class HFCausalLM(pl.LightningModule):
     """A Hugging Face causal LM of ``family`` with the pipeline protocol from ``hf_pipeline_layers``; its
     ``training_step`` runs the model's own ``forward`` (what the single-process reference runs)."""
 
-    def __init__(self, family: Family = "gpt2", seed: int = SEED, lora: bool = False) -> None:
+    def __init__(self, family: Family = "gpt2", seed: int = SEED, lora: bool | str = False) -> None:
         super().__init__()
         self.family, self.seed, self.lora = family, seed, lora
         self.model: nn.Module | None = None
@@ -137,7 +138,9 @@ class HFCausalLM(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is None:  # with lora, a PEFT model (LoRA adapters in the projections, base frozen)
             model = build(self.family, seed=self.seed)
-            self.model = add_lora(model) if self.lora else model
+            # lora="saved": the LM head trained as a whole copy too (PEFT's modules_to_save)
+            saved = ["lm_head"] if self.lora == "saved" else None
+            self.model = add_lora(model, modules_to_save=saved) if self.lora else model
 
     def pipeline_layers(self) -> list[nn.Module]:
         # built at the first call, after a tensor-parallel plan swapped modules; the same list after
@@ -163,7 +166,7 @@ class HFCausalLM(pl.LightningModule):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.3, momentum=0.9)
 
 
-def module_factory(family: Family, seed: int = SEED, lora: bool = False) -> Any:
+def module_factory(family: Family, seed: int = SEED, lora: bool | str = False) -> Any:
     def make() -> HFCausalLM:
         pl.seed_everything(SEED)
         module = HFCausalLM(family, seed, lora)
@@ -432,12 +435,14 @@ LLAMA_CASES = [
     # a PEFT LoRA model handed over as it is: frozen base, adapters inside the blocks' projections; zb
     # defers the adapters' weight gradients (their A and B are nn.Linear) and skips the frozen bases.
     # Both with Hugging Face's activation checkpointing (the reference without): reentrant under 1f1b,
-    # non-reentrant under zb (zb refuses the reentrant kind)
+    # non-reentrant under zb (zb refuses the reentrant kind); under zb with the LM head trained as a
+    # whole copy as well (modules_to_save)
     (2, dict(pipeline_schedule="1f1b", lora=True, checkpointing=True)),
-    (2, dict(pipeline_schedule="zb", lora=True, zero_stage=1, checkpointing=False)),
+    (2, dict(pipeline_schedule="zb", lora="saved", zero_stage=1, checkpointing=False)),
     # LoRA at pp2 x tp2: the A of a column-parallel projection is replicated and its gradient summed over
-    # the tp group by a hook, so zb keeps it in B (a deferred W would skip the sum)
-    (4, dict(pipeline_schedule="zb", lora=True, tensor_parallel_size=2, tp_plan="llama")),
+    # the tp group by a hook, so zb keeps it in B (a deferred W would skip the sum); the head's copy and
+    # its original are both column-parallel
+    (4, dict(pipeline_schedule="zb", lora="saved", tensor_parallel_size=2, tp_plan="llama")),
 ]
 
 

@@ -66,14 +66,17 @@ def gpt2(seed: int = 0) -> torch.nn.Module:
 T5: dict[str, Any] = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64)  # its model sets the shared table
 
 
-def add_lora(model: torch.nn.Module, *, seed: int = 1) -> torch.nn.Module:
+def add_lora(
+    model: torch.nn.Module, *, seed: int = 1, modules_to_save: list[str] | None = None
+) -> torch.nn.Module:
     """PEFT LoRA on the attention and MLP projections, with B made non-zero so the adapters matter from
-    the first step (PEFT starts B at zero)."""
+    the first step (PEFT starts B at zero); ``modules_to_save``: layers trained as whole copies."""
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(
-        model, LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0, modules_to_save=modules_to_save
     )
+    peft_model = get_peft_model(model, config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():

@@ -29,8 +29,10 @@ its function; tied weights (embedding and head) stay tied when both sides shard 
 Attention modules whose projections become column-parallel get their head-count attributes divided.
 The Llama plan's SP starts at the first decoder layer's input, so it also fits Hugging Face's
 ``LlamaForCausalLM``. PEFT LoRA layers (``lora.Linear``: ``base_layer`` + ``lora_A``/``lora_B``) matched by
-a linear style are sharded inside their wrapper (:mod:`lightning_par.tensor_parallel.lora`). Parameters
-keep their ``requires_grad``. A model is converted once (see :func:`apply_tensor_parallel`).
+a linear style are sharded inside their wrapper (:mod:`lightning_par.tensor_parallel.lora`), and so are
+PEFT's ``modules_to_save`` copies. A model without the shipped plan's LM head (a classification or
+reward head, a bare ``LlamaModel``) keeps its head replicated (:func:`_fit_head`). Parameters keep their
+``requires_grad``. A model is converted once (see :func:`apply_tensor_parallel`).
 """
 
 from __future__ import annotations
