@@ -10,8 +10,8 @@ transformers, a replaced module, an unsupported model, a malformed first input);
 pipeline protocol, pp2 with 1F1B and with zb, pp2 x tp2 (the shipped llama plan) with zb, pp2 from a
 ``save_pretrained`` directory, and a PEFT LoRA model (the ``PeftModel`` itself) at pp2 with 1F1B and with zb
 (Hugging Face's activation checkpointing on; under zb the LM head also trained as a ``modules_to_save``
-copy), trains as the single-process Trainer running the model's own ``forward``: per-step losses, validation loss
-and weights; a prompt-learning PEFT model is refused with the fix."""
+copy), trains as the single-process Trainer running the model's own ``forward``: per-step losses,
+validation loss and weights; a prompt-learning PEFT model is refused with the fix."""
 
 from __future__ import annotations
 

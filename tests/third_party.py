@@ -87,9 +87,9 @@ def add_lora(
 
 def checkpoint_layers(model: Any, *, reentrant: bool) -> None:
     """Hugging Face's activation checkpointing of every decoder layer, as a user turns it on: each layer's
-    forward runs again inside the backward. The reentrant form
-    (transformers 4's default) runs each layer's backward as a nested pass and, under a frozen embedding,
-    needs inputs that require grad (``enable_input_require_grads``, Hugging Face's advice)."""
+    forward runs again inside the backward. The reentrant form (transformers 4's default) runs each
+    layer's backward as a nested pass and, under a frozen embedding, needs inputs that require grad
+    (``enable_input_require_grads``, Hugging Face's advice)."""
     enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5's name
     if enable is not None:
         enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
