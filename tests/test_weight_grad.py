@@ -297,7 +297,7 @@ def test_reentrant_activation_checkpointing_is_refused_with_the_fix() -> None:
     split = WeightGradSplit([blocks])
     checkpoint_layers(model, reentrant=True)  # turned on after the split was built: refused at the step
     with pytest.raises(ValueError, match=fix), split.attached():
-        pass
+        raise AssertionError("attached() must refuse before the step runs")
     net = _HandCheckpointed()
     split = WeightGradSplit([net])
     x = torch.randn(2, 8, requires_grad=True)

@@ -86,20 +86,30 @@ _REENTRANT_FIX = (
 )
 
 
-def reentrant_checkpointed(chunks: Sequence[nn.Module]) -> list[str]:
-    """The layers of ``chunks`` that Hugging Face's activation checkpointing runs reentrantly: flagged
-    ``gradient_checkpointing`` with a checkpoint function bound to ``use_reentrant=True`` (torch's
-    default when unset; transformers 4 binds it)."""
+def checkpointable(chunks: Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """The modules of ``chunks`` Hugging Face's activation checkpointing can switch on: those with a
+    ``gradient_checkpointing`` attribute (it only flags modules that have one), named within their chunk."""
+    return [
+        (name or type(m).__name__, m)
+        for c in chunks
+        for name, m in c.named_modules()
+        if hasattr(m, "gradient_checkpointing")
+    ]
+
+
+def reentrant_checkpointed(modules: Sequence[tuple[str, nn.Module]]) -> list[str]:
+    """The names among ``modules`` (:func:`checkpointable`) that Hugging Face's activation checkpointing
+    runs reentrantly: flagged ``gradient_checkpointing`` with a checkpoint function bound to
+    ``use_reentrant=True`` (torch's default when unset; transformers 4 binds it)."""
     found = []
-    for c in chunks:
-        for name, m in c.named_modules():
-            func = getattr(m, "_gradient_checkpointing_func", None)
-            if (
-                getattr(m, "gradient_checkpointing", False) is True
-                and isinstance(func, functools.partial)
-                and func.keywords.get("use_reentrant", True)
-            ):
-                found.append(name or type(m).__name__)
+    for name, m in modules:
+        func = getattr(m, "_gradient_checkpointing_func", None)
+        if (
+            getattr(m, "gradient_checkpointing", False) is True
+            and isinstance(func, functools.partial)
+            and func.keywords.get("use_reentrant", True)
+        ):
+            found.append(name)
     return found
 
 
@@ -138,10 +148,12 @@ class WeightGradSplit:
         self._stash: dict[Key, list[tuple[nn.Module, Tensor, Tensor]]] = {}
         self._kept: dict[Key, list[nn.Parameter]] = {}  # linear parameters that stay in B this time
         self._hooked: dict[Key, set[nn.Module]] = {}  # layers whose forward ran (recorded or kept)
+        # found once, checked at every step (the flag can be switched on after the split is built)
+        self._checkpointable = checkpointable(self._chunks)
         self._refuse_reentrant()  # at setup already, where the model came with checkpointing on
 
     def _refuse_reentrant(self) -> None:
-        reentrant = reentrant_checkpointed(self._chunks)
+        reentrant = reentrant_checkpointed(self._checkpointable)
         if reentrant:
             raise ValueError(
                 f"{len(reentrant)} layer(s) of this pipeline rank use reentrant activation checkpointing"
