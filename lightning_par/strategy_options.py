@@ -95,9 +95,54 @@ def check_fit_setup(
     pipeline_parallel_size: int,
     masters_separate: bool,
 ) -> None:
-    """Refuse, before anything is built, Lightning callbacks that cannot serve this layout.
+    """Refuse, before anything is built, Lightning callbacks that cannot serve this layout (weight
+    averaging, :func:`_check_averaging`; the fine-tuning callbacks, :func:`_check_finetuning`)."""
+    callbacks = list(getattr(trainer, "callbacks", []))
+    _check_finetuning(callbacks, zero_stage=zero_stage, pipeline_parallel_size=pipeline_parallel_size)
+    _check_averaging(
+        trainer,
+        callbacks,
+        zero_stage=zero_stage,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        masters_separate=masters_separate,
+    )
 
-    Weight averaging (``StochasticWeightAveraging``, ``WeightAveraging``/``EMAWeightAveraging``) keeps an
+
+def _check_finetuning(callbacks: list[object], *, zero_stage: int, pipeline_parallel_size: int) -> None:
+    """``BaseFinetuning`` callbacks (``BackboneFinetuning`` and users' own) freeze modules at setup, then
+    unfreeze them and pass their parameters to ``optimizer.add_param_group``; they also name every tensor
+    in ``optimizer.param_groups`` through ``named_parameters()``. ZeRO stage 0 follows the unfreezing (its
+    buckets are rebuilt, :mod:`lightning_par.zero.trainable`); ZeRO 1-3 hold shards in the optimizer, and a
+    pipeline rank holds other stages' parameters as meta placeholders."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    tuning = [c for c in callbacks if isinstance(c, BaseFinetuning)]
+    if not tuning or (zero_stage == 0 and pipeline_parallel_size == 1):
+        return
+    reason = (
+        f"ZeRO stage {zero_stage} rebuilds the optimizer over shards of the parameters trainable at setup,"
+        " so the callback can neither name the optimizer's tensors nor add parameters to it"
+        if zero_stage
+        else "under pipeline parallelism each rank holds only its stage's parameters"
+    )
+    raise ValueError(
+        f"{type(tuning[0]).__name__} cannot be used with this layout: {reason}. Use zero_stage=0 without"
+        " pipeline parallelism (there it trains the unfrozen parameters as one process would), or make the"
+        " parameters trainable before fit and hold them still with lr=0 in a param group of their own."
+    )
+
+
+def _check_averaging(
+    trainer: pl.Trainer,
+    callbacks: list[object],
+    *,
+    zero_stage: int,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    masters_separate: bool,
+) -> None:
+    """Weight averaging (``StochasticWeightAveraging``, ``WeightAveraging``/``EMAWeightAveraging``) keeps an
     unsharded copy of the LightningModule and reads and writes ``module.parameters()`` directly: right
     where every rank holds the whole model in the parameters (ZeRO 0-2 without tensor or pipeline
     parallelism, fp32 parameters that are their own masters), wrong elsewhere (ZeRO-3 placeholders,
@@ -107,7 +152,6 @@ def check_fit_setup(
     kept until ``zero_grad``) and these stages (gradients released after each step) answer differently."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
-    callbacks = getattr(trainer, "callbacks", [])
     averaging = [c for c in callbacks if isinstance(c, StochasticWeightAveraging | WeightAveraging)]
     if not averaging:
         return

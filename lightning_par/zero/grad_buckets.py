@@ -19,7 +19,8 @@ no state of its own beyond what its methods assign. It owns:
 * the in-flight queue, completed first in, first out. Sharded, rank ``r`` adds ``(1/N)`` times slice
   ``r`` of the SUM into ``grad_shard``; unsharded, the all-reduce averages in place. With transient
   buffers, a launch that leaves more than ``max_inflight`` buckets in flight waits for the oldest, so at
-  most ``max_inflight + 1`` bucket buffers are alive at once.
+  most ``max_inflight + 1`` bucket buffers are alive at once;
+* the reduced gradients' accessors: scaling, the shard's reset, a parameter's view, the byte count.
 
 :func:`bucket_numel_for` turns a bucket size in MiB into elements of one dtype.
 """
@@ -249,6 +250,45 @@ class GradBuckets:
         if self.buffer is None:
             self._release(flat)
             self._bucket_bufs.pop(index, None)
+
+    # ------------------------------------------------------------------ the reduced gradients
+    @torch.no_grad()
+    def scale_grads(self, factor: float | Tensor) -> None:
+        """Multiply the reduced gradients of the finished window by ``factor``: the shard (stages 1/2;
+        attached copies are the sharded optimizer's to scale), or every ``param.grad`` (stage 0)."""
+        if self.shard:
+            assert self.grad_shard is not None
+            self.grad_shard.mul_(factor)
+            return
+        assert self.buffer is not None
+        self.buffer.mul_(factor)
+        for p, view in zip(self._params, self._views, strict=True):
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                p.grad.mul_(factor)  # a copy in the parameter's dtype
+
+    def zero_grad_shard(self) -> None:
+        """Start a new accumulation window of the sharded gradient (after the optimizer step)."""
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
+
+    def grad_view(self, param: nn.Parameter) -> Tensor | None:
+        """Where ``param``'s gradient accumulates in the flat buffer (``grad_sync="boundary"``), in the
+        reduction dtype; None for a parameter this engine does not manage or without a full buffer."""
+        slot = self._slot_of.get(id(param))
+        if slot is None or self.buffer is None:
+            return None
+        if not self._touched[slot]:
+            self._views[slot].zero_()  # stale values of an earlier window
+            self._touched[slot] = True
+        return self._views[slot]
+
+    def grad_bytes(self) -> dict[str, int]:
+        """Bytes of gradient storage held by the engine on this rank."""
+        item = self.dtype.itemsize
+        full = self.buffer.numel() * item if self.buffer is not None else 0
+        shard = self.grad_shard.numel() * item if self.grad_shard is not None else 0
+        pooled = sum(t.numel() * t.element_size() for t in self._all_pooled)
+        return {"full": full, "shard": shard, "bucket_pool": pooled}
 
 
 def bucket_numel_for(bucket_size_mb: float, element_size: int) -> int:

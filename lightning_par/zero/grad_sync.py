@@ -38,7 +38,9 @@ The layout, the buffers and the reductions in flight are :class:`~lightning_par.
 Limits: one backward per pass (accumulate with :meth:`no_sync`). Reentrant activation checkpointing
 (``use_reentrant=True``) runs each region's backward as a nested pass: the front doors hand the loss to
 :meth:`GradSync.watch_backward`, so the window ends with the outer pass; a parameter used in two such
-regions gets two gradients in one pass and is refused.
+regions gets two gradients in one pass and is refused. Parameters made trainable after construction:
+unsharded, the buckets are rebuilt with them before the next training forward; sharded, they are refused
+(:mod:`lightning_par.zero.trainable`).
 """
 
 from __future__ import annotations
@@ -51,11 +53,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd import Variable
 from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
 
 from lightning_par.zero.broadcast import broadcast_module_states, broadcast_tensors
 from lightning_par.zero.comm_hooks import CommHook
 from lightning_par.zero.grad_buckets import GradBuckets, GradSyncPolicy, ReduceOp, bucket_numel_for
 from lightning_par.zero.layout import FlatLayout
+from lightning_par.zero.trainable import TrainableSet, name_list, refuse_unmanaged
 from lightning_par.zero.unused import MissingGradients, UnusedParametersError
 
 __all__ = [
@@ -156,6 +160,7 @@ class GradSync(GradBuckets):
         self.dtype = grad_dtype or self._params[0].dtype
         self.device = self._params[0].device
         self._sync = True
+        self._rebuild_order = rebuild_order
         self._order_pending = rebuild_order
         self._ready_order: list[int] = []
         self._callback_queued = False
@@ -172,7 +177,9 @@ class GradSync(GradBuckets):
         self._views: list[Tensor] = []
         self._touched: list[bool] = []
         self.unused: frozenset[int] = frozenset()
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        self._handles: list[RemovableHandle] = []  # the module hooks of attach_to
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        self._trainable = TrainableSet(named_params, managed=self._params)
         self._build(list(range(len(self._params))))
 
     # ------------------------------------------------------------------ layout
@@ -328,6 +335,8 @@ class GradSync(GradBuckets):
         autograd accumulates straight into the flat buffer, with no per-step gradient allocation (page
         faults) and no copy in the hook. Only when all ``.grad`` are None (``zero_grad(set_to_none=True)``,
         Lightning's default): gradients someone keeps on purpose are left alone."""
+        if torch.is_grad_enabled():
+            self._follow_trainable()
         if self.buffer is None or not torch.is_grad_enabled() or self.buffer.dtype != self._params[0].dtype:
             return
         if any(p.grad is not None for p in self._params):
@@ -335,6 +344,33 @@ class GradSync(GradBuckets):
         self.buffer.zero_()
         for p, view in zip(self._params, self._views, strict=True):
             p.grad = view
+
+    def _follow_trainable(self) -> None:
+        """Stage 0: take in the parameters made trainable since the last step (appended after the others;
+        the order is learnt again in the next backward). Stages 1/2 refuse them
+        (:mod:`lightning_par.zero.trainable`)."""
+        new = self._trainable.unmanaged()
+        if not new:
+            return
+        names = [n for n, _ in new]
+        if self.shard:
+            refuse_unmanaged(names, stages="1/2")
+        if any(self._touched) or self._callback_queued:
+            raise RuntimeError(
+                f"requires_grad was set inside a gradient accumulation window on {name_list(names)}: set it"
+                " between optimizer steps, e.g. in on_train_epoch_start."
+            )
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._names += [n for n, _ in reversed(new)]  # reversed: the order gradients likely arrive in
+        self._params += [p for _, p in reversed(new)]
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        self._trainable.manage(self._params)
+        self.buffer, self._touched = None, [False] * len(self._params)  # the window is empty: no carry
+        self._order_pending, self._ready_order = self._rebuild_order, []
+        self._build(list(range(len(self._params))))
+        for listener in self._relayout_listeners:
+            listener()
 
     def attach_to(self, module: nn.Module) -> None:
         """Call :meth:`prepare_window` before every forward of ``module``."""
@@ -363,36 +399,6 @@ class GradSync(GradBuckets):
         been attached (``param.grad``, then the :meth:`on_reduced` attachers)."""
         self._sync_listeners.append(listener)
 
-    @torch.no_grad()
-    def scale_grads(self, factor: float | Tensor) -> None:
-        """Multiply the reduced gradients of the finished window by ``factor``: the shard (stages 1/2;
-        attached copies are the sharded optimizer's to scale), or every ``param.grad`` (stage 0)."""
-        if self.shard:
-            assert self.grad_shard is not None
-            self.grad_shard.mul_(factor)
-            return
-        assert self.buffer is not None
-        self.buffer.mul_(factor)
-        for p, view in zip(self._params, self._views, strict=True):
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                p.grad.mul_(factor)  # a copy in the parameter's dtype
-
-    def zero_grad_shard(self) -> None:
-        """Start a new accumulation window of the sharded gradient (after the optimizer step)."""
-        if self.grad_shard is not None:
-            self.grad_shard.zero_()
-
-    def grad_view(self, param: nn.Parameter) -> Tensor | None:
-        """Where ``param``'s gradient accumulates in the flat buffer (``grad_sync="boundary"``), in the
-        reduction dtype; None for a parameter this engine does not manage or without a full buffer."""
-        slot = self._slot_of.get(id(param))
-        if slot is None or self.buffer is None:
-            return None
-        if not self._touched[slot]:
-            self._views[slot].zero_()  # stale values of an earlier window
-            self._touched[slot] = True
-        return self._views[slot]
-
     @property
     def hook_state(self) -> object:
         """The communication hook's state (None without a hook)."""
@@ -407,16 +413,8 @@ class GradSync(GradBuckets):
     def names(self) -> list[str]:
         return list(self._names)
 
-    def grad_bytes(self) -> dict[str, int]:
-        """Bytes of gradient storage held by the engine on this rank."""
-        item = self.dtype.itemsize
-        full = self.buffer.numel() * item if self.buffer is not None else 0
-        shard = self.grad_shard.numel() * item if self.grad_shard is not None else 0
-        pooled = sum(t.numel() * t.element_size() for t in self._all_pooled)
-        return {"full": full, "shard": shard, "bucket_pool": pooled}
-
     def remove(self) -> None:
         """Detach the hooks; gradients stay where they are."""
-        for handle in self._handles:
+        for handle in self._handles + self._grad_hooks:
             handle.remove()
-        self._handles = []
+        self._handles, self._grad_hooks = [], []

@@ -45,6 +45,8 @@ buffer, no master and no optimizer state (see :mod:`lightning_par.zero.unit`). B
 trainable gradient may arrive while backward still needs its frozen weights (a LoRA adapter's gradient
 is computed before the frozen projection beside it has passed the input gradient on), a unit with
 frozen parameters whose inputs require gradients is freed only once the gradients of its inputs exist.
+Which parameters train is fixed at construction: a frozen one made trainable later is refused before the
+next training forward, naming it (:mod:`lightning_par.zero.trainable`).
 
 Communication precision: ``comm_dtype`` (fp16/bf16) reduces gradients in that dtype (divided by N
 first); ``gather_dtype`` moves the parameter all-gathers as fp16/bf16 or int8 (blockwise-quantized, a
@@ -88,6 +90,7 @@ from lightning_par.zero.grad_buckets import ReduceOp
 from lightning_par.zero.layout import Fragment
 from lightning_par.zero.meta_init import ValuesFn, agree_seed, materialize_unit, target_device
 from lightning_par.zero.stage3_reduce import Stage3Reduce
+from lightning_par.zero.trainable import TrainableSet, refuse_unmanaged
 from lightning_par.zero.unit import Unit, build_unit
 from lightning_par.zero.units import UnitPolicy, plan_units
 
@@ -177,6 +180,15 @@ class Stage3Engine(Stage3Reduce):
         self._pool: dict[int, list[Tensor]] = {}
         self._pool_bytes = 0
         self._touched: dict[int, bool] = {id(p): False for u in self.units for p in u.params}
+        self._trainable = TrainableSet(
+            [
+                pair
+                for u in self.units
+                for part in u.parts
+                for pair in zip(part.names, part.params, strict=True)
+            ],
+            managed=[p for u in self.units if u.train is not None for p in u.train.params],
+        )
         self.unused: frozenset[int] = frozenset()
         self._sync_listeners: list[Callable[[], None]] = []
         self._handles: list[RemovableHandle] = []
@@ -247,6 +259,8 @@ class Stage3Engine(Stage3Reduce):
     # ------------------------------------------------------------------ forward hooks
     def _make_pre_forward(self, unit: Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if unit is self.root:
+                self._check_trainable()
             self._pre_forward(unit)
             # frozen weights are needed until the input gradients are computed, after the trainable
             # ones' are reduced: in the backward of this forward, or of a reentrant recomputation's
@@ -258,6 +272,14 @@ class Stage3Engine(Stage3Reduce):
                 self._watch_inputs(unit, [args, kwargs])
 
         return hook
+
+    def _check_trainable(self) -> None:
+        """Refuse, before a training forward, parameters made trainable since setup (the optimizer holds
+        shards of the parameters trainable then; :mod:`lightning_par.zero.trainable`)."""
+        if torch.is_grad_enabled() and not _in_backward():
+            new = self._trainable.unmanaged()
+            if new:
+                refuse_unmanaged([n for n, _ in new], stages="3")
 
     def _watch_inputs(self, unit: Unit, inputs: Any) -> None:
         """Mark the unit's backward as done when the gradients of all its inputs are computed."""
@@ -322,6 +344,7 @@ class Stage3Engine(Stage3Reduce):
         """Gather the root unit around a step whose code may not call the root module's forward; inside
         the step it stays gathered across backwards and optimizer steps (manual optimization runs several
         forwards, backwards and steps in one ``training_step``, calling submodules directly)."""
+        self._check_trainable()
         if self.root is not None:
             self._pre_forward(self.root)
         self._in_step += 1

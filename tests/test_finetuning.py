@@ -1,0 +1,277 @@
+"""Parameters whose ``requires_grad`` changes during training, on 2 Gloo ranks.
+
+Lightning's ``BackboneFinetuning`` freezes a backbone at setup, then at a chosen epoch unfreezes it and
+adds it to the optimizer with ``add_param_group``; schedules that freeze layers as training goes do the
+reverse. Torch's DDP (Lightning's ``"ddp"``) registers its gradient hooks once, so it never averages the
+unfrozen parameters' gradients and the replicas drift apart (Lightning-AI/pytorch-lightning#20340);
+DeepSpeed's strategy refuses the callback.
+
+* ZeRO stage 0 takes the unfrozen parameters in: a regressor trained with ``BackboneFinetuning`` (backbone
+  unfrozen at epoch 1) and a callback that freezes the first backbone layer again at epoch 2 (a parameter
+  without gradient: ``find_unused_parameters=True``, as DDP needs), with ``accumulate_grad_batches=2``,
+  ends with the same weights on both ranks as one process fed the global batches in the same order
+  (``Replay``), at fp32 tolerance.
+* ZeRO 1-3 build the optimizer over shards of the parameters trainable at setup. A ``BaseFinetuning``
+  callback is refused at setup (a ``ValueError`` naming the fix, before any step); unfreezing by hand (in
+  ``on_train_batch_start``, at stages 1 and 3) is refused at the next training forward with a
+  ``RuntimeError`` naming the parameters, after exactly the steps of epoch 0.
+* Unfreezing inside an accumulation window (between its micro-batches) is refused at stage 0.
+* Fabric: a loop that unfreezes the backbone after 2 steps and hands it to ``optimizer.add_param_group``
+  equals the same loop in one process at stage 0, and is refused at the next forward at stage 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from lightning.pytorch.callbacks import BackboneFinetuning
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_par import HybridParallelStrategy
+from lightning_par.fabric import HybridParallelStrategy as FabricHybridParallelStrategy
+from tests.distributed import run_distributed
+
+SEED, WORLD, MICRO, N, EPOCHS, ACCUMULATE = 7, 2, 4, 32, 3, 2
+STEPS_PER_EPOCH = N // (WORLD * MICRO * ACCUMULATE)  # 2
+State = dict[str, Tensor]
+
+
+class Regressor(pl.LightningModule):
+    """A backbone (two linear layers) and a head; the optimizer takes what is trainable at setup, as
+    ``BackboneFinetuning`` asks. ``flip``: ``(epoch, batch_idx, submodule, requires_grad)``, set by hand
+    in ``on_train_batch_start`` (a user's own schedule, without the callback), the submodule frozen from
+    the start when ``flip`` unfreezes it."""
+
+    def __init__(self, flip: tuple[int, int, str, bool] | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+        self.head = nn.Linear(16, 1)
+        self.flip = flip
+        if flip is not None and flip[3]:
+            self.get_submodule(flip[2]).requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.backbone(x))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.flip is not None and (self.current_epoch, batch_idx) == self.flip[:2]:
+            self.get_submodule(self.flip[2]).requires_grad_(self.flip[3])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+class FreezeFirstLayer(pl.Callback):
+    """Freeze ``backbone.0`` again at ``epoch`` (Adam skips parameters without gradients)."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == self.epoch:
+            pl_module.get_submodule("backbone.0").requires_grad_(False)
+
+
+def _callbacks() -> list[pl.Callback]:
+    return [BackboneFinetuning(unfreeze_backbone_at_epoch=1), FreezeFirstLayer(epoch=2)]
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(N, 8, generator=g)
+    return TensorDataset(x, x.sum(1, keepdim=True).sin())
+
+
+class Replay:
+    """Batch sampler for one process: epoch ``e``'s global batches in the order Lightning's
+    ``DistributedSampler`` gives ``WORLD`` ranks (rank 0's micro-batch, then rank 1's). Lightning calls
+    ``set_epoch`` on a batch sampler's ``sampler`` only, so the epoch is counted here."""
+
+    def __init__(self) -> None:
+        self.epoch = -1
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.epoch += 1
+        orders = []
+        for r in range(WORLD):
+            sampler = DistributedSampler(range(N), num_replicas=WORLD, rank=r, shuffle=True, seed=SEED)  # type: ignore[arg-type]
+            sampler.set_epoch(self.epoch)
+            orders.append(list(sampler))
+        for k in range(len(self)):
+            yield [i for order in orders for i in order[k * MICRO : (k + 1) * MICRO]]
+
+    def __len__(self) -> int:
+        return N // (MICRO * WORLD)
+
+
+def _trainer(strategy: Any, devices: int, callbacks: list[pl.Callback]) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=ACCUMULATE,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def _state(module: nn.Module) -> State:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _fit(strategy: Any, callbacks: list[pl.Callback]) -> State:
+    pl.seed_everything(SEED)
+    module = Regressor()
+    _trainer(strategy, WORLD, callbacks).fit(module, DataLoader(_data(), batch_size=MICRO, shuffle=True))
+    return _state(module)
+
+
+def _refused(
+    strategy: Any, error: type[Exception], *, flip: tuple[int, int, str, bool] | None = None
+) -> dict[str, Any]:
+    """The error a fit raises (every rank alike) and the optimizer steps taken before it."""
+    pl.seed_everything(SEED)
+    module = Regressor(flip)
+    trainer = _trainer(strategy, WORLD, [] if flip else _callbacks())
+    with pytest.raises(error) as info:
+        trainer.fit(module, DataLoader(_data(), batch_size=MICRO, shuffle=True))
+    return {"message": str(info.value), "steps": trainer.global_step}
+
+
+def _runs(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    hp = HybridParallelStrategy
+    plan: dict[str, Callable[[], Any]] = {
+        # the re-frozen layer gets no gradient: the unused-parameter flag, as DDP would need
+        "s0": lambda: _fit(hp(zero_stage=0, find_unused_parameters=True), _callbacks()),
+        "s0_window": lambda: _refused(hp(zero_stage=0), RuntimeError, flip=(1, 1, "backbone", True)),
+        "s2_callback": lambda: _refused(hp(zero_stage=2), ValueError),
+        "s1_unfreeze": lambda: _refused(hp(zero_stage=1), RuntimeError, flip=(1, 0, "backbone", True)),
+        "s3_unfreeze": lambda: _refused(
+            hp(zero_stage=3, meta_init=False), RuntimeError, flip=(1, 0, "backbone", True)
+        ),
+    }
+    return {name: run() for name, run in plan.items()}
+
+
+def _reference() -> tuple[State, State]:
+    """One process, the global batch, the same callbacks; and the initial weights."""
+    torch.set_num_threads(1)
+    pl.seed_everything(SEED)
+    module = Regressor()
+    initial = _state(module)
+    _trainer("auto", 1, _callbacks()).fit(module, DataLoader(_data(), batch_sampler=Replay()))
+    return _state(module), initial
+
+
+# ------------------------------------------------------------------------------------------------ Fabric
+FABRIC_STEPS, UNFREEZE_AT = 5, 2
+
+
+def _fabric_loop(model: Regressor, optimizer: torch.optim.Optimizer, backward: Callable[[int], None]) -> None:
+    """Head only for ``UNFREEZE_AT`` steps, then the backbone too, in a param group of its own;
+    ``backward(step)`` runs the step's forward and backward."""
+    for step in range(FABRIC_STEPS):
+        if step == UNFREEZE_AT:
+            model.backbone.requires_grad_(True)
+            optimizer.add_param_group({"params": list(model.backbone.parameters()), "lr": 1e-3})
+        backward(step)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _global_batch(step: int) -> tuple[Tensor, Tensor]:
+    data = _data()
+    index = torch.arange(step * WORLD * MICRO, (step + 1) * WORLD * MICRO) % N
+    return data.tensors[0][index], data.tensors[1][index]
+
+
+def _fabric_run(rank: int, world: int, stage: int) -> State | str:
+    """Stage 0: the final weights; above: the error of the first forward after the unfreezing."""
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=FabricHybridParallelStrategy(zero_stage=stage))
+    fabric.launch()
+    model = Regressor(flip=(0, 0, "backbone", True))  # the backbone frozen at setup
+    module, optimizer = fabric.setup(model, torch.optim.Adam(model.head.parameters(), lr=1e-2))
+
+    def backward(step: int) -> None:
+        x, y = _global_batch(step)
+        mine = slice(rank * MICRO, (rank + 1) * MICRO)
+        fabric.backward(F.mse_loss(module(x[mine]), y[mine]))
+
+    try:
+        if stage == 0:
+            _fabric_loop(model, optimizer, backward)
+            return _state(model)
+        with pytest.raises(RuntimeError) as info:
+            _fabric_loop(model, optimizer, backward)
+        return str(info.value)
+    finally:
+        fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]  # loop after loop
+
+
+def _fabric_runs(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return {"s0": _fabric_run(rank, world, 0), "s1": _fabric_run(rank, world, 1)}
+
+
+def test_fabric_loop_unfreezing_equals_one_process_at_stage0_and_is_refused_at_stage1() -> None:
+    ranks = run_distributed(_fabric_runs, WORLD, init_group=False, timeout=300)
+    torch.manual_seed(0)
+    model = Regressor(flip=(0, 0, "backbone", True))
+    initial = _state(model)
+    optimizer = torch.optim.Adam(model.head.parameters(), lr=1e-2)
+
+    def backward(step: int) -> None:
+        x, y = _global_batch(step)
+        F.mse_loss(model(x), y).backward()
+
+    _fabric_loop(model, optimizer, backward)
+    reference = _state(model)
+    assert not torch.equal(reference["backbone.0.weight"], initial["backbone.0.weight"])
+    for r, out in enumerate(ranks):
+        for name, value in reference.items():
+            torch.testing.assert_close(out["s0"][name], value, msg=f"rank {r}: {name}")
+        assert "requires_grad was set after setup on 'backbone.0.weight'" in out["s1"], out["s1"]
+
+
+def test_requires_grad_changes_follow_one_process_at_stage0_and_are_refused_when_sharded() -> None:
+    ranks = run_distributed(_runs, WORLD, init_group=False, timeout=300)
+    reference, initial = _reference()
+    # the schedule did what it says in the reference: the backbone trained from epoch 1 on, and its
+    # first layer stopped at epoch 2 while the second went on
+    for name in reference:
+        assert not torch.equal(reference[name], initial[name]), name
+    for r, out in enumerate(ranks):
+        for name, value in reference.items():
+            torch.testing.assert_close(out["s0"][name], value, msg=f"rank {r}: {name}")
+        window = out["s0_window"]
+        assert "inside a gradient accumulation window" in window["message"], window
+        assert "'backbone.0.weight'" in window["message"], window
+        assert window["steps"] == STEPS_PER_EPOCH, window  # epoch 1's first window was not stepped
+        callback = out["s2_callback"]
+        assert "BackboneFinetuning cannot be used" in callback["message"], callback
+        assert "zero_stage=0" in callback["message"] and callback["steps"] == 0, callback
+        for key in ("s1_unfreeze", "s3_unfreeze"):
+            refused = out[key]
+            assert "requires_grad was set after setup on 'backbone.0.weight'" in refused["message"], refused
+            assert "zero_stage=0" in refused["message"], refused
+            assert refused["steps"] == STEPS_PER_EPOCH, refused  # epoch 0's steps, then refused
+    # both ranks hold the same weights (each equals the reference above; DDP's would differ here)
+    for name in reference:
+        assert torch.equal(ranks[0]["s0"][name], ranks[1]["s0"][name]), name
