@@ -122,9 +122,13 @@ def load_fragments(
 ) -> None:
     """Fill a sharded optimizer whose parameters are the given ``(name, lo, hi, master)`` fragments.
 
-    With ``master_key``, a saved fp32 master value under that key overwrites the fragment itself.
+    With ``master_key``, a saved fp32 master value under that key overwrites the fragment itself. The
+    state is replaced, as by torch's ``load_state_dict``: a fragment without saved state (saved before its
+    first step) starts empty, not with what the optimizer held before the load (Lightning's learning-rate
+    finder restores a checkpoint taken before its trial steps, inside the same fit).
     """
     restore_hyperparams(optimizer, hyper)
+    optimizer.state.clear()
     owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
     for name, lo, hi, master in fragments:
         if id(master) not in owned:
