@@ -8,7 +8,9 @@ saved before the first step kept the trial steps' Adam moments and step counts (
 ``"ddp"`` counts 32), and the final weights differed from ``"ddp"`` by 0.0224.
 
 Checked, at every stage: the trial losses, the suggested rate (on the module and in every param group),
-the optimizer's step count and the final weights equal ``"ddp"``'s; the finder's checkpoint is gone.
+the param groups' keys (the finder's ``initial_lr`` gone with the restore, as under torch's
+``load_state_dict``), the optimizer's step count and the final weights equal ``"ddp"``'s; the finder's
+checkpoint is gone.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def _fit(strategy: Any) -> dict[str, Any]:
         "losses": list(finder.optimal_lr.results["loss"]),
         "lr": module.lr,
         "group_lrs": [g["lr"] for g in optimizer.param_groups],
+        "group_keys": [sorted(g) for g in optimizer.param_groups],
         "steps": steps,
         "left": left,
         "state": {k: v.detach().clone() for k, v in state.items()} if state else None,
@@ -117,6 +120,7 @@ def test_lr_finder_at_zero_stages_equals_ddp() -> None:
             assert run["steps"] == ddp["steps"], (
                 f"rank {r} {key}: optimizer steps {run['steps']} (trials kept)"
             )
+            assert run["group_keys"] == ddp["group_keys"], f"rank {r} {key}: {run['group_keys']}"
             if r == 0:  # the consolidated state lives on rank 0
                 for name, value in ddp["state"].items():
                     torch.testing.assert_close(run["state"][name], value, msg=f"{key}: {name}")

@@ -92,7 +92,12 @@ def restore_hyperparams(optimizer: Optimizer, saved: Sequence[Mapping[str, Any]]
             f"The checkpoint's optimizer has {len(saved)} param groups, the model's optimizer"
             f" {len(optimizer.param_groups)}; configure_optimizers() must build the same groups."
         )
+    own = {"params", "param_names", *optimizer.defaults}
     for group, hyper in zip(optimizer.param_groups, saved, strict=True):
+        # keys the saved groups lack and the optimizer does not define (a scheduler's initial_lr, set by
+        # Lightning's learning-rate finder after the save) go, as torch's load_state_dict replaces groups
+        for key in [k for k in group if k not in own and k not in hyper]:
+            del group[key]
         group.update({k: v for k, v in hyper.items() if k not in ("params", "param_names")})
 
 
