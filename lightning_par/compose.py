@@ -23,7 +23,9 @@ from torch.distributed import ProcessGroup
 from lightning_par.activation_checkpointing import apply_activation_checkpointing
 from lightning_par.pipeline.apply import PipelineSplit, apply_pipeline
 from lightning_par.pipeline.partition import Cut
+from lightning_par.state_guard import guard_state_dicts
 from lightning_par.tensor_parallel import apply_tensor_parallel
+from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.zero.units import UnitPolicy
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,12 @@ def compose(
         assert tp_group is not None
         composition.tensor_parallel = apply_tensor_parallel(
             module, group=tp_group, plan=plan, sequence_parallel=options.sequence_parallel
+        )
+        # a submodule's save (save_pretrained on rank 0) would write this rank's slices: refused, for good
+        guard_state_dicts(
+            module,
+            holds=lambda m: any(hasattr(p, TP_DIM_ATTR) for p in m.parameters(recurse=False)),
+            reason=lambda m: "tensor-parallel slices (this rank's share of each)",
         )
         log.info(
             "lightning_par: tensor parallel over %d ranks: %d modules",

@@ -90,7 +90,7 @@ from lightning_par.zero.grad_buckets import ReduceOp
 from lightning_par.zero.layout import Fragment
 from lightning_par.zero.meta_init import ValuesFn, agree_seed, materialize_unit, target_device
 from lightning_par.zero.stage3_reduce import Stage3Reduce
-from lightning_par.zero.stage3_state import guard_state_dicts
+from lightning_par.zero.stage3_state import guard_unit_state_dicts
 from lightning_par.zero.trainable import TrainableSet, refuse_unmanaged
 from lightning_par.zero.unit import Unit, build_unit
 from lightning_par.zero.units import UnitPolicy, plan_units
@@ -235,7 +235,7 @@ class Stage3Engine(Stage3Reduce):
             self._handles.append(module.register_forward_hook(self._make_post_forward(unit)))
             for p in unit.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        self._handles += guard_state_dicts(self.module, self.units)
+        self._handles += guard_unit_state_dicts(self.module, self.units)
         if self.root is not None:  # the modules holding root parameters, called without the root's forward
             mine = {id(p) for part in self.root.parts for p in part.params}
             for m in self.module.modules():

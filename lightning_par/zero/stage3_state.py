@@ -5,9 +5,9 @@ its own and works on the engine's units (see :mod:`lightning_par.zero.unit`): th
 optimizer owns (trainable parts), every piece this rank holds (trainable and frozen parts), loading them,
 gathering the whole model one unit at a time, and the bytes held.
 
-:func:`guard_state_dicts` refuses a state dict taken from a submodule whose parameters are placeholders
-(Hugging Face's ``save_pretrained`` or PEFT's adapter export in a callback during training would write NaN
-weights without a word); the strategy's own reads start at the root module and pass.
+:func:`guard_unit_state_dicts` refuses a state dict taken from a submodule whose parameters are
+placeholders (Hugging Face's ``save_pretrained`` or PEFT's adapter export in a callback during training
+would write NaN weights without a word; :mod:`lightning_par.state_guard`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
 from lightning_par.collectives import all_gather_flat
+from lightning_par.state_guard import guard_state_dicts
 from lightning_par.zero.layout import Fragment
 from lightning_par.zero.powersgd import load_compressor_state
 from lightning_par.zero.unit import Unit
@@ -136,35 +137,18 @@ class Stage3State:
         load_compressor_state(None, saved, {})
 
 
-def guard_state_dicts(root: nn.Module, units: list[Unit]) -> list[RemovableHandle]:
-    """A ``state_dict`` pre-hook on every submodule holding unit parameters. A traversal that started at
-    ``root`` reaches a module with its full name as prefix and passes (the checkpoint code reads buffers
-    that way and skips the parameters); one that started at a submodule (``model.save_pretrained()``,
-    ``get_peft_model_state_dict(model)``, ``torch.save(model.state_dict())``) raises while a unit the
-    module draws on is not gathered. Nothing is gathered here: that is collective, and such saves
-    typically run on rank 0 only."""
+def guard_unit_state_dicts(root: nn.Module, units: list[Unit]) -> list[RemovableHandle]:
+    """:func:`lightning_par.state_guard.guard_state_dicts` for the modules holding unit parameters: refused
+    while a unit the module draws on is not gathered (after ``fit`` the model is whole again)."""
     owner = {id(p): u for u in units for part in u.parts for p in part.params}
-    found: dict[int, tuple[nn.Module, set[str], list[Unit]]] = {}
-    for name, module in root.named_modules(remove_duplicate=False):
-        mine = {id(owner[id(p)]): owner[id(p)] for p in module.parameters(recurse=False) if id(p) in owner}
-        if module is not root and mine:
-            found.setdefault(id(module), (module, set(), list(mine.values())))[1].add(name + ".")
-    return [
-        module.register_state_dict_pre_hook(_refuse_placeholders(prefixes, holders, min(prefixes)))
-        for module, prefixes, holders in found.values()
-    ]
 
+    def holders(module: nn.Module) -> list[Unit]:
+        found = {id(owner[id(p)]): owner[id(p)] for p in module.parameters(recurse=False) if id(p) in owner}
+        return list(found.values())
 
-def _refuse_placeholders(prefixes: set[str], units: list[Unit], name: str) -> Callable[..., None]:
-    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if prefix not in prefixes and any(u.state != "gathered" for u in units):
-            raise RuntimeError(
-                f"state_dict() reached {name.rstrip('.')!r} ({type(module).__name__}), whose parameters are"
-                " ZeRO-3 shards here: outside a forward the module holds NaN placeholders, so this state dict"
-                " (Hugging Face's save_pretrained, PEFT's adapter export, torch.save) would hold no weights."
-                " Call strategy.consolidated_state_dict() on every rank (trainer.strategy or fabric.strategy;"
-                " collective, the full state lands on rank 0: e.g. model.save_pretrained(dir,"
-                " state_dict=...)), or save after fit, when the model is whole again."
-            )
+    def reason(module: nn.Module) -> str | None:
+        if all(u.state == "gathered" for u in holders(module)):
+            return None
+        return "ZeRO-3 shards here (NaN placeholders outside a forward; saving after fit also works)"
 
-    return hook
+    return guard_state_dicts(root, holds=lambda m: bool(holders(m)), reason=reason)

@@ -1,16 +1,20 @@
-"""Saving a Hugging Face or PEFT model from a callback at ZeRO-3, on 2 Gloo ranks.
+"""Saving a Hugging Face or PEFT model from a callback at ZeRO-3 and under tensor parallelism, on 2 Gloo
+ranks.
 
 Users save their model as training goes, e.g. ``pl_module.model.save_pretrained(dir)`` on rank 0 at each
 epoch's end. At ZeRO-3 the parameters outside a forward are NaN placeholders; before, that call wrote a
-checkpoint whose 21 tensors were all NaN (a Llama), without a word. Checked, for a Llama and a PEFT LoRA
-Llama, each trained one epoch under the Trainer:
+checkpoint whose 21 tensors were all NaN (a Llama), without a word. Under tensor parallelism it wrote
+rank 0's slices, found out only by ``from_pretrained`` ("ignore_mismatched_sizes"). Checked, for a Llama
+and a PEFT LoRA Llama at ZeRO-3 and a Llama at tp2 (the ``llama`` plan), each trained one epoch under the
+Trainer:
 
 * during training, ``save_pretrained`` on rank 0 only raises a ``RuntimeError`` naming the module and
   ``consolidated_state_dict()``, and writes no weights file;
 * ``trainer.strategy.consolidated_state_dict()`` on every rank, then ``save_pretrained(dir,
   state_dict=...)`` on rank 0, writes the weights the run ends with (read back with ``safetensors``, they
   equal the consolidated state after ``fit`` exactly);
-* after ``fit`` the model is whole again and a plain ``save_pretrained`` writes the same values.
+* after ``fit`` a ZeRO-3 model is whole again and a plain ``save_pretrained`` writes the same values; a
+  tensor-parallel one stays sliced, so the plain save is refused again and the consolidated save is used.
 """
 
 from __future__ import annotations
@@ -58,14 +62,20 @@ def _weights(directory: str) -> dict[str, Tensor]:
     return load_file(os.path.join(directory, names[0]))
 
 
-def _run(rank: int, world: int, lora: bool, root: str) -> dict[str, Any] | None:
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "zero3": dict(zero_stage=3),
+    "tp2": dict(tensor_parallel_size=2, tp_plan="llama"),
+}
+
+
+def _run(rank: int, world: int, layout: str, lora: bool, root: str) -> dict[str, Any] | None:
     torch.set_num_threads(1)
     pl.seed_everything(1)
     module, saver = LoraLlama(lora=lora), SaveEachEpoch(root)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=HybridParallelStrategy(zero_stage=3),
+        strategy=HybridParallelStrategy(**LAYOUTS[layout]),
         max_epochs=1,
         callbacks=[saver],
         logger=False,
@@ -77,12 +87,21 @@ def _run(rank: int, world: int, lora: bool, root: str) -> dict[str, Any] | None:
     final = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
     if rank != 0:
         return None
-    assert module.model is not None
-    module.model.save_pretrained(os.path.join(root, "after"))  # type: ignore[operator]
+    model: Any = module.model
+    after = os.path.join(root, "after")
+    refused_after = ""
+    if layout == "tp2":  # still sliced after fit
+        with pytest.raises(RuntimeError) as info:
+            model.save_pretrained(after)
+        refused_after = str(info.value)
+        model.save_pretrained(after, state_dict={k.removeprefix("model."): v for k, v in final.items()})
+    else:
+        model.save_pretrained(after)
     plain = os.path.join(root, "plain")
     left = [n for n in os.listdir(plain) if n.endswith(".safetensors")] if os.path.isdir(plain) else []
     return {
         "error": saver.error,
+        "refused_after": refused_after,
         "plain_weights": left,
         "consolidated": _weights(os.path.join(root, "consolidated")),
         "after": _weights(os.path.join(root, "after")),
@@ -96,14 +115,20 @@ def _saved_name(key: str, lora: bool) -> str:
     return key.replace(".default", "") if lora else key
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["llama", "lora"])
-def test_save_pretrained_during_zero3_training_is_refused_and_the_consolidated_save_is_exact(
-    lora: bool,
+@pytest.mark.parametrize(
+    ("layout", "lora"),
+    [("zero3", False), ("zero3", True), ("tp2", False)],
+    ids=["zero3", "zero3-lora", "tp2"],
+)
+def test_save_pretrained_from_pieces_is_refused_and_the_consolidated_save_is_exact(
+    layout: str, lora: bool
 ) -> None:
     with tempfile.TemporaryDirectory() as root:
-        out = run_distributed(_run, WORLD, lora, root, init_group=False, timeout=300)[0]
+        out = run_distributed(_run, WORLD, layout, lora, root, init_group=False, timeout=120)[0]
     assert out is not None
-    assert "ZeRO-3 shards" in out["error"] and "consolidated_state_dict()" in out["error"], out["error"]
+    what = "ZeRO-3 shards" if layout == "zero3" else "tensor-parallel slices"
+    assert what in out["error"] and "consolidated_state_dict()" in out["error"], out["error"]
+    assert (what in out["refused_after"]) == (layout == "tp2"), out["refused_after"]
     assert out["plain_weights"] == [], "the refused save wrote weights"
     final = out["final"]
     for saved in ("consolidated", "after"):

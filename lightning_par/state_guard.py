@@ -1,0 +1,64 @@
+"""Refuse a state dict of a submodule whose parameters are not the model's weights.
+
+Contract
+--------
+Users save models as training goes: ``pl_module.model.save_pretrained(dir)`` on rank 0 at an epoch's end,
+PEFT's adapter export, ``torch.save(model.state_dict())``. Under ZeRO-3 a module's parameters are NaN
+placeholders outside a forward, under tensor parallelism they are this rank's slices: such a save writes
+no usable weights (NaN silently, or slices found out only when loading). :func:`guard_state_dicts` puts a
+``state_dict`` pre-hook on each submodule of ``root`` that holds such parameters; when a traversal reaches
+it, the hook asks ``reason(module)`` and raises with that reason and the fix (``consolidated_state_dict()``
+on every rank, rank 0 saving its result).
+
+A traversal that started at ``root`` passes: a module then receives its full name under ``root`` as the
+prefix, and the strategies' own reads (buffers, beside the parameters they take elsewhere) start there.
+Nothing is gathered: such saves run on rank 0 alone, where a collective would hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["guard_state_dicts"]
+
+FIX = (
+    " Call strategy.consolidated_state_dict() on every rank (trainer.strategy or fabric.strategy; collective,"
+    " the full state lands on rank 0: e.g. model.save_pretrained(dir, state_dict=...))"
+)
+
+
+def guard_state_dicts(
+    root: nn.Module,
+    *,
+    holds: Callable[[nn.Module], bool],
+    reason: Callable[[nn.Module], str | None],
+) -> list[RemovableHandle]:
+    """Hook every submodule of ``root`` (not ``root``) for which ``holds(module)``; a traversal below
+    ``root`` raises where ``reason(module)`` gives one (see the module docstring)."""
+    found: dict[int, tuple[nn.Module, set[str]]] = {}
+    for name, module in root.named_modules(remove_duplicate=False):
+        if module is not root and holds(module):
+            found.setdefault(id(module), (module, set()))[1].add(name + ".")
+    return [
+        module.register_state_dict_pre_hook(_refuse(prefixes, reason)) for module, prefixes in found.values()
+    ]
+
+
+def _refuse(prefixes: set[str], reason: Callable[[nn.Module], str | None]) -> Callable[..., None]:
+    name = min(prefixes).rstrip(".")
+
+    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if prefix in prefixes:
+            return
+        why = reason(module)
+        if why is not None:
+            raise RuntimeError(
+                f"state_dict() reached {name!r} ({type(module).__name__}), whose parameters are {why}, so"
+                " this state dict (Hugging Face's save_pretrained, PEFT's adapter export, torch.save) would"
+                " not hold the model's weights." + FIX
+            )
+
+    return hook
