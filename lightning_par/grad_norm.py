@@ -94,3 +94,31 @@ def clip_grad_norm_(
     for (dev, _), tensors in by_device_dtype(everything).items():
         torch._foreach_mul_(tensors, coef.to(dev))
     return norm
+
+
+def param_grad_norms(
+    pieces: Iterable[tuple[str, Tensor]],
+    names: Sequence[str],
+    *,
+    group: ProcessGroup | None,
+    norm_type: float,
+    device: torch.device,
+) -> dict[str, Tensor]:
+    """Each parameter's gradient p-norm when its gradient lies in disjoint ``(name, piece)`` pieces over
+    ``group`` (a rank may hold several pieces of a parameter, or none): ``Σ |g_i|^p`` per name here, one
+    all-reduce of that vector (with a count of the ranks holding a piece) over ``group``, then the p-th
+    root (``max |g_i|`` for p = inf). A name no rank holds a gradient of is left out, as Lightning's
+    ``grad_norm`` leaves out parameters whose ``grad`` is None; telling which requires one host read."""
+    index = {n: i for i, n in enumerate(names)}
+    is_inf = math.isinf(norm_type)
+    acc = torch.zeros(2, len(names), dtype=torch.float32, device=device)  # partial sums; pieces held
+    for name, grad in pieces:
+        i = index[name]
+        value = torch.linalg.vector_norm(grad.detach().float(), norm_type).to(device)
+        acc[0, i] = torch.maximum(acc[0, i], value) if is_inf else acc[0, i] + value.pow(norm_type)
+        acc[1, i] += 1
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+    norms = acc[0] if is_inf else acc[0].pow(1.0 / norm_type)
+    held = acc[1].tolist()  # the one host read: which names the dict has
+    return {n: norms[i] for i, n in enumerate(names) if held[i]}

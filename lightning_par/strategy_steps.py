@@ -18,12 +18,14 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par import lightning_hooks
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
+from lightning_par.grad_norm import param_grad_norms
 from lightning_par.loss import TokenNormalizer
 from lightning_par.pipeline.lightning import LightningPipeline
 from lightning_par.pipeline.runtime import StepStats
@@ -166,6 +168,53 @@ class StrategySteps(ZeroCheckpointIO):
             self._patched += lightning_hooks.guard_toggling(
                 module, sharded=sharded, optimizers=self.optimizers
             )
+
+    # ------------------------------------------------------------------ gradient norms for logging
+    def grad_norm(
+        self, module: nn.Module | None = None, norm_type: float | str = 2.0, group_separator: str = "/"
+    ) -> dict[str, Tensor | float]:
+        """Lightning's ``grad_norm(module, norm_type)`` for this layout, from ``on_before_optimizer_step``:
+        each parameter's gradient p-norm under the same keys (``grad_2.0_norm/<name>`` and
+        ``grad_2.0_norm_total``), for the gradients the optimizer is about to apply. At ZeRO 1-3 those
+        live in this rank's shards, where Lightning's function finds no ``param.grad`` and returns ``{}``:
+        here the pieces' partial sums are all-reduced over the dp group, so every rank must call it (it
+        costs one all-reduce and one host read). ``module`` defaults to the LightningModule; names are
+        relative to it, as Lightning's. Tensor and pipeline parallelism are not covered."""
+        from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+
+        p = float(norm_type)
+        if p <= 0:
+            raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type!r}.")
+        root = self.lightning_module
+        assert root is not None, "grad_norm() needs the strategy set up (call it from a hook)"
+        module = module if module is not None else root
+        engine = self._engine
+        sharded = engine.sharded_state if engine is not None else None
+        if sharded is None:  # every param.grad is the whole, averaged gradient (ZeRO-0, one process)
+            return dict(lightning_grad_norm(module, p, group_separator))
+        if self.mesh.tp_size > 1 or self.mesh.pp_size > 1:
+            raise NotImplementedError(
+                "grad_norm() covers ZeRO 0-3 over data parallelism; under tensor or pipeline parallelism a"
+                " parameter's gradient is spread over more groups. Log the clipping norm instead."
+            )
+        prefix = next((n + "." for n, m in root.named_modules() if m is module), None)
+        if prefix is None:
+            raise ValueError("grad_norm(module): the module is not part of the LightningModule.")
+        prefix = "" if prefix == "." else prefix
+        names = [n for n, q in root.named_parameters() if q.requires_grad and n.startswith(prefix)]
+        pieces = [
+            (name, master.grad)
+            for name, _, _, master in sharded.fragment_table()
+            if master.grad is not None and name.startswith(prefix)
+        ]
+        device = self.root_device
+        norms = param_grad_norms(pieces, names, group=self.mesh.dp_group, norm_type=p, device=device)
+        out: dict[str, Tensor | float] = {
+            f"grad_{p}_norm{group_separator}{n[len(prefix) :]}": v for n, v in norms.items()
+        }
+        if norms:
+            out[f"grad_{p}_norm_total"] = torch.stack(list(norms.values())).norm(p)
+        return out
 
     # ------------------------------------------------------------------ token normalisation
     def token_normalized(self, loss_sum: Tensor, n_tokens: int | Tensor) -> Tensor:
