@@ -112,11 +112,16 @@ def param_grad_norms(
     index = {n: i for i, n in enumerate(names)}
     is_inf = math.isinf(norm_type)
     acc = torch.zeros(2, len(names), dtype=torch.float32, device=device)  # partial sums; pieces held
-    for name, grad in pieces:
-        i = index[name]
-        value = torch.linalg.vector_norm(grad.detach().float(), norm_type).to(device)
-        acc[0, i] = torch.maximum(acc[0, i], value) if is_inf else acc[0, i] + value.pow(norm_type)
-        acc[1, i] += 1
+    rows = [(index[name], grad.detach()) for name, grad in pieces]
+    if rows:
+        # one norm per piece, then one scatter into the per-name vector (no per-piece scalar updates)
+        slots = torch.tensor([i for i, _ in rows], dtype=torch.int64, device=device)
+        values = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for _, g in rows]).to(device)
+        if is_inf:
+            acc[0].scatter_reduce_(0, slots, values, reduce="amax")
+        else:
+            acc[0].index_add_(0, slots, values.pow(norm_type))
+        acc[1].index_add_(0, slots, torch.ones_like(values))
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
     norms = acc[0] if is_inf else acc[0].pow(1.0 / norm_type)
