@@ -8,12 +8,11 @@
 * Manual optimization with two optimizers (a GAN's alternating discriminator / generator steps with
   ``toggle_optimizer``): at stages 1, 2 and 3 the final weights of both networks equal ``"ddp"`` with
   ``find_unused_parameters=True`` (which Lightning's ddp needs here too); without the flag the error names
-  the parameters that got no gradient. Two checks of this part fail at the time of writing, on bugs outside
-  the optimizer code: at stage 3 with the default units (the whole model one root unit) the generator
-  step computes with NaN placeholders (``Stage3Engine._finalize_backward`` frees the root unit after the
-  discriminator's backward, and nothing gathers it again inside the same ``training_step``), and
-  ``toggle_optimizer`` freezes nothing at stages 1-3 (it sets ``requires_grad`` on the tensors in
-  ``optimizer.param_groups``, which are this rank's fragments, not the module's parameters).
+  the parameters that got no gradient. Two checks guard earlier bugs: at stage 3 with the default units
+  (the whole model one root unit) the generator step, a second forward inside the same
+  ``training_step`` after the discriminator's backward, must compute with real weights, not the
+  placeholders left by the root unit's release; and ``toggle_optimizer`` must freeze the other network at
+  stages 1-3, where ``optimizer.param_groups`` holds this rank's fragments, not the module's parameters.
 * Weight averaging (``StochasticWeightAveraging`` and ``EMAWeightAveraging``) at ZeRO 1/2 in fp32 equals
   ``"ddp"``, EMA also on a model with BatchNorm. SWA on a model with BatchNorm ends with a statistics epoch
   whose ``optimizer.step()`` runs without backward or ``zero_grad``: ``"ddp"`` re-applies the last
