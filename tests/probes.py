@@ -10,6 +10,9 @@
   functions (a CPU step counter in ``torch.optim``, which is no device sync), and ``.to(device)``, which
   on these CPU runs cannot be told apart from a placement on the communication device (the CPU).
 * :class:`Collectives`: records every collective and point-to-point call (name and element count).
+* :func:`counting_backend`: a ``torch.compile`` backend (dynamo's ``aot_eager``: AOTAutograd, no C++
+  compiler) counting, in :data:`COMPILED_CALLS`, every call of a graph it compiled, so that a test shows
+  its model ran compiled.
 """
 
 from __future__ import annotations
@@ -144,3 +147,17 @@ class Collectives:
         for owner, name, original in reversed(self._saved):
             setattr(owner, name, original)
         self._saved = []
+
+
+COMPILED_CALLS = [0]  # calls of graphs compiled by counting_backend, in this process
+
+
+def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+    """Dynamo's ``aot_eager`` backend, counting every call of the graph it compiled."""
+    compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    def run(*args: Any) -> Any:
+        COMPILED_CALLS[0] += 1
+        return compiled(*args)
+
+    return run

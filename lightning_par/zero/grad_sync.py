@@ -373,8 +373,10 @@ class GradSync(GradBuckets):
             listener()
 
     def attach_to(self, module: nn.Module) -> None:
-        """Call :meth:`prepare_window` before every forward of ``module``."""
-        self._handles.append(module.register_forward_pre_hook(lambda _m, _a: self.prepare_window()))
+        """Call :meth:`prepare_window` before every forward of ``module`` (eagerly, also when a compiled
+        ``module`` would trace it: it edits the buckets, Python state a graph would not replay)."""
+        hook = torch.compiler.disable(lambda _m, _a: self.prepare_window())
+        self._handles.append(module.register_forward_pre_hook(hook))
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

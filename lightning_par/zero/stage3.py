@@ -227,12 +227,16 @@ class Stage3Engine(Stage3Reduce):
         )
 
     def _install_hooks(self) -> None:
+        # The forward hooks run eagerly inside a torch.compile'd model (a graph break at each unit, as FSDP2
+        # does without compiled autograd): traced, their `p.data =` swaps would become in-graph mutations of
+        # tensors the compiled backward saved ("modified by an inplace operation").
+        eager = torch.compiler.disable
         for unit in self.units:
             module = unit.module
             self._handles.append(
-                module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True)
+                module.register_forward_pre_hook(eager(self._make_pre_forward(unit)), with_kwargs=True)
             )
-            self._handles.append(module.register_forward_hook(self._make_post_forward(unit)))
+            self._handles.append(module.register_forward_hook(eager(self._make_post_forward(unit))))
             for p in unit.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._handles += guard_unit_state_dicts(self.module, self.units)
@@ -240,8 +244,8 @@ class Stage3Engine(Stage3Reduce):
             mine = {id(p) for part in self.root.parts for p in part.params}
             for m in self.module.modules():
                 if m is not self.module and any(id(p) in mine for p in m.parameters(recurse=False)):
-                    self._handles.append(m.register_forward_pre_hook(self._borrow_root))
-                    self._handles.append(m.register_forward_hook(self._return_root))
+                    self._handles.append(m.register_forward_pre_hook(eager(self._borrow_root)))
+                    self._handles.append(m.register_forward_hook(eager(self._return_root)))
 
     def _borrow_root(self, module: nn.Module, args: Any) -> None:
         """Gather the root unit for a call of ``module`` (it holds root parameters) while nothing else
