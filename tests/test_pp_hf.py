@@ -50,6 +50,7 @@ from lightning_par import HybridParallelStrategy
 from lightning_par.pipeline import hf_pipeline_layers
 from lightning_par.pipeline.hf import mask_call
 from tests.distributed import run_distributed
+from tests.probes import COMPILED_CALLS, counting_backend
 from tests.test_pp_trainer import GLOBAL, SEED, N, _reference, _trainer
 from tests.test_strategy import LossRecorder, Tokens
 from tests.third_party import add_lora, checkpoint_layers
@@ -345,6 +346,9 @@ def test_bad_models_are_refused_with_the_fix() -> None:
         hf_pipeline_layers(build("gemma3_text", use_bidirectional_attention=True))
     with pytest.raises(ValueError, match=r"mixtral model has output_router_logits=True.* = False"):
         hf_pipeline_layers(build("mixtral", output_router_logits=True))
+    # a whole-model compile would not apply to the pieces (and hides the modules): compile the blocks
+    with pytest.raises(TypeError, match=r"compile'd model \(LlamaForCausalLM .* model.model.layers\[i\]"):
+        hf_pipeline_layers(torch.compile(build("llama")))  # type: ignore[arg-type]
     # what transformers 4.x models look like (checked with 4.57): Gemma 3's separate local rotary table;
     # a decoder building its masks without the positions, whose packed rows are refused (padding is not)
     gemma3 = build("gemma3_text")
@@ -406,8 +410,8 @@ def _run(rank: int, world: int, tmp: str, kw: dict[str, Any]) -> dict[str, Any]:
     if kw.get("pretrained"):  # the reference's weights come from the file, this model's own are others
         kw = kw | {"pretrained": str(Path(tmp) / "pretrained")}
         seed = SEED + 1
-    lora, reentrant = kw.get("lora", False), kw.get("checkpointing")
-    kw = {k: v for k, v in kw.items() if k not in ("lora", "checkpointing")}
+    lora, reentrant, compiled = kw.get("lora", False), kw.get("checkpointing"), kw.get("compile_blocks")
+    kw = {k: v for k, v in kw.items() if k not in ("lora", "checkpointing", "compile_blocks")}
     strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, **kw)
     trainer = _trainer(strategy, world, tmp, [rec])
     train = DataLoader(Tokens(N), batch_size=GLOBAL, shuffle=True)
@@ -415,12 +419,18 @@ def _run(rank: int, world: int, tmp: str, kw: dict[str, Any]) -> dict[str, Any]:
     if reentrant is not None:  # Hugging Face's activation checkpointing in the blocks the pieces run
         assert module.model is not None
         checkpoint_layers(module.model, reentrant=reentrant)
+    if compiled:  # the user compiles each decoder layer (the pieces then call the compiled layers)
+        layers: Any = module.model.model.layers  # type: ignore[union-attr]
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer, backend=counting_backend)
+    before = COMPILED_CALLS[0]
     trainer.fit(module, train, DataLoader(Tokens(8), batch_size=8))
     state = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
     return {
         "losses": rec.losses,
         "val_loss": float(trainer.callback_metrics["val_loss"]),
-        "state": {k: v.clone() for k, v in state.items()},
+        "state": {k.replace("._orig_mod", ""): v.clone() for k, v in state.items()},
+        "compiled_calls": COMPILED_CALLS[0] - before,
     }
 
 
@@ -443,13 +453,16 @@ LLAMA_CASES = [
     # the tp group by a hook, so zb keeps it in B (a deferred W would skip the sum); the head's copy and
     # its original are both column-parallel
     (4, dict(pipeline_schedule="zb", lora="saved", tensor_parallel_size=2, tp_plan="llama")),
+    # the decoder layers torch.compile'd one by one (as torchtitan compiles blocks): the pieces run the
+    # compiled layers, zb's split included (its hooks on the layers' nn.Linear run inside the graphs)
+    (2, dict(pipeline_schedule="zb", compile_blocks=True)),
 ]
 
 
 @pytest.mark.parametrize(
     ("world", "kw"),
     LLAMA_CASES,
-    ids=["1f1b", "zb", "zb-tp2", "pretrained", "lora-1f1b", "lora-zb", "lora-zb-tp2"],
+    ids=["1f1b", "zb", "zb-tp2", "pretrained", "lora-1f1b", "lora-zb", "lora-zb-tp2", "zb-compiled"],
 )
 def test_llama_pipeline_matches_single_process(world: int, kw: dict[str, Any], tmp_path: Path) -> None:
     if kw.get("pretrained"):
@@ -460,6 +473,8 @@ def test_llama_pipeline_matches_single_process(world: int, kw: dict[str, Any], t
     )
     for r in results:  # every pipeline (and tensor-parallel) rank reports the same loss
         torch.testing.assert_close(torch.tensor(r["losses"]), ref_losses)
+        if kw.get("compile_blocks"):  # each stage ran its compiled layers
+            assert r["compiled_calls"] > 0, r["compiled_calls"]
         assert r["val_loss"] == pytest.approx(ref_val, rel=1e-5)
     state = results[0]["state"]
     assert set(reference) <= set(state), sorted(set(reference) - set(state))

@@ -106,6 +106,8 @@ def test_bad_models_are_refused_with_the_fix() -> None:
     with pytest.raises(TypeError, match=r"Custom overrides GPT.forward"):
         litgpt_pipeline_layers(Custom(Config.from_name("pythia-14m", **SMALL)))
     model = build("pythia")
+    with pytest.raises(TypeError, match=r"torch.compile'd model \(GPT .* model.transformer.h\[i\] ="):
+        litgpt_pipeline_layers(torch.compile(model))  # type: ignore[arg-type]
     pieces = litgpt_pipeline_layers(model)
     with pytest.raises(ValueError, match=r"length 17: the litgpt model's max_seq_length is 16"):
         pieces[0](torch.zeros(1, 17, dtype=torch.long))

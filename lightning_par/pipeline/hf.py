@@ -82,7 +82,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_par.loss import token_loss_sum
-from lightning_par.pipeline.pieces import Origin, Piece, softcap
+from lightning_par.pipeline.pieces import Origin, Piece, refuse_compiled, softcap
 
 # the decoder families whose pieces are tested bitwise against the model (tests/test_pp_hf.py)
 LLAMA_LIKE = (
@@ -105,6 +105,7 @@ INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
 def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
     """The pipeline layers of the Hugging Face causal LM ``model`` (module docstring), or of the model a
     PEFT ``PeftModel`` wraps: adapters injected into the layers (LoRA, IA3, ...) are part of the blocks."""
+    refuse_compiled(model, builder="hf_pipeline_layers", blocks="model.model.layers")
     model = _unwrap_peft(model)
     hf: Any = model  # transformers' attributes, looked up by name (imported for its mask builders only)
     config = getattr(model, "config", None)

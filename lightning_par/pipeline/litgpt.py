@@ -30,11 +30,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_par.pipeline.pieces import Origin, Piece, softcap
+from lightning_par.pipeline.pieces import Origin, Piece, refuse_compiled, softcap
 
 
 def litgpt_pipeline_layers(model: nn.Module) -> list[nn.Module]:
     """The pipeline layers of litgpt's ``GPT`` ``model`` (module docstring)."""
+    refuse_compiled(model, builder="litgpt_pipeline_layers", blocks="model.transformer.h")
     try:
         from litgpt.model import GPT
     except ImportError as error:

@@ -7,14 +7,31 @@ the pipeline's split, ZeRO and the tied-weight exchange see the model's own para
 checks at every forward that the parents still hold them: a tensor-parallel plan swaps modules (the
 embedding and the LM head become vocabulary-parallel), and a piece built before that would silently run
 the module the model no longer has.
+
+:func:`refuse_compiled` stops a builder given a ``torch.compile``d model: the pipeline runs the pieces,
+never the model's forward, so the compile would silently not apply (and its wrapper hides the modules).
+Compiled blocks are kept: a piece calls the compiled module it wraps.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch._dynamo import OptimizedModule
 
 Origin = tuple[nn.Module, str]  # (parent module, name of the wrapped child in it)
+
+
+def refuse_compiled(model: nn.Module, *, builder: str, blocks: str) -> None:
+    """Raise if ``model`` is a ``torch.compile`` wrapper; ``blocks`` names where its blocks live."""
+    if isinstance(model, OptimizedModule):
+        raise TypeError(
+            f"{builder} got a torch.compile'd model ({type(model._orig_mod).__name__} inside an"
+            " OptimizedModule). Under pipeline parallelism the pieces run, not the model's forward, so"
+            " compiling the whole model would have no effect. Pass the model itself and compile its blocks"
+            f" instead, e.g. in configure_model(): for i, block in enumerate({blocks}): {blocks}[i] ="
+            " torch.compile(block)."
+        )
 
 
 class Piece(nn.Module):

@@ -32,7 +32,8 @@ forward's share. Register such a weight as a parameter of both modules (shared, 
 use ``1f1b``. Reentrant activation checkpointing (``use_reentrant=True``) runs a region's backward as
 a nested pass that ``inputs=`` cannot restrict, which torch refuses: the split refuses Hugging Face's
 reentrant flag when built and at every step, and names the fix if torch raises for another. The hooks are
-registered for a step and removed after it (:meth:`attached`). Chunks with none of these layers have
+registered for a step and removed after it (:meth:`attached`); they run eagerly inside a
+``torch.compile``d block (a graph break at each deferrable layer). Chunks with none of these layers have
 empty ``W`` passes, which leaves zero bubble with 1F1B's work in a schedule built for less: a warning
 says so when the split is built.
 """
@@ -166,7 +167,11 @@ class WeightGradSplit:
         Refuses reentrant activation checkpointing first (turned on since construction), before the
         step's first transfer."""
         self._refuse_reentrant()
-        handles = [m.register_forward_hook(self._on_forward) for m in self._linears]
+        # eager inside a torch.compile'd block: traced into the graph, its per-micro-batch bookkeeping
+        # (the key, the output-gradient hooks) went wrong: zb on compiled Llama layers drifted from one
+        # process after the first step (tests/test_pp_hf.py, zb-compiled)
+        hook = torch.compiler.disable(self._on_forward)
+        handles = [m.register_forward_hook(hook) for m in self._linears]
         # the parameters are read at every step, not kept from construction: an engine that materialises
         # meta parameters (ZeRO-3 meta init) replaces the parameter objects after the split is built
         deferred = {id(p) for m in self._linears for p in m.parameters(recurse=False)}
