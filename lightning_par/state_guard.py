@@ -10,19 +10,23 @@ no usable weights (NaN silently, or slices found out only when loading). :func:`
 it, the hook asks ``reason(module)`` and raises with that reason and the fix (``consolidated_state_dict()``
 on every rank, rank 0 saving its result).
 
-A traversal that started at ``root`` passes: a module then receives its full name under ``root`` as the
-prefix, and the strategies' own reads (buffers, beside the parameters they take elsewhere) start there.
+A traversal that started at ``root`` passes the submodules' hooks: a module then receives its full name
+under ``root`` as the prefix. With ``whole`` given, a hook on ``root`` itself refuses the traversal of the
+whole model (``pl_module.state_dict()`` in a callback, ``torch.save(model.state_dict())`` at the end of a
+Fabric loop) while ``whole()`` gives a reason, unless it is one of the strategies' own reads (buffers and
+keys, beside the parameters they take from the shards), marked by :class:`OwnReads`.
 Nothing is gathered: such saves run on rank 0 alone, where a collective would hang.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["guard_state_dicts"]
+__all__ = ["OwnReads", "guard_state_dicts"]
 
 FIX = (
     " Call strategy.consolidated_state_dict() on every rank (trainer.strategy or fabric.strategy; collective,"
@@ -30,21 +34,60 @@ FIX = (
 )
 
 
+class OwnReads:
+    """Marks the strategies' own traversals of the whole model: ``with own_reads(): module.state_dict()``
+    (nested uses count)."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    @property
+    def active(self) -> bool:
+        return self._depth > 0
+
+
 def guard_state_dicts(
     root: nn.Module,
     *,
     holds: Callable[[nn.Module], bool],
     reason: Callable[[nn.Module], str | None],
+    whole: Callable[[], str | None] | None = None,
+    own: OwnReads | None = None,
 ) -> list[RemovableHandle]:
     """Hook every submodule of ``root`` (not ``root``) for which ``holds(module)``; a traversal below
-    ``root`` raises where ``reason(module)`` gives one (see the module docstring)."""
+    ``root`` raises where ``reason(module)`` gives one. With ``whole``: also a traversal of ``root``
+    outside ``own()`` while ``whole()`` gives a reason (see the module docstring)."""
     found: dict[int, tuple[nn.Module, set[str]]] = {}
     for name, module in root.named_modules(remove_duplicate=False):
         if module is not root and holds(module):
             found.setdefault(id(module), (module, set()))[1].add(name + ".")
-    return [
+    handles = [
         module.register_state_dict_pre_hook(_refuse(prefixes, reason)) for module, prefixes in found.values()
     ]
+    if whole is not None:
+        handles.append(root.register_state_dict_pre_hook(_refuse_whole(whole, own or OwnReads())))
+    return handles
+
+
+def _refuse_whole(whole: Callable[[], str | None], own: OwnReads) -> Callable[..., None]:
+    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        why = None if own.active else whole()
+        if why is not None:
+            raise RuntimeError(
+                f"state_dict() of the whole model ({type(module).__name__}) was asked for while its"
+                f" parameters are {why}, so it would not hold the model's weights (torch.save of it, a"
+                " copy for later)." + FIX + ", or save a checkpoint: trainer.save_checkpoint / fabric.save."
+            )
+
+    return hook
 
 
 def _refuse(prefixes: set[str], reason: Callable[[nn.Module], str | None]) -> Callable[..., None]:

@@ -9,7 +9,8 @@ and a PEFT LoRA Llama at ZeRO-3 and a Llama at tp2 (the ``llama`` plan), each tr
 Trainer:
 
 * during training, ``save_pretrained`` on rank 0 only raises a ``RuntimeError`` naming the module and
-  ``consolidated_state_dict()``, and writes no weights file;
+  ``consolidated_state_dict()``, and writes no weights file; at ZeRO-3 so does ``pl_module.state_dict()``
+  (the whole model: before, NaN placeholders too);
 * ``trainer.strategy.consolidated_state_dict()`` on every rank, then ``save_pretrained(dir,
   state_dict=...)`` on rank 0, writes the weights the run ends with (read back with ``safetensors``, they
   equal the consolidated state after ``fit`` exactly);
@@ -42,7 +43,7 @@ class SaveEachEpoch(pl.Callback):
 
     def __init__(self, root: str) -> None:
         self.root = root
-        self.error = ""
+        self.error = self.whole_error = ""
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model: Any = pl_module.model  # type: ignore[union-attr]
@@ -50,6 +51,10 @@ class SaveEachEpoch(pl.Callback):
             with pytest.raises(RuntimeError) as info:
                 model.save_pretrained(os.path.join(self.root, "plain"))
             self.error = str(info.value)
+            try:  # torch.save(pl_module.state_dict()): the whole model, refused while ZeRO-3 shards it
+                pl_module.state_dict()
+            except RuntimeError as error:
+                self.whole_error = str(error)
         full = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
         if trainer.is_global_zero:
             mine = {k.removeprefix("model."): v for k, v in full.items()}
@@ -97,10 +102,14 @@ def _run(rank: int, world: int, layout: str, lora: bool, root: str) -> dict[str,
         model.save_pretrained(after, state_dict={k.removeprefix("model."): v for k, v in final.items()})
     else:
         model.save_pretrained(after)
+        whole_after = module.state_dict()  # whole again: the same values, not refused
+        for name, value in final.items():
+            torch.testing.assert_close(whole_after[name], value, rtol=0, atol=0, msg=name)
     plain = os.path.join(root, "plain")
     left = [n for n in os.listdir(plain) if n.endswith(".safetensors")] if os.path.isdir(plain) else []
     return {
         "error": saver.error,
+        "whole_error": saver.whole_error,
         "refused_after": refused_after,
         "plain_weights": left,
         "consolidated": _weights(os.path.join(root, "consolidated")),
@@ -129,6 +138,12 @@ def test_save_pretrained_from_pieces_is_refused_and_the_consolidated_save_is_exa
     what = "ZeRO-3 shards" if layout == "zero3" else "tensor-parallel slices"
     assert what in out["error"] and "consolidated_state_dict()" in out["error"], out["error"]
     assert (what in out["refused_after"]) == (layout == "tp2"), out["refused_after"]
+    # the whole model's state dict: refused at ZeRO-3 (NaN placeholders); under tensor parallelism it is
+    # the strategies' own read too and stays unguarded (slices, refused by from_pretrained's shapes)
+    if layout == "zero3":
+        assert "state_dict() of the whole model (LoraLlama)" in out["whole_error"], out["whole_error"]
+    else:
+        assert out["whole_error"] == "", out["whole_error"]
     assert out["plain_weights"] == [], "the refused save wrote weights"
     final = out["final"]
     for saved in ("consolidated", "after"):

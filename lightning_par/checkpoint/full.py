@@ -38,7 +38,7 @@ from lightning_par.checkpoint.optimizer_state import (
     group_hyperparams,
 )
 from lightning_par.checkpoint.tp_reshard import Record, TPInfo, global_shapes, globalize
-from lightning_par.zero.engine import Engine
+from lightning_par.zero.engine import Engine, own_state_reads
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -91,9 +91,11 @@ def model_records(module: nn.Module, engine: Engine | None, *, dp_rank: int, tp_
     extras: dict[str, Tensor] = {}
     if dp_rank == 0 and tp_rank == 0:
         names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        with own_state_reads(engine):  # the buffers; the parameters came from the shards above
+            entries = module.state_dict(keep_vars=True).items()
         extras = {
             k: v.detach().cpu().clone()
-            for k, v in module.state_dict(keep_vars=True).items()
+            for k, v in entries
             if k not in names and not (isinstance(v, Tensor) and v.is_meta)
         }
     return {"params": params, "masters": masters, "extras": extras}
@@ -180,7 +182,8 @@ def gather_full_state_dict(
     shares = collect((dict(tp), share), dst=dst, group=group)
     if shares is None:
         return {}
-    return assemble_model(shares, module, tp)
+    with own_state_reads(engine):  # the keys and their order
+        return assemble_model(shares, module, tp)
 
 
 def gather_full_optimizer_state(
@@ -200,7 +203,9 @@ def gather_full_optimizer_state(
     shares = collect((dict(tp), records), dst=dst, group=group)
     if shares is None:
         return {}
-    pieces = globalize(shares, global_shapes(module, tp))
+    with own_state_reads(engine):  # the names of the persistent entries
+        shapes = global_shapes(module, tp)
+    pieces = globalize(shares, shapes)
     hyper = group_hyperparams(optimizer)
     groups = [{**h, "param_names": list(names)} for h, names in zip(hyper, param_names, strict=True)]
-    return torch_optimizer_state(groups, pieces, global_shapes(module, tp))
+    return torch_optimizer_state(groups, pieces, shapes)

@@ -43,7 +43,7 @@ from lightning_par.checkpoint.optimizer_state import (
     pieces_from_records,
     pieces_from_state_dict,
 )
-from lightning_par.zero.engine import Engine
+from lightning_par.zero.engine import Engine, own_state_reads
 from lightning_par.zero.powersgd import merge_states
 
 
@@ -64,8 +64,10 @@ def capture(
     module: nn.Module, engine: Engine | None, optimizers: Sequence[Optimizer]
 ) -> tuple[OrderedDict[str, Any], dict[str, Any], list[Tensor]]:
     """``(model, optim, step_tensors)`` of this rank (see the module docstring)."""
+    with own_state_reads(engine):
+        entries = module.state_dict().items()
     model: OrderedDict[str, Any] = OrderedDict(
-        (k, v) for k, v in module.state_dict().items() if not (isinstance(v, Tensor) and v.is_meta)
+        (k, v) for k, v in entries if not (isinstance(v, Tensor) and v.is_meta)
     )
     sharded = engine.sharded_state if engine is not None else None
     optim: dict[str, Any]

@@ -37,7 +37,7 @@ from lightning_par.checkpoint.io import (
 from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta
 from lightning_par.checkpoint.tp_reshard import TPInfo, tp_info
 from lightning_par.mesh import MeshLayout, ParallelMesh
-from lightning_par.zero.engine import Engine
+from lightning_par.zero.engine import Engine, reads_own_state
 
 
 class ZeroCheckpointIO(ParallelStrategy):
@@ -101,6 +101,7 @@ class ZeroCheckpointIO(ParallelStrategy):
             return 0
 
     @override
+    @reads_own_state
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Replicated models: Lightning's own. Otherwise, with ``save_distributed_checkpoint=False``: the
         full state dict on global rank 0 (``{}`` elsewhere; collective); with distributed checkpoints:
@@ -120,6 +121,7 @@ class ZeroCheckpointIO(ParallelStrategy):
             if k not in params and not (isinstance(v, Tensor) and v.is_meta)
         }
 
+    @reads_own_state
     def consolidated_state_dict(self) -> dict[str, Any]:
         """The full model state dict (parameters, trainable ones at master precision, and buffers) on
         global rank 0, ``{}`` elsewhere; collective. Every rank sends its share in turn (see
@@ -130,6 +132,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         )
 
     @override
+    @reads_own_state
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not self._sharded():
             return super().optimizer_state(optimizer)
@@ -150,6 +153,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         )
 
     @override
+    @reads_own_state
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
@@ -182,6 +186,7 @@ class ZeroCheckpointIO(ParallelStrategy):
             barrier=self.barrier,
         )
 
+    @reads_own_state
     def layout_metadata(self) -> dict[str, Any]:
         """What a checkpoint records about the model and the layout it was written with."""
         assert self.lightning_module is not None
@@ -197,6 +202,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         )
 
     @override
+    @reads_own_state
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         self._sharded_source = None
@@ -213,6 +219,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         return checkpoint
 
     @override
+    @reads_own_state
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
         load_module_state(
@@ -225,6 +232,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         )
 
     @override
+    @reads_own_state
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None
         load_optimizer_states(

@@ -65,7 +65,7 @@ from lightning_par.precision import ParallelPrecision, cast_frozen
 from lightning_par.rendezvous import launch_store
 from lightning_par.strategy_options import PipelineSchedule, check_options
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
-from lightning_par.zero.engine import Engine
+from lightning_par.zero.engine import Engine, reads_own_state
 from lightning_par.zero.meta_buffers import materialize_buffers
 from lightning_par.zero.meta_init import move_real_tensors, params_on_meta
 from lightning_par.zero.units import UnitPolicy
@@ -376,6 +376,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     @override
+    @reads_own_state
     def save_checkpoint(
         self,
         path: str | Path,
@@ -390,6 +391,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         fabric_checkpoint.save(self, Path(self.broadcast(str(path))), state)
 
     @override
+    @reads_own_state
     def load_checkpoint(
         self,
         path: str | Path,
@@ -399,6 +401,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
     ) -> dict[str, Any]:
         return fabric_checkpoint.load(self, Path(self.broadcast(str(path))), state, strict=strict)
 
+    @reads_own_state
     def consolidated_state_dict(self) -> dict[str, Any]:
         """The full model state dict (every stage's, tp slice's and shard's parameters, trainable ones at
         master precision, and the buffers) on global rank 0, ``{}`` elsewhere; collective (see

@@ -16,10 +16,11 @@ Policies (``Literal`` strings, checked):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
+from lightning_par.state_guard import OwnReads
 from lightning_par.zero.comm_hooks import CommHook
 from lightning_par.zero.grad_sync import (
     GradSync,
@@ -65,6 +67,8 @@ class ZeroEngine:
     compute_dtype: torch.dtype | None = None
     allow_untested_optimizer: bool = False
     sharded: ShardedOptimizer | None = field(default=None)
+    # whole parameters below stage 3: state dicts are never refused, this only satisfies the protocol
+    own_reads: OwnReads = field(default_factory=OwnReads)
 
     def shard_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """Stages 1/2: rebuild ``optimizers`` over this rank's shard (a no-op at stage 0)."""
@@ -198,10 +202,14 @@ class Engine(Protocol):
     * ``watch_backward(loss)``: called with the tensor a backward starts from, before it starts; the
       engine's end-of-backward work then waits for that pass, past the nested passes of reentrant
       activation checkpoints.
+    * ``own_reads()``: a context marking the front doors' own traversals of ``module.state_dict()``,
+      which stage 3 otherwise refuses while parameters are sharded (:mod:`lightning_par.state_guard`);
+      see :func:`own_state_reads`.
     """
 
     stage: int
     module: nn.Module
+    own_reads: OwnReads
 
     def shard_optimizers(self, optimizers: Sequence[Optimizer]) -> None: ...
     def after_step(self) -> None: ...
@@ -331,3 +339,31 @@ def apply_data_parallel(
         sync_module_states=sync_module_states,
     )
     return engine.sync
+
+
+def own_state_reads(engine: Engine | None) -> AbstractContextManager[None]:
+    """``engine.own_reads()``, or nothing to mark without an engine: wrap the strategies' own reads of the
+    whole model's ``state_dict()`` (checkpoints, exports, snapshots) in it."""
+    return engine.own_reads() if engine is not None else nullcontext()
+
+
+class _HasEngine(Protocol):
+    @property
+    def engine(self) -> Engine | None: ...
+
+
+_S = TypeVar("_S", bound=_HasEngine)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def reads_own_state(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S, _P], _R]:
+    """A front door's method (checkpoint save or load, export) that runs under
+    :func:`own_state_reads` of its ``engine``."""
+
+    @functools.wraps(method)
+    def wrapper(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with own_state_reads(self.engine):
+            return method(self, *args, **kwargs)
+
+    return wrapper

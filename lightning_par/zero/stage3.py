@@ -85,6 +85,7 @@ from torch.optim import Optimizer
 from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.hooks import RemovableHandle
 
+from lightning_par.state_guard import OwnReads
 from lightning_par.zero.broadcast import broadcast_module_states
 from lightning_par.zero.grad_buckets import ReduceOp
 from lightning_par.zero.layout import Fragment
@@ -193,6 +194,7 @@ class Stage3Engine(Stage3Reduce):
         self.unused: frozenset[int] = frozenset()
         self._sync_listeners: list[Callable[[], None]] = []
         self._handles: list[RemovableHandle] = []
+        self.own_reads = OwnReads()  # the strategies' own whole-model state-dict reads pass the guard
         self._install_hooks()
         broadcast_module_states(module, group=group, params=False)  # buffers are replicated
         self.optimizers: list[Optimizer] = []
@@ -239,7 +241,7 @@ class Stage3Engine(Stage3Reduce):
             self._handles.append(module.register_forward_hook(eager(self._make_post_forward(unit))))
             for p in unit.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        self._handles += guard_unit_state_dicts(self.module, self.units)
+        self._handles += guard_unit_state_dicts(self.module, self.units, self.own_reads)
         if self.root is not None:  # the modules holding root parameters, called without the root's forward
             mine = {id(p) for part in self.root.parts for p in part.params}
             for m in self.module.modules():

@@ -21,7 +21,7 @@ from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
 from lightning_par.collectives import all_gather_flat
-from lightning_par.state_guard import guard_state_dicts
+from lightning_par.state_guard import OwnReads, guard_state_dicts
 from lightning_par.zero.layout import Fragment
 from lightning_par.zero.powersgd import load_compressor_state
 from lightning_par.zero.unit import Unit
@@ -137,9 +137,10 @@ class Stage3State:
         load_compressor_state(None, saved, {})
 
 
-def guard_unit_state_dicts(root: nn.Module, units: list[Unit]) -> list[RemovableHandle]:
+def guard_unit_state_dicts(root: nn.Module, units: list[Unit], own: OwnReads) -> list[RemovableHandle]:
     """:func:`lightning_par.state_guard.guard_state_dicts` for the modules holding unit parameters: refused
-    while a unit the module draws on is not gathered (after ``fit`` the model is whole again)."""
+    while a unit the module draws on is not gathered, and for ``root`` (outside ``own()``) while any unit
+    is not (after ``fit`` the model is whole again)."""
     owner = {id(p): u for u in units for part in u.parts for p in part.params}
 
     def holders(module: nn.Module) -> list[Unit]:
@@ -151,4 +152,9 @@ def guard_unit_state_dicts(root: nn.Module, units: list[Unit]) -> list[Removable
             return None
         return "ZeRO-3 shards here (NaN placeholders outside a forward; saving after fit also works)"
 
-    return guard_state_dicts(root, holds=lambda m: bool(holders(m)), reason=reason)
+    def whole() -> str | None:
+        if all(u.state == "gathered" for u in units):
+            return None
+        return "ZeRO-3 shards (NaN placeholders outside a forward)"
+
+    return guard_state_dicts(root, holds=lambda m: bool(holders(m)), reason=reason, whole=whole, own=own)
