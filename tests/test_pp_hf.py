@@ -454,7 +454,7 @@ LLAMA_CASES = [
     # its original are both column-parallel
     (4, dict(pipeline_schedule="zb", lora="saved", tensor_parallel_size=2, tp_plan="llama")),
     # the decoder layers torch.compile'd one by one (as torchtitan compiles blocks): the pieces run the
-    # compiled layers, zb's split included (its hooks on the layers' nn.Linear run inside the graphs)
+    # compiled layers, zb's split included (its hooks on the layers' nn.Linear run eagerly, between graphs)
     (2, dict(pipeline_schedule="zb", compile_blocks=True)),
 ]
 
