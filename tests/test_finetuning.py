@@ -18,6 +18,10 @@ DeepSpeed's strategy refuses the callback.
 * Unfreezing inside an accumulation window (between its micro-batches) is refused at stage 0.
 * Fabric: a loop that unfreezes the backbone after 2 steps and hands it to ``optimizer.add_param_group``
   equals the same loop in one process at stage 0, and is refused at the next forward at stage 1.
+* ``ModelPruning`` (magnitude pruning at each epoch's end; by default the survivors are reset to their
+  initial values by replacing ``param.data``, and the pruned parameters are replaced at the end) equals
+  Lightning's ``"ddp"`` at stage 0 and is refused at setup at stages 1 and 3 (before, stages 1/2 ended
+  0.2 away from ``"ddp"`` without a word: the replaced ``.data`` left the buffer the optimizer updates).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
-from lightning.pytorch.callbacks import BackboneFinetuning
+from lightning.pytorch.callbacks import BackboneFinetuning, ModelPruning
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -143,12 +147,17 @@ def _fit(strategy: Any, callbacks: list[pl.Callback]) -> State:
 
 
 def _refused(
-    strategy: Any, error: type[Exception], *, flip: tuple[int, int, str, bool] | None = None
+    strategy: Any,
+    error: type[Exception],
+    *,
+    flip: tuple[int, int, str, bool] | None = None,
+    callbacks: list[pl.Callback] | None = None,
 ) -> dict[str, Any]:
     """The error a fit raises (every rank alike) and the optimizer steps taken before it."""
     pl.seed_everything(SEED)
     module = Regressor(flip)
-    trainer = _trainer(strategy, WORLD, [] if flip else _callbacks())
+    callbacks = callbacks if callbacks is not None else [] if flip else _callbacks()
+    trainer = _trainer(strategy, WORLD, callbacks)
     with pytest.raises(error) as info:
         trainer.fit(module, DataLoader(_data(), batch_size=MICRO, shuffle=True))
     return {"message": str(info.value), "steps": trainer.global_step}
@@ -178,6 +187,34 @@ def _reference() -> tuple[State, State]:
     initial = _state(module)
     _trainer("auto", 1, _callbacks()).fit(module, DataLoader(_data(), batch_sampler=Replay()))
     return _state(module), initial
+
+
+def _pruning() -> list[pl.Callback]:
+    return [ModelPruning("l1_unstructured", amount=0.3, verbose=0)]
+
+
+def _pruning_runs(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    hp = HybridParallelStrategy
+    return {
+        "ddp": _fit("ddp", _pruning()),
+        "s0": _fit(hp(zero_stage=0), _pruning()),
+        "s1": _refused(hp(zero_stage=1), ValueError, callbacks=_pruning()),
+        "s3": _refused(hp(zero_stage=3, meta_init=False), ValueError, callbacks=_pruning()),
+    }
+
+
+def test_model_pruning_equals_ddp_at_stage0_and_is_refused_at_setup_when_sharded() -> None:
+    ranks = run_distributed(_pruning_runs, WORLD, init_group=False, timeout=300)
+    for r, out in enumerate(ranks):
+        zeros = float((out["ddp"]["backbone.0.weight"] == 0).float().mean())
+        assert zeros > 0.2, zeros  # the callback pruned (and made it permanent) in the reference
+        for name, value in out["ddp"].items():
+            torch.testing.assert_close(out["s0"][name], value, msg=f"rank {r}: {name}")
+        for key in ("s1", "s3"):
+            refused = out[key]
+            assert "ModelPruning cannot be used" in refused["message"], refused
+            assert "zero_stage=0" in refused["message"] and refused["steps"] == 0, refused
 
 
 # ------------------------------------------------------------------------------------------------ Fabric
