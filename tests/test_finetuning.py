@@ -22,6 +22,8 @@ DeepSpeed's strategy refuses the callback.
   initial values by replacing ``param.data``, and the pruned parameters are replaced at the end) equals
   Lightning's ``"ddp"`` at stage 0 and is refused at setup at stages 1 and 3 (before, stages 1/2 ended
   0.2 away from ``"ddp"`` without a word: the replaced ``.data`` left the buffer the optimizer updates).
+  Any ``p.data = ...`` during training is refused at ZeRO 1/2 at the next optimizer step, naming the
+  parameters (WGAN-style clipping by replacement); the same clipping in place equals ``"ddp"``.
 """
 
 from __future__ import annotations
@@ -193,6 +195,21 @@ def _pruning() -> list[pl.Callback]:
     return [ModelPruning("l1_unstructured", amount=0.3, verbose=0)]
 
 
+class Clamp(pl.Callback):
+    """WGAN-style weight clipping at each epoch's end: in place (``p.data.clamp_``) or by replacing the
+    data (``p.data = p.data.clamp(...)``), both what a user's code does under ``"ddp"``."""
+
+    def __init__(self, *, in_place: bool) -> None:
+        self.in_place = in_place
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for p in pl_module.parameters():
+            if self.in_place:
+                p.data.clamp_(-0.2, 0.2)
+            else:
+                p.data = p.data.clamp(-0.2, 0.2)
+
+
 def _pruning_runs(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     hp = HybridParallelStrategy
@@ -201,10 +218,13 @@ def _pruning_runs(rank: int, world: int) -> dict[str, Any]:
         "s0": _fit(hp(zero_stage=0), _pruning()),
         "s1": _refused(hp(zero_stage=1), ValueError, callbacks=_pruning()),
         "s3": _refused(hp(zero_stage=3, meta_init=False), ValueError, callbacks=_pruning()),
+        "ddp_clamp": _fit("ddp", [Clamp(in_place=True)]),
+        "s2_clamp": _fit(hp(zero_stage=2), [Clamp(in_place=True)]),
+        "s1_replace": _refused(hp(zero_stage=1), RuntimeError, callbacks=[Clamp(in_place=False)]),
     }
 
 
-def test_model_pruning_equals_ddp_at_stage0_and_is_refused_at_setup_when_sharded() -> None:
+def test_model_pruning_and_replaced_data_equal_ddp_at_stage0_and_are_refused_when_sharded() -> None:
     ranks = run_distributed(_pruning_runs, WORLD, init_group=False, timeout=300)
     for r, out in enumerate(ranks):
         zeros = float((out["ddp"]["backbone.0.weight"] == 0).float().mean())
@@ -215,6 +235,14 @@ def test_model_pruning_equals_ddp_at_stage0_and_is_refused_at_setup_when_sharded
             refused = out[key]
             assert "ModelPruning cannot be used" in refused["message"], refused
             assert "zero_stage=0" in refused["message"] and refused["steps"] == 0, refused
+        # writing parameters in place between steps follows "ddp" at stage 2; replacing their data is
+        # refused at the next optimizer step (before, such a parameter silently stopped training)
+        for name, value in out["ddp_clamp"].items():
+            torch.testing.assert_close(out["s2_clamp"][name], value, msg=f"rank {r}: clamped {name}")
+        replaced = out["s1_replace"]
+        assert "the data of 6 parameter(s) was replaced" in replaced["message"], replaced  # all of them
+        assert "'backbone." in replaced["message"] or "'head." in replaced["message"], replaced
+        assert "zero_stage=0" in replaced["message"], replaced
 
 
 # ------------------------------------------------------------------------------------------------ Fabric

@@ -213,10 +213,12 @@ class ShardedOptimizer:
         self._layout = layout
         with torch.no_grad():
             self.param_flat = torch.zeros(layout.numel, dtype=self.compute_dtype, device=sync.device)
+            self._views: list[Tensor] = []
             for p, s in zip(params, layout.slots, strict=True):
                 view = self.param_flat[s.offset : s.end].view(s.shape)
                 view.copy_(p.detach())
                 p.data = view  # the Parameter object (and autograd hooks on it) stays the same
+                self._views.append(view)
         masters: dict[int, list[Tensor]] = {}
         self._master_slots: list[tuple[Tensor, Tensor, int]] = []
         for f in self.fragments:
@@ -281,6 +283,7 @@ class ShardedOptimizer:
     @torch.no_grad()
     def after_step(self) -> None:
         """Copy masters into the compute parameters, all-gather every bucket, open a new window."""
+        self.check_untouched()
         self.refresh_params()
         for master, _, _ in self._master_slots:
             master.grad = None
@@ -304,6 +307,26 @@ class ShardedOptimizer:
         for work in works:
             assert work is not None
             work.wait()
+
+    def check_untouched(self) -> None:
+        """Refuse parameters whose ``.data`` was replaced since the layout (``p.data = ...``, as
+        ``ModelPruning``'s lottery-ticket reset or ``p.data = p.data.clamp(...)`` do): the optimizer
+        updates this rank's shard of the flat buffer, which such a parameter no longer reads, so it would
+        stop training without a word. Writes in place keep the buffer and pass. A pointer comparison per
+        parameter, once per optimizer step; nothing is communicated."""
+        replaced = [
+            name
+            for name, p, view in zip(self.sync.names, self.sync.params, self._views, strict=True)
+            if p.data.data_ptr() != view.data_ptr() or p.data.shape != view.shape
+        ]
+        if replaced:
+            shown = ", ".join(repr(n) for n in replaced[:3]) + (", ..." if len(replaced) > 3 else "")
+            raise RuntimeError(
+                f"ZeRO 1/2: the data of {len(replaced)} parameter(s) was replaced during training ({shown}:"
+                " p.data = ...). The optimizer updates the strategy's flat parameter buffer, which they no"
+                " longer read, so they would stop training. Write parameters in place instead"
+                " (p.data.copy_(...), or p.clamp_(...) under torch.no_grad()), or use zero_stage=0."
+            )
 
     # ------------------------------------------------------------------ introspection
 
