@@ -34,6 +34,7 @@ from lightning_par.compose import ComposeOptions, compose
 from lightning_par.device_checks import check_optimizer_kernels
 from lightning_par.loss import TokenNormalizer
 from lightning_par.memory import MemoryReport, measure_memory
+from lightning_par.optimizer_checks import check_layout_optimizers
 from lightning_par.pipeline.lightning import LightningPipeline, pipeline_layers_of
 from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
 from lightning_par.pipeline.steps import pipeline_parts
@@ -332,6 +333,11 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         if fitting:
             assert self._engine is not None
             self.setup_optimizers(trainer)
+            check_layout_optimizers(
+                self.optimizers,
+                pipeline=self._pipeline is not None,
+                allow_untested=self.allow_untested_optimizer,
+            )
             check_optimizer_kernels(self.optimizers, device=self.root_device)
             self._engine.shard_optimizers(self.optimizers)
             self._guard_hooks()

@@ -300,7 +300,8 @@ def _fp16() -> dict[str, Any]:
 
 def _refusals() -> list[str]:
     """Setup-time errors under pp2, the same on every rank: a module without its layers, a ZeRO-3 unit
-    (the whole decoder) that spans both stages, and optimizers whose groups differ across the stages."""
+    (the whole decoder) that spans both stages, optimizers whose groups differ across the stages, and
+    LBFGS (its step re-runs the loss through a closure)."""
     messages = []
     for kwargs, model in (
         ({}, torch.nn.Sequential(torch.nn.Linear(4, 4))),
@@ -327,6 +328,10 @@ def _refusals() -> list[str]:
     groups = [local[:1], local[1:]] if strategy.mesh.pp_rank == 0 else [local]
     with pytest.raises(ValueError) as refused:
         fabric.setup_optimizers(torch.optim.SGD([{"params": g} for g in groups], lr=0.1))
+    messages.append(str(refused.value))
+    # LBFGS re-evaluates the loss through a closure: the schedule runs each step's passes once
+    with pytest.raises(TypeError) as refused:
+        fabric.setup_optimizers(torch.optim.LBFGS(local))
     messages.append(str(refused.value))
     strategy.destroy_process_groups()
     return messages
@@ -544,8 +549,9 @@ def test_fabric_pipeline_equals_one_process_on_hugging_face_models() -> None:
     for r in results:
         want = [v for d, v in reference["losses"] if d == r["bf16"]["dp_rank"]][:ACCUM]
         torch.testing.assert_close(torch.tensor(r["bf16"]["losses"]), torch.tensor(want), rtol=2e-2, atol=0)
-        layers, units, groups = r["refusals"]
+        layers, units, groups, lbfgs = r["refusals"]
         assert "optimizers differ across pipeline stages" in groups and "[(1,), (2,)]" in groups, groups
+        assert "Pipeline parallelism cannot run torch.optim.lbfgs.LBFGS" in lbfgs and "closure" in lbfgs
         assert "define Sequential.pipeline_layers()" in layers and "hf_pipeline_layers" in layers
         assert "selects 'model' as a ZeRO-3 unit" in units and "cross a stage boundary" in units, units
         elsewhere, default = r["flash_elsewhere"]

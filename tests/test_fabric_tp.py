@@ -6,9 +6,10 @@ and clipping that bites: the losses, the final weights (gathered from the tp sli
 the clip norms (on every rank) equal Fabric's single-device run; the ZeRO-3 run with Hugging Face's
 activation checkpointing on (non-reentrant, transformers 5's default). The ZeRO-3 run also ``fabric.save``s a
 sharded checkpoint after step 2; it is loaded in one process at ZeRO-0 (no tensor parallelism) and the
-last step there equals the uninterrupted run. litgpt's GPT has no shipped plan (its fused ``attn.attn``
-projection and the heads it reads from a shared config would need one of their own), so it is not
-covered here.
+last step there equals the uninterrupted run. ``torch.optim.Muon`` over the sliced weight matrices is
+refused at ``setup_optimizers`` (it orthogonalises whole matrices). litgpt's GPT has no shipped plan (its
+fused ``attn.attn`` projection and the heads it reads from a shared config would need one of their own),
+so it is not covered here.
 """
 
 from __future__ import annotations
@@ -93,11 +94,24 @@ def _tp_run(rank: int, world: int, stage: int, save: str | None) -> dict[str, An
     return {"losses": losses, "norms": norms, "state": state}
 
 
+def _muon_refused(world: int) -> str:
+    """Muon over the weight matrices under tp2: it orthogonalises whole matrices, which each rank holds
+    only slices of, so it is refused at setup."""
+    strategy = HybridParallelStrategy(tensor_parallel_size=TP, tp_plan="llama")
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(llama(seed=0))
+    with pytest.raises(TypeError) as refused:
+        fabric.setup_optimizers(torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02))
+    return str(refused.value)
+
+
 def _tp_runs(rank: int, world: int, tmp: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     return {
         "zero1": _tp_run(rank, world, 1, None),
         "zero3": _tp_run(rank, world, 3, str(Path(tmp) / "tp_sharded")),
+        "muon": _muon_refused(world),
     }
 
 
@@ -149,6 +163,9 @@ def test_fabric_tensor_parallel_llama_equals_one_process() -> None:
             torch.testing.assert_close(torch.tensor(r[name]["norms"]), torch.tensor(ref["norms"]))
         for r in results[1:]:
             assert r[name]["losses"] == results[0][name]["losses"]  # every rank logs the same value
+    for r in results:
+        assert "Tensor parallelism" in r["muon"] and "cannot shard torch.optim.Muon" in r["muon"], r["muon"]
+        assert "tensor_parallel_size=1" in r["muon"], r["muon"]
     tail = {"losses": ref["losses"][STEPS - 1 :], "state": ref["state"]}
     _assert_equal(resumed, tail, "zero3 dp2 x tp2 directory -> zero0 one process")
 

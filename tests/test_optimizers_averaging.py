@@ -4,7 +4,9 @@
   ``allow_untested_optimizer`` (a ``TypeError`` naming the class and the flag, before any step); with the
   flag the final weights equal ``"ddp"`` with the same Lion, at stage 2 and at stage 3. ``torch.optim.Rprop``
   (element-wise, not in the tested list) with the flag at stage 1 equals ``"ddp"`` too; ``LBFGS`` is refused
-  even with the flag, saying that the flag does not change that.
+  even with the flag, saying that the flag does not change that. Under tensor parallelism (stage 0) the
+  same rule holds for the optimizers that hold a slice (Muon and Adafactor refused at setup), and under
+  pipeline parallelism an optimizer whose ``step()`` needs a closure (LBFGS) is refused.
 * Manual optimization with two optimizers (a GAN's alternating discriminator / generator steps with
   ``toggle_optimizer``): at stages 1, 2 and 3 the final weights of both networks equal ``"ddp"`` with
   ``find_unused_parameters=True`` (which Lightning's ddp needs here too); without the flag the error names
@@ -104,6 +106,8 @@ OPTIMIZERS: dict[str, Callable[[Iterable[Any]], torch.optim.Optimizer]] = {
     "lion": lambda ps: Lion(ps, lr=0.01, weight_decay=0.1),
     "rprop": lambda ps: torch.optim.Rprop(ps, lr=0.01),
     "lbfgs": lambda ps: torch.optim.LBFGS(ps, lr=0.1),
+    "muon": lambda ps: torch.optim.Muon([p for p in ps if p.ndim == 2], lr=0.02),
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=0.01),
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
 }
 
@@ -125,6 +129,20 @@ class Regressor(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return OPTIMIZERS[self.optimizer_name](self.parameters())
+
+
+class PipeRegressor(Regressor):
+    """The regressor as pipeline layers (its ``nn.Sequential``'s modules, cut into two stages)."""
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.net)
+
+    def pipeline_loss(self, output: Tensor, batch: tuple[Tensor, Tensor]) -> Tensor:
+        return F.mse_loss(output, batch[1])
+
+
+# the regressor's first two linear layers, column- then row-parallel
+TP_PLAN = {"net.0": "colwise", "net.2": "rowwise"}
 
 
 class GAN(pl.LightningModule):
@@ -246,6 +264,18 @@ def _lbfgs() -> Regressor:
     return Regressor("lbfgs")
 
 
+def _muon() -> Regressor:
+    return Regressor("muon")
+
+
+def _adafactor() -> Regressor:
+    return Regressor("adafactor")
+
+
+def _lbfgs_pipe() -> Regressor:
+    return PipeRegressor("lbfgs")
+
+
 def _plain() -> Regressor:
     return Regressor("sgd")
 
@@ -268,6 +298,14 @@ def _optimizer_runs(rank: int, world: int, tmp: str) -> dict[str, Any]:
         "rprop_s1": lambda: _fit(_rprop, hp(zero_stage=1, **untested), tmp),
         "lbfgs_s2_refused": lambda: _refused(_lbfgs, hp(zero_stage=2, **untested), tmp, TypeError),
         "lbfgs_s3_refused": lambda: _refused(_lbfgs, hp(**s3, **untested), tmp, TypeError),
+        # whole-matrix optimizers on tensor-parallel slices, even with the flag; a closure under pp
+        "muon_tp2_refused": lambda: _refused(
+            _muon, hp(tensor_parallel_size=2, tp_plan=TP_PLAN, **untested), tmp, TypeError
+        ),
+        "adafactor_tp2_refused": lambda: _refused(
+            _adafactor, hp(tensor_parallel_size=2, tp_plan=TP_PLAN), tmp, TypeError
+        ),
+        "lbfgs_pp2_refused": lambda: _refused(_lbfgs_pipe, hp(pipeline_parallel_size=2), tmp, TypeError),
         "gan_ddp": lambda: _fit(GAN, DDPStrategy(find_unused_parameters=True), tmp),
         "gan_s1": lambda: _fit(GAN, hp(zero_stage=1, **unused), tmp),
         "gan_s2": lambda: _fit(GAN, hp(zero_stage=2, **unused), tmp),
@@ -356,7 +394,9 @@ def _assert_moved(state: State, initial: State, keys: Iterable[str], what: str) 
 def test_untested_optimizers_refused_at_setup(optimizer_results: list[dict[str, Any]]) -> None:
     """A user's Lion at ZeRO-2 without ``allow_untested_optimizer``: a ``TypeError`` at setup naming the
     class and the flag; LBFGS with the flag at stages 2 and 3: refused, saying the flag does not change that.
-    No step was taken in either case."""
+    At tp2 (stage 0), Muon (with the flag) and Adafactor over the sliced weights, and LBFGS at pp2: refused,
+    naming the layout and the fix (before, tp2 trained on with Muon 1e-3 from one process in 8 steps;
+    LBFGS at pp2 died in its step on the other stage's meta parameters). No step was taken in any case."""
     for r in optimizer_results:
         lion = r["lion_refused"]
         assert lion["type"] == "TypeError" and lion["global_step"] == 0
@@ -367,6 +407,16 @@ def test_untested_optimizers_refused_at_setup(optimizer_results: list[dict[str, 
             assert lbfgs["type"] == "TypeError" and lbfgs["global_step"] == 0, key
             assert "torch.optim.lbfgs.LBFGS" in lbfgs["message"], key
             assert "allow_untested_optimizer does not change that" in lbfgs["message"], key
+        for key, name in (("muon_tp2_refused", "Muon"), ("adafactor_tp2_refused", "Adafactor")):
+            error = r[key]
+            assert error["type"] == "TypeError" and error["global_step"] == 0, key
+            assert "Tensor parallelism (a (8, 8) parameter is this rank's slice)" in error["message"], key
+            assert f"cannot shard torch.optim.{name}" in error["message"], key
+            assert "tensor_parallel_size=1" in error["message"], key
+        lbfgs = r["lbfgs_pp2_refused"]
+        assert lbfgs["type"] == "TypeError" and lbfgs["global_step"] == 0
+        assert "Pipeline parallelism cannot run torch.optim.lbfgs.LBFGS" in lbfgs["message"]
+        assert "pipeline_parallel_size=1" in lbfgs["message"]
 
 
 def test_untested_elementwise_optimizers_match_ddp(optimizer_results: list[dict[str, Any]]) -> None:

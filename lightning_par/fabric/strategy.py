@@ -60,6 +60,7 @@ from lightning_par.fabric.precision import to_parallel_precision
 from lightning_par.fabric.setup import Replaced, complete_stage_groups, compose_module, follow_replaced
 from lightning_par.fabric.steps import FabricSteps
 from lightning_par.mesh import ParallelMesh
+from lightning_par.optimizer_checks import check_layout_optimizers
 from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
 from lightning_par.precision import ParallelPrecision, cast_frozen
 from lightning_par.rendezvous import launch_store
@@ -368,6 +369,9 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         if self._pipeline is not None:
             assert self.module is not None
             complete_stage_groups(optimizers, self.module, pp_group=self.mesh.pp_group)
+        check_layout_optimizers(
+            optimizers, pipeline=self._pipeline is not None, allow_untested=self.allow_untested_optimizer
+        )
         check_optimizer_kernels(optimizers, device=self.root_device)
         self.engine.shard_optimizers(optimizers)
         _optimizers_to_device(optimizers, self.root_device)

@@ -27,26 +27,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_par.collectives import all_gather_flat
+from lightning_par.optimizer_checks import check_shardable
 from lightning_par.zero.grad_sync import GradSync
 from lightning_par.zero.layout import FlatLayout, Fragment
 
 # Checkpoint key of fp32 master weights saved beside the optimizer state of low-precision models (the
 # engine names it, so the checkpoint code depends on the engine and not the other way round).
 MASTER_KEY = "master"
-
-# Optimizers whose update is element-wise, hence exact on any slice of a parameter.
-ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adagrad,
-    torch.optim.Adamax,
-    torch.optim.Adadelta,
-    torch.optim.RMSprop,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.ASGD,
-)
 
 
 def inherit_param_attrs(fragment: Tensor, param: nn.Parameter) -> None:
@@ -56,54 +43,6 @@ def inherit_param_attrs(fragment: Tensor, param: nn.Parameter) -> None:
     for attr in ("_lp_tp_dim", "_lp_norm_skip"):
         if hasattr(param, attr):
             setattr(fragment, attr, getattr(param, attr))
-
-
-# Optimizers that change meaning on a slice of a parameter, refused even with allow_untested_optimizer.
-_WHOLE_TENSOR: dict[type[Optimizer], str] = {
-    torch.optim.LBFGS: "it keeps a history of whole flattened gradients and re-evaluates the loss (closure)",
-    torch.optim.Adafactor: "it factors each matrix's second moment into row and column statistics",
-    torch.optim.SparseAdam: "it needs sparse gradients, which the flat gradient buffers are not",
-}
-if hasattr(torch.optim, "Muon"):
-    _WHOLE_TENSOR[torch.optim.Muon] = "it orthogonalises each whole weight matrix"
-
-
-def _whole_tensor_reason(optimizer: Optimizer) -> str | None:
-    """Why ``optimizer`` cannot run on slices of parameters, if we know it cannot."""
-    for cls, reason in _WHOLE_TENSOR.items():
-        if isinstance(optimizer, cls):
-            return reason
-    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
-    if closure is not None and closure.default is inspect.Parameter.empty:
-        return "its step() requires a closure (it re-evaluates the loss on the whole model)"
-    return None
-
-
-def check_shardable(optimizer: Optimizer, *, allow_untested: bool = False) -> None:
-    """Raise a ``TypeError`` naming the optimizer if its update is not known to be element-wise.
-
-    With ``allow_untested`` (DeepSpeed's ``zero_allow_untested_optimizer``), optimizers outside
-    :data:`ELEMENTWISE_OPTIMIZERS` are accepted on the user's word that their update is element-wise (a
-    user's own Lion, or an optimizer from another package); those known to need whole tensors (LBFGS,
-    Adafactor, SparseAdam, Muon, or any whose ``step()`` requires a closure) are refused even then."""
-    name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-    reason = _whole_tensor_reason(optimizer)
-    if reason is not None:
-        raise TypeError(
-            f"ZeRO stages 1-3 cannot shard {name}: {reason}, so on this rank's slice of each parameter it"
-            " would compute something else (allow_untested_optimizer does not change that). Use an"
-            " element-wise optimizer, or zero_stage=0."
-        )
-    if type(optimizer) in ELEMENTWISE_OPTIMIZERS or allow_untested:
-        return
-    names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-    raise TypeError(
-        f"ZeRO stages 1-3 cannot shard {name}: its update is not known to be element-wise (optimizers that"
-        " use whole-tensor statistics, such as LBFGS, LAMB or Adafactor, change meaning on a slice)."
-        f" Element-wise optimizers that shard exactly: {names}. Use one of them, pass"
-        " allow_untested_optimizer=True if every update of an element depends only on that element's"
-        " parameter, gradient and state (e.g. Lion), or use zero_stage=0."
-    )
 
 
 def optimizer_group_params(
