@@ -100,14 +100,15 @@ def param_grad_norms(
     pieces: Iterable[tuple[str, Tensor]],
     names: Sequence[str],
     *,
-    group: ProcessGroup | None,
+    groups: Sequence[ProcessGroup | None],
     norm_type: float,
     device: torch.device,
 ) -> dict[str, Tensor]:
     """Each parameter's gradient p-norm when its gradient lies in disjoint ``(name, piece)`` pieces over
-    ``group`` (a rank may hold several pieces of a parameter, or none): ``Σ |g_i|^p`` per name here, one
-    all-reduce of that vector (with a count of the ranks holding a piece) over ``group``, then the p-th
-    root (``max |g_i|`` for p = inf). A name no rank holds a gradient of is left out, as Lightning's
+    the ranks of ``groups`` (a rank may hold several pieces of a parameter, or none; the caller leaves out
+    copies, so that each element is in one piece across those ranks): ``Σ |g_i|^p`` per name here, an
+    all-reduce of that vector (with a count of the pieces) over each group in turn, then the p-th root
+    (``max |g_i|`` for p = inf). A name no rank holds a gradient of is left out, as Lightning's
     ``grad_norm`` leaves out parameters whose ``grad`` is None; telling which requires one host read."""
     index = {n: i for i, n in enumerate(names)}
     is_inf = math.isinf(norm_type)
@@ -122,8 +123,9 @@ def param_grad_norms(
         else:
             acc[0].index_add_(0, slots, values.pow(norm_type))
         acc[1].index_add_(0, slots, torch.ones_like(values))
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(acc, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=group)
     norms = acc[0] if is_inf else acc[0].pow(1.0 / norm_type)
     held = acc[1].tolist()  # the one host read: which names the dict has
     return {n: norms[i] for i, n in enumerate(names) if held[i]}

@@ -27,9 +27,11 @@ from lightning_par import lightning_hooks
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
 from lightning_par.grad_norm import param_grad_norms
 from lightning_par.loss import TokenNormalizer
+from lightning_par.pipeline.apply import NORM_SKIP_ATTR
 from lightning_par.pipeline.lightning import LightningPipeline
 from lightning_par.pipeline.runtime import StepStats
 from lightning_par.precision import ParallelPrecision
+from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.zero.buffers import BufferSync
 
 if TYPE_CHECKING:
@@ -175,11 +177,15 @@ class StrategySteps(ZeroCheckpointIO):
     ) -> dict[str, Tensor | float]:
         """Lightning's ``grad_norm(module, norm_type)`` for this layout, from ``on_before_optimizer_step``:
         each parameter's gradient p-norm under the same keys (``grad_2.0_norm/<name>`` and
-        ``grad_2.0_norm_total``), for the gradients the optimizer is about to apply. At ZeRO 1-3 those
-        live in this rank's shards, where Lightning's function finds no ``param.grad`` and returns ``{}``:
-        here the pieces' partial sums are all-reduced over the dp group, so every rank must call it (it
-        costs one all-reduce and one host read). ``module`` defaults to the LightningModule; names are
-        relative to it, as Lightning's. Tensor and pipeline parallelism are not covered."""
+        ``grad_2.0_norm_total``), for the gradients the optimizer is about to apply, equal on every rank.
+
+        Lightning's function reads ``param.grad`` of this rank, which at ZeRO 1-3 is None (the gradients
+        live in this rank's shards: it returns ``{}``), under tensor parallelism is this rank's slice, and
+        under pipeline parallelism exists for this stage's parameters only. Here each element is counted
+        once: ZeRO pieces summed over the dp group, tensor-parallel slices over the tp group (replicated
+        parameters on tp rank 0 only), stages over the pp group (a weight tied across stages on its first
+        stage), so every rank must call it (up to three small all-reduces and one host read).
+        ``module`` defaults to the LightningModule; names are relative to it, as Lightning's."""
         from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 
         p = float(norm_type)
@@ -190,25 +196,31 @@ class StrategySteps(ZeroCheckpointIO):
         module = module if module is not None else root
         engine = self._engine
         sharded = engine.sharded_state if engine is not None else None
-        if sharded is None:  # every param.grad is the whole, averaged gradient (ZeRO-0, one process)
+        mesh = self.mesh
+        if sharded is None and mesh.tp_size == 1 and mesh.pp_size == 1:
+            # every param.grad is the whole, averaged gradient (ZeRO-0 over data parallelism)
             return dict(lightning_grad_norm(module, p, group_separator))
-        if self.mesh.tp_size > 1 or self.mesh.pp_size > 1:
-            raise NotImplementedError(
-                "grad_norm() covers ZeRO 0-3 over data parallelism; under tensor or pipeline parallelism a"
-                " parameter's gradient is spread over more groups. Log the clipping norm instead."
-            )
         prefix = next((n + "." for n, m in root.named_modules() if m is module), None)
         if prefix is None:
             raise ValueError("grad_norm(module): the module is not part of the LightningModule.")
         prefix = "" if prefix == "." else prefix
         names = [n for n, q in root.named_parameters() if q.requires_grad and n.startswith(prefix)]
+        # (name, gradient piece, the tensor carrying the parallelism marks)
+        held: list[tuple[str, Tensor | None, Tensor]]
+        if sharded is None:  # whole gradients, alike on every dp rank
+            held = [(n, q.grad, q) for n, q in root.named_parameters()]
+        else:  # this rank's dp fragments
+            held = [(n, master.grad, master) for n, _, _, master in sharded.fragment_table()]
         pieces = [
-            (name, master.grad)
-            for name, _, _, master in sharded.fragment_table()
-            if master.grad is not None and name.startswith(prefix)
+            (name, grad)
+            for name, grad, marks in held
+            if grad is not None
+            and name.startswith(prefix)
+            and not getattr(marks, NORM_SKIP_ATTR, False)
+            and (mesh.tp_rank == 0 or hasattr(marks, TP_DIM_ATTR))
         ]
-        device = self.root_device
-        norms = param_grad_norms(pieces, names, group=self.mesh.dp_group, norm_type=p, device=device)
+        groups = [mesh.tp_group, mesh.pp_group, *([mesh.dp_group] if sharded is not None else [])]
+        norms = param_grad_norms(pieces, names, groups=groups, norm_type=p, device=self.root_device)
         out: dict[str, Tensor | float] = {
             f"grad_{p}_norm{group_separator}{n[len(prefix) :]}": v for n, v in norms.items()
         }
