@@ -19,12 +19,14 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.fabric.utilities.data import has_len
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par import lightning_hooks
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
+from lightning_par.eval_join import EvalJoin, check_every_rank_has_batches, plan_eval_join
 from lightning_par.grad_norm import param_grad_norms
 from lightning_par.loss import TokenNormalizer
 from lightning_par.pipeline.apply import NORM_SKIP_ATTR
@@ -33,6 +35,7 @@ from lightning_par.pipeline.runtime import StepStats
 from lightning_par.precision import ParallelPrecision
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.zero.buffers import BufferSync
+from lightning_par.zero.stage3_join import Stage3Join
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -46,6 +49,7 @@ class StrategySteps(ZeroCheckpointIO):
     _token_normalizer: TokenNormalizer | None
     _buffer_sync: BufferSync
     _patched: list[str]  # names of the LightningModule's hooks replaced for this run
+    _eval_join: EvalJoin | None = None  # the running evaluation loop's, when its dp ranks' counts differ
 
     @property
     def pipeline_stats(self) -> StepStats | None:
@@ -105,7 +109,9 @@ class StrategySteps(ZeroCheckpointIO):
             with self.precision_plugin.val_step_context(), self._step_context():
                 return self._pipeline.eval_step(args[0], stage="val")
         with self._step_context():
-            return super().validation_step(*args, **kwargs)
+            output = super().validation_step(*args, **kwargs)
+        self._after_eval_step(args, kwargs)
+        return output
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -113,7 +119,9 @@ class StrategySteps(ZeroCheckpointIO):
             with self.precision_plugin.test_step_context(), self._step_context():
                 return self._pipeline.eval_step(args[0], stage="test")
         with self._step_context():
-            return super().test_step(*args, **kwargs)
+            output = super().test_step(*args, **kwargs)
+        self._after_eval_step(args, kwargs)
+        return output
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -121,7 +129,85 @@ class StrategySteps(ZeroCheckpointIO):
             with self.precision_plugin.predict_step_context(), self._step_context():
                 return self._pipeline.predict_step(args[0])
         with self._step_context():
-            return super().predict_step(*args, **kwargs)
+            output = super().predict_step(*args, **kwargs)
+        self._after_eval_step(args, kwargs)
+        return output
+
+    # ------------------------------------------------------------------ uneven evaluation (ZeRO-3)
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._start_eval_join("validation")
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._start_eval_join("test")
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._start_eval_join("predict")
+
+    @override
+    def on_validation_end(self) -> None:
+        self._end_eval_join()
+        super().on_validation_end()
+
+    @override
+    def on_test_end(self) -> None:
+        self._end_eval_join()
+        super().on_test_end()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._end_eval_join()
+        super().on_predict_end()
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        engine = self._engine
+        if isinstance(engine, Stage3Join) and self.mesh.dp_size > 1:
+            check_every_rank_has_batches(
+                len(dataloader) if has_len(dataloader) else None,
+                group=self.mesh.dp_group,
+                device=self.root_device,
+            )
+        return super().process_dataloader(dataloader)
+
+    def _start_eval_join(self, loop_name: str) -> None:
+        """Compare the dp ranks' batch counts of the loop starting now (:mod:`lightning_par.eval_join`)."""
+        self._eval_join = None
+        engine = self._engine
+        if not isinstance(engine, Stage3Join) or self.mesh.dp_size == 1:
+            return  # only ZeRO-3 communicates over dp in evaluation
+        loop = self.lightning_module.trainer._active_loop
+        assert loop is not None
+        self._eval_join = plan_eval_join(
+            loop.max_batches,
+            group=self.mesh.dp_group,
+            device=self.root_device,
+            pipelined=self._pipeline is not None,
+            loop=loop_name,
+        )
+        engine.joining = self._eval_join is not None
+
+    def _end_eval_join(self) -> None:
+        if isinstance(self._engine, Stage3Join):
+            self._engine.joining = False
+        self._eval_join = None
+
+    def _after_eval_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """After this rank's last batch of a dataloader in an uneven loop: serve the others' gathers."""
+        join = self._eval_join
+        if join is None:
+            return
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        dataloader_idx = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
+        loop = self.lightning_module.trainer._active_loop  # type: ignore[union-attr]
+        assert loop is not None and isinstance(self._engine, Stage3Join)
+        if join.ends_dataloader(batch_idx, dataloader_idx, last_batch=loop.batch_progress.is_last_batch):
+            self._engine.serve_gathers()
 
     @contextmanager
     @override

@@ -25,7 +25,8 @@ engine attributes it works on.
   :meth:`Stage3Reduce._reduce_all`: every unit launched in the common order, drained, freed, and the
   window ended, as at the end of a synchronising backward.
 * Gather/free: a unit is freed after backward once its gradients are launched and, with frozen
-  parameters, once backward no longer needs them.
+  parameters, once backward no longer needs them. Each gather is announced first while an evaluation
+  with uneven batch counts runs (:mod:`~lightning_par.zero.stage3_join`).
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ from torch.autograd import Variable
 
 from lightning_par.collectives import low_precision_mean, reduce_scatter_flat
 from lightning_par.zero.grad_buckets import ReduceOp
+from lightning_par.zero.stage3_join import Stage3Join
 from lightning_par.zero.stage3_optim import Stage3Optim
 from lightning_par.zero.unit import Part, Unit
 from lightning_par.zero.unused import MissingGradients
 
 
-class Stage3Reduce(Stage3Optim):
+class Stage3Reduce(Stage3Join, Stage3Optim):
     """Gradient reduction of a ZeRO-3 engine's units (see the module docstring)."""
 
     world: int
@@ -71,9 +73,11 @@ class Stage3Reduce(Stage3Optim):
 
     # ------------------------------------------------------------------ gather / free
     def _gather(self, unit: Unit) -> None:
+        self._announce(unit)
         unit.gather(self.group)
 
     def _wait(self, unit: Unit) -> None:
+        self._announce(unit)
         unit.wait(self.group)
 
     def _free(self, unit: Unit) -> None:

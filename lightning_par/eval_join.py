@@ -1,0 +1,102 @@
+"""Evaluation loops whose data-parallel ranks run different numbers of batches, at ZeRO-3 in the Trainer.
+
+Lightning's ``trainer.predict`` splits the samples over the ranks without padding, and an iterable
+dataset may end sooner on one rank; under ``"ddp"`` that is harmless, at ZeRO-3 each forward all-gathers
+over the dp group and the rank that ran out would leave the others waiting in their next gather. At the
+start of each evaluation loop the strategy compares the ranks' batch counts per dataloader
+(:func:`plan_eval_join`, one all-gather of a few integers). Equal counts: nothing changes. Uneven ones:
+the engine announces its gathers and each rank, after the last batch of each dataloader, serves the
+others' gathers until all are done (:mod:`lightning_par.zero.stage3_join`). Refused before any batch,
+with the fix: a dataloader that gives some rank no batch at all while others get some (that rank's loop
+would never reach the point where it serves), an unsized dataloader followed by another (its end cannot
+be told in advance), and uneven counts under pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+@dataclass(frozen=True)
+class EvalJoin:
+    """This rank's batch count per dataloader of an uneven evaluation loop (``-1``: unknown)."""
+
+    counts: tuple[int, ...]
+
+    def ends_dataloader(self, batch_idx: int, dataloader_idx: int, *, last_batch: bool) -> bool:
+        """Whether the step ``(batch_idx, dataloader_idx)`` was this rank's last of that dataloader
+        (``last_batch``: the loop's word, for a dataloader without a length, which is the last one)."""
+        count = self.counts[dataloader_idx]
+        return last_batch if count < 0 else batch_idx == count - 1
+
+
+def _gather_counts(counts: Sequence[int], *, group: ProcessGroup, device: torch.device) -> list[list[int]]:
+    mine = torch.tensor(list(counts), dtype=torch.int64, device=device)
+    table = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(table, mine, group=group)
+    return torch.stack(table).tolist()  # one host read, at the loop's start
+
+
+def plan_eval_join(
+    max_batches: Sequence[int | float],
+    *,
+    group: ProcessGroup,
+    device: torch.device,
+    pipelined: bool,
+    loop: str,
+) -> EvalJoin | None:
+    """Compare the dp ranks' batch counts of the evaluation loop starting now (``max_batches``: this
+    rank's, per dataloader, ``inf`` when unknown). ``None`` when every rank runs the same known counts;
+    else the join this rank follows, or a ``ValueError`` (the same on every rank) naming what cannot be
+    joined and the fix."""
+    counts = [-1 if math.isinf(c) else int(c) for c in max_batches]
+    table = _gather_counts(counts, group=group, device=device)
+    if all(row == table[0] for row in table) and min(counts, default=0) >= 0:
+        return None
+    per_rank = "; ".join(f"dp rank {r}: {row}" for r, row in enumerate(table))
+    where = (
+        f"The {loop} dataloaders give the data-parallel ranks different numbers of batches ({per_rank};"
+        " -1: no length)"
+    )
+    if pipelined:
+        raise ValueError(
+            f"{where}. ZeRO-3 under pipeline parallelism evaluates in lockstep over the dp group: give every"
+            " rank the same number of batches (a sampler that pads, as DistributedSampler does, or"
+            " drop_last=True)."
+        )
+    for k, column in enumerate(zip(*table, strict=True)):
+        if 0 in column and any(c != 0 for c in column):
+            raise ValueError(
+                f"{where}. Dataloader {k} gives some rank no batch at all, so that rank would not take part"
+                " in the others' ZeRO-3 gathers. Give every rank at least one batch (at least as many"
+                " samples as data-parallel ranks)."
+            )
+        if -1 in column and k < len(counts) - 1:
+            raise ValueError(
+                f"{where}. Dataloader {k} has no length and another follows it, so no rank can tell where"
+                " it ends while the others still gather. Give it a __len__, or make it the last one."
+            )
+    return EvalJoin(counts=tuple(table[dist.get_rank(group)]))
+
+
+def check_every_rank_has_batches(length: int | None, *, group: ProcessGroup, device: torch.device) -> None:
+    """Refuse a dataloader that gives some dp rank no batch while others get some (``length``: this
+    rank's number of batches, ``None`` when it has no length): that rank's loop is skipped outright, so
+    it could neither plan a join nor serve the others' gathers. One all-gather of an integer."""
+    lengths = [
+        row[0] for row in _gather_counts([-1 if length is None else length], group=group, device=device)
+    ]
+    if 0 in lengths and any(n != 0 for n in lengths):
+        per_rank = ", ".join(f"dp rank {r}: {n}" for r, n in enumerate(lengths))
+        raise ValueError(
+            f"A dataloader gives some data-parallel rank no batch at all ({per_rank}; -1: no length). At"
+            " ZeRO-3 every rank takes part in every forward's parameter gathers, so that rank would leave"
+            " the others waiting. Give every rank at least one batch (at least as many samples as"
+            " data-parallel ranks)."
+        )

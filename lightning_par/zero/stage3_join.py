@@ -1,0 +1,66 @@
+"""Evaluation with uneven batch counts over the data-parallel ranks, for a ZeRO-3 engine (a "join").
+
+Why
+---
+Every ZeRO-3 forward all-gathers each unit over the dp group, so every dp rank must run as many forwards
+as the others. Lightning's ``trainer.predict`` does not pad its distributed sampler (each sample is
+predicted once), so 9 samples on 2 ranks give one rank a batch more than the other; an iterable
+evaluation dataset may do the same. The rank that runs out first moved on to the epoch's end while the
+others waited in their next all-gather: a hang, where ``"ddp"`` (no collective in evaluation) runs.
+
+Protocol (only while :attr:`Stage3Join.joining` is on; the strategy turns it on for an evaluation loop
+whose ranks' batch counts differ)
+-------------------------------------------------------------------------------------------------
+* Before a rank launches the all-gather of unit ``u`` (a prefetch, or a use of a sharded unit), it
+  announces ``u``: an all-reduce (``MAX``) of ``index(u) + 1`` over the dp group. No host read.
+* A rank whose batches are over calls :meth:`Stage3Join.serve_gathers`: it frees what it holds, then
+  contributes ``0`` to the announcements; each round's maximum names the unit the ranks still evaluating
+  gather next, and this rank joins that all-gather with its shard (one host read per round: this rank
+  has nothing else to do). A round whose maximum is ``0`` means every rank is serving: all leave.
+
+The ranks still evaluating run the same model code, so they gather the same units in the same order
+(announcing the same index); serving ranks issue exactly the collectives they do, in that order. Every
+rank calls :meth:`serve_gathers` at the end of each of its dataloaders, so a dataloader's gathers never
+mix with the next one's. Evaluation changes no parameter, so which forward an all-gather belongs to
+does not matter, only that every rank takes part in it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from lightning_par.zero.unit import Unit
+
+
+class Stage3Join:
+    """The join protocol of a ZeRO-3 engine (see the module docstring)."""
+
+    group: ProcessGroup
+    device: torch.device
+    units: list[Unit]
+    # on: every all-gather is announced (the strategy sets it for an evaluation loop whose ranks' batch
+    # counts differ, and clears it at the loop's end)
+    joining: bool = False
+
+    def _announce(self, unit: Unit) -> None:
+        """Tell ranks that serve which unit this rank gathers next (only if it will gather)."""
+        if self.joining and unit.state == "sharded":
+            flag = torch.tensor([unit.index + 1], dtype=torch.int64, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+
+    def serve_gathers(self) -> None:
+        """Take part in the other ranks' all-gathers until every rank serves (module docstring)."""
+        for unit in self.units:
+            unit.free()  # a gather below must send this rank's shard, not find the unit whole
+        flag = torch.zeros(1, dtype=torch.int64, device=self.device)
+        while True:
+            flag.zero_()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            index = int(flag.item()) - 1  # the one host read per round (module docstring)
+            if index < 0:
+                return
+            unit = self.units[index]
+            unit.wait(self.group)
+            unit.free()

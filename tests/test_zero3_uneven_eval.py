@@ -1,0 +1,155 @@
+"""Evaluation whose data-parallel ranks run different numbers of batches, at ZeRO-3, on 2 Gloo ranks.
+
+``trainer.predict`` splits its samples over the ranks without padding (9 samples: 5 on rank 0, 4 on rank
+1, so with batches of 4 rank 0 runs one batch more), and a user's per-rank or iterable evaluation data
+may end sooner on one rank. Under ``"ddp"`` that is harmless; at ZeRO-3 every forward all-gathers over
+the dp group, and before, the rank that ran out left the other waiting in its next gather forever
+(``trainer.predict`` of 9 samples hung). Now the ranks join (``lightning_par/eval_join.py``,
+``lightning_par/zero/stage3_join.py``). Each case is compared with Lightning's ``"ddp"`` in the same
+processes, on a Hugging Face Llama:
+
+* ``predict`` of 9 samples: each rank's predictions equal ``"ddp"``'s (rank 0: batches of 4 and 1);
+* ``validate`` with two dataloaders of uneven counts per rank (3 and 1 batches on rank 0, 1 and 2 on
+  rank 1, Lightning's sampler off) and with an iterable dataset without length (3 batches against 1):
+  the logged metrics equal ``"ddp"``'s;
+* ``fit`` with such uneven validation every epoch: the final weights equal ``"ddp"``'s (training after a
+  joined validation is unchanged); equal counts on every rank plan no join;
+* refused before any batch, the same on every rank: a dataloader that gives one rank no batch, an
+  unsized dataloader followed by another when counts differ, and uneven counts under pipeline
+  parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_par import HybridParallelStrategy
+from lightning_par.eval_join import plan_eval_join
+from tests.distributed import run_distributed
+from tests.third_party import LoraLlama, Tokens
+
+BATCH = 4
+
+
+class Stream(IterableDataset[tuple[Tensor, Tensor]]):
+    """``n`` rows of ``Tokens``, without a length."""
+
+    def __init__(self, n: int) -> None:
+        self.tokens = Tokens(n)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        return (self.tokens[i] for i in range(len(self.tokens)))
+
+
+class Counted(LoraLlama):
+    """Counts the validation steps per dataloader (every step runs, none is skipped or repeated)."""
+
+    def __init__(self) -> None:
+        super().__init__(lora=False)
+        self.steps: dict[int, int] = {}
+
+    def validation_step(
+        self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0
+    ) -> Tensor:
+        self.steps[dataloader_idx] = self.steps.get(dataloader_idx, 0) + 1
+        return super().validation_step(batch, batch_idx)
+
+
+def _trainer(strategy: Any, **kw: Any) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
+
+
+def _uneven(rank: int, counts: tuple[int, ...]) -> DataLoader[Any]:
+    """``counts[rank]`` batches of 4 rows (this rank's own data, Lightning's sampler off)."""
+    return DataLoader(Tokens(BATCH * counts[rank]), batch_size=BATCH)
+
+
+def _runs(rank: int, world: int, strategy_fn: Any) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    pl.seed_everything(3)
+    module = Counted()
+    trainer = _trainer(strategy_fn())
+    out["predict"] = torch.cat(trainer.predict(module, DataLoader(Tokens(9), batch_size=BATCH)))  # type: ignore[arg-type]
+    trainer = _trainer(strategy_fn(), use_distributed_sampler=False)
+    loaders = [_uneven(rank, (3, 1)), _uneven(rank, (1, 2))]
+    out["validate"] = trainer.validate(module, loaders, verbose=False)
+    out["steps"] = dict(module.steps)
+    stream = DataLoader(Stream(BATCH * (3 if rank == 0 else 1)), batch_size=BATCH)
+    out["stream"] = trainer.validate(module, stream, verbose=False)
+    pl.seed_everything(3)
+    module = Counted()
+    trainer = _trainer(strategy_fn(), use_distributed_sampler=False, max_epochs=2, num_sanity_val_steps=0)
+    trainer.fit(module, _uneven(rank, (2, 2)), _uneven(rank, (1, 3)))
+    out["fit"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return out
+
+
+def _zero3() -> HybridParallelStrategy:
+    return HybridParallelStrategy(zero_stage=3, meta_init=False)  # the module's own initial weights
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    messages = []
+    for loaders in (
+        _uneven(rank, (2, 0)),  # rank 1: no batch
+        [DataLoader(Stream(BATCH * (2 if rank == 0 else 1)), batch_size=BATCH), _uneven(rank, (1, 1))],
+    ):
+        trainer = _trainer(_zero3(), use_distributed_sampler=False)
+        with pytest.raises(ValueError) as refused:
+            trainer.validate(Counted(), loaders, verbose=False)
+        messages.append(str(refused.value))
+    with pytest.raises(ValueError) as refused:  # the pipeline's check, on this job's group
+        plan_eval_join(
+            [2 + rank], group=dist.group.WORLD, device=torch.device("cpu"), pipelined=True, loop="test"
+        )
+    messages.append(str(refused.value))
+    assert (
+        plan_eval_join([2, 3], group=dist.group.WORLD, device=torch.device("cpu"), pipelined=False, loop="t")
+        is None
+    )
+    return messages
+
+
+def test_uneven_evaluation_at_zero3_equals_ddp() -> None:
+    ddp = run_distributed(_runs, 2, lambda: "ddp", init_group=False)
+    ours = run_distributed(_runs, 2, _zero3, init_group=False)
+    for rank, (got, want) in enumerate(zip(ours, ddp, strict=True)):
+        assert got["predict"].shape[0] == (5 if rank == 0 else 4)
+        torch.testing.assert_close(got["predict"], want["predict"], msg=f"rank {rank} predictions")
+        assert got["steps"] == want["steps"] == ({0: 3, 1: 1} if rank == 0 else {0: 1, 1: 2}), rank
+        for key in ("validate", "stream"):
+            assert len(got[key]) == len(want[key]), key
+            for ours_dl, ddp_dl in zip(got[key], want[key], strict=True):
+                assert ours_dl.keys() == ddp_dl.keys(), key
+                for name, value in ddp_dl.items():
+                    assert ours_dl[name] == pytest.approx(value, rel=1e-6), (rank, key, name)
+        for name, value in want["fit"].items():
+            torch.testing.assert_close(got["fit"][name], value, msg=f"rank {rank} {name}")
+
+
+def test_uneven_evaluation_that_cannot_join_is_refused() -> None:
+    for empty, unsized, pipelined in run_distributed(_refusals, 2):
+        assert "dp rank 0: 2, dp rank 1: 0" in empty and "at least one batch" in empty, empty
+        assert "Dataloader 0 has no length and another follows it" in unsized, unsized
+        assert "Give it a __len__, or make it the last one" in unsized, unsized
+        assert "dp rank 0: [2]; dp rank 1: [3]" in pipelined and "pipeline parallelism" in pipelined, (
+            pipelined
+        )
