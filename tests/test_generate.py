@@ -4,7 +4,13 @@ any step: the model's own code calls the embedding and the head without the Ligh
 so the strategy's step context does not gather them), and after ``fit``. At ZeRO-3 and at tp2 x ZeRO-3
 (its KV cache holding the local heads), each greedy generation equals the one of the single-process
 model at the weights the run ended with. Before, the two hooks generated from the root unit's NaN
-placeholders: token 0 after the prompt, silently."""
+placeholders: token 0 after the prompt, silently.
+
+Generation that ends sooner on one rank (its prompt meets the end-of-sequence token at the first new
+token, the other rank's never): at ZeRO-3 every rank must still run as many forwards, each gathering the
+units. Hugging Face's ``generate()`` does so (``synced_gpus``) for models it knows are sharded; the
+engine marks them while it runs. Each rank's generations in ``validation_step`` equal ``"ddp"``'s, and
+the mark is gone after the run. Before, the next gathers failed (Gloo: connection reset)."""
 
 from __future__ import annotations
 
@@ -104,3 +110,57 @@ def test_generate_inside_and_outside_steps_at_zero3_equals_one_process() -> None
             assert generated.keys() == {"validation_step", "on_validation_epoch_end", "callback", "after_fit"}
             for where, got in generated.items():
                 assert torch.equal(got, want), (name, rank, where, got.tolist(), want.tolist())
+
+
+class EndsEarly(pl.LightningModule):
+    """Generates from this rank's prompt with ``eos`` as end-of-sequence token."""
+
+    def __init__(self, eos: int) -> None:
+        super().__init__()
+        self.model = llama(seed=0)
+        self.eos = eos
+        self.generated: list[Tensor] = []
+        self.marked_in_step = False
+
+    def validation_step(self, batch: tuple[Tensor], batch_idx: int) -> None:
+        self.marked_in_step = getattr(self.model, "_is_fsdp_managed_module", False)
+        out = self.model.generate(
+            batch[0], max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=self.eos
+        )
+        self.generated.append(out.cpu())
+
+
+def _ends_early(rank: int, world: int, eos: int, zero3: bool) -> dict[str, Any]:
+    module = EndsEarly(eos)
+    strategy = HybridParallelStrategy(zero_stage=3, meta_init=False) if zero3 else "ddp"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    prompt = PROMPT[rank : rank + 1]
+    trainer.validate(module, DataLoader([(prompt,), (prompt,)], batch_size=None), verbose=False)
+    return {
+        "generated": module.generated,
+        "marked_in_step": module.marked_in_step,
+        "marked_after": "_is_fsdp_managed_module" in module.model.__dict__,
+    }
+
+
+def test_generation_ending_sooner_on_one_rank_at_zero3_equals_ddp() -> None:
+    torch.set_num_threads(1)
+    eos = int(_generate(llama(seed=0))[0, PROMPT.shape[1]])  # rank 0's first new token
+    ddp = run_distributed(_ends_early, 2, eos, False, init_group=False)
+    ours = run_distributed(_ends_early, 2, eos, True, init_group=False)
+    lengths = [r["generated"][0].shape[1] - PROMPT.shape[1] for r in ddp]
+    assert lengths == [1, 6], lengths  # rank 0 stops at once, rank 1 runs its 6 tokens
+    for rank, (got, want) in enumerate(zip(ours, ddp, strict=True)):
+        assert len(got["generated"]) == len(want["generated"]) == 2
+        for g, w in zip(got["generated"], want["generated"], strict=True):
+            assert torch.equal(g, w), (rank, g.tolist(), w.tolist())
+        assert got["marked_in_step"] and not got["marked_after"], rank  # gone with the engine

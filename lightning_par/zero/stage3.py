@@ -90,6 +90,7 @@ from lightning_par.zero.broadcast import broadcast_module_states
 from lightning_par.zero.grad_buckets import ReduceOp
 from lightning_par.zero.layout import Fragment
 from lightning_par.zero.meta_init import ValuesFn, agree_seed, materialize_unit, target_device
+from lightning_par.zero.stage3_join import mark_hf_models, unmark_hf_models
 from lightning_par.zero.stage3_reduce import Stage3Reduce
 from lightning_par.zero.stage3_state import guard_unit_state_dicts
 from lightning_par.zero.trainable import TrainableSet, refuse_unmanaged
@@ -196,6 +197,8 @@ class Stage3Engine(Stage3Reduce):
         self._handles: list[RemovableHandle] = []
         self.own_reads = OwnReads()  # the strategies' own whole-model state-dict reads pass the guard
         self._install_hooks()
+        # generate() keeps the ranks' forwards in step only for models it knows are sharded (stage3_join)
+        self._hf_marked = mark_hf_models(module) if self.world > 1 else []
         broadcast_module_states(module, group=group, params=False)  # buffers are replicated
         self.optimizers: list[Optimizer] = []
         self._group_params: list[list[list[nn.Parameter]]] = []
@@ -424,6 +427,8 @@ class Stage3Engine(Stage3Reduce):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        unmark_hf_models(self._hf_marked)
+        self._hf_marked = []
 
 
 def _tensors(output: Any) -> list[Tensor]:

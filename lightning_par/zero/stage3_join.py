@@ -23,12 +23,20 @@ The ranks still evaluating run the same model code, so they gather the same unit
 rank calls :meth:`serve_gathers` at the end of each of its dataloaders, so a dataloader's gathers never
 mix with the next one's. Evaluation changes no parameter, so which forward an all-gather belongs to
 does not matter, only that every rank takes part in it.
+
+Within one step the ranks must also run equally many forwards. Hugging Face's ``generate()`` stops when
+its sequences end, sooner on one rank than another, unless it knows the model is sharded: then
+(``synced_gpus``) every rank keeps running forwards until all are done. It knows FSDP's models by the
+attribute :data:`HF_SHARDED_ATTR`, which :func:`mark_hf_models` sets on the Hugging Face models of a
+ZeRO-3 module for the engine's lifetime (:func:`unmark_hf_models` removes it). Before, a validation step
+whose ``generate()`` met the end-of-sequence token on one rank only broke the next gathers.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import ProcessGroup
 
 from lightning_par.zero.unit import Unit
@@ -64,3 +72,30 @@ class Stage3Join:
             unit = self.units[index]
             unit.wait(self.group)
             unit.free()
+
+
+# transformers' mark of a module whose parameters are sharded over the ranks (set by its FSDP2 helper)
+HF_SHARDED_ATTR = "_is_fsdp_managed_module"
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+        for c in type(module).__mro__
+    )
+
+
+def mark_hf_models(module: nn.Module) -> list[nn.Module]:
+    """Mark the Hugging Face models inside ``module`` as sharded (module docstring); the ones marked."""
+    marked = []
+    for m in module.modules():
+        if _is_hf_model(m) and not getattr(m, HF_SHARDED_ATTR, False):
+            setattr(m, HF_SHARDED_ATTR, True)
+            marked.append(m)
+    return marked
+
+
+def unmark_hf_models(marked: list[nn.Module]) -> None:
+    for m in marked:
+        if HF_SHARDED_ATTR in m.__dict__:
+            delattr(m, HF_SHARDED_ATTR)
