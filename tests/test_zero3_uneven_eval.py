@@ -14,6 +14,8 @@ processes, on a Hugging Face Llama:
   the logged metrics equal ``"ddp"``'s;
 * ``fit`` with such uneven validation every epoch: the final weights equal ``"ddp"``'s (training after a
   joined validation is unchanged); equal counts on every rank plan no join;
+* Fabric: a ZeRO-3 evaluation loop of 3 batches on rank 0 and 1 on rank 1 inside
+  ``fabric.strategy.join()`` gives the logits of the one-process model on every batch;
 * refused before any batch, the same on every rank: a dataloader that gives one rank no batch, an
   unsized dataloader followed by another when counts differ, and uneven counts under pipeline
   parallelism.
@@ -28,13 +30,15 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.fabric import Fabric
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.eval_join import plan_eval_join
+from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
 from tests.distributed import run_distributed
-from tests.third_party import LoraLlama, Tokens
+from tests.third_party import LoraLlama, Tokens, llama
 
 BATCH = 4
 
@@ -153,3 +157,27 @@ def test_uneven_evaluation_that_cannot_join_is_refused() -> None:
         assert "dp rank 0: [2]; dp rank 1: [3]" in pipelined and "pipeline parallelism" in pipelined, (
             pipelined
         )
+
+
+def _fabric_join(rank: int, world: int) -> list[Tensor]:
+    torch.set_num_threads(1)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=FabricStrategy(zero_stage=3))
+    fabric.launch()
+    model = fabric.setup(llama(seed=0))
+    outputs = []
+    with fabric.strategy.join(), torch.no_grad():  # type: ignore[attr-defined]
+        for x, _ in _uneven(rank, (3, 1)):
+            outputs.append(model(input_ids=x).logits)
+    return outputs
+
+
+def test_fabric_join_evaluates_uneven_batches_at_zero3_as_one_process() -> None:
+    torch.set_num_threads(1)
+    model = llama(seed=0)
+    with torch.no_grad():
+        want = [model(input_ids=x).logits for x, _ in _uneven(0, (3,))]
+    got = run_distributed(_fabric_join, 2, init_group=False)
+    assert [len(r) for r in got] == [3, 1]
+    for rank, outputs in enumerate(got):
+        for k, logits in enumerate(outputs):
+            torch.testing.assert_close(logits, want[k], msg=f"rank {rank} batch {k}")

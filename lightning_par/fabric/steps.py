@@ -1,5 +1,6 @@
 """The step side of lightning_par's Fabric strategy: ``fabric.backward``, ``fabric.clip_gradients`` and
-``optimizer.step()`` mapped onto the engine and ``ParallelPrecision``.
+``optimizer.step()`` mapped onto the engine and ``ParallelPrecision``; ``strategy.join()`` for evaluation
+loops whose ranks run different numbers of batches at ZeRO-3.
 
 One fp16 rule holds at every stage: a step's gradients are unscaled once, and the overflow verdict is
 agreed over every rank (``precision.step_groups``), at the first of ``clip_gradients`` or
@@ -10,14 +11,17 @@ pieces (``precision.grad_norm_groups``: dp from stage 1 on, tp under tensor para
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_par.fabric.pipeline import refuse_backward
+from lightning_par.zero.stage3_join import Stage3Join
 
 if TYPE_CHECKING:
     from lightning_par.fabric.pipeline import FabricPipeline
@@ -115,3 +119,24 @@ class FabricSteps:
         if self.engine is not None:
             self.engine.after_step()
         return output
+
+    @contextmanager
+    def join(self) -> Iterator[None]:
+        """An evaluation loop whose ranks may run different numbers of batches, at ZeRO-3: every rank
+        enters, runs its own batches (forwards only, no backward), and on leaving takes part in the
+        other ranks' parameter gathers until all are done (:mod:`lightning_par.zero.stage3_join`). At
+        other stages, or with one dp rank, nothing communicates in evaluation and this does nothing.
+
+        ``with fabric.strategy.join(), torch.no_grad(): for batch in my_batches: model(batch)``"""
+        engine = self.engine
+        if not isinstance(engine, Stage3Join) or dist.get_world_size(engine.group) == 1:
+            yield
+            return
+        if engine.joining:
+            raise RuntimeError("strategy.join() is already active: leave it before entering it again.")
+        engine.joining = True
+        try:
+            yield
+            engine.serve_gathers()
+        finally:
+            engine.joining = False
