@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.utilities.data import has_len
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -181,7 +182,8 @@ class StrategySteps(ZeroCheckpointIO):
         engine = self._engine
         if not isinstance(engine, Stage3Join) or self.mesh.dp_size == 1:
             return  # only ZeRO-3 communicates over dp in evaluation
-        loop = self.lightning_module.trainer._active_loop
+        module = self.lightning_module
+        loop = module.trainer._active_loop
         assert loop is not None
         self._eval_join = plan_eval_join(
             loop.max_batches,
@@ -190,6 +192,13 @@ class StrategySteps(ZeroCheckpointIO):
             pipelined=self._pipeline is not None,
             loop=loop_name,
         )
+        step = getattr(module, f"{loop_name}_step")
+        if self._eval_join is not None and is_param_in_hook_signature(step, "dataloader_iter", explicit=True):
+            raise ValueError(
+                f"{loop_name}_step(dataloader_iter) takes its own batches, so the strategy cannot tell when"
+                " this rank's are over while the data-parallel ranks' batch counts differ at ZeRO-3. Give"
+                " every rank the same number of batches, or take a batch argument."
+            )
         engine.joining = self._eval_join is not None
 
     def _end_eval_join(self) -> None:

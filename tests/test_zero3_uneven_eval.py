@@ -17,8 +17,8 @@ processes, on a Hugging Face Llama:
 * Fabric: a ZeRO-3 evaluation loop of 3 batches on rank 0 and 1 on rank 1 inside
   ``fabric.strategy.join()`` gives the logits of the one-process model on every batch;
 * refused before any batch, the same on every rank: a dataloader that gives one rank no batch, an
-  unsized dataloader followed by another when counts differ, and uneven counts under pipeline
-  parallelism.
+  unsized dataloader followed by another when counts differ, a ``validation_step(dataloader_iter)`` when
+  counts differ, and uneven counts under pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -110,15 +110,27 @@ def _zero3() -> HybridParallelStrategy:
     return HybridParallelStrategy(zero_stage=3, meta_init=False)  # the module's own initial weights
 
 
+class IterStep(Counted):
+    """A validation step that takes its own batches from the iterator."""
+
+    def validation_step(self, dataloader_iter: Iterator[Any]) -> Tensor:  # type: ignore[override]
+        batch, batch_idx, _ = next(dataloader_iter)
+        return super().validation_step(batch, batch_idx)
+
+
 def _refusals(rank: int, world: int) -> list[str]:
     messages = []
-    for loaders in (
-        _uneven(rank, (2, 0)),  # rank 1: no batch
-        [DataLoader(Stream(BATCH * (2 if rank == 0 else 1)), batch_size=BATCH), _uneven(rank, (1, 1))],
+    for module, loaders in (
+        (Counted(), _uneven(rank, (2, 0))),  # rank 1: no batch
+        (
+            Counted(),
+            [DataLoader(Stream(BATCH * (2 if rank == 0 else 1)), batch_size=BATCH), _uneven(rank, (1, 1))],
+        ),
+        (IterStep(), _uneven(rank, (2, 1))),
     ):
         trainer = _trainer(_zero3(), use_distributed_sampler=False)
         with pytest.raises(ValueError) as refused:
-            trainer.validate(Counted(), loaders, verbose=False)
+            trainer.validate(module, loaders, verbose=False)
         messages.append(str(refused.value))
     with pytest.raises(ValueError) as refused:  # the pipeline's check, on this job's group
         plan_eval_join(
@@ -150,7 +162,8 @@ def test_uneven_evaluation_at_zero3_equals_ddp() -> None:
 
 
 def test_uneven_evaluation_that_cannot_join_is_refused() -> None:
-    for empty, unsized, pipelined in run_distributed(_refusals, 2):
+    for empty, unsized, iterator, pipelined in run_distributed(_refusals, 2):
+        assert "validation_step(dataloader_iter) takes its own batches" in iterator, iterator
         assert "dp rank 0: 2, dp rank 1: 0" in empty and "at least one batch" in empty, empty
         assert "Dataloader 0 has no length and another follows it" in unsized, unsized
         assert "Give it a __len__, or make it the last one" in unsized, unsized
