@@ -15,7 +15,7 @@ Nothing here builds or tears down anything.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -175,6 +175,14 @@ class StrategySteps(ZeroCheckpointIO):
                 device=self.root_device,
             )
         return super().process_dataloader(dataloader)
+
+    def gathered_params(self) -> AbstractContextManager[None]:
+        """Entered by every rank: at ZeRO-3 the whole model is gathered on entry and stays whole until
+        the exit, so code on one rank only (``if trainer.is_global_zero: model.generate(...)``) runs its
+        forwards without the other ranks; elsewhere a no-op. Tensor parallelism still communicates in
+        every forward."""
+        engine = self._engine
+        return engine.gathered() if isinstance(engine, Stage3Join) else nullcontext()
 
     def _start_eval_join(self, loop_name: str) -> None:
         """Compare the dp ranks' batch counts of the loop starting now (:mod:`lightning_par.eval_join`)."""

@@ -10,7 +10,11 @@ Generation that ends sooner on one rank (its prompt meets the end-of-sequence to
 token, the other rank's never): at ZeRO-3 every rank must still run as many forwards, each gathering the
 units. Hugging Face's ``generate()`` does so (``synced_gpus``) for models it knows are sharded; the
 engine marks them while it runs. Each rank's generations in ``validation_step`` equal ``"ddp"``'s, and
-the mark is gone after the run. Before, the next gathers failed (Gloo: connection reset)."""
+the mark is gone after the run. Before, the next gathers failed (Gloo: connection reset).
+
+Generation on rank 0 only (a callback sampling for the logger), inside ``strategy.gathered_params()``
+entered by every rank: equal to the one-process model, under the Trainer and in a Fabric loop, and
+nothing stays gathered after it. Without it the other ranks are not there to gather with rank 0."""
 
 from __future__ import annotations
 
@@ -19,10 +23,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.fabric import Fabric
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
+from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
 from tests.distributed import run_distributed
 from tests.third_party import Tokens, llama
 
@@ -164,3 +170,50 @@ def test_generation_ending_sooner_on_one_rank_at_zero3_equals_ddp() -> None:
         for g, w in zip(got["generated"], want["generated"], strict=True):
             assert torch.equal(g, w), (rank, g.tolist(), w.tolist())
         assert got["marked_in_step"] and not got["marked_after"], rank  # gone with the engine
+
+
+class RankZeroSampler(pl.Callback):
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy: Any = trainer.strategy
+        with strategy.gathered_params():
+            if trainer.is_global_zero:
+                self.generated = _generate(pl_module.model)  # type: ignore[operator]
+        self.live_units = strategy.engine.memory_bytes()["live_units"]
+
+
+def _rank_zero(rank: int, world: int) -> dict[str, Any]:
+    sampler = RankZeroSampler()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=HybridParallelStrategy(zero_stage=3, meta_init=False),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[sampler],
+    )
+    trainer.validate(EndsEarly(eos=-1), DataLoader([(PROMPT[:1],)], batch_size=None), verbose=False)
+    trainer.strategy.destroy_process_groups()  # type: ignore[attr-defined]
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=FabricStrategy(zero_stage=3))
+    fabric.launch()
+    model = fabric.setup(llama(seed=0))
+    with fabric.strategy.gathered_params():  # type: ignore[attr-defined]
+        fabric_generated = _generate(model) if rank == 0 else None
+    return {
+        "trainer": getattr(sampler, "generated", None),
+        "live_units": sampler.live_units,
+        "fabric": fabric_generated,
+        "fabric_live_units": fabric.strategy.engine.memory_bytes()["live_units"],  # type: ignore[attr-defined]
+    }
+
+
+def test_generation_on_rank_zero_only_inside_gathered_params() -> None:
+    torch.set_num_threads(1)
+    want = _generate(llama(seed=0))
+    runs = run_distributed(_rank_zero, 2, init_group=False)
+    for key in ("trainer", "fabric"):
+        assert torch.equal(runs[0][key], want), (key, runs[0][key].tolist(), want.tolist())
+        assert runs[1][key] is None, key
+    for run in runs:
+        assert run["live_units"] == run["fabric_live_units"] == 0

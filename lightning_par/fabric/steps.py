@@ -12,7 +12,7 @@ pieces (``precision.grad_norm_groups``: dp from stage 1 on, tp under tensor para
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -140,3 +140,11 @@ class FabricSteps:
             engine.serve_gathers()
         finally:
             engine.joining = False
+
+    def gathered_params(self) -> AbstractContextManager[None]:
+        """Entered by every rank: at ZeRO-3 the whole model is gathered on entry and stays whole until
+        the exit, so code on one rank only (``if fabric.global_rank == 0: sample(model)``) runs its
+        forwards without the other ranks; elsewhere a no-op. Tensor parallelism still communicates in
+        every forward."""
+        engine = self.engine
+        return engine.gathered() if isinstance(engine, Stage3Join) else nullcontext()

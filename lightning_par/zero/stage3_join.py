@@ -30,9 +30,17 @@ its sequences end, sooner on one rank than another, unless it knows the model is
 attribute :data:`HF_SHARDED_ATTR`, which :func:`mark_hf_models` sets on the Hugging Face models of a
 ZeRO-3 module for the engine's lifetime (:func:`unmark_hf_models` removes it). Before, a validation step
 whose ``generate()`` met the end-of-sequence token on one rank only broke the next gathers.
+
+Code that runs forwards on one rank only (sampling on rank 0 in a callback) cannot gather: the other ranks
+are not there. :meth:`Stage3Join.gathered`, entered by every rank, gathers the whole model first and keeps
+it whole until every rank leaves; the Hugging Face mark is lifted meanwhile, so a ``generate()`` there
+runs alone.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -51,6 +59,31 @@ class Stage3Join:
     # on: every all-gather is announced (the strategy sets it for an evaluation loop whose ranks' batch
     # counts differ, and clears it at the loop's end)
     joining: bool = False
+    _holding: bool = False  # inside gathered(): every unit stays whole
+    _hf_marked: list[nn.Module]  # Hugging Face models marked as sharded (mark_hf_models)
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every rank enters together: each unit is gathered once and stays whole until the exit, where
+        it is freed. Inside, a rank may run forwards on its own (sampling on rank 0 only): no gather is
+        needed, so no rank waits for another. The whole model is in memory on each rank meanwhile; for
+        forwards only (the shards do not change inside)."""
+        if self._holding:
+            raise RuntimeError("gathered_params() is already active: leave it before entering it again.")
+        for unit in self.units:  # whatever this rank holds now, every rank gathers the same units below
+            unit.free()
+        for unit in self.units:
+            unit.wait(self.group)
+        self._holding = True
+        # no synced generate() inside: a rank generating alone must not wait for the others' forwards
+        unmark_hf_models(self._hf_marked)
+        try:
+            yield
+        finally:
+            self._holding = False
+            mark_hf_models_again(self._hf_marked)
+            for unit in self.units:
+                unit.free()
 
     def _announce(self, unit: Unit) -> None:
         """Tell ranks that serve which unit this rank gathers next (only if it will gather)."""
@@ -99,3 +132,8 @@ def unmark_hf_models(marked: list[nn.Module]) -> None:
     for m in marked:
         if HF_SHARDED_ATTR in m.__dict__:
             delattr(m, HF_SHARDED_ATTR)
+
+
+def mark_hf_models_again(marked: list[nn.Module]) -> None:
+    for m in marked:
+        setattr(m, HF_SHARDED_ATTR, True)

@@ -81,7 +81,8 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
         unit.wait(self.group)
 
     def _free(self, unit: Unit) -> None:
-        unit.free()
+        if not self._holding:  # inside gathered() every unit stays whole (stage3_join)
+            unit.free()
 
     def _free_if_done(self, unit: Unit) -> None:
         """Free after backward: once the unit's gradients are launched (if it has trainable parameters)
