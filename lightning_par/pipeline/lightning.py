@@ -90,6 +90,8 @@ class LightningPipeline(PipelineSteps):
     ) -> None:
         super().__init__(runtime, tied, dp_group=dp_group, dp_size=dp_size)
         self.module = module
+        # set by the strategy per evaluation loop: the dp ranks run different numbers of batches
+        self.uneven_eval = False
         if not module.automatic_optimization:
             raise ValueError(
                 "Manual optimization with pipeline_parallel_size > 1 is not supported: the pipeline runs"
@@ -157,8 +159,10 @@ class LightningPipeline(PipelineSteps):
             names=("pipeline_loss", "pipeline_eval", self._owner),
         )
         # the token-exact form: the token mean over the dp ranks' batches (their own means would weigh a
-        # rank's tokens by how few it had); the same on every rank, so sync_dist leaves it as it is
-        loss = self.dp_token_mean(result)
+        # rank's tokens by how few it had); the same on every rank, so sync_dist leaves it as it is. When
+        # the ranks run different numbers of batches no per-step all-reduce can match: this rank's own
+        # token mean, which sync_dist averages over the ranks (lightning_par.eval_join)
+        loss = result.loss if self.uneven_eval else self.dp_token_mean(result)
         self.module.log(f"{stage}_loss", loss, sync_dist=True, prog_bar=stage == "val")
         for name, metric in result.metrics.items():
             self.module.log(f"{stage}_{name}", metric, sync_dist=True)
