@@ -1,4 +1,4 @@
-"""Evaluation loops whose data-parallel ranks run different numbers of batches, at ZeRO-3 in the Trainer.
+"""Evaluation loops whose data-parallel ranks run different numbers of batches, in the Trainer.
 
 Lightning's ``trainer.predict`` splits the samples over the ranks without padding, and an iterable
 dataset may end sooner on one rank; under ``"ddp"`` that is harmless, at ZeRO-3 each forward all-gathers
