@@ -61,6 +61,7 @@ class Stage3Join:
     joining: bool = False
     _holding: bool = False  # inside gathered(): every unit stays whole
     _hf_marked: list[nn.Module]  # Hugging Face models marked as sharded (mark_hf_models)
+    _codes: torch.Tensor | None = None  # unit index + 1 per unit, on the device (the announcements)
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -88,7 +89,9 @@ class Stage3Join:
     def _announce(self, unit: Unit) -> None:
         """Tell ranks that serve which unit this rank gathers next (only if it will gather)."""
         if self.joining and unit.state == "sharded":
-            flag = torch.tensor([unit.index + 1], dtype=torch.int64, device=self.device)
+            if self._codes is None:  # made once on the device: a tensor from a list would be a host copy
+                self._codes = torch.arange(1, len(self.units) + 1, dtype=torch.int64, device=self.device)
+            flag = self._codes[unit.index : unit.index + 1].clone()  # the all-reduce writes into it
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
 
     def serve_gathers(self) -> None:
