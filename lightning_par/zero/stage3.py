@@ -91,6 +91,7 @@ from lightning_par.zero.grad_buckets import ReduceOp
 from lightning_par.zero.layout import Fragment
 from lightning_par.zero.meta_init import ValuesFn, agree_seed, materialize_unit, target_device
 from lightning_par.zero.stage3_join import mark_hf_models, unmark_hf_models
+from lightning_par.zero.stage3_load import load_into_shards
 from lightning_par.zero.stage3_reduce import Stage3Reduce
 from lightning_par.zero.stage3_state import guard_unit_state_dicts
 from lightning_par.zero.trainable import TrainableSet, refuse_unmanaged
@@ -245,6 +246,7 @@ class Stage3Engine(Stage3Reduce):
             for p in unit.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._handles += guard_unit_state_dicts(self.module, self.units, self.own_reads)
+        self._handles += load_into_shards(self.module, self.units, self.rank)  # load_state_dict works
         if self.root is not None:  # the modules holding root parameters, called without the root's forward
             mine = {id(p) for part in self.root.parts for p in part.params}
             for m in self.module.modules():
