@@ -9,6 +9,9 @@ the dp group, and before, the rank that ran out left the other waiting in its ne
 processes, on a Hugging Face Llama:
 
 * ``predict`` of 9 samples: each rank's predictions equal ``"ddp"``'s (rank 0: batches of 4 and 1);
+* ``predict`` of 3 prompts with ``generate()`` (rank 0 gets two, and its first generation meets the
+  end-of-sequence token at once): each rank's generations equal ``"ddp"``'s (before, a hang:
+  ``generate()``'s per-token all-reduce met the done rank's gathers);
 * ``validate`` with two dataloaders of uneven counts per rank (3 and 1 batches on rank 0, 1 and 2 on
   rank 1, Lightning's sampler off) and with an iterable dataset without length (3 batches against 1):
   the logged metrics equal ``"ddp"``'s;
@@ -67,6 +70,29 @@ class Counted(LoraLlama):
         return super().validation_step(batch, batch_idx)
 
 
+PROMPTS = [torch.tensor([[k, 2, 3, 4]]) for k in (1, 2, 3)]  # rank 0 predicts the 1st and 3rd
+
+
+def _eos() -> int:
+    """The first token the model generates after the first prompt: that generation stops at once."""
+    return int(llama(seed=0).generate(PROMPTS[0], max_new_tokens=1, do_sample=False, pad_token_id=0)[0, -1])
+
+
+class Generates(pl.LightningModule):
+    """Greedy generation in ``predict_step``, ending at ``eos``: ranks run different numbers of
+    forwards per step as well as different numbers of steps."""
+
+    def __init__(self, eos: int) -> None:
+        super().__init__()
+        self.model = llama(seed=0)
+        self.eos = eos
+
+    def predict_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        return self.model.generate(
+            batch, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=self.eos
+        )
+
+
 def _trainer(strategy: Any, **kw: Any) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu",
@@ -85,13 +111,15 @@ def _uneven(rank: int, counts: tuple[int, ...]) -> DataLoader[Any]:
     return DataLoader(Tokens(BATCH * counts[rank]), batch_size=BATCH)
 
 
-def _runs(rank: int, world: int, strategy_fn: Any) -> dict[str, Any]:
+def _runs(rank: int, world: int, strategy_fn: Any, eos: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     pl.seed_everything(3)
     module = Counted()
     trainer = _trainer(strategy_fn())
     out["predict"] = torch.cat(trainer.predict(module, DataLoader(Tokens(9), batch_size=BATCH)))  # type: ignore[arg-type]
+    trainer = _trainer(strategy_fn())
+    out["generate"] = trainer.predict(Generates(eos), DataLoader(PROMPTS, batch_size=None))
     trainer = _trainer(strategy_fn(), use_distributed_sampler=False)
     loaders = [_uneven(rank, (3, 1)), _uneven(rank, (1, 2))]
     out["validate"] = trainer.validate(module, loaders, verbose=False)
@@ -143,11 +171,17 @@ def _refusals(rank: int, world: int) -> list[str]:
 
 
 def test_uneven_evaluation_at_zero3_equals_ddp() -> None:
-    ddp = run_distributed(_runs, 2, lambda: "ddp", init_group=False)
-    ours = run_distributed(_runs, 2, _zero3, init_group=False)
+    eos = _eos()
+    ddp = run_distributed(_runs, 2, lambda: "ddp", eos, init_group=False)
+    ours = run_distributed(_runs, 2, _zero3, eos, init_group=False)
+    # rank 0: its first generation stops at once, its second runs 4 tokens; rank 1 has one prompt
+    assert [g.shape[1] for g in ddp[0]["generate"]] == [5, 8] and len(ddp[1]["generate"]) == 1
     for rank, (got, want) in enumerate(zip(ours, ddp, strict=True)):
         assert got["predict"].shape[0] == (5 if rank == 0 else 4)
         torch.testing.assert_close(got["predict"], want["predict"], msg=f"rank {rank} predictions")
+        assert len(got["generate"]) == len(want["generate"]), rank
+        for g, w in zip(got["generate"], want["generate"], strict=True):
+            assert torch.equal(g, w), (rank, g.tolist(), w.tolist())
         assert got["steps"] == want["steps"] == ({0: 3, 1: 1} if rank == 0 else {0: 1, 1: 2}), rank
         for key in ("validate", "stream"):
             assert len(got[key]) == len(want[key]), key

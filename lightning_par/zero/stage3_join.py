@@ -11,25 +11,31 @@ others waited in their next all-gather: a hang, where ``"ddp"`` (no collective i
 Protocol (only while :attr:`Stage3Join.joining` is on; the strategy turns it on for an evaluation loop
 whose ranks' batch counts differ)
 -------------------------------------------------------------------------------------------------
-* Before a rank launches the all-gather of unit ``u`` (a prefetch, or a use of a sharded unit), it
-  announces ``u``: an all-reduce (``MAX``) of ``index(u) + 1`` over the dp group. No host read.
-* A rank whose batches are over calls :meth:`Stage3Join.serve_gathers`: it frees what it holds, then
-  contributes ``0`` to the announcements; each round's maximum names the unit the ranks still evaluating
-  gather next, and this rank joins that all-gather with its shard (one host read per round: this rank
-  has nothing else to do). A round whose maximum is ``0`` means every rank is serving: all leave.
+Every all-gather becomes a *round*, and the ranks' rounds match one to one, in order:
 
-The ranks still evaluating run the same model code, so they gather the same units in the same order
-(announcing the same index); serving ranks issue exactly the collectives they do, in that order. Every
-rank calls :meth:`serve_gathers` at the end of each of its dataloaders, so a dataloader's gathers never
-mix with the next one's. Evaluation changes no parameter, so which forward an all-gather belongs to
-does not matter, only that every rank takes part in it.
+* A rank about to gather unit ``u`` (a prefetch, or a use of a sharded unit) says so: an all-gather over
+  the dp group of ``index(u) + 1``; a rank whose batches are over (:meth:`Stage3Join.serve_gathers`)
+  says ``0``. Every rank reads the table (one host read per round).
+* Each unit someone asked for is then all-gathered by every rank, in index order: the rank that asked
+  gathers it for use (asynchronously, as before), the others take part into scratch buffers
+  (:meth:`~lightning_par.zero.unit.Unit.serve`) and leave their own copy as it is.
+* A round where every rank says ``0`` ends the serving: all leave.
+
+So the ranks need not run the same forwards at all: the one still evaluating, ranks whose forwards
+differ in number (a ``generate()`` that ends sooner on one of them), a rank that serves. Every rank
+calls :meth:`serve_gathers` at the end of each of its dataloaders, so a dataloader's gathers never mix
+with the next one's. Evaluation changes no parameter, so which forward an all-gather belongs to does not
+matter, only that every rank takes part in it. Nothing else may communicate between the gathers (a
+per-step ``all_gather`` in the user's step would meet a round), so while joining, the Hugging Face
+models are not marked as sharded (below): their ``generate()`` would all-reduce every token.
 
 Within one step the ranks must also run equally many forwards. Hugging Face's ``generate()`` stops when
 its sequences end, sooner on one rank than another, unless it knows the model is sharded: then
 (``synced_gpus``) every rank keeps running forwards until all are done. It knows FSDP's models by the
 attribute :data:`HF_SHARDED_ATTR`, which :func:`mark_hf_models` sets on the Hugging Face models of a
-ZeRO-3 module for the engine's lifetime (:func:`unmark_hf_models` removes it). Before, a validation step
-whose ``generate()`` met the end-of-sequence token on one rank only broke the next gathers.
+ZeRO-3 module for the engine's lifetime (:func:`unmark_hf_models` removes it; lifted while joining, where
+rounds match the forwards instead). Before, a validation step whose ``generate()`` met the
+end-of-sequence token on one rank only broke the next gathers.
 
 Code that runs forwards on one rank only (sampling on rank 0 in a callback) cannot gather: the other ranks
 are not there. :meth:`Stage3Join.gathered`, entered by every rank, gathers the whole model first and keeps
@@ -56,12 +62,10 @@ class Stage3Join:
     group: ProcessGroup
     device: torch.device
     units: list[Unit]
-    # on: every all-gather is announced (the strategy sets it for an evaluation loop whose ranks' batch
-    # counts differ, and clears it at the loop's end)
-    joining: bool = False
+    _joining: bool = False  # see the joining property
     _holding: bool = False  # inside gathered(): every unit stays whole
     _hf_marked: list[nn.Module]  # Hugging Face models marked as sharded (mark_hf_models)
-    _codes: torch.Tensor | None = None  # unit index + 1 per unit, on the device (the announcements)
+    _codes: torch.Tensor | None = None  # 0, 1, ..., len(units) on the device (what a round says)
 
     @contextmanager
     def gathered(self) -> Iterator[None]:
@@ -82,32 +86,54 @@ class Stage3Join:
             yield
         finally:
             self._holding = False
-            mark_hf_models_again(self._hf_marked)
+            if not self._joining:  # while joining the mark stays lifted (joining's setter)
+                mark_hf_models_again(self._hf_marked)
             for unit in self.units:
                 unit.free()
 
+    @property
+    def joining(self) -> bool:
+        """On: every all-gather is a join round (the strategy sets it for an evaluation loop whose ranks'
+        batch counts differ, and clears it at the loop's end)."""
+        return self._joining
+
+    @joining.setter
+    def joining(self, on: bool) -> None:
+        if on != self._joining:
+            self._joining = on
+            if on:
+                unmark_hf_models(self._hf_marked)
+            else:
+                mark_hf_models_again(self._hf_marked)
+
     def _announce(self, unit: Unit) -> None:
-        """Tell ranks that serve which unit this rank gathers next (only if it will gather)."""
-        if self.joining and unit.state == "sharded":
-            if self._codes is None:  # made once on the device: a tensor from a list would be a host copy
-                self._codes = torch.arange(1, len(self.units) + 1, dtype=torch.int64, device=self.device)
-            flag = self._codes[unit.index : unit.index + 1].clone()  # the all-reduce writes into it
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        """Before this rank gathers ``unit``: its join round (a no-op unless joining and sharded)."""
+        if self._joining and unit.state == "sharded":
+            self._round(unit.index + 1)
+
+    def _round(self, want: int) -> bool:
+        """One join round (module docstring); ``want``: the unit index + 1 this rank gathers, or 0. True
+        if some rank wanted a unit."""
+        if self._codes is None:  # made once on the device: a tensor from a list would be a host copy
+            self._codes = torch.arange(len(self.units) + 1, dtype=torch.int64, device=self.device)
+        mine = self._codes[want : want + 1].clone()
+        table = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(table, mine, group=self.group)
+        wanted = sorted({int(code) for code in torch.cat(table).tolist() if code})  # the host read
+        for code in wanted:
+            unit = self.units[code - 1]
+            if code == want:
+                unit.gather(self.group)  # for use: the caller waits for it as before
+            else:
+                unit.serve(self.group)
+        return bool(wanted)
 
     def serve_gathers(self) -> None:
-        """Take part in the other ranks' all-gathers until every rank serves (module docstring)."""
+        """This rank's batches are over: take part in the others' gathers until every rank is done."""
         for unit in self.units:
-            unit.free()  # a gather below must send this rank's shard, not find the unit whole
-        flag = torch.zeros(1, dtype=torch.int64, device=self.device)
-        while True:
-            flag.zero_()
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            index = int(flag.item()) - 1  # the one host read per round (module docstring)
-            if index < 0:
-                return
-            unit = self.units[index]
-            unit.wait(self.group)
-            unit.free()
+            unit.free()  # nothing more to compute here
+        while self._round(0):
+            pass
 
 
 # transformers' mark of a module whose parameters are sharded over the ranks (set by its FSDP2 helper)

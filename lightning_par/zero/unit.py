@@ -119,26 +119,37 @@ class Unit:
         world = dist.get_world_size(group)
         for part in self.parts:
             part.full.untyped_storage().resize_(part.full_bytes)
-            wire = self.gather_dtype if self.gather_dtype not in (None, part.full.dtype) else None
-            if wire == torch.int8:  # values and one scale per block, dequantized in wait()
-                q, scales = quantize_blockwise(part.shard)
-                part.send = [q, scales]
-                part.wire = [
-                    torch.empty_like(part.full, dtype=torch.int8),
-                    scales.new_empty(world * len(scales)),
-                ]
-            elif wire is not None:  # fp16/bf16, cast up in wait()
-                part.send = [part.shard.to(wire)]
-                part.wire = [torch.empty_like(part.full, dtype=wire)]
-            else:
-                same = part.shard.dtype == part.full.dtype
-                part.send = [part.shard if same else part.shard.to(part.full.dtype)]
-                part.wire = [part.full]
+            part.send, part.wire = self._send_and_wire(part, part.full, world)
             part.works = [
                 all_gather_flat(out, src, group=group, async_op=True)
                 for out, src in zip(part.wire, part.send, strict=True)
             ]
         self.state = "gathering"
+
+    def _send_and_wire(self, part: Part, full: Tensor, world: int) -> tuple[list[Tensor], list[Tensor]]:
+        """What this rank sends of ``part`` and the buffers the all-gathers fill (``full`` itself, or
+        low-precision ones that :meth:`wait` casts into it)."""
+        wire = self.gather_dtype if self.gather_dtype not in (None, full.dtype) else None
+        if wire == torch.int8:  # values and one scale per block, dequantized in wait()
+            q, scales = quantize_blockwise(part.shard)
+            return [q, scales], [
+                torch.empty_like(full, dtype=torch.int8),
+                scales.new_empty(world * len(scales)),
+            ]
+        if wire is not None:  # fp16/bf16, cast up in wait()
+            return [part.shard.to(wire)], [torch.empty_like(full, dtype=wire)]
+        same = part.shard.dtype == full.dtype
+        return [part.shard if same else part.shard.to(full.dtype)], [full]
+
+    def serve(self, group: ProcessGroup) -> None:
+        """Take part in the other ranks' all-gathers of this unit, whatever its state here: the same
+        collectives as :meth:`gather`, into scratch buffers, the parameters untouched (a join round,
+        :mod:`lightning_par.zero.stage3_join`)."""
+        world = dist.get_world_size(group)
+        for part in self.parts:
+            send, wire = self._send_and_wire(part, torch.empty_like(part.full), world)
+            for out, src in zip(wire, send, strict=True):
+                all_gather_flat(out, src, group=group, async_op=True).wait()
 
     def wait(self, group: ProcessGroup) -> None:
         """Make the parameters whole (gathering first if needed)."""
