@@ -5,8 +5,9 @@ dataset may end sooner on one rank; under ``"ddp"`` that is harmless, at ZeRO-3 
 over the dp group and the rank that ran out would leave the others waiting in their next gather. At the
 start of each evaluation loop the strategy compares the ranks' batch counts per dataloader
 (:func:`eval_count_table`, one all-gather of a few integers). Equal counts: nothing changes. Uneven ones:
-the engine announces its gathers and each rank, after the last batch of each dataloader, serves the
-others' gathers until all are done (:mod:`lightning_par.zero.stage3_join`). Refused before any batch,
+every gather becomes a round in which all ranks gather what any of them needs, and each rank, after
+the last batch of each dataloader, serves the others' gathers until all are done
+(:mod:`lightning_par.zero.stage3_join`). Refused before any batch,
 with the fix: a dataloader that gives some rank no batch at all while others get some (that rank's loop
 would never reach the point where it serves), an unsized dataloader followed by another (its end cannot
 be told in advance), and uneven counts under pipeline parallelism with ZeRO-3.

@@ -25,7 +25,7 @@ engine attributes it works on.
   :meth:`Stage3Reduce._reduce_all`: every unit launched in the common order, drained, freed, and the
   window ended, as at the end of a synchronising backward.
 * Gather/free: a unit is freed after backward once its gradients are launched and, with frozen
-  parameters, once backward no longer needs them. Each gather is announced first while an evaluation
+  parameters, once backward no longer needs them. Each gather is a join round while an evaluation
   with uneven batch counts runs (:mod:`~lightning_par.zero.stage3_join`).
 """
 
