@@ -16,7 +16,7 @@ each step's forwards and backwards itself, once, across the stages.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -99,19 +99,25 @@ def check_shardable(
 
 
 def check_layout_optimizers(
-    optimizers: Sequence[Optimizer], *, pipeline: bool, allow_untested: bool = False
+    optimizers: Sequence[Optimizer],
+    *,
+    pipeline: bool,
+    allow_untested: bool = False,
+    names: Mapping[int, str] | None = None,
 ) -> None:
     """Refuse, before any step, an optimizer the model's tensor or pipeline layout would silently
     change: one holding a tensor-parallel slice must pass :func:`check_shardable`; under pipeline
-    parallelism none may require a closure. (ZeRO's own check runs when the engine shards them.)"""
+    parallelism none may require a closure. (ZeRO's own check runs when the engine shards them.)
+    ``names``: ``id(parameter) -> name``, to name a sliced parameter in the message."""
     for optimizer in optimizers:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         sliced = next((p for p in params if hasattr(p, TP_DIM_ATTR)), None)
         if sliced is not None:
+            which = (names or {}).get(id(sliced), "a parameter")
             check_shardable(
                 optimizer,
                 allow_untested=allow_untested,
-                sharding=f"Tensor parallelism (a {tuple(sliced.shape)} parameter is this rank's slice)",
+                sharding=f"Tensor parallelism ({which} {tuple(sliced.shape)} is this rank's slice)",
                 fix="tensor_parallel_size=1",
             )
         if pipeline and _needs_closure(optimizer):

@@ -337,6 +337,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
                 self.optimizers,
                 pipeline=self._pipeline is not None,
                 allow_untested=self.allow_untested_optimizer,
+                names={id(p): n for n, p in self.model.named_parameters()},
             )
             check_optimizer_kernels(self.optimizers, device=self.root_device)
             self._engine.shard_optimizers(self.optimizers)

@@ -410,7 +410,7 @@ def test_untested_optimizers_refused_at_setup(optimizer_results: list[dict[str, 
         for key, name in (("muon_tp2_refused", "Muon"), ("adafactor_tp2_refused", "Adafactor")):
             error = r[key]
             assert error["type"] == "TypeError" and error["global_step"] == 0, key
-            assert "Tensor parallelism (a (8, 8) parameter is this rank's slice)" in error["message"], key
+            assert "Tensor parallelism (net.0.weight (8, 8) is this rank's slice)" in error["message"], key
             assert f"cannot shard torch.optim.{name}" in error["message"], key
             assert "tensor_parallel_size=1" in error["message"], key
         lbfgs = r["lbfgs_pp2_refused"]

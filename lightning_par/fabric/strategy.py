@@ -370,7 +370,10 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             assert self.module is not None
             complete_stage_groups(optimizers, self.module, pp_group=self.mesh.pp_group)
         check_layout_optimizers(
-            optimizers, pipeline=self._pipeline is not None, allow_untested=self.allow_untested_optimizer
+            optimizers,
+            pipeline=self._pipeline is not None,
+            allow_untested=self.allow_untested_optimizer,
+            names={id(p): n for n, p in self.module.named_parameters()} if self.module is not None else None,
         )
         check_optimizer_kernels(optimizers, device=self.root_device)
         self.engine.shard_optimizers(optimizers)
