@@ -132,8 +132,9 @@ class Stage3Join:
         """This rank's batches are over: take part in the others' gathers until every rank is done."""
         for unit in self.units:
             unit.free()  # nothing more to compute here
-        while self._round(0):
-            pass
+        busy = True
+        while busy:  # until a round in which no rank wants a unit
+            busy = self._round(0)
 
 
 # transformers' mark of a module whose parameters are sharded over the ranks (set by its FSDP2 helper)
