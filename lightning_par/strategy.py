@@ -31,6 +31,7 @@ from lightning_par import lightning_hooks
 from lightning_par.build import ZeroOptions, build_engine
 from lightning_par.checkpoint.load_pretrained import PretrainedPlan, PretrainedSource, load_pretrained_once
 from lightning_par.compose import ComposeOptions, compose
+from lightning_par.data_reduce import MetricSync
 from lightning_par.device_checks import check_optimizer_kernels
 from lightning_par.loss import TokenNormalizer
 from lightning_par.memory import MemoryReport, measure_memory
@@ -245,6 +246,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         self._buffer_sync = BufferSync(nn.Module(), group=None, enabled=False)  # type: ignore[arg-type]
         self._synced_batchnorm = False
         self._patched: list[str] = []  # hooks set on the user's LightningModule for a run, undone at teardown
+        self._metric_sync = MetricSync()  # torchmetrics over the data-parallel group, for a run
 
     # ------------------------------------------------------------------ composition
     @override
@@ -273,6 +275,8 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model, process_group=self.mesh.dp_group)
             self._synced_batchnorm = True
         module = self.lightning_module
+        if self.pipeline_parallel_size == 1 and self.mesh.dp_size < self.world_size:
+            self._metric_sync.assign(module, group=self.mesh.dp_group)  # tp copies count once
         profile = self.partition_method == "profile"
         composition = compose(
             module,
@@ -414,6 +418,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         if self.lightning_module is not None:
             lightning_hooks.restore(self.lightning_module, self._patched)  # the class's own methods again
         self._patched = []
+        self._metric_sync.restore()
         if self._synced_batchnorm and self._layer_sync is not None and self.model is not None:
             self.model = self._layer_sync.revert(self.model)
         self._synced_batchnorm = False

@@ -35,6 +35,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
+from lightning_par.data_reduce import data_group, world_decision
 from lightning_par.device_checks import resolve_backend
 from lightning_par.mesh import MeshLayout, ParallelMesh
 from lightning_par.rendezvous import launch_store
@@ -223,6 +224,16 @@ class MeshStrategy(ZeroCheckpointIO):
         group: Any | None = None,
         reduce_op: ReduceOp | str | None = "mean",
     ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        if isinstance(tensor, Tensor):  # over the samples: tp / pp copies count once (data_reduce)
+            return _sync_ddp_if_available(tensor, self._data_group(group), reduce_op=reduce_op)
         return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return world_decision(decision, all=all, world_size=self.world_size, device=self.root_device)
+
+    def _data_group(self, group: Any | None) -> Any:
+        mesh = self._mesh
+        dp_group = mesh.dp_group if mesh is not None else None
+        dp_size = mesh.dp_size if mesh is not None else self.world_size
+        return data_group(group, dp_group=dp_group, dp_size=dp_size, world_size=self.world_size)

@@ -53,6 +53,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_par.build import ZeroOptions, build_engine, set_precision_groups
+from lightning_par.data_reduce import MetricSync
 from lightning_par.device_checks import check_optimizer_kernels, resolve_backend
 from lightning_par.fabric import checkpoint as fabric_checkpoint
 from lightning_par.fabric.pipeline import FabricPipeline, build_fabric_pipeline, refuse_direct_call
@@ -215,6 +216,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         # parameters that tensor or pipeline parallelism replaced, by their old identity: an optimizer made
         # before setup_module is pointed at the replacements (kept until the optimizers are set up)
         self._replaced: Replaced = {}
+        self._metric_sync = MetricSync()  # torchmetrics over the data-parallel group
 
     # ------------------------------------------------------------------ precision and processes
     @property
@@ -327,6 +329,8 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             seed_groups=(self.mesh.tp_group, self.mesh.pp_group),
         )
         cast_frozen(module, compute)
+        if self._pipeline is None and self.mesh.dp_size < self.world_size:
+            self._metric_sync.assign(module, group=self.mesh.dp_group)  # tp copies count once
         setattr(module, SETUP_ATTR, True)
         self.module = module
         if self._pipeline is not None:
@@ -422,6 +426,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         if self._refusal is not None:
             self._refusal.remove()
             self._refusal = None
+        self._metric_sync.restore()
         super().teardown()
 
     def destroy_process_groups(self) -> None:

@@ -1,0 +1,147 @@
+"""Logged sums and torchmetrics under tensor parallelism count each sample once, on 4 Gloo ranks (tp2 x dp2).
+
+The two ranks of a tensor-parallel group run the same samples. Before, ``self.log(..., reduce_fx="sum",
+sync_dist=True)`` and torchmetrics objects reduced over the whole world, so each sample counted twice: at
+tp2 on 2 ranks a logged sample count of 8 came out 16, a ``SumMetric`` doubled and a ``CatMetric`` held
+each value twice (means were right only because identical copies leave them unchanged). Now they reduce
+over the data-parallel group (``lightning_par/data_reduce.py``). Checked on a Hugging Face Llama against
+the same model in one process over all the samples:
+
+* Trainer ``validate`` at tp2 x dp2 (ZeRO-1 and ZeRO-3): a logged sum and mean, torchmetrics
+  ``SumMetric``, ``CatMetric`` and ``MeanSquaredError`` logged through ``self.log``; a metric deep-copied
+  during the run shares its group, a pickled one gathers over the world, and after the run the metrics
+  are as they were; ``reduce_boolean_decision`` still takes every rank's vote;
+* Fabric at tp2 x dp2: a ``SumMetric`` inside the module set up, computed after two batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from lightning.fabric import Fabric
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_par import HybridParallelStrategy
+from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
+from tests.distributed import run_distributed
+from tests.third_party import LLAMA, llama
+
+WORLD, TP, N, BATCH, SEQ = 4, 2, 8, 2, 16
+
+
+def _ids() -> Tensor:
+    return torch.randint(0, LLAMA["vocab_size"], (N, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def _sample_losses(model: nn.Module, ids: Tensor) -> Tensor:
+    logits = model(input_ids=ids).logits
+    return F.cross_entropy(logits.flatten(0, 1), ids.flatten(), reduction="none").view(ids.shape).mean(1)
+
+
+class Scored(pl.LightningModule):
+    """A user's evaluation: a per-sample loss summed, averaged and kept, by ``self.log`` and torchmetrics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = llama(seed=0)
+        self.total = torchmetrics.SumMetric()
+        self.values = torchmetrics.CatMetric()
+        self.mse = torchmetrics.MeanSquaredError()
+        self.seen: dict[str, Any] = {}
+
+    def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        (ids,) = batch
+        losses = _sample_losses(self.model, ids)
+        self.total.update(losses)
+        self.values.update(losses)
+        self.mse.update(losses, torch.zeros_like(losses))
+        n = ids.shape[0]
+        self.log("samples", float(n), reduce_fx="sum", sync_dist=True, batch_size=n)
+        self.log("loss_mean", losses.mean(), sync_dist=True, batch_size=n)
+        self.log("total", self.total)
+        self.log("mse", self.mse)
+
+    def on_validation_start(self) -> None:
+        # a metric copied during the run shares the group; a pickled one gathers over the world
+        self.seen["copy_shares"] = copy.deepcopy(self.total).dist_sync_fn is self.total.dist_sync_fn
+        self.seen["pickled"] = pickle.loads(pickle.dumps(self.total)).dist_sync_fn.group
+
+    def on_validation_epoch_end(self) -> None:
+        self.seen["values"] = self.values.compute()
+        self.values.reset()
+
+
+def _trainer_runs(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    loader = DataLoader(TensorDataset(_ids()), batch_size=BATCH)
+    for stage in (1, 3):
+        module = Scored()
+        strategy = HybridParallelStrategy(zero_stage=stage, tensor_parallel_size=TP, tp_plan="llama")
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=strategy,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+        (logged,) = trainer.validate(module, loader, verbose=False)
+        out[f"zero{stage}"] = {**logged, **module.seen}
+        out[f"zero{stage}_restored"] = [m.dist_sync_fn for m in (module.total, module.values, module.mse)]
+        out[f"zero{stage}_votes"] = [
+            strategy.reduce_boolean_decision(rank == 0, all=False),
+            strategy.reduce_boolean_decision(rank != world - 1, all=True),
+            strategy.reduce_boolean_decision(True, all=True),
+        ]
+    out["fabric"] = _fabric_run(rank, world)
+    return out
+
+
+class Wrapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = llama(seed=0)
+        self.total = torchmetrics.SumMetric()
+
+
+def _fabric_run(rank: int, world: int) -> Tensor:
+    strategy = FabricStrategy(zero_stage=0, tensor_parallel_size=TP, tp_plan="llama")
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup(Wrapped())
+    mesh = strategy.mesh
+    ids = _ids()[mesh.dp_rank :: mesh.dp_size]  # this data-parallel rank's samples, as the sampler gives
+    with torch.no_grad():
+        for batch in ids.split(BATCH):
+            model.total.update(_sample_losses(model.model, batch))
+    return model.total.compute()
+
+
+def test_logged_sums_and_metrics_count_each_sample_once_under_tensor_parallelism() -> None:
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        losses = _sample_losses(llama(seed=0), _ids())
+    results = run_distributed(_trainer_runs, WORLD, init_group=False)
+    for rank, got in enumerate(results):
+        for stage in ("zero1", "zero3"):
+            run = got[stage]
+            assert run["samples"] == N, (rank, stage, run["samples"])  # 16 before
+            torch.testing.assert_close(run["loss_mean"], float(losses.mean()), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(run["total"], float(losses.sum()), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(run["mse"], float((losses**2).mean()), rtol=1e-5, atol=1e-5)
+            assert run["values"].shape == (N,), (rank, stage)  # each value twice before
+            kept = run["values"].sort().values
+            torch.testing.assert_close(kept, losses.sort().values, rtol=1e-5, atol=1e-6)
+            assert run["copy_shares"] and run["pickled"] is None, (rank, stage)
+            assert got[f"{stage}_restored"] == [None, None, None], (rank, stage)
+            assert got[f"{stage}_votes"] == [True, False, True], (rank, stage)
+        torch.testing.assert_close(got["fabric"], losses.sum(), rtol=1e-5, atol=1e-5)
