@@ -26,9 +26,8 @@ Contract
   take part in a world gather (their zeros add nothing); a tensor-parallel pipeline therefore still
   counts its tp copies in such a metric.
 
-A ``dist_sync_fn`` holds a process group, which cannot be copied or pickled: deep copies of the module
-made during the run (weight averaging) share it, and a pickled copy gathers over the world, torchmetrics'
-default.
+A ``dist_sync_fn`` holds a process group, which cannot be copied or pickled: a metric deep-copied during
+the run shares it, and a pickled copy gathers over the world, torchmetrics' default.
 """
 
 from __future__ import annotations
