@@ -250,11 +250,15 @@ class VocabParallelEmbedding(nn.Module):
         if padding_idx is not None and self.start <= padding_idx < self.end:
             self._local_padding_idx = padding_idx - self.start
         self.weight = _mark(nn.Parameter(torch.empty(local, embedding_dim)), 0)
+        # a scaled word embedding's factor (Gemma's sqrt(hidden_size)), applied to the looked-up rows
+        self.register_buffer("embed_scale", None, persistent=False)
 
     @classmethod
     def from_embedding(
-        cls, emb: nn.Embedding, *, group: ProcessGroup, name: str = ""
+        cls, emb: nn.Embedding, *, group: ProcessGroup, name: str = "", scale: Tensor | None = None
     ) -> VocabParallelEmbedding:
+        """The sharded ``emb``; ``scale``: the ``embed_scale`` buffer of a scaled word embedding, whose
+        forward multiplies the lookup by it (kept as this layer's buffer, so it moves and casts alike)."""
         unsupported = {
             "max_norm": emb.max_norm is not None,
             "scale_grad_by_freq": emb.scale_grad_by_freq,
@@ -271,6 +275,8 @@ class VocabParallelEmbedding(nn.Module):
             )
         with torch.no_grad():
             layer.weight.data = emb.weight.detach()[layer.start : layer.end].clone()
+        if scale is not None:
+            layer.embed_scale = scale
         _inherit(layer, emb)
         return layer
 
@@ -278,7 +284,11 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight, padding_idx=self._local_padding_idx)
-        return reduce_from(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        out = reduce_from(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        scale = self.embed_scale
+        if isinstance(scale, Tensor):  # as the scaled embedding's forward: in the weight's dtype
+            out = out * scale.to(self.weight.dtype)
+        return out
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -45,6 +45,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from lightning_par.tensor_parallel.family import (
+    check_forward,
+    fit_layout,
+    head_local,
+    scale_of,
+    sum_head_local,
+)
 from lightning_par.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -215,7 +222,8 @@ def apply_tensor_parallel(
         for pname, p in m.named_parameters(recurse=False):
             tied.setdefault(id(p), []).append((name, pname))
     hit_styles: dict[str, list[str]] = {}
-    fitted = _fit_head(resolved, plan, [n for n in modules if n], sequence_parallel)
+    names = [n for n in modules if n]
+    fitted = fit_layout(_fit_head(resolved, plan, names, sequence_parallel), plan, names, sequence_parallel)
     for pattern, style in fitted.items():
         hits = [n for n in modules if n and _matches(n, pattern)]
         if not hits:
@@ -241,6 +249,12 @@ def apply_tensor_parallel(
             for part in style.split("+"):
                 _refuse_parallel(layer, f"{name}.{path}")
                 _check_kind(layer, f"{name}.{path}", part)
+    # attention modules split by heads: the parameters applied to this rank's heads (refused if not per head)
+    head_local_params = [
+        found
+        for parent_name, children in _split_by_heads(targets, modules).items()
+        for found in head_local(modules[parent_name], parent_name, styled=children)
+    ]
     applied: dict[str, str] = {}
     for name, style in targets:
         parent_name, _, attr = name.rpartition(".")
@@ -254,6 +268,8 @@ def apply_tensor_parallel(
         setattr(new, _STYLE_ATTR, style)
         setattr(parent, attr, new)
         applied[name] = style
+    if t > 1:
+        sum_head_local(head_local_params, group=group)
     _retie(module, tied)
     record = {
         "plan": plan if isinstance(plan, str) else dict(plan),
@@ -302,7 +318,7 @@ def _convert(
         )
     if style == "vocab":
         assert isinstance(old, nn.Embedding)  # _check_kind
-        return VocabParallelEmbedding.from_embedding(old, group=group, name=name)
+        return VocabParallelEmbedding.from_embedding(old, group=group, name=name, scale=scale_of(old))
     if style == "region_input":
         return make_region_input(old, group=group, sequence_parallel=sp)
     if not sp:
@@ -319,6 +335,24 @@ def _check_kind(old: nn.Module, name: str, style: str) -> None:
         raise ValueError(
             f"tp_plan style 'vocab' needs an nn.Embedding, but {name!r} is {type(old).__name__}."
         )
+    if style in _LINEAR_STYLES or style == "vocab":
+        check_forward(old, name, style)
+
+
+def _split_by_heads(targets: list[tuple[str, str]], modules: dict[str, nn.Module]) -> dict[str, set[str]]:
+    """The attention modules whose projections become column-parallel (parents that count heads or name
+    a ``head_dim``), each with the names of its children the plan converts."""
+    children: dict[str, set[str]] = {}
+    for name, _ in targets:
+        parent, _, attr = name.rpartition(".")
+        children.setdefault(parent, set()).add(attr)
+    return {
+        parent: kids
+        for parent, kids in children.items()
+        if parent in modules
+        and any(s.split("+")[0] == "colwise" for n, s in targets if n.rpartition(".")[0] == parent)
+        and any(isinstance(getattr(modules[parent], a, None), int) for a in (*_HEAD_ATTRS, "head_dim"))
+    }
 
 
 def _divide_heads(attention: nn.Module, t: int, name: str) -> None:

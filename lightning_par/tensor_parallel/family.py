@@ -1,0 +1,107 @@
+"""What a plan must know of a model family beyond module names, checked or fitted when it is applied.
+
+A plan swaps modules by name; three things about the model around them decide whether the swap still
+computes the unsharded function. Each was silently wrong before on Hugging Face families the ``"llama"``
+plan's names fit (tp2, one decoder layer, against the unsharded model):
+
+* **Layers with their own forward.** Gemma 1/2/3 embed through ``GemmaTextScaledWordEmbedding``, an
+  ``nn.Embedding`` whose forward multiplies the lookup by ``sqrt(hidden_size)``; the vocab-parallel
+  embedding ran a plain lookup, so the embedding output was off by up to 0.30 and the logits by 0.15.
+  :func:`check_forward` keeps such a scale (an ``embed_scale`` buffer, as those classes hold) and refuses
+  any other subclass of ``nn.Linear`` / ``nn.Embedding`` that overrides ``forward``: the sharded layer
+  would not run it.
+* **Parameters inside the sliced heads.** Qwen 3 and Gemma 3 normalise each head's queries and keys
+  (``q_norm`` / ``k_norm``, a weight of ``head_dim``) inside the attention, where each rank holds only
+  its heads: the weight is replicated but each rank's gradient covers its heads only (Qwen 3's weights
+  were 3e-4 apart from the unsharded model's after 3 SGD steps at lr 0.05, and apart on the two ranks).
+  :func:`head_local` finds such weights (and refuses a parameter of another size there: a norm over all
+  heads at once, as OLMo 2's, would see a slice); :func:`sum_head_local` all-reduces their gradients.
+* **Where a region starts.** The plan makes ``post_attention_layernorm`` the MLP's region input. Gemma 2
+  and 3 apply that norm to the attention output before the residual sum and feed the MLP through
+  ``pre_feedforward_layernorm``: the residual stream's gradient was summed over the ranks and the MLP
+  input's was not (logits 0.04 off after 3 steps). :func:`fit_layout` moves the region input to the
+  pre-feed-forward norm for such models; sequence parallelism is refused there (the post-norms would run
+  on sequence shards without their gradients being summed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from lightning_par.tensor_parallel.regions import sum_grad_over_group
+
+__all__ = ["check_forward", "fit_layout", "head_local", "scale_of", "sum_head_local"]
+
+_PRE_FEEDFORWARD = "pre_feedforward_layernorm"
+
+
+def scale_of(embedding: nn.Module) -> torch.Tensor | None:
+    """The ``embed_scale`` buffer of a scaled word embedding (its forward: lookup times the scale), or
+    None for a plain ``nn.Embedding``."""
+    scale = getattr(embedding, "embed_scale", None)
+    if type(embedding).forward is not nn.Embedding.forward and isinstance(scale, torch.Tensor):
+        return scale
+    return None
+
+
+def check_forward(old: nn.Module, name: str, style: str) -> None:
+    """Refuse a subclass of ``nn.Linear`` / ``nn.Embedding`` with its own forward (a scaled embedding
+    excepted): its sharded replacement would not run that forward."""
+    base = nn.Embedding if style == "vocab" else nn.Linear
+    if type(old).forward is base.forward or (style == "vocab" and scale_of(old) is not None):
+        return
+    raise ValueError(
+        f"tp_plan style {style!r} on {name!r}: {type(old).__name__} subclasses nn.{base.__name__} with a"
+        f" forward of its own, which the sharded {base.__name__} would not run (the result would differ from"
+        " the unsharded model). Leave it out of the plan (it then stays replicated)."
+    )
+
+
+def fit_layout(
+    resolved: dict[str, str], plan: str | Mapping[str, str], names: list[str], sp: bool
+) -> dict[str, str]:
+    """For the ``"llama"`` plan on a model with ``pre_feedforward_layernorm`` (Gemma 2 / 3): that norm is
+    the MLP's region input, not ``post_attention_layernorm`` (see the module docstring)."""
+    if plan != "llama" or not any(n.rsplit(".", 1)[-1] == _PRE_FEEDFORWARD for n in names):
+        return resolved
+    if sp:
+        raise ValueError(
+            "tp_plan='llama' with sequence_parallel=True on a model with pre_feedforward_layernorm (Gemma 2"
+            " / 3): its post-attention and post-feed-forward norms would run on sequence shards without"
+            " their gradients being summed. Use sequence_parallel=False."
+        )
+    fitted = {k: v for k, v in resolved.items() if k != "*.post_attention_layernorm"}
+    fitted[f"*.{_PRE_FEEDFORWARD}"] = "region_input"
+    return fitted
+
+
+def head_local(attention: nn.Module, name: str, *, styled: set[str]) -> list[tuple[nn.Module, str]]:
+    """The parameters inside ``attention`` (an attention module whose projections the plan splits by
+    heads; ``styled``: the names of its children the plan converts) that act on this rank's heads only:
+    ``(owner, parameter name)`` of each per-head weight (``head_dim`` elements), whose gradient must be
+    summed over the group. Any other parameter there is refused (module docstring); nothing is changed."""
+    head_dim = getattr(attention, "head_dim", None)
+    found: list[tuple[nn.Module, str]] = []
+    for sub_name, sub in attention.named_modules():
+        if sub_name.split(".", 1)[0] in styled:
+            continue
+        for pname, p in sub.named_parameters(recurse=False):
+            if not (isinstance(head_dim, int) and sub_name and p.dim() == 1 and p.numel() == head_dim):
+                full = ".".join(part for part in (name, sub_name, pname) if part)
+                raise ValueError(
+                    f"Tensor parallelism splits {name!r} by heads, but {full!r} (shape {tuple(p.shape)}) is"
+                    f" applied inside it and is not a per-head weight of head_dim ({head_dim}) elements: it"
+                    " would see only this rank's heads. Leave this attention's projections out of the plan."
+                )
+            found.append((sub, pname))
+    return found
+
+
+def sum_head_local(found: list[tuple[nn.Module, str]], *, group: ProcessGroup) -> None:
+    """Sum the gradients of :func:`head_local`'s parameters over ``group`` as they are computed."""
+    for owner, pname in found:
+        sum_grad_over_group(owner, pname, group=group)

@@ -1,0 +1,110 @@
+"""The ``"llama"`` tensor-parallel plan on Hugging Face families whose names it fits but whose layers
+differ from Llama's, at tp2 on 2 Gloo ranks, against the unsharded model
+(``lightning_par/tensor_parallel/family.py``).
+
+Before, each of these trained silently apart from the unsharded model (3 SGD steps, lr 0.05, largest
+difference of the losses / of the weights):
+
+* Gemma: its embedding multiplies the lookup by ``sqrt(hidden_size)`` in its own forward, which the
+  vocab-parallel embedding did not run (0.010 / 0.013);
+* Gemma 2 and Gemma 3: the MLP's input is ``pre_feedforward_layernorm``, not ``post_attention_layernorm``
+  (the plan's region input), so one gradient was summed over the ranks and the other was not (0.037 /
+  0.045 and 0.044 / 0.048);
+* Qwen 3 (and Gemma 3): ``q_norm`` / ``k_norm`` weights act on each rank's heads only; their gradients
+  were not summed over the ranks (Qwen 3: weights 3.1e-4 apart).
+
+Now all four equal the unsharded model (Qwen 3 also with sequence parallelism). Refused before any
+change: Gemma 2 with sequence parallelism, a norm inside the attention over all heads at once (OLMo 2's
+``q_norm``), and an ``nn.Linear`` subclass with its own forward.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import group
+
+from lightning_par.tensor_parallel.plan import apply_tensor_parallel
+from tests.distributed import run_distributed
+from tests.test_tensor_parallel import gather_full
+from tests.third_party import LLAMA, hf_model
+
+SMALL: dict[str, Any] = {**LLAMA, "head_dim": 8}  # Gemma's default head_dim is 256
+FAMILIES = {  # name: (model class, config class, sequence parallel)
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", False),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", False),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", False),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", False),
+    "qwen3_sp": ("Qwen3ForCausalLM", "Qwen3Config", True),
+}
+
+
+def _train(model: nn.Module, ids: Tensor) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        logits = model(input_ids=ids[:, :-1]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _families(rank: int, world: int) -> dict[str, Any]:
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    out: dict[str, Any] = {}
+    for name, (model_class, config_class, sp) in FAMILIES.items():
+        ref = hf_model(model_class, config_class, **SMALL)
+        model = copy.deepcopy(ref)
+        apply_tensor_parallel(model, group=group.WORLD, plan="llama", sequence_parallel=sp)
+        want, got = _train(ref, ids), _train(model, ids)
+        state = gather_full(model)
+        out[name] = (want, got, {k: (state[k], v.detach()) for k, v in ref.named_parameters()})
+    out["refusals"] = _refusals()
+    return out
+
+
+class Doubled(nn.Linear):
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) * 2
+
+
+def _refusals() -> dict[str, str]:
+    refused: dict[str, str] = {}
+    gemma2 = hf_model("Gemma2ForCausalLM", "Gemma2Config", **SMALL)
+    with pytest.raises(ValueError) as sp:
+        apply_tensor_parallel(gemma2, group=group.WORLD, plan="llama", sequence_parallel=True)
+    refused["gemma2_sp"] = str(sp.value)
+    olmo2 = hf_model("Olmo2ForCausalLM", "Olmo2Config", **SMALL)
+    attention = {f"*.self_attn.{p}_proj": "colwise" for p in "qkv"} | {"*.self_attn.o_proj": "rowwise"}
+    with pytest.raises(ValueError) as norm:
+        apply_tensor_parallel(olmo2, group=group.WORLD, plan=attention)
+    refused["olmo2"] = str(norm.value)
+    refused["olmo2_unchanged"] = type(olmo2.model.layers[0].self_attn.q_proj).__name__
+    net = nn.Sequential(Doubled(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    with pytest.raises(ValueError) as forward:
+        apply_tensor_parallel(net, group=group.WORLD, plan={"0": "colwise", "2": "rowwise"})
+    refused["forward"] = str(forward.value)
+    return refused
+
+
+def test_llama_plan_fits_gemma_and_qwen3_as_the_unsharded_model() -> None:
+    for rank, got in enumerate(run_distributed(_families, 2)):
+        for name in FAMILIES:
+            want_losses, losses, state = got[name]
+            torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-5, msg=f"{rank} {name}")
+            for key, (ours, unsharded) in state.items():
+                torch.testing.assert_close(ours, unsharded, rtol=1e-5, atol=1e-6, msg=f"{rank} {name} {key}")
+        refused = got["refusals"]
+        assert "pre_feedforward_layernorm" in refused["gemma2_sp"], refused["gemma2_sp"]
+        assert "sequence_parallel=False" in refused["gemma2_sp"], refused["gemma2_sp"]
+        assert "self_attn.q_norm.weight" in refused["olmo2"] and "per-head" in refused["olmo2"], refused
+        assert refused["olmo2_unchanged"] == "Linear"
+        assert "Doubled subclasses nn.Linear with a forward of its own" in refused["forward"], refused
