@@ -15,7 +15,9 @@ difference of the losses / of the weights):
 
 Now all four equal the unsharded model (Qwen 3 also with sequence parallelism). Refused before any
 change: Gemma 2 with sequence parallelism, a norm inside the attention over all heads at once (OLMo 2's
-``q_norm``), and an ``nn.Linear`` subclass with its own forward.
+``q_norm``), and an ``nn.Linear`` subclass with its own forward. A converted model can be deep-copied (an
+EMA or teacher copy; before, "cannot pickle 'ProcessGroup' object"): the copy computes the same logits,
+shares the group and owns its slices.
 """
 
 from __future__ import annotations
@@ -68,7 +70,23 @@ def _families(rank: int, world: int) -> dict[str, Any]:
         state = gather_full(model)
         out[name] = (want, got, {k: (state[k], v.detach()) for k, v in ref.named_parameters()})
     out["refusals"] = _refusals()
+    out["copy"] = _deep_copy(ids)
     return out
+
+
+def _deep_copy(ids: Tensor) -> dict[str, Any]:
+    """A deep copy of a converted model, as an EMA or a teacher is made: before, "cannot pickle
+    'ProcessGroup' object" (the sharded layers hold their group)."""
+    model = hf_model("Qwen3ForCausalLM", "Qwen3Config", **SMALL)
+    apply_tensor_parallel(model, group=group.WORLD, plan="llama")
+    twin = copy.deepcopy(model)
+    q, q_twin = model.model.layers[0].self_attn.q_proj, twin.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        same = torch.equal(model(input_ids=ids).logits, twin(input_ids=ids).logits)
+        q_twin.weight.mul_(2)  # the copy's slices are its own
+        apart = not torch.equal(model(input_ids=ids).logits, twin(input_ids=ids).logits)
+    shared, own = q_twin.group is q.group, q_twin.weight is not q.weight
+    return {"same": same, "apart": apart, "group": shared, "own": own}
 
 
 class Doubled(nn.Linear):
@@ -108,3 +126,4 @@ def test_llama_plan_fits_gemma_and_qwen3_as_the_unsharded_model() -> None:
         assert "self_attn.q_norm.weight" in refused["olmo2"] and "per-head" in refused["olmo2"], refused
         assert refused["olmo2_unchanged"] == "Linear"
         assert "Doubled subclasses nn.Linear with a forward of its own" in refused["forward"], refused
+        assert got["copy"] == {"same": True, "apart": True, "group": True, "own": True}, got["copy"]

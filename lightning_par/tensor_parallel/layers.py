@@ -27,6 +27,7 @@ and slices, so that the ranks' slices are parts of one matrix.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -91,7 +92,22 @@ def _divide(n: int, t: int, what: str, fix: str) -> int:
     return n // t
 
 
-class ColumnParallelLinear(nn.Module):
+class _GroupLayer(nn.Module):
+    """A layer that communicates over ``self.group``. A deep copy (an EMA or teacher model made with
+    ``copy.deepcopy`` after the conversion) communicates over the same group: a process group cannot be
+    copied, and the copy's slices are this rank's, so its peers are the same ranks."""
+
+    group: ProcessGroup
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _GroupLayer:
+        memo[id(self.group)] = self.group
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return new
+
+
+class ColumnParallelLinear(_GroupLayer):
     """``nn.Linear`` split by output features (see the module docstring)."""
 
     def __init__(
@@ -155,7 +171,7 @@ class ColumnParallelLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features} ({self.local_out} per rank of {t})"
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_GroupLayer):
     """``nn.Linear`` split by input features; the input is the matching column-parallel slice."""
 
     def __init__(
@@ -220,7 +236,7 @@ class RowParallelLinear(nn.Module):
         return f"in={self.in_features} ({self.local_in} per rank of {t}), out={self.out_features}"
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_GroupLayer):
     """``nn.Embedding`` whose table rows (the vocabulary) are split over the group. ``padding_idx`` (a
     global id, as ``nn.Embedding``'s) gets no gradient on the rank holding its row, as unsharded."""
 
