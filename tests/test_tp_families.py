@@ -108,8 +108,9 @@ def _refusals() -> dict[str, str]:
     refused["olmo2_unchanged"] = type(olmo2.model.layers[0].self_attn.q_proj).__name__
     net = nn.Sequential(Doubled(8, 16), nn.ReLU(), nn.Linear(16, 8))
     with pytest.raises(ValueError) as forward:
-        apply_tensor_parallel(net, group=group.WORLD, plan={"0": "colwise", "2": "rowwise"})
+        apply_tensor_parallel(net, group=group.WORLD, plan={"2": "rowwise", "0": "colwise"})
     refused["forward"] = str(forward.value)
+    refused["forward_unchanged"] = type(net[2]).__name__  # before, converted before the refusal
     return refused
 
 
@@ -124,6 +125,6 @@ def test_llama_plan_fits_gemma_and_qwen3_as_the_unsharded_model() -> None:
         assert "pre_feedforward_layernorm" in refused["gemma2_sp"], refused["gemma2_sp"]
         assert "sequence_parallel=False" in refused["gemma2_sp"], refused["gemma2_sp"]
         assert "self_attn.q_norm.weight" in refused["olmo2"] and "per-head" in refused["olmo2"], refused
-        assert refused["olmo2_unchanged"] == "Linear"
+        assert refused["olmo2_unchanged"] == refused["forward_unchanged"] == "Linear"
         assert "Doubled subclasses nn.Linear with a forward of its own" in refused["forward"], refused
         assert got["copy"] == {"same": True, "apart": True, "group": True, "own": True}, got["copy"]

@@ -245,10 +245,14 @@ def apply_tensor_parallel(
         if is_lora_wrapper(modules[name]):
             for part in style.split("+"):
                 check_lora(modules[name], name=name, style=part)
-        for path, layer in (saved_copies(modules[name]) or {}).items():
+        copies = saved_copies(modules[name])
+        for path, layer in (copies or {}).items():
             for part in style.split("+"):
                 _refuse_parallel(layer, f"{name}.{path}")
                 _check_kind(layer, f"{name}.{path}", part)
+        if copies is None and not is_lora_wrapper(modules[name]):
+            for part in style.split("+"):
+                _check_kind(modules[name], name, part)
     # attention modules split by heads: the parameters applied to this rank's heads (refused if not per head)
     head_local_params = [
         found
