@@ -411,11 +411,12 @@ def _run(rank: int, world: int, tmp: str, kw: dict[str, Any]) -> dict[str, Any]:
         kw = kw | {"pretrained": str(Path(tmp) / "pretrained")}
         seed = SEED + 1
     lora, reentrant, compiled = kw.get("lora", False), kw.get("checkpointing"), kw.get("compile_blocks")
-    kw = {k: v for k, v in kw.items() if k not in ("lora", "checkpointing", "compile_blocks")}
+    family = kw.get("family", "llama")
+    kw = {k: v for k, v in kw.items() if k not in ("lora", "checkpointing", "compile_blocks", "family")}
     strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, **kw)
     trainer = _trainer(strategy, world, tmp, [rec])
     train = DataLoader(Tokens(N), batch_size=GLOBAL, shuffle=True)
-    module = module_factory("llama", seed, lora=lora)()
+    module = module_factory(family, seed, lora=lora)()
     if reentrant is not None:  # Hugging Face's activation checkpointing in the blocks the pieces run
         assert module.model is not None
         checkpoint_layers(module.model, reentrant=reentrant)
@@ -453,6 +454,10 @@ LLAMA_CASES = [
     # the tp group by a hook, so zb keeps it in B (a deferred W would skip the sum); the head's copy and
     # its original are both column-parallel
     (4, dict(pipeline_schedule="zb", lora="saved", tensor_parallel_size=2, tp_plan="llama")),
+    # Gemma 3 at pp2 x tp2: its scaled embedding sharded by vocabulary (the pieces accept the scale the
+    # sharded layer carries; before, refused as a transformers 4 model), per-head q/k norms whose gradients
+    # are summed over tp, the MLP's region input at pre_feedforward_layernorm (tensor_parallel/family.py)
+    (4, dict(pipeline_schedule="zb", tensor_parallel_size=2, tp_plan="llama", family="gemma3_text")),
     # the decoder layers torch.compile'd one by one (as torchtitan compiles blocks): the pieces run the
     # compiled layers, zb's split included (its hooks on the layers' nn.Linear run eagerly, between graphs)
     (2, dict(pipeline_schedule="zb", compile_blocks=True)),
@@ -462,14 +467,24 @@ LLAMA_CASES = [
 @pytest.mark.parametrize(
     ("world", "kw"),
     LLAMA_CASES,
-    ids=["1f1b", "zb", "zb-tp2", "pretrained", "lora-1f1b", "lora-zb", "lora-zb-tp2", "zb-compiled"],
+    ids=[
+        "1f1b",
+        "zb",
+        "zb-tp2",
+        "pretrained",
+        "lora-1f1b",
+        "lora-zb",
+        "lora-zb-tp2",
+        "gemma3-zb-tp2",
+        "zb-compiled",
+    ],
 )
-def test_llama_pipeline_matches_single_process(world: int, kw: dict[str, Any], tmp_path: Path) -> None:
+def test_hf_pipeline_matches_single_process(world: int, kw: dict[str, Any], tmp_path: Path) -> None:
     if kw.get("pretrained"):
         build("llama").save_pretrained(tmp_path / "pretrained")  # the reference's initial weights
     results = run_distributed(_run, world, str(tmp_path), kw, init_group=False, timeout=400)
     ref_losses, reference, ref_val = _reference(
-        tmp_path, make=module_factory("llama", lora=kw.get("lora", False))
+        tmp_path, make=module_factory(kw.get("family", "llama"), lora=kw.get("lora", False))
     )
     for r in results:  # every pipeline (and tensor-parallel) rank reports the same loss
         torch.testing.assert_close(torch.tensor(r["losses"]), ref_losses)

@@ -185,7 +185,11 @@ def _unwrap_peft(model: nn.Module) -> nn.Module:
 
 def _check_gemma(model: Any, config: Any) -> None:
     """Refuse what the pieces would compute differently from a Gemma model's forward."""
-    if "ScaledWordEmbedding" not in type(model.model.embed_tokens).__name__:
+    embed = model.model.embed_tokens
+    # the scaled class itself, or its vocab-parallel replacement carrying the scale (tensor parallelism)
+    if "ScaledWordEmbedding" not in type(embed).__name__ and not isinstance(
+        getattr(embed, "embed_scale", None), Tensor
+    ):
         raise ValueError(
             f"hf_pipeline_layers: this {config.model_type} model scales its embeddings in the model's"
             " forward (transformers before 5.0), which the pieces do not run; install transformers>=5."
