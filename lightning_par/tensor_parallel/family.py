@@ -2,7 +2,7 @@
 
 A plan swaps modules by name; three things about the model around them decide whether the swap still
 computes the unsharded function. Each was silently wrong before on Hugging Face families the ``"llama"``
-plan's names fit (tp2, one decoder layer, against the unsharded model):
+plan's names fit (tp2, one or two decoder layers, against the unsharded model):
 
 * **Layers with their own forward.** Gemma 1/2/3 embed through ``GemmaTextScaledWordEmbedding``, an
   ``nn.Embedding`` whose forward multiplies the lookup by ``sqrt(hidden_size)``; the vocab-parallel
@@ -19,7 +19,7 @@ plan's names fit (tp2, one decoder layer, against the unsharded model):
 * **Where a region starts.** The plan makes ``post_attention_layernorm`` the MLP's region input. Gemma 2
   and 3 apply that norm to the attention output before the residual sum and feed the MLP through
   ``pre_feedforward_layernorm``: the residual stream's gradient was summed over the ranks and the MLP
-  input's was not (logits 0.04 off after 3 steps). :func:`fit_layout` moves the region input to the
+  input's was not (losses 0.04 off after 3 steps). :func:`fit_layout` moves the region input to the
   pre-feed-forward norm for such models; sequence parallelism is refused there (the post-norms would run
   on sequence shards without their gradients being summed).
 """
