@@ -20,8 +20,8 @@ plan's names fit (tp2, one or two decoder layers, against the unsharded model):
   and 3 apply that norm to the attention output before the residual sum and feed the MLP through
   ``pre_feedforward_layernorm``: the residual stream's gradient was summed over the ranks and the MLP
   input's was not (losses 0.04 off after 3 steps). :func:`fit_layout` moves the region input to the
-  pre-feed-forward norm for such models; sequence parallelism is refused there (the post-norms would run
-  on sequence shards without their gradients being summed).
+  pre-feed-forward norm for such models; under sequence parallelism the post-norms run on sequence
+  shards (``sequence_local``: their gradients summed over the group).
 """
 
 from __future__ import annotations
@@ -68,14 +68,11 @@ def fit_layout(
     the MLP's region input, not ``post_attention_layernorm`` (see the module docstring)."""
     if plan != "llama" or not any(n.rsplit(".", 1)[-1] == _PRE_FEEDFORWARD for n in names):
         return resolved
-    if sp:
-        raise ValueError(
-            "tp_plan='llama' with sequence_parallel=True on a model with pre_feedforward_layernorm (Gemma 2"
-            " / 3): its post-attention and post-feed-forward norms would run on sequence shards without"
-            " their gradients being summed. Use sequence_parallel=False."
-        )
     fitted = {k: v for k, v in resolved.items() if k != "*.post_attention_layernorm"}
     fitted[f"*.{_PRE_FEEDFORWARD}"] = "region_input"
+    if sp:  # the post-norms run on the row-parallel layers' sequence shards, before the residual sum
+        fitted["*.post_attention_layernorm"] = "sequence_local"
+        fitted["*.post_feedforward_layernorm"] = "sequence_local"
     return fitted
 
 

@@ -14,6 +14,8 @@ and ``model.blocks.3.attn.q_proj``). Styles:
                    with SP the module runs on sequence shards and its output is all-gathered
 ``sequence_output`` any module (a final norm before a replicated head) -> runs on sequence shards, its
                    output all-gathered, the backward keeping this rank's slice (SP only: where SP ends)
+``sequence_local``  any module (a norm on the residual stream between regions) -> runs on sequence
+                   shards, its parameters' gradients summed over the group (SP only)
 ``scatter_sequence`` any module -> output split along the sequence (SP only: where SP starts)
 ``scatter_sequence_input`` any module -> its input split along the sequence (SP only: where SP starts,
                    for models that compute positions and masks from the embedding's output length)
@@ -67,6 +69,7 @@ from lightning_par.tensor_parallel.lora import (
 from lightning_par.tensor_parallel.regions import (
     make_region_input,
     make_scatter_sequence,
+    make_sequence_local,
     make_sequence_output,
 )
 
@@ -77,6 +80,7 @@ Style = Literal[
     "vocab",
     "region_input",
     "sequence_output",
+    "sequence_local",
     "scatter_sequence",
     "scatter_sequence_input",
 ]
@@ -87,6 +91,7 @@ STYLES: tuple[str, ...] = (
     "vocab",
     "region_input",
     "sequence_output",
+    "sequence_local",
     "scatter_sequence",
     "scatter_sequence_input",
 )
@@ -329,6 +334,8 @@ def _convert(
         raise ValueError(f"tp_plan style {style!r} on {name!r} needs sequence_parallel=True.")
     if style == "sequence_output":
         return make_sequence_output(old, group=group)
+    if style == "sequence_local":
+        return make_sequence_local(old, group=group)
     return make_scatter_sequence(old, group=group, at_input=style == "scatter_sequence_input")
 
 

@@ -42,6 +42,16 @@ def make_sequence_output(module: nn.Module, *, group: ProcessGroup) -> nn.Module
     return module
 
 
+def make_sequence_local(module: nn.Module, *, group: ProcessGroup) -> nn.Module:
+    """``module`` runs on this rank's sequence shard between regions (a norm applied to a row-parallel
+    layer's reduce-scattered output before the residual sum, as Gemma 2 / 3's post-norms): its output
+    stays a shard, its parameters' gradients, which saw only this rank's tokens, are summed over the
+    group."""
+    for name, _ in module.named_parameters(recurse=False):
+        sum_grad_over_group(module, name, group=group)
+    return module
+
+
 def sum_grad_over_group(owner: nn.Module, name: str, *, group: ProcessGroup) -> None:
     """All-reduce (sum) the gradient of ``owner``'s parameter ``name`` over ``group`` as it is computed: for
     a replicated parameter whose gradient on each rank is only a partial sum (it saw a sequence shard, or
