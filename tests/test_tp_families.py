@@ -16,9 +16,9 @@ difference of the losses / of the weights):
 Now all four equal the unsharded model, Gemma 2 / 3 and Qwen 3 also with sequence parallelism (Gemma's
 post-norms then run on sequence shards, their gradients summed: ``sequence_local``). Refused before any
 change: a norm inside the attention over all heads at once (OLMo 2's ``q_norm``), and an ``nn.Linear``
-subclass with its own forward. A converted model can be deep-copied (an
-EMA or teacher copy; before, "cannot pickle 'ProcessGroup' object"): the copy computes the same logits,
-shares the group and owns its slices.
+subclass with its own forward. A converted model can be deep-copied (an EMA or teacher copy; before,
+"cannot pickle 'ProcessGroup' object"): the copy computes the same logits, shares the group and owns its
+slices.
 """
 
 from __future__ import annotations

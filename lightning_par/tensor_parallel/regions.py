@@ -1,7 +1,8 @@
 """Tensor-parallel regions made of hooks on existing modules (no wrapper: parameter names stay): where a
 region's input enters (``region_input``), where sequence parallelism starts (``scatter_sequence``) or ends
-before a replicated consumer (``sequence_output``), and the gradient sum of a replicated parameter that
-each rank computes only in part (:func:`sum_grad_over_group`)."""
+before a replicated consumer (``sequence_output``), a module that stays on the sequence shards between
+regions (``sequence_local``), and the gradient sum of a replicated parameter that each rank computes
+only in part (:func:`sum_grad_over_group`)."""
 
 from __future__ import annotations
 
