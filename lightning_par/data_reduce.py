@@ -41,6 +41,8 @@ from torch.distributed import ProcessGroup
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
+from lightning_par.mesh import ParallelMesh
+
 __all__ = ["DataGather", "MetricSync", "data_group", "world_decision"]
 
 
@@ -82,10 +84,14 @@ class MetricSync:
     def __init__(self) -> None:
         self._set: list[tuple[Metric, DataGather]] = []
 
-    def assign(self, module: nn.Module, *, group: ProcessGroup) -> None:
-        """Point the default-syncing metrics inside ``module`` at ``group`` (after :meth:`restore` of any
-        earlier run)."""
+    def assign(self, module: nn.Module, *, mesh: ParallelMesh, pipelined: bool) -> None:
+        """Point the default-syncing metrics inside ``module`` at the data-parallel group, where it is
+        smaller than the world and there is no pipeline (module docstring), after :meth:`restore` of any
+        earlier run."""
         self.restore()
+        if pipelined or mesh.dp_size == mesh.layout.world_size:
+            return
+        group = mesh.dp_group
         for metric in module.modules():
             if isinstance(metric, Metric) and metric.process_group is None and metric.dist_sync_fn is None:
                 gather = DataGather(group)

@@ -275,8 +275,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model, process_group=self.mesh.dp_group)
             self._synced_batchnorm = True
         module = self.lightning_module
-        if self.pipeline_parallel_size == 1 and self.mesh.dp_size < self.world_size:
-            self._metric_sync.assign(module, group=self.mesh.dp_group)  # tp copies count once
+        self._metric_sync.assign(module, mesh=self.mesh, pipelined=self.pipeline_parallel_size > 1)
         profile = self.partition_method == "profile"
         composition = compose(
             module,

@@ -329,8 +329,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             seed_groups=(self.mesh.tp_group, self.mesh.pp_group),
         )
         cast_frozen(module, compute)
-        if self._pipeline is None and self.mesh.dp_size < self.world_size:
-            self._metric_sync.assign(module, group=self.mesh.dp_group)  # tp copies count once
+        self._metric_sync.assign(module, mesh=self.mesh, pipelined=self._pipeline is not None)
         setattr(module, SETUP_ATTR, True)
         self.module = module
         if self._pipeline is not None:

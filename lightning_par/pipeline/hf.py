@@ -83,6 +83,7 @@ from torch import Tensor, nn
 
 from lightning_par.loss import token_loss_sum
 from lightning_par.pipeline.pieces import Origin, Piece, refuse_compiled, softcap
+from lightning_par.tensor_parallel.family import scale_of
 
 # the decoder families whose pieces are tested bitwise against the model (tests/test_pp_hf.py)
 LLAMA_LIKE = (
@@ -185,11 +186,8 @@ def _unwrap_peft(model: nn.Module) -> nn.Module:
 
 def _check_gemma(model: Any, config: Any) -> None:
     """Refuse what the pieces would compute differently from a Gemma model's forward."""
-    embed = model.model.embed_tokens
-    # the scaled class itself, or its vocab-parallel replacement carrying the scale (tensor parallelism)
-    if "ScaledWordEmbedding" not in type(embed).__name__ and not isinstance(
-        getattr(embed, "embed_scale", None), Tensor
-    ):
+    # transformers 5's scaled embedding, or its vocab-parallel replacement carrying the scale (tp)
+    if scale_of(model.model.embed_tokens) is None:
         raise ValueError(
             f"hf_pipeline_layers: this {config.model_type} model scales its embeddings in the model's"
             " forward (transformers before 5.0), which the pieces do not run; install transformers>=5."

@@ -354,15 +354,16 @@ def _split_by_heads(targets: list[tuple[str, str]], modules: dict[str, nn.Module
     """The attention modules whose projections become column-parallel (parents that count heads or name
     a ``head_dim``), each with the names of its children the plan converts."""
     children: dict[str, set[str]] = {}
-    for name, _ in targets:
+    sliced: set[str] = set()  # parents of a column-parallel layer whose output stays sharded
+    for name, style in targets:
         parent, _, attr = name.rpartition(".")
         children.setdefault(parent, set()).add(attr)
+        if style.split("+")[0] == "colwise":
+            sliced.add(parent)
     return {
-        parent: kids
-        for parent, kids in children.items()
-        if parent in modules
-        and any(s.split("+")[0] == "colwise" for n, s in targets if n.rpartition(".")[0] == parent)
-        and any(isinstance(getattr(modules[parent], a, None), int) for a in (*_HEAD_ATTRS, "head_dim"))
+        parent: children[parent]
+        for parent in sliced
+        if any(isinstance(getattr(modules[parent], a, None), int) for a in (*_HEAD_ATTRS, "head_dim"))
     }
 
 

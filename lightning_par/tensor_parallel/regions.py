@@ -26,8 +26,7 @@ def make_region_input(module: nn.Module, *, group: ProcessGroup, sequence_parall
     if not sequence_parallel:
         module.register_forward_hook(lambda _m, _a, out: copy_to(out, group))
         return module
-    for name, _ in module.named_parameters(recurse=False):
-        sum_grad_over_group(module, name, group=group)
+    make_sequence_local(module, group=group)
     module.register_forward_hook(lambda _m, _a, out: gather_seq(out, group))
     return module
 
@@ -37,8 +36,7 @@ def make_sequence_output(module: nn.Module, *, group: ProcessGroup) -> nn.Module
     head, the user's loss on the hidden states): it runs on this rank's sequence shard, its parameters'
     gradients are summed over the group, and its output is all-gathered, the backward keeping this rank's
     slice of the equal output gradients (a region input's reduce-scatter would sum them)."""
-    for name, _ in module.named_parameters(recurse=False):
-        sum_grad_over_group(module, name, group=group)
+    make_sequence_local(module, group=group)
     module.register_forward_hook(lambda _m, _a, out: gather_seq_replicated(out, group))
     return module
 
