@@ -15,7 +15,13 @@
    (``torch.cuda.max_memory_allocated``; on CPU peak RSS and no MFU);
 6. gradient compression on the device: PowerSGD at ZeRO 0/1, the bf16 reduce-scatter at ZeRO-2, ZeRO-3
    with the bf16 reduction and int8 parameter gathers, against the uncompressed run
-   (``benchmarks/gpu_check_compress.py``; counted in the budget of parts 1-4).
+   (``benchmarks/gpu_check_compress.py``; counted in the budget of parts 1-4);
+7. models this package did not write: a Hugging Face Llama with a PEFT LoRA adapter at ZeRO 0-3 (fit,
+   test, ``generate()`` inside ``gathered_params``), a Hugging Face ResNet (BatchNorm) at ZeRO-2/3, a
+   Fabric loop at ZeRO-3, each against Lightning's own single-device run (``benchmarks/gpu_check_models.py``;
+   counted in the budget of parts 1-4).
+
+Part 5 runs last, so that a run cut short by its time limit has every correctness result.
 
 Results: ``DIR/gpu_check.json`` (every part, the failures, the timings; rewritten after each part),
 ``DIR/gpu_ours.json``, ``DIR/gpu_lightning.json``, ``DIR/gpu_compare.json``. The exit status is 1 if any
@@ -54,7 +60,7 @@ THROUGHPUT = {  # full size (GPT ~355M at vocab 50k; ~300M here with vocab 256),
     "full": dict(n_layer=24, n_head=16, n_embd=1024, seq=1024, batch=16, vocab=256, steps=30, warmup=5),
     "quick": dict(n_layer=1, n_head=2, n_embd=32, seq=16, batch=4, vocab=64, steps=5, warmup=2),
 }
-PARTS = {1: "matrix", 2: "meta_init", 3: "flash", 4: "health", 5: "throughput", 6: "compression"}
+PARTS = {1: "matrix", 2: "meta_init", 3: "flash", 4: "health", 5: "throughput", 6: "compression", 7: "models"}
 
 
 def quiet() -> None:
@@ -262,6 +268,7 @@ def check_all(args: argparse.Namespace) -> int:
     from benchmarks.gpu_check_compress import part_compress
     from benchmarks.gpu_check_flash import part_flash
     from benchmarks.gpu_check_meta import part_health, part_meta
+    from benchmarks.gpu_check_models import part_models
 
     if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:  # before cuBLAS starts: deterministic cuBLAS
         os.environ.update(CUBLAS_WORKSPACE_CONFIG=":4096:8", GPU_CHECK_SET_CUBLAS="1")
@@ -269,7 +276,7 @@ def check_all(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sizes = corr.QUICK if args.quick else corr.FULL
-    parts = sorted({int(p) for p in args.parts.split(",")})
+    parts = sorted({int(p) for p in args.parts.split(",")}, key=lambda n: (n == 5, n))  # throughput last
     failures: list[str] = []
     summary: dict[str, Any] = {
         "env": environment(args.device),
@@ -299,6 +306,7 @@ def check_all(args: argparse.Namespace) -> int:
         4: lambda: part_health(sizes, args.device, root, fail),
         5: lambda: part_throughput(args, out_dir, fail, log),
         6: lambda: part_compress(sizes, args.device, root, fail),
+        7: lambda: part_models(args.quick, args.device, root, fail),
     }
     log(f"GPU check on {args.device} ({'quick' if args.quick else 'full'} sizes), parts {parts} -> {out_dir}")
     try:
@@ -333,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", nargs=2, default=None, help="compare two throughput JSON files")
     p.add_argument("--out", default=None, help="the JSON file of a single throughput run")
     p.add_argument("--out-dir", default=os.environ.get("OUT", "/tmp/gpu_check"))
-    p.add_argument("--parts", default="1,2,3,4,5,6")
+    p.add_argument("--parts", default="1,2,3,4,5,6,7")
     p.add_argument("--quick", action="store_true", help="tiny models everywhere (the CPU test)")
     p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"

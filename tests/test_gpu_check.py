@@ -35,7 +35,15 @@ def test_gpu_check_cpu_path(tmp_path: Path) -> None:
     summary = json.loads((out / "gpu_check.json").read_text())
     assert summary["ok"] and summary["failures"] == []
     assert summary["env"]["hydra_loaded"] is False
-    assert set(summary["parts"]) == {"matrix", "meta_init", "flash", "health", "throughput", "compression"}
+    assert set(summary["parts"]) == {
+        "matrix",
+        "meta_init",
+        "flash",
+        "health",
+        "throughput",
+        "compression",
+        "models",
+    }
 
     # 1. the matrix: 4 stages x 3 precisions x token off/on and Lightning's own reference (not fp16), all
     # with SGD; AdamW at 32-true on the 4 stages
@@ -101,3 +109,26 @@ def test_gpu_check_cpu_path(tmp_path: Path) -> None:
     assert comp["zero0-powersgd"]["max_dw_vs_uncompressed"] > 0
     for name in ("zero2-bf16", "zero3-bf16-int8"):
         assert comp[name]["max_dw_vs_uncompressed"] <= 0.05 * comp["update_size"] + 1e-6, name
+
+    # 7. models we did not write, each against Lightning's own single-device run: 32-true equal, bf16
+    # within its tolerance, frozen weights as they started (bf16-rounded at ZeRO-3 in bf16-mixed),
+    # generate() at ZeRO-3 the same tokens, BatchNorm statistics equal; throughput ran last
+    models = summary["parts"]["models"]
+    assert set(models) == {
+        *(f"lora-llama-zero{s}-32-true" for s in range(4)),
+        "lora-llama-zero3-bf16-mixed",
+        "resnet-zero2-32-true",
+        "resnet-zero3-32-true",
+        "fabric-lora-llama-zero3",
+    }
+    for name, row in models.items():
+        assert len(row["losses"]) == 4 and all(math.isfinite(x) for x in row["losses"]), name
+        assert row["max_dloss"] <= row.get("tol", 1e-5), name
+        if not name.startswith("fabric"):
+            assert row["max_dw"] <= row["tol"] and row["dtest"] <= row["tol"], name
+        if name.startswith("lora"):
+            assert row["frozen_moved"] == 0.0, name
+    assert models["lora-llama-zero3-bf16-mixed"]["max_dw"] > 0  # it did compute in bf16
+    assert models["lora-llama-zero3-32-true"]["generated_equal"] is True
+    assert models["resnet-zero3-32-true"]["max_d_running_stats"] <= 1e-5
+    assert list(summary["seconds"])[:7][-1] == "throughput"
