@@ -14,7 +14,11 @@ strategy doing the same thing on the same device:
   ``on_train_end``): the same tokens as Lightning's trained model;
 - a Hugging Face ResNet (BatchNorm: running statistics are buffers) at ZeRO-2 and ZeRO-3, ``fit`` then
   ``test``: weights and running statistics within 1e-5, the test loss within 1e-5;
-- a Fabric loop with the LoRA Llama at ZeRO-3: losses within 1e-5 of plain Fabric's.
+- a Fabric loop with the LoRA Llama at ZeRO-3: losses within 1e-5 of plain Fabric's;
+- a Llama built in ``configure_model`` (meta init at ZeRO-3) with torchmetrics ``MeanMetric`` objects
+  logged in validation and test: each equals Lightning's mean of the same logged losses, the metrics
+  on the device (before, at ZeRO-3 with meta init their states stayed on the CPU: "Encountered
+  different devices in metric calculation", seen in the main job on the H200).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ SEQ, BATCH, STEPS, TOL = 32, 4, 4, 1e-5
 PROMPT = [[1, 5, 9, 2]]
 
 
-def _llama(quick: bool) -> torch.nn.Module:
+def _llama(quick: bool, *, lora: bool = True) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -56,8 +60,12 @@ def _llama(quick: bool) -> torch.nn.Module:
         max_position_embeddings=SEQ,
         attn_implementation="sdpa",
     )
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
-    model = get_peft_model(LlamaForCausalLM(config), lora)
+    if not lora:
+        return LlamaForCausalLM(config)
+    adapters = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0
+    )
+    model = get_peft_model(LlamaForCausalLM(config), adapters)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # PEFT starts B at zero; non-zero B makes the adapters matter from step one
         for name, p in model.named_parameters():
@@ -93,6 +101,79 @@ class LoraModule(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+
+
+class MetricLlama(pl.LightningModule):
+    """A Llama built in ``configure_model`` (on the meta device at ZeRO-3) with torchmetrics metrics."""
+
+    def __init__(self, quick: bool) -> None:
+        super().__init__()
+        from torchmetrics import MeanMetric
+
+        self.quick = quick
+        self.model: torch.nn.Module | None = None
+        self.val_mean, self.test_mean = MeanMetric(), MeanMetric()
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = _llama(self.quick, lora=False)
+
+    def _loss(self, batch: Any) -> Tensor:
+        assert self.model is not None
+        x, y = batch
+        return F.cross_entropy(self.model(input_ids=x, use_cache=False).logits.flatten(0, 1), y.flatten())
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self._loss(batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.val_mean.update(loss)
+        self.log_dict({"val_loss": loss, "val_metric": self.val_mean})
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.test_mean.update(loss)
+        self.log_dict({"test_loss": loss, "test_metric": self.test_mean})
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _metrics_meta_init(quick: bool, device: str, root: str, fail: Fail) -> dict[str, Any]:
+    module = MetricLlama(quick)
+    trainer = pl.Trainer(
+        accelerator="gpu" if device == "cuda" else "cpu",
+        devices=1,
+        strategy=HybridParallelStrategy(zero_stage=3),
+        max_steps=STEPS,
+        val_check_interval=2,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        default_root_dir=root,
+    )
+    loader = _tokens(quick, BATCH * STEPS)
+    trainer.fit(module, loader, loader)
+    val = {k: float(trainer.callback_metrics[k]) for k in ("val_loss", "val_metric")}
+    test = trainer.test(module, loader, verbose=False)[0]
+    row = {
+        **val,
+        "test_loss": float(test["test_loss"]),
+        "test_metric": float(test["test_metric"]),
+        "metric_device": str(module.test_mean.device),
+    }
+    for stage in ("val", "test"):
+        if not abs(row[f"{stage}_metric"] - row[f"{stage}_loss"]) <= 1e-5:
+            metric, loss = row[f"{stage}_metric"], row[f"{stage}_loss"]
+            fail(f"models metrics-meta-init: {stage} MeanMetric {metric} vs the logged mean {loss}")
+    if module.test_mean.device.type != device:
+        fail(f"models metrics-meta-init: the metric is on {module.test_mean.device}, the model on {device}")
+    return row
 
 
 class ResNetModule(pl.LightningModule):
@@ -277,6 +358,7 @@ def part_models(quick: bool, device: str, root: str, fail: Fail) -> dict[str, An
         out[name]["max_d_running_stats"] = _diff(run["final"], ref["final"], stats) if stats else math.nan
         if not stats:
             fail(f"models {name}: no BatchNorm running statistics in the state dict")
+    out["metrics-meta-init-zero3"] = _metrics_meta_init(quick, device, root, fail)
     plain, ours = _fabric_losses(device, quick, None), _fabric_losses(device, quick, 3)
     dl = max(abs(a - b) for a, b in zip(ours, plain, strict=True))
     out["fabric-lora-llama-zero3"] = {"losses": ours, "max_dloss": dl}

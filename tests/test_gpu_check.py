@@ -120,7 +120,10 @@ def test_gpu_check_cpu_path(tmp_path: Path) -> None:
         "resnet-zero2-32-true",
         "resnet-zero3-32-true",
         "fabric-lora-llama-zero3",
+        "metrics-meta-init-zero3",
     }
+    metrics = models.pop("metrics-meta-init-zero3")
+    assert metrics["metric_device"] == "cpu" and abs(metrics["test_metric"] - metrics["test_loss"]) <= 1e-5
     for name, row in models.items():
         assert len(row["losses"]) == 4 and all(math.isfinite(x) for x in row["losses"]), name
         assert row["max_dloss"] <= row.get("tol", 1e-5), name

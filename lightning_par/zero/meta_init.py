@@ -73,14 +73,21 @@ def target_device(module: nn.Module, *, default: torch.device | None = None) -> 
 
 def move_real_tensors(module: nn.Module, device: torch.device) -> None:
     """Move ``module``'s real parameters and buffers to ``device``; meta ones (meta init, other pipeline
-    stages' layers) stay, to be materialised by the engine or by pretrained weights."""
+    stages' layers) stay, to be materialised by the engine or by pretrained weights.
+
+    Every submodule without meta parameters moves with ``.to(device)``, so modules that keep tensors
+    outside parameters and buffers and move them in their own ``_apply`` (torchmetrics' metric states,
+    the metric's ``device``) follow the model; only modules holding meta parameters themselves have
+    their real tensors moved one by one."""
     if not any(p.is_meta for p in module.parameters()):
         module.to(device)
         return
     with torch.no_grad():
-        for t in (*module.parameters(), *module.buffers()):
-            if not t.is_meta:
+        for t in (*module._parameters.values(), *module._buffers.values()):
+            if t is not None and not t.is_meta:
                 t.data = t.data.to(device)
+    for child in module.children():
+        move_real_tensors(child, device)
 
 
 @contextmanager
