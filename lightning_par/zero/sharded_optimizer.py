@@ -150,6 +150,7 @@ class ShardedOptimizer:
                         value = params[f.slot].detach().reshape(-1)[f.param_lo : f.param_hi]
                         self.master_flat[f.shard_lo : f.shard_lo + f.numel].copy_(value)
         self._layout = layout
+        self._grad_copy: Tensor | None = None  # the gradient shard cast to the masters' dtype, this step
         with torch.no_grad():
             self.param_flat = torch.zeros(layout.numel, dtype=self.compute_dtype, device=sync.device)
             self._views: list[Tensor] = []
@@ -198,26 +199,27 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------------ step
     def _attach_grads(self) -> None:
-        """Point each master fragment's ``.grad`` at its slice of the reduced gradient shard."""
+        """Point each master fragment's ``.grad`` at its slice of the reduced gradient shard, or of one
+        copy of the whole shard in the masters' dtype (a reduction dtype other than the masters'): one
+        cast kernel per step instead of one per fragment, which on a GPU is launch time the step waits
+        for (hundreds of parameters)."""
         grad_shard = self.sync.grad_shard
         assert grad_shard is not None
+        dtype = (self.master_flat if self.master_flat is not None else self.param_flat).dtype
+        source = grad_shard if grad_shard.dtype == dtype else grad_shard.to(dtype)
+        self._grad_copy = source if source is not grad_shard else None
         for f, (master, _, slot) in zip(self.fragments, self._master_slots, strict=True):
             if slot in self.sync.unused:
                 master.grad = None
                 continue
-            g = grad_shard[f.shard_lo : f.shard_lo + f.numel]
-            master.grad = g if g.dtype == master.dtype else g.to(master.dtype)
+            master.grad = source[f.shard_lo : f.shard_lo + f.numel]
 
     @torch.no_grad()
     def scale_attached(self, factor: float | Tensor) -> None:
-        """Multiply the master gradients that are copies (a reduction dtype other than the masters');
-        views of the gradient shard are scaled with it (:meth:`GradSync.scale_grads`)."""
-        grad_shard = self.sync.grad_shard
-        assert grad_shard is not None
-        for master, _, _ in self._master_slots:
-            g = master.grad
-            if g is not None and not shares_storage(g, grad_shard):
-                g.mul_(factor)
+        """Multiply the master gradients when they are a copy (a reduction dtype other than the
+        masters'); views of the gradient shard are scaled with it (:meth:`GradSync.scale_grads`)."""
+        if self._grad_copy is not None:
+            self._grad_copy.mul_(factor)
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -226,15 +228,21 @@ class ShardedOptimizer:
         self.refresh_params()
         for master, _, _ in self._master_slots:
             master.grad = None
+        self._grad_copy = None
         self.sync.zero_grad_shard()
 
     @torch.no_grad()
     def refresh_params(self) -> None:
-        """Compute parameters := masters (cast), on every rank (one all-gather per bucket)."""
-        if self.master_flat is not None:
-            for master, compute, _ in self._master_slots:
-                compute.copy_(master)
+        """Compute parameters := masters (cast), on every rank (one all-gather per bucket). This rank's
+        masters are its shard of every bucket, in bucket order (:meth:`FlatLayout.fragments`), so one
+        cast copy per bucket refreshes them (the padding at a bucket's end is zero on both sides)."""
         sync, layout = self.sync, self.sync.layout
+        if self.master_flat is not None:
+            offset = 0
+            for bucket in layout.buckets:
+                lo, hi = bucket.shard_range(sync.rank, sync.world)
+                self.param_flat[lo:hi].copy_(self.master_flat[offset : offset + hi - lo])
+                offset += hi - lo
         works = []
         for bucket in layout.buckets:
             lo, hi = bucket.shard_range(sync.rank, sync.world)
@@ -294,8 +302,3 @@ class ShardedOptimizer:
         if self.master_flat is not None:
             total += self.master_flat.numel() * self.master_flat.element_size()
         return total
-
-
-def shares_storage(a: Tensor, b: Tensor) -> bool:
-    """Whether ``a`` and ``b`` are views of one storage (a master gradient that is the shard itself)."""
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

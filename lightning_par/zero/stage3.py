@@ -374,6 +374,7 @@ class Stage3Engine(Stage3Reduce):
         """Open a new gradient window (the shards are updated in place; gathers read them next time)."""
         for _, _, master in self._masters:
             master.grad = None
+        self._grad_copies = []
         for unit in self.units:
             if unit.grad_shard is not None:
                 unit.grad_shard.zero_()

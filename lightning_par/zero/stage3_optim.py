@@ -23,7 +23,6 @@ from lightning_par.zero.sharded_optimizer import (
     inherit_param_attrs,
     optimizer_group_params,
     rebuild_optimizer,
-    shares_storage,
 )
 from lightning_par.zero.stage3_state import Stage3State
 
@@ -48,6 +47,7 @@ class Stage3Optim(Stage3State):
         )
         masters: dict[int, list[Tensor]] = {}
         self._masters = []
+        self._grad_copies: list[Tensor] = []  # gradient shards cast to the masters' dtype, this step
         for unit in self.units:
             if unit.train is None:
                 continue
@@ -60,13 +60,22 @@ class Stage3Optim(Stage3State):
             rebuild_optimizer(opt, groups, masters)
 
     def _attach_grads(self) -> None:
+        """Point each master fragment's ``.grad`` at its slice of its unit's gradient shard, or of one
+        copy of that shard in the masters' dtype (a reduction dtype other than the masters'): one cast
+        kernel per unit instead of one per fragment."""
+        copies: dict[int, Tensor] = {}
         for unit, f, master in self._masters:
             if id(unit.params[f.slot]) in self.unused:
                 master.grad = None
-            else:
-                assert unit.grad_shard is not None
-                g = unit.grad_shard[f.shard_lo : f.shard_lo + f.numel]
-                master.grad = g if g.dtype == master.dtype else g.to(master.dtype)
+                continue
+            source = unit.grad_shard
+            assert source is not None
+            if source.dtype != master.dtype:
+                if id(unit) not in copies:
+                    copies[id(unit)] = source.to(master.dtype)
+                source = copies[id(unit)]
+            master.grad = source[f.shard_lo : f.shard_lo + f.numel]
+        self._grad_copies = list(copies.values())
 
     def group_params(self, index: int) -> list[list[nn.Parameter]]:
         return self._group_params[index]
@@ -78,7 +87,5 @@ class Stage3Optim(Stage3State):
         for unit in self.units:
             if unit.grad_shard is not None:
                 unit.grad_shard.mul_(factor)
-        for unit, _, master in self._masters:
-            g, shard = master.grad, unit.grad_shard
-            if g is not None and shard is not None and not shares_storage(g, shard):
-                g.mul_(factor)
+        for copy in self._grad_copies:
+            copy.mul_(factor)
