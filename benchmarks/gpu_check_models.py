@@ -80,16 +80,15 @@ def _tokens(quick: bool, n: int) -> DataLoader[Any]:
     return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=BATCH)
 
 
-class LoraModule(pl.LightningModule):
-    def __init__(self, quick: bool) -> None:
+class FitTest(pl.LightningModule):
+    """Keeps its training losses and logs ``test_loss``; subclasses define ``_loss``."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self.model = _llama(quick)
         self.losses: list[Tensor] = []
-        self.generated: Tensor | None = None
 
     def _loss(self, batch: Any) -> Tensor:
-        x, y = batch
-        return F.cross_entropy(self.model(input_ids=x, use_cache=False).logits.flatten(0, 1), y.flatten())
+        raise NotImplementedError
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self._loss(batch)
@@ -98,6 +97,17 @@ class LoraModule(pl.LightningModule):
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self.log("test_loss", self._loss(batch))
+
+
+class LoraModule(FitTest):
+    def __init__(self, quick: bool) -> None:
+        super().__init__()
+        self.model = _llama(quick)
+        self.generated: Tensor | None = None
+
+    def _loss(self, batch: Any) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(input_ids=x, use_cache=False).logits.flatten(0, 1), y.flatten())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
@@ -143,15 +153,12 @@ class MetricLlama(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def _metrics_meta_init(quick: bool, device: str, root: str, fail: Fail) -> dict[str, Any]:
-    module = MetricLlama(quick)
-    trainer = pl.Trainer(
+def _trainer(device: str, strategy: Any, root: str, **kw: Any) -> pl.Trainer:
+    return pl.Trainer(
         accelerator="gpu" if device == "cuda" else "cpu",
         devices=1,
-        strategy=HybridParallelStrategy(zero_stage=3),
+        strategy=strategy,
         max_steps=STEPS,
-        val_check_interval=2,
-        limit_val_batches=2,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -159,6 +166,14 @@ def _metrics_meta_init(quick: bool, device: str, root: str, fail: Fail) -> dict[
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         default_root_dir=root,
+        **kw,
+    )
+
+
+def _metrics_meta_init(quick: bool, device: str, root: str, fail: Fail) -> dict[str, Any]:
+    module = MetricLlama(quick)
+    trainer = _trainer(
+        device, HybridParallelStrategy(zero_stage=3), root, val_check_interval=2, limit_val_batches=2
     )
     loader = _tokens(quick, BATCH * STEPS)
     trainer.fit(module, loader, loader)
@@ -179,7 +194,7 @@ def _metrics_meta_init(quick: bool, device: str, root: str, fail: Fail) -> dict[
     return row
 
 
-class ResNetModule(pl.LightningModule):
+class ResNetModule(FitTest):
     def __init__(self) -> None:
         super().__init__()
         from transformers import ResNetConfig, ResNetForImageClassification
@@ -189,19 +204,10 @@ class ResNetModule(pl.LightningModule):
             embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", num_labels=4
         )
         self.net = ResNetForImageClassification(config)
-        self.losses: list[Tensor] = []
 
     def _loss(self, batch: Any) -> Tensor:
         x, y = batch
         return F.cross_entropy(self.net(pixel_values=x).logits, y)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.losses.append(loss.detach())
-        return loss
-
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("test_loss", self._loss(batch))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -241,22 +247,7 @@ def _fit_test(
     module = make()
     strategy: Any = "auto" if stage is None else HybridParallelStrategy(zero_stage=stage, meta_init=False)
     callbacks = [Generate()] if isinstance(module, LoraModule) else []
-    trainer = pl.Trainer(
-        accelerator="gpu" if device == "cuda" else "cpu",
-        devices=1,
-        strategy=strategy,
-        precision=precision,  # type: ignore[arg-type]
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-        default_root_dir=root,
-        callbacks=callbacks,
-    )
+    trainer = _trainer(device, strategy, root, precision=precision, limit_val_batches=0, callbacks=callbacks)
     start = time.perf_counter()
     with deterministic(device) if precision == "32-true" else contextlib.nullcontext():
         trainer.fit(module, loader())
