@@ -264,7 +264,7 @@ class ShardedOptimizer:
         replaced = [
             name
             for name, p, view in zip(self.sync.names, self.sync.params, self._views, strict=True)
-            if p.data.data_ptr() != view.data_ptr() or p.data.shape != view.shape
+            if p.data_ptr() != view.data_ptr() or p.shape != view.shape  # no .data: a new tensor per call
         ]
         if replaced:
             shown = ", ".join(repr(n) for n in replaced[:3]) + (", ..." if len(replaced) > 3 else "")
