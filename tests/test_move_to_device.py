@@ -55,3 +55,22 @@ def test_a_model_without_meta_parameters_moves_whole() -> None:
     model = nn.Sequential(nn.Linear(2, 2), Recorder())
     move_real_tensors(model, torch.device("meta"))
     assert model[0].weight.is_meta and model[1].kept.is_meta
+
+
+class RotaryLike(nn.Module):
+    """No parameters, one buffer: built under ``torch.device("meta")`` the buffer is meta too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+
+
+def test_meta_buffers_stay_for_materialize_buffers() -> None:
+    """A model built under ``torch.device("meta")`` has meta buffers in modules without parameters:
+    they are left for ``materialize_buffers`` (``.to()`` of such a module cannot copy them). The first
+    version of the fix moved them with ``.to()`` and raised "Cannot copy out of meta tensor" (in the
+    Fabric meta-init test, and here)."""
+    with torch.device("meta"):
+        model = nn.ModuleDict({"layer": nn.Linear(2, 2), "rotary": RotaryLike()})
+    move_real_tensors(model, torch.device("cpu"))
+    assert model["rotary"].inv_freq.is_meta and model["layer"].weight.is_meta

@@ -75,11 +75,12 @@ def move_real_tensors(module: nn.Module, device: torch.device) -> None:
     """Move ``module``'s real parameters and buffers to ``device``; meta ones (meta init, other pipeline
     stages' layers) stay, to be materialised by the engine or by pretrained weights.
 
-    Every submodule without meta parameters moves with ``.to(device)``, so modules that keep tensors
-    outside parameters and buffers and move them in their own ``_apply`` (torchmetrics' metric states,
-    the metric's ``device``) follow the model; only modules holding meta parameters themselves have
-    their real tensors moved one by one."""
-    if not any(p.is_meta for p in module.parameters()):
+    Every submodule without meta parameters or buffers moves with ``.to(device)``, so modules that keep
+    tensors outside parameters and buffers and move them in their own ``_apply`` (torchmetrics' metric
+    states, the metric's ``device``) follow the model; only modules holding meta tensors themselves
+    have their real tensors moved one by one (meta buffers, of a model built under
+    ``torch.device("meta")``, are computed on the device afterwards: ``materialize_buffers``)."""
+    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         module.to(device)
         return
     with torch.no_grad():
