@@ -3,8 +3,9 @@ AdamW, one device) under ``torch.profiler`` for a few steps, ours (ZeRO-2) and L
 single-device strategy, each in its own process.
 
 ``python -m benchmarks.gpu_profile --out-dir DIR`` writes ``DIR/profile_{impl}.txt``: the step time, the
-number of kernels (CUDA) or aten operators (CPU) per step, and the operators that take the most device
-time. ``--quick`` shrinks the model (the CPU path).
+number of kernels (CUDA) or aten operators (CPU) per step, the runtime calls per step that make the host
+wait for the device (synchronisations, blocking copies, ``.item()``), the operators that take the most
+device time, and those that take the most host time. ``--quick`` shrinks the model (the CPU path).
 """
 
 from __future__ import annotations
@@ -93,12 +94,24 @@ def one(impl: str, device: str, quick: bool, out: Path) -> None:
         )
     else:
         kernels = sum(e.count for e in events if e.key.startswith("aten::"))
+    # host waits: runtime calls that block the host until the device catches up (a step without them
+    # keeps the GPU fed; with them the queue drains and the next kernels wait for Python)
+    waits = {
+        e.key: e.count // PROFILED
+        for e in events
+        if any(w in e.key for w in ("Synchronize", "cudaMemcpy", "_local_scalar_dense", "aten::item"))
+    }
     head = (
         f"{impl} on {device}: {prof.seconds / PROFILED * 1e3:.1f} ms per step (profiled),"
         f" {kernels / PROFILED:.0f} {'kernels' if device == 'cuda' else 'aten ops'} per step\n"
+        f"host waits per step: {waits or 'none'}\n"
     )
+    by_host = events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
     (out / f"profile_{impl}.txt").write_text(
-        head + events.table(sort_by=sort, row_limit=40, max_name_column_width=60)
+        head
+        + events.table(sort_by=sort, row_limit=40, max_name_column_width=60)
+        + "\nby host time:\n"
+        + by_host
     )
     print(head, end="")
 
