@@ -6,10 +6,10 @@ with :class:`~lightning_par.HybridParallelStrategy` and is compared with Lightni
 strategy doing the same thing on the same device:
 
 - a Hugging Face Llama with a PEFT LoRA adapter (base frozen), SGD with momentum, ``fit`` then ``test``,
-  at ZeRO 0-3 in ``32-true`` (deterministic kernels: the trainable weights within 1e-5 of Lightning's,
-  the frozen ones unchanged (at ZeRO-3 in ``bf16-mixed``: rounded to bf16 once), the test loss within
-  1e-5) and at ZeRO-3 in ``bf16-mixed`` (within
-  ``8 u U`` of Lightning's ``bf16-mixed``, ``U`` the largest update, as part 1's tolerance argues);
+  at ZeRO 0-3 in ``32-true`` (deterministic kernels: the trainable weights and the test loss within 1e-5
+  of Lightning's, the frozen weights unchanged) and at ZeRO-3 in ``bf16-mixed`` (within ``8 u U`` of
+  Lightning's ``bf16-mixed``, ``U`` the largest update, as part 1's tolerance argues; the frozen weights
+  rounded to bf16 once, as ZeRO 1-3 keep them in the compute dtype);
 - greedy ``generate()`` of the trained model at ZeRO-3 inside ``strategy.gathered_params()`` (in
   ``on_train_end``): the same tokens as Lightning's trained model;
 - a Hugging Face ResNet (BatchNorm: running statistics are buffers) at ZeRO-2 and ZeRO-3, ``fit`` then
