@@ -213,6 +213,7 @@ def trainer(
         kw["plugins"] = [ParallelPrecision("16-mixed", loss_scale={"init_scale": FP16_INIT_SCALE})]
     else:
         kw["precision"] = precision
+    kw.setdefault("limit_val_batches", 0)  # no validation unless a part asks for it
     return pl.Trainer(
         accelerator="gpu" if device == "cuda" else "cpu",
         devices=1,
@@ -224,7 +225,6 @@ def trainer(
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        limit_val_batches=0,
         use_distributed_sampler=False,
         callbacks=callbacks,
         **kw,

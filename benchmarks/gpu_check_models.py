@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -36,6 +37,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.gpu_check_correctness import SAME_NUMERICS, UNIT, Fail, deterministic
+from benchmarks.gpu_check_correctness import trainer as make_trainer
 from lightning_par import HybridParallelStrategy
 from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
 
@@ -83,12 +85,11 @@ def _tokens(quick: bool, n: int) -> DataLoader[Any]:
 class FitTest(pl.LightningModule):
     """Keeps its training losses and logs ``test_loss``; subclasses define ``_loss``."""
 
+    _loss: Callable[[Any], Tensor]  # each subclass's loss of a batch
+
     def __init__(self) -> None:
         super().__init__()
         self.losses: list[Tensor] = []
-
-    def _loss(self, batch: Any) -> Tensor:
-        raise NotImplementedError
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self._loss(batch)
@@ -153,27 +154,19 @@ class MetricLlama(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def _trainer(device: str, strategy: Any, root: str, **kw: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="gpu" if device == "cuda" else "cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,
-        default_root_dir=root,
-        **kw,
-    )
-
-
 def _metrics_meta_init(quick: bool, device: str, root: str, fail: Fail) -> dict[str, Any]:
     module = MetricLlama(quick)
-    trainer = _trainer(
-        device, HybridParallelStrategy(zero_stage=3), root, val_check_interval=2, limit_val_batches=2
+    strategy = HybridParallelStrategy(zero_stage=3)
+    trainer = make_trainer(
+        device,
+        strategy,
+        "32-true",
+        STEPS,
+        1,
+        [],
+        default_root_dir=root,
+        val_check_interval=2,
+        limit_val_batches=2,
     )
     loader = _tokens(quick, BATCH * STEPS)
     trainer.fit(module, loader, loader)
@@ -247,7 +240,7 @@ def _fit_test(
     module = make()
     strategy: Any = "auto" if stage is None else HybridParallelStrategy(zero_stage=stage, meta_init=False)
     callbacks = [Generate()] if isinstance(module, LoraModule) else []
-    trainer = _trainer(device, strategy, root, precision=precision, limit_val_batches=0, callbacks=callbacks)
+    trainer = make_trainer(device, strategy, precision, STEPS, 1, callbacks, default_root_dir=root)
     start = time.perf_counter()
     with deterministic(device) if precision == "32-true" else contextlib.nullcontext():
         trainer.fit(module, loader())
