@@ -15,16 +15,17 @@ ROOT = Path(__file__).resolve().parents[1]
 NO_HYDRA = "import sys\nsys.modules['hydra'] = None\nsys.modules['omegaconf'] = None\n"
 
 
-def test_gpu_check_cpu_path(tmp_path: Path) -> None:
+def _run_cpu_path(module: str, out: Path, tmp_path: Path) -> None:
+    """``python -m <module> --device cpu --quick --out-dir <out>`` in processes that cannot import hydra
+    or omegaconf (the GPU machine has neither), one thread each."""
     site = tmp_path / "site"
-    site.mkdir()
+    site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(NO_HYDRA)  # imported first by every process the check starts
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "OUT")}
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"  # tiny models: one thread per process is as fast, and never oversubscribes
-    out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--quick", "--out-dir", str(out)],
+        [sys.executable, "-m", module, "--device", "cpu", "--quick", "--out-dir", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -32,6 +33,11 @@ def test_gpu_check_cpu_path(tmp_path: Path) -> None:
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
+
+
+def test_gpu_check_cpu_path(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _run_cpu_path("benchmarks.gpu_check", out, tmp_path)
     summary = json.loads((out / "gpu_check.json").read_text())
     assert summary["ok"] and summary["failures"] == []
     assert summary["env"]["hydra_loaded"] is False
@@ -140,29 +146,11 @@ def test_gpu_check_cpu_path(tmp_path: Path) -> None:
 def test_gpu_profile_cpu_path(tmp_path: Path) -> None:
     """``benchmarks/gpu_profile.py``'s CPU path: both implementations profiled over the same steps; each
     file names its step time and its operator count per step, and lists the operators by time."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "OUT")}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.gpu_profile",
-            "--device",
-            "cpu",
-            "--quick",
-            "--out-dir",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "out"
+    _run_cpu_path("benchmarks.gpu_profile", out, tmp_path)
     counts = {}
     for impl in ("ours", "lightning"):
-        head, *table = (tmp_path / f"profile_{impl}.txt").read_text().splitlines()
+        head, *table = (out / f"profile_{impl}.txt").read_text().splitlines()
         assert head.startswith(f"{impl} on cpu: ") and "ms per step" in head, head
         counts[impl] = int(head.split(", ")[-1].split()[0])
         assert any("aten::mm" in line or "aten::addmm" in line for line in table), impl
