@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks.gpu_check import THROUGHPUT, FusedGPT, Synthetic, quiet
 from benchmarks.gpu_check_correctness import child_env
+from benchmarks.gpu_check_correctness import trainer as make_trainer
 from lightning_par import HybridParallelStrategy
 
 WARMUP, PROFILED = 5, 3
@@ -71,19 +72,8 @@ def one(impl: str, device: str, quick: bool, out: Path) -> None:
     )
     model.configure_model()
     prof = Profiled(device)
-    trainer = pl.Trainer(
-        accelerator="gpu" if device == "cuda" else "cpu",
-        devices=1,
-        strategy=HybridParallelStrategy(zero_stage=2) if impl == "ours" else "auto",
-        precision="bf16-mixed",
-        max_steps=WARMUP + PROFILED + 1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[prof],
-    )
+    strategy = HybridParallelStrategy(zero_stage=2) if impl == "ours" else "auto"
+    trainer = make_trainer(device, strategy, "bf16-mixed", WARMUP + PROFILED + 1, 1, [prof])
     data = Synthetic(size["batch"] * (WARMUP + PROFILED + 1), size["seq"], size["vocab"])
     trainer.fit(model, DataLoader(data, batch_size=size["batch"]))
     events = prof.prof.key_averages()
