@@ -107,7 +107,8 @@ def check_layout_optimizers(
 ) -> None:
     """Refuse, before any step, an optimizer the model's tensor or pipeline layout would silently
     change: one holding a tensor-parallel slice must pass :func:`check_shardable`; under pipeline
-    parallelism none may require a closure. (ZeRO's own check runs when the engine shards them.)
+    parallelism none may require a closure; ``SparseAdam`` never runs (the gradient buckets are dense).
+    (ZeRO's own check runs when the engine shards them.)
     ``names``: ``id(parameter) -> name``, to name a sliced parameter in the message."""
     for optimizer in optimizers:
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -119,6 +120,13 @@ def check_layout_optimizers(
                 allow_untested=allow_untested,
                 sharding=f"Tensor parallelism ({which} {tuple(sliced.shape)} is this rank's slice)",
                 fix="tensor_parallel_size=1",
+            )
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            raise TypeError(
+                "torch.optim.SparseAdam needs sparse gradients, and this strategy reduces every gradient"
+                " in dense flat buckets (a sparse embedding's gradient is made dense, rows not looked up"
+                " zero). Use torch.optim.Adagrad or SGD (their dense update equals the sparse one) or Adam"
+                " (its moments then decay on every row, not only the looked-up ones)."
             )
         if pipeline and _needs_closure(optimizer):
             raise TypeError(

@@ -38,10 +38,18 @@ from lightning_par.collectives import low_precision_mean, reduce_scatter_flat
 from lightning_par.zero.comm_hooks import CommHook, CommHookBucket, hook_result
 from lightning_par.zero.layout import FlatLayout
 
-__all__ = ["GradBuckets", "GradSyncPolicy", "ReduceOp", "bucket_numel_for"]
+__all__ = ["GradBuckets", "GradSyncPolicy", "ReduceOp", "bucket_numel_for", "strided"]
 
 GradSyncPolicy = Literal["boundary", "every"]
 ReduceOp = Literal["all_reduce", "reduce_scatter"]
+
+
+def strided(grad: Tensor) -> Tensor:
+    """``grad`` as a dense (strided) tensor. A sparse gradient (``nn.Embedding(sparse=True)``,
+    ``nn.EmbeddingBag(sparse=True)``) has no storage to copy from and no data pointer; the flat buckets
+    hold, reduce and hand the optimizer its dense equal (rows not looked up are zero), where torch's DDP
+    all-reduces the sparse tensor itself. Same values, dense bytes on the wire."""
+    return grad if grad.layout == torch.strided else grad.to_dense()
 
 
 class GradBuckets:
@@ -102,7 +110,7 @@ class GradBuckets:
             self._views = [self.buffer[s.offset : s.end].view(s.shape) for s in self.layout.slots]
             for p, view, g in zip(self._params, self._views, old, strict=True):
                 if g is not None:
-                    view.copy_(g)
+                    view.copy_(strided(g))
                     p.grad = view if p.dtype == view.dtype else None
         self.grad_shard: Tensor | None = None
         if self.shard:
@@ -165,16 +173,16 @@ class GradBuckets:
         param = self._params[slot]
         if self.buffer is not None:
             view = self._views[slot]
-            if grad.data_ptr() != view.data_ptr():
+            if grad.layout != torch.strided or grad.data_ptr() != view.data_ptr():
                 if self._touched[slot]:
-                    view.add_(grad)
+                    view.add_(grad)  # a sparse gradient adds into a dense view as it is
                 else:
-                    view.copy_(grad)
+                    view.copy_(strided(grad))
                 # a view of another dtype cannot be .grad: release the folded gradient instead
                 param.grad = view if param.dtype == view.dtype else None
         else:
             start = self.layout.buckets[s.bucket].start
-            self._bucket_buffer(s.bucket)[s.offset - start : s.end - start].view(s.shape).copy_(grad)
+            self._bucket_buffer(s.bucket)[s.offset - start : s.end - start].view(s.shape).copy_(strided(grad))
             param.grad = None  # the full-size gradient is not kept: that is the point of "every"
 
     # ------------------------------------------------------------------ launch

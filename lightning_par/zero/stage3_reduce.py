@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.autograd import Variable
 
 from lightning_par.collectives import low_precision_mean, reduce_scatter_flat
-from lightning_par.zero.grad_buckets import ReduceOp
+from lightning_par.zero.grad_buckets import ReduceOp, strided
 from lightning_par.zero.stage3_join import Stage3Join
 from lightning_par.zero.stage3_optim import Stage3Optim
 from lightning_par.zero.unit import Part, Unit
@@ -117,7 +117,7 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
             unit.pending = len(unit.params)
         if grad is not None:
             s = _train(unit).layout.slots[slot]
-            unit.grad_buf[s.offset : s.end].view(s.shape).copy_(grad)
+            unit.grad_buf[s.offset : s.end].view(s.shape).copy_(strided(grad))
             param.grad = None  # the full-size gradient is not kept
             self._touched[id(param)] = True
         unit.pending -= 1
