@@ -54,6 +54,30 @@ class ZeroOptions:
         return cls(stage=strategy.zero_stage, **values)
 
 
+def check_trainable_dtypes(module: nn.Module) -> None:
+    """Refuse trainable parameters of more than one dtype, naming the fewer ones: every gradient bucket,
+    ZeRO-3 unit and sharded master is one flat tensor of one dtype (torch's DDP buckets per dtype instead).
+    Without this, stages 0-2 stopped with a message that blamed the precision plugin and stage 3 packed
+    the odd parameters into the unit's dtype, silently changing the model."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            by_dtype.setdefault(p.dtype, []).append(name)
+    if len(by_dtype) < 2:
+        return
+    ranked = sorted(by_dtype.items(), key=lambda item: -len(item[1]))
+    odd = ", ".join(
+        f"{dtype}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''} ({len(names)})"
+        for dtype, names in ranked[1:]
+    )
+    raise TypeError(
+        f"Trainable parameters of {len(ranked)} dtypes: most are {ranked[0][0]} ({len(ranked[0][1])}), the"
+        f" others {odd}. ZeRO's gradient buckets and shards hold one dtype: cast the model to one"
+        " (model.to(dtype) before fit), or freeze the odd ones or make them buffers (Lightning's own"
+        ' "ddp" buckets by dtype, if they must train in theirs).'
+    )
+
+
 def build_engine(
     module: nn.Module,
     *,
@@ -78,6 +102,7 @@ def build_engine(
     ``seed_groups`` (the tensor- and pipeline-parallel groups) agree with ``group`` on the seed of that
     init, so every rank of the mesh draws it alike.
     """
+    check_trainable_dtypes(module)
     compression = resolve_comm_hook(
         options.comm_hook, options.comm_hook_state, group=group, powersgd_rank=options.powersgd_rank
     )

@@ -1,4 +1,5 @@
-"""Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``), on 2 Gloo ranks.
+"""Gradients of unusual kinds, on 2 Gloo ranks: sparse ones (``nn.Embedding(sparse=True)``,
+``nn.EmbeddingBag(sparse=True)``) and trainable parameters of two dtypes.
 
 Recommender-style models keep their big tables sparse: backward gives each table a sparse COO gradient
 holding only the looked-up rows. Torch's DDP (Lightning's ``"ddp"``) all-reduces such gradients as they
@@ -17,6 +18,11 @@ update equals the sparse one, so every ZeRO stage must end where ``"ddp"`` ends.
   stage 0).
 * Fabric at ZeRO-3: a loop over the global batches split between the ranks equals the same loop in one
   process.
+* A trainable float64 parameter beside float32 ones (``"ddp"`` buckets by dtype; our buckets, shards and
+  units are one flat tensor of one dtype) is refused at setup at stages 0 and 3 with a ``TypeError``
+  naming it and the fixes, before any step. Before, stages 0-2 stopped with a message blaming the
+  precision plugin, and stage 3 silently packed the float64 parameter into a float32 unit (the forward
+  then failed on a dtype mismatch).
 """
 
 from __future__ import annotations
@@ -100,6 +106,26 @@ def _sparse_adam() -> dict[str, Any]:
     return {"message": str(info.value), "steps": trainer.global_step}
 
 
+class Scaled(Recommender):
+    """A trainable float64 scale on the head's input (a user's high-precision parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(2 * DIM, dtype=torch.float64))
+
+    def forward(self, items: Tensor, users: Tensor) -> Tensor:
+        h = torch.cat([self.items(items), self.users(users)], dim=-1)
+        return self.head((h.double() * self.scale).float()).squeeze(-1)
+
+
+def _two_dtypes(stage: int) -> dict[str, Any]:
+    module = Scaled()
+    trainer = _trainer(HybridParallelStrategy(zero_stage=stage))
+    with pytest.raises(TypeError) as info:
+        trainer.fit(module, DataLoader(_data(), batch_size=MICRO))
+    return {"message": str(info.value), "steps": trainer.global_step, "dtype": module.scale.dtype}
+
+
 def _global_batch(step: int) -> Batch:
     items, users, y = _data().tensors
     index = torch.arange(step * WORLD * MICRO, (step + 1) * WORLD * MICRO)
@@ -146,11 +172,12 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
         out[name] = _fit(strategy)
         strategy.destroy_process_groups()
     out["sparse_adam"] = _sparse_adam()
+    out["two_dtypes"] = [_two_dtypes(stage) for stage in (0, 3)]
     out["fabric_zero3"] = _fabric(rank)
     return out
 
 
-def test_sparse_embedding_gradients_equal_ddp_at_every_stage() -> None:
+def test_sparse_gradients_equal_ddp_and_two_dtypes_are_refused() -> None:
     ranks = run_distributed(_runs, WORLD, init_group=False, timeout=300)
 
     # Fabric's reference: the same loop in one process over the whole global batches
@@ -180,6 +207,11 @@ def test_sparse_embedding_gradients_equal_ddp_at_every_stage() -> None:
         assert refused["steps"] == 0
         assert "SparseAdam needs sparse gradients" in refused["message"]
         assert "Adagrad" in refused["message"]
+        for refused in out["two_dtypes"]:
+            assert refused["steps"] == 0
+            assert refused["dtype"] == torch.float64  # the user's parameter is left as it was
+            assert "torch.float64: scale (1)" in refused["message"]
+            assert "model.to(dtype)" in refused["message"]
     fabric = ranks[0]["fabric_zero3"]  # the whole state, gathered on rank 0
     assert fabric.keys() == one_process.keys()
     for key, value in one_process.items():
