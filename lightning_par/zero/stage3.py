@@ -236,12 +236,18 @@ class Stage3Engine(Stage3Reduce):
         # The forward hooks run eagerly inside a torch.compile'd model (a graph break at each unit, as FSDP2
         # does without compiled autograd): traced, their `p.data =` swaps would become in-graph mutations of
         # tensors the compiled backward saved ("modified by an inplace operation").
+        # The gathers run before the module's own forward pre-hooks (prepend), which may read the
+        # parameters: torch.nn.utils.weight_norm computes the weight from weight_g and weight_v there (run
+        # ahead of the gather, it read NaN placeholders). The reshards run after the module's forward hooks.
         eager = torch.compiler.disable
         for unit in self.units:
             module = unit.module
             self._handles.append(
-                module.register_forward_pre_hook(eager(self._make_pre_forward(unit)), with_kwargs=True)
+                module.register_forward_pre_hook(eager(self._make_pre_forward(unit)), prepend=True)
             )
+            if unit.has_frozen:
+                watch = eager(self._make_watch_inputs(unit))
+                self._handles.append(module.register_forward_pre_hook(watch, with_kwargs=True))
             self._handles.append(module.register_forward_hook(eager(self._make_post_forward(unit))))
             for p in unit.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -251,7 +257,7 @@ class Stage3Engine(Stage3Reduce):
             mine = {id(p) for part in self.root.parts for p in part.params}
             for m in self.module.modules():
                 if m is not self.module and any(id(p) in mine for p in m.parameters(recurse=False)):
-                    self._handles.append(m.register_forward_pre_hook(eager(self._borrow_root)))
+                    self._handles.append(m.register_forward_pre_hook(eager(self._borrow_root), prepend=True))
                     self._handles.append(m.register_forward_hook(eager(self._return_root)))
 
     def _borrow_root(self, module: nn.Module, args: Any) -> None:
@@ -271,17 +277,20 @@ class Stage3Engine(Stage3Reduce):
 
     # ------------------------------------------------------------------ forward hooks
     def _make_pre_forward(self, unit: Unit) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        def hook(module: nn.Module, args: Any) -> None:
             if unit is self.root:
                 self._check_trainable()
             self._pre_forward(unit)
-            # frozen weights are needed until the input gradients are computed, after the trainable
-            # ones' are reduced: in the backward of this forward, or of a reentrant recomputation's
-            if (
-                unit.has_frozen
-                and torch.is_grad_enabled()
-                and (not _in_backward() or _in_reentrant_recompute())
-            ):
+
+        return hook
+
+    def _make_watch_inputs(self, unit: Unit) -> Callable[..., None]:
+        """A forward pre-hook run after the module's own (which may replace the inputs): frozen weights are
+        needed until the input gradients are computed, after the trainable ones' are reduced: in the
+        backward of this forward, or of a reentrant recomputation's."""
+
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if torch.is_grad_enabled() and (not _in_backward() or _in_reentrant_recompute()):
                 self._watch_inputs(unit, [args, kwargs])
 
         return hook
