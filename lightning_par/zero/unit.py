@@ -220,7 +220,9 @@ def _build_part(
         trainable=trainable,
     )
     fill = float("nan") if full_dtype.is_floating_point or full_dtype.is_complex else 0
-    placeholder = torch.full((1,), fill, dtype=full_dtype, device=device)
+    # one element with no dimension: it expands to any shape, a scalar parameter's () too (CLIP's
+    # logit_scale; a (1,) element refused to expand to it and the unit's setup failed)
+    placeholder = torch.full((), fill, dtype=full_dtype, device=device)
     part.placeholders = [placeholder.clone().expand(p.shape) for p in params]
     return part
 
