@@ -54,11 +54,20 @@ class ZeroOptions:
         return cls(stage=strategy.zero_stage, **values)
 
 
-def check_trainable_dtypes(module: nn.Module) -> None:
-    """Refuse trainable parameters of more than one dtype, naming the fewer ones: every gradient bucket,
-    ZeRO-3 unit and sharded master is one flat tensor of one dtype (torch's DDP buckets per dtype instead).
-    Without this, stages 0-2 stopped with a message that blamed the precision plugin and stage 3 packed
-    the odd parameters into the unit's dtype, silently changing the model."""
+def check_params(module: nn.Module) -> None:
+    """Refuse, naming them, parameters the flat buffers cannot hold: lazy ones not initialised yet
+    (``nn.LazyLinear`` before its first forward; torch's DDP refuses them too), and trainable parameters of
+    more than one dtype (every gradient bucket, ZeRO-3 unit and sharded master is one flat tensor of one
+    dtype; torch's DDP buckets per dtype instead). Without this, stages 0-2 stopped with a message that
+    blamed the precision plugin and stage 3 packed the odd parameters into the unit's dtype, silently
+    changing the model."""
+    lazy = [name for name, p in module.named_parameters() if nn.parameter.is_lazy(p)]
+    if lazy:
+        raise ValueError(
+            f"{len(lazy)} parameter(s) are not initialised yet (lazy modules: {', '.join(lazy[:4])}"
+            f"{' ...' if len(lazy) > 4 else ''}); their shapes are unknown until a first forward. Run one"
+            " forward on a sample batch before fit (in the LightningModule's __init__)."
+        )
     by_dtype: dict[torch.dtype, list[str]] = {}
     for name, p in module.named_parameters():
         if p.requires_grad:
@@ -102,7 +111,7 @@ def build_engine(
     ``seed_groups`` (the tensor- and pipeline-parallel groups) agree with ``group`` on the seed of that
     init, so every rank of the mesh draws it alike.
     """
-    check_trainable_dtypes(module)
+    check_params(module)
     compression = resolve_comm_hook(
         options.comm_hook, options.comm_hook_state, group=group, powersgd_rank=options.powersgd_rank
     )

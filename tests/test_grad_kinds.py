@@ -1,5 +1,6 @@
-"""Gradients of unusual kinds, on 2 Gloo ranks: sparse ones (``nn.Embedding(sparse=True)``,
-``nn.EmbeddingBag(sparse=True)``) and trainable parameters of two dtypes.
+"""Gradients and parameters of unusual kinds, on 2 Gloo ranks: sparse gradients
+(``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``), trainable parameters of two dtypes,
+lazy parameters.
 
 Recommender-style models keep their big tables sparse: backward gives each table a sparse COO gradient
 holding only the looked-up rows. Torch's DDP (Lightning's ``"ddp"``) all-reduces such gradients as they
@@ -23,6 +24,9 @@ update equals the sparse one, so every ZeRO stage must end where ``"ddp"`` ends.
   naming it and the fixes, before any step. Before, stages 0-2 stopped with a message blaming the
   precision plugin, and stage 3 silently packed the float64 parameter into a float32 unit (the forward
   then failed on a dtype mismatch).
+* A lazy module (``nn.LazyLinear``) not run before fit is refused at setup at stages 0 and 3, naming its
+  parameters and the fix (one forward on a sample batch in ``__init__``); before, torch's errors about
+  uninitialised parameters came from inside the engine's setup.
 """
 
 from __future__ import annotations
@@ -126,6 +130,21 @@ def _two_dtypes(stage: int) -> dict[str, Any]:
     return {"message": str(info.value), "steps": trainer.global_step, "dtype": module.scale.dtype}
 
 
+class Lazy(Recommender):
+    """A lazy head (``nn.LazyLinear``), never run before fit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.LazyLinear(1)
+
+
+def _lazy(stage: int) -> dict[str, Any]:
+    trainer = _trainer(HybridParallelStrategy(zero_stage=stage))
+    with pytest.raises(ValueError) as info:
+        trainer.fit(Lazy(), DataLoader(_data(), batch_size=MICRO))
+    return {"message": str(info.value), "steps": trainer.global_step}
+
+
 def _global_batch(step: int) -> Batch:
     items, users, y = _data().tensors
     index = torch.arange(step * WORLD * MICRO, (step + 1) * WORLD * MICRO)
@@ -173,11 +192,12 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
         strategy.destroy_process_groups()
     out["sparse_adam"] = _sparse_adam()
     out["two_dtypes"] = [_two_dtypes(stage) for stage in (0, 3)]
+    out["lazy"] = [_lazy(stage) for stage in (0, 3)]
     out["fabric_zero3"] = _fabric(rank)
     return out
 
 
-def test_sparse_gradients_equal_ddp_and_two_dtypes_are_refused() -> None:
+def test_sparse_gradients_equal_ddp_two_dtypes_and_lazy_parameters_are_refused() -> None:
     ranks = run_distributed(_runs, WORLD, init_group=False, timeout=300)
 
     # Fabric's reference: the same loop in one process over the whole global batches
@@ -212,6 +232,9 @@ def test_sparse_gradients_equal_ddp_and_two_dtypes_are_refused() -> None:
             assert refused["dtype"] == torch.float64  # the user's parameter is left as it was
             assert "torch.float64: scale (1)" in refused["message"]
             assert "model.to(dtype)" in refused["message"]
+        for refused in out["lazy"]:
+            assert refused["steps"] == 0
+            assert "not initialised yet (lazy modules: head.weight, head.bias)" in refused["message"]
     fabric = ranks[0]["fabric_zero3"]  # the whole state, gathered on rank 0
     assert fabric.keys() == one_process.keys()
     for key, value in one_process.items():
