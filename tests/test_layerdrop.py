@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
+from tests.fits import final_state
 
 WORLD, LAYERS, DROP, STEPS = 2, 4, 0.4, 8
 
@@ -70,12 +71,7 @@ def _fit(strategy: Any) -> dict[str, Any]:
         enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(data, batch_size=4))
-    if isinstance(strategy, HybridParallelStrategy):
-        state = strategy.consolidated_state_dict()  # the whole model on rank 0 (ZeRO-3 shards)
-        strategy.destroy_process_groups()
-    else:
-        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    return {"state": state, "skipped": module.skipped}
+    return {"state": final_state(module, strategy), "skipped": module.skipped}
 
 
 def _runs(rank: int, world: int) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
+from tests.fits import final_state
 
 WORLD, MICRO, N = 2, 4, 32
 KINDS: dict[str, Callable[[nn.Module], nn.Module]] = {
@@ -76,12 +77,7 @@ def _fit(kind: str, strategy: Any) -> dict[str, Tensor]:
         enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(data, batch_size=MICRO))
-    if isinstance(strategy, HybridParallelStrategy):
-        state: dict[str, Tensor] = strategy.consolidated_state_dict()  # the whole model on rank 0
-        strategy.destroy_process_groups()
-    else:
-        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    return {**state, "probe": module.probe}
+    return {**final_state(module, strategy), "probe": module.probe}
 
 
 def _runs(rank: int, world: int) -> dict[str, Any]:

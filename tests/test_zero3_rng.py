@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from lightning_par import HybridParallelStrategy
 from lightning_par.zero.stage3 import Stage3Engine
 from tests.distributed import run_distributed
+from tests.fits import final_state
 from tests.third_party import Tokens, hf_model
 
 WORLD = 2
@@ -67,11 +68,7 @@ def _fit(strategy: Any, dropout: float) -> dict[str, Tensor]:
         enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(Tokens(64), batch_size=4))
-    if isinstance(strategy, HybridParallelStrategy):
-        state: dict[str, Tensor] = strategy.consolidated_state_dict()  # the whole model on rank 0
-        strategy.destroy_process_groups()
-        return state
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return final_state(module, strategy)
 
 
 def _engine_draws(rank: int, world: int) -> dict[str, Any]:

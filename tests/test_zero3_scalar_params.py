@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_par import HybridParallelStrategy
 from lightning_par.checkpoint import consolidate
 from tests.distributed import run_distributed
+from tests.fits import final_state
 from tests.third_party import hf_model
 
 WORLD = 2
@@ -83,11 +84,7 @@ def _fit(
     trainer.fit(module, DataLoader(Pairs(), batch_size=4), ckpt_path=resume)
     if save is not None:
         trainer.save_checkpoint(save)
-    if isinstance(strategy, HybridParallelStrategy):
-        state: dict[str, Tensor] = strategy.consolidated_state_dict()  # the whole model on rank 0
-        strategy.destroy_process_groups()
-        return state
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return final_state(module, strategy)
 
 
 def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
