@@ -90,6 +90,7 @@ from lightning_par.zero.broadcast import broadcast_module_states
 from lightning_par.zero.grad_buckets import ReduceOp
 from lightning_par.zero.layout import Fragment
 from lightning_par.zero.meta_init import ValuesFn, agree_seed, materialize_unit, target_device
+from lightning_par.zero.stage3_calls import CrossUnitGuard
 from lightning_par.zero.stage3_join import mark_hf_models, unmark_hf_models
 from lightning_par.zero.stage3_load import load_into_shards
 from lightning_par.zero.stage3_reduce import Stage3Reduce
@@ -180,6 +181,7 @@ class Stage3Engine(Stage3Reduce):
             id(p): (u, i) for u in self.units for i, p in enumerate(u.params)
         }
         self._order: list[Unit] = []
+        self._cross_guard: CrossUnitGuard | None = None  # the first forward's (stage3_calls)
         self._recording = True
         self._in_step = 0  # inside forward_context (a training/eval step)
         self._borrower: nn.Module | None = None  # a module call that gathered the root (_borrow_root)
@@ -203,6 +205,7 @@ class Stage3Engine(Stage3Reduce):
         self._handles: list[RemovableHandle] = []
         self.own_reads = OwnReads()  # the strategies' own whole-model state-dict reads pass the guard
         self._install_hooks()
+        self._cross_guard = CrossUnitGuard(self.units, self.root)
         # generate() keeps the ranks' forwards in step only for models it knows are sharded (stage3_join)
         self._hf_marked = mark_hf_models(module) if self.world > 1 else []
         broadcast_module_states(module, group=group, params=False)  # buffers are replicated
@@ -440,10 +443,24 @@ class Stage3Engine(Stage3Reduce):
     def sync_enabled(self) -> bool:
         return self._sync
 
+    @property
+    def _recording(self) -> bool:
+        """True until the first full forward has been seen (it records the units' order; the cross-unit
+        call guard lives as long)."""
+        return self._first_forward
+
+    @_recording.setter
+    def _recording(self, on: bool) -> None:
+        self._first_forward = on
+        if not on and self._cross_guard is not None:
+            self._cross_guard.remove()
+            self._cross_guard = None
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._recording = False  # and the guard goes
         unmark_hf_models(self._hf_marked)
         self._hf_marked = []
 
