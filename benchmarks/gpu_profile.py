@@ -6,6 +6,10 @@ single-device strategy, each in its own process.
 number of kernels (CUDA) or aten operators (CPU) per step, the runtime calls per step that make the host
 wait for the device (synchronisations, blocking copies, ``.item()``), the operators that take the most
 device time, and those that take the most host time. ``--quick`` shrinks the model (the CPU path).
+``--proxy`` keeps the full model's 24 layers at tiny widths: on a CPU the step is then mostly per-operator
+host work, so the aten operators per step stand in for the kernel launches a GPU waits for (run it with
+``OMP_NUM_THREADS=1``: Lightning's launcher gives our processes cores / processes threads where
+``"auto"`` keeps one, which on tiny matrices costs more than the work).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from benchmarks.gpu_check_correctness import trainer as make_trainer
 from lightning_par import HybridParallelStrategy
 
 WARMUP, PROFILED = 5, 3
+PROXY = dict(n_layer=24, n_head=4, n_embd=64, seq=16, batch=2, vocab=256)  # the full depth, tiny widths
 
 
 class Profiled(pl.Callback):
@@ -58,9 +63,9 @@ class Profiled(pl.Callback):
             self.prof.__exit__(None, None, None)
 
 
-def one(impl: str, device: str, quick: bool, out: Path) -> None:
+def one(impl: str, device: str, quick: bool, out: Path, proxy: bool = False) -> None:
     quiet()
-    size = THROUGHPUT["quick" if quick else "full"]
+    size = PROXY if proxy else THROUGHPUT["quick" if quick else "full"]
     pl.seed_everything(0, verbose=False)
     model = FusedGPT(
         vocab_size=size["vocab"],
@@ -111,6 +116,7 @@ def main() -> int:
     p.add_argument("--out-dir", default="/tmp/gpu_profile")
     p.add_argument("--impl", choices=("ours", "lightning"), default=None, help="one run in this process")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--proxy", action="store_true", help="24 layers at tiny widths (host work per operator)")
     p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
     )
@@ -118,12 +124,16 @@ def main() -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.impl:
-        one(args.impl, args.device, args.quick, out)
+        one(args.impl, args.device, args.quick, out, args.proxy)
         return 0
     status = 0
     for impl in ("lightning", "ours"):
         cmd = [sys.executable, "-m", "benchmarks.gpu_profile", "--impl", impl, "--out-dir", str(out)]
-        cmd += ["--device", args.device] + (["--quick"] if args.quick else [])
+        cmd += (
+            ["--device", args.device]
+            + (["--quick"] if args.quick else [])
+            + (["--proxy"] if args.proxy else [])
+        )
         status |= subprocess.run(cmd, env=child_env(deterministic=False), timeout=240).returncode
     return status
 

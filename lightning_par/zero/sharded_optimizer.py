@@ -151,6 +151,8 @@ class ShardedOptimizer:
                         self.master_flat[f.shard_lo : f.shard_lo + f.numel].copy_(value)
         self._layout = layout
         self._grad_copy: Tensor | None = None  # the gradient shard cast to the masters' dtype, this step
+        self._grad_views: list[Tensor] = []  # each fragment's view of the gradient shard ...
+        self._grad_views_of: Tensor | None = None  # ... of this gradient shard
         with torch.no_grad():
             self.param_flat = torch.zeros(layout.numel, dtype=self.compute_dtype, device=sync.device)
             self._views: list[Tensor] = []
@@ -206,13 +208,18 @@ class ShardedOptimizer:
         grad_shard = self.sync.grad_shard
         assert grad_shard is not None
         dtype = (self.master_flat if self.master_flat is not None else self.param_flat).dtype
-        source = grad_shard if grad_shard.dtype == dtype else grad_shard.to(dtype)
-        self._grad_copy = source if source is not grad_shard else None
-        for f, (master, _, slot) in zip(self.fragments, self._master_slots, strict=True):
-            if slot in self.sync.unused:
-                master.grad = None
-                continue
-            master.grad = source[f.shard_lo : f.shard_lo + f.numel]
+        if grad_shard.dtype == dtype:
+            self._grad_copy = None
+            if self._grad_views_of is not grad_shard:  # the shard lives as long as the layout
+                self._grad_views = [grad_shard[f.shard_lo : f.shard_lo + f.numel] for f in self.fragments]
+                self._grad_views_of = grad_shard
+            views = self._grad_views  # made once: no slicing per fragment and step (host time on a GPU)
+        else:
+            self._grad_copy = grad_shard.to(dtype)
+            views = [self._grad_copy[f.shard_lo : f.shard_lo + f.numel] for f in self.fragments]
+        unused = self.sync.unused
+        for (master, _, slot), view in zip(self._master_slots, views, strict=True):
+            master.grad = None if slot in unused else view
 
     @torch.no_grad()
     def scale_attached(self, factor: float | Tensor) -> None:

@@ -33,6 +33,7 @@ class Stage3Optim(Stage3State):
     allow_untested_optimizer: bool
     optimizers: list[Optimizer]
     _group_params: list[list[list[nn.Parameter]]]
+    _grad_views: list[tuple[Tensor, Tensor] | None]
     unused: frozenset[int]
 
     # ------------------------------------------------------------------ optimizer
@@ -48,6 +49,8 @@ class Stage3Optim(Stage3State):
         masters: dict[int, list[Tensor]] = {}
         self._masters = []
         self._grad_copies: list[Tensor] = []  # gradient shards cast to the masters' dtype, this step
+        # per master fragment: (its unit's gradient shard, the fragment's view of it), made on first use
+        self._grad_views: list[tuple[Tensor, Tensor] | None] = []
         for unit in self.units:
             if unit.train is None:
                 continue
@@ -64,7 +67,9 @@ class Stage3Optim(Stage3State):
         copy of that shard in the masters' dtype (a reduction dtype other than the masters'): one cast
         kernel per unit instead of one per fragment."""
         copies: dict[int, Tensor] = {}
-        for unit, f, master in self._masters:
+        if len(self._grad_views) != len(self._masters):
+            self._grad_views = [None] * len(self._masters)
+        for i, (unit, f, master) in enumerate(self._masters):
             if id(unit.params[f.slot]) in self.unused:
                 master.grad = None
                 continue
@@ -73,8 +78,14 @@ class Stage3Optim(Stage3State):
             if source.dtype != master.dtype:
                 if id(unit) not in copies:
                     copies[id(unit)] = source.to(master.dtype)
-                source = copies[id(unit)]
-            master.grad = source[f.shard_lo : f.shard_lo + f.numel]
+                master.grad = copies[id(unit)][f.shard_lo : f.shard_lo + f.numel]
+                continue
+            # the shard lives as long as its unit: its views are made once, not sliced every step (host
+            # time that a GPU waits for, hundreds of fragments)
+            cached = self._grad_views[i]
+            if cached is None or cached[0] is not source:
+                cached = self._grad_views[i] = (source, source[f.shard_lo : f.shard_lo + f.numel])
+            master.grad = cached[1]
         self._grad_copies = list(copies.values())
 
     def group_params(self, index: int) -> list[list[nn.Parameter]]:
