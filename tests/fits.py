@@ -1,13 +1,29 @@
-"""What a test reads back after a ``Trainer.fit`` on Gloo ranks, the same way for our strategy and for
-Lightning's own, so a test compares the two with one call."""
+"""A quiet CPU ``Trainer`` for a test's fits on Gloo ranks, and what the test reads back after ``fit``, the
+same way for our strategy and for Lightning's own, so a test compares the two with one call."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 from torch import Tensor, nn
 
 from lightning_par import HybridParallelStrategy
+
+
+def cpu_trainer(strategy: Any, *, devices: int = 2, **options: Any) -> pl.Trainer:
+    """``pl.Trainer`` on ``devices`` CPU processes without logger, checkpoints, progress bar or model
+    summary; ``options`` (``max_steps``, ``accumulate_grad_batches``, ...) pass through."""
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **options,
+    )
 
 
 def final_state(module: nn.Module, strategy: Any) -> dict[str, Tensor]:

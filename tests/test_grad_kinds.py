@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_par import HybridParallelStrategy
 from lightning_par.fabric import HybridParallelStrategy as FabricHybridParallelStrategy
 from tests.distributed import run_distributed
+from tests.fits import cpu_trainer
 
 WORLD, MICRO, N, ACCUMULATE, SEED = 2, 4, 64, 2, 3
 ITEMS, USERS, DIM, BAG = 40, 30, 8, 3
@@ -83,17 +84,7 @@ def _data() -> TensorDataset:
 
 
 def _trainer(strategy: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
-        max_epochs=1,
-        accumulate_grad_batches=ACCUMULATE,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    return cpu_trainer(strategy, max_epochs=1, accumulate_grad_batches=ACCUMULATE)
 
 
 def _fit(strategy: Any) -> State:

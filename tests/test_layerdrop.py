@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
-from tests.fits import final_state
+from tests.fits import cpu_trainer, final_state
 
 WORLD, LAYERS, DROP, STEPS = 2, 4, 0.4, 8
 
@@ -60,16 +60,7 @@ def _fit(strategy: Any) -> dict[str, Any]:
     module = LayerDrop()
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, generator=g))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(strategy, max_steps=STEPS)
     trainer.fit(module, DataLoader(data, batch_size=4))
     return {"state": final_state(module, strategy), "skipped": module.skipped}
 

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
-from tests.fits import final_state
+from tests.fits import cpu_trainer, final_state
 
 WORLD, STEPS = 2, 4
 
@@ -65,16 +65,7 @@ class Shared(pl.LightningModule):
 
 
 def _trainer(strategy: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    return cpu_trainer(strategy, max_steps=STEPS)
 
 
 def _data() -> DataLoader[tuple[Tensor, ...]]:

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
-from tests.fits import final_state
+from tests.fits import cpu_trainer, final_state
 
 WORLD, MICRO, N = 2, 4, 32
 KINDS: dict[str, Callable[[nn.Module], nn.Module]] = {
@@ -66,16 +66,7 @@ def _fit(kind: str, strategy: Any) -> dict[str, Tensor]:
     module = Normed(kind)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(N, 8, generator=g), torch.randn(N, generator=g))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(strategy, max_epochs=1)
     trainer.fit(module, DataLoader(data, batch_size=MICRO))
     return {**final_state(module, strategy), "probe": module.probe}
 

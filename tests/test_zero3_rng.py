@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from lightning_par import HybridParallelStrategy
 from lightning_par.zero.stage3 import Stage3Engine
 from tests.distributed import run_distributed
-from tests.fits import final_state
+from tests.fits import cpu_trainer, final_state
 from tests.third_party import Tokens, hf_model
 
 WORLD = 2
@@ -57,16 +57,7 @@ class MaskedLM(pl.LightningModule):
 def _fit(strategy: Any, dropout: float) -> dict[str, Tensor]:
     pl.seed_everything(0, verbose=False)
     module = MaskedLM(dropout)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(strategy, max_steps=4)
     trainer.fit(module, DataLoader(Tokens(64), batch_size=4))
     return final_state(module, strategy)
 

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_par import HybridParallelStrategy
 from lightning_par.checkpoint import consolidate
 from tests.distributed import run_distributed
-from tests.fits import final_state
+from tests.fits import cpu_trainer, final_state
 from tests.third_party import hf_model
 
 WORLD = 2
@@ -71,16 +71,7 @@ def _fit(
 ) -> dict[str, Tensor]:
     pl.seed_everything(0, verbose=False)
     module = Contrastive()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(strategy, max_steps=steps)
     trainer.fit(module, DataLoader(Pairs(), batch_size=4), ckpt_path=resume)
     if save is not None:
         trainer.save_checkpoint(save)
