@@ -27,6 +27,25 @@ def _flat(value: Any) -> Any:
     return value.detach().reshape(-1) if isinstance(value, Tensor) and value.dim() > 0 else value
 
 
+# per-parameter states that torch's optimizers keep as one number whatever the parameter's shape
+_SCALAR_STATES = frozenset({"step", "eta", "mu", "mu_product"})
+
+
+def _flat_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A torch optimizer's state of one parameter with its per-element tensors flat. A 0-dim parameter's
+    per-element states are 0-dim too, like its step (CLIP's ``logit_scale``: Adam's ``exp_avg`` of shape
+    ``()``): when no state has a dimension, the floating ones outside :data:`_SCALAR_STATES` are its
+    elements. Before, they were taken for step-like scalars and the piece had no elements, so a resume
+    from a torch-format checkpoint into ZeRO 1-3 dropped that parameter's optimizer state."""
+    flat = {k: _flat(v) for k, v in state.items()}
+    if any(isinstance(v, Tensor) and v.dim() > 0 for v in flat.values()):
+        return flat
+    return {
+        k: v.reshape(1) if isinstance(v, Tensor) and v.is_floating_point() and k not in _SCALAR_STATES else v
+        for k, v in flat.items()
+    }
+
+
 def pieces_from_state_dict(state_dict: Mapping[str, Any], param_names: Sequence[Sequence[str]]) -> Pieces:
     """Pieces of an unsharded torch optimizer ``state_dict``; ``param_names[g][i]`` names the i-th
     parameter of group ``g`` (the order in which the optimizer was given its parameters)."""
@@ -45,7 +64,7 @@ def pieces_from_state_dict(state_dict: Mapping[str, Any], param_names: Sequence[
         for index, name in zip(group["params"], names, strict=True):
             state = state_dict["state"].get(index)
             if state:
-                flat = {k: _flat(v) for k, v in state.items()}
+                flat = _flat_state(state)
                 numel = next((v.numel() for v in flat.values() if isinstance(v, Tensor) and v.dim() > 0), 0)
                 out.setdefault(name, []).append((0, numel, flat))
     return out
