@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -210,9 +210,13 @@ def check_model(checkpoint: Mapping[str, Any], module: nn.Module, tp: TPInfo) ->
 
 
 def _sources(
-    checkpoint: Mapping[str, Any], sharded_path: Path | None, current_names: Sequence[Sequence[Sequence[str]]]
+    checkpoint: Mapping[str, Any],
+    sharded_path: Path | None,
+    current_names: Sequence[Sequence[Sequence[str]]],
+    scalars: Collection[str] = (),
 ) -> list[tuple[list[dict[str, Any]], Pieces]]:
-    """(hyper-parameters, pieces) per optimizer from a checkpoint of either format."""
+    """(hyper-parameters, pieces) per optimizer from a checkpoint of either format; ``scalars``: the
+    names of 0-dim parameters."""
     if sharded_path is not None:
         return read_optimizer_records(sharded_path)
     meta = checkpoint.get(METADATA_KEY) or {}
@@ -222,7 +226,7 @@ def _sources(
         # a checkpoint without our metadata (plain Lightning) was made by the same configure_optimizers()
         names = saved_names[k] if k < len(saved_names) else current_names[k]
         hyper = [{kk: vv for kk, vv in g.items() if kk != "params"} for g in state["param_groups"]]
-        out.append((hyper, pieces_from_state_dict(state, names)))
+        out.append((hyper, pieces_from_state_dict(state, names, scalars=scalars)))
     return out
 
 
@@ -243,20 +247,21 @@ def load_optimizer_states(
     current = [_group_names(opt, engine, names, k) for k, opt in enumerate(optimizers)]
     sharded = engine.sharded_state if engine is not None else None
     shapes = global_shapes(module, tp)
+    scalars = {n for n, shape in shapes.items() if len(shape) == 0}
     if engine is None or sharded is None:
         if sharded_path is None and tp["size"] == 1:
             for opt, state in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
                 opt.load_state_dict(state)
             return
         for opt, (hyper, pieces) in zip(
-            optimizers, _sources(checkpoint, sharded_path, current), strict=False
+            optimizers, _sources(checkpoint, sharded_path, current, scalars), strict=False
         ):
             load_unsharded(opt, localize(pieces, shapes, tp), hyper, names)
         return
     meta = checkpoint.get(METADATA_KEY) or {}
     # the optimizer now has state: freeze the bucket order (the checkpoint's, when it is ours)
     engine.freeze_order(meta.get("order") or [])
-    sources = _sources(checkpoint, sharded_path, current)
+    sources = _sources(checkpoint, sharded_path, current, scalars)
     if len(sources) != len(optimizers):
         raise ValueError(
             f"The checkpoint holds {len(sources)} optimizer(s), the model configures {len(optimizers)}."

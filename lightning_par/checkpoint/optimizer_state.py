@@ -10,7 +10,7 @@ state to parameters, so a checkpoint survives a different bucket order or data-p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,24 +31,29 @@ def _flat(value: Any) -> Any:
 _SCALAR_STATES = frozenset({"step", "eta", "mu", "mu_product"})
 
 
-def _flat_state(state: Mapping[str, Any]) -> dict[str, Any]:
+def _flat_state(state: Mapping[str, Any], *, scalar_param: bool) -> dict[str, Any]:
     """A torch optimizer's state of one parameter with its per-element tensors flat. A 0-dim parameter's
     per-element states are 0-dim too, like its step (CLIP's ``logit_scale``: Adam's ``exp_avg`` of shape
-    ``()``): when no state has a dimension, the floating ones outside :data:`_SCALAR_STATES` are its
+    ``()``): for one (``scalar_param``) the floating states outside :data:`_SCALAR_STATES` are its
     elements. Before, they were taken for step-like scalars and the piece had no elements, so a resume
     from a torch-format checkpoint into ZeRO 1-3 dropped that parameter's optimizer state."""
     flat = {k: _flat(v) for k, v in state.items()}
-    if any(isinstance(v, Tensor) and v.dim() > 0 for v in flat.values()):
+    if not scalar_param:
         return flat
     return {
-        k: v.reshape(1) if isinstance(v, Tensor) and v.is_floating_point() and k not in _SCALAR_STATES else v
+        k: v.reshape(1)
+        if isinstance(v, Tensor) and v.dim() == 0 and v.is_floating_point() and k not in _SCALAR_STATES
+        else v
         for k, v in flat.items()
     }
 
 
-def pieces_from_state_dict(state_dict: Mapping[str, Any], param_names: Sequence[Sequence[str]]) -> Pieces:
+def pieces_from_state_dict(
+    state_dict: Mapping[str, Any], param_names: Sequence[Sequence[str]], *, scalars: Collection[str] = ()
+) -> Pieces:
     """Pieces of an unsharded torch optimizer ``state_dict``; ``param_names[g][i]`` names the i-th
-    parameter of group ``g`` (the order in which the optimizer was given its parameters)."""
+    parameter of group ``g`` (the order in which the optimizer was given its parameters); ``scalars``:
+    the names of 0-dim parameters (see :func:`_flat_state`)."""
     groups = state_dict["param_groups"]
     if len(groups) != len(param_names):
         raise ValueError(
@@ -64,7 +69,7 @@ def pieces_from_state_dict(state_dict: Mapping[str, Any], param_names: Sequence[
         for index, name in zip(group["params"], names, strict=True):
             state = state_dict["state"].get(index)
             if state:
-                flat = _flat_state(state)
+                flat = _flat_state(state, scalar_param=name in scalars)
                 numel = next((v.numel() for v in flat.values() if isinstance(v, Tensor) and v.dim() > 0), 0)
                 out.setdefault(name, []).append((0, numel, flat))
     return out

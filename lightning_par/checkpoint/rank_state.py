@@ -215,7 +215,8 @@ def load_resharded(
             hyper = optims[0]["optimizers"][k]["param_groups"]
         else:
             saved = optims[0]["optimizers"][k]
-            pieces = pieces_from_state_dict(saved, param_names[k])
+            scalars = {n for n, param in module.named_parameters() if param.dim() == 0}
+            pieces = pieces_from_state_dict(saved, param_names[k], scalars=scalars)
             hyper = [{n: v for n, v in g.items() if n != "params"} for g in saved["param_groups"]]
             if sharded is not None and sharded.master_key is not None:
                 # an unsharded optimizer keeps no fp32 master: the saved parameter is the master
