@@ -151,8 +151,6 @@ class ShardedOptimizer:
                         self.master_flat[f.shard_lo : f.shard_lo + f.numel].copy_(value)
         self._layout = layout
         self._grad_copy: Tensor | None = None  # the gradient shard cast to the masters' dtype, this step
-        self._grad_views: list[Tensor] = []  # each fragment's view of the gradient shard ...
-        self._grad_views_of: Tensor | None = None  # ... of this gradient shard
         with torch.no_grad():
             self.param_flat = torch.zeros(layout.numel, dtype=self.compute_dtype, device=sync.device)
             self._views: list[Tensor] = []
@@ -174,6 +172,11 @@ class ShardedOptimizer:
             masters.setdefault(id(params[f.slot]), []).append(master)
             self._master_slots.append((master, compute, f.slot))
         self._masters = masters
+        # each fragment's view of the gradient shard, which lives as long as the layout: made here, not
+        # sliced every step (host time a GPU waits for); unused when the shard's dtype is not the masters'
+        grad_shard = sync.grad_shard
+        assert grad_shard is not None
+        self._grad_views = [grad_shard[f.shard_lo : f.shard_lo + f.numel] for f in self.fragments]
         for opt, groups in zip(self.optimizers, self._group_params, strict=True):
             rebuild_optimizer(opt, groups, masters)
 
@@ -210,10 +213,7 @@ class ShardedOptimizer:
         dtype = (self.master_flat if self.master_flat is not None else self.param_flat).dtype
         if grad_shard.dtype == dtype:
             self._grad_copy = None
-            if self._grad_views_of is not grad_shard:  # the shard lives as long as the layout
-                self._grad_views = [grad_shard[f.shard_lo : f.shard_lo + f.numel] for f in self.fragments]
-                self._grad_views_of = grad_shard
-            views = self._grad_views  # made once: no slicing per fragment and step (host time on a GPU)
+            views = self._grad_views
         else:
             self._grad_copy = grad_shard.to(dtype)
             views = [self._grad_copy[f.shard_lo : f.shard_lo + f.numel] for f in self.fragments]

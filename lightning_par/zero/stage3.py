@@ -212,7 +212,7 @@ class Stage3Engine(Stage3Reduce):
         self.optimizers: list[Optimizer] = []
         self._group_params: list[list[list[nn.Parameter]]] = []
         self._masters: list[tuple[Unit, Fragment, Tensor]] = []  # (unit, fragment, master view)
-        self._grad_views: list[tuple[Tensor, Tensor] | None] = []  # stage3_optim._attach_grads
+        self._grad_views: list[Tensor | None] = []  # stage3_optim: each master's gradient view
 
     # ------------------------------------------------------------------ construction
     def _shard_unit(

@@ -33,7 +33,7 @@ class Stage3Optim(Stage3State):
     allow_untested_optimizer: bool
     optimizers: list[Optimizer]
     _group_params: list[list[list[nn.Parameter]]]
-    _grad_views: list[tuple[Tensor, Tensor] | None]
+    _grad_views: list[Tensor | None]
     unused: frozenset[int]
 
     # ------------------------------------------------------------------ optimizer
@@ -49,8 +49,9 @@ class Stage3Optim(Stage3State):
         masters: dict[int, list[Tensor]] = {}
         self._masters = []
         self._grad_copies: list[Tensor] = []  # gradient shards cast to the masters' dtype, this step
-        # per master fragment: (its unit's gradient shard, the fragment's view of it), made on first use
-        self._grad_views: list[tuple[Tensor, Tensor] | None] = []
+        # per master fragment, its view of the unit's gradient shard (which lives as long as the unit), made
+        # once instead of sliced every step; None where the shard's dtype differs (a copy is sliced then)
+        self._grad_views: list[Tensor | None] = []
         for unit in self.units:
             if unit.train is None:
                 continue
@@ -59,6 +60,11 @@ class Stage3Optim(Stage3State):
                 inherit_param_attrs(view, unit.params[f.slot])
                 masters.setdefault(id(unit.params[f.slot]), []).append(view)
                 self._masters.append((unit, f, view))
+                g = unit.grad_shard
+                if g is not None and g.dtype == view.dtype:
+                    self._grad_views.append(g[f.shard_lo : f.shard_lo + f.numel])
+                else:
+                    self._grad_views.append(None)
         for opt, groups in zip(self.optimizers, self._group_params, strict=True):
             rebuild_optimizer(opt, groups, masters)
 
@@ -67,25 +73,16 @@ class Stage3Optim(Stage3State):
         copy of that shard in the masters' dtype (a reduction dtype other than the masters'): one cast
         kernel per unit instead of one per fragment."""
         copies: dict[int, Tensor] = {}
-        if len(self._grad_views) != len(self._masters):
-            self._grad_views = [None] * len(self._masters)
-        for i, (unit, f, master) in enumerate(self._masters):
+        for (unit, f, master), view in zip(self._masters, self._grad_views, strict=True):
             if id(unit.params[f.slot]) in self.unused:
                 master.grad = None
-                continue
-            source = unit.grad_shard
-            assert source is not None
-            if source.dtype != master.dtype:
+            elif view is not None:
+                master.grad = view
+            else:
+                assert unit.grad_shard is not None
                 if id(unit) not in copies:
-                    copies[id(unit)] = source.to(master.dtype)
+                    copies[id(unit)] = unit.grad_shard.to(master.dtype)
                 master.grad = copies[id(unit)][f.shard_lo : f.shard_lo + f.numel]
-                continue
-            # the shard lives as long as its unit: its views are made once, not sliced every step (host
-            # time that a GPU waits for, hundreds of fragments)
-            cached = self._grad_views[i]
-            if cached is None or cached[0] is not source:
-                cached = self._grad_views[i] = (source, source[f.shard_lo : f.shard_lo + f.numel])
-            master.grad = cached[1]
         self._grad_copies = list(copies.values())
 
     def group_params(self, index: int) -> list[list[nn.Parameter]]:
