@@ -9,7 +9,7 @@ strategy doing the same thing on the same device:
   at ZeRO 0-3 in ``32-true`` (deterministic kernels: the trainable weights and the test loss within 1e-5
   of Lightning's, the frozen weights unchanged) and at ZeRO-3 in ``bf16-mixed`` (within ``8 u U`` of
   Lightning's ``bf16-mixed``, ``U`` the largest update, as part 1's tolerance argues; the frozen weights
-  rounded to bf16 once, as ZeRO 1-3 keep them in the compute dtype);
+  exactly as they started: fp32 under mixed precision, as Lightning keeps them);
 - greedy ``generate()`` of the trained model at ZeRO-3 inside ``strategy.gathered_params()`` (in
   ``on_train_end``): the same tokens as Lightning's trained model;
 - a Hugging Face ResNet (BatchNorm: running statistics are buffers) at ZeRO-2 and ZeRO-3, ``fit`` then
@@ -323,9 +323,9 @@ def part_models(quick: bool, device: str, root: str, fail: Fail) -> dict[str, An
             name = f"lora-llama-zero{stage}-{precision}"
             run = _fit_test(lora, tokens, device, stage, precision, root)
             out[name] = _compare(name, run, ref, tol, fail)
-            # at ZeRO 1-3 under 16-bit precision the frozen weights are kept in the compute dtype (no
-            # masters, as DeepSpeed keeps them): rounded once, never updated
-            dtype = torch.bfloat16 if precision == "bf16-mixed" and stage > 0 else torch.float32
+            # frozen weights keep their fp32 values under mixed precision (ParallelPrecision's
+            # frozen_dtype="auto", as Lightning keeps them): exactly as they started, never updated
+            dtype = torch.float32
             kept = {k: start[k].to(dtype) for k in frozen}
             moved = _diff(run["final"], kept, [k for k in frozen if k in run["final"]])
             out[name]["frozen_moved"] = moved

@@ -95,6 +95,7 @@ def build_engine(
     device: torch.device,
     compute_dtype: torch.dtype | None,
     grad_dtype: torch.dtype | None,
+    frozen_dtype: torch.dtype | None = None,
     fitting: bool = True,
     values: ValuesFn | None = None,
     pipelined: bool = False,
@@ -108,6 +109,7 @@ def build_engine(
     ``device``. Under a pipeline (``pipelined``) a step's micro-batches are its accumulation window, so
     stages 1/2 reduce once at the window's end, and stage 3 keeps its units gathered across the
     micro-batches (``reshard_after_forward`` unset) and reduce-scatters once, at ``flush()``.
+    ``frozen_dtype``: the dtype of ZeRO-3's frozen floating shards (None: the parameters' own).
     ``seed_groups`` (the tensor- and pipeline-parallel groups) agree with ``group`` on the seed of that
     init, so every rank of the mesh draws it alike.
     """
@@ -128,6 +130,7 @@ def build_engine(
             find_unused_parameters=options.find_unused_parameters,
             compute_dtype=compute_dtype,
             grad_dtype=grad_dtype,
+            frozen_dtype=frozen_dtype,
             values=values,
             allow_untested_optimizer=options.allow_untested_optimizer,
             device=device,

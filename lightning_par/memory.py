@@ -10,9 +10,11 @@ parameters are the masters) and ``S`` the optimizer's state bytes per element (A
     stage 2:  params PΨ   grads GΨ/N + buckets  optimizer (M+S)Ψ/N     (grad_sync="every")
     stage 3:  params PΨ/N + live units   grads GΨ/N   optimizer (M+S)Ψ/N
 
-Frozen parameters (``requires_grad=False``, e.g. a LoRA model's base) add ``P Φ`` to the parameters
-(``P Φ/N`` at stage 3, ``Φ`` the frozen count per tensor/pipeline rank) and nothing to gradients or
-optimizer state: they have no gradient, no master and no optimizer state.
+Frozen parameters (``requires_grad=False``, e.g. a LoRA model's base) add ``F Φ`` to the parameters
+(``F Φ/N`` at stage 3, ``Φ`` the frozen count per tensor/pipeline rank) and nothing to gradients or
+optimizer state: they have no gradient, no master and no optimizer state. ``F`` is the bytes they are
+stored in: 4 under ``"bf16-mixed"`` / ``"16-mixed"`` (fp32, as Lightning keeps them: ParallelPrecision's
+``frozen_dtype="auto"``), ``P`` otherwise or with ``frozen_dtype="compute"``.
 
 where the live units are the root unit (gathered for the whole step) plus a block and its prefetched
 successor; under pipeline parallelism (``pp > 1``) every unit of the stage stays gathered for the step
@@ -146,10 +148,11 @@ def estimate_memory(
     max_inflight: int = 4,
     stage3_inflight: int = 2,
     frozen_params: int = 0,
+    frozen_dtype: Literal["auto", "compute"] = "auto",
 ) -> MemoryReport:
     """Predicted bytes per rank of model states (see the module docstring for the formulas). Given a
     parameter count, ``frozen_params`` is the number of frozen parameters besides it; given a model, its
-    parameters with ``requires_grad=False`` are."""
+    parameters with ``requires_grad=False`` are. ``frozen_dtype`` as ParallelPrecision's."""
     largest = 0
     if isinstance(model_or_param_count, nn.Module):
         trainable = [p for p in model_or_param_count.parameters() if p.requires_grad]
@@ -171,15 +174,17 @@ def estimate_memory(
     phi = frozen_params / (tp * pp)
     p_bytes, g_bytes, m_bytes = _PRECISION_BYTES[precision]
     s_bytes = _STATE_BYTES[optimizer]
-    params = p_bytes * (psi + phi)
+    mixed = precision in ("bf16-mixed", "16-mixed")
+    f_bytes = 4 if mixed and frozen_dtype == "auto" else p_bytes
+    params = p_bytes * psi + f_bytes * phi
     comm = live = 0.0
     if zero_stage == 3 and pp > 1:
         # under a pipeline every unit stays gathered for the step and its gradients are summed unsharded
         # until the one reduce-scatter after the last micro-batch (zero/stage3.py, deferred reduction)
-        params, grads, opt = p_bytes * (psi + phi) / dp, g_bytes * psi / dp, (m_bytes + s_bytes) * psi / dp
+        params, grads, opt = params / dp, g_bytes * psi / dp, (m_bytes + s_bytes) * psi / dp
         live, comm = p_bytes * (psi + phi), g_bytes * psi
     elif zero_stage == 3:
-        params, grads, opt = p_bytes * (psi + phi) / dp, g_bytes * psi / dp, (m_bytes + s_bytes) * psi / dp
+        params, grads, opt = params / dp, g_bytes * psi / dp, (m_bytes + s_bytes) * psi / dp
         if isinstance(model_or_param_count, nn.Module):
             units = plan_units(model_or_param_count).units
             sizes = [sum(p.numel() for _, p in named) for _, _, named in units]

@@ -60,6 +60,7 @@ from lightning_par.pipeline.apply import NORM_SKIP_ATTR
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 
 PrecisionMode = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
+FrozenDtype = Literal["auto", "compute"]
 ReduceDtype = Literal["fp32", "bf16", "fp16"]
 PRECISION_MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -78,6 +79,12 @@ class ParallelPrecision(Precision):
         master_weights: low-precision parameters with fp32 masters in the ZeRO shards (``True``), or fp32
             parameters under autocast (``False``; for ``"bf16-true"``: bf16 parameters updated as they
             are); default: masters at ZeRO stages 1-3, none at stage 0.
+        frozen_dtype: how frozen floating parameters (``requires_grad=False``) are stored where there are
+            masters. ``"auto"``: as Lightning's own strategies store them, fp32 under ``"bf16-mixed"`` /
+            ``"16-mixed"`` (ZeRO-3 gathers them in the compute dtype) and bf16 under ``"bf16-true"``;
+            an EMA teacher or target network updated between steps keeps its small updates, which a
+            16-bit copy rounds away. ``"compute"``: the 16-bit compute dtype (DeepSpeed's choice), half
+            the memory of a large frozen base (LoRA), rounded once at setup.
     """
 
     def __init__(
@@ -88,9 +95,13 @@ class ParallelPrecision(Precision):
         norms_in_fp32: bool = True,
         loss_scale: dict[str, Any] | None = None,
         master_weights: bool | None = None,
+        frozen_dtype: FrozenDtype = "auto",
     ) -> None:
         if precision not in PRECISION_MODES:
             raise ValueError(f"precision must be one of {PRECISION_MODES}, got {precision!r}.")
+        if frozen_dtype not in ("auto", "compute"):
+            raise ValueError(f"frozen_dtype must be 'auto' or 'compute', got {frozen_dtype!r}.")
+        self.frozen_dtype: FrozenDtype = frozen_dtype
         if reduce_dtype not in _DTYPES:
             raise ValueError(f"reduce_dtype must be one of {tuple(_DTYPES)}, got {reduce_dtype!r}.")
         super().__init__()
@@ -138,6 +149,14 @@ class ParallelPrecision(Precision):
         if self.uses_masters:
             return self.compute_dtype, self.reduce_dtype
         return None, (self.reduce_dtype if self.precision == "bf16-true" else None)
+
+    def frozen_storage_dtype(self) -> torch.dtype | None:
+        """The dtype frozen floating parameters are stored in (cast at setup; ZeRO-3's frozen shards), None
+        to keep their own. Without masters the module's conversion decides (``"bf16-true"`` converts it
+        all, mixed modes keep fp32), as in Lightning."""
+        if not self.uses_masters:
+            return None
+        return self.compute_dtype if self.frozen_dtype == "compute" or self.precision == "bf16-true" else None
 
     @property
     def uses_masters(self) -> bool:
@@ -311,7 +330,8 @@ def _compute_in_fp32(module: nn.Module) -> None:
 
 
 def cast_frozen(module: nn.Module, dtype: torch.dtype | None) -> None:
-    """Frozen floating parameters (the engine casts the trainable ones) follow the compute ``dtype``."""
+    """Frozen floating parameters (the engine casts the trainable ones) are stored in ``dtype`` (None:
+    left as they are; see ``ParallelPrecision.frozen_storage_dtype``)."""
     if dtype is None:
         return
     for p in module.parameters():

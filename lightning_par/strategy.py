@@ -346,7 +346,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             self._engine.shard_optimizers(self.optimizers)
             self._guard_hooks()
         if self.model is not None:
-            cast_frozen(self.model, self._dtypes()[0])
+            cast_frozen(self.model, self._frozen_dtype())
         self._setup_precision_groups()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -373,6 +373,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             device=self.root_device,
             compute_dtype=compute,
             grad_dtype=reduce,
+            frozen_dtype=self._frozen_dtype(),
             fitting=fitting,
             values=values,
             pipelined=self.pipeline_parallel_size > 1,

@@ -58,6 +58,11 @@ class StrategyPrecision(ZeroCheckpointIO):
         plugin = self.precision_plugin
         return plugin.engine_dtypes() if isinstance(plugin, ParallelPrecision) else (None, None)
 
+    def _frozen_dtype(self) -> torch.dtype | None:
+        """The dtype frozen floating parameters are stored in (``ParallelPrecision.frozen_storage_dtype``)."""
+        plugin = self.precision_plugin
+        return plugin.frozen_storage_dtype() if isinstance(plugin, ParallelPrecision) else None
+
     def _setup_precision_groups(self) -> None:
         """Step 7: the groups over which the precision plugin's clip norm and fp16 verdicts agree."""
         plugin = self.precision_plugin

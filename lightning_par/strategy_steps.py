@@ -182,13 +182,17 @@ class StrategySteps(ZeroCheckpointIO):
             )
         return super().process_dataloader(dataloader)
 
-    def gathered_params(self) -> AbstractContextManager[None]:
+    def gathered_params(self, *, writeback: bool = False) -> AbstractContextManager[None]:
         """Entered by every rank: at ZeRO-3 the whole model is gathered on entry and stays whole until
         the exit, so code on one rank only (``if trainer.is_global_zero: model.generate(...)``) runs its
-        forwards without the other ranks; elsewhere a no-op. Tensor parallelism still communicates in
-        every forward."""
+        forwards without the other ranks. With ``writeback=True`` (every rank, at ZeRO 1-3) the parameters
+        inside are whole in their stored precision (the fp32 masters, not the 16-bit compute copy), and
+        in-place writes to them (an EMA teacher's update, a clamp) are kept at the exit; every rank must
+        make the same writes (checked before anything is written back). Elsewhere a no-op: the parameters
+        are whole, and at ZeRO 1/2 writes to the compute copy reach the masters before the next update.
+        Tensor parallelism still communicates in every forward."""
         engine = self._engine
-        return engine.gathered() if isinstance(engine, Stage3Join) else nullcontext()
+        return engine.gathered(writeback=writeback) if engine is not None else nullcontext()
 
     def _start_eval_join(self, loop_name: str) -> None:
         """Compare the dp ranks' batch counts of the loop starting now (:mod:`lightning_par.eval_join`):

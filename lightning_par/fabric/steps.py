@@ -141,10 +141,10 @@ class FabricSteps:
         finally:
             engine.joining = False
 
-    def gathered_params(self) -> AbstractContextManager[None]:
-        """Entered by every rank: at ZeRO-3 the whole model is gathered on entry and stays whole until
-        the exit, so code on one rank only (``if fabric.global_rank == 0: sample(model)``) runs its
-        forwards without the other ranks; elsewhere a no-op. Tensor parallelism still communicates in
-        every forward."""
+    def gathered_params(self, *, writeback: bool = False) -> AbstractContextManager[None]:
+        """The Trainer strategy's ``gathered_params`` for Fabric loops (every rank enters): at ZeRO-3 the
+        model is whole inside, so one rank may sample alone (``if fabric.global_rank == 0:
+        sample(model)``); ``writeback=True`` keeps in-place writes made inside (an EMA teacher, a clamp),
+        made in the fp32 masters at ZeRO 1-3 and refused if the ranks' writes differ."""
         engine = self.engine
-        return engine.gathered() if isinstance(engine, Stage3Join) else nullcontext()
+        return engine.gathered(writeback=writeback) if engine is not None else nullcontext()

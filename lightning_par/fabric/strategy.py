@@ -325,10 +325,11 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             device=self.root_device,
             compute_dtype=compute,
             grad_dtype=reduce,
+            frozen_dtype=self.precision.frozen_storage_dtype(),
             pipelined=self._pipeline is not None,
             seed_groups=(self.mesh.tp_group, self.mesh.pp_group),
         )
-        cast_frozen(module, compute)
+        cast_frozen(module, self.precision.frozen_storage_dtype())
         self._metric_sync.assign(module, mesh=self.mesh, pipelined=self._pipeline is not None)
         setattr(module, SETUP_ATTR, True)
         self.module = module

@@ -75,6 +75,8 @@ class ZeroEngine:
         if self.stage == 0 or not optimizers:
             return
         names = {p: n for n, p in self.module.named_parameters()}
+        if self.sharded is not None:  # optimizers sharded again (a new fit): the old hooks go
+            self.sharded.remove()
         self.sharded = ShardedOptimizer(
             sync=self.sync,
             optimizers=optimizers,
@@ -158,6 +160,13 @@ class ZeroEngine:
     def unshard_all(self) -> None:
         """Parameters are whole below stage 3; nothing to gather."""
 
+    def gathered(self, *, writeback: bool = False) -> AbstractContextManager[None]:
+        """Parameters are whole below stage 3 (a no-op); with ``writeback`` at stages 1/2 with separate
+        fp32 masters they are whole copies of the masters inside (:meth:`ShardedOptimizer.whole_masters`)."""
+        if writeback and self.sharded is not None:
+            return self.sharded.whole_masters()
+        return nullcontext()
+
     def comm_state(self, *, average: bool = False) -> dict[str, Any] | None:
         """The gradient compressor's state by parameter name (our PowerSGD's iteration, Q and residuals),
         None without a stateful compressor. ``average=True`` replaces the residuals by their mean over the
@@ -182,6 +191,8 @@ class ZeroEngine:
 
     def remove(self) -> None:
         self.sync.remove()
+        if self.sharded is not None:
+            self.sharded.remove()
 
 
 class Engine(Protocol):
@@ -196,6 +207,8 @@ class Engine(Protocol):
       module), restored by ``freeze_order`` before fragments are loaded.
     * ``masters_changed()``: after fp32 masters were written, the compute copies follow.
     * ``unshard_all()``: leave whole parameters behind (a no-op below stage 3).
+    * ``gathered(writeback=...)``: whole parameters for code outside a step, entered by every rank
+      (``strategy.gathered_params``); with ``writeback`` in their stored precision, writes kept.
     * ``memory_bytes()``: bytes by category; keys present override what a caller would count itself.
     * ``comm_state()`` / ``load_comm_state()``: the gradient compressor's state for checkpoints (None
       when there is none).
@@ -235,6 +248,7 @@ class Engine(Protocol):
     def load_param_shards(self, values: Callable[[str, int, int], Tensor | None]) -> None: ...
     def masters_changed(self) -> None: ...
     def unshard_all(self) -> None: ...
+    def gathered(self, *, writeback: bool = False) -> AbstractContextManager[None]: ...
     def memory_bytes(self) -> dict[str, int]: ...
     def comm_state(self, *, average: bool = False) -> dict[str, Any] | None: ...
     def load_comm_state(self, saved: Mapping[str, Any] | None) -> None: ...

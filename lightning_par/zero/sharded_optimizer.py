@@ -19,7 +19,8 @@ model keeps separate fp32 master fragments (see ``master_dtype``).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from lightning_par.collectives import all_gather_flat
 from lightning_par.optimizer_checks import check_shardable
 from lightning_par.zero.grad_sync import GradSync
 from lightning_par.zero.layout import FlatLayout, Fragment
+from lightning_par.zero.writeback import refuse_unequal_writes
 
 # Checkpoint key of fp32 master weights saved beside the optimizer state of low-precision models (the
 # engine names it, so the checkpoint code depends on the engine and not the other way round).
@@ -126,6 +128,10 @@ class ShardedOptimizer:
         sync.on_relayout(self._relayout)
         sync.on_reduced(self._attach_grads)
         self._relayout()
+        # the compute parameters equal the masters (cast) but for the user's writes since the last
+        # refresh; False between an update of the masters and the refresh that follows it
+        self._params_current = True
+        self._step_hooks = [opt.register_step_pre_hook(self._before_update) for opt in self.optimizers]
 
     # ------------------------------------------------------------------ layout
     def _relayout(self) -> None:
@@ -228,10 +234,42 @@ class ShardedOptimizer:
         if self._grad_copy is not None:
             self._grad_copy.mul_(factor)
 
+    def _before_update(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """torch's step pre-hook of every rebuilt optimizer: the masters take the user's writes first."""
+        self.absorb_param_writes()
+        self._params_current = False
+
+    @torch.no_grad()
+    def absorb_param_writes(self) -> None:
+        """Writes to the compute parameters since the last refresh reach this rank's separate masters.
+
+        Code that edits parameters in place between steps (WGAN's weight clipping, a projection after the
+        step, an EMA of other weights into these) writes the low-precision compute copy, which the next
+        refresh would overwrite from the masters: the write would be lost without a word. So before each
+        update, and before the masters are read (checkpoints, exports), every element of this rank's
+        slice whose compute value is no longer its master cast to the compute dtype takes the compute
+        value: ``m_i := c_i if c_i != cast(m_i) else m_i``. Elements nobody wrote keep their fp32
+        precision; a written one has the precision it was written in. Nothing is communicated (each rank
+        owns its slice, and every rank ran the same write). A no-op when the parameters are the masters
+        (fp32 training: writes land in them directly) or while the masters are ahead of the parameters
+        (between an update and its refresh)."""
+        if self.master_flat is None or not self._params_current:
+            return
+        sync = self.sync
+        offset = 0
+        for bucket in sync.layout.buckets:
+            lo, hi = bucket.shard_range(sync.rank, sync.world)
+            master = self.master_flat[offset : offset + hi - lo]
+            compute = self.param_flat[lo:hi]
+            written = compute != master.to(compute.dtype)
+            torch.where(written, compute.to(master.dtype), master, out=master)
+            offset += hi - lo
+
     @torch.no_grad()
     def after_step(self) -> None:
         """Copy masters into the compute parameters, all-gather every bucket, open a new window."""
         self.check_untouched()
+        self.absorb_param_writes()  # a skipped step (fp16 overflow) did not run the pre-hook
         self.refresh_params()
         for master, _, _ in self._master_slots:
             master.grad = None
@@ -261,6 +299,45 @@ class ShardedOptimizer:
         for work in works:
             assert work is not None
             work.wait()
+        self._params_current = True
+
+    @contextmanager
+    def whole_masters(self) -> Iterator[None]:
+        """Inside, the trainable parameters are whole copies of the fp32 masters, not the compute copy
+        (``gathered_params(writeback=True)``): an EMA's small steps or a clamp are made in fp32, and at a
+        normal exit each rank's slice goes back into its masters, after the ranks agreed they wrote the
+        same (:mod:`lightning_par.zero.writeback`). A no-op where the parameters are the masters. One
+        all-gather per bucket in, one refresh of the compute copy out; the whole model in fp32 inside."""
+        if self.master_flat is None:
+            yield
+            return
+        sync, layout = self.sync, self.sync.layout
+        self.absorb_param_writes()
+        # entered inside a step (training_step runs between the pre-hook and the refresh), the step's
+        # update is still to come: the flag the pre-hook cleared must stay cleared after the refresh below
+        current = self._params_current
+        stored = torch.empty(layout.numel, dtype=self.master_flat.dtype, device=self.master_flat.device)
+        shards = []  # per bucket: this rank's range in the flat layout and in master_flat
+        offset = 0
+        for bucket in layout.buckets:
+            lo, hi = bucket.shard_range(sync.rank, sync.world)
+            shards.append((lo, hi, offset))
+            mine = self.master_flat[offset : offset + hi - lo]
+            all_gather_flat(stored[bucket.start : bucket.end], mine, group=sync.group)
+            offset += hi - lo
+        for p, s in zip(sync.params, layout.slots, strict=True):
+            p.data = stored[s.offset : s.end].view(s.shape)
+        try:
+            yield
+            refuse_unequal_writes([("the trainable parameters", stored)], group=sync.group)
+            with torch.no_grad():
+                for lo, hi, offset in shards:
+                    self.master_flat[offset : offset + hi - lo].copy_(stored[lo:hi])
+        finally:
+            for p, view in zip(sync.params, self._views, strict=True):
+                p.data = view
+            self.refresh_params()
+            self._params_current = current
 
     def check_untouched(self) -> None:
         """Refuse parameters whose ``.data`` was replaced since the layout (``p.data = ...``, as
@@ -294,12 +371,20 @@ class ShardedOptimizer:
         return MASTER_KEY if self.master_flat is not None else None
 
     def fragment_table(self) -> list[tuple[str, int, int, Tensor]]:
-        """``(param name, lo, hi, master fragment)`` for every fragment this rank owns."""
+        """``(param name, lo, hi, master fragment)`` for every fragment this rank owns (the user's writes
+        to the parameters absorbed first)."""
+        self.absorb_param_writes()
         names = self.sync.names
         return [
             (names[f.slot], f.param_lo, f.param_hi, master)
             for f, (master, _, _) in zip(self.fragments, self._master_slots, strict=True)
         ]
+
+    def remove(self) -> None:
+        """Detach the optimizers' step pre-hooks (the rebuilt groups stay)."""
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []
 
     def optimizer_state_bytes(self) -> int:
         total = 0

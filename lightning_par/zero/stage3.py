@@ -130,6 +130,7 @@ class Stage3Engine(Stage3Reduce):
         seed_groups: Sequence[ProcessGroup] = (),
         compute_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
+        frozen_dtype: torch.dtype | None = None,
         values: ValuesFn | None = None,
         allow_untested_optimizer: bool = False,
         device: torch.device | None = None,
@@ -159,6 +160,7 @@ class Stage3Engine(Stage3Reduce):
         # shards keep the parameters' dtype: fp32 masters
         self.master_dtype = trainable[0].dtype if trainable else plan[0][2][0][1].dtype
         self.compute_dtype = compute_dtype or self.master_dtype
+        self.frozen_dtype = frozen_dtype  # frozen floating shards' dtype (None: the parameters' own)
         self.dtype = grad_dtype or self.master_dtype  # gradient buffers and reduction
         # the communication device: the strategy's root device (a model wholly on the meta device has
         # no other to tell), else where the model's real tensors are
@@ -237,6 +239,7 @@ class Stage3Engine(Stage3Reduce):
             group=self.group,
             compute_dtype=self.compute_dtype,
             grad_dtype=self.dtype,
+            frozen_dtype=self.frozen_dtype,
             device=self.device,
             broadcast=not materialized,
         )

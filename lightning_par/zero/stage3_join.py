@@ -54,6 +54,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from lightning_par.zero.unit import Unit
+from lightning_par.zero.writeback import refuse_unequal_writes
 
 
 class Stage3Join:
@@ -68,28 +69,46 @@ class Stage3Join:
     _codes: torch.Tensor | None = None  # 0, 1, ..., len(units) on the device (what a round says)
 
     @contextmanager
-    def gathered(self) -> Iterator[None]:
+    def gathered(self, *, writeback: bool = False) -> Iterator[None]:
         """Every rank enters together: each unit is gathered once and stays whole until the exit, where
         it is freed. Inside, a rank may run forwards on its own (sampling on rank 0 only): no gather is
-        needed, so no rank waits for another. The whole model is in memory on each rank meanwhile; for
-        forwards only (the shards do not change inside)."""
+        needed, so no rank waits for another. The whole model is in memory on each rank meanwhile.
+
+        Without ``writeback`` the parameters are the compute copies and writes to them are dropped at
+        the exit. With it they are gathered in their stored precision (fp32 masters and frozen shards:
+        the whole model in fp32 meanwhile) and in-place writes reach the shards at a normal exit; every
+        rank must write the same (:mod:`lightning_par.zero.writeback` checks)."""
         if self._holding:
             raise RuntimeError("gathered_params() is already active: leave it before entering it again.")
         for unit in self.units:  # whatever this rank holds now, every rank gathers the same units below
             unit.free()
         for unit in self.units:
-            unit.wait(self.group)
+            if writeback:
+                unit.gather_stored(self.group)
+            else:
+                unit.wait(self.group)
         self._holding = True
         # no synced generate() inside: a rank generating alone must not wait for the others' forwards
         unmark_hf_models(self._hf_marked)
         try:
             yield
+            if writeback:
+                self._keep_writes()
         finally:
             self._holding = False
             if not self._joining:  # while joining the mark stays lifted (joining's setter)
                 mark_hf_models_again(self._hf_marked)
             for unit in self.units:
                 unit.free()
+
+    def _keep_writes(self) -> None:
+        """Inside ``gathered(writeback=True)``, at the exit: refuse writes that differ between the ranks,
+        then put each rank's slice back into its shards."""
+        stored = [(unit.name or "<root>", p.stored) for unit in self.units for p in unit.parts]
+        refuse_unequal_writes([(n, b) for n, b in stored if b is not None], group=self.group)
+        with torch.no_grad():
+            for unit in self.units:
+                unit.keep_stored(self.group)
 
     @property
     def joining(self) -> bool:

@@ -46,6 +46,8 @@ class Part:
     # the gather's inputs and low-precision outputs while it is in flight (they must outlive it)
     send: list[Tensor] = field(default_factory=list)
     wire: list[Tensor] = field(default_factory=list)
+    # whole parameters in the shard's dtype inside gathered_params(writeback=True) (Unit.gather_stored)
+    stored: Tensor | None = None
 
     @property
     def full_bytes(self) -> int:
@@ -169,6 +171,28 @@ class Unit:
                     p.data = part.full[s.offset : s.end].view(s.shape)
             self.state = "gathered"
 
+    def gather_stored(self, group: ProcessGroup) -> None:
+        """Make the parameters whole in their stored precision (each part's shard dtype: the fp32 master,
+        fp32 frozen weights), not the compute copy: one blocking all-gather per part into ``stored``,
+        which :meth:`free` drops. For writes that :meth:`keep_stored` puts back (an EMA's small steps
+        survive, where a 16-bit copy would round them away)."""
+        self.free()
+        for part in self.parts:
+            part.stored = torch.empty(part.layout.numel, dtype=part.shard.dtype, device=part.shard.device)
+            all_gather_flat(part.stored, part.shard, group=group)
+            for p, s in zip(part.params, part.layout.slots, strict=True):
+                p.data = part.stored[s.offset : s.end].view(s.shape)
+        self.state = "gathered"
+
+    def keep_stored(self, group: ProcessGroup) -> None:
+        """This rank's slice of each ``stored`` buffer (:meth:`gather_stored`) back into its shard:
+        written elements change, the others are the shard's own values, bitwise."""
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        for part in self.parts:
+            assert part.stored is not None, "keep_stored() without gather_stored()"
+            lo, hi = part.layout.buckets[0].shard_range(rank, world)
+            part.shard.copy_(part.stored[lo:hi])
+
     def free(self, *, force: bool = False) -> None:
         """Point the parameters at their placeholders and release the gathered storage."""
         if self.state == "sharded" and not force:
@@ -181,6 +205,7 @@ class Unit:
                 p.data = ph
             part.versions = [p._version for p in part.params]
             part.full.untyped_storage().resize_(0)
+            part.stored = None
         self.state = "sharded"
 
 
@@ -238,23 +263,27 @@ def build_unit(
     grad_dtype: torch.dtype,
     device: torch.device,
     broadcast: bool,
+    frozen_dtype: torch.dtype | None = None,
 ) -> Unit:
     """Pack ``named`` (real, materialised parameters) into a sharded unit; with ``broadcast`` every rank
     starts from the values of the group's first rank. The trainable shard keeps the parameters' own dtype
     (the fp32 master in mixed precision), gathers produce ``compute_dtype``, gradients reduce in
-    ``grad_dtype``. Frozen floating parameters are kept in ``compute_dtype`` (shard and gather: they need
-    no master), frozen parameters of other dtypes in their own."""
+    ``grad_dtype``. Frozen floating parameters are gathered in ``compute_dtype`` too and sharded in
+    ``frozen_dtype`` (None: their own dtype, e.g. fp32 under mixed precision, as Lightning keeps them);
+    frozen parameters of other dtypes stay in their own."""
     trainable = [(n, p) for n, p in named if p.requires_grad]
-    frozen: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+    # frozen parts by (shard dtype, gathered dtype)
+    frozen: dict[tuple[torch.dtype, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
     for n, p in named:
         if not p.requires_grad:
-            dtype = compute_dtype if p.is_floating_point() else p.dtype
-            frozen.setdefault(dtype, []).append((n, p))
+            floating = p.is_floating_point()
+            stored = (frozen_dtype or p.dtype) if floating else p.dtype
+            frozen.setdefault((stored, compute_dtype if floating else p.dtype), []).append((n, p))
     parts: list[Part] = []
     groups: list[tuple[list[tuple[str, nn.Parameter]], torch.dtype, torch.dtype, bool]] = []
     if trainable:
         groups.append((trainable, trainable[0][1].dtype, compute_dtype, True))
-    groups += [(items, dtype, dtype, False) for dtype, items in frozen.items()]
+    groups += [(items, stored, full, False) for (stored, full), items in frozen.items()]
     for items, shard_dtype, full_dtype, is_trainable in groups:
         part = _build_part(
             items,
