@@ -11,6 +11,11 @@ forward a guard now refuses such a call, naming the module, its unit and the cal
 * ``zero3_units=["blocks"]`` (the ``nn.ModuleList``): refused the same way.
 * The fix the message gives, units that keep the blocks in the root (``zero3_units=["head"]``): the run
   equals Lightning's ``"ddp"``, and the guard's hook on the head's unit is gone after the first forward.
+* A parameter read without its module being called: ``nn.MultiheadAttention`` hands ``out_proj.weight``
+  to its functional form, so with every ``nn.Linear`` a unit (``zero3_units=[nn.Linear]``, a
+  FSDP-style class policy) ``out_proj`` trained from NaN placeholders, silently. Now refused in the
+  first step, naming the parameter, its unit and the reading function; the fix it names
+  (``zero3_units=[nn.MultiheadAttention]``) equals ``"ddp"`` on an ``nn.TransformerEncoder``.
 """
 
 from __future__ import annotations
@@ -91,6 +96,41 @@ def _refused(units: list[str] | None) -> dict[str, Any]:
     return {"message": str(info.value), "steps": trainer.global_step}
 
 
+class Encoder(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 1)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.mse_loss(self.head(self.encoder(x)).mean(dim=(1, 2)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.02)
+
+
+def _sequences() -> DataLoader[tuple[Tensor, ...]]:
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(32, 5, 16, generator=g), torch.randn(32, generator=g))
+    return DataLoader(data, batch_size=4)
+
+
+def _encoder(units: list[type[nn.Module]] | None) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    module = Encoder()
+    strategy: Any = HybridParallelStrategy(zero_stage=3, zero3_units=units) if units else "ddp"
+    trainer = _trainer(strategy)
+    try:
+        trainer.fit(module, _sequences())
+    except RuntimeError as err:
+        strategy.destroy_process_groups()
+        return {"message": str(err), "steps": trainer.global_step}
+    return {"state": final_state(module, strategy)}
+
+
 def _runs(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     return {
@@ -98,6 +138,9 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
         "root": _fit(HybridParallelStrategy(zero_stage=3, zero3_units=["head"])),
         "default": _refused(None),
         "module_list": _refused(["blocks"]),
+        "encoder_ddp": _encoder(None),
+        "encoder_linear": _encoder([nn.Linear]),
+        "encoder_mha": _encoder([nn.MultiheadAttention]),
     }
 
 
@@ -115,6 +158,18 @@ def test_cross_unit_calls_are_refused_and_the_fix_equals_ddp() -> None:
         hooks = out["root"]["hooks"]  # the guard's hook, there before the first forward, is gone after it
         assert len(hooks) == STEPS and hooks[0] == hooks[1] + 1 and len(set(hooks[1:])) == 1
     reference, ours = ranks[0]["ddp"]["state"], ranks[0]["root"]["state"]  # whole on rank 0
+    assert ours.keys() == reference.keys()
+    for key, value in reference.items():
+        torch.testing.assert_close(ours[key], value, msg=lambda m, k=key: f"{k}: {m}")
+
+    refused = ranks[0]["encoder_linear"]  # every rank raised it (run_distributed returned)
+    assert refused["steps"] == 0, refused
+    assert (
+        "parameter 'encoder.layers.0.self_attn.out_proj.weight' of unit"
+        " 'encoder.layers.0.self_attn.out_proj' was read by 'multi_head_attention_forward'"
+    ) in refused["message"]
+    assert "nn.MultiheadAttention" in refused["message"]
+    reference, ours = ranks[0]["encoder_ddp"]["state"], ranks[0]["encoder_mha"]["state"]
     assert ours.keys() == reference.keys()
     for key, value in reference.items():
         torch.testing.assert_close(ours[key], value, msg=lambda m, k=key: f"{k}: {m}")

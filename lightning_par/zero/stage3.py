@@ -74,7 +74,7 @@ reduction queue and the window's end (:mod:`~lightning_par.zero.stage3_reduce`),
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -382,8 +382,11 @@ class Stage3Engine(Stage3Reduce):
         if self.root is not None:
             self._pre_forward(self.root)
         self._in_step += 1
+        guard = self._cross_guard  # the first step: reads of sharded parameters are watched too
+        reads: AbstractContextManager[Any] = guard.reads() if guard is not None else nullcontext()
         try:
-            yield
+            with reads:
+                yield
         finally:
             self._in_step -= 1
             if self._order:

@@ -17,21 +17,58 @@ parameters are not gathered raises ``RuntimeError`` naming the module, its unit 
 with the fix. The guard is removed when that forward completes, so later steps pay nothing; a call that
 appears only in a later step is not caught. The root unit needs no guard: it is gathered for the whole
 step, and outside a step its modules borrow it (``Stage3Engine._borrow_root``).
+
+A unit's parameters may also be *read* without their module being called: ``nn.MultiheadAttention``
+passes ``out_proj.weight`` to its functional form and never calls ``out_proj``, so a policy that makes
+every ``nn.Linear`` a unit trained ``out_proj`` from NaN placeholders, silently. So during the first step
+a torch function mode (:meth:`CrossUnitGuard.reads`) also looks at the arguments of every torch function
+and tensor method: a parameter of a non-root unit that is not gathered, outside its unit's forward, is
+refused the same way. Metadata (shapes, ``.data``, ``.grad``, data pointers) is not a read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_par.zero.unit import Unit
 
 __all__ = ["CrossUnitGuard"]
+
+# what a torch function may do with a sharded parameter without reading its values: property access
+# (.data, .grad, .shape, ._version: getset descriptors), metadata and hook registration
+_NOT_READS = frozenset(
+    {
+        "__get__",
+        "__set__",
+        "data_ptr",
+        "dim",
+        "ndimension",
+        "numel",
+        "nelement",
+        "size",
+        "stride",
+        "storage_offset",
+        "untyped_storage",
+        "element_size",
+        "is_contiguous",
+        "is_floating_point",
+        "is_complex",
+        "requires_grad_",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "__len__",
+        "__hash__",
+        "__repr__",
+        "__format__",
+    }
+)
 
 
 class CrossUnitGuard:
@@ -40,6 +77,7 @@ class CrossUnitGuard:
     def __init__(self, units: Sequence[Unit], root: Unit | None) -> None:
         self._running: list[Unit] = []  # units whose forward is running, innermost last
         self._handles: list[RemovableHandle] = []
+        self._owners: dict[int, tuple[Unit, str]] = {}  # id(parameter) -> (non-root unit, name)
         eager = torch.compiler.disable  # Python state a compiled graph would not replay
         for unit in units:
             if unit is root:
@@ -50,6 +88,9 @@ class CrossUnitGuard:
                 module.register_forward_hook(eager(partial(self._leave, unit)), always_call=True)
             )
             mine = {id(p) for part in unit.parts for p in part.params}
+            for part in unit.parts:
+                for name, p in zip(part.names, part.params, strict=True):
+                    self._owners[id(p)] = (unit, name)
             for name, m in module.named_modules():
                 if m is not module and any(id(p) in mine for p in m.parameters(recurse=False)):
                     where = f"{unit.name}.{name}" if unit.name else name
@@ -76,8 +117,55 @@ class CrossUnitGuard:
             " whole step; an nn.ModuleList is no such unit, its forward never runs), or use zero_stage 0-2."
         )
 
+    def reads(self) -> TorchFunctionMode:
+        """The mode that refuses reads of a sharded unit's parameters (module docstring); entered by the
+        engine around its first step."""
+        return _ParamReads(self._check_read)
+
+    def _check_read(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        if getattr(func, "__name__", "") in _NOT_READS:
+            return
+        for value in (*args, *kwargs.values()):
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                owner = self._owners.get(id(item)) if isinstance(item, nn.Parameter) else None
+                if owner is None:
+                    continue
+                unit, name = owner
+                if unit.state == "gathered" or unit in self._running:
+                    continue
+                caller = f" in the forward of unit {self._running[-1].name!r}" if self._running else ""
+                raise RuntimeError(
+                    f"ZeRO-3: parameter {name!r} of unit {unit.name!r} was read by"
+                    f" {getattr(func, '__name__', func)!r}{caller} outside that unit's forward (its module"
+                    " never ran: its parent reads the parameter itself, as nn.MultiheadAttention reads"
+                    " out_proj.weight). A unit's parameters are whole only around the forward and backward"
+                    " of its own module (NaN placeholders elsewhere), so this would compute NaN. Choose"
+                    " units whose module's forward contains every use of their parameters: zero3_units=[...]"
+                    " naming the reading module (e.g. nn.MultiheadAttention, or the transformer layer), or"
+                    " use zero_stage 0-2."
+                )
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._running = []
+
+
+class _ParamReads(TorchFunctionMode):
+    """Calls ``check(func, args, kwargs)`` before every torch function and tensor method."""
+
+    def __init__(self, check: Callable[[Callable[..., Any], Sequence[Any], dict[str, Any]], None]) -> None:
+        super().__init__()
+        self._check = check
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        self._check(func, args, kwargs)
+        return func(*args, **kwargs)
