@@ -156,6 +156,15 @@ class ShardedOptimizer:
                         value = params[f.slot].detach().reshape(-1)[f.param_lo : f.param_hi]
                         self.master_flat[f.shard_lo : f.shard_lo + f.numel].copy_(value)
         self._layout = layout
+        # per bucket (start, end, lo, hi, at): the bucket in the flat layout, this rank's slice [lo, hi) of
+        # it, and where that slice's masters start in master_flat (this rank's shard of every bucket, in
+        # bucket order: FlatLayout.fragments)
+        self._own: list[tuple[int, int, int, int, int]] = []
+        at = 0
+        for bucket in layout.buckets:
+            lo, hi = bucket.shard_range(sync.rank, sync.world)
+            self._own.append((bucket.start, bucket.end, lo, hi, at))
+            at += hi - lo
         self._grad_copy: Tensor | None = None  # the gradient shard cast to the masters' dtype, this step
         with torch.no_grad():
             self.param_flat = torch.zeros(layout.numel, dtype=self.compute_dtype, device=sync.device)
@@ -255,15 +264,9 @@ class ShardedOptimizer:
         (between an update and its refresh)."""
         if self.master_flat is None or not self._params_current:
             return
-        sync = self.sync
-        offset = 0
-        for bucket in sync.layout.buckets:
-            lo, hi = bucket.shard_range(sync.rank, sync.world)
-            master = self.master_flat[offset : offset + hi - lo]
-            compute = self.param_flat[lo:hi]
-            written = compute != master.to(compute.dtype)
-            torch.where(written, compute.to(master.dtype), master, out=master)
-            offset += hi - lo
+        for _, _, lo, hi, at in self._own:
+            master, compute = self.master_flat[at : at + hi - lo], self.param_flat[lo:hi]
+            torch.where(compute != master.to(compute.dtype), compute, master, out=master)
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -281,20 +284,15 @@ class ShardedOptimizer:
         """Compute parameters := masters (cast), on every rank (one all-gather per bucket). This rank's
         masters are its shard of every bucket, in bucket order (:meth:`FlatLayout.fragments`), so one
         cast copy per bucket refreshes them (the padding at a bucket's end is zero on both sides)."""
-        sync, layout = self.sync, self.sync.layout
         if self.master_flat is not None:
-            offset = 0
-            for bucket in layout.buckets:
-                lo, hi = bucket.shard_range(sync.rank, sync.world)
-                self.param_flat[lo:hi].copy_(self.master_flat[offset : offset + hi - lo])
-                offset += hi - lo
+            for _, _, lo, hi, at in self._own:
+                self.param_flat[lo:hi].copy_(self.master_flat[at : at + hi - lo])
         works = []
-        for bucket in layout.buckets:
-            lo, hi = bucket.shard_range(sync.rank, sync.world)
-            full = self.param_flat[bucket.start : bucket.end]
+        for start, end, lo, hi, _ in self._own:
+            full = self.param_flat[start:end]
             # in place: this rank's input is its own slice of the output (NCCL's in-place all-gather;
             # Gloo stages through its own buffer), so no per-step copy of the shard is made
-            work = all_gather_flat(full, self.param_flat[lo:hi], group=sync.group, async_op=True)
+            work = all_gather_flat(full, self.param_flat[lo:hi], group=self.sync.group, async_op=True)
             works.append(work)
         for work in works:
             assert work is not None
@@ -311,28 +309,22 @@ class ShardedOptimizer:
         if self.master_flat is None:
             yield
             return
-        sync, layout = self.sync, self.sync.layout
+        sync, masters = self.sync, self.master_flat
         self.absorb_param_writes()
         # entered inside a step (training_step runs between the pre-hook and the refresh), the step's
         # update is still to come: the flag the pre-hook cleared must stay cleared after the refresh below
         current = self._params_current
-        stored = torch.empty(layout.numel, dtype=self.master_flat.dtype, device=self.master_flat.device)
-        shards = []  # per bucket: this rank's range in the flat layout and in master_flat
-        offset = 0
-        for bucket in layout.buckets:
-            lo, hi = bucket.shard_range(sync.rank, sync.world)
-            shards.append((lo, hi, offset))
-            mine = self.master_flat[offset : offset + hi - lo]
-            all_gather_flat(stored[bucket.start : bucket.end], mine, group=sync.group)
-            offset += hi - lo
-        for p, s in zip(sync.params, layout.slots, strict=True):
+        stored = torch.empty(sync.layout.numel, dtype=masters.dtype, device=masters.device)
+        for start, end, lo, hi, at in self._own:
+            all_gather_flat(stored[start:end], masters[at : at + hi - lo], group=sync.group)
+        for p, s in zip(sync.params, sync.layout.slots, strict=True):
             p.data = stored[s.offset : s.end].view(s.shape)
         try:
             yield
             refuse_unequal_writes([("the trainable parameters", stored)], group=sync.group)
             with torch.no_grad():
-                for lo, hi, offset in shards:
-                    self.master_flat[offset : offset + hi - lo].copy_(stored[lo:hi])
+                for _, _, lo, hi, at in self._own:
+                    masters[at : at + hi - lo].copy_(stored[lo:hi])
         finally:
             for p, view in zip(sync.params, self._views, strict=True):
                 p.data = view
