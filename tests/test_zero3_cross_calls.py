@@ -16,6 +16,8 @@ forward a guard now refuses such a call, naming the module, its unit and the cal
   FSDP-style class policy) ``out_proj`` trained from NaN placeholders, silently. Now refused in the
   first step, naming the parameter, its unit and the reading function; the fix it names
   (``zero3_units=[nn.MultiheadAttention]``) equals ``"ddp"`` on an ``nn.TransformerEncoder``.
+* A parameter read by code outside any forward: an L1 weight penalty summed over ``self.parameters()`` in
+  ``training_step`` read the blocks' placeholders (NaN loss). Refused the same way, naming the reason.
 """
 
 from __future__ import annotations
@@ -112,6 +114,27 @@ class Encoder(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.02)
 
 
+class Penalised(Shared):
+    """The blocks without the cross-call, and an L1 penalty on every weight computed in training_step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        object.__setattr__(self.blocks[2], "peer", None)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss + 1e-3 * sum(p.abs().sum() for p in self.parameters())
+
+
+def _penalised() -> dict[str, Any]:
+    strategy = HybridParallelStrategy(zero_stage=3)
+    trainer = _trainer(strategy)
+    with pytest.raises(RuntimeError) as info:
+        trainer.fit(Penalised(), _data())
+    strategy.destroy_process_groups()
+    return {"message": str(info.value), "steps": trainer.global_step}
+
+
 def _sequences() -> DataLoader[tuple[Tensor, ...]]:
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(32, 5, 16, generator=g), torch.randn(32, generator=g))
@@ -141,6 +164,7 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
         "encoder_ddp": _encoder(None),
         "encoder_linear": _encoder([nn.Linear]),
         "encoder_mha": _encoder([nn.MultiheadAttention]),
+        "penalty": _penalised(),
     }
 
 
@@ -169,6 +193,10 @@ def test_cross_unit_calls_are_refused_and_the_fix_equals_ddp() -> None:
         " 'encoder.layers.0.self_attn.out_proj' was read by 'multi_head_attention_forward'"
     ) in refused["message"]
     assert "nn.MultiheadAttention" in refused["message"]
+    penalty = ranks[0]["penalty"]
+    assert penalty["steps"] == 0
+    assert "parameter 'blocks.0.fc.weight' of unit 'blocks.0' was read by 'abs'" in penalty["message"]
+    assert "after its module's forward" in penalty["message"] and "weight_decay" in penalty["message"]
     reference, ours = ranks[0]["encoder_ddp"]["state"], ranks[0]["encoder_mha"]["state"]
     assert ours.keys() == reference.keys()
     for key, value in reference.items():

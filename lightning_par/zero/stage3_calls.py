@@ -23,7 +23,8 @@ passes ``out_proj.weight`` to its functional form and never calls ``out_proj``, 
 every ``nn.Linear`` a unit trained ``out_proj`` from NaN placeholders, silently. So during the first step
 a torch function mode (:meth:`CrossUnitGuard.reads`) also looks at the arguments of every torch function
 and tensor method: a parameter of a non-root unit that is not gathered, outside its unit's forward, is
-refused the same way. Metadata (shapes, ``.data``, ``.grad``, data pointers) is not a read.
+refused the same way, as is code outside any forward that reads such a parameter (a weight penalty in
+``training_step``: before, NaN). Metadata (shapes, ``.data``, ``.grad``, data pointers) is not a read.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class CrossUnitGuard:
         self._running: list[Unit] = []  # units whose forward is running, innermost last
         self._handles: list[RemovableHandle] = []
         self._owners: dict[int, tuple[Unit, str]] = {}  # id(parameter) -> (non-root unit, name)
+        self._entered: set[Unit] = set()  # units whose forward has started
         eager = torch.compiler.disable  # Python state a compiled graph would not replay
         for unit in units:
             if unit is root:
@@ -99,6 +101,7 @@ class CrossUnitGuard:
 
     def _enter(self, unit: Unit, module: nn.Module, args: Any) -> None:
         self._running.append(unit)
+        self._entered.add(unit)
 
     def _leave(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         if self._running and self._running[-1] is unit:
@@ -134,22 +137,29 @@ class CrossUnitGuard:
                 if unit.state == "gathered" or unit in self._running:
                     continue
                 caller = f" in the forward of unit {self._running[-1].name!r}" if self._running else ""
+                why = (
+                    "after its module's forward: code outside any forward reads it, as a weight penalty"
+                    " in training_step does"
+                    if unit in self._entered
+                    else "its module has not run: a parent module reads the parameter itself, as"
+                    " nn.MultiheadAttention reads out_proj.weight"
+                )
                 raise RuntimeError(
                     f"ZeRO-3: parameter {name!r} of unit {unit.name!r} was read by"
-                    f" {getattr(func, '__name__', func)!r}{caller} outside that unit's forward (its module"
-                    " never ran: its parent reads the parameter itself, as nn.MultiheadAttention reads"
-                    " out_proj.weight). A unit's parameters are whole only around the forward and backward"
-                    " of its own module (NaN placeholders elsewhere), so this would compute NaN. Choose"
-                    " units whose module's forward contains every use of their parameters: zero3_units=[...]"
-                    " naming the reading module (e.g. nn.MultiheadAttention, or the transformer layer), or"
-                    " use zero_stage 0-2."
+                    f" {getattr(func, '__name__', func)!r}{caller} outside that unit's forward ({why})."
+                    " A unit's parameters are whole only around the forward and backward of its own module"
+                    " (NaN placeholders elsewhere), so this would compute NaN. Read it inside the forward of"
+                    " a module containing the unit, or choose units that contain every use of their"
+                    " parameters (zero3_units=[...] naming the reading module, e.g. nn.MultiheadAttention or"
+                    " the transformer layer; parameters outside every unit stay whole for the step); for a"
+                    " weight penalty, the optimizer's weight_decay; or use zero_stage 0-2."
                 )
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._running = []
+        self._running = []  # (the reads mode, if still entered, keeps _entered until the step ends)
 
 
 class _ParamReads(TorchFunctionMode):
