@@ -43,7 +43,8 @@ from lightning_par.zero.unit import Unit
 __all__ = ["CrossUnitGuard"]
 
 # what a torch function may do with a sharded parameter without reading its values: property access
-# (.data, .grad, .shape, ._version: getset descriptors), metadata and hook registration
+# (.data, .grad, .shape, ._version: getset descriptors), metadata, new tensors shaped like it, and hook
+# registration
 _NOT_READS = frozenset(
     {
         "__get__",
@@ -62,6 +63,17 @@ _NOT_READS = frozenset(
         "is_floating_point",
         "is_complex",
         "requires_grad_",
+        "get_device",
+        "zeros_like",
+        "ones_like",
+        "empty_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "new_zeros",
+        "new_ones",
+        "new_empty",
+        "new_full",
         "register_hook",
         "register_post_accumulate_grad_hook",
         "__len__",
@@ -152,7 +164,9 @@ class CrossUnitGuard:
                     " a module containing the unit, or choose units that contain every use of their"
                     " parameters (zero3_units=[...] naming the reading module, e.g. nn.MultiheadAttention or"
                     " the transformer layer; parameters outside every unit stay whole for the step); for a"
-                    " weight penalty, the optimizer's weight_decay; or use zero_stage 0-2."
+                    " weight penalty, the optimizer's weight_decay; to read weights outside a forward"
+                    " (logging their norms), strategy.gathered_params() entered by every rank; or use"
+                    " zero_stage 0-2."
                 )
 
     def remove(self) -> None:
