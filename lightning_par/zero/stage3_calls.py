@@ -44,7 +44,7 @@ __all__ = ["CrossUnitGuard"]
 
 # what a torch function may do with a sharded parameter without reading its values: property access
 # (.data, .grad, .shape, ._version: getset descriptors), metadata, new tensors shaped like it, and hook
-# registration
+# registration, and autograd's entry points (parameters passed as the inputs whose gradients to compute)
 _NOT_READS = frozenset(
     {
         "__get__",
@@ -63,6 +63,8 @@ _NOT_READS = frozenset(
         "is_floating_point",
         "is_complex",
         "requires_grad_",
+        "backward",  # torch.autograd.backward / grad(..., inputs=params): which gradients, not values
+        "grad",
         "get_device",
         "zeros_like",
         "ones_like",
