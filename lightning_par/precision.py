@@ -18,6 +18,10 @@ Modes:
   are in the shard; without (stage 0) the optimizer updates the bf16 parameters, as Lightning's does.
 * fp32 masters at stage 0 (``master_weights=True``) are refused: use ZeRO-1, which keeps them at the
   same communication volume and shards them.
+* Frozen floating parameters (no gradient, no master) keep Lightning's dtype: fp32 under the mixed
+  modes, bf16 under ``"bf16-true"`` (``frozen_dtype="auto"``); ``frozen_dtype="compute"`` stores them in
+  the 16-bit compute dtype, DeepSpeed's choice (half the memory of a frozen base, but an EMA update
+  smaller than half a 16-bit step is rounded away).
 
 Norm layers (``LayerNorm``, ``GroupNorm``, ``BatchNorm``, RMS-norm modules) compute in fp32 where their
 parameters are low-precision (``norms_in_fp32=True``). Gradients are reduced in ``reduce_dtype`` (fp32 by
