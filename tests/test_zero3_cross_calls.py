@@ -17,7 +17,9 @@ forward a guard now refuses such a call, naming the module, its unit and the cal
   first step, naming the parameter, its unit and the reading function; the fix it names
   (``zero3_units=[nn.MultiheadAttention]``) equals ``"ddp"`` on an ``nn.TransformerEncoder``.
 * A parameter read by code outside any forward: an L1 weight penalty summed over ``self.parameters()`` in
-  ``training_step`` read the blocks' placeholders (NaN loss). Refused the same way, naming the reason.
+  ``training_step`` read the blocks' placeholders (NaN loss). Refused the same way, naming the reason,
+  also when the sanity check's validation steps run first (the guard lasts until the first training
+  step ends).
 """
 
 from __future__ import annotations
@@ -125,12 +127,15 @@ class Penalised(Shared):
         loss = super().training_step(batch, batch_idx)
         return loss + 1e-3 * sum(p.abs().sum() for p in self.parameters())
 
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return super().training_step(batch, batch_idx)  # no penalty: the sanity check passes
+
 
 def _penalised() -> dict[str, Any]:
     strategy = HybridParallelStrategy(zero_stage=3)
     trainer = _trainer(strategy)
-    with pytest.raises(RuntimeError) as info:
-        trainer.fit(Penalised(), _data())
+    with pytest.raises(RuntimeError) as info:  # after the sanity check's validation steps
+        trainer.fit(Penalised(), _data(), val_dataloaders=_data())
     strategy.destroy_process_groups()
     return {"message": str(info.value), "steps": trainer.global_step}
 

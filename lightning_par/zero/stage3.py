@@ -357,6 +357,8 @@ class Stage3Engine(Stage3Reduce):
         if unit is self.root:
             if self._order:
                 self._recording = False  # the first full forward has been seen
+                if not self._in_step:  # outside the Trainer's steps (Fabric): the guard ends with it
+                    self._end_guard()
             if not torch.is_grad_enabled():
                 self._free(unit)
             return output
@@ -384,6 +386,7 @@ class Stage3Engine(Stage3Reduce):
         self._in_step += 1
         guard = self._cross_guard  # the first step: reads of sharded parameters are watched too
         reads: AbstractContextManager[Any] = guard.reads() if guard is not None else nullcontext()
+        training = torch.is_grad_enabled()
         try:
             with reads:
                 yield
@@ -391,6 +394,10 @@ class Stage3Engine(Stage3Reduce):
             self._in_step -= 1
             if self._order:
                 self._recording = False
+            # the guard watches until the first training step has ended (a fit's sanity-check validation
+            # runs first, and code of training_step alone would go unwatched), or one step when evaluating
+            if guard is not None and (training or not self.optimizers):
+                self._end_guard()
             if self.root is not None and not torch.is_grad_enabled():
                 self._free(self.root)
 
@@ -452,14 +459,16 @@ class Stage3Engine(Stage3Reduce):
 
     @property
     def _recording(self) -> bool:
-        """True until the first full forward has been seen (it records the units' order; the cross-unit
-        call guard lives as long)."""
+        """True until the first full forward has been seen (it records the units' order). The cross-unit
+        guard lives until the first training step ends (:meth:`forward_context`)."""
         return self._first_forward
 
     @_recording.setter
     def _recording(self, on: bool) -> None:
         self._first_forward = on
-        if not on and self._cross_guard is not None:
+
+    def _end_guard(self) -> None:
+        if self._cross_guard is not None:
             self._cross_guard.remove()
             self._cross_guard = None
 
@@ -467,7 +476,8 @@ class Stage3Engine(Stage3Reduce):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._recording = False  # and the guard goes
+        self._recording = False
+        self._end_guard()
         unmark_hf_models(self._hf_marked)
         self._hf_marked = []
 

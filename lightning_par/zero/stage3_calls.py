@@ -14,13 +14,15 @@ During the engine's first forward (train or eval), a forward pre-hook sits on ev
 non-root unit's parameters directly (the unit's own module excluded: calling it gathers the unit), and
 the units' forwards are tracked as they run. A call while its unit's forward is not running and its
 parameters are not gathered raises ``RuntimeError`` naming the module, its unit and the calling unit,
-with the fix. The guard is removed when that forward completes, so later steps pay nothing; a call that
-appears only in a later step is not caught. The root unit needs no guard: it is gathered for the whole
+with the fix. The guard is removed when the engine's first training step ends (a fit's sanity-check
+validation steps come before it; an engine that only evaluates: its first step; Fabric, outside the
+Trainer's steps: when the root's first forward ends), so later steps pay nothing; a call that appears
+only in a later step is not caught. The root unit needs no guard: it is gathered for the whole
 step, and outside a step its modules borrow it (``Stage3Engine._borrow_root``).
 
 A unit's parameters may also be *read* without their module being called: ``nn.MultiheadAttention``
 passes ``out_proj.weight`` to its functional form and never calls ``out_proj``, so a policy that makes
-every ``nn.Linear`` a unit trained ``out_proj`` from NaN placeholders, silently. So during the first step
+every ``nn.Linear`` a unit trained ``out_proj`` from NaN placeholders, silently. So during those first steps
 a torch function mode (:meth:`CrossUnitGuard.reads`) also looks at the arguments of every torch function
 and tensor method: a parameter of a non-root unit that is not gathered, outside its unit's forward, is
 refused the same way, as is code outside any forward that reads such a parameter (a weight penalty in
