@@ -215,7 +215,7 @@ def load_resharded(
             hyper = optims[0]["optimizers"][k]["param_groups"]
         else:
             saved = optims[0]["optimizers"][k]
-            scalars = {n for n, param in module.named_parameters() if param.dim() == 0}
+            scalars = {n for n, shape in shapes.items() if len(shape) == 0}
             pieces = pieces_from_state_dict(saved, param_names[k], scalars=scalars)
             hyper = [{n: v for n, v in g.items() if n != "params"} for g in saved["param_groups"]]
             if sharded is not None and sharded.master_key is not None:

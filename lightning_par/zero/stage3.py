@@ -184,7 +184,7 @@ class Stage3Engine(Stage3Reduce):
         }
         self._order: list[Unit] = []
         self._cross_guard: CrossUnitGuard | None = None  # the first forward's (stage3_calls)
-        self._recording = True
+        self._recording = True  # until the first full forward has been seen: it records the units' order
         self._in_step = 0  # inside forward_context (a training/eval step)
         self._borrower: nn.Module | None = None  # a module call that gathered the root (_borrow_root)
         self._sync = True
@@ -457,17 +457,9 @@ class Stage3Engine(Stage3Reduce):
     def sync_enabled(self) -> bool:
         return self._sync
 
-    @property
-    def _recording(self) -> bool:
-        """True until the first full forward has been seen (it records the units' order). The cross-unit
-        guard lives until the first training step ends (:meth:`forward_context`)."""
-        return self._first_forward
-
-    @_recording.setter
-    def _recording(self, on: bool) -> None:
-        self._first_forward = on
-
     def _end_guard(self) -> None:
+        """The cross-unit guard's end: the first training step's (:meth:`forward_context`), or, outside
+        the Trainer's steps, the root's first forward's."""
         if self._cross_guard is not None:
             self._cross_guard.remove()
             self._cross_guard = None
@@ -476,7 +468,6 @@ class Stage3Engine(Stage3Reduce):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._recording = False
         self._end_guard()
         unmark_hf_models(self._hf_marked)
         self._hf_marked = []
