@@ -296,14 +296,24 @@ class Stage3Engine(Stage3Reduce):
 
         return hook
 
-    def _make_watch_inputs(self, unit: Unit) -> Callable[..., None]:
+    def _make_watch_inputs(self, unit: Unit) -> Callable[..., tuple[Any, Any] | None]:
         """A forward pre-hook run after the module's own (which may replace the inputs): frozen weights are
         needed until the input gradients are computed, after the trainable ones' are reduced: in the
         backward of this forward, or of a reentrant recomputation's."""
 
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if torch.is_grad_enabled() and (not _in_backward() or _in_reentrant_recompute()):
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+            if not torch.is_grad_enabled() or (_in_backward() and not _in_reentrant_recompute()):
+                return None
+            # torch's multi-gradient hook cannot watch a leaf inside torch.autograd.grad() (an input
+            # that requires grad, as in a PINN or a gradient penalty): the module gets a view of it
+            # instead, whose gradient is the leaf's, summed over the module's uses
+            if any(_watched_leaf(a) for a in (*args, *kwargs.values())):
+                args = tuple(_alias(a) for a in args)
+                kwargs = {k: _alias(v) for k, v in kwargs.items()}
                 self._watch_inputs(unit, [args, kwargs])
+                return args, kwargs
+            self._watch_inputs(unit, [args, kwargs])
+            return None
 
         return hook
 
@@ -368,6 +378,7 @@ class Stage3Engine(Stage3Reduce):
 
     def _pre_backward(self, unit: Unit) -> None:
         self._queue_callback()
+        self._hold_for_graph()
         self._wait(unit)
         if self.prefetch and unit in self._order:
             i = self._order.index(unit)
@@ -398,11 +409,14 @@ class Stage3Engine(Stage3Reduce):
             # runs first, and code of training_step alone would go unwatched), or one step when evaluating
             if guard is not None and (training or not self.optimizers):
                 self._end_guard()
+            if not training:  # an evaluation step's create_graph pass has no backward to come
+                self.release_graph_hold()
             if self.root is not None and not torch.is_grad_enabled():
                 self._free(self.root)
 
     def after_step(self) -> None:
         """Open a new gradient window (the shards are updated in place; gathers read them next time)."""
+        self.release_graph_hold()  # a graph built before the step is stale: it saw the old weights
         for _, _, master in self._masters:
             master.grad = None
         self._grad_copies = []
@@ -471,6 +485,14 @@ class Stage3Engine(Stage3Reduce):
         self._end_guard()
         unmark_hf_models(self._hf_marked)
         self._hf_marked = []
+
+
+def _watched_leaf(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.requires_grad and value.is_leaf
+
+
+def _alias(value: Any) -> Any:
+    return value.view_as(value) if _watched_leaf(value) else value
 
 
 def _tensors(output: Any) -> list[Tensor]:

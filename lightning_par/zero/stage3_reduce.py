@@ -19,6 +19,12 @@ engine attributes it works on.
   gradient: collectives must match across ranks), the queue is drained, every gathered unit is freed (the
   root is gathered again inside a step), and a synchronising backward settles unused parameters, attaches
   the gradients to the masters and calls the listeners.
+* A pass that puts no gradient into any parameter (``torch.autograd.grad(out, x)``: an input-gradient
+  penalty, a PINN residual, an adversarial example) reduces nothing and does not end the window; the
+  units it gathered are freed, unless it built a graph of its gradients (``create_graph=True``): that
+  graph's nodes hold views of the gathered storage and the step's backward runs them before (or
+  without) the hooks that would gather again, so every unit stays whole until that backward ends, an
+  optimizer step runs, or an evaluation step ends (the memory of an unsharded model for that step).
 * Deferred reduction (``defer_reduction``, pipelines): gradients are added into the unit's buffer and
   nothing is launched in backward; the end of a backward frees nothing (units stay gathered for the next
   micro-batch) unless ``reshard_after_forward``; the engine's ``flush`` then runs
@@ -70,6 +76,8 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
     _pool: dict[int, list[Tensor]]
     _touched: dict[int, bool]
     _sync_listeners: list[Callable[[], None]]
+    _pass_grads: bool = False  # a parameter got a gradient in the running backward pass
+    _graph_hold: bool = False  # a pass built a graph over the gathered weights: no unit is freed
 
     # ------------------------------------------------------------------ gather / free
     def _gather(self, unit: Unit) -> None:
@@ -81,8 +89,28 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
         unit.wait(self.group)
 
     def _free(self, unit: Unit) -> None:
-        if not self._holding:  # inside gathered() every unit stays whole (stage3_join)
+        # inside gathered() every unit stays whole (stage3_join); after a create_graph pass, see below
+        if not (self._holding or self._graph_hold):
             unit.free()
+
+    def _hold_for_graph(self) -> None:
+        """Called in a backward pass's hooks: a pass run with ``create_graph=True`` records nodes that
+        hold views of the units' gathered storage, for a later backward (the module docstring)."""
+        if torch.is_grad_enabled() and not self.defer_reduction:
+            self._graph_hold = True
+
+    def release_graph_hold(self) -> None:
+        """The graph a ``create_graph`` pass built is spent (its backward ran, or the step ended): free
+        the units it kept whole, but the root inside a step."""
+        if self._graph_hold:
+            self._graph_hold = False
+            self._free_units()
+
+    def _free_units(self) -> None:
+        for unit in self.units:
+            self._free(unit)
+        if self._in_step and self.root is not None:
+            self._wait(self.root)  # the step goes on: its next forward needs the root
 
     def _free_if_done(self, unit: Unit) -> None:
         """Free after backward: once the unit's gradients are launched (if it has trainable parameters)
@@ -104,6 +132,7 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
 
     def _on_grad(self, param: Tensor) -> None:
         self._queue_callback()
+        self._pass_grads = True
         unit, slot = self._unit_of[id(param)]
         grad = param.grad
         if self.defer_reduction:  # summed over the window's backwards, reduced at flush
@@ -188,6 +217,11 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
                     if unit is not self.root:
                         self._free(unit)
             return
+        if not self._pass_grads:  # torch.autograd.grad(..., inputs): nothing to reduce, the window goes on
+            self._free_units()
+            return
+        self._pass_grads = False
+        self._graph_hold = False  # the graph's backward has run: _reduce_all frees every unit
         self._reduce_all(finish=self._sync)
 
     def _reduce_all(self, *, finish: bool) -> None:
@@ -213,9 +247,7 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
             unit.reduced = False
             unit.pending = 0
             unit.backward_done = True
-            self._free(unit)
-        if self._in_step and self.root is not None:
-            self._wait(self.root)  # the step goes on (manual optimization): its next forward needs the root
+        self._free_units()  # inside a step (manual optimization) the root is gathered again
         if missing is not None:
             self._finish_window(missing)
 
