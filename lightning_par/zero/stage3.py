@@ -82,14 +82,21 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
-from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.hooks import RemovableHandle
 
 from lightning_par.state_guard import OwnReads
+from lightning_par.zero.autograd_state import (
+    alias_leaves,
+    in_backward,
+    in_reentrant_recompute,
+    tensors_in,
+    watch_input_grads,
+)
 from lightning_par.zero.broadcast import broadcast_module_states
 from lightning_par.zero.grad_buckets import ReduceOp
 from lightning_par.zero.layout import Fragment
 from lightning_par.zero.meta_init import ValuesFn, agree_seed, materialize_unit, target_device
+from lightning_par.zero.stage3_between import BetweenSteps
 from lightning_par.zero.stage3_calls import CrossUnitGuard
 from lightning_par.zero.stage3_join import mark_hf_models, unmark_hf_models
 from lightning_par.zero.stage3_load import load_into_shards
@@ -98,18 +105,6 @@ from lightning_par.zero.stage3_state import guard_unit_state_dicts
 from lightning_par.zero.trainable import TrainableSet, refuse_unmanaged
 from lightning_par.zero.unit import Unit, build_unit
 from lightning_par.zero.units import UnitPolicy, plan_units
-
-
-def _in_backward() -> bool:
-    return bool(torch._C._current_graph_task_id() != -1)
-
-
-def _in_reentrant_recompute() -> bool:
-    """Whether a reentrant checkpoint (``use_reentrant=True``) is recomputing its region: that forward
-    runs inside the backward, and a nested backward pass through the recomputed graph follows. (The
-    non-reentrant kind recomputes inside the node that needs a saved tensor, with no pass of its own.)"""
-    node = torch._C._current_autograd_node()
-    return node is not None and type(node) is CheckpointFunction._backward_cls
 
 
 class Stage3Engine(Stage3Reduce):
@@ -208,6 +203,7 @@ class Stage3Engine(Stage3Reduce):
         self.own_reads = OwnReads()  # the strategies' own whole-model state-dict reads pass the guard
         self._install_hooks()
         self._cross_guard = CrossUnitGuard(self.units, self.root)
+        self._between: BetweenSteps | None = BetweenSteps(self.units, self.own_reads)  # after step 1
         # generate() keeps the ranks' forwards in step only for models it knows are sharded (stage3_join)
         self._hf_marked = mark_hf_models(module) if self.world > 1 else []
         broadcast_module_states(module, group=group, params=False)  # buffers are replicated
@@ -284,7 +280,7 @@ class Stage3Engine(Stage3Reduce):
         """The borrower's call is over: free the root, unless a backward will need it (as in a step)."""
         if module is self._borrower and self.root is not None:
             self._borrower = None
-            if not torch.is_grad_enabled() and not _in_backward():
+            if not torch.is_grad_enabled() and not in_backward():
                 self._free(self.root)
 
     # ------------------------------------------------------------------ forward hooks
@@ -302,49 +298,38 @@ class Stage3Engine(Stage3Reduce):
         backward of this forward, or of a reentrant recomputation's."""
 
         def hook(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
-            if not torch.is_grad_enabled() or (_in_backward() and not _in_reentrant_recompute()):
+            if not torch.is_grad_enabled() or (in_backward() and not in_reentrant_recompute()):
                 return None
-            # torch's multi-gradient hook cannot watch a leaf inside torch.autograd.grad() (an input
-            # that requires grad, as in a PINN or a gradient penalty): the module gets a view of it
-            # instead, whose gradient is the leaf's, summed over the module's uses
-            if any(_watched_leaf(a) for a in (*args, *kwargs.values())):
-                args = tuple(_alias(a) for a in args)
-                kwargs = {k: _alias(v) for k, v in kwargs.items()}
-                self._watch_inputs(unit, [args, kwargs])
-                return args, kwargs
-            self._watch_inputs(unit, [args, kwargs])
-            return None
+            aliased = alias_leaves(args, kwargs)  # leaves cannot be watched inside autograd.grad()
+            self._watch_inputs(unit, aliased or (args, kwargs))
+            return aliased
 
         return hook
 
     def _check_trainable(self) -> None:
         """Refuse, before a training forward, parameters made trainable since setup (the optimizer holds
         shards of the parameters trainable then; :mod:`lightning_par.zero.trainable`)."""
-        if torch.is_grad_enabled() and not _in_backward():
+        if torch.is_grad_enabled() and not in_backward():
             new = self._trainable.unmanaged()
             if new:
                 refuse_unmanaged([n for n, _ in new], stages="3")
 
     def _watch_inputs(self, unit: Unit, inputs: Any) -> None:
         """Mark the unit's backward as done when the gradients of all its inputs are computed."""
-        tensors = [t for t in _tensors(inputs) if t.requires_grad]
-        if not tensors:
-            unit.backward_done = True  # no backward path through frozen weights to the inputs
-            return
-        unit.backward_done = False
 
-        def done(grads: Any) -> None:
+        def done() -> None:
             unit.backward_done = True
             self._free_if_done(unit)
 
-        torch.autograd.graph.register_multi_grad_hook(tensors, done, mode="all")
+        # without inputs that require grad there is no backward path through the frozen weights
+        unit.backward_done = not watch_input_grads(inputs, done)
 
     def _pre_forward(self, unit: Unit) -> None:
-        in_backward = _in_backward()
-        if self._recording and not in_backward and unit is not self.root and unit not in self._order:
+        backward = in_backward()
+        if self._recording and not backward and unit is not self.root and unit not in self._order:
             self._order.append(unit)
         self._wait(unit)
-        if self.prefetch and not in_backward and unit in self._order and not self._recording:
+        if self.prefetch and not backward and unit in self._order and not self._recording:
             i = self._order.index(unit)
             if i + 1 < len(self._order):
                 self._gather(self._order[i + 1])
@@ -357,8 +342,8 @@ class Stage3Engine(Stage3Reduce):
 
     def _post_forward(self, unit: Unit, output: Any) -> Any:
         if torch.is_grad_enabled():
-            tensors = [t for t in _tensors(output) if t.requires_grad]
-            if not _in_backward():
+            tensors = [t for t in tensors_in(output) if t.requires_grad]
+            if not in_backward():
                 unit.needs_backward = bool(tensors)
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
@@ -372,7 +357,7 @@ class Stage3Engine(Stage3Reduce):
             if not torch.is_grad_enabled():
                 self._free(unit)
             return output
-        if (self.reshard_after_forward or not torch.is_grad_enabled()) and not _in_backward():
+        if (self.reshard_after_forward or not torch.is_grad_enabled()) and not in_backward():
             self._free(unit)
         return output
 
@@ -392,6 +377,9 @@ class Stage3Engine(Stage3Reduce):
         the step it stays gathered across backwards and optimizer steps (manual optimization runs several
         forwards, backwards and steps in one ``training_step``, calling submodules directly)."""
         self._check_trainable()
+        if self._between is not None and self._between.active:  # the window after step 1 ends here
+            self._between.stop()
+            self._between = None
         if self.root is not None:
             self._pre_forward(self.root)
         self._in_step += 1
@@ -409,6 +397,8 @@ class Stage3Engine(Stage3Reduce):
             # runs first, and code of training_step alone would go unwatched), or one step when evaluating
             if guard is not None and (training or not self.optimizers):
                 self._end_guard()
+                if training and self._between is not None:  # until the next step: hooks, callbacks
+                    self._between.start()
             if not training:  # an evaluation step's create_graph pass has no backward to come
                 self.release_graph_hold()
             if self.root is not None and not torch.is_grad_enabled():
@@ -483,23 +473,8 @@ class Stage3Engine(Stage3Reduce):
             handle.remove()
         self._handles = []
         self._end_guard()
+        if self._between is not None:
+            self._between.stop()
+            self._between = None
         unmark_hf_models(self._hf_marked)
         self._hf_marked = []
-
-
-def _watched_leaf(value: Any) -> bool:
-    return isinstance(value, Tensor) and value.requires_grad and value.is_leaf
-
-
-def _alias(value: Any) -> Any:
-    return value.view_as(value) if _watched_leaf(value) else value
-
-
-def _tensors(output: Any) -> list[Tensor]:
-    if isinstance(output, Tensor):
-        return [output]
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors(item)]
-    return []

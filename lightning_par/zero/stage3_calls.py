@@ -42,12 +42,12 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_par.zero.unit import Unit
 
-__all__ = ["CrossUnitGuard"]
+__all__ = ["NOT_READS", "CrossUnitGuard", "ParamReads"]
 
 # what a torch function may do with a sharded parameter without reading its values: property access
 # (.data, .grad, .shape, ._version: getset descriptors), metadata, new tensors shaped like it, and hook
 # registration, and autograd's entry points (parameters passed as the inputs whose gradients to compute)
-_NOT_READS = frozenset(
+NOT_READS = frozenset(
     {
         "__get__",
         "__set__",
@@ -139,10 +139,10 @@ class CrossUnitGuard:
     def reads(self) -> TorchFunctionMode:
         """The mode that refuses reads of a sharded unit's parameters (module docstring); entered by the
         engine around its first step."""
-        return _ParamReads(self._check_read)
+        return ParamReads(self._check_read)
 
     def _check_read(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        if getattr(func, "__name__", "") in _NOT_READS:
+        if getattr(func, "__name__", "") in NOT_READS:
             return
         for value in (*args, *kwargs.values()):
             for item in value if isinstance(value, (list, tuple)) else (value,):
@@ -180,7 +180,7 @@ class CrossUnitGuard:
         self._running = []  # (the reads mode, if still entered, keeps _entered until the step ends)
 
 
-class _ParamReads(TorchFunctionMode):
+class ParamReads(TorchFunctionMode):
     """Calls ``check(func, args, kwargs)`` before every torch function and tensor method."""
 
     def __init__(self, check: Callable[[Callable[..., Any], Sequence[Any], dict[str, Any]], None]) -> None:

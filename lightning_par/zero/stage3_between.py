@@ -1,0 +1,107 @@
+"""ZeRO-3: reads of sharded parameters between the first two training steps are refused.
+
+Why
+---
+Outside a step a ZeRO-3 parameter is a NaN placeholder of its shape; only the step (its forwards and
+backwards) and :meth:`gathered_params` make it whole. Code that reads weights from a Lightning hook or
+callback between steps computed with the placeholders, silently: an EMA of the weights kept in buffers
+and updated in ``on_train_batch_end`` (the latent-diffusion idiom) turned NaN in its first update while
+the model itself trained normally, so the failure surfaced only when sampling from the EMA weights;
+a weight norm logged in ``on_before_optimizer_step`` logged NaN.
+
+How
+---
+When the engine's first training step ends (its step context exits), :meth:`BetweenSteps.start` enters a
+torch function mode (:class:`~lightning_par.zero.stage3_calls.ParamReads`) that looks at the arguments
+of every torch function and tensor method: a parameter of any unit, the root included, whose unit is not
+gathered is refused with ``RuntimeError`` naming it, its unit, the function and the fix. The window
+covers what Lightning runs after ``training_step`` returns: that step's backward, ``on_after_backward``,
+``on_before_optimizer_step``, the optimizer step, ``on_train_batch_end`` (module and callbacks), and the
+next batch's hooks, until the next step context is entered (a training or validation step), where
+:meth:`BetweenSteps.stop` leaves the mode for good; later batches pay nothing, and a read that first
+appears in a later hook (an epoch's end) is not caught. The strategies' own reads (checkpoints, exports,
+snapshots: :class:`~lightning_par.state_guard.OwnReads`) and everything inside
+:meth:`gathered_params` pass; so does metadata (shapes, ``.data``, ``.grad``: the same exemptions as the
+first-step guard, :data:`~lightning_par.zero.stage3_calls.NOT_READS`).
+
+The mode lives on torch's thread-local function-mode stack; if user code entered a mode of its own
+after it and is still inside it when the window ends, the modes above are lifted, this one removed and
+the others put back in their order (:func:`leave_mode`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_par.state_guard import OwnReads
+from lightning_par.zero.stage3_calls import NOT_READS, ParamReads
+from lightning_par.zero.unit import Unit
+
+__all__ = ["BetweenSteps", "leave_mode"]
+
+
+class BetweenSteps:
+    """The between-steps reads guard of a ZeRO-3 engine (module docstring)."""
+
+    def __init__(self, units: Sequence[Unit], own_reads: OwnReads) -> None:
+        self._owners: dict[int, tuple[Unit, str]] = {
+            id(p): (unit, name)
+            for unit in units
+            for part in unit.parts
+            for name, p in zip(part.names, part.params, strict=True)
+        }
+        self._own_reads = own_reads
+        self._mode: TorchFunctionMode | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def start(self) -> None:
+        if self._mode is None:
+            self._mode = ParamReads(self._check_read)
+            self._mode.__enter__()
+
+    def stop(self) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            leave_mode(mode)
+
+    def _check_read(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        name = getattr(func, "__name__", "")
+        if name in NOT_READS or self._own_reads.active:
+            return
+        for value in (*args, *kwargs.values()):
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                owner = self._owners.get(id(item)) if isinstance(item, nn.Parameter) else None
+                if owner is None or owner[0].state == "gathered":
+                    continue
+                unit, param = owner
+                raise RuntimeError(
+                    f"ZeRO-3: parameter {param!r} of unit {unit.name or '<root>'!r} was read by"
+                    f" {name or func!r} between training steps (in a Lightning hook or callback such as"
+                    " on_train_batch_end or on_before_optimizer_step), where ZeRO-3's parameters are"
+                    " placeholders (NaN), so this would compute NaN, silently. Enter"
+                    " `with trainer.strategy.gathered_params():` on every rank around code that reads"
+                    " weights (logging their norms), or `gathered_params(writeback=True)` for code that"
+                    " also writes them or keeps an average of them (an EMA in buffers: this reads the fp32"
+                    " masters), or do the work inside training_step. (Checked between the first two"
+                    " training steps only.)"
+                )
+
+
+def leave_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off torch's function-mode stack wherever it is, keeping the order of the others."""
+    above: list[Any] = []
+    while torch._C._len_torch_function_stack() > 0:
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
