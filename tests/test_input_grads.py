@@ -30,6 +30,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.fabric import Fabric
 from lightning.pytorch.strategies import DDPStrategy
@@ -38,8 +39,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.fabric import HybridParallelStrategy as FabricHybridParallelStrategy
+from lightning_par.tensor_parallel import vocab_parallel_cross_entropy
 from tests.distributed import run_distributed
 from tests.fits import cpu_trainer, final_state
+from tests.third_party import llama
 
 WORLD, MICRO = 2, 4
 State = dict[str, Tensor]
@@ -262,3 +265,82 @@ def test_input_gradients_inside_steps_at_zero3_equal_ddp() -> None:
     for name, value in net.state_dict().items():
         torch.testing.assert_close(out["fabric"][name], value, msg=f"fabric: {name}")
     assert not torch.equal(net.state_dict()["2.fc.weight"], initial["2.fc.weight"])
+
+
+# ------------------------------------------------------------------------------------------- tensor parallel
+def _token_ids() -> Tensor:
+    return torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(5))
+
+
+def _penalised_lm_loss(model: nn.Module, ids: Tensor) -> Tensor:
+    """A causal LM's loss plus the squared norm of its gradient with respect to the input embeddings."""
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    loss = model(inputs_embeds=embeds, labels=ids).loss
+    (g,) = torch.autograd.grad(loss, embeds, create_graph=True)
+    return loss + 1e-3 * g.pow(2).sum()
+
+
+class PenalisedLlama(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = llama()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return _penalised_lm_loss(self.model, batch[0])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(TensorDataset(_token_ids()), batch_size=4)
+
+
+def _tp_runs(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for stage, sp in ((0, False), (3, False), (1, True)):
+        module = PenalisedLlama()
+        strategy = HybridParallelStrategy(
+            zero_stage=stage,
+            tensor_parallel_size=world,
+            tp_plan="llama",
+            sequence_parallel=sp,
+            find_unused_parameters=True,  # the embedding gets no gradient: its output is detached
+        )
+        cpu_trainer(strategy, devices=world, max_epochs=1, use_distributed_sampler=False).fit(module)
+        out[f"zero{stage}{'-sp' if sp else ''}"] = final_state(module, strategy)
+    group = dist.new_group(list(range(world)))
+    logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    loss = vocab_parallel_cross_entropy(logits, torch.arange(6) % 16, group=group)
+    try:
+        torch.autograd.grad(loss, logits, create_graph=True)
+        out["vocab_ce"] = "no error"
+    except RuntimeError as error:
+        out["vocab_ce"] = str(error)
+    dist.destroy_process_group(group)
+    return out
+
+
+def test_input_gradients_through_tensor_parallel_layers_equal_one_process() -> None:
+    """A Llama at tp 2 trained on its loss plus a penalty on the loss's input-embedding gradient, at
+    ZeRO-0, ZeRO-3 and ZeRO-1 with sequence parallelism, equals one process. Before, the second backward
+    took the tensor-parallel all-reduces recorded in the first for identities (2.2e-5 from one process,
+    where the penalty's whole effect on the weights is 5.0e-5), and failed under sequence parallelism ("A
+    view was created in no_grad mode and is being modified inplace"). ``vocab_parallel_cross_entropy``,
+    whose backward has no second derivative, refuses such a pass by name."""
+    ranks = run_distributed(_tp_runs, WORLD, timeout=600)
+    model = llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ids = _token_ids()
+    for step in range(2):
+        _penalised_lm_loss(model, ids[step * 4 : (step + 1) * 4]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    reference = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for key in ("zero0", "zero3", "zero1-sp"):
+        state = ranks[0][key]
+        assert state.keys() == reference.keys(), key
+        for name, value in reference.items():
+            torch.testing.assert_close(state[name], value, msg=f"{key}: {name}")
+    for out in ranks:
+        assert "vocab_parallel_cross_entropy has no second derivative" in out["vocab_ce"], out["vocab_ce"]

@@ -17,6 +17,16 @@ function               forward                         backward
 =====================  ==============================  ==============================
 
 Gloo and NCCL concatenate along dim 0; the sequence functions move dim 1 to the front and back.
+
+Second derivatives (``torch.autograd.grad(..., create_graph=True)``: a gradient penalty, a PINN): a
+backward run with grad mode on records what it computes, so each backward then applies its conjugate
+*function* (``copy_to``'s all-reduce is ``reduce_from``, ``gather_seq``'s reduce-scatter is
+``reduce_scatter_seq``, ...), whose own backward is the first function's forward again: the graph of
+the gradient communicates as the forward does. With grad mode off (every ordinary backward) the
+collectives run directly, as before. Raw collectives inside a recorded backward are invisible to
+autograd: the second backward took an all-reduce for the identity (a Llama's gradient penalty at tp 2
+ended 2.2e-5 from one process, where the penalty's whole effect is 5.0e-5) or failed on the all-gather's views
+under sequence parallelism.
 """
 
 from __future__ import annotations
@@ -78,16 +88,21 @@ class _CopyTo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        if torch.is_grad_enabled():  # create_graph: recorded, see the module docstring
+            return _ReduceFrom.apply(grad, ctx.group), None
         return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
         return _all_reduce(x.clone(), group)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        if torch.is_grad_enabled():
+            return _CopyTo.apply(grad, ctx.group), None
         return grad, None
 
 
@@ -99,6 +114,9 @@ class _GatherDim(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        if torch.is_grad_enabled():
+            back = _ReduceScatterDim if ctx.reduce_back else _SplitDim
+            return back.apply(grad, ctx.dim, ctx.group), None, None, None
         if ctx.reduce_back:
             return _reduce_scatter_dim(grad, ctx.dim, ctx.group), None, None, None
         return _split_dim(grad, ctx.dim, ctx.group), None, None, None
@@ -112,6 +130,8 @@ class _SplitDim(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        if torch.is_grad_enabled():
+            return _GatherDim.apply(grad, ctx.dim, ctx.group, False), None, None
         return _gather_dim(grad, ctx.dim, ctx.group), None, None
 
 
@@ -123,6 +143,8 @@ class _ReduceScatterDim(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        if torch.is_grad_enabled():
+            return _GatherDim.apply(grad, ctx.dim, ctx.group, True), None, None
         return _gather_dim(grad, ctx.dim, ctx.group), None, None
 
 

@@ -332,6 +332,12 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+        if torch.is_grad_enabled():  # the saved softmax is a constant: its second derivative would be lost
+            raise RuntimeError(
+                "vocab_parallel_cross_entropy has no second derivative: a backward with create_graph=True"
+                " (a gradient penalty, torch.autograd.grad(loss, ..., create_graph=True)) cannot pass"
+                " through it. Compute that loss with F.cross_entropy on gathered logits instead."
+            )
         softmax, local, outside, ignored = ctx.saved_tensors
         g = softmax.clone()
         g.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(g.dtype).unsqueeze(-1))
