@@ -33,6 +33,7 @@ from lightning_par.checkpoint.load_pretrained import PretrainedPlan, PretrainedS
 from lightning_par.compose import ComposeOptions, compose
 from lightning_par.data_reduce import MetricSync
 from lightning_par.device_checks import check_optimizer_kernels
+from lightning_par.grad_reads import GradReads
 from lightning_par.loss import TokenNormalizer
 from lightning_par.memory import MemoryReport, measure_memory
 from lightning_par.optimizer_checks import check_layout_optimizers
@@ -366,7 +367,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         """Step 6 of the composition: ZeRO over the dp group (stage 3 for evaluation too)."""
         assert self.model is not None
         compute, reduce = self._dtypes()
-        self._engine = build_engine(
+        self._engine = engine = build_engine(
             self.model,
             options=ZeroOptions.of(self),
             group=self.mesh.dp_group,
@@ -379,6 +380,11 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             pipelined=self.pipeline_parallel_size > 1,
             seed_groups=(self.mesh.tp_group, self.mesh.pp_group),
         )
+        # param.grad is None at ZeRO 1-3: reads that find nothing are refused in the first optimizer step
+        watch = self.zero_stage >= 1 and self.pipeline_parallel_size == 1 and not self.find_unused_parameters
+        if engine is not None and fitting and watch:
+            self._grad_reads = GradReads(self.model, zero_stage=self.zero_stage)
+            engine.on_synchronized(self._grad_reads.landed)
 
     @override
     def model_to_device(self) -> None:
@@ -408,6 +414,9 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
+        if self._grad_reads is not None:
+            self._grad_reads.end(quiet=True)
+            self._grad_reads = None
         if self._engine is not None:
             if self.unshard_on_teardown:
                 self._engine.unshard_all()  # leave a usable, whole model behind (a no-op below stage 3)

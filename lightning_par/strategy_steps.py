@@ -35,6 +35,7 @@ from lightning_par.eval_join import (
     plan_eval_join,
 )
 from lightning_par.grad_norm import param_grad_norms
+from lightning_par.grad_reads import GradReads
 from lightning_par.loss import TokenNormalizer
 from lightning_par.pipeline.apply import NORM_SKIP_ATTR
 from lightning_par.pipeline.lightning import LightningPipeline
@@ -57,6 +58,7 @@ class StrategySteps(ZeroCheckpointIO):
     _buffer_sync: BufferSync
     _patched: list[str]  # names of the LightningModule's hooks replaced for this run
     _eval_join: EvalJoin | None = None  # the running evaluation loop's, when its dp ranks' counts differ
+    _grad_reads: GradReads | None = None  # the first optimizer step's param.grad watch (grad_reads.py)
 
     @property
     def pipeline_stats(self) -> StepStats | None:
@@ -108,6 +110,8 @@ class StrategySteps(ZeroCheckpointIO):
             return closure_loss
         if self._engine is not None:  # its reductions end with this pass, past reentrant checkpoints'
             self._engine.watch_backward(closure_loss)
+        if self._grad_reads is not None:
+            self._grad_reads.arm()
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -261,6 +265,9 @@ class StrategySteps(ZeroCheckpointIO):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._engine is not None:
             self._engine.after_step()  # stages 1/2: all-gather the updated parameters
+        if self._grad_reads is not None:
+            self._grad_reads.end()
+            self._grad_reads = None
         if self._step_skipped() and self.lightning_module is not None:
             lightning_hooks.uncount_step(self.lightning_module)
         return output

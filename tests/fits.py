@@ -36,3 +36,15 @@ def final_state(module: nn.Module, strategy: Any) -> dict[str, Tensor]:
         strategy.destroy_process_groups()
         return state
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def fit_refused(trainer: pl.Trainer, module: pl.LightningModule, strategy: Any) -> str | None:
+    """``trainer.fit(module)``: the message of the ``RuntimeError`` it raised (our strategy's process
+    groups then destroyed, as :func:`final_state` does), or None when the fit finished."""
+    try:
+        trainer.fit(module)
+    except RuntimeError as error:
+        if isinstance(strategy, HybridParallelStrategy):
+            strategy.destroy_process_groups()
+        return str(error)
+    return None

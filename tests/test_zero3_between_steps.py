@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
-from tests.fits import final_state
+from tests.fits import final_state, fit_refused
 
 WORLD = 2
 
@@ -125,12 +125,9 @@ def _fit(
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    try:
-        trainer.fit(module)
-    except RuntimeError as error:
-        if isinstance(strategy, HybridParallelStrategy):
-            strategy.destroy_process_groups()
-        return {"error": str(error), "modes": torch._C._len_torch_function_stack()}
+    refused = fit_refused(trainer, module, strategy)
+    if refused is not None:
+        return {"error": refused, "modes": torch._C._len_torch_function_stack()}
     return {
         "state": final_state(module, strategy),
         "norm": trainer.callback_metrics.get("w_norm"),

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_par.fabric.pipeline import refuse_backward
+from lightning_par.grad_reads import GradReads
 from lightning_par.zero.stage3_join import Stage3Join
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class FabricSteps:
     before_optimizer_step: list[Callable[[], None]]
     _found_inf: bool | None  # this step's fp16 verdict, once gradients are unscaled
     _pipeline: FabricPipeline | None  # under pipeline parallelism: its steps run every backward
+    _grad_reads: GradReads | None = None  # the first optimizer step's param.grad watch (grad_reads.py)
 
     if TYPE_CHECKING:
 
@@ -53,6 +55,8 @@ class FabricSteps:
             refuse_backward()
         if self.engine is not None:  # its reductions end with this pass, past reentrant checkpoints'
             self.engine.watch_backward(tensor)
+        if self._grad_reads is not None:
+            self._grad_reads.arm()
         scaler = self.precision.scaler
         if scaler is not None:
             tensor = scaler.scale_loss(tensor)
@@ -103,6 +107,9 @@ class FabricSteps:
         torch.nn.utils.clip_grad_value_(params, clip_value=clip_val)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if self._grad_reads is not None:  # the first step: a refused param.grad read is raised here
+            reads, self._grad_reads = self._grad_reads, None
+            reads.end()
         for hook in self.before_optimizer_step:
             hook()
         output = None

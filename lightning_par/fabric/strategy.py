@@ -60,6 +60,7 @@ from lightning_par.fabric.pipeline import FabricPipeline, build_fabric_pipeline,
 from lightning_par.fabric.precision import to_parallel_precision
 from lightning_par.fabric.setup import Replaced, complete_stage_groups, compose_module, follow_replaced
 from lightning_par.fabric.steps import FabricSteps
+from lightning_par.grad_reads import GradReads
 from lightning_par.mesh import ParallelMesh
 from lightning_par.optimizer_checks import check_layout_optimizers
 from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
@@ -329,6 +330,11 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             pipelined=self._pipeline is not None,
             seed_groups=(self.mesh.tp_group, self.mesh.pp_group),
         )
+        # param.grad is None at ZeRO 1-3: reads that find nothing are refused in the first optimizer step
+        watch = self.zero_stage >= 1 and self._pipeline is None and not self.find_unused_parameters
+        if self.engine is not None and watch:
+            self._grad_reads = GradReads(module, zero_stage=self.zero_stage, defer=True)
+            self.engine.on_synchronized(self._grad_reads.landed)
         cast_frozen(module, self.precision.frozen_storage_dtype())
         self._metric_sync.assign(module, mesh=self.mesh, pipelined=self._pipeline is not None)
         setattr(module, SETUP_ATTR, True)
@@ -421,6 +427,9 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._grad_reads is not None:
+            self._grad_reads.end(quiet=True)
+            self._grad_reads = None
         if self.engine is not None:
             self.engine.remove()
         if self._refusal is not None:

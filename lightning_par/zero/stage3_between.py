@@ -12,7 +12,7 @@ a weight norm logged in ``on_before_optimizer_step`` logged NaN.
 How
 ---
 When the engine's first training step ends (its step context exits), :meth:`BetweenSteps.start` enters a
-torch function mode (:class:`~lightning_par.zero.stage3_calls.ParamReads`) that looks at the arguments
+torch function mode (:class:`~lightning_par.torch_modes.CheckedCalls`) that looks at the arguments
 of every torch function and tensor method: a parameter of any unit, the root included, whose unit is not
 gathered is refused with ``RuntimeError`` naming it, its unit, the function and the fix. The window
 covers what Lightning runs after ``training_step`` returns: that step's backward, ``on_after_backward``,
@@ -26,7 +26,7 @@ first-step guard, :data:`~lightning_par.zero.stage3_calls.NOT_READS`).
 
 The mode lives on torch's thread-local function-mode stack; if user code entered a mode of its own
 after it and is still inside it when the window ends, the modes above are lifted, this one removed and
-the others put back in their order (:func:`leave_mode`).
+the others put back in their order (:func:`~lightning_par.torch_modes.leave_mode`).
 """
 
 from __future__ import annotations
@@ -34,15 +34,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_par.state_guard import OwnReads
-from lightning_par.zero.stage3_calls import NOT_READS, ParamReads
+from lightning_par.torch_modes import CheckedCalls, leave_mode
+from lightning_par.zero.stage3_calls import NOT_READS
 from lightning_par.zero.unit import Unit
 
-__all__ = ["BetweenSteps", "leave_mode"]
+__all__ = ["BetweenSteps"]
 
 
 class BetweenSteps:
@@ -57,6 +57,7 @@ class BetweenSteps:
         }
         self._own_reads = own_reads
         self._mode: TorchFunctionMode | None = None
+        self._refused = False  # a read was refused: the mode passes everything through until stop()
 
     @property
     def active(self) -> bool:
@@ -64,7 +65,7 @@ class BetweenSteps:
 
     def start(self) -> None:
         if self._mode is None:
-            self._mode = ParamReads(self._check_read)
+            self._mode = CheckedCalls(self._check_read)
             self._mode.__enter__()
 
     def stop(self) -> None:
@@ -74,7 +75,7 @@ class BetweenSteps:
 
     def _check_read(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         name = getattr(func, "__name__", "")
-        if name in NOT_READS or self._own_reads.active:
+        if name in NOT_READS or self._own_reads.active or self._refused:
             return
         for value in (*args, *kwargs.values()):
             for item in value if isinstance(value, (list, tuple)) else (value,):
@@ -82,6 +83,8 @@ class BetweenSteps:
                 if owner is None or owner[0].state == "gathered":
                     continue
                 unit, param = owner
+                # torch restores the mode after this raise: inert from here until stop() takes it off
+                self._refused = True
                 raise RuntimeError(
                     f"ZeRO-3: parameter {param!r} of unit {unit.name or '<root>'!r} was read by"
                     f" {name or func!r} between training steps (in a Lightning hook or callback such as"
@@ -93,15 +96,3 @@ class BetweenSteps:
                     " masters), or do the work inside training_step. (Checked between the first two"
                     " training steps only.)"
                 )
-
-
-def leave_mode(mode: TorchFunctionMode) -> None:
-    """Take ``mode`` off torch's function-mode stack wherever it is, keeping the order of the others."""
-    above: list[Any] = []
-    while torch._C._len_torch_function_stack() > 0:
-        top = torch._C._pop_torch_function_stack()
-        if top is mode:
-            break
-        above.append(top)
-    for other in reversed(above):
-        torch._C._push_on_torch_function_stack(other)

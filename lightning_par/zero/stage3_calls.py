@@ -40,9 +40,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from lightning_par.torch_modes import CheckedCalls
 from lightning_par.zero.unit import Unit
 
-__all__ = ["NOT_READS", "CrossUnitGuard", "ParamReads"]
+__all__ = ["NOT_READS", "CrossUnitGuard"]
 
 # what a torch function may do with a sharded parameter without reading its values: property access
 # (.data, .grad, .shape, ._version: getset descriptors), metadata, new tensors shaped like it, and hook
@@ -139,7 +140,7 @@ class CrossUnitGuard:
     def reads(self) -> TorchFunctionMode:
         """The mode that refuses reads of a sharded unit's parameters (module docstring); entered by the
         engine around its first step."""
-        return ParamReads(self._check_read)
+        return CheckedCalls(self._check_read)
 
     def _check_read(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         if getattr(func, "__name__", "") in NOT_READS:
@@ -178,22 +179,3 @@ class CrossUnitGuard:
             handle.remove()
         self._handles = []
         self._running = []  # (the reads mode, if still entered, keeps _entered until the step ends)
-
-
-class ParamReads(TorchFunctionMode):
-    """Calls ``check(func, args, kwargs)`` before every torch function and tensor method."""
-
-    def __init__(self, check: Callable[[Callable[..., Any], Sequence[Any], dict[str, Any]], None]) -> None:
-        super().__init__()
-        self._check = check
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        self._check(func, args, kwargs)
-        return func(*args, **kwargs)

@@ -1,0 +1,107 @@
+"""Reads of ``param.grad`` that find nothing at ZeRO 1-3 are refused in the first optimizer step.
+
+Why
+---
+At ZeRO stages 1-3 a window's gradients are reduced into each rank's shards, and ``param.grad`` of the
+module's parameters stays None. Code written for DDP that reads it between the backward and the
+optimizer step did nothing, silently: ``torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)`` in
+``configure_gradient_clipping`` or ``on_before_optimizer_step`` clipped nothing (a small MLP whose steps
+needed the clip ended 1e12 away from ``"ddp"``), and Lightning's ``grad_norm(self, 2)`` logged nothing.
+
+How
+---
+:meth:`GradReads.arm` (the front door calls it before the first backward it runs) enters a torch
+function mode that watches ``Tensor.grad`` reads. Once the gradients of a window have been reduced
+(:meth:`GradReads.landed`, an engine ``on_synchronized`` listener), a read that returns None for a
+parameter that was trainable at setup raises ``RuntimeError`` naming it and the fixes. The first
+optimizer step ends the watch for good (:meth:`GradReads.end`, also at teardown), so later steps pay
+nothing; a read that first happens in a later step is not caught. Reads before the window's backward
+(``on_before_backward``, where DDP finds None too) and reads that find a gradient pass. With
+``find_unused_parameters`` the front doors leave the watch off (an unused parameter's gradient is None
+under DDP as well). The engine's own work in backward is not seen: torch runs autograd's nodes and hooks
+outside the mode.
+
+Where the error is raised: the Trainer raises at the read itself (its traceback points at the user's
+line); torch puts a mode back on its stack after its handler raises, and the strategy's teardown, which
+Lightning runs on every failure, takes it off. A Fabric loop has no such teardown, so Fabric's watch
+(``defer=True``) records the read and raises from ``optimizer.step()``, after leaving the stack and
+before any update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_par.torch_modes import CheckedCalls, leave_mode
+
+__all__ = ["GradReads"]
+
+_GRAD = torch._C.TensorBase.__dict__["grad"]  # the getset descriptor behind ``tensor.grad``
+
+
+class GradReads:
+    """The first optimizer step's watch over ``param.grad`` reads (module docstring). ``defer``: record the
+    first refused read and raise it from :meth:`end` instead of from inside the read (Fabric, below)."""
+
+    def __init__(self, module: nn.Module, *, zero_stage: int, defer: bool = False) -> None:
+        self._names = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
+        self.zero_stage = zero_stage
+        self.defer = defer
+        self._mode: TorchFunctionMode | None = None
+        self._landed = False
+        self._ended = False
+        self._refused: str | None = None  # the first refused read's message (deferred)
+
+    def arm(self) -> None:
+        if self._ended or self._landed:
+            # after a refusal the mode is inert until it can leave the stack: here; a new backward after
+            # a reduced window without an optimizer step between (a loop without one) ends the watch too
+            self.end()
+        elif self._mode is None:
+            self._mode = CheckedCalls(self._check_call)
+            self._mode.__enter__()
+
+    def landed(self) -> None:
+        self._landed = True
+
+    def end(self, *, quiet: bool = False) -> None:
+        """Leave the watch for good; with ``defer``, raise the first refused read now (unless ``quiet``:
+        a teardown, where nothing is left to stop)."""
+        self._ended = True
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            leave_mode(mode)
+        refused, self._refused = self._refused, None
+        if refused is not None and not quiet:
+            raise RuntimeError(refused)
+
+    def _check_call(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        getter = getattr(func, "__self__", None) is _GRAD and getattr(func, "__name__", "") == "__get__"
+        if getter and args and args[0].grad is None:  # the handler runs outside the mode: no recursion
+            self._check(args[0])
+
+    def _check(self, param: Any) -> None:
+        name = self._names.get(id(param))
+        if name is None or not self._landed or self._ended or self._refused is not None:
+            return
+        message = (
+            f"ZeRO-{self.zero_stage}: {name}.grad was read after the backward and is None: at ZeRO stages 1-3"
+            " the gradients live in each rank's shards, not in param.grad, so code that clips them"
+            " (torch.nn.utils.clip_grad_norm_(self.parameters(), ...)) or logs them (Lightning's"
+            " grad_norm(self, ...)) would do nothing, silently. Clip with Trainer(gradient_clip_val=...) or"
+            " self.clip_gradients(optimizer, ...) (fabric.clip_gradients in Fabric): the global norm over the"
+            " shards; read the norms with trainer.strategy.grad_norm(self); or use zero_stage=0, where"
+            " param.grad holds the averaged gradient. (Checked in the first optimizer step only.)"
+        )
+        if self.defer:
+            self._refused = message
+            return
+        # torch puts the mode back on its stack after this raise: it stays, inert, until end() (the
+        # Trainer's teardown) takes it off
+        self._ended = True
+        raise RuntimeError(message)

@@ -1,0 +1,52 @@
+"""Torch function modes for the first-step watches (a ZeRO-3 parameter read where it is a placeholder, a
+``param.grad`` read that finds nothing at ZeRO 1-3): a mode that checks every torch call before running
+it, and leaving torch's thread-local mode stack wherever the mode sits on it.
+
+A mode watches only while it is on the stack of the thread that entered it (the main thread: Lightning's
+hooks, a Fabric loop); torch runs autograd's nodes and hooks outside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Check", "CheckedCalls", "leave_mode"]
+
+Check = Callable[[Callable[..., Any], Sequence[Any], dict[str, Any]], None]
+
+
+class CheckedCalls(TorchFunctionMode):
+    """Calls ``check(func, args, kwargs)`` before every torch function and tensor method (property
+    access included: ``func`` is then the descriptor's ``__get__`` / ``__set__``)."""
+
+    def __init__(self, check: Check) -> None:
+        super().__init__()
+        self._check = check
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        self._check(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def leave_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off torch's function-mode stack wherever it is, keeping the order of the others (a
+    mode the user entered after it stays)."""
+    above: list[Any] = []
+    while torch._C._len_torch_function_stack() > 0:
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)

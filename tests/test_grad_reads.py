@@ -1,0 +1,172 @@
+"""``param.grad`` read between the backward and the optimizer step, at ZeRO 1-3, on 2 Gloo ranks.
+
+At ZeRO 1-3 the gradients are in each rank's shards and ``param.grad`` is None, so DDP code that reads
+it there did nothing, silently: ``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` in an
+overridden ``configure_gradient_clipping`` clipped nothing (the MLP below, whose steps need the clip,
+ended far from ``"ddp"``), and Lightning's ``grad_norm(self, 2)`` logged nothing. Now the first such read
+is refused, naming the parameter and the fixes, in the Trainer and in a Fabric loop; stage 0 (where
+``param.grad`` holds the averaged gradient) equals ``"ddp"`` with the same code.
+
+What must not be refused: reads that find None under DDP too (``on_before_backward``, after the step in
+``on_train_batch_end``), and the built-in clipping (``self.clip_gradients``), with gradient accumulation;
+those runs equal ``"ddp"`` at ZeRO 1-3, and the watch is gone from the second step on (no torch function
+mode left in ``training_step``), also after a refusal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import grad_norm
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_par import HybridParallelStrategy
+from lightning_par.fabric import HybridParallelStrategy as FabricHybridParallelStrategy
+from tests.distributed import run_distributed
+from tests.fits import cpu_trainer, final_state, fit_refused
+
+WORLD = 2
+
+
+def _samples() -> tuple[Tensor, Tensor]:
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(3)) * 3
+    return x, x.sum(1, keepdim=True) ** 2
+
+
+class Clipped(pl.LightningModule):
+    """``mode``: ``"torch_clip"`` (torch's clip over ``self.parameters()``), ``"log_norms"`` (Lightning's
+    ``grad_norm``) or ``"builtin"`` (``self.clip_gradients``, reading ``.grad`` where DDP finds None)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.modes: list[int] = []  # torch function modes entered after the first optimizer step
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if batch_idx > 1:  # the first optimizer step is done (accumulation 1 or 2)
+            self.modes.append(torch._C._len_torch_function_stack())
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def on_before_backward(self, loss: Tensor) -> None:
+        _ = [p.grad for p in self.parameters()]  # None at the first micro-batch, as under DDP
+
+    def configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        if self.mode == "torch_clip":
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 0.1)
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.mode == "log_norms":
+            self.log_dict(grad_norm(self, norm_type=2))
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        _ = [p.grad for p in self.parameters()]  # after the step: None under DDP too
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(TensorDataset(*_samples()), batch_size=4)
+
+
+def _fit(strategy: Any, mode: str, accumulate: int = 1) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = Clipped(mode)
+    trainer = cpu_trainer(strategy, max_epochs=1, accumulate_grad_batches=accumulate)
+    refused = fit_refused(trainer, module, strategy)
+    if refused is not None:
+        return {"error": refused, "modes": torch._C._len_torch_function_stack()}
+    return {"state": final_state(module, strategy), "modes": module.modes}
+
+
+def _fabric(rank: int, clip: str) -> dict[str, Any]:
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=FabricHybridParallelStrategy(zero_stage=2))
+    fabric.launch()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x, y = _samples()
+    try:
+        for step in range(4):
+            mine = slice(step * 8 + rank * 4, step * 8 + rank * 4 + 4)
+            fabric.backward(F.mse_loss(model(x[mine]), y[mine]))
+            if clip == "torch":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            else:
+                fabric.clip_gradients(model, optimizer, max_norm=0.1)
+            optimizer.step()
+            optimizer.zero_grad()
+        state: dict[str, Any] = {"state": fabric.strategy.consolidated_state_dict()}  # type: ignore[attr-defined]
+    except RuntimeError as error:
+        state = {"error": str(error)}
+    finally:
+        fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]
+    return {**state, "modes": torch._C._len_torch_function_stack()}
+
+
+def _runs(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {
+        "fabric/torch": _fabric(rank, "torch"),
+        "fabric/fabric": _fabric(rank, "fabric"),
+        "ddp/torch_clip": _fit(DDPStrategy(), "torch_clip"),
+        "zero0/torch_clip": _fit(HybridParallelStrategy(zero_stage=0), "torch_clip"),
+        "ddp/builtin": _fit(DDPStrategy(), "builtin", accumulate=2),
+    }
+    for stage in (1, 2, 3):
+        out[f"zero{stage}/torch_clip/refused"] = _fit(HybridParallelStrategy(zero_stage=stage), "torch_clip")
+        out[f"zero{stage}/builtin"] = _fit(HybridParallelStrategy(zero_stage=stage), "builtin", accumulate=2)
+    out["zero2/log_norms/refused"] = _fit(HybridParallelStrategy(zero_stage=2), "log_norms")
+    return out
+
+
+def test_grad_reads_that_find_nothing_are_refused_and_the_rest_equals_ddp() -> None:
+    ranks = run_distributed(_runs, WORLD, init_group=False, timeout=300)
+    for r, out in enumerate(ranks):
+        for key, result in out.items():
+            if key.endswith("refused") or key == "fabric/torch":
+                stage, name = (key[4], "net.0.weight") if key.startswith("zero") else ("2", "0.weight")
+                message = result.get("error", "")
+                expected = f"ZeRO-{stage}: {name}.grad was read after the backward and is None"
+                assert expected in message, (r, key, result)
+                assert "gradient_clip_val" in message and "strategy.grad_norm" in message, (r, key, message)
+                assert result["modes"] == 0, (r, key, result)  # the watch left with the failed run
+            elif key.startswith("fabric"):
+                assert "error" not in result and result["modes"] == 0, (r, key, result)
+            elif not key.startswith("ddp"):
+                assert "error" not in result, (r, key, result)
+                assert len(result["modes"]) == 6 and set(result["modes"]) == {0}, (r, key, result["modes"])
+
+    out = ranks[0]  # the consolidated states land on rank 0
+    torch.manual_seed(0)
+    initial = Clipped("builtin").state_dict()
+    for key, reference in (
+        ("zero0/torch_clip", "ddp/torch_clip"),
+        *((f"zero{s}/builtin", "ddp/builtin") for s in (1, 2, 3)),
+    ):
+        expected = out[reference]["state"]
+        for name, value in expected.items():
+            torch.testing.assert_close(out[key]["state"][name], value, msg=f"{key}: {name}")
+            assert not torch.equal(value, initial[name]), (key, name)
+
+    # the Fabric loop with fabric.clip_gradients against one process on both ranks' samples
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = _samples()
+    for step in range(4):
+        F.mse_loss(net(x[step * 8 : step * 8 + 8]), y[step * 8 : step * 8 + 8]).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1)
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, value in net.state_dict().items():
+        torch.testing.assert_close(out["fabric/fabric"]["state"][name], value, msg=f"fabric: {name}")
