@@ -14,8 +14,11 @@ Modes:
   at any stage): fp32 parameters and gradients, the forward under autocast, like Lightning's own
   ``"bf16-mixed"``; memory 4 + 4 + 8/N.
 * ``"bf16-true"``: bf16 parameters without autocast: floating inputs are cast to bf16 and every op, the
-  loss included, runs in bf16 unless the model upcasts itself. With masters (stages 1-3) the fp32 masters
-  are in the shard; without (stage 0) the optimizer updates the bf16 parameters, as Lightning's does.
+  loss included, runs in bf16 unless the model upcasts itself. As Lightning's ``HalfPrecision``: inside a
+  step (``forward_context``) torch's default dtype is bf16, so tensors the step creates match the
+  parameters, and Fabric's module wrapper gets the outputs back in the default dtype (fp32). With
+  masters (stages 1-3) the fp32 masters are in the shard; without (stage 0) the optimizer updates the
+  bf16 parameters, as Lightning's does.
 * fp32 masters at stage 0 (``master_weights=True``) are refused: use ZeRO-1, which keeps them at the
   same communication volume and shards them.
 * Frozen floating parameters (no gradient, no master) keep Lightning's dtype: fp32 under the mixed
@@ -211,6 +214,16 @@ class ParallelPrecision(Precision):
         if self.precision in ("bf16-mixed", "16-mixed"):
             with torch.autocast(self.device_type, dtype=self.compute_dtype):
                 yield
+        elif self.precision == "bf16-true":
+            # as Lightning's HalfPrecision: tensors the step creates (noise, masks, positions) are bf16 like
+            # the parameters; before, a GAN's torch.randn latent met bf16 weights ("mat1 and mat2 must
+            # have the same dtype")
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(self.compute_dtype)
+            try:
+                yield
+            finally:
+                torch.set_default_dtype(default)
         else:
             yield
 
@@ -220,6 +233,17 @@ class ParallelPrecision(Precision):
             return data
         return apply_to_collection(
             data, dtype=Tensor, function=lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t
+        )
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        """Fabric's module wrapper hands the outputs back through this: under ``"bf16-true"`` in the default
+        dtype (fp32), as Fabric's own ``HalfPrecision`` does, so a loss computed on them is fp32 too."""
+        if self.precision != "bf16-true":
+            return data
+        default = torch.get_default_dtype()
+        return apply_to_collection(
+            data, dtype=Tensor, function=lambda t: t.to(default) if t.is_floating_point() else t
         )
 
     # ------------------------------------------------------------------ backward and step

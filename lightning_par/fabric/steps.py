@@ -86,7 +86,8 @@ class FabricSteps:
     ) -> Tensor:
         """Clip by the global norm over every rank's shard; returns that norm (on the device)."""
         if self._unscaled(optimizer):
-            return torch.full((), float("inf"), device=self.root_device)  # the step will be skipped
+            # the step will be skipped
+            return torch.full((), float("inf"), dtype=torch.float32, device=self.root_device)
         # the plugin's clip: the global norm, tp-replicated parameters counted once (as under the Trainer)
         self.precision.clip_grad_by_norm(optimizer, max_norm, norm_type=float(norm_type))
         norm = self.precision.last_grad_norm

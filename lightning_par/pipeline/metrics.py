@@ -132,7 +132,7 @@ class PipelineMetrics:
                 )
                 continue
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                value = torch.tensor(float(value), device=self.device)
+                value = torch.tensor(float(value), dtype=torch.float32, device=self.device)
             if not isinstance(value, Tensor) or value.numel() != 1 or not value.is_floating_point():
                 shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
                 self._error = self._error or (

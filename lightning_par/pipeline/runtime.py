@@ -260,7 +260,7 @@ class PipelineRuntime:
         start = time.perf_counter()
         busy = 0.0
         ident, mail = self._begin("train", inputs)
-        losses = torch.zeros(self.m, device=self.device)
+        losses = torch.zeros(self.m, dtype=torch.float32, device=self.device)
         split = self._split
         for item in self._program("train", headers=mail.learn):
             if isinstance(item, Batch):
@@ -326,7 +326,7 @@ class PipelineRuntime:
     @torch.no_grad()
     def forward_step(self, *, inputs: Sequence[Any] | None, loss_fn: Callable[[Any, int], Tensor]) -> Tensor:
         """Forward only (evaluation): the mean of ``loss_fn`` over the micro-batches, on every rank."""
-        losses = torch.zeros(self.m, device=self.device)
+        losses = torch.zeros(self.m, dtype=torch.float32, device=self.device)
 
         def record(out: Any, i: int) -> None:
             losses[i] = loss_fn(out, i).float()
