@@ -1,4 +1,5 @@
-"""Gradients with respect to inputs inside a step, at ZeRO-3, against Lightning's ``"ddp"`` on 2 Gloo ranks.
+"""Gradients with respect to inputs inside a step, at ZeRO-3 (against Lightning's ``"ddp"``) and under tensor
+parallelism (against one process), on 2 Gloo ranks.
 
 Three kinds of user code call ``torch.autograd.grad`` on a step's inputs before the step's backward:
 
@@ -22,6 +23,9 @@ gathered after a step: ``live_units`` is 0 at every ``on_train_batch_end`` and
 Fabric loop training the PINN at ZeRO-3 equals one process training on both ranks' samples (its input
 gradients taken through the module itself: Fabric's wrapper refuses a pass it did not start when the
 strategy or the precision overrides ``backward``, as Lightning's own mixed precision and DeepSpeed do).
+
+Under tensor parallelism a Hugging Face Llama trained on its loss plus a penalty on the loss's
+input-embedding gradient equals one process (second test).
 """
 
 from __future__ import annotations
