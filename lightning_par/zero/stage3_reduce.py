@@ -107,10 +107,13 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
             self._free_units()
 
     def _free_units(self) -> None:
+        """Free every unit but, inside a step, the root: the step goes on and its next forward needs it
+        (freeing and gathering it again would cost an all-gather and change nothing)."""
         for unit in self.units:
-            self._free(unit)
+            if not (self._in_step and unit is self.root):
+                self._free(unit)
         if self._in_step and self.root is not None:
-            self._wait(self.root)  # the step goes on: its next forward needs the root
+            self._wait(self.root)  # gathered already, unless the step's context did not gather it
 
     def _free_if_done(self, unit: Unit) -> None:
         """Free after backward: once the unit's gradients are launched (if it has trainable parameters)
@@ -247,7 +250,7 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
             unit.reduced = False
             unit.pending = 0
             unit.backward_done = True
-        self._free_units()  # inside a step (manual optimization) the root is gathered again
+        self._free_units()  # inside a step (manual optimization) the root stays gathered
         if missing is not None:
             self._finish_window(missing)
 
