@@ -31,13 +31,16 @@ before any update.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_par.torch_modes import CheckedCalls, leave_mode
+
+if TYPE_CHECKING:
+    from lightning_par.zero.engine import Engine
 
 __all__ = ["GradReads"]
 
@@ -56,6 +59,26 @@ class GradReads:
         self._landed = False
         self._ended = False
         self._refused: str | None = None  # the first refused read's message (deferred)
+
+    @classmethod
+    def for_engine(
+        cls,
+        module: nn.Module,
+        engine: Engine | None,
+        *,
+        zero_stage: int,
+        pipelined: bool,
+        find_unused_parameters: bool,
+        defer: bool = False,
+    ) -> GradReads | None:
+        """The watch a front door keeps for ``module``'s engine (its ``landed`` listener registered), or None
+        where there is nothing to watch: stage 0 (``param.grad`` holds the gradient), a pipeline (its own
+        steps run every backward), ``find_unused_parameters`` (None is an answer under DDP too)."""
+        if engine is None or zero_stage < 1 or pipelined or find_unused_parameters:
+            return None
+        reads = cls(module, zero_stage=zero_stage, defer=defer)
+        engine.on_synchronized(reads.landed)
+        return reads
 
     def arm(self) -> None:
         if self._ended or self._landed:

@@ -381,10 +381,13 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             seed_groups=(self.mesh.tp_group, self.mesh.pp_group),
         )
         # param.grad is None at ZeRO 1-3: reads that find nothing are refused in the first optimizer step
-        watch = self.zero_stage >= 1 and self.pipeline_parallel_size == 1 and not self.find_unused_parameters
-        if engine is not None and fitting and watch:
-            self._grad_reads = GradReads(self.model, zero_stage=self.zero_stage)
-            engine.on_synchronized(self._grad_reads.landed)
+        self._grad_reads = GradReads.for_engine(
+            self.model,
+            engine if fitting else None,
+            zero_stage=self.zero_stage,
+            pipelined=self.pipeline_parallel_size > 1,
+            find_unused_parameters=self.find_unused_parameters,
+        )
 
     @override
     def model_to_device(self) -> None:

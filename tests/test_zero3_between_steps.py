@@ -99,7 +99,7 @@ class WithEma(pl.LightningModule):
 
 class LogsNorm(WithEma):
     def on_train_batch_end(self, *args: Any) -> None:
-        pass
+        """No EMA update here: this module reads the weights in ``on_before_optimizer_step`` instead."""
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         strategy = self.trainer.strategy

@@ -331,10 +331,14 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             seed_groups=(self.mesh.tp_group, self.mesh.pp_group),
         )
         # param.grad is None at ZeRO 1-3: reads that find nothing are refused in the first optimizer step
-        watch = self.zero_stage >= 1 and self._pipeline is None and not self.find_unused_parameters
-        if self.engine is not None and watch:
-            self._grad_reads = GradReads(module, zero_stage=self.zero_stage, defer=True)
-            self.engine.on_synchronized(self._grad_reads.landed)
+        self._grad_reads = GradReads.for_engine(
+            module,
+            self.engine,
+            zero_stage=self.zero_stage,
+            pipelined=self._pipeline is not None,
+            find_unused_parameters=self.find_unused_parameters,
+            defer=True,  # a Fabric loop has no teardown to take a raising mode off the stack
+        )
         cast_frozen(module, self.precision.frozen_storage_dtype())
         self._metric_sync.assign(module, mesh=self.mesh, pipelined=self._pipeline is not None)
         setattr(module, SETUP_ATTR, True)

@@ -34,12 +34,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_par.state_guard import OwnReads
 from lightning_par.torch_modes import CheckedCalls, leave_mode
-from lightning_par.zero.stage3_calls import NOT_READS
+from lightning_par.zero.stage3_calls import param_owners, params_read
 from lightning_par.zero.unit import Unit
 
 __all__ = ["BetweenSteps"]
@@ -49,12 +48,7 @@ class BetweenSteps:
     """The between-steps reads guard of a ZeRO-3 engine (module docstring)."""
 
     def __init__(self, units: Sequence[Unit], own_reads: OwnReads) -> None:
-        self._owners: dict[int, tuple[Unit, str]] = {
-            id(p): (unit, name)
-            for unit in units
-            for part in unit.parts
-            for name, p in zip(part.names, part.params, strict=True)
-        }
+        self._owners = param_owners(units)
         self._own_reads = own_reads
         self._mode: TorchFunctionMode | None = None
         self._refused = False  # a read was refused: the mode passes everything through until stop()
@@ -74,15 +68,11 @@ class BetweenSteps:
             leave_mode(mode)
 
     def _check_read(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        name = getattr(func, "__name__", "")
-        if name in NOT_READS or self._own_reads.active or self._refused:
+        if self._own_reads.active or self._refused:
             return
-        for value in (*args, *kwargs.values()):
-            for item in value if isinstance(value, (list, tuple)) else (value,):
-                owner = self._owners.get(id(item)) if isinstance(item, nn.Parameter) else None
-                if owner is None or owner[0].state == "gathered":
-                    continue
-                unit, param = owner
+        for unit, param in params_read(func, args, kwargs, self._owners):
+            if unit.state != "gathered":
+                name = getattr(func, "__name__", "")
                 # torch restores the mode after this raise: inert from here until stop() takes it off
                 self._refused = True
                 raise RuntimeError(

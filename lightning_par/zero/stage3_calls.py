@@ -31,7 +31,7 @@ refused the same way, as is code outside any forward that reads such a parameter
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -43,7 +43,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_par.torch_modes import CheckedCalls
 from lightning_par.zero.unit import Unit
 
-__all__ = ["NOT_READS", "CrossUnitGuard"]
+__all__ = ["NOT_READS", "CrossUnitGuard", "param_owners", "params_read"]
 
 # what a torch function may do with a sharded parameter without reading its values: property access
 # (.data, .grad, .shape, ._version: getset descriptors), metadata, new tensors shaped like it, and hook
@@ -95,7 +95,8 @@ class CrossUnitGuard:
     def __init__(self, units: Sequence[Unit], root: Unit | None) -> None:
         self._running: list[Unit] = []  # units whose forward is running, innermost last
         self._handles: list[RemovableHandle] = []
-        self._owners: dict[int, tuple[Unit, str]] = {}  # id(parameter) -> (non-root unit, name)
+        # id(parameter) -> (non-root unit, name)
+        self._owners = {k: owner for k, owner in param_owners(units).items() if owner[0] is not root}
         self._entered: set[Unit] = set()  # units whose forward has started
         eager = torch.compiler.disable  # Python state a compiled graph would not replay
         for unit in units:
@@ -107,9 +108,6 @@ class CrossUnitGuard:
                 module.register_forward_hook(eager(partial(self._leave, unit)), always_call=True)
             )
             mine = {id(p) for part in unit.parts for p in part.params}
-            for part in unit.parts:
-                for name, p in zip(part.names, part.params, strict=True):
-                    self._owners[id(p)] = (unit, name)
             for name, m in module.named_modules():
                 if m is not module and any(id(p) in mine for p in m.parameters(recurse=False)):
                     where = f"{unit.name}.{name}" if unit.name else name
@@ -143,39 +141,56 @@ class CrossUnitGuard:
         return CheckedCalls(self._check_read)
 
     def _check_read(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        if getattr(func, "__name__", "") in NOT_READS:
-            return
-        for value in (*args, *kwargs.values()):
-            for item in value if isinstance(value, (list, tuple)) else (value,):
-                owner = self._owners.get(id(item)) if isinstance(item, nn.Parameter) else None
-                if owner is None:
-                    continue
-                unit, name = owner
-                if unit.state == "gathered" or unit in self._running:
-                    continue
-                caller = f" in the forward of unit {self._running[-1].name!r}" if self._running else ""
-                why = (
-                    "after its module's forward: code outside any forward reads it, as a weight penalty"
-                    " in training_step does"
-                    if unit in self._entered
-                    else "its module has not run: a parent module reads the parameter itself, as"
-                    " nn.MultiheadAttention reads out_proj.weight"
-                )
-                raise RuntimeError(
-                    f"ZeRO-3: parameter {name!r} of unit {unit.name!r} was read by"
-                    f" {getattr(func, '__name__', func)!r}{caller} outside that unit's forward ({why})."
-                    " A unit's parameters are whole only around the forward and backward of its own module"
-                    " (NaN placeholders elsewhere), so this would compute NaN. Read it inside the forward of"
-                    " a module containing the unit, or choose units that contain every use of their"
-                    " parameters (zero3_units=[...] naming the reading module, e.g. nn.MultiheadAttention or"
-                    " the transformer layer; parameters outside every unit stay whole for the step); for a"
-                    " weight penalty, the optimizer's weight_decay; to read weights outside a forward"
-                    " (logging their norms), strategy.gathered_params() entered by every rank; or use"
-                    " zero_stage 0-2."
-                )
+        for unit, name in params_read(func, args, kwargs, self._owners):
+            if unit.state == "gathered" or unit in self._running:
+                continue
+            caller = f" in the forward of unit {self._running[-1].name!r}" if self._running else ""
+            why = (
+                "after its module's forward: code outside any forward reads it, as a weight penalty"
+                " in training_step does"
+                if unit in self._entered
+                else "its module has not run: a parent module reads the parameter itself, as"
+                " nn.MultiheadAttention reads out_proj.weight"
+            )
+            raise RuntimeError(
+                f"ZeRO-3: parameter {name!r} of unit {unit.name!r} was read by"
+                f" {getattr(func, '__name__', func)!r}{caller} outside that unit's forward ({why})."
+                " A unit's parameters are whole only around the forward and backward of its own module"
+                " (NaN placeholders elsewhere), so this would compute NaN. Read it inside the forward of"
+                " a module containing the unit, or choose units that contain every use of their"
+                " parameters (zero3_units=[...] naming the reading module, e.g. nn.MultiheadAttention or"
+                " the transformer layer; parameters outside every unit stay whole for the step); for a"
+                " weight penalty, the optimizer's weight_decay; to read weights outside a forward"
+                " (logging their norms), strategy.gathered_params() entered by every rank; or use"
+                " zero_stage 0-2."
+            )
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._running = []  # (the reads mode, if still entered, keeps _entered until the step ends)
+
+
+def param_owners(units: Sequence[Unit]) -> dict[int, tuple[Unit, str]]:
+    """``id(parameter) -> (its unit, its name)`` over every part of every unit (trainable and frozen)."""
+    return {
+        id(p): (unit, name)
+        for unit in units
+        for part in unit.parts
+        for name, p in zip(part.names, part.params, strict=True)
+    }
+
+
+def params_read(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], owners: dict[int, tuple[Unit, str]]
+) -> Iterator[tuple[Unit, str]]:
+    """``(unit, name)`` of each parameter in ``owners`` that a torch call reads: its arguments, one level
+    into lists and tuples; none for a call that does not read values (:data:`NOT_READS`)."""
+    if getattr(func, "__name__", "") in NOT_READS:
+        return
+    for value in (*args, *kwargs.values()):
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            owner = owners.get(id(item)) if isinstance(item, nn.Parameter) else None
+            if owner is not None:
+                yield owner
