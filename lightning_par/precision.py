@@ -50,7 +50,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.amp import MixedPrecision
@@ -327,30 +326,29 @@ class ParallelPrecision(Precision):
 
 
 def _compute_in_fp32(module: nn.Module) -> None:
-    """Run ``module``'s forward on fp32 copies of its inputs and parameters, cast back on the way out."""
+    """Run ``module``'s forward on fp32 copies of its inputs and parameters, cast back on the way out.
+
+    The copies are made by a differentiable cast and put in the module's parameter slots for the call: the
+    graph keeps the copies and the gradients flow back through the cast to the parameters. (Swapping
+    ``p.data`` for the call instead left the graph holding the parameters themselves, whose storage was
+    16-bit again by the backward: BatchNorm's and GroupNorm's backward refused it, "mixed dtype".)"""
     if getattr(module, "_lightning_par_fp32", False):
         return
     inner = module.forward
+    slots = module._parameters
 
     def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        if x.dtype == torch.float32 and all(
-            p.dtype == torch.float32 for p in module.parameters(recurse=False)
-        ):
+        if x.dtype == torch.float32 and all(p is None or p.dtype == torch.float32 for p in slots.values()):
             return inner(x, *args, **kwargs)
+        saved = dict(slots)
         with torch.autocast(x.device.type, enabled=False):
-            if isinstance(module, nn.LayerNorm):
-                weight = None if module.weight is None else module.weight.float()
-                bias = None if module.bias is None else module.bias.float()
-                out = F.layer_norm(x.float(), module.normalized_shape, weight, bias, module.eps)
-            else:
-                saved = {n: p.data for n, p in module.named_parameters(recurse=False)}
-                try:
-                    for p in module.parameters(recurse=False):
-                        p.data = p.data.float()
-                    out = inner(x.float(), *args, **kwargs)
-                finally:
-                    for n, p in module.named_parameters(recurse=False):
-                        p.data = saved[n]
+            try:
+                for name, p in saved.items():
+                    if p is not None and p.is_floating_point():
+                        slots[name] = p.float()  # type: ignore[assignment]
+                out = inner(x.float(), *args, **kwargs)
+            finally:
+                slots.update(saved)
         return out.to(x.dtype)
 
     module.forward = forward

@@ -192,9 +192,10 @@ def _check_averaging(
     name = type(averaging[0]).__name__
     reason = None
     advice = (
-        "Use it with zero_stage 0, 1 or 2 in precision='32-true' without tensor or pipeline parallelism"
-        " (where it gives the same result as Lightning's 'ddp'), or average the exported weights after"
-        " training."
+        "Use lightning_par.callbacks.ShardedEMA (for EMAWeightAveraging) or ShardedWeightAveraging (for"
+        " WeightAveraging / SWA with an avg_fn): the same contract at every layout, each rank averaging the"
+        " fp32 values it holds. Lightning's callback works with zero_stage 0, 1 or 2 in precision='32-true'"
+        " without tensor or pipeline parallelism."
     )
     module = getattr(trainer, "lightning_module", None)
     swa_statistics_epoch = (

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_par.checkpoint.averages import CHECKPOINT_ENTRY, averaged_state_dict
 from lightning_par.checkpoint.full import model_records, torch_optimizer_state
 from lightning_par.checkpoint.optimizer_state import (
     MASTER_KEY,
@@ -40,13 +41,20 @@ from lightning_par.checkpoint.sharded import (
     read_meta,
     read_model_records,
     read_optimizer_records,
+    read_rank_entries,
     resolve_checkpoint_dir,
     staging_dir,
     swap_into_place,
     write_meta,
     write_rank_file,
 )
-from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, localize, localize_state_dict
+from lightning_par.checkpoint.tp_reshard import (
+    TPInfo,
+    global_shapes,
+    globalize,
+    localize,
+    localize_state_dict,
+)
 from lightning_par.compose import COMPOSITION_ATTR
 from lightning_par.zero.engine import Engine
 
@@ -373,6 +381,17 @@ def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
     checkpoint = read_meta(source)
     meta = checkpoint[METADATA_KEY]
     checkpoint["state_dict"] = full_state_dict_of(checkpoint, source)
+    averages = read_rank_entries(source, CHECKPOINT_ENTRY)
+    if averages:  # Lightning's WeightAveraging layout: the averaged model is the state_dict
+        pieces = globalize([(info, entry["params"]) for info, entry in averages], meta["params"])
+        buffers: dict[str, Tensor] = {}
+        for _, entry in averages:
+            for key, value in entry["buffers"].items():
+                buffers.setdefault(key, value)
+        owners = {alias: name for name in meta["params"] for alias in meta["aliases"].get(name, [name])}
+        current = checkpoint["state_dict"]
+        checkpoint["state_dict"] = averaged_state_dict(current, pieces, buffers, owners)
+        checkpoint["current_model_state"] = current
     states = [
         torch_optimizer_state(hyper, pieces, meta["params"])
         for hyper, pieces in read_optimizer_records(source)

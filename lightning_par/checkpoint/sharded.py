@@ -241,6 +241,20 @@ def _payloads(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 _NO_TP = {"rank": 0, "size": 1, "dims": {}}
 
 
+RANK_ENTRIES_KEY = "lightning_par_rank_entries"  # a checkpoint's per-rank entries from callbacks
+
+
+def read_rank_entries(path: str | os.PathLike[str], key: str) -> list[tuple[dict[str, Any], Any]]:
+    """``(tensor-parallel coordinates, entry)`` of every rank that saved an entry under ``key`` (see
+    ``RANK_ENTRIES_KEY``), in rank order."""
+    out = []
+    for payload in _payloads(path):
+        entry = payload.get("entries", {}).get(key)
+        if entry is not None:
+            out.append((payload.get("tp", _NO_TP), entry))
+    return out
+
+
 def read_optimizer_records(path: str | os.PathLike[str]) -> list[tuple[list[dict[str, Any]], Pieces]]:
     """For each optimizer: (param-group hyper-parameters with ``param_names``, pieces of the *full*
     parameters' state, assembled from all ranks whatever their data- and tensor-parallel layout)."""

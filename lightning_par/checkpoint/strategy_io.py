@@ -34,7 +34,13 @@ from lightning_par.checkpoint.io import (
     record_comm_state,
     save_sharded,
 )
-from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta
+from lightning_par.checkpoint.sharded import (
+    METADATA_KEY,
+    RANK_ENTRIES_KEY,
+    is_sharded_checkpoint,
+    read_meta,
+    read_rank_entries,
+)
 from lightning_par.checkpoint.tp_reshard import TPInfo, tp_info
 from lightning_par.mesh import MeshLayout, ParallelMesh
 from lightning_par.zero.engine import Engine, reads_own_state
@@ -158,6 +164,8 @@ class ZeroCheckpointIO(ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         assert self.lightning_module is not None
+        # per-rank entries callbacks added (a sharded weight average): this rank's file, never meta.pt
+        entries = checkpoint.pop(RANK_ENTRIES_KEY, None) or {}
         checkpoint[METADATA_KEY] = self.layout_metadata()
         if "optimizer_states" in checkpoint:  # beside the optimizer state it belongs with (collective)
             record_comm_state(checkpoint[METADATA_KEY], self._engine)
@@ -170,21 +178,36 @@ class ZeroCheckpointIO(ParallelStrategy):
             raise TypeError("storage_options is not supported for sharded (ZeRO 1-3) checkpoints.")
         # an older checkpoint under the same name (a directory or a single file) is replaced atomically
         path = Path(self.broadcast(str(filepath)))
+        payload = rank_payload(
+            self.lightning_module,
+            self._engine,
+            self.optimizers,
+            self._tp(),
+            with_model=self._model_in_pieces(),
+            dp_rank=self._dp_rank(),
+        )
         save_sharded(
             checkpoint,
             path,
-            payload=rank_payload(
-                self.lightning_module,
-                self._engine,
-                self.optimizers,
-                self._tp(),
-                with_model=self._model_in_pieces(),
-                dp_rank=self._dp_rank(),
-            ),
+            payload={**payload, "entries": entries},
             rank=self.global_rank,
             world_size=self.world_size,
             barrier=self.barrier,
         )
+
+    @property
+    def writes_sharded_checkpoints(self) -> bool:
+        """Checkpoints are directories of per-rank files (else one Lightning file from rank 0): callbacks
+        with per-rank state put it under ``checkpoint[RANK_ENTRIES_KEY][their key]`` in
+        ``on_save_checkpoint`` and read it back with :meth:`checkpoint_rank_entries`."""
+        return not self._full_file()
+
+    def checkpoint_rank_entries(self, key: str) -> list[tuple[dict[str, Any], Any]] | None:
+        """The per-rank entries saved under ``key`` in the sharded checkpoint being loaded, with each
+        writer's tensor-parallel coordinates; None when the checkpoint loaded is a single file."""
+        if self._sharded_source is None:
+            return None
+        return read_rank_entries(self._sharded_source, key)
 
     @reads_own_state
     def layout_metadata(self) -> dict[str, Any]:

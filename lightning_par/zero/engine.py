@@ -152,10 +152,17 @@ class ZeroEngine:
         """Nothing to load below stage 3: whole parameters load through ``module.load_state_dict``."""
 
     def masters_changed(self) -> None:
-        """The fp32 masters were written from outside (a checkpoint, a snapshot): the compute copies of
-        every rank follow them (one all-gather); nothing to do without separate masters."""
-        if self.sharded is not None and self.sharded.master_key is not None:
+        """The values behind ``sharded_state.fragment_table()`` were written from outside (a checkpoint, a
+        snapshot, a weight average swapped in): every rank's whole parameters follow them, the compute
+        copies cast from separate fp32 masters (one all-gather per bucket at stages 1/2; nothing at
+        stage 0, whose parameters are written whole)."""
+        if self.sharded is not None:
             self.sharded.refresh_params()
+
+    def on_relayout(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after the fragments of ``sharded_state.fragment_table()`` moved (the bucket
+        order rebuilt at the first backward or set from a checkpoint): each rank owns other elements."""
+        self.sync.on_relayout(listener)
 
     def unshard_all(self) -> None:
         """Parameters are whole below stage 3; nothing to gather."""
@@ -205,7 +212,8 @@ class Engine(Protocol):
     * ``sharded_state``: the optimizer fragments (stages 1-3), None when optimizers are not sharded.
     * ``bucket_order()``: the flat order fragments follow (empty at stage 3, whose units follow the
       module), restored by ``freeze_order`` before fragments are loaded.
-    * ``masters_changed()``: after fp32 masters were written, the compute copies follow.
+    * ``masters_changed()``: after the fragments (fp32 masters or shards) were written, the whole
+      parameters every rank computes with follow. ``on_relayout(listener)``: told when fragments move.
     * ``unshard_all()``: leave whole parameters behind (a no-op below stage 3).
     * ``gathered(writeback=...)``: whole parameters for code outside a step, entered by every rank
       (``strategy.gathered_params``); with ``writeback`` in their stored precision, writes kept.
@@ -247,6 +255,7 @@ class Engine(Protocol):
     def param_shards(self) -> list[tuple[str, int, int, Tensor]]: ...
     def load_param_shards(self, values: Callable[[str, int, int], Tensor | None]) -> None: ...
     def masters_changed(self) -> None: ...
+    def on_relayout(self, listener: Callable[[], None]) -> None: ...
     def unshard_all(self) -> None: ...
     def gathered(self, *, writeback: bool = False) -> AbstractContextManager[None]: ...
     def memory_bytes(self) -> dict[str, int]: ...

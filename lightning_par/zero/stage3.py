@@ -417,6 +417,17 @@ class Stage3Engine(Stage3Reduce):
             self._free(self.root)  # an optimizer step inside training_step: gather the updated shards
             self._wait(self.root)
 
+    def masters_changed(self) -> None:
+        """The shards were written from outside: the shard is what forward gathers (masters are the shard
+        or cast from it at every step), but a unit gathered now (a root kept between manual-optimization
+        steps) holds the old values, so it is freed; its next use gathers the new ones."""
+        if not self._in_step:
+            for unit in self.units:
+                self._free(unit)
+
+    def on_relayout(self, listener: Callable[[], None]) -> None:
+        """Never called: a unit's shard layout is fixed when the engine is built."""
+
     master_key: str | None = None  # the shard is the fp32 master: nothing extra to save
     stage = 3
 

@@ -58,10 +58,6 @@ class Stage3State:
         """The engine protocol's name for :meth:`load_fragments`."""
         self.load_fragments(values)
 
-    def masters_changed(self) -> None:
-        """Nothing to refresh: the shard is what forward gathers (masters are the shard or cast from it
-        at every step)."""
-
     def shard_table(self) -> list[tuple[str, int, int, Tensor]]:
         """``(param name, lo, hi, shard view)`` for every parameter piece this rank holds, trainable and
         frozen: the model's share of a checkpoint or snapshot."""

@@ -1,0 +1,244 @@
+"""EMA and SWA of the weights for the ``Trainer`` at any layout: Lightning's ``WeightAveraging`` contract
+on :class:`lightning_par.averaging.WeightAverages`.
+
+:class:`ShardedWeightAveraging` and :class:`ShardedEMA` behave as Lightning's ``WeightAveraging`` and
+``EMAWeightAveraging``: ``should_update(step_idx=..., epoch_idx=...)`` decides after every optimizer step
+and every epoch (the first update copies the weights), validation during ``fit`` runs on the averaged
+weights, the model takes them when training ends, and a checkpoint's ``state_dict`` is the averaged model
+with the current one under ``current_model_state``. What differs is where the average lives: each rank
+averages what it owns (ZeRO 1-3: its fragments of the fp32 masters; tensor or pipeline parallelism: its
+slice or stage), so the average costs ``1/dp`` of the fp32 model per rank and nothing is communicated per
+update. Under :class:`~lightning_par.HybridParallelStrategy` a sharded checkpoint keeps each rank's averages
+in its own file (``consolidate()`` writes Lightning's layout); a single-file checkpoint, and Lightning's
+own strategies, get Lightning's layout directly, so checkpoints move between the two callbacks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+
+from lightning_par.averaging import (
+    CHECKPOINT_ENTRY,
+    AvgFn,
+    WeightAverages,
+    averaged_state_dict,
+    avg_fn_rule,
+    ema_rule,
+    full_pieces,
+    swa_rule,
+)
+from lightning_par.checkpoint.full import collect
+from lightning_par.checkpoint.optimizer_state import Pieces
+from lightning_par.checkpoint.sharded import RANK_ENTRIES_KEY
+from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
+from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, globalize, localize, tp_info
+
+
+class ShardedWeightAveraging(Callback):
+    """Lightning's ``WeightAveraging`` for every layout (module docstring). ``avg_fn`` is torch's
+    per-tensor ``avg_fn(average, current, n_averaged)`` (``torch.optim.swa_utils.get_ema_avg_fn()``); None
+    averages with equal weights (SWA). ``use_buffers`` averages the floating-point buffers too (BatchNorm
+    statistics); other buffers keep the model's values. Override :meth:`should_update` to choose when."""
+
+    def __init__(self, *, avg_fn: AvgFn | None = None, use_buffers: bool = True) -> None:
+        self._rule = avg_fn_rule(avg_fn) if avg_fn is not None else swa_rule
+        self._use_buffers = use_buffers
+        self._averages: WeightAverages | None = None
+        self._fitting = False
+        self._loaded: tuple[Pieces, dict[str, Tensor], int] | None = None
+        self._latest_update_step = 0  # optimizer steps taken at the last update (Lightning's bookkeeping)
+        self._latest_update_epoch = -1
+
+    def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
+        """After optimizer step ``step_idx`` (zero-based) or epoch ``epoch_idx``: update the average? The
+        default updates after every optimizer step."""
+        return step_idx is not None
+
+    @property
+    def averages(self) -> WeightAverages | None:
+        """The averages of the running fit (None outside ``fit``)."""
+        return self._averages
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._fitting = stage == "fit"
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after the strategy's setup: the engine and its fragments exist
+        strategy = trainer.strategy
+        ours = strategy if isinstance(strategy, ZeroCheckpointIO) else None
+        self._averages = WeightAverages(
+            pl_module,
+            ours.engine if ours is not None else None,
+            group=ours.mesh.dp_group if ours is not None else None,
+            rule=self._rule,
+            use_buffers=self._use_buffers,
+        )
+        if self._loaded is not None:  # a checkpoint restored before the strategy's setup (ZeRO 0-2)
+            self._averages.load(self._loaded[0], self._loaded[1], n_averaged=self._loaded[2])
+            self._loaded = None
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._averages, self._fitting = None, False
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step_idx = trainer.global_step - 1  # zero-based, like epoch_idx
+        if trainer.global_step > self._latest_update_step and self.should_update(step_idx=step_idx):
+            assert self._averages is not None
+            self._averages.update()
+            self._latest_update_step = trainer.global_step
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        epoch = trainer.current_epoch
+        if epoch > self._latest_update_epoch and self.should_update(epoch_idx=epoch):
+            assert self._averages is not None
+            self._averages.update()
+            self._latest_update_epoch = epoch
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self._averages is not None
+        self._averages.copy_to_targets()
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._fitting and self._averages is not None:
+            self._averages.swap()
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._fitting and self._averages is not None:
+            self._averages.swap()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {"latest_update_step": self._latest_update_step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._latest_update_step = state_dict["latest_update_step"]
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        averages = self._averages
+        if averages is None:
+            rank_zero_info(
+                "ShardedWeightAveraging: a checkpoint saved outside fit holds the model as it is (after fit:"
+                " the averaged weights), without the averaging state."
+            )
+            return
+        checkpoint["averaging_state"] = {"n_averaged": torch.tensor(averages.n_averaged, dtype=torch.long)}
+        strategy = trainer.strategy
+        dp_rank, tp = _coordinates(trainer, pl_module)
+        if isinstance(strategy, ZeroCheckpointIO) and strategy.writes_sharded_checkpoints:
+            buffers = averages.buffer_values() if dp_rank == 0 and tp["rank"] == 0 else {}
+            entry = {"params": averages.records(dp_rank=dp_rank), "buffers": buffers}
+            checkpoint.setdefault(RANK_ENTRIES_KEY, {})[CHECKPOINT_ENTRY] = entry
+            return
+        # one file: Lightning's layout, the averaged model under "state_dict" (collective)
+        share = (tp, averages.records(dp_rank=dp_rank), averages.buffer_values())
+        shares = collect(share, dst=0, group=None) if isinstance(strategy, ZeroCheckpointIO) else [share]
+        current = checkpoint["state_dict"]
+        if shares is None or not current:  # ranks other than 0 of a consolidated save hold no state
+            return
+        checkpoint["current_model_state"] = current
+        checkpoint["state_dict"] = _averaged_state(current, shares, pl_module, tp)
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        strategy = trainer.strategy
+        _, tp = _coordinates(trainer, pl_module)
+        shapes = global_shapes(pl_module, tp)
+        n_averaged = int((checkpoint.get("averaging_state") or {}).get("n_averaged", 0))
+        entries = (
+            strategy.checkpoint_rank_entries(CHECKPOINT_ENTRY)
+            if isinstance(strategy, ZeroCheckpointIO)
+            else None
+        )
+        if entries:
+            pieces = globalize([(info, e["params"]) for info, e in entries], shapes)
+            buffers: dict[str, Tensor] = {}
+            for _, e in entries:
+                for name, value in e["buffers"].items():
+                    buffers.setdefault(name, value)
+        elif "current_model_state" in checkpoint:
+            pieces, buffers = full_pieces(checkpoint["state_dict"], pl_module)
+            # the model was loaded from "state_dict", the averaged weights: it takes its own back
+            strategy.load_model_state_dict(
+                {**checkpoint, "state_dict": checkpoint["current_model_state"]},
+                strict=pl_module.strict_loading,
+            )
+        else:
+            rank_zero_warn(
+                "ShardedWeightAveraging: the checkpoint holds no weight averages; the average starts again"
+                " from the loaded weights."
+            )
+            return
+        loaded = (localize(pieces, shapes, tp), buffers, n_averaged)
+        if self._averages is None:
+            self._loaded = loaded  # ZeRO 0-2 restore before the strategy's setup: applied at on_fit_start
+        else:
+            self._averages.load(loaded[0], loaded[1], n_averaged=loaded[2])
+
+
+class ShardedEMA(ShardedWeightAveraging):
+    """Lightning's ``EMAWeightAveraging`` at any layout: ``a := decay * a + (1 - decay) * w`` after every
+    ``update_every_n_steps``-th optimizer step from ``update_starting_at_step``, and after every epoch from
+    ``update_starting_at_epoch`` when that is given."""
+
+    def __init__(
+        self,
+        *,
+        decay: float = 0.999,
+        update_every_n_steps: int = 1,
+        update_starting_at_step: int | None = None,
+        update_starting_at_epoch: int | None = None,
+        use_buffers: bool = True,
+    ) -> None:
+        super().__init__(use_buffers=use_buffers)
+        self._rule = ema_rule(decay)
+        self.update_every_n_steps = update_every_n_steps
+        self.update_starting_at_step = update_starting_at_step
+        self.update_starting_at_epoch = update_starting_at_epoch
+
+    def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
+        if step_idx is not None:
+            started = self.update_starting_at_step is None or step_idx >= self.update_starting_at_step
+            if started and self.update_every_n_steps > 0 and step_idx % self.update_every_n_steps == 0:
+                return True
+        if epoch_idx is not None and self.update_starting_at_epoch is not None:
+            return epoch_idx >= self.update_starting_at_epoch
+        return False
+
+
+def _coordinates(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[int, TPInfo]:
+    """(dp rank, tensor-parallel coordinates) of this process; under Lightning's strategies (0, none)."""
+    strategy = trainer.strategy
+    if isinstance(strategy, ZeroCheckpointIO):
+        rank, size = strategy.tp_coordinates()
+        return strategy.mesh.dp_rank, tp_info(pl_module, rank=rank, size=size)
+    return 0, tp_info(pl_module, rank=0, size=1)  # every rank holds the whole model: each is a "first"
+
+
+def _averaged_state(
+    current: dict[str, Any],
+    shares: list[tuple[TPInfo, list[Any], dict[str, Tensor]]],
+    module: pl.LightningModule,
+    tp: TPInfo,
+) -> dict[str, Any]:
+    """``current`` with every rank's averages (``shares``, tensor-parallel slices joined) in place."""
+    pieces = globalize([(info, records) for info, records, _ in shares], global_shapes(module, tp))
+    buffers: dict[str, Tensor] = {}
+    for _, _, values in shares:
+        for key, value in values.items():
+            buffers.setdefault(key, value)
+    canonical = {id(p): n for n, p in module.named_parameters()}
+    aliases = {alias: canonical[id(p)] for alias, p in module.named_parameters(remove_duplicate=False)}
+    return averaged_state_dict(current, pieces, buffers, aliases)

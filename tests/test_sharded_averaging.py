@@ -1,0 +1,333 @@
+"""``ShardedEMA`` (Lightning's ``EMAWeightAveraging`` contract, each rank averaging what it owns) against
+Lightning's own ``EMAWeightAveraging`` under ``"ddp"``, on 2 Gloo ranks, and under tensor parallelism
+against one process.
+
+* A model with BatchNorm (Linear without bias, BatchNorm1d, ReLU, Linear; SGD with momentum), 2 epochs of
+  4 steps, validation after each epoch (run on the averaged weights): at ZeRO 0-3 in ``32-true`` the
+  final weights and averaged BatchNorm statistics and every validation loss equal ``"ddp"``'s. The
+  integer ``num_batches_tracked`` is the one difference: Lightning "averages" it (its EMA of a counter,
+  truncated to an integer), ours keeps the count. At ZeRO 1-3 each rank averages only its fragments: the
+  ranks' averages together hold each trainable element once.
+* ``bf16-mixed`` with BatchNorm at ZeRO 1-3 (separate fp32 masters, norms computed in fp32): before, the
+  backward failed ("mixed dtype (CPU): expect parameter to have scalar type of Float"), because the fp32
+  norm swapped the parameters' storage for the call and the graph met the 16-bit storage again. Now the
+  EMA's final weights are as near the ``32-true`` run as ``"ddp"``'s own ``bf16-mixed`` run.
+* Checkpoints: a ``ModelCheckpoint`` after epoch 1, resumed for epoch 2, ends equal to the uninterrupted
+  ``"ddp"`` run, from our sharded checkpoints (ZeRO-2 into ZeRO-2 and into ZeRO-3, ZeRO-3 into ZeRO-3),
+  from our single file (ZeRO-0) and from Lightning's own ``"ddp"`` file into ZeRO-3; ``consolidate()`` of a
+  sharded one has Lightning's layout (the averaged model as ``state_dict``, ``current_model_state``,
+  ``averaging_state``) with Lightning's values.
+* A Hugging Face Llama at tp 2 with ZeRO-1 equals one process with ``EMAWeightAveraging``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_par import HybridParallelStrategy
+from lightning_par.averaging import WeightAverages, ema_rule
+from lightning_par.callbacks import ShardedEMA
+from lightning_par.checkpoint import consolidate
+from lightning_par.zero.engine import apply_zero
+from tests.distributed import run_distributed
+from tests.fits import final_state
+from tests.third_party import llama
+
+WORLD, DECAY = 2, 0.6
+State = dict[str, Tensor]
+
+
+class BatchNormNet(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1)
+        )
+        self.validation_losses: list[Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("val", loss, sync_dist=True)
+        if not self.trainer.sanity_checking:
+            self.validation_losses.append(loss.detach().float().clone())
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _data() -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(1)
+    return DataLoader(
+        TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)), batch_size=4
+    )
+
+
+def _fit(
+    strategy: Any,
+    *,
+    epochs: int = 2,
+    precision: str = "32-true",
+    save_to: Path | None = None,
+    ckpt_path: str | None = None,
+) -> dict[str, Any]:
+    ours = isinstance(strategy, HybridParallelStrategy)
+    averaging = ShardedEMA(decay=DECAY) if ours else EMAWeightAveraging(decay=DECAY)
+    callbacks: list[Any] = [averaging]
+    if save_to is not None:
+        callbacks.append(ModelCheckpoint(dirpath=save_to, every_n_epochs=1, save_top_k=-1))
+    module = BatchNormNet()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=strategy,
+        max_epochs=epochs,
+        precision=precision,  # type: ignore[arg-type]
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=save_to is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=1,  # averages made before ZeRO 1/2 rebuild their buckets at the first backward
+    )
+    held = 0
+    if ours:  # the elements this rank averages, seen at the end of training
+        original = averaging.on_train_end
+
+        def count(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            nonlocal held
+            assert averaging.averages is not None
+            held = sum(t.numel() for *_, t in averaging.averages.targets())
+            original(trainer, pl_module)
+
+        averaging.on_train_end = count  # type: ignore[method-assign]
+    trainer.fit(module, _data(), _data(), ckpt_path=ckpt_path)
+    return {
+        "state": final_state(module, strategy),
+        "validation": torch.stack(module.validation_losses),
+        "held": held,
+    }
+
+
+def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {
+        "ddp": _fit(DDPStrategy()),
+        "ddp_bf16": _fit(DDPStrategy(), precision="bf16-mixed"),
+    }
+    for stage in (0, 1, 2, 3):
+        out[f"z{stage}"] = _fit(HybridParallelStrategy(zero_stage=stage))
+    for stage in (1, 2, 3):
+        out[f"z{stage}_bf16"] = _fit(HybridParallelStrategy(zero_stage=stage), precision="bf16-mixed")
+    # checkpoints after epoch 1, resumed for epoch 2
+    saved = Path(root)
+    _fit(DDPStrategy(), epochs=1, save_to=saved / "ddp")
+    for stage in (0, 2, 3):
+        _fit(HybridParallelStrategy(zero_stage=stage), epochs=1, save_to=saved / f"z{stage}")
+    first = "epoch=0-step=4.ckpt"
+    for name, stage, source in (
+        ("z0_from_z0", 0, "z0"),
+        ("z2_from_z2", 2, "z2"),
+        ("z3_from_z2", 3, "z2"),
+        ("z3_from_z3", 3, "z3"),
+        ("z3_from_ddp", 3, "ddp"),
+    ):
+        out[name] = _fit(HybridParallelStrategy(zero_stage=stage), ckpt_path=str(saved / source / first))
+    if rank == 0:
+        out["lightning_file"] = torch.load(saved / "ddp" / first, weights_only=False)
+        out["consolidated"] = consolidate(saved / "z3" / first)
+        out["z0_file"] = torch.load(saved / "z0" / first, weights_only=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = str(tmp_path_factory.mktemp("sharded_ema"))
+    return run_distributed(_runs, WORLD, root, init_group=False, timeout=900)
+
+
+def _floats(state: State) -> State:
+    return {k: v for k, v in state.items() if v.is_floating_point()}
+
+
+def _assert_floats_equal(actual: State, expected: State, what: str) -> None:
+    assert set(actual) == set(expected), what
+    torch.testing.assert_close(_floats(actual), _floats(expected), msg=lambda m: f"{what}: {m}")
+
+
+def test_sharded_ema_equals_lightning_ema_at_every_stage(runs: list[dict[str, Any]]) -> None:
+    """ZeRO 0-3 in ``32-true``: final weights, averaged BatchNorm statistics and the validation losses (on
+    the averaged weights) equal Lightning's ``EMAWeightAveraging`` under ``"ddp"``; the counter is the true
+    count; at ZeRO 1-3 the ranks' averages hold each trainable element once between them."""
+    r = runs[0]
+    ddp = r["ddp"]
+    trainable = sum(v.numel() for k, v in ddp["state"].items() if k.endswith(("weight", "bias")))
+    for stage in (0, 1, 2, 3):
+        ours = r[f"z{stage}"]
+        _assert_floats_equal(ours["state"], ddp["state"], f"ZeRO-{stage}")
+        torch.testing.assert_close(ours["validation"], ddp["validation"])
+        assert ours["state"]["net.1.num_batches_tracked"].item() == 8  # 8 training batches on each rank
+        held = [runs[k][f"z{stage}"]["held"] for k in range(WORLD)]
+        if stage == 0:
+            assert held == [trainable, trainable]
+        else:
+            assert sum(held) == trainable and max(held) < trainable, (stage, held)
+    # the average did something: the model without it ends elsewhere
+    assert not torch.allclose(r["z3"]["validation"][-1], r["z3_from_z3"]["validation"][0])
+
+
+def test_sharded_ema_in_bf16_mixed_with_batchnorm(runs: list[dict[str, Any]]) -> None:
+    """``bf16-mixed`` with BatchNorm trains at ZeRO 1-3 (its backward failed before) and the EMA ends as
+    near the ``32-true`` run as Lightning's ``"ddp"`` in ``bf16-mixed`` does; the stages agree."""
+    r = runs[0]
+    exact = _floats(r["ddp"]["state"])
+    ddp_error = max((r["ddp_bf16"]["state"][k] - v).abs().max().item() for k, v in exact.items())
+    assert ddp_error > 0
+    for stage in (1, 2, 3):
+        state = r[f"z{stage}_bf16"]["state"]
+        error = max((state[k] - v).abs().max().item() for k, v in exact.items())
+        assert error <= 2 * ddp_error, (stage, error, ddp_error)
+        _assert_floats_equal(state, r["z1_bf16"]["state"], f"bf16 ZeRO-{stage} against ZeRO-1")
+
+
+def test_sharded_ema_checkpoints_resume_and_consolidate(runs: list[dict[str, Any]]) -> None:
+    """Saved after epoch 1 and resumed: every path ends at the uninterrupted ``"ddp"`` run's weights and
+    validation loss; ``consolidate()`` and our single file have Lightning's checkpoint layout and values."""
+    r = runs[0]
+    ddp = r["ddp"]
+    for name in ("z0_from_z0", "z2_from_z2", "z3_from_z2", "z3_from_z3", "z3_from_ddp"):
+        _assert_floats_equal(r[name]["state"], ddp["state"], name)
+        resumed = r[name]["validation"]  # epoch 2's batches
+        torch.testing.assert_close(resumed, ddp["validation"][-len(resumed) :], msg=name)
+    lightning = r["lightning_file"]
+    for name in ("consolidated", "z0_file"):
+        ours = r[name]
+        _assert_floats_equal(ours["state_dict"], lightning["state_dict"], f"{name} state_dict (averaged)")
+        _assert_floats_equal(
+            ours["current_model_state"], lightning["current_model_state"], f"{name} current_model_state"
+        )
+        assert (
+            int(ours["averaging_state"]["n_averaged"]) == int(lightning["averaging_state"]["n_averaged"]) == 4
+        )
+        # the average is not the current model
+        assert not torch.equal(
+            ours["state_dict"]["net.3.weight"], ours["current_model_state"]["net.3.weight"]
+        )
+
+
+# ---------------------------------------------------------------------------------------- tensor parallel
+def _token_ids() -> Tensor:
+    return torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(3))
+
+
+class Llama(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = llama()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(TensorDataset(_token_ids()), batch_size=4)
+
+
+def _llama_fit(strategy: Any, devices: int) -> State:
+    module = Llama()
+    ours = isinstance(strategy, HybridParallelStrategy)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=1,
+        callbacks=[ShardedEMA(decay=DECAY) if ours else EMAWeightAveraging(decay=DECAY)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module)
+    return final_state(module, strategy)
+
+
+def _tp_runs(rank: int, world: int) -> State:
+    torch.set_num_threads(1)
+    strategy = HybridParallelStrategy(zero_stage=1, tensor_parallel_size=world, tp_plan="llama")
+    return _llama_fit(strategy, world)
+
+
+def test_sharded_ema_under_tensor_parallelism_equals_one_process() -> None:
+    """A Llama at tp 2 with ZeRO-1 (each rank averaging its slices) equals one process with Lightning's
+    ``EMAWeightAveraging``, 4 AdamW steps."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ranks = run_distributed(_tp_runs, WORLD, init_group=False, timeout=600)
+    reference = _llama_fit("auto", 1)
+    _assert_floats_equal(ranks[0], reference, "tp 2")
+    plain = Llama()
+    assert not torch.allclose(reference["model.lm_head.weight"], plain.model.lm_head.weight)
+
+
+# ---------------------------------------------------------------------------------------- the core, moved
+def _moved_averages(rank: int, world: int) -> dict[str, Any]:
+    """ZeRO-2 in a plain loop: averages kept across a rebuild of the buckets (a checkpoint's order)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    engine = apply_zero(model, group=dist.group.WORLD, stage=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.shard_optimizers([optimizer])
+    averages = WeightAverages(model, engine, group=dist.group.WORLD, rule=ema_rule(0.5))
+    whole = {n: p.detach().clone() for n, p in model.named_parameters()}  # the unsharded average
+    keys = []
+    for step in range(4):
+        averages.update()
+        current = {n: p.detach() for n, p in model.named_parameters()}
+        whole = {n: v if step == 0 else 0.5 * v + 0.5 * current[n] for n, v in whole.items()}
+        if step == 1:  # a checkpoint's bucket order: each rank now owns other elements
+            keys.append([k[:3] for k in averages.targets()])
+            engine.freeze_order(["0.bias", "1.weight", "0.weight", "1.bias"])
+            keys.append([k[:3] for k in averages.targets()])
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+        with engine.forward_context():
+            loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        engine.after_step()
+    averages.copy_to_targets()
+    return {
+        "model": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "whole": whole,
+        "keys": keys,
+    }
+
+
+def test_averages_follow_their_fragments_when_the_buckets_are_rebuilt() -> None:
+    """``WeightAverages`` over a ZeRO-2 engine: the fragments move when the bucket order changes (the
+    ranks' keys differ before and after), the averages move with them (one all-reduce per parameter), and
+    the model then takes exactly the average an unsharded copy computed."""
+    ranks = run_distributed(_moved_averages, WORLD)
+    assert any(r["keys"][0] != r["keys"][1] for r in ranks)
+    for r in ranks:
+        torch.testing.assert_close(r["model"], r["whole"])
