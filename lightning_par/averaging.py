@@ -27,7 +27,8 @@ checkpoint arrive as pieces of the full parameters and are cut to this rank's ta
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,10 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lightning_par.checkpoint.averages import CHECKPOINT_ENTRY, averaged_state_dict
 from lightning_par.checkpoint.optimizer_state import Pieces, cut
-
-__all__ = ["CHECKPOINT_ENTRY", "WeightAverages", "averaged_state_dict", "full_pieces"]
 from lightning_par.zero.engine import Engine
 
 AvgFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # torch's avg_fn: (average, current, n) -> new average
@@ -68,8 +66,10 @@ def avg_fn_rule(avg_fn: AvgFn) -> Callable[[list[Tensor], list[Tensor], int], No
     """A torch-style per-tensor ``avg_fn(average, current, n_averaged)`` (``torch.optim.swa_utils``)."""
 
     def update(averages: list[Tensor], currents: list[Tensor], n: int) -> None:
+        counts: dict[torch.device, Tensor] = {}  # n on each device, made once per update
         for a, w in zip(averages, currents, strict=True):
-            a.copy_(avg_fn(a, w, torch.tensor(n, device=a.device)))
+            count = counts.setdefault(a.device, torch.tensor(n, device=a.device))
+            a.copy_(avg_fn(a, w, count))
 
     return update
 
@@ -207,6 +207,16 @@ class WeightAverages:
             w.copy_(a)
             a.copy_(held)
         self._weights_written()
+
+    @contextmanager
+    def swapped(self) -> Iterator[None]:
+        """The model holds the averaged weights inside (evaluation, sampling); its own come back at the
+        exit, also after an exception. Entered by every rank of the dp group."""
+        self.swap()
+        try:
+            yield
+        finally:
+            self.swap()
 
     @torch.no_grad()
     def copy_to_targets(self) -> None:

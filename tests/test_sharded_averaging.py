@@ -1,23 +1,29 @@
 """``ShardedEMA`` (Lightning's ``EMAWeightAveraging`` contract, each rank averaging what it owns) against
-Lightning's own ``EMAWeightAveraging`` under ``"ddp"``, on 2 Gloo ranks, and under tensor parallelism
-against one process.
+Lightning's own ``EMAWeightAveraging`` under ``"ddp"`` on 2 Gloo ranks, and against one process under
+tensor and pipeline parallelism and in Fabric loops.
 
 * A model with BatchNorm (Linear without bias, BatchNorm1d, ReLU, Linear; SGD with momentum), 2 epochs of
   4 steps, validation after each epoch (run on the averaged weights): at ZeRO 0-3 in ``32-true`` the
   final weights and averaged BatchNorm statistics and every validation loss equal ``"ddp"``'s. The
   integer ``num_batches_tracked`` is the one difference: Lightning "averages" it (its EMA of a counter,
-  truncated to an integer), ours keeps the count. At ZeRO 1-3 each rank averages only its fragments: the
-  ranks' averages together hold each trainable element once.
+  truncated to an integer), ours keeps the count. At ZeRO 1-3 each rank averages only its fragments:
+  the ranks' averages together hold each trainable element once. With manual optimization at ZeRO-3
+  (the root unit stays gathered between steps) the validation losses equal ``"ddp"``'s too: a swap
+  frees gathered units.
 * ``bf16-mixed`` with BatchNorm at ZeRO 1-3 (separate fp32 masters, norms computed in fp32): before, the
   backward failed ("mixed dtype (CPU): expect parameter to have scalar type of Float"), because the fp32
   norm swapped the parameters' storage for the call and the graph met the 16-bit storage again. Now the
   EMA's final weights are as near the ``32-true`` run as ``"ddp"``'s own ``bf16-mixed`` run.
 * Checkpoints: a ``ModelCheckpoint`` after epoch 1, resumed for epoch 2, ends equal to the uninterrupted
   ``"ddp"`` run, from our sharded checkpoints (ZeRO-2 into ZeRO-2 and into ZeRO-3, ZeRO-3 into ZeRO-3),
-  from our single file (ZeRO-0) and from Lightning's own ``"ddp"`` file into ZeRO-3; ``consolidate()`` of a
-  sharded one has Lightning's layout (the averaged model as ``state_dict``, ``current_model_state``,
-  ``averaging_state``) with Lightning's values.
+  from our single file (ZeRO-0) and from Lightning's own ``"ddp"`` file into ZeRO-3; ``consolidate()`` of
+  a sharded one, and ZeRO-3's single file (``save_distributed_checkpoint=False``), have Lightning's
+  layout (the averaged model as ``state_dict``, ``current_model_state``, ``averaging_state``) with
+  Lightning's values.
 * A Hugging Face Llama at tp 2 with ZeRO-1 equals one process with ``EMAWeightAveraging``.
+* A Hugging Face ResNet in 2 pipeline stages with ZeRO-1 equals one process with ``EMAWeightAveraging``.
+* The core alone: averages follow their fragments when ZeRO-2 rebuilds its buckets; Fabric's
+  ``strategy.weight_averages()`` at ZeRO 2/3 equals one process's EMA.
 """
 
 from __future__ import annotations
@@ -31,18 +37,23 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.averaging import WeightAverages, ema_rule
 from lightning_par.callbacks import ShardedEMA
 from lightning_par.checkpoint import consolidate
+from lightning_par.fabric import HybridParallelStrategy as FabricHybridParallelStrategy
 from lightning_par.zero.engine import apply_zero
 from tests.distributed import run_distributed
 from tests.fits import final_state
+from tests.test_batchnorm import SEED, Images, ResNetModule
+from tests.test_pp_batchnorm import BATCH, M, N, PipelinedResNet
+from tests.test_pp_trainer import _trainer
 from tests.third_party import llama
 
 WORLD, DECAY = 2, 0.6
@@ -50,17 +61,25 @@ State = dict[str, Tensor]
 
 
 class BatchNormNet(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, *, manual: bool = False) -> None:
         super().__init__()
+        self.automatic_optimization = not manual
         torch.manual_seed(0)
         self.net = nn.Sequential(
             nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1)
         )
         self.validation_losses: list[Tensor] = []
 
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor | None:
         x, y = batch
-        return F.mse_loss(self.net(x), y)
+        loss = F.mse_loss(self.net(x), y)
+        if self.automatic_optimization:
+            return loss
+        optimizer = self.optimizers()
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        optimizer.step()  # type: ignore[union-attr]
+        return None
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
@@ -87,13 +106,14 @@ def _fit(
     precision: str = "32-true",
     save_to: Path | None = None,
     ckpt_path: str | None = None,
+    manual: bool = False,
 ) -> dict[str, Any]:
     ours = isinstance(strategy, HybridParallelStrategy)
     averaging = ShardedEMA(decay=DECAY) if ours else EMAWeightAveraging(decay=DECAY)
     callbacks: list[Any] = [averaging]
     if save_to is not None:
         callbacks.append(ModelCheckpoint(dirpath=save_to, every_n_epochs=1, save_top_k=-1))
-    module = BatchNormNet()
+    module = BatchNormNet(manual=manual)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=WORLD,
@@ -134,6 +154,9 @@ def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
     }
     for stage in (0, 1, 2, 3):
         out[f"z{stage}"] = _fit(HybridParallelStrategy(zero_stage=stage))
+    # manual optimization: ZeRO-3 keeps the root unit gathered between steps, which a swap must free
+    out["ddp_manual"] = _fit(DDPStrategy(), manual=True)
+    out["z3_manual"] = _fit(HybridParallelStrategy(zero_stage=3), manual=True)
     for stage in (1, 2, 3):
         out[f"z{stage}_bf16"] = _fit(HybridParallelStrategy(zero_stage=stage), precision="bf16-mixed")
     # checkpoints after epoch 1, resumed for epoch 2
@@ -141,6 +164,8 @@ def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
     _fit(DDPStrategy(), epochs=1, save_to=saved / "ddp")
     for stage in (0, 2, 3):
         _fit(HybridParallelStrategy(zero_stage=stage), epochs=1, save_to=saved / f"z{stage}")
+    one_file = HybridParallelStrategy(zero_stage=3, save_distributed_checkpoint=False)
+    _fit(one_file, epochs=1, save_to=saved / "z3_file")  # gathered to rank 0 (collective)
     first = "epoch=0-step=4.ckpt"
     for name, stage, source in (
         ("z0_from_z0", 0, "z0"),
@@ -154,6 +179,7 @@ def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
         out["lightning_file"] = torch.load(saved / "ddp" / first, weights_only=False)
         out["consolidated"] = consolidate(saved / "z3" / first)
         out["z0_file"] = torch.load(saved / "z0" / first, weights_only=False)
+        out["z3_file"] = torch.load(saved / "z3_file" / first, weights_only=False)
     return out
 
 
@@ -173,9 +199,10 @@ def _assert_floats_equal(actual: State, expected: State, what: str) -> None:
 
 
 def test_sharded_ema_equals_lightning_ema_at_every_stage(runs: list[dict[str, Any]]) -> None:
-    """ZeRO 0-3 in ``32-true``: final weights, averaged BatchNorm statistics and the validation losses (on
-    the averaged weights) equal Lightning's ``EMAWeightAveraging`` under ``"ddp"``; the counter is the true
-    count; at ZeRO 1-3 the ranks' averages hold each trainable element once between them."""
+    """ZeRO 0-3 in ``32-true`` (and ZeRO-3 with manual optimization): final weights, averaged BatchNorm
+    statistics and the validation losses (on the averaged weights) equal Lightning's
+    ``EMAWeightAveraging`` under ``"ddp"``; the counter is the true count; at ZeRO 1-3 the ranks' averages
+    hold each trainable element once between them."""
     r = runs[0]
     ddp = r["ddp"]
     trainable = sum(v.numel() for k, v in ddp["state"].items() if k.endswith(("weight", "bias")))
@@ -189,6 +216,9 @@ def test_sharded_ema_equals_lightning_ema_at_every_stage(runs: list[dict[str, An
             assert held == [trainable, trainable]
         else:
             assert sum(held) == trainable and max(held) < trainable, (stage, held)
+    manual = r["z3_manual"]
+    _assert_floats_equal(manual["state"], r["ddp_manual"]["state"], "ZeRO-3, manual optimization")
+    torch.testing.assert_close(manual["validation"], r["ddp_manual"]["validation"])
     # the average did something: the model without it ends elsewhere
     assert not torch.allclose(r["z3"]["validation"][-1], r["z3_from_z3"]["validation"][0])
 
@@ -217,7 +247,7 @@ def test_sharded_ema_checkpoints_resume_and_consolidate(runs: list[dict[str, Any
         resumed = r[name]["validation"]  # epoch 2's batches
         torch.testing.assert_close(resumed, ddp["validation"][-len(resumed) :], msg=name)
     lightning = r["lightning_file"]
-    for name in ("consolidated", "z0_file"):
+    for name in ("consolidated", "z0_file", "z3_file"):
         ours = r[name]
         _assert_floats_equal(ours["state_dict"], lightning["state_dict"], f"{name} state_dict (averaged)")
         _assert_floats_equal(
@@ -331,3 +361,105 @@ def test_averages_follow_their_fragments_when_the_buckets_are_rebuilt() -> None:
     assert any(r["keys"][0] != r["keys"][1] for r in ranks)
     for r in ranks:
         torch.testing.assert_close(r["model"], r["whole"])
+
+
+# ---------------------------------------------------------------------------------------- Fabric
+def _samples() -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(40, 8, generator=g), torch.randn(40, 1, generator=g)
+
+
+def _fabric_loop(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    x, y = _samples()
+    for stage in (2, 3):
+        strategy = FabricHybridParallelStrategy(zero_stage=stage)
+        fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+        fabric.launch()
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+        averages = strategy.weight_averages(decay=DECAY)
+        for step in range(4):
+            mine = slice(step * 8 + rank * 4, step * 8 + rank * 4 + 4)
+            fabric.backward(F.mse_loss(model(x[mine]), y[mine]))
+            optimizer.step()
+            optimizer.zero_grad()
+            averages.update()
+        with torch.no_grad():
+            with averages.swapped():
+                averaged_loss = F.mse_loss(model(x[32:]), y[32:])
+            current_loss = F.mse_loss(model(x[32:]), y[32:])
+        current = strategy.consolidated_state_dict()
+        averages.copy_to_targets()
+        out[f"zero{stage}"] = {
+            "averaged_loss": averaged_loss,
+            "current_loss": current_loss,
+            "current": current,
+            "averaged": strategy.consolidated_state_dict(),
+        }
+        strategy.destroy_process_groups()
+    return out
+
+
+def test_fabric_weight_averages_equal_one_process() -> None:
+    """A Fabric loop at ZeRO-2 and ZeRO-3 with ``strategy.weight_averages(decay=...)``: the loss evaluated
+    inside ``swapped()`` is the averaged model's, the model's own weights come back after it, and after
+    ``copy_to_targets()`` the model equals one process's EMA over both ranks' samples."""
+    ranks = run_distributed(_fabric_loop, WORLD, init_group=False, timeout=600)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x, y = _samples()
+    ema: State = {}
+    for step in range(4):
+        F.mse_loss(net(x[step * 8 : step * 8 + 8]), y[step * 8 : step * 8 + 8]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        now = {k: v.detach().clone() for k, v in net.state_dict().items()}
+        ema = now if not ema else {k: DECAY * ema[k] + (1 - DECAY) * now[k] for k in now}
+    current = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    with torch.no_grad():
+        current_loss = F.mse_loss(net(x[32:]), y[32:])
+        net.load_state_dict(ema)
+        averaged_loss = F.mse_loss(net(x[32:]), y[32:])
+    assert not torch.allclose(averaged_loss, current_loss)
+    for stage in (2, 3):
+        for r in ranks:
+            got = r[f"zero{stage}"]
+            torch.testing.assert_close(got["averaged_loss"], averaged_loss)
+            torch.testing.assert_close(got["current_loss"], current_loss)
+        got = ranks[0][f"zero{stage}"]
+        torch.testing.assert_close(got["current"], current)
+        torch.testing.assert_close(got["averaged"], ema)
+
+
+# ---------------------------------------------------------------------------------------- pipeline
+def _pipelined(rank: int, world: int, tmp: str) -> State:
+    pl.seed_everything(SEED)
+    module = PipelinedResNet()
+    strategy = HybridParallelStrategy(
+        pipeline_parallel_size=2, num_microbatches=M, pipeline_schedule="1f1b", zero_stage=1
+    )
+    _trainer(strategy, 2, tmp, [ShardedEMA(decay=0.5)]).fit(module, DataLoader(Images(N), batch_size=BATCH))
+    return strategy.consolidated_state_dict()  # collective; the full state on rank 0
+
+
+def test_sharded_ema_under_pipeline_parallelism_equals_one_process(tmp_path: Path) -> None:
+    """A Hugging Face ResNet (BatchNorm) cut into 2 pipeline stages with ZeRO-1, each stage averaging its
+    own layers and statistics, equals one process with Lightning's ``EMAWeightAveraging`` fed the same
+    micro-batches (the pipeline tests' reference); the counters keep their counts."""
+    state = run_distributed(_pipelined, 2, str(tmp_path), init_group=False, timeout=600)[0]
+    pl.seed_everything(SEED)
+    module = ResNetModule()
+    trainer = _trainer(
+        "auto", 1, str(tmp_path / "ref"), [EMAWeightAveraging(decay=0.5)], accumulate_grad_batches=M
+    )
+    order = list(DistributedSampler(Images(N), num_replicas=1, rank=0, shuffle=True, seed=SEED))
+    micro = [order[i : i + BATCH // M] for i in range(0, N, BATCH // M)]
+    trainer.fit(module, DataLoader(Images(N), batch_sampler=micro))
+    reference = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    _assert_floats_equal(state, reference, "pp 2")
+    counters = [v.item() for k, v in state.items() if k.endswith("num_batches_tracked")]
+    assert counters and set(counters) == {N // (BATCH // M)}  # every micro-batch counted

@@ -23,16 +23,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_par.averaging import (
-    CHECKPOINT_ENTRY,
-    AvgFn,
-    WeightAverages,
-    averaged_state_dict,
-    avg_fn_rule,
-    ema_rule,
-    full_pieces,
-    swa_rule,
-)
+from lightning_par.averaging import AvgFn, WeightAverages, avg_fn_rule, ema_rule, full_pieces, swa_rule
+from lightning_par.checkpoint.averages import CHECKPOINT_ENTRY, averaged_state_dict
 from lightning_par.checkpoint.full import collect
 from lightning_par.checkpoint.optimizer_state import Pieces
 from lightning_par.checkpoint.sharded import RANK_ENTRIES_KEY
