@@ -181,6 +181,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["mfu"] = 6 * n_params * tps / (args.peak_tflops * 1e12)
     else:
         result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    # This process exits next: with Gloo groups alive, a group's worker thread can race the interpreter's
+    # shutdown and abort it ("terminate called without an active exception", as tests/restart_job.py
+    # records; it failed this run once in CI). Destroying the groups joins their threads first.
+    if isinstance(strategy, HybridParallelStrategy):
+        strategy.destroy_process_groups()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return result
 
 

@@ -159,3 +159,21 @@ def test_report_writes_markdown_and_every_plot_from_the_committed_results(tmp_pa
     assert f"{compress['results']['mlp/powersgd_r4']['bytes_cut_vs_uncompressed']:.1f}x" in text
     ckpt = json.loads((results / "checkpoint.json").read_text())
     assert f"{ckpt['blocking_and_throughput']['summary']['flash_over_torch_save']:.4f}" in text
+
+
+def test_bench_ema_quick_sharded_average_is_half_and_equal(tmp_path: Path) -> None:
+    """``bench_ema --quick``: every configuration runs and the JSON is complete; the sharded average holds
+    the model's fp32 values once over the two ranks (the DDP copy and the gathered recipe whole on each),
+    and its averaged weights equal Lightning's way (``AveragedModel`` under DDP)."""
+    from benchmarks import bench_ema
+
+    out = tmp_path / "ema.json"
+    payload = bench_ema.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text())["ratios"] == payload["ratios"]
+    rows, fp32 = payload["rows"], 4 * payload["parameters"]
+    assert rows["ddp_ema"]["state_bytes_per_rank"][0] >= fp32  # the whole model (and its buffers)
+    assert rows["zero3_gathered_ema"]["state_bytes_per_rank"] == [fp32, fp32]
+    sharded = rows["zero3_sharded_ema"]["state_bytes_per_rank"]
+    assert sum(sharded) == fp32 and max(sharded) < fp32
+    assert payload["max_abs_diff_vs_ddp_ema"]["zero3_sharded_ema"] <= 1e-6
+    assert payload["max_abs_diff_vs_ddp_ema"]["zero3_gathered_ema"] <= 1e-5

@@ -226,11 +226,14 @@ def _averaged_state(
     tp: TPInfo,
 ) -> dict[str, Any]:
     """``current`` with every rank's averages (``shares``, tensor-parallel slices joined) in place."""
-    pieces = globalize([(info, records) for info, records, _ in shares], global_shapes(module, tp))
+    shapes = global_shapes(module, tp)
+    pieces = globalize([(info, records) for info, records, _ in shares], shapes)
     buffers: dict[str, Tensor] = {}
     for _, _, values in shares:
         for key, value in values.items():
             buffers.setdefault(key, value)
     canonical = {id(p): n for n, p in module.named_parameters()}
-    aliases = {alias: canonical[id(p)] for alias, p in module.named_parameters(remove_duplicate=False)}
-    return averaged_state_dict(current, pieces, buffers, aliases)
+    aliases: dict[str, list[str]] = {}
+    for alias, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(canonical[id(p)], []).append(alias)
+    return averaged_state_dict(current, pieces, buffers, {"params": shapes, "aliases": aliases})

@@ -388,9 +388,8 @@ def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
         for _, entry in averages:
             for key, value in entry["buffers"].items():
                 buffers.setdefault(key, value)
-        owners = {alias: name for name in meta["params"] for alias in meta["aliases"].get(name, [name])}
         current = checkpoint["state_dict"]
-        checkpoint["state_dict"] = averaged_state_dict(current, pieces, buffers, owners)
+        checkpoint["state_dict"] = averaged_state_dict(current, pieces, buffers, meta)
         checkpoint["current_model_state"] = current
     states = [
         torch_optimizer_state(hyper, pieces, meta["params"])
