@@ -19,7 +19,8 @@ tensor and pipeline parallelism and in Fabric loops.
   from our single file (ZeRO-0) and from Lightning's own ``"ddp"`` file into ZeRO-3; ``consolidate()`` of
   a sharded one, and ZeRO-3's single file (``save_distributed_checkpoint=False``), have Lightning's
   layout (the averaged model as ``state_dict``, ``current_model_state``, ``averaging_state``) with
-  Lightning's values.
+  Lightning's values. ``FlashCheckpoint`` snapshots every 2 steps change nothing; a flash resume (they do
+  not carry the averages) warns that the average starts again.
 * A Hugging Face Llama at tp 2 with ZeRO-1 equals one process with ``EMAWeightAveraging``.
 * A Hugging Face ResNet in 2 pipeline stages with ZeRO-1 equals one process with ``EMAWeightAveraging``.
 * The core alone: averages follow their fragments when ZeRO-2 rebuilds its buckets; Fabric's
@@ -29,6 +30,7 @@ tensor and pipeline parallelism and in Fabric loops.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +47,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.averaging import WeightAverages, ema_rule
-from lightning_par.callbacks import ShardedEMA
+from lightning_par.callbacks import FlashCheckpoint, ShardedEMA
 from lightning_par.checkpoint import consolidate
 from lightning_par.fabric import HybridParallelStrategy as FabricHybridParallelStrategy
 from lightning_par.zero.engine import apply_zero
@@ -107,12 +109,17 @@ def _fit(
     save_to: Path | None = None,
     ckpt_path: str | None = None,
     manual: bool = False,
+    flash: Path | None = None,
 ) -> dict[str, Any]:
     ours = isinstance(strategy, HybridParallelStrategy)
     averaging = ShardedEMA(decay=DECAY) if ours else EMAWeightAveraging(decay=DECAY)
     callbacks: list[Any] = [averaging]
     if save_to is not None:
         callbacks.append(ModelCheckpoint(dirpath=save_to, every_n_epochs=1, save_top_k=-1))
+    if flash is not None:  # a snapshot every 2 steps (persisted), resumed by the next fit on the same path
+        callbacks.append(
+            FlashCheckpoint(flash, every_n_steps=2, persist_every_n_steps=2, shm_dir=flash / "shm")
+        )
     module = BatchNormNet(manual=manual)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -138,8 +145,11 @@ def _fit(
             original(trainer, pl_module)
 
         averaging.on_train_end = count  # type: ignore[method-assign]
-    trainer.fit(module, _data(), _data(), ckpt_path=ckpt_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, _data(), _data(), ckpt_path=ckpt_path)
     return {
+        "warnings": [str(w.message) for w in caught if "ShardedWeightAveraging" in str(w.message)],
         "state": final_state(module, strategy),
         "validation": torch.stack(module.validation_losses),
         "held": held,
@@ -167,6 +177,9 @@ def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
     one_file = HybridParallelStrategy(zero_stage=3, save_distributed_checkpoint=False)
     _fit(one_file, epochs=1, save_to=saved / "z3_file")  # gathered to rank 0 (collective)
     first = "epoch=0-step=4.ckpt"
+    # flash snapshots under way change nothing; a flash resume warns that the average starts again
+    out["z2_flash"] = _fit(HybridParallelStrategy(zero_stage=2), flash=saved / "flash")
+    out["z2_flash_resumed"] = _fit(HybridParallelStrategy(zero_stage=2), epochs=3, flash=saved / "flash")
     for name, stage, source in (
         ("z0_from_z0", 0, "z0"),
         ("z2_from_z2", 2, "z2"),
@@ -246,6 +259,11 @@ def test_sharded_ema_checkpoints_resume_and_consolidate(runs: list[dict[str, Any
         _assert_floats_equal(r[name]["state"], ddp["state"], name)
         resumed = r[name]["validation"]  # epoch 2's batches
         torch.testing.assert_close(resumed, ddp["validation"][-len(resumed) :], msg=name)
+    _assert_floats_equal(r["z2_flash"]["state"], ddp["state"], "ZeRO-2 with flash snapshots")
+    assert r["z2_flash"]["warnings"] == []
+    assert any("FlashCheckpoint snapshots" in w for w in r["z2_flash_resumed"]["warnings"]), r[
+        "z2_flash_resumed"
+    ]
     lightning = r["lightning_file"]
     for name in ("consolidated", "z0_file", "z3_file"):
         ours = r[name]

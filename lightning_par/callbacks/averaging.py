@@ -27,7 +27,7 @@ from lightning_par.averaging import AvgFn, WeightAverages, avg_fn_rule, ema_rule
 from lightning_par.checkpoint.averages import CHECKPOINT_ENTRY, averaged_state_dict
 from lightning_par.checkpoint.full import collect
 from lightning_par.checkpoint.optimizer_state import Pieces
-from lightning_par.checkpoint.sharded import RANK_ENTRIES_KEY
+from lightning_par.checkpoint.sharded import RANK_ENTRIES_KEY, WRITE_HOOKS_KEY
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
 from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, globalize, localize, tp_info
 
@@ -126,6 +126,22 @@ class ShardedWeightAveraging(Callback):
             )
             return
         checkpoint["averaging_state"] = {"n_averaged": torch.tensor(averages.n_averaged, dtype=torch.long)}
+        if isinstance(trainer.strategy, ZeroCheckpointIO):
+            # copied out when the checkpoint is written: a flash snapshot's dump, never written, costs nothing
+            hooks = checkpoint.setdefault(WRITE_HOOKS_KEY, [])
+            hooks.append(lambda written: self._write(trainer, pl_module, written, averages))
+        else:
+            self._write(trainer, pl_module, checkpoint, averages)
+
+    def _write(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        checkpoint: dict[str, Any],
+        averages: WeightAverages,
+    ) -> None:
+        """Put the averages into ``checkpoint``: this rank's records under ``RANK_ENTRIES_KEY`` when the
+        strategy writes per-rank files, else Lightning's layout (collective under our strategy)."""
         strategy = trainer.strategy
         dp_rank, tp = _coordinates(trainer, pl_module)
         if isinstance(strategy, ZeroCheckpointIO) and strategy.writes_sharded_checkpoints:
@@ -133,7 +149,7 @@ class ShardedWeightAveraging(Callback):
             entry = {"params": averages.records(dp_rank=dp_rank), "buffers": buffers}
             checkpoint.setdefault(RANK_ENTRIES_KEY, {})[CHECKPOINT_ENTRY] = entry
             return
-        # one file: Lightning's layout, the averaged model under "state_dict" (collective)
+        # one file: Lightning's layout, the averaged model under "state_dict"
         share = (tp, averages.records(dp_rank=dp_rank), averages.buffer_values())
         shares = collect(share, dst=0, group=None) if isinstance(strategy, ZeroCheckpointIO) else [share]
         current = checkpoint["state_dict"]
@@ -169,8 +185,8 @@ class ShardedWeightAveraging(Callback):
             )
         else:
             rank_zero_warn(
-                "ShardedWeightAveraging: the checkpoint holds no weight averages; the average starts again"
-                " from the loaded weights."
+                "ShardedWeightAveraging: the checkpoint holds no weight averages (FlashCheckpoint snapshots"
+                " do not carry them); the average starts again from the loaded weights."
             )
             return
         loaded = (localize(pieces, shapes, tp), buffers, n_averaged)

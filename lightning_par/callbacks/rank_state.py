@@ -44,7 +44,7 @@ from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIt
 
 from lightning_par.callbacks.resume import Found
 from lightning_par.checkpoint import rank_state as core
-from lightning_par.checkpoint.sharded import RANK_ENTRIES_KEY
+from lightning_par.checkpoint.sharded import RANK_ENTRIES_KEY, WRITE_HOOKS_KEY
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
 from lightning_par.zero.engine import Engine
 
@@ -72,10 +72,11 @@ def capture(trainer: pl.Trainer) -> tuple[dict[str, Any], set[int]]:
     lightning = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
     lightning.pop("state_dict", None)
     lightning.pop("optimizer_states", None)
-    # a weight-averaging callback's model copies (ShardedEMA's records, Lightning's layout): snapshots do
-    # not carry them; a resume restarts the average from the resumed weights, with a warning
-    lightning.pop(RANK_ENTRIES_KEY, None)
-    lightning.pop("current_model_state", None)
+    # a weight-averaging callback's model copies (ShardedEMA's write hook under our strategy; its records
+    # or Lightning's layout under Lightning's): snapshots do not carry them; a resume restarts the
+    # average from the resumed weights, with a warning
+    for key in (WRITE_HOOKS_KEY, RANK_ENTRIES_KEY, "current_model_state"):
+        lightning.pop(key, None)
     model, optim, step_tensors = core.capture(module, _engine(trainer), trainer.optimizers)
     progress = trainer.fit_loop.epoch_loop.batch_progress
     state = {

@@ -242,6 +242,10 @@ _NO_TP = {"rank": 0, "size": 1, "dims": {}}
 
 
 RANK_ENTRIES_KEY = "lightning_par_rank_entries"  # a checkpoint's per-rank entries from callbacks
+# callables ``hook(checkpoint)`` a callback's on_save_checkpoint leaves for the strategy to run, on every
+# rank, when the checkpoint is written: work (copies, collectives) that a dump never written (a flash
+# snapshot's) must not pay
+WRITE_HOOKS_KEY = "lightning_par_write_hooks"
 
 
 def read_rank_entries(path: str | os.PathLike[str], key: str) -> list[tuple[dict[str, Any], Any]]:

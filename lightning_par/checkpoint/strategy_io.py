@@ -37,6 +37,7 @@ from lightning_par.checkpoint.io import (
 from lightning_par.checkpoint.sharded import (
     METADATA_KEY,
     RANK_ENTRIES_KEY,
+    WRITE_HOOKS_KEY,
     is_sharded_checkpoint,
     read_meta,
     read_rank_entries,
@@ -164,6 +165,8 @@ class ZeroCheckpointIO(ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         assert self.lightning_module is not None
+        for hook in checkpoint.pop(WRITE_HOOKS_KEY, []):  # callbacks' work deferred to the write
+            hook(checkpoint)
         # per-rank entries callbacks added (a sharded weight average): this rank's file, never meta.pt
         entries = checkpoint.pop(RANK_ENTRIES_KEY, None) or {}
         checkpoint[METADATA_KEY] = self.layout_metadata()
@@ -198,8 +201,9 @@ class ZeroCheckpointIO(ParallelStrategy):
     @property
     def writes_sharded_checkpoints(self) -> bool:
         """Checkpoints are directories of per-rank files (else one Lightning file from rank 0): callbacks
-        with per-rank state put it under ``checkpoint[RANK_ENTRIES_KEY][their key]`` in
-        ``on_save_checkpoint`` and read it back with :meth:`checkpoint_rank_entries`."""
+        with per-rank state put it under ``checkpoint[RANK_ENTRIES_KEY][their key]`` (best from a hook
+        left under ``WRITE_HOOKS_KEY``, run only when the checkpoint is written) and read it back with
+        :meth:`checkpoint_rank_entries`."""
         return not self._full_file()
 
     def checkpoint_rank_entries(self, key: str) -> list[tuple[dict[str, Any], Any]] | None:
