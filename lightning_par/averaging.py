@@ -249,6 +249,23 @@ class WeightAverages:
         self._pairs()
         return {n: b.detach().cpu().clone() for n, b in self._buffers.items()}
 
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's averages for a snapshot of the same layout (Fabric's ``FlashSnapshots`` stores it as
+        any stateful entry): the update count, copies of the averages by ``(name, lo, hi)`` and of the
+        averaged buffers. Checkpoints that change layout use the records instead (``records``)."""
+        self._pairs()
+        assert self._averages is not None
+        params = [(n, lo, hi, a.detach().clone()) for (n, lo, hi), a in self._averages.items()]
+        buffers = {n: b.detach().clone() for n, b in self._buffers.items()}
+        return {"n_averaged": self.n_averaged, "params": params, "buffers": buffers}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take :meth:`state_dict`'s output, saved by this rank under the same layout."""
+        pieces: Pieces = {}
+        for name, lo, hi, value in state["params"]:
+            pieces.setdefault(name, []).append((lo, hi, {"param": value.reshape(-1)}))
+        self.load(pieces, state["buffers"], n_averaged=int(state["n_averaged"]))
+
     def load(self, pieces: Pieces, buffers: Mapping[str, Tensor], *, n_averaged: int) -> None:
         """Take a checkpoint's averages: ``pieces`` of this rank's local parameters (tensor-parallel slices
         already cut), applied when the targets are next read."""

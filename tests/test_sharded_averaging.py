@@ -24,7 +24,8 @@ tensor and pipeline parallelism and in Fabric loops.
 * A Hugging Face Llama at tp 2 with ZeRO-1 equals one process with ``EMAWeightAveraging``.
 * A Hugging Face ResNet in 2 pipeline stages with ZeRO-1 equals one process with ``EMAWeightAveraging``.
 * The core alone: averages follow their fragments when ZeRO-2 rebuilds its buckets; Fabric's
-  ``strategy.weight_averages()`` at ZeRO 2/3 equals one process's EMA.
+  ``strategy.weight_averages()`` at ZeRO 0/2/3 equals one process's EMA, also saved with ``fabric.save``
+  and loaded at another stage.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from lightning_par import HybridParallelStrategy
 from lightning_par.averaging import WeightAverages, ema_rule
 from lightning_par.callbacks import FlashCheckpoint, ShardedEMA
 from lightning_par.checkpoint import consolidate
+from lightning_par.fabric import FlashSnapshots
 from lightning_par.fabric import HybridParallelStrategy as FabricHybridParallelStrategy
 from lightning_par.zero.engine import apply_zero
 from tests.distributed import run_distributed
@@ -387,24 +389,34 @@ def _samples() -> tuple[Tensor, Tensor]:
     return torch.randn(40, 8, generator=g), torch.randn(40, 1, generator=g)
 
 
-def _fabric_loop(rank: int, world: int) -> dict[str, Any]:
+def _fabric_loop(rank: int, world: int, tmp: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
     x, y = _samples()
-    for stage in (2, 3):
+
+    def setup(stage: int) -> tuple[Any, Any, Any, Any, Any]:
         strategy = FabricHybridParallelStrategy(zero_stage=stage)
         fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
         fabric.launch()
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
         model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
-        averages = strategy.weight_averages(decay=DECAY)
-        for step in range(4):
-            mine = slice(step * 8 + rank * 4, step * 8 + rank * 4 + 4)
-            fabric.backward(F.mse_loss(model(x[mine]), y[mine]))
-            optimizer.step()
-            optimizer.zero_grad()
-            averages.update()
+        return fabric, strategy, model, optimizer, strategy.weight_averages(decay=DECAY)
+
+    def step(fabric: Any, model: Any, optimizer: Any, averages: Any, k: int) -> None:
+        mine = slice(k * 8 + rank * 4, k * 8 + rank * 4 + 4)
+        fabric.backward(F.mse_loss(model(x[mine]), y[mine]))
+        optimizer.step()
+        optimizer.zero_grad()
+        averages.update()
+
+    for stage in (0, 2, 3):
+        fabric, strategy, model, optimizer, averages = setup(stage)
+        for k in range(4):
+            step(fabric, model, optimizer, averages, k)
+            if k == 1:  # saved after 2 steps: a sharded directory at ZeRO-2, one file at ZeRO-0
+                state = {"model": model, "optimizer": optimizer, "ema": averages}
+                fabric.save(os.path.join(tmp, f"zero{stage}"), state)
         with torch.no_grad():
             with averages.swapped():
                 averaged_loss = F.mse_loss(model(x[32:]), y[32:])
@@ -418,14 +430,45 @@ def _fabric_loop(rank: int, world: int) -> dict[str, Any]:
             "averaged": strategy.consolidated_state_dict(),
         }
         strategy.destroy_process_groups()
+    for saved, stage in (("zero2", 3), ("zero0", 2)):  # resumed at another stage for the last 2 steps
+        fabric, strategy, model, optimizer, averages = setup(stage)
+        fabric.load(os.path.join(tmp, saved), {"model": model, "optimizer": optimizer, "ema": averages})
+        for k in (2, 3):
+            step(fabric, model, optimizer, averages, k)
+        averages.copy_to_targets()
+        out[f"{saved}_into_zero{stage}"] = strategy.consolidated_state_dict()
+        strategy.destroy_process_groups()
+    # FlashSnapshots (same layout): a snapshot after 2 steps, restored by a fresh loop for the last 2
+    starts = []
+    for attempt in range(2):
+        fabric, strategy, model, optimizer, averages = setup(2)
+        state = {"model": model, "optimizer": optimizer, "ema": averages}
+        flash = os.path.join(tmp, "flash")
+        with FlashSnapshots(
+            fabric, flash, persist_every_n_steps=1, shm_dir=os.path.join(flash, "shm")
+        ) as snaps:
+            start = snaps.restore(state) or 0
+            starts.append(start)
+            for k in range(start, 2 if attempt == 0 else 4):
+                step(fabric, model, optimizer, averages, k)
+            if attempt == 0:
+                snaps.snapshot(2, state)
+        if attempt == 1:
+            averages.copy_to_targets()
+            out["flash_zero2"] = strategy.consolidated_state_dict()
+        strategy.destroy_process_groups()
+    out["flash_starts"] = starts
     return out
 
 
-def test_fabric_weight_averages_equal_one_process() -> None:
-    """A Fabric loop at ZeRO-2 and ZeRO-3 with ``strategy.weight_averages(decay=...)``: the loss evaluated
+def test_fabric_weight_averages_equal_one_process(tmp_path: Path) -> None:
+    """A Fabric loop at ZeRO 0, 2 and 3 with ``strategy.weight_averages(decay=...)``: the loss evaluated
     inside ``swapped()`` is the averaged model's, the model's own weights come back after it, and after
-    ``copy_to_targets()`` the model equals one process's EMA over both ranks' samples."""
-    ranks = run_distributed(_fabric_loop, WORLD, init_group=False, timeout=600)
+    ``copy_to_targets()`` the model equals one process's EMA over both ranks' samples. Saved with
+    ``fabric.save`` after 2 steps (ZeRO-2: a sharded directory; ZeRO-0: one file) and loaded at another
+    stage (ZeRO-3, ZeRO-2) for the last 2 steps, the averages end where the uninterrupted run's do; so
+    they do restored from a ``FlashSnapshots`` snapshot at ZeRO-2 (``state_dict()``, same layout)."""
+    ranks = run_distributed(_fabric_loop, WORLD, str(tmp_path), init_group=False, timeout=600)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
@@ -443,7 +486,10 @@ def test_fabric_weight_averages_equal_one_process() -> None:
         net.load_state_dict(ema)
         averaged_loss = F.mse_loss(net(x[32:]), y[32:])
     assert not torch.allclose(averaged_loss, current_loss)
-    for stage in (2, 3):
+    for key in ("zero2_into_zero3", "zero0_into_zero2", "flash_zero2"):
+        torch.testing.assert_close(ranks[0][key], ema, msg=key)
+    assert ranks[0]["flash_starts"] == [0, 2]
+    for stage in (0, 2, 3):
         for r in ranks:
             got = r[f"zero{stage}"]
             torch.testing.assert_close(got["averaged_loss"], averaged_loss)

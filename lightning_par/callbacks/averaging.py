@@ -24,12 +24,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_par.averaging import AvgFn, WeightAverages, avg_fn_rule, ema_rule, full_pieces, swa_rule
-from lightning_par.checkpoint.averages import CHECKPOINT_ENTRY, averaged_state_dict
-from lightning_par.checkpoint.full import collect
+from lightning_par.checkpoint.averages import (
+    CHECKPOINT_ENTRY,
+    gather_averaged_state,
+    pieces_from_entries,
+    rank_entry,
+)
 from lightning_par.checkpoint.optimizer_state import Pieces
 from lightning_par.checkpoint.sharded import RANK_ENTRIES_KEY, WRITE_HOOKS_KEY
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
-from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, globalize, localize, tp_info
+from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, localize, tp_info
 
 
 class ShardedWeightAveraging(Callback):
@@ -145,18 +149,16 @@ class ShardedWeightAveraging(Callback):
         strategy = trainer.strategy
         dp_rank, tp = _coordinates(trainer, pl_module)
         if isinstance(strategy, ZeroCheckpointIO) and strategy.writes_sharded_checkpoints:
-            buffers = averages.buffer_values() if dp_rank == 0 and tp["rank"] == 0 else {}
-            entry = {"params": averages.records(dp_rank=dp_rank), "buffers": buffers}
+            entry = rank_entry(averages, dp_rank=dp_rank, tp_rank=int(tp["rank"]))
             checkpoint.setdefault(RANK_ENTRIES_KEY, {})[CHECKPOINT_ENTRY] = entry
             return
         # one file: Lightning's layout, the averaged model under "state_dict"
-        share = (tp, averages.records(dp_rank=dp_rank), averages.buffer_values())
-        shares = collect(share, dst=0, group=None) if isinstance(strategy, ZeroCheckpointIO) else [share]
         current = checkpoint["state_dict"]
-        if shares is None or not current:  # ranks other than 0 of a consolidated save hold no state
-            return
-        checkpoint["current_model_state"] = current
-        checkpoint["state_dict"] = _averaged_state(current, shares, pl_module, tp)
+        ours = isinstance(strategy, ZeroCheckpointIO)
+        averaged = gather_averaged_state(averages, current, pl_module, tp=tp, dp_rank=dp_rank, gather=ours)
+        if averaged is not None and current:  # other ranks of a consolidated save hold no state
+            checkpoint["current_model_state"] = current
+            checkpoint["state_dict"] = averaged
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -171,11 +173,7 @@ class ShardedWeightAveraging(Callback):
             else None
         )
         if entries:
-            pieces = globalize([(info, e["params"]) for info, e in entries], shapes)
-            buffers: dict[str, Tensor] = {}
-            for _, e in entries:
-                for name, value in e["buffers"].items():
-                    buffers.setdefault(name, value)
+            pieces, buffers = pieces_from_entries(entries, shapes)
         elif "current_model_state" in checkpoint:
             pieces, buffers = full_pieces(checkpoint["state_dict"], pl_module)
             # the model was loaded from "state_dict", the averaged weights: it takes its own back
@@ -233,23 +231,3 @@ def _coordinates(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[in
         rank, size = strategy.tp_coordinates()
         return strategy.mesh.dp_rank, tp_info(pl_module, rank=rank, size=size)
     return 0, tp_info(pl_module, rank=0, size=1)  # every rank holds the whole model: each is a "first"
-
-
-def _averaged_state(
-    current: dict[str, Any],
-    shares: list[tuple[TPInfo, list[Any], dict[str, Tensor]]],
-    module: pl.LightningModule,
-    tp: TPInfo,
-) -> dict[str, Any]:
-    """``current`` with every rank's averages (``shares``, tensor-parallel slices joined) in place."""
-    shapes = global_shapes(module, tp)
-    pieces = globalize([(info, records) for info, records, _ in shares], shapes)
-    buffers: dict[str, Tensor] = {}
-    for _, _, values in shares:
-        for key, value in values.items():
-            buffers.setdefault(key, value)
-    canonical = {id(p): n for n, p in module.named_parameters()}
-    aliases: dict[str, list[str]] = {}
-    for alias, p in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(canonical[id(p)], []).append(alias)
-    return averaged_state_dict(current, pieces, buffers, {"params": shapes, "aliases": aliases})

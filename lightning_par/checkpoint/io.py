@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_par.checkpoint.averages import CHECKPOINT_ENTRY, averaged_state_dict
+from lightning_par.checkpoint.averages import CHECKPOINT_ENTRY, averaged_state_dict, pieces_from_entries
 from lightning_par.checkpoint.full import model_records, torch_optimizer_state
 from lightning_par.checkpoint.optimizer_state import (
     MASTER_KEY,
@@ -51,7 +51,6 @@ from lightning_par.checkpoint.sharded import (
 from lightning_par.checkpoint.tp_reshard import (
     TPInfo,
     global_shapes,
-    globalize,
     localize,
     localize_state_dict,
 )
@@ -383,11 +382,7 @@ def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
     checkpoint["state_dict"] = full_state_dict_of(checkpoint, source)
     averages = read_rank_entries(source, CHECKPOINT_ENTRY)
     if averages:  # Lightning's WeightAveraging layout: the averaged model is the state_dict
-        pieces = globalize([(info, entry["params"]) for info, entry in averages], meta["params"])
-        buffers: dict[str, Tensor] = {}
-        for _, entry in averages:
-            for key, value in entry["buffers"].items():
-                buffers.setdefault(key, value)
+        pieces, buffers = pieces_from_entries(averages, meta["params"])
         current = checkpoint["state_dict"]
         checkpoint["state_dict"] = averaged_state_dict(current, pieces, buffers, meta)
         checkpoint["current_model_state"] = current

@@ -29,6 +29,8 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_par.averaging import WeightAverages, full_pieces
+from lightning_par.checkpoint.averages import gather_averaged_state, pieces_from_entries, rank_entry
 from lightning_par.checkpoint.full import gather_full_optimizer_state, gather_full_state_dict
 from lightning_par.checkpoint.io import (
     _group_names,
@@ -40,8 +42,8 @@ from lightning_par.checkpoint.io import (
     record_comm_state,
     save_sharded,
 )
-from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta
-from lightning_par.checkpoint.tp_reshard import TPInfo, tp_info
+from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta, read_rank_entries
+from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, localize, tp_info
 
 if TYPE_CHECKING:
     from lightning_par.fabric.strategy import HybridParallelStrategy
@@ -114,7 +116,9 @@ def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any])
     if optimizers:
         record_comm_state(meta, engine)  # PowerSGD's state, beside the optimizer state (collective)
     keys = {"module": module_key, "optimizers": opt_keys}
-    extras = _extras(state, {*opt_keys, *([module_key] if module_key else [])})
+    # weight averages (strategy.weight_averages()): each rank's share, like the optimizer state
+    averages = {k: v for k, v in state.items() if isinstance(v, WeightAverages)}
+    extras = _extras(state, {*opt_keys, *averages, *([module_key] if module_key else [])})
     # no rank holds the whole model at stage 3 or under tensor or pipeline parallelism: the parameters go
     # in pieces (other stages' layers are meta placeholders here, held by their own stage's file)
     in_pieces = engine.shards_params or mesh.tp_size > 1 or mesh.pp_size > 1
@@ -133,6 +137,9 @@ def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any])
             METADATA_KEY: meta,
         }
         payload = rank_payload(module, engine, optimizers, tp, with_model=in_pieces, dp_rank=mesh.dp_rank)
+        payload["entries"] = {
+            k: rank_entry(a, dp_rank=mesh.dp_rank, tp_rank=mesh.tp_rank) for k, a in averages.items()
+        }
         save_sharded(checkpoint, path, payload=payload, rank=rank, world_size=world, barrier=strategy.barrier)
         return
     meta["format"] = "full"
@@ -154,8 +161,13 @@ def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any])
             )
             for k, opt in enumerate(optimizers)
         ]
+    averaged = {  # the averaged model as a whole state dict, on rank 0 (collective)
+        k: gather_averaged_state(a, full_model, module, tp=tp, dp_rank=mesh.dp_rank, gather=True)
+        for k, a in averages.items()
+    }
     if strategy.is_global_zero:
         content = {
+            **{k: {"state_dict": averaged[k], "n_averaged": a.n_averaged} for k, a in averages.items()},
             **extras,
             **dict(zip(opt_keys, full_optimizers, strict=True)),
             KEYS: keys,
@@ -219,7 +231,11 @@ def load(
             tp=_tp(strategy),
         )  # fmt: skip
         _optimizers_to_device(optimizers, strategy.root_device)
+    for k in [k for k in state if isinstance(state[k], WeightAverages)]:
+        _load_averages(strategy, state[k], k, source, raw_entry=extras.pop(k, None), strict=strict)
     for k in [k for k in state if k != module_key and k not in opt_keys]:
+        if isinstance(state[k], WeightAverages):
+            continue
         if k not in extras:
             if strict:
                 raise KeyError(f"state[{k!r}] is not in the checkpoint {str(path)!r} (pass strict=False).")
@@ -230,6 +246,34 @@ def load(
         else:
             state[k] = extras[k]
     return {k: v for k, v in extras.items() if k not in state}
+
+
+def _load_averages(
+    strategy: HybridParallelStrategy,
+    averages: WeightAverages,
+    key: str,
+    source: Path | None,
+    *,
+    raw_entry: Mapping[str, Any] | None,
+    strict: bool,
+) -> None:
+    """Restore ``averages`` from the checkpoint's entry ``key``: every rank's share of a sharded one, or
+    the averaged state dict of one file; cut to this rank's fragments when next used."""
+    assert strategy.module is not None
+    tp = _tp(strategy)
+    shapes = global_shapes(strategy.module, tp)
+    entries = read_rank_entries(source, key) if source is not None else []
+    if entries:
+        pieces, buffers = pieces_from_entries(entries, shapes)
+        n_averaged = int(entries[0][1]["n_averaged"])
+    elif raw_entry is not None:
+        pieces, buffers = full_pieces(raw_entry["state_dict"], strategy.module)
+        n_averaged = int(raw_entry["n_averaged"])
+    else:
+        if strict:
+            raise KeyError(f"state[{key!r}] (weight averages) is not in the checkpoint (pass strict=False).")
+        return
+    averages.load(localize(pieces, shapes, tp), buffers, n_averaged=n_averaged)
 
 
 def _load_module(
