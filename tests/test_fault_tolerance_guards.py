@@ -114,10 +114,11 @@ def _guards(rank: int, world: int, tmp: str) -> dict[str, Any]:
     straggler = StragglerDetector(every_n_steps=2, slow_factor=1.5)
     _fit("zero2", 6, [straggler], slow_rank=1)
     out["straggler"] = straggler.reports
-    # NodeHealthCheck: rank 1's matmul is 10x slower; tensor parallel over both ranks
+    # NodeHealthCheck: rank 1's matmul is 100x slower; tensor parallel over both ranks. (At 10x one CI run
+    # flagged nothing: with 2 ranks that needs rank 0's own probe timed over 3x slow, which load can do.)
     real = health.matmul_seconds
     if rank == 1:
-        health.matmul_seconds = lambda size, repeats, device: 10 * real(size, repeats, device)
+        health.matmul_seconds = lambda size, repeats, device: 100 * real(size, repeats, device)
     tp = HybridParallelStrategy(tensor_parallel_size=2, tp_plan="gpt")
     check = NodeHealthCheck(matmul_size=256, bandwidth_mb=1.0, slow_factor=2.0, action="fail")
     with pytest.raises(RuntimeError) as failed:
