@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lightning_par.checkpoint.optimizer_state import Pieces, cut
+from lightning_par.checkpoint.optimizer_state import Pieces, cut, whole_pieces
 from lightning_par.zero.engine import Engine
 
 AvgFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # torch's avg_fn: (average, current, n) -> new average
@@ -172,13 +172,15 @@ class WeightAverages:
         for name, lo, hi, t in table:
             wanted.setdefault(name, []).append((lo, hi, t))
         out: dict[Key, Tensor] = {}
+        sharded = self.engine.sharded_state if self.engine is not None else None
+        masters = torch.float32 if sharded is not None and sharded.master_key is not None else None
         for name, p in self.module.named_parameters():
             if p.is_meta or not p.requires_grad:
                 continue
             held = [(lo, hi, a) for (n, lo, hi), a in old.items() if n == name]
-            sample = held[0][2] if held else (wanted[name][0][2] if name in wanted else None)
-            dtype = sample.dtype if sample is not None else torch.float32
-            whole = torch.zeros(p.numel(), dtype=dtype, device=p.device)
+            # the fragments' dtype, the same on every rank (one owning no element of p must agree with
+            # the others in the all-reduce): the fp32 masters, or the parameters themselves
+            whole = torch.zeros(p.numel(), dtype=masters or p.dtype, device=p.device)
             for lo, hi, a in held:
                 whole[lo:hi] = a.reshape(-1)
             if self.group is not None and dist.get_world_size(self.group) > 1:
@@ -277,10 +279,6 @@ class WeightAverages:
 def full_pieces(state: Mapping[str, Any], module: nn.Module) -> tuple[Pieces, dict[str, Tensor]]:
     """Pieces and buffers from a whole state dict of ``module``'s names (a Lightning checkpoint)."""
     params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    pieces: Pieces = {
-        n: [(0, v.numel(), {"param": v.detach().reshape(-1)})]
-        for n, v in state.items()
-        if n in params and isinstance(v, Tensor)
-    }
+    pieces = whole_pieces({n: v for n, v in state.items() if n in params})
     buffers = {n: v for n, v in state.items() if n not in params and isinstance(v, Tensor)}
     return pieces, buffers

@@ -29,6 +29,7 @@ from lightning_par.checkpoint.optimizer_state import (
     load_fragments,
     load_unsharded,
     pieces_from_state_dict,
+    whole_pieces,
 )
 from lightning_par.checkpoint.rank_state import meta_names
 from lightning_par.checkpoint.sharded import (
@@ -311,11 +312,7 @@ def load_stage3_params(
     if sharded_path is not None:
         state.update(read_buffers(sharded_path))
     if pieces is None:
-        pieces = {
-            name: [(0, value.numel(), {"param": value.detach().reshape(-1)})]
-            for name, value in state.items()
-            if isinstance(value, Tensor)
-        }
+        pieces = whole_pieces(state)
     pieces = localize(pieces, global_shapes(engine.module, tp), tp)
 
     def values(name: str, lo: int, hi: int) -> Tensor | None:

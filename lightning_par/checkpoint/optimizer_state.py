@@ -75,6 +75,15 @@ def pieces_from_state_dict(
     return out
 
 
+def whole_pieces(state: Mapping[str, Any]) -> Pieces:
+    """``{"param": values}`` pieces of a state dict's tensors, each whole (non-tensor entries skipped)."""
+    return {
+        name: [(0, value.numel(), {"param": value.detach().reshape(-1)})]
+        for name, value in state.items()
+        if isinstance(value, Tensor)
+    }
+
+
 def cut(pieces: Sequence[Piece], lo: int, hi: int) -> dict[str, Any] | None:
     """State for elements ``[lo, hi)`` assembled from the ``pieces`` of one parameter (None if absent)."""
     parts = sorted((p for p in pieces if p[0] < hi and p[1] > lo), key=lambda p: p[0])
