@@ -1,4 +1,5 @@
-"""``lightning-par-consolidate DIR OUT.ckpt``: one ordinary Lightning checkpoint file from a sharded one.
+"""``lightning-par-consolidate DIR OUT.ckpt``: one ordinary Lightning checkpoint file from a sharded one
+(ours, or the ``torch.distributed.checkpoint`` directory of Lightning's FSDP strategies).
 
 The output is :func:`lightning_par.checkpoint.io.consolidate` written with ``torch.save``: full
 ``state_dict`` (ZeRO-3 and tensor-parallel pieces assembled), ``hyper_parameters`` from ``meta.pt`` (so
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint
 from lightning_par.checkpoint.files import fsync_dir
 from lightning_par.checkpoint.io import consolidate
 from lightning_par.checkpoint.sharded import META_FILE, is_sharded_checkpoint
@@ -36,7 +38,9 @@ class CliError(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, description="Turn a lightning_par sharded checkpoint directory into one checkpoint file."
+        prog=PROG,
+        description="Turn a sharded checkpoint directory (lightning_par's, or Lightning's FSDPStrategy /"
+        " ModelParallelStrategy's) into one checkpoint file.",
     )
     parser.add_argument("directory", type=Path, metavar="DIR", help="the sharded checkpoint directory")
     parser.add_argument("output", type=Path, metavar="OUT", help="the checkpoint file to write (.ckpt)")
@@ -54,7 +58,7 @@ def consolidated_checkpoint(directory: Path, *, weights_only: bool) -> dict[str,
         CliError: ``directory`` is not a sharded checkpoint.
         ValueError: it is incomplete or one of its files is damaged (the message names the file).
     """
-    if not is_sharded_checkpoint(directory):
+    if not (is_sharded_checkpoint(directory) or is_dcp_checkpoint(directory)):
         what = "does not exist" if not directory.exists() else f"has no {META_FILE}"
         raise CliError(f"{directory} is not a sharded checkpoint directory (it {what}).")
     checkpoint = consolidate(directory)

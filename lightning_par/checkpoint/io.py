@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_par.checkpoint.averages import CHECKPOINT_ENTRY, averaged_state_dict, pieces_from_entries
+from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint, read_dcp_checkpoint
 from lightning_par.checkpoint.full import model_records, torch_optimizer_state
 from lightning_par.checkpoint.optimizer_state import (
     MASTER_KEY,
@@ -256,8 +257,11 @@ def load_optimizer_states(
     sharded = engine.sharded_state if engine is not None else None
     shapes = global_shapes(module, tp)
     scalars = {n for n, shape in shapes.items() if len(shape) == 0}
+    saved = [o["param_names"] for o in (checkpoint.get(METADATA_KEY) or {}).get("optimizers", [])]
     if engine is None or sharded is None:
-        if sharded_path is None and tp["size"] == 1:
+        # torch's own load ties state to parameters by position: only when the names, where the
+        # checkpoint records them, are in the same order (else by name, below)
+        if sharded_path is None and tp["size"] == 1 and saved in ([], current):
             for opt, state in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
                 opt.load_state_dict(state)
             return
@@ -372,7 +376,12 @@ def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A single-file Lightning checkpoint from a sharded directory, for export or for tools that expect
     one file (``LightningModule.load_from_checkpoint``): the full ``state_dict`` (trainable parameters at
     their fp32 master values, frozen ones, buffers) and the full ``optimizer_states`` in torch's own
-    format. Reads rank files one at a time (mmap)."""
+    format. Reads rank files one at a time (mmap). A ``torch.distributed.checkpoint`` directory of
+    Lightning's FSDP strategies is read whole (:mod:`lightning_par.checkpoint.dcp_import`)."""
+    if is_dcp_checkpoint(path):
+        converted = read_dcp_checkpoint(path)
+        converted[METADATA_KEY]["format"] = "full"
+        return converted
     source = resolve_checkpoint_dir(path)
     checkpoint = read_meta(source)
     meta = checkpoint[METADATA_KEY]

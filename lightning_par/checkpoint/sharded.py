@@ -102,9 +102,14 @@ def resolve_checkpoint_dir(path: str | os.PathLike[str]) -> Path:
     return p
 
 
+DCP_INDEX = ".metadata"  # torch.distributed.checkpoint's index: Lightning's FSDP strategies' directories
+
+
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """A directory of ours (``meta.pt`` without DCP's index, which Lightning's FSDP strategies write beside
+    their own ``meta.pt``: :mod:`lightning_par.checkpoint.dcp_import` reads those)."""
     p = resolve_checkpoint_dir(path)
-    return p.is_dir() and (p / META_FILE).is_file()
+    return p.is_dir() and (p / META_FILE).is_file() and not (p / DCP_INDEX).is_file()
 
 
 # ---------------------------------------------------------------------------------------------- writing

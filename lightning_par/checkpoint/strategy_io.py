@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint, read_dcp_checkpoint
 from lightning_par.checkpoint.full import gather_full_optimizer_state, gather_full_state_dict
 from lightning_par.checkpoint.io import (
     _group_names,
@@ -233,7 +234,9 @@ class ZeroCheckpointIO(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         self._sharded_source = None
-        if is_sharded_checkpoint(path):
+        if is_dcp_checkpoint(path):  # Lightning's FSDPStrategy / ModelParallelStrategy wrote it
+            checkpoint = read_dcp_checkpoint(path)
+        elif is_sharded_checkpoint(path):
             checkpoint = read_meta(path)
             self._sharded_source = path
         elif type(self.checkpoint_io) is TorchCheckpointIO and path.is_file():

@@ -1,0 +1,148 @@
+"""Reading the sharded checkpoints of Lightning's FSDP strategies, so a run moves to our strategy.
+
+Lightning's ``ModelParallelStrategy`` (FSDP2 / DTensor) and ``FSDPStrategy(state_dict_type="sharded")``
+write a directory in ``torch.distributed.checkpoint`` (DCP) format::
+
+    <path>/.metadata        DCP's index: every entry's global shape, dtype and where its pieces lie
+    <path>/__<r>_0.distcp   rank r's pieces
+    <path>/meta.pt          rank 0: the rest of Lightning's checkpoint dict (loops, callbacks, schedulers)
+
+The DCP entries are the model's state dict (``"state_dict"`` from ``ModelParallelStrategy``, ``"model"``
+from ``FSDPStrategy``) and one ``"optimizer_<k>"`` per optimizer in torch's distributed layout: state
+keyed by parameter name (``{"state": {name: {...}}, "param_groups": [{..., "params": [name, ...]}]}``).
+
+:func:`read_dcp_checkpoint` turns such a directory into an ordinary Lightning checkpoint dict: whole
+tensors (each rank reads every piece, without a process group, as torch's own ``dcp_to_torch_save``
+does: the resulting state is as large as the model's full state, the same as a single-file checkpoint
+read by every rank), optimizer states in torch's format (parameters numbered in group order), and the
+parameter names of each group recorded in our layout metadata (``lightning_par["optimizers"]``), so
+loading ties optimizer state to parameters by name at any ZeRO stage, tensor- or pipeline-parallel
+layout. The reverse way needs nothing new: a sharded checkpoint of ours, consolidated to one file
+(``lightning-par-consolidate``), is an ordinary Lightning file that ``ModelParallelStrategy`` resumes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from lightning_par.checkpoint.sharded import DCP_INDEX, META_FILE, METADATA_KEY
+
+MODEL_ENTRIES = ("state_dict", "model")  # ModelParallelStrategy's name, FSDPStrategy's name
+_OPTIMIZER_ENTRY = re.compile(r"optimizer_(\d+)")
+
+
+def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """``path`` is a directory written by ``torch.distributed.checkpoint`` (it has DCP's index)."""
+    p = Path(path)
+    return p.is_dir() and (p / DCP_INDEX).is_file()
+
+
+def _cause(error: BaseException) -> str:
+    """The first underlying failure of DCP's ``CheckpointException`` (whose text is every rank's traceback),
+    else the error itself, in one line."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))  # (exception, its stack) in torch 2.x
+        error = first[0] if isinstance(first, tuple) and first else getattr(first, "exception", first)
+    return f"{type(error).__name__}: {error}".splitlines()[0]
+
+
+def _entries(path: Path) -> dict[str, Any]:
+    """Every DCP entry of ``path`` as whole tensors and plain objects, nested as saved."""
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(
+            state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+        )
+    except (Exception, CheckpointException) as error:  # DCP's is a BaseException, raised for lost pieces
+        raise ValueError(
+            f"Could not read the torch.distributed.checkpoint directory {path}: {_cause(error)}. A piece file"
+            " (__<rank>_0.distcp) is missing or damaged; copy the whole directory again, or resume from"
+            " an earlier checkpoint."
+        ) from error
+    return state
+
+
+def torch_optimizer_format(state: Any, entry: str) -> tuple[dict[str, Any], list[list[str]]]:
+    """A name-keyed optimizer state dict (torch's distributed layout) in torch's own format, parameters
+    numbered in group order, and each group's parameter names; ``entry`` names it in errors."""
+    if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list):
+        raise ValueError(f"Entry {entry!r} is not an optimizer state dict (no 'state' and 'param_groups').")
+    groups, names, index = [], [], 0
+    for group in state["param_groups"]:
+        params = [str(name) for name in group["params"]]
+        groups.append(
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": list(range(index, index + len(params))),
+            }
+        )
+        index += len(params)
+        names.append(params)
+    ids = {name: i for i, name in enumerate(n for group in names for n in group)}
+    states = state.get("state", {})
+    unknown = sorted(set(states) - set(ids))
+    if unknown:
+        raise ValueError(
+            f"Entry {entry!r} holds optimizer state for {unknown[:4]}, which no param group lists."
+        )
+    return {"state": {ids[n]: s for n, s in states.items()}, "param_groups": groups}, names
+
+
+def read_dcp_entries(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A DCP directory's entries, whole, with the keys of its ``meta.pt`` beside them (what Fabric's
+    ``ModelParallelStrategy`` / ``FSDPStrategy`` save puts there: everything that is not a module or an
+    optimizer)."""
+    p = Path(path)
+    entries = _entries(p)
+    if (p / META_FILE).is_file():
+        try:
+            extras = torch.load(p / META_FILE, map_location="cpu", weights_only=False)
+        except Exception as error:
+            raise ValueError(
+                f"Could not read {p / META_FILE} (the checkpoint's state beside the model and optimizers):"
+                f" {error}. Copy the whole checkpoint directory again, or resume from an earlier one."
+            ) from error
+        entries.update({k: v for k, v in extras.items() if k not in entries})
+    return entries
+
+
+def read_dcp_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A Lightning checkpoint dict from a DCP directory of Lightning's FSDP strategies (see the module
+    docstring); ``lightning_par["optimizers"][k]["param_names"]`` names optimizer ``k``'s parameters.
+
+    Raises:
+        ValueError: no model entry, an unreadable piece or ``meta.pt``; the message names the fix.
+    """
+    entries = read_dcp_entries(path)
+    model_key = next((k for k in MODEL_ENTRIES if isinstance(entries.get(k), dict)), None)
+    if model_key is None:
+        raise ValueError(
+            f"{path} is a torch.distributed.checkpoint directory without a model entry (found"
+            f" {sorted(entries)[:8]}; Lightning's Trainer with an FSDP strategy writes 'state_dict' or"
+            " 'model'). A directory written by Fabric loads with fabric.load(path, state)."
+        )
+    optimizer_keys = [k for k in entries if _OPTIMIZER_ENTRY.fullmatch(k)]
+    checkpoint = {k: v for k, v in entries.items() if k != model_key and k not in optimizer_keys}
+    checkpoint["state_dict"] = entries[model_key]
+    optimizers = sorted(
+        (int(m.group(1)), k) for k in entries if (m := _OPTIMIZER_ENTRY.fullmatch(k)) is not None
+    )
+    states, names = [], []
+    for _, key in optimizers:
+        state, group_names = torch_optimizer_format(entries[key], key)
+        states.append(state)
+        names.append({"param_names": group_names})
+    if states:
+        checkpoint["optimizer_states"] = states
+    checkpoint[METADATA_KEY] = {"format": "dcp", "optimizers": names}
+    return checkpoint
