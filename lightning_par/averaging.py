@@ -86,8 +86,12 @@ class WeightAverages:
         group: ProcessGroup | None,
         rule: Callable[[list[Tensor], list[Tensor], int], None],
         use_buffers: bool = True,
+        before_write: Callable[[], None] | None = None,
     ) -> None:
         self.module = module
+        # a snapshot copy in flight (FlashCheckpoint, FlashSnapshots with snapshot_copy="overlap") reads
+        # the targets and the averages off the training thread: it must finish before they are written
+        self.before_write = before_write
         self.engine = engine
         self.group = group
         self.rule = rule
@@ -190,9 +194,14 @@ class WeightAverages:
         return out
 
     # ------------------------------------------------------------------ the operations
+    def _writing(self) -> None:
+        if self.before_write is not None:
+            self.before_write()
+
     @torch.no_grad()
     def update(self) -> None:
         """One averaging step from the targets' current values."""
+        self._writing()
         avgs, currents = self._pairs()
         if self.n_averaged == 0:
             torch._foreach_copy_(avgs, currents)
@@ -203,6 +212,7 @@ class WeightAverages:
     @torch.no_grad()
     def swap(self) -> None:
         """Exchange averages and targets; a second call undoes the first."""
+        self._writing()
         avgs, currents = self._pairs()
         for a, w in zip(avgs, currents, strict=True):
             held = w.clone()
@@ -223,6 +233,7 @@ class WeightAverages:
     @torch.no_grad()
     def copy_to_targets(self) -> None:
         """The model takes the averaged weights (the end of training)."""
+        self._writing()
         avgs, currents = self._pairs()
         if currents:
             torch._foreach_copy_(currents, avgs)
@@ -251,22 +262,21 @@ class WeightAverages:
         self._pairs()
         return {n: b.detach().cpu().clone() for n, b in self._buffers.items()}
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's averages for a snapshot of the same layout (Fabric's ``FlashSnapshots`` stores it as
-        any stateful entry): the update count, copies of the averages by ``(name, lo, hi)`` and of the
-        averaged buffers. Checkpoints that change layout use the records instead (``records``)."""
+    def state_dict(self, *, clone: bool = True) -> dict[str, Any]:
+        """This rank's averages for a snapshot (Fabric's ``FlashSnapshots`` stores it as any stateful
+        entry): the update count, the averages by ``(name, lo, hi)`` (this rank's local elements) and the
+        averaged buffers; copies, or with ``clone=False`` the live tensors, for a snapshot writer that
+        copies them before the next write (``before_write`` fences it). Checkpoints use ``records``."""
         self._pairs()
         assert self._averages is not None
-        params = [(n, lo, hi, a.detach().clone()) for (n, lo, hi), a in self._averages.items()]
-        buffers = {n: b.detach().clone() for n, b in self._buffers.items()}
+        own = (lambda t: t.detach().clone()) if clone else (lambda t: t.detach())
+        params = [(n, lo, hi, own(a)) for (n, lo, hi), a in self._averages.items()]
+        buffers = {n: own(b) for n, b in self._buffers.items()}
         return {"n_averaged": self.n_averaged, "params": params, "buffers": buffers}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take :meth:`state_dict`'s output, saved by this rank under the same layout."""
-        pieces: Pieces = {}
-        for name, lo, hi, value in state["params"]:
-            pieces.setdefault(name, []).append((lo, hi, {"param": value.reshape(-1)}))
-        self.load(pieces, state["buffers"], n_averaged=int(state["n_averaged"]))
+        self.load(snapshot_pieces(state["params"]), state["buffers"], n_averaged=int(state["n_averaged"]))
 
     def load(self, pieces: Pieces, buffers: Mapping[str, Tensor], *, n_averaged: int) -> None:
         """Take a checkpoint's averages: ``pieces`` of this rank's local parameters (tensor-parallel slices
@@ -274,6 +284,15 @@ class WeightAverages:
         self._pending = (pieces, dict(buffers))
         self._averages, self._buffers, self._moved = None, {}, False
         self.n_averaged = n_averaged
+
+
+def snapshot_pieces(params: Sequence[tuple[str, int, int, Tensor]]) -> Pieces:
+    """Pieces of :meth:`WeightAverages.state_dict`'s ``params``, of one rank or of several (every writer of
+    a snapshot resharded to another dp size or stage: their fragments together cover each parameter)."""
+    pieces: Pieces = {}
+    for name, lo, hi, value in params:
+        pieces.setdefault(name, []).append((lo, hi, {"param": value.reshape(-1)}))
+    return pieces
 
 
 def full_pieces(state: Mapping[str, Any], module: nn.Module) -> tuple[Pieces, dict[str, Tensor]]:

@@ -9,6 +9,9 @@
   code under a given package. On a GPU each is a device synchronisation. Not seen: calls inside torch
   functions (a CPU step counter in ``torch.optim``, which is no device sync), and ``.to(device)``, which
   on these CPU runs cannot be told apart from a placement on the communication device (the CPU).
+* :class:`SlowSnapshotCopies`: the flash-snapshot copy thread starts each copy ``delay_s`` late, so that
+  work right after a snapshot (a validation swap, an evaluation) runs while the copy still reads the
+  live tensors: what writes them then must wait for the copy.
 * :class:`Collectives`: records every collective and point-to-point call (name and element count).
 * :func:`counting_backend`: a ``torch.compile`` backend (dynamo's ``aot_eager``: AOTAutograd, no C++
   compiler) counting, in :data:`COMPILED_CALLS`, every call of a graph it compiled, so that a test shows
@@ -18,6 +21,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -161,3 +165,28 @@ def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor
         return compiled(*args)
 
     return run
+
+
+class SlowSnapshotCopies:
+    """Inside it, every flash-snapshot copy (``SnapshotWriter``'s copy-thread job) starts ``delay_s`` late
+    (see the module docstring); the writer's method is restored at the exit."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __enter__(self) -> None:
+        from lightning_par.callbacks.writer import SnapshotWriter
+
+        self.original = original = SnapshotWriter._complete
+        delay = self.delay_s
+
+        def late(writer: SnapshotWriter, *args: Any, **kwargs: Any) -> None:
+            time.sleep(delay)
+            original(writer, *args, **kwargs)
+
+        SnapshotWriter._complete = late  # type: ignore[method-assign]
+
+    def __exit__(self, *exc: object) -> None:
+        from lightning_par.callbacks.writer import SnapshotWriter
+
+        SnapshotWriter._complete = self.original  # type: ignore[method-assign]

@@ -15,6 +15,7 @@ own strategies, get Lightning's layout directly, so checkpoints move between the
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -23,7 +24,15 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_par.averaging import AvgFn, WeightAverages, avg_fn_rule, ema_rule, full_pieces, swa_rule
+from lightning_par.averaging import (
+    AvgFn,
+    WeightAverages,
+    avg_fn_rule,
+    ema_rule,
+    full_pieces,
+    snapshot_pieces,
+    swa_rule,
+)
 from lightning_par.checkpoint.averages import (
     CHECKPOINT_ENTRY,
     gather_averaged_state,
@@ -31,7 +40,7 @@ from lightning_par.checkpoint.averages import (
     rank_entry,
 )
 from lightning_par.checkpoint.optimizer_state import Pieces
-from lightning_par.checkpoint.sharded import RANK_ENTRIES_KEY, WRITE_HOOKS_KEY
+from lightning_par.checkpoint.sharded import RANK_ENTRIES_KEY, SNAPSHOT_AVERAGES_KEY, WRITE_HOOKS_KEY
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
 from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, localize, tp_info
 
@@ -75,6 +84,7 @@ class ShardedWeightAveraging(Callback):
             group=ours.mesh.dp_group if ours is not None else None,
             rule=self._rule,
             use_buffers=self._use_buffers,
+            before_write=partial(_fence_snapshot_copies, trainer),
         )
         if self._loaded is not None:  # a checkpoint restored before the strategy's setup (ZeRO 0-2)
             self._averages.load(self._loaded[0], self._loaded[1], n_averaged=self._loaded[2])
@@ -87,11 +97,26 @@ class ShardedWeightAveraging(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._update_after_step(trainer)
+
+    def _update_after_step(self, trainer: pl.Trainer) -> None:
+        """The update after the optimizer step just taken, if due and not done yet (a snapshot taken
+        earlier in the same hook ran it: the guard keeps it to once per step, as Lightning's)."""
         step_idx = trainer.global_step - 1  # zero-based, like epoch_idx
         if trainer.global_step > self._latest_update_step and self.should_update(step_idx=step_idx):
             assert self._averages is not None
             self._averages.update()
             self._latest_update_step = trainer.global_step
+
+    def snapshot_entry(self, trainer: pl.Trainer) -> dict[str, Any] | None:
+        """This rank's averages for a ``FlashCheckpoint`` snapshot of the step just taken: brought up to
+        date first (the snapshot may be taken before this callback's own ``on_train_batch_end``), then the
+        live tensors (:meth:`WeightAverages.state_dict` with ``clone=False``), which the snapshot copies
+        before the next write (every write fences the copy). None outside ``fit``."""
+        if self._averages is None:
+            return None
+        self._update_after_step(trainer)
+        return self._averages.state_dict(clone=False)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch = trainer.current_epoch
@@ -160,6 +185,19 @@ class ShardedWeightAveraging(Callback):
             checkpoint["current_model_state"] = current
             checkpoint["state_dict"] = averaged
 
+    def load_snapshot_entry(self, entry: dict[str, Any]) -> None:
+        """Take :meth:`snapshot_entry`'s averages back: this rank's own elements (same layout), or every
+        writer's (a snapshot resharded to another dp size or stage), cut to what this rank averages."""
+        pieces, buffers, n_averaged = (
+            snapshot_pieces(entry["params"]),
+            entry["buffers"],
+            int(entry["n_averaged"]),
+        )
+        if self._averages is None:
+            self._loaded = (pieces, buffers, n_averaged)  # applied at on_fit_start
+        else:
+            self._averages.load(pieces, buffers, n_averaged=n_averaged)
+
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
@@ -172,6 +210,10 @@ class ShardedWeightAveraging(Callback):
             if isinstance(strategy, ZeroCheckpointIO)
             else None
         )
+        snapshot = (checkpoint.get(SNAPSHOT_AVERAGES_KEY) or {}).get(self.state_key)
+        if snapshot is not None:  # a FlashCheckpoint snapshot
+            self.load_snapshot_entry(snapshot)
+            return
         if entries:
             pieces, buffers = pieces_from_entries(entries, shapes)
         elif "current_model_state" in checkpoint:
@@ -183,8 +225,8 @@ class ShardedWeightAveraging(Callback):
             )
         else:
             rank_zero_warn(
-                "ShardedWeightAveraging: the checkpoint holds no weight averages (FlashCheckpoint snapshots"
-                " do not carry them); the average starts again from the loaded weights."
+                "ShardedWeightAveraging: the checkpoint holds no weight averages (it was saved without this"
+                " callback); the average starts again from the loaded weights."
             )
             return
         loaded = (localize(pieces, shapes, tp), buffers, n_averaged)
@@ -192,6 +234,17 @@ class ShardedWeightAveraging(Callback):
             self._loaded = loaded  # ZeRO 0-2 restore before the strategy's setup: applied at on_fit_start
         else:
             self._averages.load(loaded[0], loaded[1], n_averaged=loaded[2])
+
+
+def _fence_snapshot_copies(trainer: pl.Trainer) -> None:
+    """Wait for every ``FlashCheckpoint`` copy in flight: it reads the weights and the averages off the
+    training thread until the next optimizer step, and a swap for validation, the epoch's update or the
+    end's copy would otherwise tear it (the snapshot held averaged weights as the model's)."""
+    from lightning_par.callbacks.flash import FlashCheckpoint  # (flash's snapshot code imports this module)
+
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, FlashCheckpoint):
+            callback.store.fence()
 
 
 class ShardedEMA(ShardedWeightAveraging):

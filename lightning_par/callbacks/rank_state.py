@@ -42,9 +42,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import RandomSampler
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
+from lightning_par.callbacks.averaging import ShardedWeightAveraging
 from lightning_par.callbacks.resume import Found
 from lightning_par.checkpoint import rank_state as core
-from lightning_par.checkpoint.sharded import RANK_ENTRIES_KEY, WRITE_HOOKS_KEY
+from lightning_par.checkpoint.sharded import RANK_ENTRIES_KEY, SNAPSHOT_AVERAGES_KEY, WRITE_HOOKS_KEY
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
 from lightning_par.zero.engine import Engine
 
@@ -68,16 +69,29 @@ def capture(trainer: pl.Trainer) -> tuple[dict[str, Any], set[int]]:
     """This rank's training state (live tensors) and the storages safe to copy until the next step."""
     module = trainer.lightning_module
     assert module is not None
+    # weight averages (ShardedEMA): this step's update first, if this snapshot runs before the callback's
+    # own hook, so the averages and the callback's state agree; then the live tensors, copied with the
+    # weights (every later write of them waits for the copy)
+    averages = {}
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, ShardedWeightAveraging):
+            entry = callback.snapshot_entry(trainer)
+            if entry is not None:
+                averages[callback.state_key] = entry
     # Lightning offers no public way to get its checkpoint dict without writing a file
     lightning = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
     lightning.pop("state_dict", None)
     lightning.pop("optimizer_states", None)
-    # a weight-averaging callback's model copies (ShardedEMA's write hook under our strategy; its records
-    # or Lightning's layout under Lightning's): snapshots do not carry them; a resume restarts the
-    # average from the resumed weights, with a warning
+    # the averaging callback's checkpoint forms (its write hook under our strategy, its records or
+    # Lightning's layout under Lightning's): a snapshot carries the averages as above instead
     for key in (WRITE_HOOKS_KEY, RANK_ENTRIES_KEY, "current_model_state"):
         lightning.pop(key, None)
     model, optim, step_tensors = core.capture(module, _engine(trainer), trainer.optimizers)
+    if averages:
+        lightning[SNAPSHOT_AVERAGES_KEY] = averages
+        for entry in averages.values():
+            step_tensors.extend(t for *_, t in entry["params"])
+            step_tensors.extend(entry["buffers"].values())
     progress = trainer.fit_loop.epoch_loop.batch_progress
     state = {
         "lightning": lightning,
@@ -154,11 +168,24 @@ def resharded(trainer: pl.Trainer, found: Found, *, keep_global_batch: bool) -> 
         )
         trainer.accumulate_grad_batches = target
     lightning = copy.deepcopy(base["lightning"])
+    if SNAPSHOT_AVERAGES_KEY in lightning:  # weight averages: every writer's fragments, cut on load
+        for key, entry in lightning[SNAPSHOT_AVERAGES_KEY].items():
+            entry["params"] = [
+                piece
+                for w in range(old)
+                for piece in found.parts[w]["lightning"][SNAPSHOT_AVERAGES_KEY][key]["params"]
+            ]
     progress = lightning.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
     if progress is not None:
+        # per-rank batch counts at the new size. The snapshot was taken in on_train_batch_end, with
+        # "completed" one behind "ready" (Lightning counts the batch completed after that hook and adds
+        # it when it restarts there): the batches are ``ready * old / new``, and every counter moves by
+        # the same amount, so the lag stays one batch (scaling each counter alone made it old / new
+        # batches: a snapshot at the end of an epoch resumed inside it, repeating its last batches)
         for counts in (progress["total"], progress["current"]):
+            shift = counts["ready"] * old // new - counts["ready"]
             for name, value in counts.items():
-                counts[name] = value * old // new  # per-rank batch counts at the new size
+                counts[name] = value + shift
     parts = [(found.parts[w]["model"], found.parts[w]["optim"]) for w in range(old)]
     names = found.header["fingerprint"].get("optimizers", [])
     return {
@@ -199,8 +226,13 @@ def restore(trainer: pl.Trainer, state: dict[str, Any], *, full: bool) -> None:
         else:
             core.load(module, _engine(trainer), trainer.optimizers, checkpoint["state_dict"], state["optim"])
         if full:
-            connector.restore_callbacks()
+            connector.restore_callbacks()  # weight averages too (ShardedWeightAveraging.on_load_checkpoint)
             connector.restore_loops()
+        else:  # a roll back: the averages return to the snapshot's too (they took the diverged steps)
+            saved = checkpoint.get(SNAPSHOT_AVERAGES_KEY) or {}
+            for callback in trainer.callbacks:  # type: ignore[attr-defined]
+                if isinstance(callback, ShardedWeightAveraging) and callback.state_key in saved:
+                    callback.load_snapshot_entry(saved[callback.state_key])
         connector.restore_precision_plugin_state()
         connector.restore_lr_schedulers()
     finally:

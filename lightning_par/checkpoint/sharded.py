@@ -251,6 +251,9 @@ RANK_ENTRIES_KEY = "lightning_par_rank_entries"  # a checkpoint's per-rank entri
 # rank, when the checkpoint is written: work (copies, collectives) that a dump never written (a flash
 # snapshot's) must not pay
 WRITE_HOOKS_KEY = "lightning_par_write_hooks"
+# in a FlashCheckpoint snapshot's Lightning dict: weight-averaging callbacks' per-rank averages, by the
+# callback's state_key (same layout, or every writer's merged when a snapshot is resharded)
+SNAPSHOT_AVERAGES_KEY = "lightning_par_snapshot_averages"
 
 
 def read_rank_entries(path: str | os.PathLike[str], key: str) -> list[tuple[dict[str, Any], Any]]:

@@ -180,5 +180,14 @@ class FabricSteps:
             ema_rule(decay) if decay is not None else avg_fn_rule(avg_fn) if avg_fn is not None else swa_rule
         )
         return WeightAverages(
-            engine.module, engine, group=self.mesh.dp_group, rule=rule, use_buffers=use_buffers
+            engine.module,
+            engine,
+            group=self.mesh.dp_group,
+            rule=rule,
+            use_buffers=use_buffers,
+            before_write=self._before_weight_writes,  # FlashSnapshots' copy in flight finishes first
         )
+
+    def _before_weight_writes(self) -> None:
+        for hook in self.before_optimizer_step:
+            hook()
