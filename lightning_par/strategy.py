@@ -13,7 +13,7 @@ run: the hooks wrapped for a run (:mod:`lightning_par.lightning_hooks`) are rest
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -236,6 +236,9 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         self.partition_method: Cut = as_cut(partition_method)
         self._pipeline: LightningPipeline | None = None
         self._engine: Engine | None = None
+        # run before the strategy writes weights in place between optimizer steps (gathered_params with
+        # writeback): FlashCheckpoint's fence, so its snapshot copy in flight finishes first
+        self.before_state_write: list[Callable[[], None]] = []
         self._sharded_source: Path | None = None
         self._token_normalizer: TokenNormalizer | None = None
         self.pretrained = pretrained

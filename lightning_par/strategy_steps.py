@@ -59,6 +59,7 @@ class StrategySteps(ZeroCheckpointIO):
     _patched: list[str]  # names of the LightningModule's hooks replaced for this run
     _eval_join: EvalJoin | None = None  # the running evaluation loop's, when its dp ranks' counts differ
     _grad_reads: GradReads | None = None  # the first optimizer step's param.grad watch (grad_reads.py)
+    before_state_write: list[Callable[[], None]]  # fences registered by snapshot writers (FlashCheckpoint)
 
     @property
     def pipeline_stats(self) -> StepStats | None:
@@ -194,7 +195,11 @@ class StrategySteps(ZeroCheckpointIO):
         in-place writes to them (an EMA teacher's update, a clamp) are kept at the exit; every rank must
         make the same writes (checked before anything is written back). Elsewhere a no-op: the parameters
         are whole, and at ZeRO 1/2 writes to the compute copy reach the masters before the next update.
-        Tensor parallelism still communicates in every forward."""
+        Tensor parallelism still communicates in every forward. With ``writeback`` a ``FlashCheckpoint``
+        copy still reading the weights finishes first."""
+        if writeback:
+            for fence in self.before_state_write:
+                fence()
         engine = self._engine
         return engine.gathered(writeback=writeback) if engine is not None else nullcontext()
 

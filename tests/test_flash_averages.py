@@ -171,3 +171,94 @@ def test_flash_snapshots_carry_the_averages(tmp_path: Path) -> None:
         assert any(not torch.equal(v, seen["step4"][k]) for k, v in seen["step5"].items()), r
         for key, value in seen["step4"].items():
             torch.testing.assert_close(seen["rolled"][key], value, msg=f"rank {r} rolled back: {key}")
+
+
+# ------------------------------------------------------------------- other writes between the steps
+class HalveAfterStep4(Callback):
+    """At step 4, after the snapshot: the weights as they are, then halved in place through
+    ``gathered_params(writeback=True)`` (the documented way to write weights between steps)."""
+
+    def __init__(self) -> None:
+        self.before: dict[str, Tensor] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 4 and not self.before:
+            self.before = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            with trainer.strategy.gathered_params(writeback=True), torch.no_grad():  # type: ignore[attr-defined]
+                for p in pl_module.parameters():
+                    p.mul_(0.5)
+
+
+def _snapshot_model(flash: Path, rank: int, step: int) -> dict[str, Tensor]:
+    from lightning_par.callbacks.disk import DiskStore
+
+    store = DiskStore(flash, rank=rank)
+    header = next(h for h in store.headers() if h["step"] == step)
+    return dict(store.load(header)["model"])
+
+
+def _writes(rank: int, world: int, root: str) -> dict[str, Any]:
+    from lightning.fabric import Fabric
+
+    from lightning_par.fabric import FlashSnapshots
+    from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    trainer_flash, fabric_flash = Path(root) / "trainer", Path(root) / "fabric"
+    halve = HalveAfterStep4()
+    snapshots = FlashCheckpoint(
+        trainer_flash, every_n_steps=2, persist_every_n_steps=2, shm_dir=trainer_flash / "shm"
+    )
+    strategy = HybridParallelStrategy(zero_stage=2)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=4,
+        callbacks=[snapshots, halve],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with SlowSnapshotCopies(SLOW_COPY_S):
+        trainer.fit(Net(), _data())
+    strategy.destroy_process_groups()
+    out["trainer"] = (halve.before, _snapshot_model(trainer_flash, rank, 4))
+    # Fabric: the second snapshot (the first one's copy is made at once), then a halving written back
+    ours = FabricStrategy(zero_stage=2)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=ours)
+    fabric.launch()
+    net = Net().net
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    shm = fabric_flash / "shm"
+    with (
+        FlashSnapshots(fabric, fabric_flash, persist_every_n_steps=1, shm_dir=shm) as snaps,
+        SlowSnapshotCopies(SLOW_COPY_S),
+    ):
+        for step in (1, 2):
+            x, y = next(iter(_data()))
+            fabric.backward(F.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            snaps.snapshot(step, {"model": model, "optimizer": optimizer})
+        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with ours.gathered_params(writeback=True), torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+    ours.destroy_process_groups()
+    out["fabric"] = (before, _snapshot_model(fabric_flash, rank, 2))
+    return out
+
+
+def test_weight_writes_between_steps_wait_for_the_snapshot_copy(tmp_path: Path) -> None:
+    """``gathered_params(writeback=True)`` right after a snapshot, its copy slowed: the snapshot holds the
+    weights of its step, not the halved ones (Trainer with ``FlashCheckpoint``, Fabric with
+    ``FlashSnapshots``, ZeRO-2). Before, the write could land in the snapshot."""
+    for r, out in enumerate(run_distributed(_writes, 2, str(tmp_path), init_group=False, timeout=300)):
+        for door in ("trainer", "fabric"):
+            before, held = out[door]
+            assert before, door
+            for key, value in before.items():
+                torch.testing.assert_close(held[key], value, msg=f"rank {r} {door}: {key}")

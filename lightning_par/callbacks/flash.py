@@ -35,6 +35,7 @@ from lightning_par.callbacks import rank_state
 from lightning_par.callbacks.resume import Found
 from lightning_par.callbacks.store import FlashStore, positive_int
 from lightning_par.callbacks.writer import SnapshotCopy
+from lightning_par.strategy import HybridParallelStrategy
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,8 @@ class FlashCheckpoint(Callback):
         if stage != "fit":
             return
         rank_state.check_supported(trainer.strategy)
+        if isinstance(trainer.strategy, HybridParallelStrategy):  # its writes between steps wait too
+            trainer.strategy.before_state_write.append(self.store.fence)
         self._reset()
         self.resumed = None
         self.store.open(
@@ -254,6 +257,13 @@ class FlashCheckpoint(Callback):
     ) -> None:
         self.store.fence()
 
+    def fence(self) -> None:
+        """Wait until the snapshot copy in flight (``snapshot_copy="overlap"``) has read the weights and
+        optimizer state. The optimizer step waits for it by itself, and so do ``ShardedEMA``'s writes and
+        ``trainer.strategy.gathered_params(writeback=True)``; call it before your own in-place writes of
+        weights between steps (a clamp in ``on_train_batch_end``), or use ``snapshot_copy="blocking"``."""
+        self.store.fence()
+
     def snapshot(self, trainer: pl.Trainer, step: int) -> None:
         """Take a snapshot now (collective when it is a persist step: all ranks call it at that step)."""
         capture = partial(rank_state.capture, trainer)  # the store times it
@@ -281,6 +291,9 @@ class FlashCheckpoint(Callback):
         if stage != "fit":
             return
         self._restore_ckpt_path(trainer)
+        strategy = trainer.strategy
+        if isinstance(strategy, HybridParallelStrategy) and self.store.fence in strategy.before_state_write:
+            strategy.before_state_write.remove(self.store.fence)
         if self._saved_sigterm is not None:
             signal.signal(signal.SIGTERM, self._saved_sigterm)
             self._saved_sigterm = None

@@ -158,7 +158,10 @@ class FabricSteps:
         """The Trainer strategy's ``gathered_params`` for Fabric loops (every rank enters): at ZeRO-3 the
         model is whole inside, so one rank may sample alone (``if fabric.global_rank == 0:
         sample(model)``); ``writeback=True`` keeps in-place writes made inside (an EMA teacher, a clamp),
-        made in the fp32 masters at ZeRO 1-3 and refused if the ranks' writes differ."""
+        made in the fp32 masters at ZeRO 1-3 and refused if the ranks' writes differ; a ``FlashSnapshots``
+        copy still reading the weights finishes first."""
+        if writeback:
+            self._before_weight_writes()
         engine = self.engine
         return engine.gathered(writeback=writeback) if engine is not None else nullcontext()
 
