@@ -13,8 +13,9 @@ keyed by parameter name (``{"state": {name: {...}}, "param_groups": [{..., "para
 
 :func:`read_dcp_checkpoint` turns such a directory into an ordinary Lightning checkpoint dict: whole
 tensors (each rank reads every piece, without a process group, as torch's own ``dcp_to_torch_save``
-does: the resulting state is as large as the model's full state, the same as a single-file checkpoint
-read by every rank), optimizer states in torch's format (parameters numbered in group order), and the
+does: each rank then holds the full state in host memory, where a single file is memory-mapped and
+read only where a rank's slices lie; consolidating once to a file is the way for states too large for
+that), optimizer states in torch's format (parameters numbered in group order), and the
 parameter names of each group recorded in our layout metadata (``lightning_par["optimizers"]``), so
 loading ties optimizer state to parameters by name at any ZeRO stage, tensor- or pipeline-parallel
 layout. The reverse way needs nothing new: a sharded checkpoint of ours, consolidated to one file
