@@ -391,6 +391,8 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             pipelined=self.pipeline_parallel_size > 1,
             find_unused_parameters=self.find_unused_parameters,
         )
+        # at stage 0 user code sees param.grad: the tp replicas' gradients are compared at the first step
+        self._check_tp_replicas = fitting and self.tensor_parallel_size > 1 and self.zero_stage == 0
 
     @override
     def model_to_device(self) -> None:

@@ -42,6 +42,7 @@ from lightning_par.pipeline.lightning import LightningPipeline
 from lightning_par.pipeline.runtime import StepStats
 from lightning_par.precision import ParallelPrecision
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
+from lightning_par.tensor_parallel.replicas import mismatch_message, replicated_grad_mismatch
 from lightning_par.zero.buffers import BufferSync
 from lightning_par.zero.stage3_join import Stage3Join
 
@@ -59,6 +60,7 @@ class StrategySteps(ZeroCheckpointIO):
     _patched: list[str]  # names of the LightningModule's hooks replaced for this run
     _eval_join: EvalJoin | None = None  # the running evaluation loop's, when its dp ranks' counts differ
     _grad_reads: GradReads | None = None  # the first optimizer step's param.grad watch (grad_reads.py)
+    _check_tp_replicas = False  # the first optimizer step compares the tp replicas' gradients (stage 0)
     before_state_write: list[Callable[[], None]]  # fences registered by snapshot writers (FlashCheckpoint)
 
     @property
@@ -273,9 +275,25 @@ class StrategySteps(ZeroCheckpointIO):
         if self._grad_reads is not None:
             self._grad_reads.end()
             self._grad_reads = None
+        if self._check_tp_replicas:
+            self._verify_tp_replicas()
         if self._step_skipped() and self.lightning_module is not None:
             lightning_hooks.uncount_step(self.lightning_module)
         return output
+
+    def _verify_tp_replicas(self) -> None:
+        """Once, after the first optimizer step with gradients (they are still in ``param.grad``): the
+        tensor-parallel replicas' gradients agree (:mod:`lightning_par.tensor_parallel.replicas`)."""
+        module = self.lightning_module
+        assert module is not None
+        if not any(p.grad is not None for p in module.parameters()):
+            return  # a step the fp16 scaler skipped dropped them: the next one is checked
+        self._check_tp_replicas = False
+        mismatch = replicated_grad_mismatch(
+            module, sharded=self._tp()["dims"], group=self.mesh.tp_group, device=self.root_device
+        )
+        if mismatch:
+            raise RuntimeError(mismatch_message(mismatch, fabric=False))
 
     def _step_skipped(self) -> bool:
         plugin = self.precision_plugin

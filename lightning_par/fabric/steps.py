@@ -21,8 +21,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_par.averaging import AvgFn, WeightAverages, avg_fn_rule, ema_rule, swa_rule
+from lightning_par.checkpoint.tp_reshard import tp_info
 from lightning_par.fabric.pipeline import refuse_backward
 from lightning_par.grad_reads import GradReads
+from lightning_par.tensor_parallel.replicas import mismatch_message, replicated_grad_mismatch
 from lightning_par.zero.stage3_join import Stage3Join
 
 if TYPE_CHECKING:
@@ -37,12 +39,14 @@ class FabricSteps:
     override Fabric's ``Strategy`` ones (see the module docstring)."""
 
     engine: Engine | None
+    module: nn.Module | None
     # called first in every optimizer step: e.g. FlashSnapshots' fence, so a snapshot copy still reading
     # the weights finishes before they change (registered and removed by their owners)
     before_optimizer_step: list[Callable[[], None]]
     _found_inf: bool | None  # this step's fp16 verdict, once gradients are unscaled
     _pipeline: FabricPipeline | None  # under pipeline parallelism: its steps run every backward
     _grad_reads: GradReads | None = None  # the first optimizer step's param.grad watch (grad_reads.py)
+    _check_tp_replicas = False  # the first optimizer step compares the tp replicas' gradients (stage 0)
 
     if TYPE_CHECKING:
 
@@ -118,6 +122,8 @@ class FabricSteps:
             reads.end()
         for hook in self.before_optimizer_step:
             hook()
+        if self._check_tp_replicas and not self._unscaled(optimizer):
+            self._verify_tp_replicas()
         output = None
         scaler = self.precision.scaler
         if self._unscaled(optimizer):
@@ -190,6 +196,24 @@ class FabricSteps:
             use_buffers=use_buffers,
             before_write=self._before_weight_writes,  # FlashSnapshots' copy in flight finishes first
         )
+
+    def _verify_tp_replicas(self) -> None:
+        """Once, before the first optimizer step with gradients: the tensor-parallel replicas' gradients
+        agree (:mod:`lightning_par.tensor_parallel.replicas`); raised before the step changes anything."""
+        module = self.module
+        assert module is not None
+        if not any(p.grad is not None for p in module.parameters()):
+            return
+        self._check_tp_replicas = False
+        mesh = self.mesh
+        mismatch = replicated_grad_mismatch(
+            module,
+            sharded=tp_info(module, rank=mesh.tp_rank, size=mesh.tp_size)["dims"],
+            group=mesh.tp_group,
+            device=self.root_device,
+        )
+        if mismatch:
+            raise RuntimeError(mismatch_message(mismatch, fabric=True))
 
     def _before_weight_writes(self) -> None:
         for hook in self.before_optimizer_step:

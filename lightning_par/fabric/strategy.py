@@ -339,6 +339,8 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             find_unused_parameters=self.find_unused_parameters,
             defer=True,  # a Fabric loop has no teardown to take a raising mode off the stack
         )
+        # at stage 0 the loop sees param.grad: the tp replicas' gradients are compared at the first step
+        self._check_tp_replicas = self.mesh.tp_size > 1 and self.zero_stage == 0
         cast_frozen(module, self.precision.frozen_storage_dtype())
         self._metric_sync.assign(module, mesh=self.mesh, pipelined=self._pipeline is not None)
         setattr(module, SETUP_ATTR, True)

@@ -1,0 +1,119 @@
+"""Tensor-parallel replicas and per-rank gradient clipping, on 2 Gloo ranks (tp 2, ZeRO-0), with a Hugging
+Face Llama under the ``llama`` plan.
+
+``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` in ``on_before_optimizer_step`` (Trainer) or in a
+Fabric loop measures this rank's slices only, so the ranks of a tensor-parallel group clip by different
+factors and the weights they both hold whole (the RMSNorm weights) drift apart: 0.0017 apart after 3
+AdamW steps, measured, with nothing reported. Now the first optimizer step compares those gradients
+over the group and raises, naming the parameter and the fix (the Trainer after its first step, Fabric
+before it, so the loop's weights are untouched). The fix itself, Lightning's clipping
+(``gradient_clip_val``, ``fabric.clip_gradients``), measures the whole model: it equals one process
+clipping the whole model with torch's ``clip_grad_norm_``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_par import HybridParallelStrategy
+from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
+from tests.distributed import run_distributed
+from tests.fits import cpu_trainer, final_state
+from tests.third_party import LoraLlama, Tokens, llama, replay_order
+
+CLIP, STEPS = 0.05, 3
+
+
+class TorchClipped(LoraLlama):
+    """Clips as a DDP user does: torch's clip over ``self.parameters()``, in the hook before the step."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        torch.nn.utils.clip_grad_norm_(self.parameters(), CLIP)
+
+
+def _loader() -> DataLoader[Any]:
+    return DataLoader(Tokens(2 * STEPS), batch_size=2)
+
+
+def _fabric_loop(strategy: Any, *, devices: int, torch_clip: bool) -> tuple[dict[str, Tensor], str]:
+    fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(llama())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    refused = ""
+    try:
+        for x, y in _loader():
+            loss = F.cross_entropy(model(input_ids=x, use_cache=False).logits.flatten(0, 1), y.flatten())
+            fabric.backward(loss)
+            if torch_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            else:
+                fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+    except RuntimeError as error:
+        refused = str(error)
+        for name, value in model.named_parameters():  # refused before the step changed anything
+            torch.testing.assert_close(value.detach(), before[name], msg=name)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if isinstance(strategy, FabricStrategy):
+        full = strategy.consolidated_state_dict() if not refused else {}
+        state = {k: v.clone() for k, v in full.items()}
+        strategy.destroy_process_groups()
+    return state, refused
+
+
+def _runs(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+
+    def tp2() -> HybridParallelStrategy:
+        return HybridParallelStrategy(tensor_parallel_size=2, tp_plan="llama")
+
+    strategy = tp2()
+    try:
+        cpu_trainer(strategy, max_steps=STEPS).fit(TorchClipped(lora=False), _loader())
+        out["trainer_refused"] = ""
+    except RuntimeError as error:
+        out["trainer_refused"] = str(error)
+    strategy.destroy_process_groups()
+    strategy = tp2()
+    module = LoraLlama(lora=False)
+    cpu_trainer(strategy, max_steps=STEPS, gradient_clip_val=CLIP).fit(module, _loader())
+    out["trainer"] = final_state(module, strategy)
+    out["fabric_refused"] = _fabric_loop(
+        FabricStrategy(tensor_parallel_size=2, tp_plan="llama"), devices=2, torch_clip=True
+    )[1]
+    out["fabric"] = _fabric_loop(
+        FabricStrategy(tensor_parallel_size=2, tp_plan="llama"), devices=2, torch_clip=False
+    )[0]
+    return out
+
+
+def test_per_rank_clipping_under_tensor_parallelism_is_refused() -> None:
+    ranks = run_distributed(_runs, 2, init_group=False, timeout=300)
+    # one process clipping the whole model with torch's own function: what the fix must equal
+    reference = cpu_trainer("auto", devices=1, max_steps=STEPS, gradient_clip_val=CLIP)
+    module = LoraLlama(lora=False)
+    # the batches in the order Lightning's DistributedSampler (seed 0) gave the tp group's one dp rank
+    order = replay_order(2 * STEPS, dp=1, micro=2, epochs=1, seed=0)
+    reference.fit(module, DataLoader(Tokens(2 * STEPS), batch_sampler=order))
+    expected = final_state(module, "auto")
+    fabric_expected, _ = _fabric_loop("auto", devices=1, torch_clip=True)
+    for r, out in enumerate(ranks):
+        for door, fix in (("trainer", "gradient_clip_val"), ("fabric", "fabric.clip_gradients")):
+            message = out[f"{door}_refused"]
+            assert "input_layernorm.weight" in message and "drift apart" in message, (r, door, message)
+            assert fix in message and "clip_grad_norm_" in message, (r, door, message)
+    for door, want in (("trainer", expected), ("fabric", fabric_expected)):
+        got = ranks[0][door]
+        assert got.keys() == want.keys(), door
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, msg=f"{door}: {name}")
