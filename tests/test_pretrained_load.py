@@ -1,5 +1,6 @@
 """``HybridParallelStrategy(pretrained=...)``: a Hugging Face Llama saved with ``save_pretrained`` (one
-safetensors file, a sharded index, a ``torch.save`` state dict) loaded into a LightningModule that builds
+safetensors file, a sharded index, a ``torch.save`` state dict; and as Lightning's ``ModelParallelStrategy``
+saves it, a ``torch.distributed.checkpoint`` directory) loaded into a LightningModule that builds
 ``LlamaForCausalLM(config)`` in ``configure_model()`` (so under meta init), at ZeRO-3 and at tensor
 parallel size 2, against ``LlamaForCausalLM.from_pretrained`` in one process: parameters on the meta device
 while the model was built, no rank holding the whole model, the first step's loss and gradients those of
@@ -28,6 +29,7 @@ import peft
 import pytest
 import safetensors.torch as safetensors_torch
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import transformers
 from torch import Tensor, nn
@@ -143,6 +145,13 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     model.save_pretrained(root / "hf")
     model.save_pretrained(root / "hf_sharded", max_shard_size="20KB")
     torch.save(sd, root / "sd.pt")
+    # as Lightning's ModelParallelStrategy (FSDP2) saves this module: a torch.distributed.checkpoint
+    # directory, the LightningModule's names under "state_dict"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(
+            {"state_dict": {"model." + k: v for k, v in sd.items()}}, checkpoint_id=root / "dcp", no_dist=True
+        )
     renamed = {RENAMED[1] if k == RENAMED[0] else k: v for k, v in sd.items()}
     safetensors_torch.save_file(renamed, str(root / "renamed.safetensors"))
     reshaped = dict(sd)
@@ -164,6 +173,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "hf": root / "hf",
         "sharded": root / "hf_sharded",
         "torch": root / "sd.pt",
+        "dcp": root / "dcp",
         "renamed": root / "renamed.safetensors",
         "reshaped": root / "reshaped.safetensors",
         "truncated": root / "truncated",
@@ -269,6 +279,8 @@ def _good_runs(rank: int, world: int, paths: dict[str, Path], tmp: str) -> dict[
         "zero3_hf": _attempt(s3(paths["hf"]), PretrainedLlama(), tokens, dp_batch, tmp, then_validate=True),
         "zero3_sharded": _attempt(s3(paths["sharded"]), PretrainedLlama(), tokens, dp_batch, tmp),
         "zero3_torch": _attempt(s3(paths["torch"]), PretrainedLlama(), tokens, dp_batch, tmp),
+        "zero3_dcp": _attempt(s3(paths["dcp"]), PretrainedLlama(), tokens, dp_batch, tmp),
+        "tp2_meta_dcp": _attempt(tp2(paths["dcp"], True), PretrainedLlama(), tokens, N, tmp),
         "tp2_meta_hf": _attempt(tp2(paths["hf"], True), PretrainedLlama(), tokens, N, tmp),
         "tp2_meta_sharded": _attempt(tp2(paths["sharded"], True), PretrainedLlama(), tokens, N, tmp),
         "tp2_real_hf": _attempt(
@@ -413,7 +425,7 @@ def _check_llama(name: str, ranks: list[dict], ref: Reference, *, meta: bool) ->
 
 
 # ---------------------------------------------------------------------------------------------- tests
-@pytest.mark.parametrize("name", ["zero3_hf", "zero3_sharded", "zero3_torch"])
+@pytest.mark.parametrize("name", ["zero3_hf", "zero3_sharded", "zero3_torch", "zero3_dcp"])
 def test_zero3_pretrained_matches_from_pretrained(name: str, good: list[dict], reference: Reference) -> None:
     """ZeRO-3 from a save_pretrained directory (one safetensors file / a sharded index) or a torch.save
     state dict, names differing by the ``model.`` prefix: built on meta, each rank holding half the model,
@@ -428,7 +440,7 @@ def test_tp2_pretrained_into_a_real_model(name: str, good: list[dict], reference
     _check_llama(name, _ranks(good, name), reference, meta=False)
 
 
-@pytest.mark.parametrize("name", ["tp2_meta_hf", "tp2_meta_sharded"])
+@pytest.mark.parametrize("name", ["tp2_meta_hf", "tp2_meta_sharded", "tp2_meta_dcp"])
 def test_tp2_pretrained_into_a_meta_built_model(name: str, good: list[dict], reference: Reference) -> None:
     """TP=2 (stage 0) with the default ``meta_init``: ``configure_model()`` builds on meta, the slices are
     materialised straight from the file; the reference's loss and gradients."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 import re
 import shutil
 import struct
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
 from lightning_par.checkpoint.pretrained import HF_FILES, WeightSource, match_names
@@ -40,6 +42,18 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
     torch.save({"state_dict": sd, "hyper_parameters": HParams(), "epoch": 3}, root / "lightning.ckpt")
     (root / "bin").mkdir()
     torch.save(sd, root / "bin" / "pytorch_model.bin")
+    # torch.distributed.checkpoint directories as Lightning's ModelParallelStrategy (model under
+    # "state_dict"), Fabric's FSDP strategies (under the user's key "model", beside an optimizer) and
+    # torchtitan (the tensors at the top level, beside a train state) write them
+    optimizer = {"state": {}, "param_groups": [{"lr": 0.1, "params": sorted(sd)}]}
+    for name, entries in (
+        ("dcp_lightning", {"state_dict": sd, "optimizer_0": optimizer}),
+        ("dcp_fabric", {"model": sd, "optimizer": optimizer, "step": 3}),
+        ("dcp_flat", {**sd, "train_state": {"step": 3}}),
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+            dcp.save(entries, checkpoint_id=root / name, no_dist=True)
     paths = {
         "hf_dir": root / "hf",
         "safetensors_file": root / "hf" / "model.safetensors",
@@ -48,6 +62,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
         "torch_file": root / "sd.pt",
         "lightning_ckpt": root / "lightning.ckpt",
         "bin_dir": root / "bin",
+        **{name: root / name for name in ("dcp_lightning", "dcp_fabric", "dcp_flat")},
     }
     return sd, paths
 
@@ -60,6 +75,9 @@ FORMATS = [
     "torch_file",
     "lightning_ckpt",
     "bin_dir",
+    "dcp_lightning",
+    "dcp_fabric",
+    "dcp_flat",
 ]
 
 
@@ -90,7 +108,7 @@ def test_reads_every_format_like_the_state_dict(saved: Saved, fmt: str) -> None:
         )
 
 
-@pytest.mark.parametrize("fmt", ["safetensors_file", "torch_file", "mapping"])
+@pytest.mark.parametrize("fmt", ["safetensors_file", "torch_file", "dcp_lightning", "mapping"])
 def test_results_own_their_memory(saved: Saved, fmt: str) -> None:
     # safetensors and mmap'd torch files hand out views of one shared mapping; an in-place update of one
     # result must not show up in the next read
@@ -268,3 +286,17 @@ def test_missing_paths_and_shards(saved: Saved, tmp_path: Path) -> None:
         WeightSource.open(broken)
     with pytest.raises(FileNotFoundError, match=message):
         WeightSource.open(broken / "model.safetensors.index.json")
+
+
+def test_damaged_dcp_directory_names_the_fix(saved: Saved, tmp_path: Path) -> None:
+    _, paths = saved
+    copy = tmp_path / "dcp"
+    shutil.copytree(paths["dcp_lightning"], copy)
+    for piece in copy.glob("*.distcp"):
+        piece.unlink()
+    # the index alone opens; the first read names the problem
+    with (
+        WeightSource.open(copy) as src,
+        pytest.raises(ValueError, match=r"model\.norm\.weight.*missing or damaged.*copy the whole"),
+    ):
+        src.get("model.norm.weight")

@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_par.checkpoint.sharded import DCP_INDEX, META_FILE, METADATA_KEY
@@ -115,6 +118,67 @@ def read_dcp_entries(path: str | os.PathLike[str]) -> dict[str, Any]:
             ) from error
         entries.update({k: v for k, v in extras.items() if k not in entries})
     return entries
+
+
+class DCPWeights(Mapping[str, Tensor]):
+    """The model's tensors in a DCP directory, read one at a time (each read loads only that tensor's
+    pieces), for :class:`~lightning_par.checkpoint.pretrained.WeightSource`. Which entries are the model's:
+    the ``"state_dict"`` or ``"model"`` entry of Lightning's and Fabric's FSDP strategies, else the
+    tensors at the top level (torchtitan's layout); optimizer state and other entries are left out."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            metadata = FileSystemReader(self.path).read_metadata()
+        except Exception as error:
+            raise ValueError(
+                f"Could not read the index of the torch.distributed.checkpoint directory {self.path}:"
+                f" {_cause(error)}. Copy the whole directory again."
+            ) from error
+        where = metadata.planner_data or {}
+        tensors: dict[str, tuple[tuple[Any, ...], TensorStorageMetadata]] = {
+            k: (tuple(where.get(k, (k,))), v)
+            for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)
+        }
+        chosen: dict[str, tuple[Any, ...]] = {}
+        for entry in MODEL_ENTRIES:  # Lightning's / Fabric's nesting: (entry, parameter name)
+            chosen = {k: p for k, (p, _) in tensors.items() if len(p) == 2 and p[0] == entry}
+            if chosen:
+                break
+        if not chosen:  # flat: one tensor per top-level key
+            chosen = {k: p for k, (p, _) in tensors.items() if len(p) == 1}
+        self._keys = {str(p[-1]): (k, p) for k, p in chosen.items()}
+        self.meta = {
+            name: (tuple(tensors[k][1].size), tensors[k][1].properties.dtype)
+            for name, (k, _) in self._keys.items()
+        }
+
+    def __getitem__(self, name: str) -> Tensor:
+        key, path = self._keys[name]
+        loaded: dict[str, Any] = {}
+        try:
+            _load_state_dict(
+                loaded,
+                storage_reader=FileSystemReader(self.path),
+                planner=_EmptyStateDictLoadPlanner(keys={key}),
+                no_dist=True,
+            )
+        except (Exception, CheckpointException) as error:
+            raise ValueError(
+                f"Could not read {name!r} from the torch.distributed.checkpoint directory {self.path}:"
+                f" {_cause(error)}. A piece file is missing or damaged; copy the whole directory again."
+            ) from error
+        value: Any = loaded
+        for step in path:
+            value = value[step]
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def read_dcp_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -3,7 +3,10 @@ tensor-parallel slices without ever holding the whole model. Free of Lightning a
 
 * :meth:`WeightSource.open` takes a ``torch.save`` file (a state dict, or a Lightning checkpoint whose
   ``"state_dict"`` is used), a ``.safetensors`` file, a ``*.safetensors.index.json``, a ``save_pretrained``
-  directory (``model.safetensors``, else the index, else ``pytorch_model.bin``) or an in-memory mapping.
+  directory (``model.safetensors``, else the index, else ``pytorch_model.bin``), a
+  ``torch.distributed.checkpoint`` directory (Lightning's and Fabric's FSDP strategies, torchtitan: each
+  tensor read on its own, :class:`~lightning_par.checkpoint.dcp_import.DCPWeights`) or an in-memory
+  mapping.
   Only tensor entries are exposed, under the names ``prefix + name_in_file``; :func:`match_names` finds the
   mapping (prefixes, PEFT's ``.base_layer.``) when the caller does not know it.
 * Opening reads no tensor data: safetensors headers only (every shard's, so a bad shard fails before any
@@ -31,6 +34,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_par.checkpoint.dcp_import import DCPWeights, is_dcp_checkpoint
 
 __all__ = ["WeightSource", "match_names"]
 
@@ -140,6 +145,12 @@ class WeightSource:
             tensors = _tensors_of(source, "the in-memory state dict")
             return cls._from_tensors("<in-memory state dict>", tensors, prefix)
         path = Path(source)
+        if is_dcp_checkpoint(path):  # Lightning's / Fabric's FSDP strategies, torchtitan
+            weights = DCPWeights(path)
+            entries = {
+                prefix + n: _Entry(n, shape, dtype, None) for n, (shape, dtype) in weights.meta.items()
+            }
+            return cls(str(path), entries, weights)
         if path.is_dir():
             found = next((path / f for f in HF_FILES if (path / f).is_file()), None)
             if found is None:
