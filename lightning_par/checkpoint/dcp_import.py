@@ -18,8 +18,12 @@ read only where a rank's slices lie; consolidating once to a file is the way for
 that), optimizer states in torch's format (parameters numbered in group order), and the
 parameter names of each group recorded in our layout metadata (``lightning_par["optimizers"]``), so
 loading ties optimizer state to parameters by name at any ZeRO stage, tensor- or pipeline-parallel
-layout. The reverse way needs nothing new: a sharded checkpoint of ours, consolidated to one file
-(``lightning-par-consolidate``), is an ordinary Lightning file that ``ModelParallelStrategy`` resumes.
+layout. :func:`read_dcp_entries` gives the entries of a directory Fabric's FSDP strategies saved (the
+user's keys; ``fabric.load`` converts the optimizer entries with :func:`torch_optimizer_format`), and
+:class:`DCPWeights` the model's tensors one at a time, for ``pretrained=`` (also torchtitan's layout, the
+tensors at the top level). The reverse way needs nothing new: a sharded checkpoint of ours,
+consolidated to one file (``lightning-par-consolidate``), is an ordinary Lightning file that
+``ModelParallelStrategy`` resumes.
 """
 
 from __future__ import annotations
