@@ -57,6 +57,7 @@ from lightning_par.zero.meta_init import (
     move_real_tensors,
     params_on_meta,
 )
+from lightning_par.zero.meta_loads import MetaLoads
 from lightning_par.zero.units import UnitPolicy, check_pipeline_units
 
 if TYPE_CHECKING:
@@ -244,6 +245,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         self.pretrained = pretrained
         self.pretrained_strict = pretrained_strict
         self._pretrained: PretrainedPlan | None = None
+        self._meta_loads: MetaLoads | None = None  # what the last configure_model() loaded into meta
         self.save_distributed_checkpoint = save_distributed_checkpoint
         self.broadcast_buffers = broadcast_buffers
         self.allow_untested_optimizer = allow_untested_optimizer
@@ -269,6 +271,15 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 masters_separate=self._dtypes()[0] is not None,
+            )
+        # weights configure_model() loaded into meta parameters, by name, before anything is replaced
+        meta_loaded = self._meta_loads.by_name(self.model) if self._meta_loads is not None else {}
+        self._meta_loads = None
+        if meta_loaded and self.pretrained is not None:
+            raise ValueError(
+                f"configure_model() loaded values into {len(meta_loaded)} parameters (e.g."
+                f" {next(iter(meta_loaded))!r}) and pretrained= names weights too: give the weights one way,"
+                " either pretrained=PATH or the load in configure_model()."
             )
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -313,13 +324,14 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
                 module, runtime, tied, dp_group=mesh.dp_group, dp_size=mesh.dp_size
             )
         plan: PretrainedPlan | None = None
-        if self.pretrained is not None:
+        if self.pretrained is not None or meta_loaded:
             plan = load_pretrained_once(
                 self.model,
-                self.pretrained,
+                self.pretrained if self.pretrained is not None else meta_loaded,
                 tp_rank=self.mesh.tp_rank,
                 tp_size=self.tensor_parallel_size,
-                strict=self.pretrained_strict,
+                strict=self.pretrained_strict and self.pretrained is not None,
+                partial=self.pretrained is None,  # configure_model() loaded some: the rest is initialised
             )
         try:
             values = plan.value if plan is not None else None
@@ -408,11 +420,28 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         """With ``meta_init`` at stage 3, or with pretrained weights to load, ``configure_model()`` builds
         the parameters on the meta device (buffers stay real): no rank ever holds the initialised model."""
-        if self.meta_init and (self.zero_stage == 3 or self.pretrained is not None):
-            with params_on_meta():
-                yield
-        else:
+        if not (self.meta_init and (self.zero_stage == 3 or self.pretrained is not None)):
             yield
+            return
+        # weights the user's code loads there (load_state_dict, PEFT's from_pretrained) would land in meta
+        # tensors: recorded, and loaded into the shards at setup (lightning_par.zero.meta_loads)
+        loads = MetaLoads()
+        try:
+            with params_on_meta(loads), loads.watching():
+                yield
+        except Exception as error:
+            if "meta" not in str(error):
+                raise
+            raise RuntimeError(
+                "configure_model() failed while ZeRO-3 creates the parameters on the meta device"
+                f" (meta_init): {type(error).__name__}: {error}. Code that needs real weights there"
+                " (transformers' from_pretrained, reading parameter values) cannot run on meta tensors:"
+                " build the model from its config and pass the weights as"
+                " HybridParallelStrategy(pretrained=PATH) (read into each rank's shards), or load them with"
+                " load_state_dict (applied to the shards at setup), or set meta_init=False (the whole model"
+                " is built on every rank first)."
+            ) from error
+        self._meta_loads = loads
 
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients, optimizer state, buffers and communication buffers on this rank."""

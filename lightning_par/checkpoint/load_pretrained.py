@@ -90,10 +90,18 @@ def _expected(module: nn.Module, tp_size: int) -> tuple[dict[str, tuple[int, ...
 
 
 def plan_pretrained(
-    module: nn.Module, source: PretrainedSource, *, tp_rank: int = 0, tp_size: int = 1, strict: bool = True
+    module: nn.Module,
+    source: PretrainedSource,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    strict: bool = True,
+    partial: bool = False,
 ) -> PretrainedPlan:
     """Open ``source`` and check it against ``module`` (see the module docstring); raises a
-    ``ValueError`` listing every mismatch before anything is written."""
+    ``ValueError`` listing every mismatch before anything is written. ``partial``: ``source`` holds what
+    the user's ``configure_model()`` loaded, the rest is initialised as without it (no parameter is
+    required, none is warned about)."""
     weights = WeightSource.open(source)
     try:
         shapes, dims = _expected(module, tp_size)
@@ -121,7 +129,9 @@ def plan_pretrained(
             problems.append(f"{len(unexpected)} in the file match no model name: {unexpected[:_LIST]}")
         params = dict(module.named_parameters())
         frozen_missing = sorted(
-            n for n, p in params.items() if n not in names and not p.requires_grad and not _remote(p)
+            n
+            for n, p in params.items()
+            if n not in names and not p.requires_grad and not _remote(p) and not partial
         )
         if frozen_missing:
             problems.append(
@@ -140,7 +150,7 @@ def plan_pretrained(
                 " Load the weights of this architecture, pass the right file, or (for extra entries in"
                 " the file) pretrained_strict=False."
             )
-        if new:
+        if new and not partial:
             warnings.warn(
                 f"{len(new)} trainable parameters are not in the pretrained weights and are initialised"
                 f" instead: {new[:_LIST]}",
@@ -153,7 +163,13 @@ def plan_pretrained(
 
 
 def load_pretrained_once(
-    module: nn.Module, source: PretrainedSource, *, tp_rank: int, tp_size: int, strict: bool
+    module: nn.Module,
+    source: PretrainedSource,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    strict: bool,
+    partial: bool = False,
 ) -> PretrainedPlan | None:
     """Check ``source`` against the (composed) ``module`` and copy it into every real parameter and
     buffer; return the plan, whose :meth:`~PretrainedPlan.value` fills the meta parameters still to be
@@ -162,7 +178,7 @@ def load_pretrained_once(
     pending = any(p.is_meta and not _remote(p) for p in module.parameters())
     if getattr(module, LOADED_ATTR, False) and not pending:
         return None
-    plan = plan_pretrained(module, source, tp_rank=tp_rank, tp_size=tp_size, strict=strict)
+    plan = plan_pretrained(module, source, tp_rank=tp_rank, tp_size=tp_size, strict=strict, partial=partial)
     try:
         plan.load_local(module)
     except BaseException:

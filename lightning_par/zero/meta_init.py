@@ -34,6 +34,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.zero.hf_init import hf_initialisers, replay
+from lightning_par.zero.meta_loads import MetaLoads
 from lightning_par.zero.tp_init import parallel_layers, release_sources, slice_of, sources_in_place
 from lightning_par.zero.units import REMOTE_ATTR, UnitPolicy, plan_units
 
@@ -92,17 +93,22 @@ def move_real_tensors(module: nn.Module, device: torch.device) -> None:
 
 
 @contextmanager
-def params_on_meta() -> Iterator[None]:
+def params_on_meta(loads: MetaLoads | None = None) -> Iterator[None]:
     """Create parameters on the meta device and buffers where they would be anyway (see the module
-    docstring). ``nn.Module.register_parameter`` is wrapped for the duration only."""
+    docstring). ``nn.Module.register_parameter`` is wrapped for the duration only. With ``loads``, a real
+    parameter that replaces one the module already has (``load_state_dict(..., assign=True)``, an
+    assignment of loaded weights) has its values recorded there (:mod:`lightning_par.zero.meta_loads`)."""
     original = nn.Module.register_parameter
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        replaced = module._parameters.get(name) if "_parameters" in module.__dict__ else None
         original(module, name, param)
         if param is not None and not param.is_meta:
             meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
             meta.__dict__.update(param.__dict__)  # attributes such as a tensor-parallel mark
             module._parameters[name] = meta
+            if loads is not None and replaced is not None:
+                loads.record(meta, param)
 
     nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
     try:
