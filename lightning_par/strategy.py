@@ -13,6 +13,7 @@ run: the hooks wrapped for a run (:mod:`lightning_par.lightning_hooks`) are rest
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -427,7 +428,9 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         # tensors: recorded, and loaded into the shards at setup (lightning_par.zero.meta_loads)
         loads = MetaLoads()
         try:
-            with params_on_meta(loads), loads.watching():
+            with params_on_meta(loads), loads.watching(), warnings.catch_warnings():
+                # torch's "copying ... to a meta parameter ..., which is a no-op": not so here
+                warnings.filterwarnings("ignore", message=r"for .*: copying from a non-meta parameter")
                 yield
         except Exception as error:
             if "meta" not in str(error):
