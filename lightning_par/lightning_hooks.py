@@ -9,15 +9,19 @@ show through again and nothing outlives the run.
 * :func:`guard_toggling`: manual optimization at ZeRO 1-3. Lightning's ``toggle_optimizer`` freezes the
   other optimizers' parameters by walking ``optimizer.param_groups``, which the engine has replaced by
   this rank's fragments; the guarded version freezes the module's parameters, as with ``"ddp"``.
+* :func:`guard_save_hook`: at ZeRO-3 the module's ``on_save_checkpoint`` runs while the parameters are
+  placeholders (NaN); a read of them there is refused with the fix instead of saving NaN.
 * :func:`uncount_step`: takes a skipped step off Lightning's optimizer-step count (``global_step``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim import Optimizer
 
@@ -73,6 +77,25 @@ def guard_toggling(
     module.toggle_optimizer = toggle_optimizer  # type: ignore[method-assign]
     module.untoggle_optimizer = untoggle_optimizer  # type: ignore[method-assign]
     return ["toggle_optimizer", "untoggle_optimizer"]
+
+
+def guard_save_hook(
+    module: pl.LightningModule, *, refused: Callable[[], AbstractContextManager[None]]
+) -> list[str]:
+    """Run the module's own ``on_save_checkpoint`` inside ``refused()`` (ZeRO-3: reads of placeholder
+    parameters raise there instead of saving NaN). Nothing to guard when the module does not override
+    the hook."""
+    inner = module.on_save_checkpoint
+    if getattr(inner, _GUARDED, False) or not is_overridden("on_save_checkpoint", module, pl.LightningModule):
+        return []
+
+    def on_save_checkpoint(checkpoint: dict[str, Any]) -> None:
+        with refused():
+            inner(checkpoint)
+
+    setattr(on_save_checkpoint, _GUARDED, True)
+    module.on_save_checkpoint = on_save_checkpoint  # type: ignore[method-assign]
+    return ["on_save_checkpoint"]
 
 
 def uncount_step(module: pl.LightningModule) -> None:

@@ -44,6 +44,7 @@ from lightning_par.precision import ParallelPrecision
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.tensor_parallel.replicas import mismatch_message, replicated_grad_mismatch
 from lightning_par.zero.buffers import BufferSync
+from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.stage3_join import Stage3Join
 
 if TYPE_CHECKING:
@@ -316,6 +317,11 @@ class StrategySteps(ZeroCheckpointIO):
         if sharded is not None and not module.automatic_optimization:
             self._patched += lightning_hooks.guard_toggling(
                 module, sharded=sharded, optimizers=self.optimizers
+            )
+        engine = self._engine
+        if isinstance(engine, Stage3Engine):  # its parameters are placeholders while a checkpoint is made
+            self._patched += lightning_hooks.guard_save_hook(
+                module, refused=lambda: engine.reads_refused("in on_save_checkpoint")
             )
 
     # ------------------------------------------------------------------ gradient norms for logging

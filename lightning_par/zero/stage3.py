@@ -404,6 +404,18 @@ class Stage3Engine(Stage3Reduce):
             if self.root is not None and not torch.is_grad_enabled():
                 self._free(self.root)
 
+    @contextmanager
+    def reads_refused(self, where: str) -> Iterator[None]:
+        """Inside, a read of a parameter whose unit is not gathered raises (``where`` says where, in the
+        message): for user hooks the strategy runs while the parameters are placeholders, such as
+        ``on_save_checkpoint`` (:mod:`lightning_par.zero.stage3_between`)."""
+        guard = BetweenSteps(self.units, self.own_reads, where=where)
+        guard.start()
+        try:
+            yield
+        finally:
+            guard.stop()
+
     def after_step(self) -> None:
         """Open a new gradient window (the shards are updated in place; gathers read them next time)."""
         self.release_graph_hold()  # a graph built before the step is stale: it saw the old weights

@@ -47,9 +47,11 @@ __all__ = ["BetweenSteps"]
 class BetweenSteps:
     """The between-steps reads guard of a ZeRO-3 engine (module docstring)."""
 
-    def __init__(self, units: Sequence[Unit], own_reads: OwnReads) -> None:
+    def __init__(self, units: Sequence[Unit], own_reads: OwnReads, *, where: str | None = None) -> None:
         self._owners = param_owners(units)
         self._own_reads = own_reads
+        # where the reads are refused, for the message (default: the window after the first step)
+        self._where = where
         self._mode: TorchFunctionMode | None = None
         self._refused = False  # a read was refused: the mode passes everything through until stop()
 
@@ -75,14 +77,17 @@ class BetweenSteps:
                 name = getattr(func, "__name__", "")
                 # torch restores the mode after this raise: inert from here until stop() takes it off
                 self._refused = True
+                where = self._where or (
+                    "between training steps (in a Lightning hook or callback such as"
+                    " on_train_batch_end or on_before_optimizer_step)"
+                )
                 raise RuntimeError(
                     f"ZeRO-3: parameter {param!r} of unit {unit.name or '<root>'!r} was read by"
-                    f" {name or func!r} between training steps (in a Lightning hook or callback such as"
-                    " on_train_batch_end or on_before_optimizer_step), where ZeRO-3's parameters are"
+                    f" {name or func!r} {where}, where ZeRO-3's parameters are"
                     " placeholders (NaN), so this would compute NaN, silently. Enter"
                     " `with trainer.strategy.gathered_params():` on every rank around code that reads"
                     " weights (logging their norms), or `gathered_params(writeback=True)` for code that"
                     " also writes them or keeps an average of them (an EMA in buffers: this reads the fp32"
-                    " masters), or do the work inside training_step. (Checked between the first two"
-                    " training steps only.)"
+                    " masters), or do the work inside training_step."
+                    + ("" if self._where else " (Checked between the first two training steps only.)")
                 )

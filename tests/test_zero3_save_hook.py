@@ -1,0 +1,100 @@
+"""A LightningModule's ``on_save_checkpoint`` reading weights at ZeRO-3, on 2 Gloo ranks, against ``"ddp"``.
+
+Lightning calls the hook while it builds the checkpoint, outside any step, where ZeRO-3's parameters are
+NaN placeholders: a hook that stored ``self.net[0].weight.clone()`` (or a norm of it) in the checkpoint
+saved NaN, silently (measured: the saved tensor all NaN, the norm NaN, where ``"ddp"`` saved the weight).
+Now a read of a placeholder inside the module's hook is refused with the fix, and the fix the message
+names (``gathered_params()`` around the read) saves what ``"ddp"`` saves. The hook is the module's own
+again after ``fit``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_par import HybridParallelStrategy
+from tests.distributed import run_distributed
+from tests.fits import fit_refused
+
+
+class SavesAWeight(pl.LightningModule):
+    def __init__(self, *, gathered: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.gathered = gathered
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=4)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.gathered and isinstance(self.trainer.strategy, HybridParallelStrategy):
+            with self.trainer.strategy.gathered_params():
+                checkpoint["first_weight"] = self.net[0].weight.detach().clone()
+        else:
+            checkpoint["first_weight"] = self.net[0].weight.detach().clone()
+
+
+def _fit(strategy: Any, root: Path, *, gathered: bool) -> tuple[str | None, Any]:
+    module = SavesAWeight(gathered=gathered)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=1,
+        default_root_dir=root,
+        callbacks=[ModelCheckpoint(dirpath=root, filename="last")],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    if isinstance(strategy, HybridParallelStrategy):
+        refused = fit_refused(trainer, module, strategy)
+    else:
+        trainer.fit(module)
+        refused = None
+    if refused is not None:
+        return refused, None
+    path = root / "last.ckpt"
+    saved = torch.load(path / "meta.pt" if path.is_dir() else path, weights_only=False)
+    if isinstance(strategy, HybridParallelStrategy):
+        strategy.destroy_process_groups()
+    return None, (saved["first_weight"], "on_save_checkpoint" in vars(module))
+
+
+def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    base = Path(root)
+    return {
+        "ddp": _fit("ddp", base / "ddp", gathered=False),
+        "plain": _fit(HybridParallelStrategy(zero_stage=3), base / "plain", gathered=False),
+        "gathered": _fit(HybridParallelStrategy(zero_stage=3), base / "gathered", gathered=True),
+    }
+
+
+def test_weights_read_in_on_save_checkpoint_at_zero3(tmp_path: Path) -> None:
+    for r, out in enumerate(run_distributed(_runs, 2, str(tmp_path), init_group=False, timeout=300)):
+        refused, _ = out["plain"]
+        assert refused is not None and "in on_save_checkpoint" in refused, (r, refused)
+        assert "'net.0.weight'" in refused and "gathered_params()" in refused, refused
+        _, (expected, _) = out["ddp"]
+        _, (got, patched_after_fit) = out["gathered"]
+        assert not got.isnan().any() and not patched_after_fit, r
+        torch.testing.assert_close(got, expected, msg=f"rank {r}")
