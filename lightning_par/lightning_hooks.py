@@ -9,8 +9,9 @@ show through again and nothing outlives the run.
 * :func:`guard_toggling`: manual optimization at ZeRO 1-3. Lightning's ``toggle_optimizer`` freezes the
   other optimizers' parameters by walking ``optimizer.param_groups``, which the engine has replaced by
   this rank's fragments; the guarded version freezes the module's parameters, as with ``"ddp"``.
-* :func:`guard_save_hook`: at ZeRO-3 the module's ``on_save_checkpoint`` runs while the parameters are
-  placeholders (NaN); a read of them there is refused with the fix instead of saving NaN.
+* :func:`guard_placeholder_reads`: at ZeRO-3 the module's ``on_save_checkpoint`` and epoch-level hooks run
+  while the parameters are placeholders (NaN); a read of them there is refused with the fix instead of
+  computing or saving NaN.
 * :func:`uncount_step`: takes a skipped step off Lightning's optimizer-step count (``global_step``).
 """
 
@@ -79,23 +80,37 @@ def guard_toggling(
     return ["toggle_optimizer", "untoggle_optimizer"]
 
 
-def guard_save_hook(
-    module: pl.LightningModule, *, refused: Callable[[], AbstractContextManager[None]]
+# the module's own hooks Lightning runs outside any step while ZeRO-3's parameters are placeholders, at
+# most once per epoch (the per-batch ones are watched after the first step by the engine itself)
+PLACEHOLDER_HOOKS = (
+    "on_save_checkpoint",
+    "on_train_epoch_start",
+    "on_train_epoch_end",
+    "on_validation_epoch_start",
+    "on_validation_epoch_end",
+    "on_train_end",
+)
+
+
+def guard_placeholder_reads(
+    module: pl.LightningModule, *, refused: Callable[[str], AbstractContextManager[None]]
 ) -> list[str]:
-    """Run the module's own ``on_save_checkpoint`` inside ``refused()`` (ZeRO-3: reads of placeholder
-    parameters raise there instead of saving NaN). Nothing to guard when the module does not override
-    the hook."""
-    inner = module.on_save_checkpoint
-    if getattr(inner, _GUARDED, False) or not is_overridden("on_save_checkpoint", module, pl.LightningModule):
-        return []
+    """Run each of the module's :data:`PLACEHOLDER_HOOKS` it overrides inside ``refused(hook name)``
+    (ZeRO-3: a read of a placeholder parameter raises there instead of computing or saving NaN)."""
+    names = []
+    for hook in PLACEHOLDER_HOOKS:
+        inner = getattr(module, hook)
+        if getattr(inner, _GUARDED, False) or not is_overridden(hook, module, pl.LightningModule):
+            continue
 
-    def on_save_checkpoint(checkpoint: dict[str, Any]) -> None:
-        with refused():
-            inner(checkpoint)
+        def guarded(*args: Any, _inner: Callable[..., Any] = inner, _hook: str = hook, **kwargs: Any) -> Any:
+            with refused(_hook):
+                return _inner(*args, **kwargs)
 
-    setattr(on_save_checkpoint, _GUARDED, True)
-    module.on_save_checkpoint = on_save_checkpoint  # type: ignore[method-assign]
-    return ["on_save_checkpoint"]
+        setattr(guarded, _GUARDED, True)
+        setattr(module, hook, guarded)
+        names.append(hook)
+    return names
 
 
 def uncount_step(module: pl.LightningModule) -> None:

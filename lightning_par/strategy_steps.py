@@ -319,9 +319,9 @@ class StrategySteps(ZeroCheckpointIO):
                 module, sharded=sharded, optimizers=self.optimizers
             )
         engine = self._engine
-        if isinstance(engine, Stage3Engine):  # its parameters are placeholders while a checkpoint is made
-            self._patched += lightning_hooks.guard_save_hook(
-                module, refused=lambda: engine.reads_refused("in on_save_checkpoint")
+        if isinstance(engine, Stage3Engine):  # its parameters are placeholders outside the steps
+            self._patched += lightning_hooks.guard_placeholder_reads(
+                module, refused=lambda hook: engine.reads_refused(f"in {hook}")
             )
 
     # ------------------------------------------------------------------ gradient norms for logging

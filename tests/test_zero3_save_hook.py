@@ -1,11 +1,13 @@
-"""A LightningModule's ``on_save_checkpoint`` reading weights at ZeRO-3, on 2 Gloo ranks, against ``"ddp"``.
+"""A LightningModule's ``on_save_checkpoint`` and ``on_train_epoch_end`` reading weights at ZeRO-3, on 2 Gloo
+ranks, against ``"ddp"``.
 
 Lightning calls the hook while it builds the checkpoint, outside any step, where ZeRO-3's parameters are
 NaN placeholders: a hook that stored ``self.net[0].weight.clone()`` (or a norm of it) in the checkpoint
-saved NaN, silently (measured: the saved tensor all NaN, the norm NaN, where ``"ddp"`` saved the weight).
-Now a read of a placeholder inside the module's hook is refused with the fix, and the fix the message
-names (``gathered_params()`` around the read) saves what ``"ddp"`` saves. The hook is the module's own
-again after ``fit``.
+saved NaN, silently (measured: the saved tensor all NaN, the norm NaN, where ``"ddp"`` saved the weight);
+so did a weight norm taken in ``on_train_epoch_end`` (the engine's between-steps watch covers the first
+step's gap only). Now a read of a placeholder inside the module's hook is refused with the fix, and the
+fix the message names (``gathered_params()`` around the read) saves and computes what ``"ddp"`` does. The
+hooks are the module's own again after ``fit``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class SavesAWeight(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-        self.gathered = gathered
+        self.gathered, self.save_hook_only = gathered, False
+        self.epoch_norm: Tensor | None = None
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch
@@ -44,6 +47,13 @@ class SavesAWeight(pl.LightningModule):
         x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
         return DataLoader(TensorDataset(x, y), batch_size=4)
 
+    def on_train_epoch_end(self) -> None:  # a weight norm logged once per epoch
+        if self.gathered and isinstance(self.trainer.strategy, HybridParallelStrategy):
+            with self.trainer.strategy.gathered_params():
+                self.epoch_norm = self.net[2].weight.norm().detach().clone()
+        else:
+            self.epoch_norm = self.net[2].weight.norm().detach().clone()
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.gathered and isinstance(self.trainer.strategy, HybridParallelStrategy):
             with self.trainer.strategy.gathered_params():
@@ -52,8 +62,14 @@ class SavesAWeight(pl.LightningModule):
             checkpoint["first_weight"] = self.net[0].weight.detach().clone()
 
 
-def _fit(strategy: Any, root: Path, *, gathered: bool) -> tuple[str | None, Any]:
-    module = SavesAWeight(gathered=gathered)
+class SavesOnly(SavesAWeight):
+    """The checkpoint hook alone (the epoch hook of the parent is Lightning's own again)."""
+
+    on_train_epoch_end = pl.LightningModule.on_train_epoch_end
+
+
+def _fit(strategy: Any, root: Path, *, gathered: bool, save_only: bool = False) -> tuple[str | None, Any]:
+    module = (SavesOnly if save_only else SavesAWeight)(gathered=gathered)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -76,7 +92,8 @@ def _fit(strategy: Any, root: Path, *, gathered: bool) -> tuple[str | None, Any]
     saved = torch.load(path / "meta.pt" if path.is_dir() else path, weights_only=False)
     if isinstance(strategy, HybridParallelStrategy):
         strategy.destroy_process_groups()
-    return None, (saved["first_weight"], "on_save_checkpoint" in vars(module))
+    patched = {"on_save_checkpoint", "on_train_epoch_end"} & set(vars(module))
+    return None, (saved["first_weight"], patched, module.epoch_norm)
 
 
 def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -85,16 +102,24 @@ def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
     return {
         "ddp": _fit("ddp", base / "ddp", gathered=False),
         "plain": _fit(HybridParallelStrategy(zero_stage=3), base / "plain", gathered=False),
+        "save_only": _fit(
+            HybridParallelStrategy(zero_stage=3), base / "save", gathered=False, save_only=True
+        ),
         "gathered": _fit(HybridParallelStrategy(zero_stage=3), base / "gathered", gathered=True),
     }
 
 
 def test_weights_read_in_on_save_checkpoint_at_zero3(tmp_path: Path) -> None:
     for r, out in enumerate(run_distributed(_runs, 2, str(tmp_path), init_group=False, timeout=300)):
+        # ModelCheckpoint saves at the epoch's end, after the module's on_train_epoch_end
         refused, _ = out["plain"]
+        assert refused is not None and "in on_train_epoch_end" in refused, (r, refused)
+        assert "'net.2.weight'" in refused and "gathered_params()" in refused, refused
+        refused, _ = out["save_only"]
         assert refused is not None and "in on_save_checkpoint" in refused, (r, refused)
         assert "'net.0.weight'" in refused and "gathered_params()" in refused, refused
-        _, (expected, _) = out["ddp"]
-        _, (got, patched_after_fit) = out["gathered"]
-        assert not got.isnan().any() and not patched_after_fit, r
+        _, (expected, _, expected_norm) = out["ddp"]
+        _, (got, patched_after_fit, norm) = out["gathered"]
+        assert not got.isnan().any() and not patched_after_fit, (r, patched_after_fit)
         torch.testing.assert_close(got, expected, msg=f"rank {r}")
+        torch.testing.assert_close(norm, expected_norm, msg=f"rank {r}: epoch-end norm")
