@@ -1,17 +1,17 @@
 """LightningModule hooks the Trainer strategy adapts for one run, and the loop bookkeeping it corrects.
 
-Each ``guard_*`` function sets an instance attribute on the user's LightningModule (shadowing the class's
-method) and returns the names it set; the strategy deletes them at teardown, so the class's own methods
-show through again and nothing outlives the run.
+Each ``guard_*`` function sets an instance attribute on the user's LightningModule (or callback),
+shadowing the class's method, and returns the names it set; the strategy deletes them at teardown, so the
+class's own methods show through again and nothing outlives the run.
 
 * :func:`guard_schedulers`: with fp16 loss scaling a skipped step is not a step, so per-step LR
   schedulers must not advance on it (Lightning steps them through ``lr_scheduler_step``).
 * :func:`guard_toggling`: manual optimization at ZeRO 1-3. Lightning's ``toggle_optimizer`` freezes the
   other optimizers' parameters by walking ``optimizer.param_groups``, which the engine has replaced by
   this rank's fragments; the guarded version freezes the module's parameters, as with ``"ddp"``.
-* :func:`guard_placeholder_reads`: at ZeRO-3 the module's ``on_save_checkpoint`` and epoch-level hooks run
-  while the parameters are placeholders (NaN); a read of them there is refused with the fix instead of
-  computing or saving NaN.
+* :func:`guard_placeholder_reads`: at ZeRO-3 the module's and user callbacks' ``on_save_checkpoint`` and
+  fit- and epoch-level hooks run while the parameters are placeholders (NaN); a read of them there is
+  refused with the fix instead of computing or saving NaN.
 * :func:`uncount_step`: takes a skipped step off Lightning's optimizer-step count (``global_step``).
 """
 
@@ -22,6 +22,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim import Optimizer
@@ -80,27 +81,39 @@ def guard_toggling(
     return ["toggle_optimizer", "untoggle_optimizer"]
 
 
-# the module's own hooks Lightning runs outside any step while ZeRO-3's parameters are placeholders, at
-# most once per epoch (the per-batch ones are watched after the first step by the engine itself)
+# hooks Lightning runs outside any step while ZeRO-3's parameters are placeholders, at most once per
+# epoch (the per-batch ones are watched after the first step by the engine itself); the same names on
+# the LightningModule and on callbacks
 PLACEHOLDER_HOOKS = (
-    "on_save_checkpoint",
+    "on_fit_start",
+    "on_train_start",
     "on_train_epoch_start",
     "on_train_epoch_end",
+    "on_validation_start",
     "on_validation_epoch_start",
     "on_validation_epoch_end",
+    "on_validation_end",
     "on_train_end",
+    "on_save_checkpoint",
 )
+# callbacks of these packages read no weights in those hooks (checkpoints read through the strategy)
+_TRUSTED_CALLBACKS = ("lightning.", "pytorch_lightning.", "lightning_par.")
 
 
 def guard_placeholder_reads(
-    module: pl.LightningModule, *, refused: Callable[[str], AbstractContextManager[None]]
+    obj: pl.LightningModule | Callback, *, refused: Callable[[str], AbstractContextManager[None]]
 ) -> list[str]:
-    """Run each of the module's :data:`PLACEHOLDER_HOOKS` it overrides inside ``refused(hook name)``
-    (ZeRO-3: a read of a placeholder parameter raises there instead of computing or saving NaN)."""
+    """Run each of ``obj``'s :data:`PLACEHOLDER_HOOKS` it overrides (a LightningModule, or a callback
+    from outside Lightning and this package) inside ``refused(hook name)`` (ZeRO-3: a read of a
+    placeholder parameter raises there instead of computing or saving NaN); the names set, for
+    :func:`restore`."""
+    base = pl.LightningModule if isinstance(obj, pl.LightningModule) else Callback
+    if base is Callback and type(obj).__module__.startswith(_TRUSTED_CALLBACKS):
+        return []
     names = []
     for hook in PLACEHOLDER_HOOKS:
-        inner = getattr(module, hook)
-        if getattr(inner, _GUARDED, False) or not is_overridden(hook, module, pl.LightningModule):
+        inner = getattr(obj, hook)
+        if getattr(inner, _GUARDED, False) or not is_overridden(hook, obj, base):
             continue
 
         def guarded(*args: Any, _inner: Callable[..., Any] = inner, _hook: str = hook, **kwargs: Any) -> Any:
@@ -108,7 +121,7 @@ def guard_placeholder_reads(
                 return _inner(*args, **kwargs)
 
         setattr(guarded, _GUARDED, True)
-        setattr(module, hook, guarded)
+        setattr(obj, hook, guarded)
         names.append(hook)
     return names
 

@@ -253,6 +253,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         self._buffer_sync = BufferSync(nn.Module(), group=None, enabled=False)  # type: ignore[arg-type]
         self._synced_batchnorm = False
         self._patched: list[str] = []  # hooks set on the user's LightningModule for a run, undone at teardown
+        self._patched_callbacks: list[tuple[Any, list[str]]] = []  # the same on user callbacks
         self._metric_sync = MetricSync()  # torchmetrics over the data-parallel group, for a run
 
     # ------------------------------------------------------------------ composition
@@ -467,6 +468,9 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         if self.lightning_module is not None:
             lightning_hooks.restore(self.lightning_module, self._patched)  # the class's own methods again
         self._patched = []
+        for callback, names in self._patched_callbacks:
+            lightning_hooks.restore(callback, names)
+        self._patched_callbacks = []
         self._metric_sync.restore()
         if self._synced_batchnorm and self._layer_sync is not None and self.model is not None:
             self.model = self._layer_sync.revert(self.model)

@@ -59,6 +59,7 @@ class StrategySteps(ZeroCheckpointIO):
     _token_normalizer: TokenNormalizer | None
     _buffer_sync: BufferSync
     _patched: list[str]  # names of the LightningModule's hooks replaced for this run
+    _patched_callbacks: list[tuple[Any, list[str]]]  # and of callbacks' hooks
     _eval_join: EvalJoin | None = None  # the running evaluation loop's, when its dp ranks' counts differ
     _grad_reads: GradReads | None = None  # the first optimizer step's param.grad watch (grad_reads.py)
     _check_tp_replicas = False  # the first optimizer step compares the tp replicas' gradients (stage 0)
@@ -323,6 +324,12 @@ class StrategySteps(ZeroCheckpointIO):
             self._patched += lightning_hooks.guard_placeholder_reads(
                 module, refused=lambda hook: engine.reads_refused(f"in {hook}")
             )
+            for callback in module.trainer.callbacks:  # type: ignore[attr-defined]
+                names = lightning_hooks.guard_placeholder_reads(
+                    callback, refused=lambda hook: engine.reads_refused(f"in a callback's {hook}")
+                )
+                if names:
+                    self._patched_callbacks.append((callback, names))
 
     # ------------------------------------------------------------------ gradient norms for logging
     def grad_norm(

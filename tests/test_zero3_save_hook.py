@@ -6,8 +6,9 @@ NaN placeholders: a hook that stored ``self.net[0].weight.clone()`` (or a norm o
 saved NaN, silently (measured: the saved tensor all NaN, the norm NaN, where ``"ddp"`` saved the weight);
 so did a weight norm taken in ``on_train_epoch_end`` (the engine's between-steps watch covers the first
 step's gap only). Now a read of a placeholder inside the module's hook is refused with the fix, and the
-fix the message names (``gathered_params()`` around the read) saves and computes what ``"ddp"`` does. The
-hooks are the module's own again after ``fit``.
+fix the message names (``gathered_params()`` around the read) saves and computes what ``"ddp"`` does. A
+user's callback reading a weight in its ``on_train_epoch_end`` is refused the same way. The hooks are the
+module's and the callback's own again after ``fit``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -68,6 +69,38 @@ class SavesOnly(SavesAWeight):
     on_train_epoch_end = pl.LightningModule.on_train_epoch_end
 
 
+class NormLogger(Callback):
+    """A user's callback logging a weight norm at each epoch's end."""
+
+    def __init__(self) -> None:
+        self.norms: list[Tensor] = []
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.norms.append(pl_module.net[0].weight.norm().detach().clone())
+
+
+class Plain(SavesOnly):
+    on_save_checkpoint = pl.LightningModule.on_save_checkpoint  # no hook of the module reads weights
+
+
+def _callback_fit(strategy: Any) -> tuple[str | None, bool]:
+    """The callback under ``strategy``: the refusal, and whether its hook is its class's own afterwards."""
+    logger = NormLogger()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=1,
+        callbacks=[logger],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    refused = fit_refused(trainer, Plain(gathered=False), strategy)
+    return refused, "on_train_epoch_end" not in vars(logger)
+
+
 def _fit(strategy: Any, root: Path, *, gathered: bool, save_only: bool = False) -> tuple[str | None, Any]:
     module = (SavesOnly if save_only else SavesAWeight)(gathered=gathered)
     trainer = pl.Trainer(
@@ -106,6 +139,7 @@ def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
             HybridParallelStrategy(zero_stage=3), base / "save", gathered=False, save_only=True
         ),
         "gathered": _fit(HybridParallelStrategy(zero_stage=3), base / "gathered", gathered=True),
+        "callback": _callback_fit(HybridParallelStrategy(zero_stage=3)),
     }
 
 
@@ -123,3 +157,6 @@ def test_weights_read_in_on_save_checkpoint_at_zero3(tmp_path: Path) -> None:
         assert not got.isnan().any() and not patched_after_fit, (r, patched_after_fit)
         torch.testing.assert_close(got, expected, msg=f"rank {r}")
         torch.testing.assert_close(norm, expected_norm, msg=f"rank {r}: epoch-end norm")
+        refused, restored = out["callback"]
+        assert refused is not None and "in a callback's on_train_epoch_end" in refused, (r, refused)
+        assert restored, r
