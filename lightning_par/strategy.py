@@ -363,6 +363,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             check_optimizer_kernels(self.optimizers, device=self.root_device)
             self._engine.shard_optimizers(self.optimizers)
             self._guard_hooks()
+        self._guard_placeholder_reads()  # evaluation runs (validate, test) at ZeRO-3 too
         if self.model is not None:
             cast_frozen(self.model, self._frozen_dtype())
         self._setup_precision_groups()

@@ -319,17 +319,24 @@ class StrategySteps(ZeroCheckpointIO):
             self._patched += lightning_hooks.guard_toggling(
                 module, sharded=sharded, optimizers=self.optimizers
             )
+
+    def _guard_placeholder_reads(self) -> None:
+        """At ZeRO-3, where the parameters are placeholders outside the steps: the module's and user
+        callbacks' fit- and epoch-level hooks refuse reads of them (``lightning_hooks.PLACEHOLDER_HOOKS``;
+        the evaluation hooks among them for ``validate`` / ``test`` too)."""
+        module = self.lightning_module
         engine = self._engine
-        if isinstance(engine, Stage3Engine):  # its parameters are placeholders outside the steps
-            self._patched += lightning_hooks.guard_placeholder_reads(
-                module, refused=lambda hook: engine.reads_refused(f"in {hook}")
+        if module is None or not isinstance(engine, Stage3Engine):
+            return
+        self._patched += lightning_hooks.guard_placeholder_reads(
+            module, refused=lambda hook: engine.reads_refused(f"in {hook}")
+        )
+        for callback in module.trainer.callbacks:  # type: ignore[attr-defined]
+            names = lightning_hooks.guard_placeholder_reads(
+                callback, refused=lambda hook: engine.reads_refused(f"in a callback's {hook}")
             )
-            for callback in module.trainer.callbacks:  # type: ignore[attr-defined]
-                names = lightning_hooks.guard_placeholder_reads(
-                    callback, refused=lambda hook: engine.reads_refused(f"in a callback's {hook}")
-                )
-                if names:
-                    self._patched_callbacks.append((callback, names))
+            if names:
+                self._patched_callbacks.append((callback, names))
 
     # ------------------------------------------------------------------ gradient norms for logging
     def grad_norm(

@@ -7,7 +7,8 @@ saved NaN, silently (measured: the saved tensor all NaN, the norm NaN, where ``"
 so did a weight norm taken in ``on_train_epoch_end`` (the engine's between-steps watch covers the first
 step's gap only). Now a read of a placeholder inside the module's hook is refused with the fix, and the
 fix the message names (``gathered_params()`` around the read) saves and computes what ``"ddp"`` does. A
-user's callback reading a weight in its ``on_train_epoch_end`` is refused the same way. The hooks are the
+user's callback reading a weight in its ``on_train_epoch_end`` is refused the same way, and so is the
+module's ``on_validation_epoch_end`` under ``trainer.validate`` alone. The hooks are the
 module's and the callback's own again after ``fit``.
 """
 
@@ -83,6 +84,37 @@ class Plain(SavesOnly):
     on_save_checkpoint = pl.LightningModule.on_save_checkpoint  # no hook of the module reads weights
 
 
+class ValidatesAWeight(Plain):
+    """``trainer.validate`` alone (no fit): a weight norm in ``on_validation_epoch_end``."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val", F.mse_loss(self.net(x), y), sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        self.epoch_norm = self.net[0].weight.norm().detach().clone()
+
+
+def _validate(strategy: Any) -> str | None:
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = ValidatesAWeight(gathered=False)
+    try:
+        trainer.validate(module, module.train_dataloader(), verbose=False)
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        strategy.destroy_process_groups()
+    return None
+
+
 def _callback_fit(strategy: Any) -> tuple[str | None, bool]:
     """The callback under ``strategy``: the refusal, and whether its hook is its class's own afterwards."""
     logger = NormLogger()
@@ -140,6 +172,7 @@ def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
         ),
         "gathered": _fit(HybridParallelStrategy(zero_stage=3), base / "gathered", gathered=True),
         "callback": _callback_fit(HybridParallelStrategy(zero_stage=3)),
+        "validate": _validate(HybridParallelStrategy(zero_stage=3)),
     }
 
 
@@ -160,3 +193,5 @@ def test_weights_read_in_on_save_checkpoint_at_zero3(tmp_path: Path) -> None:
         refused, restored = out["callback"]
         assert refused is not None and "in a callback's on_train_epoch_end" in refused, (r, refused)
         assert restored, r
+        refused = out["validate"]
+        assert refused is not None and "in on_validation_epoch_end" in refused, (r, refused)
