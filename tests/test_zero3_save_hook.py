@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
-from tests.fits import fit_refused
+from tests.fits import cpu_trainer, fit_refused
 
 
 class SavesAWeight(pl.LightningModule):
@@ -96,15 +96,7 @@ class ValidatesAWeight(Plain):
 
 
 def _validate(strategy: Any) -> str | None:
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(strategy)
     module = ValidatesAWeight(gathered=False)
     try:
         trainer.validate(module, module.train_dataloader(), verbose=False)
@@ -118,17 +110,7 @@ def _validate(strategy: Any) -> str | None:
 def _callback_fit(strategy: Any) -> tuple[str | None, bool]:
     """The callback under ``strategy``: the refusal, and whether its hook is its class's own afterwards."""
     logger = NormLogger()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_epochs=1,
-        callbacks=[logger],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(strategy, max_epochs=1, callbacks=[logger])
     refused = fit_refused(trainer, Plain(gathered=False), strategy)
     return refused, "on_train_epoch_end" not in vars(logger)
 
