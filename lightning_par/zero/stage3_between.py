@@ -18,8 +18,11 @@ gathered is refused with ``RuntimeError`` naming it, its unit, the function and 
 covers what Lightning runs after ``training_step`` returns: that step's backward, ``on_after_backward``,
 ``on_before_optimizer_step``, the optimizer step, ``on_train_batch_end`` (module and callbacks), and the
 next batch's hooks, until the next step context is entered (a training or validation step), where
-:meth:`BetweenSteps.stop` leaves the mode for good; later batches pay nothing, and a read that first
-appears in a later hook (an epoch's end) is not caught. The strategies' own reads (checkpoints, exports,
+:meth:`BetweenSteps.stop` leaves the mode for good; later batches pay nothing. A read that first appears
+in a later per-batch hook is not caught; the fit- and epoch-level hooks of the LightningModule and of user
+callbacks (an epoch's end, ``on_save_checkpoint``) run under the same guard each time
+(``Stage3Engine.reads_refused``, set up by the Trainer strategy with a ``where`` for the message). The
+strategies' own reads (checkpoints, exports,
 snapshots: :class:`~lightning_par.state_guard.OwnReads`) and everything inside
 :meth:`gathered_params` pass; so does metadata (shapes, ``.data``, ``.grad``: the same exemptions as the
 first-step guard, :data:`~lightning_par.zero.stage3_calls.NOT_READS`).
