@@ -1,6 +1,6 @@
 """Weights loaded inside ``configure_model()`` under meta init (ZeRO-3), on 2 Gloo ranks, with a Hugging
-Face Llama: ``model.load_state_dict(torch.load(...))`` (and with ``assign=True``), and PEFT's
-``PeftModel.from_pretrained(base, adapter_dir)``.
+Face Llama: ``model.load_state_dict(torch.load(...))`` (and with ``assign=True``), ``param.data.copy_(x)``
+for every parameter, and PEFT's ``PeftModel.from_pretrained(base, adapter_dir)``.
 
 Under meta init the parameters ``configure_model()`` creates are meta tensors, and a load into them kept
 nothing: the engine initialised them afresh, silently (the Llama 0.13 from its file, a LoRA adapter 0.33
@@ -50,7 +50,12 @@ class LoadsInConfigure(LoraLlama):
         else:
             model = llama(5)  # other initial weights: the file's replace them
             state = torch.load(Path(self.root) / "llama.pt")
-            model.load_state_dict(state, assign=self.how == "assign")
+            if self.how == "data_copy":  # the classic way to put pretrained vectors into a layer
+                with torch.no_grad():
+                    for name, param in model.named_parameters():
+                        param.data.copy_(state[name])
+            else:
+                model.load_state_dict(state, assign=self.how == "assign")
             self.model = model
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -74,6 +79,7 @@ def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
         "z3_0": _fit(HybridParallelStrategy(zero_stage=3), root, "load", 0),
         "z3_2": _fit(HybridParallelStrategy(zero_stage=3), root, "load", 2),
         "z3_assign": _fit(HybridParallelStrategy(zero_stage=3), root, "assign", 0),
+        "z3_data_copy": _fit(HybridParallelStrategy(zero_stage=3), root, "data_copy", 0),
         "z3_tp2": _fit(
             HybridParallelStrategy(zero_stage=3, tensor_parallel_size=2, tp_plan="llama"), root, "load", 0
         ),
@@ -105,7 +111,7 @@ def test_weights_loaded_in_configure_model_reach_the_shards(tmp_path: Path) -> N
     ranks = run_distributed(_runs, 2, str(tmp_path), init_group=False, timeout=600)
     first = ranks[0]
     file = {"model." + k: v for k, v in source.state_dict().items()}
-    for name in ("ddp_0", "z3_0", "z3_assign", "z3_tp2"):
+    for name in ("ddp_0", "z3_0", "z3_assign", "z3_data_copy", "z3_tp2"):
         assert first[name].keys() == file.keys(), name
         for key, value in file.items():
             torch.testing.assert_close(first[name][key], value, rtol=0, atol=0, msg=f"{name}: {key}")

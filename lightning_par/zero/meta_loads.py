@@ -4,17 +4,18 @@ Under meta init (ZeRO-3, or ``pretrained=``) ``configure_model()`` runs inside
 :func:`~lightning_par.zero.meta_init.params_on_meta`: every parameter it creates is a meta tensor, filled
 later, unit by unit, by the engine. Code that loads values into the model there, as it would on a real
 device, wrote into meta tensors, which keep nothing: ``model.load_state_dict(torch.load(...))``,
-``PeftModel.from_pretrained(base, adapter_dir)`` (PEFT's ``load_state_dict``), a ``param.copy_(x)``, or
+``PeftModel.from_pretrained(base, adapter_dir)`` (PEFT's ``load_state_dict``), a ``param.copy_(x)`` or
+``param.data.copy_(x)`` (pretrained word vectors into an embedding, the classic way), or
 a ``load_state_dict(..., assign=True)`` (whose new parameters the meta context turned back into meta
 tensors). The engine then initialised those parameters afresh, silently: a LoRA adapter loaded so was
 0.33 away from the file at ZeRO-3 (measured), a whole Llama loaded so 0.13.
 
 :class:`MetaLoads` records such values while ``configure_model()`` runs: a torch function mode sees every
-``Tensor.copy_`` into a meta parameter from a real tensor, and :func:`params_on_meta` reports a real
-parameter that replaces an existing one (an assignment of values, where construction registers each
-parameter once). :meth:`MetaLoads.by_name` gives them by parameter name afterwards; the strategy loads
-them as it loads ``pretrained=`` weights, into this rank's shards and slices. Values are kept as CPU
-copies until then (what the user's code held anyway).
+``Tensor.copy_`` into a meta parameter (or into its ``.data``) from a real tensor, and
+:func:`params_on_meta` reports a real parameter that replaces an existing one (an assignment of values,
+where construction registers each parameter once). :meth:`MetaLoads.by_name` gives them by parameter
+name afterwards; the strategy loads them as it loads ``pretrained=`` weights, into this rank's shards and
+slices. Values are kept as CPU copies until then (what the user's code held anyway).
 """
 
 from __future__ import annotations
@@ -27,21 +28,36 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+# compared with ==: each access makes a new method-wrapper
+_DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]
+
 
 class _CopiesIntoMeta(TorchFunctionMode):
     def __init__(self, record: Callable[[nn.Parameter, Tensor], None]) -> None:
         super().__init__()
         self._record = record
+        # ``param.data`` of meta parameters handed out inside, by the view's id (the view kept alive so
+        # the id is not reused): ``param.data.copy_(x)`` loads the parameter as ``param.copy_(x)`` does
+        self._views: dict[int, tuple[Tensor, nn.Parameter]] = {}
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func is torch.Tensor.copy_ and args and isinstance(args[0], nn.Parameter) and args[0].is_meta:
+        result = func(*args, **kwargs)
+        if not args:
+            return result
+        target = args[0]
+        if func == _DATA_GET and isinstance(target, nn.Parameter) and target.is_meta:
+            self._views[id(result)] = (result, target)
+        elif func is torch.Tensor.copy_ and isinstance(target, Tensor) and target.is_meta:
+            param = (
+                target if isinstance(target, nn.Parameter) else self._views.get(id(target), (None, None))[1]
+            )
             source = args[1] if len(args) > 1 else kwargs.get("src")
-            if isinstance(source, Tensor) and not source.is_meta:
-                self._record(args[0], source)
-        return func(*args, **kwargs)
+            if param is not None and isinstance(source, Tensor) and not source.is_meta:
+                self._record(param, source)
+        return result
 
 
 class MetaLoads:
