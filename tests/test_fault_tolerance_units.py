@@ -172,6 +172,33 @@ def test_disk_write_survives_another_rank_removing_the_step_directory(
     assert torch.equal(loaded["x"], torch.arange(1000, dtype=torch.float32))
 
 
+def test_disk_write_survives_the_step_directory_vanishing_inside_mkdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same race one step earlier (seen once in CI, a full disk on rank 1): another rank makes the
+    step directory, so our ``mkdir`` fails with EEXIST, and removes it before ``exist_ok`` looks, so
+    ``Path.mkdir`` raises ``FileExistsError`` for a directory that no longer exists. Made again."""
+    plan = snapshot.plan({"x": torch.arange(10, dtype=torch.float32)})
+    buffer = torch.zeros(plan.nbytes, dtype=torch.uint8)
+    snapshot.copy_into(buffer, plan, [0])
+    store = DiskStore(tmp_path, rank=0)
+    header = {"format": 1, "step": 6, "lineage": "ab", "nbytes": plan.nbytes, "index": plan.index()}
+    real_mkdir = Path.mkdir
+    raced: list[Path] = []
+
+    def raced_mkdir(self: Path, *args: Any, **kwargs: Any) -> None:
+        if self.name.startswith("step-") and not raced:
+            raced.append(self)
+            raise FileExistsError(17, "File exists", str(self))  # made and removed by the other rank
+        real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", raced_mkdir)
+    store.write(header, memoryview(buffer.numpy()))
+    monkeypatch.undo()
+    assert raced and [h["step"] for h in store.headers()] == [6]
+    assert torch.equal(store.load(store.headers()[0])["x"], torch.arange(10, dtype=torch.float32))
+
+
 def test_options_are_checked_with_clear_errors() -> None:
     with pytest.raises(ValueError, match="must be a multiple of every_n_steps=4"):
         FlashCheckpoint("x", every_n_steps=4, persist_every_n_steps=10)

@@ -221,12 +221,15 @@ class DiskStore:
 def _create(path: Path, *, attempts: int = 3) -> int:
     """Open ``path`` for writing, making its directory. Ranks share step directories, and a rank whose
     write failed removes the directory if it is empty: between our ``mkdir`` and our ``open`` it may be
-    gone, so make it again (once our file exists the directory is not empty, and no rank removes it)."""
+    gone, so make it again (once our file exists the directory is not empty, and no rank removes it). It
+    may also go inside ``mkdir``: another rank made it (our ``mkdir`` fails), then removed it before
+    ``exist_ok`` could see a directory, which raises ``FileExistsError`` for a path that no longer exists
+    (seen once in CI, a full disk on one rank): made again too."""
     for attempt in range(attempts):
-        path.parent.mkdir(parents=True, exist_ok=True)
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        except FileNotFoundError:
+        except (FileNotFoundError, FileExistsError):
             if attempt == attempts - 1:
                 raise
     raise AssertionError("unreachable")
