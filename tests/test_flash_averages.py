@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from lightning_par import HybridParallelStrategy
 from lightning_par.callbacks import FlashCheckpoint, ShardedEMA
 from tests.distributed import run_distributed
-from tests.fits import final_state
+from tests.fits import cpu_trainer, final_state
 from tests.probes import SlowSnapshotCopies
 from tests.test_sharded_averaging import _data
 
@@ -103,17 +103,8 @@ def _fit(
     if watcher is not None:
         callbacks.append(watcher)
     module = Net()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_epochs=epochs,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+    trainer = cpu_trainer(
+        strategy, devices=devices, max_epochs=epochs, callbacks=callbacks, num_sanity_val_steps=0
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

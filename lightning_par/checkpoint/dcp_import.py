@@ -64,18 +64,22 @@ def _cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}".splitlines()[0]
 
 
-def _entries(path: Path) -> dict[str, Any]:
-    """Every DCP entry of ``path`` as whole tensors and plain objects, nested as saved."""
+def _load(path: Path, keys: set[str] | None, what: str) -> dict[str, Any]:
+    """DCP entries of ``path`` (all, or the flattened ``keys``) as whole tensors and plain objects, nested
+    as saved; ``what`` (``""``, or ``"'name' from "``) names the read in the error."""
     state: dict[str, Any] = {}
     try:
         _load_state_dict(
-            state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+            state,
+            storage_reader=FileSystemReader(path),
+            planner=_EmptyStateDictLoadPlanner(keys=keys),
+            no_dist=True,
         )
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException, raised for lost pieces
         raise ValueError(
-            f"Could not read the torch.distributed.checkpoint directory {path}: {_cause(error)}. A piece file"
-            " (__<rank>_0.distcp) is missing or damaged; copy the whole directory again, or resume from"
-            " an earlier checkpoint."
+            f"Could not read {what}the torch.distributed.checkpoint directory {path}: {_cause(error)}."
+            " A piece file (__<rank>_0.distcp) is missing or damaged; copy the whole directory again, or"
+            " resume from an earlier checkpoint."
         ) from error
     return state
 
@@ -106,12 +110,20 @@ def torch_optimizer_format(state: Any, entry: str) -> tuple[dict[str, Any], list
     return {"state": {ids[n]: s for n, s in states.items()}, "param_groups": groups}, names
 
 
+def torch_optimizer_states(entries: Mapping[str, Any], keys: list[str]) -> tuple[list[Any], dict[str, Any]]:
+    """The optimizer ``entries[k]`` of each of ``keys`` in torch's format, and our layout metadata naming
+    each one's parameters by group (loads tie state to parameters by these names)."""
+    converted = [torch_optimizer_format(entries[k], k) for k in keys]
+    meta = {"format": "dcp", "optimizers": [{"param_names": names} for _, names in converted]}
+    return [state for state, _ in converted], meta
+
+
 def read_dcp_entries(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A DCP directory's entries, whole, with the keys of its ``meta.pt`` beside them (what Fabric's
     ``ModelParallelStrategy`` / ``FSDPStrategy`` save puts there: everything that is not a module or an
     optimizer)."""
     p = Path(path)
-    entries = _entries(p)
+    entries = _load(p, None, "")
     if (p / META_FILE).is_file():
         try:
             extras = torch.load(p / META_FILE, map_location="cpu", weights_only=False)
@@ -160,20 +172,7 @@ class DCPWeights(Mapping[str, Tensor]):
 
     def __getitem__(self, name: str) -> Tensor:
         key, path = self._keys[name]
-        loaded: dict[str, Any] = {}
-        try:
-            _load_state_dict(
-                loaded,
-                storage_reader=FileSystemReader(self.path),
-                planner=_EmptyStateDictLoadPlanner(keys={key}),
-                no_dist=True,
-            )
-        except (Exception, CheckpointException) as error:
-            raise ValueError(
-                f"Could not read {name!r} from the torch.distributed.checkpoint directory {self.path}:"
-                f" {_cause(error)}. A piece file is missing or damaged; copy the whole directory again."
-            ) from error
-        value: Any = loaded
+        value: Any = _load(self.path, {key}, f"{name!r} from ")
         for step in path:
             value = value[step]
         return value
@@ -200,18 +199,11 @@ def read_dcp_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             f" {sorted(entries)[:8]}; Lightning's Trainer with an FSDP strategy writes 'state_dict' or"
             " 'model'). A directory written by Fabric loads with fabric.load(path, state)."
         )
-    optimizer_keys = [k for k in entries if _OPTIMIZER_ENTRY.fullmatch(k)]
+    numbered = [(int(m.group(1)), k) for k in entries if (m := _OPTIMIZER_ENTRY.fullmatch(k)) is not None]
+    optimizer_keys = [k for _, k in sorted(numbered)]
     checkpoint = {k: v for k, v in entries.items() if k != model_key and k not in optimizer_keys}
     checkpoint["state_dict"] = entries[model_key]
-    optimizers = sorted(
-        (int(m.group(1)), k) for k in entries if (m := _OPTIMIZER_ENTRY.fullmatch(k)) is not None
-    )
-    states, names = [], []
-    for _, key in optimizers:
-        state, group_names = torch_optimizer_format(entries[key], key)
-        states.append(state)
-        names.append({"param_names": group_names})
+    states, checkpoint[METADATA_KEY] = torch_optimizer_states(entries, optimizer_keys)
     if states:
         checkpoint["optimizer_states"] = states
-    checkpoint[METADATA_KEY] = {"format": "dcp", "optimizers": names}
     return checkpoint

@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from lightning_par.averaging import WeightAverages, full_pieces
 from lightning_par.checkpoint.averages import gather_averaged_state, pieces_from_entries, rank_entry
-from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint, read_dcp_entries, torch_optimizer_format
+from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint, read_dcp_entries, torch_optimizer_states
 from lightning_par.checkpoint.full import gather_full_optimizer_state, gather_full_state_dict
 from lightning_par.checkpoint.io import (
     _group_names,
@@ -224,12 +224,8 @@ def load(
         }
         extras = {k: v for k, v in raw.items() if k not in saved and k not in (KEYS, METADATA_KEY)}
         if dcp:  # optimizer state keyed by parameter name: torch's format, the names kept beside it
-            converted = [torch_optimizer_format(raw[k], k) for k in keys["optimizers"] if k in raw]
-            checkpoint["optimizer_states"] = [opt_state for opt_state, _ in converted]
-            checkpoint[METADATA_KEY] = {
-                "format": "dcp",
-                "optimizers": [{"param_names": n} for _, n in converted],
-            }
+            present = [k for k in keys["optimizers"] if k in raw]
+            checkpoint["optimizer_states"], checkpoint[METADATA_KEY] = torch_optimizer_states(raw, present)
     module_key, opt_keys = _split(strategy, state)
     module = strategy.module
     if module_key is not None:

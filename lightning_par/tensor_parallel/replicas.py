@@ -58,12 +58,8 @@ def replicated_grad_mismatch(
     apart = (high - low) > rtol * high
     if not bool(apart.any()):  # the verdict reaches the host once, at the first step
         return []
-    flags = apart.tolist()
-    return [
-        (name, float(lo), float(hi))
-        for (name, _), lo, hi, flag in zip(named, low.tolist(), high.tolist(), flags, strict=True)
-        if flag
-    ]
+    rows = torch.stack([apart.to(low.dtype), low, high], dim=1).tolist()  # the failure's one host read
+    return [(name, lo, hi) for (name, _), (flag, lo, hi) in zip(named, rows, strict=True) if flag]
 
 
 def mismatch_message(mismatch: list[tuple[str, float, float]], *, fabric: bool) -> str:

@@ -71,9 +71,6 @@ class MetaLoads:
         value = torch.broadcast_to(source.detach(), param.shape).to("cpu", copy=True)
         self._values[id(param)] = (param, value)
 
-    def forget(self, param: nn.Parameter) -> None:
-        self._values.pop(id(param), None)
-
     @contextmanager
     def watching(self) -> Iterator[None]:
         """Record ``copy_`` into meta parameters inside (torch's function mode stack, for the duration)."""
