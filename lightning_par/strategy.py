@@ -13,7 +13,6 @@ run: the hooks wrapped for a run (:mod:`lightning_par.lightning_hooks`) are rest
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -427,12 +426,11 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             yield
             return
         # weights the user's code loads there (load_state_dict, PEFT's from_pretrained) would land in meta
-        # tensors: recorded, and loaded into the shards at setup (lightning_par.zero.meta_loads)
+        # tensors: recorded, and loaded into the shards at setup (lightning_par.zero.meta_loads); so are
+        # the model's own init writes, replayed when each unit gets storage (lightning_par.zero.meta_writes)
         loads = MetaLoads()
         try:
-            with params_on_meta(loads), loads.watching(), warnings.catch_warnings():
-                # torch's "copying ... to a meta parameter ..., which is a no-op": not so here
-                warnings.filterwarnings("ignore", message=r"for .*: copying from a non-meta parameter")
+            with params_on_meta(loads):
                 yield
         except Exception as error:
             if "meta" not in str(error):

@@ -24,8 +24,10 @@ on the meta device, buffers on the CPU, because buffers are small and often comp
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,15 @@ from torch.distributed import ProcessGroup
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.zero.hf_init import hf_initialisers, replay
 from lightning_par.zero.meta_loads import MetaLoads
+from lightning_par.zero.meta_writes import (
+    WriteRecorder,
+    forget_writes,
+    inherit_writes,
+    pending_writes,
+    replay_writes,
+    visible_init_functions,
+    writes_after_load,
+)
 from lightning_par.zero.tp_init import parallel_layers, release_sources, slice_of, sources_in_place
 from lightning_par.zero.units import REMOTE_ATTR, UnitPolicy, plan_units
 
@@ -95,10 +106,14 @@ def move_real_tensors(module: nn.Module, device: torch.device) -> None:
 @contextmanager
 def params_on_meta(loads: MetaLoads | None = None) -> Iterator[None]:
     """Create parameters on the meta device and buffers where they would be anyway (see the module
-    docstring). ``nn.Module.register_parameter`` is wrapped for the duration only. With ``loads``, a real
-    parameter that replaces one the module already has (``load_state_dict(..., assign=True)``, an
-    assignment of loaded weights) has its values recorded there (:mod:`lightning_par.zero.meta_loads`)."""
+    docstring). ``nn.Module.register_parameter`` and ``nn.Parameter.__deepcopy__`` are wrapped for the
+    duration only. Writes into the meta
+    parameters are recorded on them, to be replayed when they are materialised
+    (:mod:`lightning_par.zero.meta_writes`); with ``loads``, values loaded into them (a whole ``copy_``
+    from a real tensor, a real parameter replacing one the module already has: ``load_state_dict(...,
+    assign=True)``) are recorded there instead (:mod:`lightning_par.zero.meta_loads`)."""
     original = nn.Module.register_parameter
+    recorder = WriteRecorder(loads.record if loads is not None else None)
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         replaced = module._parameters.get(name) if "_parameters" in module.__dict__ else None
@@ -107,14 +122,29 @@ def params_on_meta(loads: MetaLoads | None = None) -> Iterator[None]:
             meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
             meta.__dict__.update(param.__dict__)  # attributes such as a tensor-parallel mark
             module._parameters[name] = meta
-            if loads is not None and replaced is not None:
-                loads.record(meta, param)
+            if replaced is not None:  # an assignment of values: recorded as their copy into the parameter
+                recorder.record(torch.Tensor.copy_, (meta, param), {}, meta)
+
+    deepcopy = nn.Parameter.__deepcopy__
+
+    def copied(param: nn.Parameter, memo: dict[int, Any]) -> nn.Parameter:
+        copy = deepcopy(param, memo)
+        if param.is_meta:  # a module cloned after its init (nn.TransformerEncoder's layers): the same
+            inherit_writes(param, copy)
+            if loads is not None:
+                loads.copied(param, copy)
+        return copy
 
     nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+    nn.Parameter.__deepcopy__ = copied  # type: ignore[method-assign,assignment]
     try:
-        yield
+        with recorder, visible_init_functions(recorder), warnings.catch_warnings():
+            # torch's "copying ... to a meta parameter ..., which is a no-op": not so here (recorded)
+            warnings.filterwarnings("ignore", message=r"for .*: copying from a non-meta parameter")
+            yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+        nn.Parameter.__deepcopy__ = deepcopy  # type: ignore[method-assign]
 
 
 def materialize_unit(
@@ -170,6 +200,18 @@ def materialize_unit(
         fresh = _materialize(root, wanted, loaded, label, seed=seed, device=device)
         release_sources(root, {id(p) for p in fresh.values()})  # parallel layers filled from pretrained
         return [fresh.get(id(p), p) for p in params]
+    rewritten = [  # loaded as slices: the writes made after the load would need the full tensor
+        label.get(id(p), attr)
+        for s in swaps
+        for attr, p in s.layer._parameters.items()
+        if p is not None and id(p) in loaded and writes_after_load(s.source._parameters.get(attr))
+    ]
+    if rewritten:
+        raise ValueError(
+            f"configure_model() loaded {rewritten} and then wrote into them (an init after the load); under"
+            " tensor parallelism ZeRO-3 loads them as slices and cannot replay such writes: make the write"
+            " before the load, or give the final weights as pretrained=... ."
+        )
     # the parallel layers' parameters: their sources' full-size ones initialised in their place, sliced
     with sources_in_place(swaps):
         full = {id(p): p for s in swaps for p in s.source.parameters(recurse=False) if p.is_meta}
@@ -245,9 +287,18 @@ def _materialize(
     hf_calls = hf_initialisers(root, todo)
     by_model = {id(m) for _, m, _ in hf_calls}
     to_init = [(module_name, m) for module_name, m, held in owners if held - loaded.keys()]
+    # what the model's construction wrote into them beyond the initialisers run below (meta_writes)
+    pending = pending_writes([(label[pid], p) for pid, p in wanted.items()], loaded=set(loaded))
+    written = {id(p) for _, p, _ in pending}
     for module_name, m in to_init:  # checked before anything is replaced
         if id(m) not in by_model and not callable(getattr(m, "reset_parameters", None)):
-            missing = [attr for attr, p in m._parameters.items() if p is not None and id(p) not in loaded]
+            missing = [
+                attr
+                for attr, p in m._parameters.items()
+                if p is not None and id(p) not in loaded and id(p) not in written
+            ]
+            if not missing:  # its construction initialised them (e.g. nn.MultiheadAttention): replayed
+                continue
             raise ValueError(
                 f"Module {module_name or '<root>'!r} ({type(m).__name__}) holds meta-device parameters"
                 f" {missing} that no pretrained weights fill, but it has no reset_parameters(), so ZeRO-3"
@@ -260,6 +311,7 @@ def _materialize(
         if pid in todo and data[pid].is_floating_point():
             data[pid].fill_(float("nan"))  # a value no initialiser leaves: an unset parameter shows
     fresh = _replace(root, wanted, data)
+    forget_writes(list(fresh.values()))
     for pid in todo:  # transformers' init functions skip tensors flagged as initialised
         fresh[pid].__dict__.pop("_is_hf_initialized", None)
     with own_rng(device) as reseed, torch.no_grad():
@@ -271,11 +323,18 @@ def _materialize(
         # then a Hugging Face model's post_init()
         replay(hf_calls, initialised, reseed=lambda path: reseed(module_seed(seed, path)))
         _reset_lora(root, initialised, reseed=lambda path: reseed(module_seed(seed, path)))
+        # then what the user's code did after them
+        initial = [entry for entry in pending if id(entry[1]) not in loaded]
+        replay_writes(initial, fresh, reseed=lambda name: reseed(module_seed(seed, name)))
     _check_set([(label[pid], fresh[pid]) for pid in ordered])
     with torch.no_grad():
         for pid, value in loaded.items():
             if pid in fresh:
                 fresh[pid].copy_(value)
+    after_load = [entry for entry in pending if id(entry[1]) in loaded]
+    if after_load:  # writes made after configure_model() loaded the parameter (a head re-initialised)
+        with own_rng(device) as reseed:
+            replay_writes(after_load, fresh, reseed=lambda name: reseed(module_seed(seed, name)))
     return fresh
 
 

@@ -10,54 +10,19 @@ a ``load_state_dict(..., assign=True)`` (whose new parameters the meta context t
 tensors). The engine then initialised those parameters afresh, silently: a LoRA adapter loaded so was
 0.33 away from the file at ZeRO-3 (measured), a whole Llama loaded so 0.13.
 
-:class:`MetaLoads` records such values while ``configure_model()`` runs: a torch function mode sees every
-``Tensor.copy_`` into a meta parameter (or into its ``.data``) from a real tensor, and
-:func:`params_on_meta` reports a real parameter that replaces an existing one (an assignment of values,
-where construction registers each parameter once). :meth:`MetaLoads.by_name` gives them by parameter
+:class:`MetaLoads` records such values while ``configure_model()`` runs: the write recorder of
+:func:`params_on_meta` (:mod:`lightning_par.zero.meta_writes`) reports every whole ``Tensor.copy_`` into
+a meta parameter (or into its ``.data``) from a real tensor, and a real parameter that replaces an
+existing one (an assignment of values, where construction registers each parameter once). Writes made
+after a load (a head re-initialised) are replayed after it. :meth:`MetaLoads.by_name` gives them by parameter
 name afterwards; the strategy loads them as it loads ``pretrained=`` weights, into this rank's shards and
 slices. Values are kept as CPU copies until then (what the user's code held anyway).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
-
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
-
-# compared with ==: each access makes a new method-wrapper
-_DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]
-
-
-class _CopiesIntoMeta(TorchFunctionMode):
-    def __init__(self, record: Callable[[nn.Parameter, Tensor], None]) -> None:
-        super().__init__()
-        self._record = record
-        # ``param.data`` of meta parameters handed out inside, by the view's id (the view kept alive so
-        # the id is not reused): ``param.data.copy_(x)`` loads the parameter as ``param.copy_(x)`` does
-        self._views: dict[int, tuple[Tensor, nn.Parameter]] = {}
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
-        if not args:
-            return result
-        target = args[0]
-        if func == _DATA_GET and isinstance(target, nn.Parameter) and target.is_meta:
-            self._views[id(result)] = (result, target)
-        elif func is torch.Tensor.copy_ and isinstance(target, Tensor) and target.is_meta:
-            param = (
-                target if isinstance(target, nn.Parameter) else self._views.get(id(target), (None, None))[1]
-            )
-            source = args[1] if len(args) > 1 else kwargs.get("src")
-            if param is not None and isinstance(source, Tensor) and not source.is_meta:
-                self._record(param, source)
-        return result
 
 
 class MetaLoads:
@@ -71,11 +36,11 @@ class MetaLoads:
         value = torch.broadcast_to(source.detach(), param.shape).to("cpu", copy=True)
         self._values[id(param)] = (param, value)
 
-    @contextmanager
-    def watching(self) -> Iterator[None]:
-        """Record ``copy_`` into meta parameters inside (torch's function mode stack, for the duration)."""
-        with _CopiesIntoMeta(self.record):
-            yield
+    def copied(self, source: nn.Parameter, copy: nn.Parameter) -> None:
+        """``copy``, a deep copy of the meta parameter ``source``, holds what was loaded into it."""
+        held = self._values.get(id(source))
+        if held is not None and held[0] is source and copy is not source:
+            self._values[id(copy)] = (copy, held[1])
 
     def __len__(self) -> int:
         return len(self._values)

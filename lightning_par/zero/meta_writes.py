@@ -1,0 +1,385 @@
+"""Writes a user's code makes into meta parameters while the model is built, replayed when ZeRO-3 fills them.
+
+Under meta init (``configure_model()`` at ZeRO-3 or with ``pretrained=``, Fabric's
+``init_module(empty_init=True)``) every parameter is a meta tensor: an in-place write keeps nothing. The
+layers' own initialisers are run again when the engine gives each unit storage (their
+``reset_parameters()``, a Hugging Face model's ``_init_weights``, PEFT's adapter init:
+:mod:`lightning_par.zero.meta_init`), but a model's custom init was lost: nanoGPT's
+``self.apply(self._init_weights)`` (``N(0, 0.02)`` weights, zero biases), a zero-initialised output
+projection, a scaled residual projection. At ZeRO-3 such a model started from torch's defaults instead,
+silently: its embedding 50 times wider (``N(0, 1)``), its zeroed head random (measured).
+
+:class:`WriteRecorder`, a torch function mode active while the model is built, records every write into a
+meta parameter or a view of one (``.data``, ``detach()``, indexing, ``view``, ``chunk``, ...): a tensor
+method ending in ``_`` (``normal_``, ``zero_``, ``mul_``, ``copy_``), an in-place operator or
+``__setitem__``, an ``out=`` argument, and torch's ``nn.init`` functions, seen as one call each (those
+that skip meta tensors without dispatching, ``trunc_normal_``, ``orthogonal_``, ``dirac_`` and
+``sparse_``, are wrapped by :func:`visible_init_functions` for the duration). Each write is marked
+*standard* when it runs inside an initialiser that materialisation runs again (a module's
+``reset_parameters()``, PEFT's ``reset_lora_parameters()``, anything a Hugging Face model's methods do,
+its construction included, which its replayed ``post_init()`` supersedes): the frames of the call tell.
+The parameter keeps its :class:`Writes` (attribute ``WRITES_ATTR``) until it is materialised.
+
+:func:`replay_writes` then runs, on the real parameter after its standard init, the writes made after the
+last standard one: what the user's code did to it once the layers had initialised it (earlier custom
+writes were overwritten by a later standard init, as on a real device). A parameter loaded in
+``configure_model()`` (:mod:`lightning_par.zero.meta_loads`) replays every write made after the load (a
+head re-initialised after ``load_state_dict``). Random writes are drawn under a seed of the run's seed and
+the parameter's name, the same on every rank and for any layout, so a sharded model equals its unsharded
+twin; like the layers' own init, the values are not those of the user's global generator. A write that
+reads another meta tensor (one parameter copied into another, ``nn.init.orthogonal_`` through a view) has
+nothing to replay and is refused, naming the parameter and the fixes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+WRITES_ATTR = "_lp_meta_writes"
+
+# compared with ==: each access makes a new method-wrapper
+_DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]
+# tensor methods ending in "_" that change no values
+_NOT_WRITES = frozenset(
+    {
+        "requires_grad_", "share_memory_", "detach_", "retain_grad", "resize_", "resize_as_", "set_",
+        "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "rename_",
+    }
+)  # fmt: skip
+_INPLACE_DUNDERS = frozenset(
+    {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__ipow__"}
+)
+# torch.nn.init functions that return early on a meta tensor without dispatching to torch function modes
+_SILENT_ON_META = ("trunc_normal_", "orthogonal_", "dirac_", "sparse_")
+# initialisers that materialisation runs again, by frame name
+_RERUN = frozenset({"reset_parameters", "reset_lora_parameters"})
+_TRANSFORMERS = f"{os.sep}transformers{os.sep}"  # in the path of transformers' own source files
+
+
+class _Self:
+    """Where the written tensor goes in a recorded call's arguments."""
+
+    def __repr__(self) -> str:
+        return "<written tensor>"
+
+
+_SELF = _Self()
+
+
+@dataclass(frozen=True)
+class Step:
+    """A view taken on the way from the parameter to the written tensor: ``func(tensor, *args, **kwargs)``,
+    element ``index`` of the result when it is a tuple (``chunk``, ``split``, ``unbind``)."""
+
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    index: int | None = None
+
+
+@dataclass(frozen=True)
+class Write:
+    """One recorded write: ``func`` called with ``_SELF`` in ``args``/``kwargs`` standing for the parameter
+    seen through ``path``; other tensors are CPU copies. ``unreplayable`` says why it cannot run again."""
+
+    path: tuple[Step, ...]
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    standard: bool
+    unreplayable: str | None = None
+
+    @property
+    def name(self) -> str:
+        return str(getattr(self.func, "__name__", self.func))
+
+
+@dataclass
+class Writes:
+    """A meta parameter's recorded writes (see the module docstring); ``after_load``: since a load."""
+
+    ops: list[Write] = field(default_factory=list)
+    after_load: bool = False
+
+    def to_replay(self) -> list[Write]:
+        """After a load every write; otherwise those after the last standard one."""
+        if self.after_load:
+            return list(self.ops)
+        last = max((i for i, w in enumerate(self.ops) if w.standard), default=-1)
+        return self.ops[last + 1 :]
+
+
+def writes_after_load(param: Tensor | None) -> bool:
+    """Whether ``param`` was loaded while built and written into after the load."""
+    held = param.__dict__.get(WRITES_ATTR) if param is not None else None
+    return isinstance(held, Writes) and held.after_load and bool(held.ops)
+
+
+def writes_of(param: nn.Parameter) -> Writes:
+    """``param``'s record, made on first use."""
+    held = param.__dict__.get(WRITES_ATTR)
+    if not isinstance(held, Writes):
+        held = Writes()
+        param.__dict__[WRITES_ATTR] = held
+    return held
+
+
+def inherit_writes(source: Tensor, copy: Tensor) -> None:
+    """``copy`` (a deep copy of the meta parameter ``source``: ``copy.deepcopy`` of a module, as
+    ``nn.TransformerEncoder`` clones its layer) takes a copy of ``source``'s record."""
+    held = source.__dict__.get(WRITES_ATTR)
+    if isinstance(held, Writes) and copy is not source:
+        copy.__dict__[WRITES_ATTR] = Writes(list(held.ops), held.after_load)
+
+
+def _standard(frame: FrameType | None) -> bool:
+    """Whether a frame up the stack is an initialiser that materialisation runs again: a module's
+    ``reset_parameters()`` (PEFT's ``reset_lora_parameters()``), or a method of a Hugging Face model
+    (transformers' own code), whose ``post_init()`` init is replayed whole, its layers' constructors
+    included (transformers may not even run it on meta tensors). A subclass's own code is the user's."""
+    base = _hf_base()
+    while frame is not None:
+        code = frame.f_code
+        rerun = code.co_name in _RERUN
+        if (rerun or (base is not None and _TRANSFORMERS in code.co_filename)) and (
+            code.co_argcount and code.co_varnames[0] == "self"
+        ):
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and (rerun or (base is not None and isinstance(owner, base))):
+                return True
+        frame = frame.f_back
+    return False
+
+
+def _hf_base() -> type | None:
+    module = sys.modules.get("transformers")
+    found = getattr(module, "PreTrainedModel", None) if module is not None else None
+    return found if isinstance(found, type) else None
+
+
+def _capture(value: Any, written: Tensor, why: list[str]) -> Any:
+    """``value`` as recorded: the written tensor as ``_SELF``, other tensors as CPU copies (a meta one
+    noted in ``why``), containers walked, generators dropped (replays draw from the seeded default)."""
+    if value is written:
+        return _SELF
+    if isinstance(value, Tensor):
+        if value.is_meta:
+            why.append("it reads another meta-device tensor")
+            return value
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, torch.Generator):
+        return None
+    if isinstance(value, tuple | list):
+        return type(value)(_capture(v, written, why) for v in value)
+    return value
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+    """The tensor a call writes into, if it is a write (see the module docstring)."""
+    if getattr(func, "__module__", None) == "torch.nn.init":
+        target = kwargs.get("tensor", args[0] if args else None)
+        return target if isinstance(target, Tensor) else None
+    out = kwargs.get("out")
+    if isinstance(out, Tensor):
+        return out
+    name = getattr(func, "__name__", "")
+    inplace = name in _INPLACE_DUNDERS or (
+        name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
+    )
+    if inplace and args and isinstance(args[0], Tensor):
+        return args[0]
+    return None
+
+
+class WriteRecorder(TorchFunctionMode):
+    """Records writes into meta parameters (module docstring). A whole-tensor ``copy_`` from a real
+    tensor is a load: given to ``on_load`` when set (its values then go in as pretrained weights, and the
+    parameter's record restarts after it), else recorded as a write like any other."""
+
+    def __init__(self, on_load: Callable[[nn.Parameter, Tensor], None] | None = None) -> None:
+        super().__init__()
+        self._on_load = on_load
+        # views of meta parameters handed out inside, by id (the view kept alive so the id is not reused)
+        self._views: dict[int, tuple[Tensor, nn.Parameter, tuple[Step, ...]]] = {}
+
+    def _origin(self, t: Any) -> tuple[nn.Parameter, tuple[Step, ...]] | None:
+        if isinstance(t, nn.Parameter) and t.is_meta:
+            return t, ()
+        held = self._views.get(id(t)) if isinstance(t, Tensor) else None
+        return (held[1], held[2]) if held is not None and held[0] is t else None
+
+    def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: Tensor) -> None:
+        """Record ``func(*args, **kwargs)`` writing into ``target`` if it is a meta parameter or a view."""
+        origin = self._origin(target)
+        if origin is None:
+            return
+        param, path = origin
+        source = args[1] if len(args) > 1 else kwargs.get("src")
+        if (
+            func is torch.Tensor.copy_
+            and not path
+            and self._on_load is not None
+            and isinstance(source, Tensor)
+            and not source.is_meta
+        ):
+            self._on_load(param, source)
+            writes = writes_of(param)
+            writes.ops.clear()
+            writes.after_load = True
+            return
+        why: list[str] = []
+        captured_args = _capture(args, target, why)
+        captured_kwargs = {k: _capture(v, target, why) for k, v in kwargs.items()}
+        write = Write(
+            path, func, captured_args, captured_kwargs, _standard(sys._getframe(2)), "; ".join(why) or None
+        )
+        writes_of(param).ops.append(write)
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        target = _written(func, args, kwargs)
+        if target is not None:
+            self.record(func, args, kwargs, target)
+        result = func(*args, **kwargs)
+        if target is None and args and (origin := self._origin(args[0])) is not None:
+            self._track(func, args, kwargs, result, origin)
+        return result
+
+    def _track(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        result: Any,
+        origin: tuple[nn.Parameter, tuple[Step, ...]],
+    ) -> None:
+        param, path = origin
+        if func == _DATA_GET or func is torch.Tensor.detach:  # the same values: the same path
+            if isinstance(result, Tensor):
+                self._views[id(result)] = (result, param, path)
+            return
+        why: list[str] = []
+        rest = _capture(args[1:], args[0], why)
+        kw = {k: _capture(v, args[0], why) for k, v in kwargs.items()}
+        if why:
+            return  # a view chosen by meta tensors: writes through it are not tracked
+        if isinstance(result, Tensor) and result.is_meta and result._is_view():
+            self._views[id(result)] = (result, param, (*path, Step(func, rest, kw)))
+        elif isinstance(result, tuple | list):
+            for i, part in enumerate(result):
+                if isinstance(part, Tensor) and part.is_meta and part._is_view():
+                    self._views[id(part)] = (part, param, (*path, Step(func, rest, kw, i)))
+
+
+@contextmanager
+def visible_init_functions(recorder: WriteRecorder) -> Iterator[None]:
+    """Within: ``torch.nn.init``'s functions that skip meta tensors silently (``_SILENT_ON_META``) record
+    their call first; the originals are back after (a wrapper that code imported within bound, as
+    transformers binds torch's init functions at import, then only calls the original). Code that bound
+    them by name before (``from torch.nn.init import trunc_normal_``) calls the original, unrecorded."""
+    originals = {name: getattr(nn.init, name) for name in _SILENT_ON_META}
+    live = [True]  # a wrapper bound by code imported inside (a module-level alias) records nothing after
+
+    def wrap(original: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def recorded(*args: Any, **kwargs: Any) -> Tensor:
+            target = kwargs.get("tensor", args[0] if args else None)
+            if live[0] and isinstance(target, Tensor):
+                recorder.record(original, args, kwargs, target)
+            return original(*args, **kwargs)
+
+        recorded.__wrapped__ = original  # type: ignore[attr-defined]
+        return recorded
+
+    try:
+        for name, original in originals.items():
+            setattr(nn.init, name, wrap(original))
+        yield
+    finally:
+        live[0] = False
+        for name, original in originals.items():
+            setattr(nn.init, name, original)
+
+
+def _bind(value: Any, target: Tensor, device: torch.device) -> Any:
+    if value is _SELF:
+        return target
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, tuple | list):
+        return type(value)(_bind(v, target, device) for v in value)
+    return value
+
+
+def _run(write: Write, param: Tensor) -> None:
+    target = param
+    for step in write.path:
+        view = step.func(
+            target, *_bind(step.args, target, param.device), **_bind(step.kwargs, target, param.device)
+        )
+        target = view[step.index] if step.index is not None else view
+    args = _bind(write.args, target, param.device)
+    kwargs = {k: _bind(v, target, param.device) for k, v in write.kwargs.items()}
+    write.func(*args, **kwargs)
+
+
+def pending_writes(
+    params: Sequence[tuple[str, nn.Parameter]], *, loaded: set[int]
+) -> list[tuple[str, nn.Parameter, list[Write]]]:
+    """For meta ``params`` (name, parameter) about to be materialised, the writes each needs replayed
+    (``loaded``: ids of those filled from weights; see :meth:`Writes.to_replay`): a parameter loaded from
+    ``pretrained=`` (no load recorded) needs none, its file supersedes what was built. Writes that cannot
+    be replayed are refused here, before anything is replaced."""
+    out: list[tuple[str, nn.Parameter, list[Write]]] = []
+    refused: list[str] = []
+    for name, param in params:
+        writes = param.__dict__.get(WRITES_ATTR)
+        if not isinstance(writes, Writes) or (id(param) in loaded and not writes.after_load):
+            continue
+        todo = writes.to_replay()
+        refused += [f"{name} ({w.name}: {w.unreplayable})" for w in todo if w.unreplayable is not None]
+        if todo:
+            out.append((name, param, todo))
+    if refused:
+        raise ValueError(
+            f"The model's construction wrote into meta-device parameters in ways ZeRO-3 cannot replay when it"
+            f" materialises them: {refused}. Move that initialisation into the module's reset_parameters()"
+            " (run on each unit as it gets storage), pass the weights as pretrained=..., or set"
+            " meta_init=False (the model is built on a real device first)."
+        )
+    return out
+
+
+def replay_writes(
+    pending: Sequence[tuple[str, nn.Parameter, list[Write]]],
+    fresh: dict[int, nn.Parameter],
+    *,
+    reseed: Callable[[str], None],
+) -> None:
+    """Run each parameter's pending writes on its real replacement ``fresh[id(meta)]`` (under no_grad,
+    after ``reseed(name)``)."""
+    with torch.no_grad():
+        for name, param, todo in pending:
+            real = fresh.get(id(param))
+            if real is None:
+                continue
+            reseed(f"{name}#writes")
+            for write in todo:
+                _run(write, real)
+
+
+def forget_writes(params: Sequence[Tensor]) -> None:
+    """Drop records copied onto real parameters (materialisation copies a meta parameter's attributes)."""
+    for p in params:
+        p.__dict__.pop(WRITES_ATTR, None)

@@ -1,0 +1,267 @@
+"""A model's own initialisation under meta init (ZeRO-3): writes its construction makes into the meta
+parameters are replayed when the engine materialises them (``lightning_par.zero.meta_writes``).
+
+Before, only the layers' ``reset_parameters()`` (and a Hugging Face model's ``_init_weights``) were run
+again: a nanoGPT-style model built in ``configure_model()`` at ZeRO-3 started with its embedding 50 times
+wider than its ``N(0, 0.02)`` init (std 1.02, measured), its zeroed output head random and its biases
+non-zero; modules initialised in their constructors without a ``reset_parameters()``
+(``nn.MultiheadAttention``, and so Lightning's demo ``Transformer``; a ViT's class token) were refused.
+Checked here, in one process: each model materialised from the meta device is distributed as the same
+model built on a real device (constants equal, random tensors with its mean and spread), independent of
+the unit policy, the same for the same seed, without touching the caller's random state; writes that
+cannot be replayed are refused naming the parameter. On 2 Gloo ranks: a ZeRO-3 ``Trainer`` fit of the
+nanoGPT-style model equals one process training its twin; a head zeroed after ``load_state_dict`` in
+``configure_model()`` stays zero, the rest the file's; Fabric's ``init_module(empty_init=True)`` followed
+by ``load_state_dict`` (before, lost) gives the file's weights.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.pytorch.demos import Transformer
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from lightning_par import HybridParallelStrategy
+from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
+from lightning_par.zero.meta_init import materialize_model, params_on_meta
+from tests.distributed import run_distributed
+from tests.fits import cpu_trainer, final_state
+from tests.test_meta_init_hf import _materialized, assert_own_init
+from tests.third_party import LoraLlama, Tokens
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's init: ``N(0, 0.02)`` weights and embeddings, zero biases, residual projections scaled by
+    ``1 / sqrt(2 n_layer)``; and a zero-initialised output head."""
+
+    def __init__(self, vocab: int = 64, width: int = 32) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.proj = nn.Linear(4 * width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.apply(self._init_weights)
+        nn.init.normal_(self.proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * 4))
+        nn.init.zeros_(self.head.weight)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        hidden = self.wte(tokens)
+        return self.head(hidden + self.proj(torch.relu(self.fc(hidden))))
+
+
+class ViTBits(nn.Module):
+    """Writes through views and the init functions that skip meta tensors: a class token set by
+    ``trunc_normal_`` (a module without ``reset_parameters()``), a fused qkv weight made orthogonal chunk by
+    chunk, a padding row zeroed through ``.data`` and indexing, an output scaled after its init, a bias
+    set by ``__setitem__``."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.cls = nn.Parameter(torch.zeros(1, 1, width))
+        self.qkv = nn.Linear(width, 3 * width)
+        self.emb = nn.Embedding(40, width)
+        self.out = nn.Linear(width, width)
+        nn.init.trunc_normal_(self.cls, std=0.02)
+        with torch.no_grad():
+            for block in self.qkv.weight.chunk(3):
+                nn.init.orthogonal_(block)
+            self.emb.weight.data[0].zero_()
+            self.out.weight.mul_(0.1)
+            self.qkv.bias[:32] = 0.5
+
+
+def demo_transformer() -> nn.Module:
+    return Transformer(vocab_size=64, ninp=32, nhead=2, nhid=64, nlayers=1)
+
+
+BUILDERS = {"nanogpt": NanoGPT, "vit_bits": ViTBits, "lightning_demo_transformer": demo_transformer}
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_the_models_own_init_is_replayed(name: str) -> None:
+    build = BUILDERS[name]
+    torch.manual_seed(0)
+    real = build()
+    before = torch.get_rng_state()
+    model = _materialized(build)
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's stream goes on as if nothing ran
+    assert_own_init(model.state_dict(), real, name)
+    state = model.state_dict()
+    assert all(not hasattr(p, "_lp_meta_writes") for p in model.parameters())  # nothing left on them
+    # a unit per module changes nothing; another seed draws another model
+    units = [n for n, m in model.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
+    for key, value in _materialized(build, units=units).state_dict().items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=key)
+    other = _materialized(build, seed=8).state_dict()
+    assert any(not torch.equal(other[k], v) for k, v in state.items())
+    if name == "nanogpt":  # what torch's defaults gave before: std 1 for the embedding, a random head
+        torch.testing.assert_close(state["wte.weight"].std(), torch.tensor(0.02), rtol=0.1, atol=0)
+        assert not state["head.weight"].any() and not state["fc.bias"].any()
+    if name == "vit_bits":
+        assert not state["emb.weight"][0].any() and state["emb.weight"][1:].all()
+        torch.testing.assert_close(state["qkv.bias"][:32], torch.full((32,), 0.5), rtol=0, atol=0)
+        for block in state["qkv.weight"].chunk(3):  # orthogonal: rows of unit length
+            torch.testing.assert_close(block @ block.T, torch.eye(32), rtol=0, atol=1e-5)
+
+
+class CopiesAnotherParameter(nn.Module):
+    def __init__(self, reset_after: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        with torch.no_grad():
+            self.head.weight.data.copy_(self.emb.weight.data)  # values ZeRO-3 does not have here
+        if reset_after:
+            self.head.reset_parameters()  # superseded: nothing left to replay
+
+
+def test_writes_that_cannot_be_replayed_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"head\.weight \(copy_: it reads another meta-device tensor\)"):
+        _materialized(lambda: CopiesAnotherParameter(reset_after=False))
+    model = _materialized(lambda: CopiesAnotherParameter(reset_after=True))
+    assert model.head.weight.abs().max() <= 1 / math.sqrt(8)  # its reset_parameters() bound
+
+
+class CustomInit(pl.LightningModule):
+    """The nanoGPT-style model built in ``configure_model()``; with ``root``, loaded from a file there and
+    its head zeroed after the load (a new task's head)."""
+
+    def __init__(self, root: str | None = None, lr: float = 0.5) -> None:
+        super().__init__()
+        self.root, self.lr = root, lr
+        self.net: NanoGPT | None = None
+        self.seed: int | None = None
+        self.batches: list[Tensor] = []  # this rank's, in order
+
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        self.net = NanoGPT()
+        if self.root is not None:
+            self.net.load_state_dict(torch.load(Path(self.root) / "nano.pt"))
+            nn.init.zeros_(self.net.head.weight)
+
+    def on_fit_start(self) -> None:
+        self.seed = self.trainer.strategy.engine.init_seed  # type: ignore[attr-defined]
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        assert self.net is not None
+        self.batches.append(batch.clone())
+        return loss_of(self.net, batch)
+
+    def train_dataloader(self) -> DataLoader[Tensor]:
+        return DataLoader(tokens(), batch_size=2)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class CustomLlama(LoraLlama):
+    """A Hugging Face Llama re-initialised in part after it is built: attention's query projection (a
+    column-parallel layer under the "llama" plan) wider, its output projection (row-parallel) zero, the
+    MLP's down projection scaled."""
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        super().configure_model()
+        layer = self.model.model.layers[0]  # type: ignore[union-attr,index]
+        nn.init.normal_(layer.self_attn.q_proj.weight, std=0.5)
+        nn.init.zeros_(layer.self_attn.o_proj.weight)
+        with torch.no_grad():
+            layer.mlp.down_proj.weight.data.mul_(0.01)
+
+
+def loss_of(net: nn.Module, batch: Tensor) -> Tensor:
+    logits = net(batch[:, :-1])
+    return nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+
+def tokens() -> Tensor:
+    return torch.randint(0, 64, (8, 6), generator=torch.Generator().manual_seed(3))
+
+
+def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for case, module in (("custom", CustomInit()), ("reinit", CustomInit(root, lr=0.0))):
+        strategy = HybridParallelStrategy(zero_stage=3)
+        cpu_trainer(strategy, max_steps=2).fit(module)
+        out[case] = {"final": final_state(module, strategy), "seed": module.seed, "batches": module.batches}
+    strategy = HybridParallelStrategy(zero_stage=3, tensor_parallel_size=2, tp_plan="llama")
+    llama_module = CustomLlama(lora=False)
+    cpu_trainer(strategy, max_steps=0).fit(llama_module, DataLoader(Tokens(8), batch_size=2))
+    out["tp2"] = {"final": final_state(llama_module, strategy), "seed": strategy.engine.init_seed}
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=FabricStrategy(zero_stage=3))
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        net = NanoGPT()
+        net.load_state_dict(torch.load(Path(root) / "nano.pt"))
+    assert all(p.is_meta for p in net.parameters())
+    fabric.setup_module(net)
+    out["fabric"] = {k: v.clone() for k, v in fabric.strategy.consolidated_state_dict().items()}  # type: ignore[attr-defined]
+    fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]
+    return out
+
+
+def test_custom_init_under_zero3_trainer_and_fabric(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    saved = NanoGPT()
+    with torch.no_grad():
+        for p in saved.parameters():
+            p.add_(torch.randn_like(p))  # weights no init gives: a load shows
+    torch.save(saved.state_dict(), tmp_path / "nano.pt")
+    both = run_distributed(_runs, 2, str(tmp_path), init_group=False)
+    runs = both[0]
+    # ZeRO-3 trained from the model's own init: one process training the twin (same seed) ends equal
+    with params_on_meta():  # the same module tree: each module's init is seeded by its path
+        holder = CustomInit()
+        holder.configure_model()
+    materialize_model(holder, seed=runs["custom"]["seed"], device=torch.device("cpu"))
+    twin = holder.net
+    assert twin is not None and not twin.head.weight.any()
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.5)
+    for step in range(2):  # the mean of the two ranks' losses on their batches of the step
+        optimizer.zero_grad()
+        sum(loss_of(twin, run["custom"]["batches"][step]) / 2 for run in both).backward()  # type: ignore[union-attr]
+        optimizer.step()
+    final = runs["custom"]["final"]
+    for key, value in twin.state_dict().items():
+        torch.testing.assert_close(final[f"net.{key}"], value, msg=key)
+    # loaded, then the head zeroed (lr 0: the start): the file's weights, the head zero
+    expected = {f"net.{k}": v for k, v in saved.state_dict().items()}
+    expected["net.head.weight"] = torch.zeros_like(expected["net.head.weight"])
+    assert runs["reinit"]["final"].keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(runs["reinit"]["final"][key], value, rtol=0, atol=0, msg=key)
+    # Fabric: load_state_dict inside init_module(empty_init=True) is the file's
+    for key, value in saved.state_dict().items():
+        torch.testing.assert_close(runs["fabric"][key], value, rtol=0, atol=0, msg=f"fabric: {key}")
+    # ZeRO-3 x tp2: each re-initialised layer written in full, then sliced: the one-process twin, bitwise
+    with params_on_meta():
+        llama_twin = CustomLlama(lora=False)
+        llama_twin.configure_model()
+    materialize_model(llama_twin, seed=runs["tp2"]["seed"], device=torch.device("cpu"))
+    got = runs["tp2"]["final"]
+    assert got.keys() == llama_twin.state_dict().keys()
+    for key, value in llama_twin.state_dict().items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=f"tp2: {key}")
+    attention = "model.model.layers.0.self_attn"
+    torch.testing.assert_close(got[f"{attention}.q_proj.weight"].std(), torch.tensor(0.5), rtol=0.1, atol=0)
+    assert not got[f"{attention}.o_proj.weight"].any()
