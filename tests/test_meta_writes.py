@@ -12,7 +12,8 @@ the unit policy, the same for the same seed, without touching the caller's rando
 cannot be replayed are refused naming the parameter. On 2 Gloo ranks: a ZeRO-3 ``Trainer`` fit of the
 nanoGPT-style model equals one process training its twin; a head zeroed after ``load_state_dict`` in
 ``configure_model()`` stays zero, the rest the file's; Fabric's ``init_module(empty_init=True)`` followed
-by ``load_state_dict`` (before, lost) gives the file's weights.
+by ``load_state_dict`` (before, lost) gives the file's weights; an init after ``fabric.setup`` (torchtitan's
+order) is refused naming ``gathered_params(writeback=True)``, inside which it reaches the shards.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from lightning_par.zero.meta_init import materialize_model, params_on_meta
 from tests.distributed import run_distributed
 from tests.fits import cpu_trainer, final_state
 from tests.test_meta_init_hf import _materialized, assert_own_init
-from tests.third_party import LoraLlama, Tokens
+from tests.third_party import LORA_TARGETS, LoraLlama, Tokens, llama
 
 
 class NanoGPT(nn.Module):
@@ -91,7 +92,21 @@ def demo_transformer() -> nn.Module:
     return Transformer(vocab_size=64, ninp=32, nhead=2, nhid=64, nlayers=1)
 
 
-BUILDERS = {"nanogpt": NanoGPT, "vit_bits": ViTBits, "lightning_demo_transformer": demo_transformer}
+def gaussian_lora() -> nn.Module:
+    """PEFT LoRA with ``init_lora_weights="gaussian"``: A drawn ``N(0, 1 / r)`` (materialisation's own
+    adapter init is PEFT's default, A as ``nn.Linear``: the recorded writes keep the choice)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=LORA_TARGETS, init_lora_weights="gaussian")
+    return get_peft_model(llama(0), config)
+
+
+BUILDERS = {
+    "nanogpt": NanoGPT,
+    "vit_bits": ViTBits,
+    "lightning_demo_transformer": demo_transformer,
+    "peft_gaussian_lora": gaussian_lora,
+}
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
@@ -99,8 +114,10 @@ def test_the_models_own_init_is_replayed(name: str) -> None:
     build = BUILDERS[name]
     torch.manual_seed(0)
     real = build()
+    with params_on_meta():
+        model = build()
     before = torch.get_rng_state()
-    model = _materialized(build)
+    materialize_model(model, seed=7, device=torch.device("cpu"))
     assert torch.equal(torch.get_rng_state(), before)  # the caller's stream goes on as if nothing ran
     assert_own_init(model.state_dict(), real, name)
     state = model.state_dict()
@@ -216,6 +233,16 @@ def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
     assert all(p.is_meta for p in net.parameters())
     fabric.setup_module(net)
     out["fabric"] = {k: v.clone() for k, v in fabric.strategy.consolidated_state_dict().items()}  # type: ignore[attr-defined]
+    # an init after sharding (torchtitan's order) meets placeholders: refused naming the fix; inside
+    # gathered_params(writeback=True) it reaches the shards
+    try:
+        nn.init.zeros_(net.head.weight)
+        out["refused"] = None
+    except RuntimeError as error:
+        out["refused"] = str(error)
+    with fabric.strategy.gathered_params(writeback=True):  # type: ignore[attr-defined]
+        nn.init.zeros_(net.head.weight)
+    out["fabric_zeroed"] = {k: v.clone() for k, v in fabric.strategy.consolidated_state_dict().items()}  # type: ignore[attr-defined]
     fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]
     return out
 
@@ -265,3 +292,11 @@ def test_custom_init_under_zero3_trainer_and_fabric(tmp_path: Path) -> None:
     attention = "model.model.layers.0.self_attn"
     torch.testing.assert_close(got[f"{attention}.q_proj.weight"].std(), torch.tensor(0.5), rtol=0.1, atol=0)
     assert not got[f"{attention}.o_proj.weight"].any()
+    # Fabric: an init after setup is refused outside gathered_params (before, torch's "more than one
+    # element of the written-to tensor refers to a single memory location"), reaches the shards inside
+    for run in both:
+        assert run["refused"] is not None and "'head.weight'" in run["refused"], run["refused"]
+        assert "fabric.strategy.gathered_params()" in run["refused"] and "writeback=True" in run["refused"]
+    for key, value in saved.state_dict().items():
+        want = torch.zeros_like(value) if key == "head.weight" else value
+        torch.testing.assert_close(runs["fabric_zeroed"][key], want, rtol=0, atol=0, msg=f"zeroed: {key}")

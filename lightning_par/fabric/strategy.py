@@ -71,6 +71,7 @@ from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check
 from lightning_par.zero.engine import Engine, reads_own_state
 from lightning_par.zero.meta_buffers import materialize_buffers
 from lightning_par.zero.meta_init import move_real_tensors, params_on_meta
+from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.units import UnitPolicy
 
 SETUP_ATTR = "_lightning_par_fabric_setup"  # set on a module this strategy has set up
@@ -345,6 +346,11 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         self._metric_sync.assign(module, mesh=self.mesh, pipelined=self._pipeline is not None)
         setattr(module, SETUP_ATTR, True)
         self.module = module
+        if isinstance(self.engine, Stage3Engine):  # its parameters are placeholders until a step gathers
+            self.engine.refuse_reads_until_step(
+                "after fabric.setup() and before the first step (an init after sharding, such as"
+                " torchtitan's model.init_weights(), or a weight read such as a norm or a copy)"
+            )
         if self._pipeline is not None:
             self._refusal = refuse_direct_call(module)
         return module

@@ -16,7 +16,7 @@ method ending in ``_`` (``normal_``, ``zero_``, ``mul_``, ``copy_``), an in-plac
 that skip meta tensors without dispatching, ``trunc_normal_``, ``orthogonal_``, ``dirac_`` and
 ``sparse_``, are wrapped by :func:`visible_init_functions` for the duration). Each write is marked
 *standard* when it runs inside an initialiser that materialisation runs again (a module's
-``reset_parameters()``, PEFT's ``reset_lora_parameters()``, anything a Hugging Face model's methods do,
+``reset_parameters()``, anything a Hugging Face model's methods do,
 its construction included, which its replayed ``post_init()`` supersedes): the frames of the call tell.
 The parameter keeps its :class:`Writes` (attribute ``WRITES_ATTR``) until it is materialised.
 
@@ -62,7 +62,9 @@ _INPLACE_DUNDERS = frozenset(
 # torch.nn.init functions that return early on a meta tensor without dispatching to torch function modes
 _SILENT_ON_META = ("trunc_normal_", "orthogonal_", "dirac_", "sparse_")
 # initialisers that materialisation runs again, by frame name
-_RERUN = frozenset({"reset_parameters", "reset_lora_parameters"})
+# (not PEFT's reset_lora_parameters(): materialisation re-runs it with the default init only, its
+# recorded writes keep the adapter's own, init_lora_weights="gaussian")
+_RERUN = frozenset({"reset_parameters"})
 _TRANSFORMERS = f"{os.sep}transformers{os.sep}"  # in the path of transformers' own source files
 
 
@@ -144,7 +146,7 @@ def inherit_writes(source: Tensor, copy: Tensor) -> None:
 
 def _standard(frame: FrameType | None) -> bool:
     """Whether a frame up the stack is an initialiser that materialisation runs again: a module's
-    ``reset_parameters()`` (PEFT's ``reset_lora_parameters()``), or a method of a Hugging Face model
+    ``reset_parameters()``, or a method of a Hugging Face model
     (transformers' own code), whose ``post_init()`` init is replayed whole, its layers' constructors
     included (transformers may not even run it on meta tensors). A subclass's own code is the user's."""
     base = _hf_base()

@@ -204,6 +204,7 @@ class Stage3Engine(Stage3Reduce):
         self._install_hooks()
         self._cross_guard = CrossUnitGuard(self.units, self.root)
         self._between: BetweenSteps | None = BetweenSteps(self.units, self.own_reads)  # after step 1
+        self._before_first: BetweenSteps | None = None  # refuse_reads_until_step's window
         # generate() keeps the ranks' forwards in step only for models it knows are sharded (stage3_join)
         self._hf_marked = mark_hf_models(module) if self.world > 1 else []
         broadcast_module_states(module, group=group, params=False)  # buffers are replicated
@@ -380,6 +381,7 @@ class Stage3Engine(Stage3Reduce):
         if self._between is not None and self._between.active:  # the window after step 1 ends here
             self._between.stop()
             self._between = None
+        self._stop_before_first()
         if self.root is not None:
             self._pre_forward(self.root)
         self._in_step += 1
@@ -414,6 +416,20 @@ class Stage3Engine(Stage3Reduce):
         try:
             yield
         finally:
+            guard.stop()
+
+    def refuse_reads_until_step(self, where: str) -> None:
+        """From now until the next step starts, a read of a parameter whose unit is not gathered raises
+        (``where`` in the message): a Fabric loop's code between ``fabric.setup`` and its first step,
+        where an init after sharding (torchtitan's ``init_weights()``) or a weight read would meet the
+        placeholders (:mod:`lightning_par.zero.stage3_between`)."""
+        if self._before_first is None:
+            self._before_first = BetweenSteps(self.units, self.own_reads, where=where)
+            self._before_first.start()
+
+    def _stop_before_first(self) -> None:
+        guard, self._before_first = self._before_first, None
+        if guard is not None:
             guard.stop()
 
     def after_step(self) -> None:
@@ -499,5 +515,6 @@ class Stage3Engine(Stage3Reduce):
         if self._between is not None:
             self._between.stop()
             self._between = None
+        self._stop_before_first()
         unmark_hf_models(self._hf_marked)
         self._hf_marked = []

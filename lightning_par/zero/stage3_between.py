@@ -21,7 +21,10 @@ next batch's hooks, until the next step context is entered (a training or valida
 :meth:`BetweenSteps.stop` leaves the mode for good; later batches pay nothing. A read that first appears
 in a later per-batch hook is not caught; the fit- and epoch-level hooks of the LightningModule and of user
 callbacks (an epoch's end, ``on_save_checkpoint``) run under the same guard each time
-(``Stage3Engine.reads_refused``, set up by the Trainer strategy with a ``where`` for the message). The
+(``Stage3Engine.reads_refused``, set up by the Trainer strategy with a ``where`` for the message), and
+a Fabric loop's code from ``fabric.setup`` to its first step (``Stage3Engine.refuse_reads_until_step``:
+an init after sharding, torchtitan's order, failed in torch with "more than one element of the
+written-to tensor refers to a single memory location", a weight read computed NaN). The
 strategies' own reads (checkpoints, exports,
 snapshots: :class:`~lightning_par.state_guard.OwnReads`) and everything inside
 :meth:`gathered_params` pass; so does metadata (shapes, ``.data``, ``.grad``: the same exemptions as the
@@ -88,7 +91,8 @@ class BetweenSteps:
                     f"ZeRO-3: parameter {param!r} of unit {unit.name or '<root>'!r} was read by"
                     f" {name or func!r} {where}, where ZeRO-3's parameters are"
                     " placeholders (NaN), so this would compute NaN, silently. Enter"
-                    " `with trainer.strategy.gathered_params():` on every rank around code that reads"
+                    " `with trainer.strategy.gathered_params():` (`fabric.strategy.gathered_params()` in"
+                    " Fabric) on every rank around code that reads"
                     " weights (logging their norms), or `gathered_params(writeback=True)` for code that"
                     " also writes them or keeps an average of them (an EMA in buffers: this reads the fp32"
                     " masters), or do the work inside training_step."
