@@ -4,16 +4,17 @@ parameters are replayed when the engine materialises them (``lightning_par.zero.
 Before, only the layers' ``reset_parameters()`` (and a Hugging Face model's ``_init_weights``) were run
 again: a nanoGPT-style model built in ``configure_model()`` at ZeRO-3 started with its embedding 50 times
 wider than its ``N(0, 0.02)`` init (std 1.02, measured), its zeroed output head random and its biases
-non-zero; modules initialised in their constructors without a ``reset_parameters()``
-(``nn.MultiheadAttention``, and so Lightning's demo ``Transformer``; a ViT's class token) were refused.
-Checked here, in one process: each model materialised from the meta device is distributed as the same
-model built on a real device (constants equal, random tensors with its mean and spread), independent of
-the unit policy, the same for the same seed, without touching the caller's random state; writes that
-cannot be replayed are refused naming the parameter. On 2 Gloo ranks: a ZeRO-3 ``Trainer`` fit of the
-nanoGPT-style model equals one process training its twin; a head zeroed after ``load_state_dict`` in
-``configure_model()`` stays zero, the rest the file's; Fabric's ``init_module(empty_init=True)`` followed
-by ``load_state_dict`` (before, lost) gives the file's weights; an init after ``fabric.setup`` (torchtitan's
-order) is refused naming ``gathered_params(writeback=True)``, inside which it reaches the shards.
+non-zero (and with nanoGPT's own ``LayerNorm``, parameters created as ``torch.ones``, it was refused);
+modules initialised in their constructors without a ``reset_parameters()`` (``nn.MultiheadAttention``,
+and so Lightning's demo ``Transformer``; a ViT's class token) were refused. Checked here, in one process:
+each model materialised from the meta device is distributed as the same model built on a real device
+(constants equal, random tensors with its mean and spread), independent of the unit policy, the same for
+the same seed, without touching the caller's random state; writes that cannot be replayed are refused
+naming the parameter. On 2 Gloo ranks: a ZeRO-3 ``Trainer`` fit of the nanoGPT-style model equals one
+process training its twin; a head zeroed after ``load_state_dict`` in ``configure_model()`` stays zero,
+the rest the file's; Fabric's ``init_module(empty_init=True)`` followed by ``load_state_dict`` (before,
+lost) gives the file's weights; an init after ``fabric.setup`` (torchtitan's order) is refused naming
+``gathered_params(writeback=True)``, inside which it reaches the shards.
 """
 
 from __future__ import annotations
@@ -39,15 +40,28 @@ from tests.test_meta_init_hf import _materialized, assert_own_init
 from tests.third_party import LORA_TARGETS, LoraLlama, Tokens, llama
 
 
+class LayerNorm(nn.Module):
+    """nanoGPT's LayerNorm: its parameters created with their values, no ``reset_parameters()``."""
+
+    def __init__(self, ndim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
 class NanoGPT(nn.Module):
     """nanoGPT's init: ``N(0, 0.02)`` weights and embeddings, zero biases, residual projections scaled by
-    ``1 / sqrt(2 n_layer)``; and a zero-initialised output head."""
+    ``1 / sqrt(2 n_layer)``, its own LayerNorm; and a zero-initialised output head."""
 
     def __init__(self, vocab: int = 64, width: int = 32) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, width)
         self.fc = nn.Linear(width, 4 * width)
         self.proj = nn.Linear(4 * width, width)
+        self.ln_f = LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.apply(self._init_weights)
         nn.init.normal_(self.proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * 4))
@@ -64,7 +78,7 @@ class NanoGPT(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         hidden = self.wte(tokens)
-        return self.head(hidden + self.proj(torch.relu(self.fc(hidden))))
+        return self.head(self.ln_f(hidden + self.proj(torch.relu(self.fc(hidden)))))
 
 
 class ViTBits(nn.Module):

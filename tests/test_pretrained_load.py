@@ -86,11 +86,12 @@ class PretrainedLlama(pl.LightningModule):
 
 
 class Gain(nn.Module):
-    """A parameter held directly, and no ``reset_parameters()``: only pretrained weights can fill it."""
+    """A parameter held directly, created with random values, and no ``reset_parameters()``: only
+    pretrained weights can fill it (a constant one, ``torch.ones``, would be replayed)."""
 
     def __init__(self, n: int) -> None:
         super().__init__()
-        self.gain = nn.Parameter(torch.ones(n))
+        self.gain = nn.Parameter(torch.randn(n))
 
     def forward(self, x: Tensor) -> Tensor:
         return x * self.gain

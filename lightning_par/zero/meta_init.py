@@ -39,6 +39,7 @@ from lightning_par.zero.hf_init import hf_initialisers, replay
 from lightning_par.zero.meta_loads import MetaLoads
 from lightning_par.zero.meta_writes import (
     WriteRecorder,
+    constant_value,
     forget_writes,
     inherit_writes,
     pending_writes,
@@ -124,6 +125,8 @@ def params_on_meta(loads: MetaLoads | None = None) -> Iterator[None]:
             module._parameters[name] = meta
             if replaced is not None:  # an assignment of values: recorded as their copy into the parameter
                 recorder.record(torch.Tensor.copy_, (meta, param), {}, meta)
+            elif (value := constant_value(param)) is not None:  # nn.Parameter(torch.ones(d)): kept
+                recorder.record(torch.Tensor.fill_, (meta, value), {}, meta)
 
     deepcopy = nn.Parameter.__deepcopy__
 

@@ -18,7 +18,9 @@ that skip meta tensors without dispatching, ``trunc_normal_``, ``orthogonal_``, 
 *standard* when it runs inside an initialiser that materialisation runs again (a module's
 ``reset_parameters()``, anything a Hugging Face model's methods do,
 its construction included, which its replayed ``post_init()`` supersedes): the frames of the call tell.
-The parameter keeps its :class:`Writes` (attribute ``WRITES_ATTR``) until it is materialised.
+A parameter created with constant values (``nn.Parameter(torch.ones(d))``, which the meta context turns
+into a meta tensor) is recorded as filled with that value (:func:`constant_value`). The parameter keeps
+its :class:`Writes` (attribute ``WRITES_ATTR``) until it is materialised.
 
 :func:`replay_writes` then runs, on the real parameter after its standard init, the writes made after the
 last standard one: what the user's code did to it once the layers had initialised it (earlier custom
@@ -142,6 +144,19 @@ def inherit_writes(source: Tensor, copy: Tensor) -> None:
     held = source.__dict__.get(WRITES_ATTR)
     if isinstance(held, Writes) and copy is not source:
         copy.__dict__[WRITES_ATTR] = Writes(list(held.ops), held.after_load)
+
+
+def constant_value(t: Tensor, *, limit: int = 1 << 20) -> float | None:
+    """The value every element of the floating tensor ``t`` holds (``torch.ones(d)``, ``torch.zeros(d)``,
+    ``torch.full``), or None: a parameter created with such values (nanoGPT's ``LayerNorm``: ``weight =
+    nn.Parameter(torch.ones(ndim))``, a module without ``reset_parameters()``) is recorded as filled
+    with it. Tensors above ``limit`` elements are not read (a layer's ``torch.empty`` weight, filled
+    by its ``reset_parameters()``); one host read at construction."""
+    if not t.is_floating_point() or t.is_meta or t.numel() == 0 or t.numel() > limit:
+        return None
+    flat = t.detach().reshape(-1)
+    first = flat[0]
+    return float(first) if bool((flat == first).all()) else None
 
 
 def _standard(frame: FrameType | None) -> bool:
