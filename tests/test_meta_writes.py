@@ -19,6 +19,7 @@ lost) gives the file's weights; an init after ``fabric.setup`` (torchtitan's ord
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from torch.utils.data import DataLoader
 from lightning_par import HybridParallelStrategy
 from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
 from lightning_par.zero.meta_init import materialize_model, params_on_meta
+from lightning_par.zero.meta_loads import MetaLoads
 from tests.distributed import run_distributed
 from tests.fits import cpu_trainer, final_state
 from tests.test_meta_init_hf import _materialized, assert_own_init
@@ -168,6 +170,27 @@ def test_writes_that_cannot_be_replayed_are_refused() -> None:
         _materialized(lambda: CopiesAnotherParameter(reset_after=False))
     model = _materialized(lambda: CopiesAnotherParameter(reset_after=True))
     assert model.head.weight.abs().max() <= 1 / math.sqrt(8)  # its reset_parameters() bound
+
+
+def test_a_deep_copy_keeps_what_its_source_recorded() -> None:
+    """A module cloned after its init or its load (a teacher copied from the student inside
+    ``configure_model()``) carries the writes and the loaded values of its source."""
+    source = NanoGPT()
+    loads = MetaLoads()
+    with params_on_meta(loads):
+        student = NanoGPT()
+        teacher = copy.deepcopy(student)
+        loaded = NanoGPT()
+        loaded.load_state_dict(source.state_dict())
+        twin = copy.deepcopy(loaded)
+    assert teacher.wte.weight is not student.wte.weight and teacher.wte.weight.is_meta
+    values = loads.by_name(twin)
+    assert values.keys() == dict(twin.named_parameters()).keys()
+    for key, value in source.state_dict().items():
+        torch.testing.assert_close(values[key], value, rtol=0, atol=0, msg=key)
+    materialize_model(teacher, seed=7, device=torch.device("cpu"))
+    assert not teacher.head.weight.any() and not teacher.fc.bias.any()  # the student's init, replayed
+    torch.testing.assert_close(teacher.wte.weight.std(), torch.tensor(0.02), rtol=0.1, atol=0)
 
 
 class CustomInit(pl.LightningModule):

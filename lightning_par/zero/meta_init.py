@@ -108,11 +108,11 @@ def move_real_tensors(module: nn.Module, device: torch.device) -> None:
 def params_on_meta(loads: MetaLoads | None = None) -> Iterator[None]:
     """Create parameters on the meta device and buffers where they would be anyway (see the module
     docstring). ``nn.Module.register_parameter`` and ``nn.Parameter.__deepcopy__`` are wrapped for the
-    duration only. Writes into the meta
-    parameters are recorded on them, to be replayed when they are materialised
-    (:mod:`lightning_par.zero.meta_writes`); with ``loads``, values loaded into them (a whole ``copy_``
-    from a real tensor, a real parameter replacing one the module already has: ``load_state_dict(...,
-    assign=True)``) are recorded there instead (:mod:`lightning_par.zero.meta_loads`)."""
+    duration only. Writes into the meta parameters are recorded on them, to be replayed when they are
+    materialised (:mod:`lightning_par.zero.meta_writes`); with ``loads``, values loaded into them (a
+    whole ``copy_`` from a real tensor, a real parameter replacing one the module already has:
+    ``load_state_dict(..., assign=True)``) are recorded there instead (:mod:`lightning_par.zero.meta_loads`);
+    a deep copy of a parameter keeps both."""
     original = nn.Module.register_parameter
     recorder = WriteRecorder(loads.record if loads is not None else None)
 
