@@ -169,20 +169,21 @@ def test_peft_lora_on_a_model_from_its_config() -> None:
 
 
 class Gain(nn.Module):
-    """A parameter held directly, created with random values (a constant one, ``torch.ones``, is replayed:
-    ``tests/test_meta_writes.py``), and no ``reset_parameters()``."""
+    """A parameter held directly, created on the meta device (no values to replay; one created with
+    values is kept: ``tests/test_meta_writes.py``), and no ``reset_parameters()``."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.gain = nn.Parameter(torch.randn(4))
+        self.gain = nn.Parameter(torch.empty(4, device="meta"))
 
 
 class Half(nn.Module):
-    """A ``reset_parameters()`` that sets one parameter of two (both created with random values)."""
+    """A ``reset_parameters()`` that sets one parameter of two (both created on the meta device)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+        self.a = nn.Parameter(torch.empty(4, device="meta"))
+        self.b = nn.Parameter(torch.empty(4, device="meta"))
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.a)

@@ -36,6 +36,7 @@ from lightning_par import HybridParallelStrategy
 from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
 from lightning_par.zero.meta_init import materialize_model, params_on_meta
 from lightning_par.zero.meta_loads import MetaLoads
+from lightning_par.zero.meta_writes import WRITES_ATTR
 from tests.distributed import run_distributed
 from tests.fits import cpu_trainer, final_state
 from tests.test_meta_init_hf import _materialized, assert_own_init
@@ -170,6 +171,33 @@ def test_writes_that_cannot_be_replayed_are_refused() -> None:
         _materialized(lambda: CopiesAnotherParameter(reset_after=False))
     model = _materialized(lambda: CopiesAnotherParameter(reset_after=True))
     assert model.head.weight.abs().max() <= 1 / math.sqrt(8)  # its reset_parameters() bound
+
+
+class PositionalTable(nn.Module):
+    """A table created with random values, no ``reset_parameters()`` (the values kept for the check)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        drawn = torch.randn(1, 8, 4) * 0.02
+        self.table = nn.Parameter(drawn)
+        self.drawn = drawn.clone()  # not a buffer: what the table was created with
+
+
+def test_values_a_parameter_is_created_with_are_kept() -> None:
+    """``nn.Embedding.from_pretrained(vectors)`` (before: silently ``N(0, 1)`` at ZeRO-3, its
+    ``reset_parameters()`` drew it) and a table created with values keep those values; a layer's own
+    ``torch.empty`` weight is not kept once its ``reset_parameters()`` has overwritten it."""
+    vectors = torch.randn(10, 4)
+    with params_on_meta():
+        model = nn.Sequential(
+            nn.Embedding.from_pretrained(vectors, freeze=True), PositionalTable(), nn.Linear(4, 4)
+        )
+    kept = [w for p in model[2].parameters() for w in p.__dict__[WRITES_ATTR].ops]
+    assert kept and all(w.standard and not any(isinstance(a, Tensor) for a in w.args) for w in kept)
+    materialize_model(model, seed=7, device=torch.device("cpu"))
+    torch.testing.assert_close(model[0].weight, vectors, rtol=0, atol=0)
+    assert not model[0].weight.requires_grad
+    torch.testing.assert_close(model[1].table, model[1].drawn, rtol=0, atol=0)
 
 
 def test_a_deep_copy_keeps_what_its_source_recorded() -> None:

@@ -86,12 +86,11 @@ class PretrainedLlama(pl.LightningModule):
 
 
 class Gain(nn.Module):
-    """A parameter held directly, created with random values, and no ``reset_parameters()``: only
-    pretrained weights can fill it (a constant one, ``torch.ones``, would be replayed)."""
+    """A parameter held directly, and no ``reset_parameters()``."""
 
     def __init__(self, n: int) -> None:
         super().__init__()
-        self.gain = nn.Parameter(torch.randn(n))
+        self.gain = nn.Parameter(torch.ones(n))
 
     def forward(self, x: Tensor) -> Tensor:
         return x * self.gain
@@ -102,16 +101,21 @@ def gain_net() -> nn.Sequential:
 
 
 class GainModule(pl.LightningModule):
-    """``self.net = gain_net()`` built in ``configure_model()``; mean squared error, one SGD step."""
+    """``self.net = gain_net()`` built in ``configure_model()``; mean squared error, one SGD step. With
+    ``valueless``, the gain is created on the meta device by the user's code: no values to replay (a
+    gain created with values is kept as built), so only pretrained weights can fill it."""
 
-    def __init__(self) -> None:
+    def __init__(self, valueless: bool = False) -> None:
         super().__init__()
         self.net: nn.Module | None = None
         self.built_on_meta: bool | None = None
+        self.valueless = valueless
 
     def configure_model(self) -> None:
         if self.net is None:
             self.net = gain_net()
+            if self.valueless:
+                self.net[1].gain = nn.Parameter(torch.empty(16, device="meta"))
             self.built_on_meta = all(p.is_meta for p in self.net.parameters())
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -312,10 +316,10 @@ def _bad_runs(rank: int, world: int, paths: dict[str, Path], tmp: str) -> dict[s
         "reshaped": _refused(s3(paths["reshaped"]), PretrainedLlama(), tokens, dp_batch, tmp),
         "reshaped_tp2": _refused(tp2, PretrainedLlama(), tokens, N, tmp),
         "truncated": _refused(s3(paths["truncated"]), PretrainedLlama(), tokens, dp_batch, tmp),
-        "gain_missing": _refused(s3(paths["gain_missing"]), GainModule(), gain_data(), dp_batch, tmp),
+        "gain_missing": _refused(s3(paths["gain_missing"]), GainModule(True), gain_data(), dp_batch, tmp),
         "gain_missing_zero0": _refused(
             HybridParallelStrategy(zero_stage=0, pretrained=paths["gain_missing"]),
-            GainModule(),
+            GainModule(True),
             gain_data(),
             dp_batch,
             tmp,

@@ -37,16 +37,8 @@ from torch.distributed import ProcessGroup
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.zero.hf_init import hf_initialisers, replay
 from lightning_par.zero.meta_loads import MetaLoads
-from lightning_par.zero.meta_writes import (
-    WriteRecorder,
-    constant_value,
-    forget_writes,
-    inherit_writes,
-    pending_writes,
-    replay_writes,
-    visible_init_functions,
-    writes_after_load,
-)
+from lightning_par.zero.meta_replay import forget_writes, pending_writes, replay_writes, writes_after_load
+from lightning_par.zero.meta_writes import WriteRecorder, inherit_writes, visible_init_functions
 from lightning_par.zero.tp_init import parallel_layers, release_sources, slice_of, sources_in_place
 from lightning_par.zero.units import REMOTE_ATTR, UnitPolicy, plan_units
 
@@ -125,8 +117,8 @@ def params_on_meta(loads: MetaLoads | None = None) -> Iterator[None]:
             module._parameters[name] = meta
             if replaced is not None:  # an assignment of values: recorded as their copy into the parameter
                 recorder.record(torch.Tensor.copy_, (meta, param), {}, meta)
-            elif (value := constant_value(param)) is not None:  # nn.Parameter(torch.ones(d)): kept
-                recorder.record(torch.Tensor.fill_, (meta, value), {}, meta)
+            else:  # created with values: nn.Parameter(torch.ones(d)), nn.Embedding.from_pretrained(vectors)
+                recorder.created(meta, param)
 
     deepcopy = nn.Parameter.__deepcopy__
 

@@ -16,28 +16,31 @@ method ending in ``_`` (``normal_``, ``zero_``, ``mul_``, ``copy_``), an in-plac
 that skip meta tensors without dispatching, ``trunc_normal_``, ``orthogonal_``, ``dirac_`` and
 ``sparse_``, are wrapped by :func:`visible_init_functions` for the duration). Each write is marked
 *standard* when it runs inside an initialiser that materialisation runs again (a module's
-``reset_parameters()``, anything a Hugging Face model's methods do,
-its construction included, which its replayed ``post_init()`` supersedes): the frames of the call tell.
-A parameter created with constant values (``nn.Parameter(torch.ones(d))``, which the meta context turns
-into a meta tensor) is recorded as filled with that value (:func:`constant_value`). The parameter keeps
-its :class:`Writes` (attribute ``WRITES_ATTR``) until it is materialised.
+``reset_parameters()``, anything a Hugging Face model's methods do, its construction included, which its
+replayed ``post_init()`` supersedes): the frames of the call tell. A parameter created with values, which
+the meta context turns into a meta tensor, is recorded as a write of them (:meth:`WriteRecorder.created`):
+nanoGPT's ``LayerNorm`` (``nn.Parameter(torch.ones(d))``, a constant: ``fill_``),
+``nn.Embedding.from_pretrained(vectors)`` (by reference, not copied); a write that overwrites the whole
+parameter lets the earlier ones go, so a layer's ``torch.empty`` weight is not held once its
+``reset_parameters()`` has run. The parameter keeps its :class:`Writes` (attribute ``WRITES_ATTR``) until
+it is materialised.
 
-:func:`replay_writes` then runs, on the real parameter after its standard init, the writes made after the
-last standard one: what the user's code did to it once the layers had initialised it (earlier custom
-writes were overwritten by a later standard init, as on a real device). A parameter loaded in
-``configure_model()`` (:mod:`lightning_par.zero.meta_loads`) replays every write made after the load (a
-head re-initialised after ``load_state_dict``). Random writes are drawn under a seed of the run's seed and
-the parameter's name, the same on every rank and for any layout, so a sharded model equals its unsharded
-twin; like the layers' own init, the values are not those of the user's global generator. A write that
-reads another meta tensor (one parameter copied into another, ``nn.init.orthogonal_`` through a view) has
-nothing to replay and is refused, naming the parameter and the fixes.
+:func:`~lightning_par.zero.meta_replay.replay_writes` then runs, on the real parameter after its standard
+init, the writes made after the last standard one: what the user's code did to it once the layers had
+initialised it (earlier custom writes were overwritten by a later standard init, as on a real device). A
+parameter loaded in ``configure_model()`` (:mod:`lightning_par.zero.meta_loads`) replays every write made
+after the load (a head re-initialised after ``load_state_dict``). Random writes are drawn under a seed of
+the run's seed and the parameter's name, the same on every rank and for any layout, so a sharded model
+equals its unsharded twin; like the layers' own init, the values are not those of the user's global
+generator. A write that reads another meta tensor (one parameter copied into another) has nothing to
+replay and is refused, naming the parameter and the fixes.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
@@ -61,6 +64,11 @@ _NOT_WRITES = frozenset(
 _INPLACE_DUNDERS = frozenset(
     {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__ipow__"}
 )
+# tensor methods that set every element whatever it held (``copy_`` broadcasts its source)
+_OVERWRITES = frozenset(
+    {"normal_", "uniform_", "fill_", "zero_", "copy_", "random_", "bernoulli_", "exponential_",
+     "geometric_", "log_normal_", "cauchy_"}
+)  # fmt: skip
 # torch.nn.init functions that return early on a meta tensor without dispatching to torch function modes
 _SILENT_ON_META = ("trunc_normal_", "orthogonal_", "dirac_", "sparse_")
 # initialisers that materialisation runs again, by frame name
@@ -77,7 +85,7 @@ class _Self:
         return "<written tensor>"
 
 
-_SELF = _Self()
+WRITTEN = _Self()  # the recorded calls' stand-in for the tensor they write
 
 
 @dataclass(frozen=True)
@@ -93,7 +101,7 @@ class Step:
 
 @dataclass(frozen=True)
 class Write:
-    """One recorded write: ``func`` called with ``_SELF`` in ``args``/``kwargs`` standing for the parameter
+    """One recorded write: ``func`` called with ``WRITTEN`` in ``args``/``kwargs`` standing for the parameter
     seen through ``path``; other tensors are CPU copies. ``unreplayable`` says why it cannot run again."""
 
     path: tuple[Step, ...]
@@ -107,6 +115,14 @@ class Write:
     def name(self) -> str:
         return str(getattr(self.func, "__name__", self.func))
 
+    @property
+    def overwrites(self) -> bool:
+        """Sets the whole parameter whatever it held (every ``nn.init`` function does): earlier writes
+        do not matter after it."""
+        init = getattr(self.func, "__module__", None) == "torch.nn.init"
+        whole = not self.path and (self.name in _OVERWRITES or init)
+        return whole and self.unreplayable is None
+
 
 @dataclass
 class Writes:
@@ -115,18 +131,21 @@ class Writes:
     ops: list[Write] = field(default_factory=list)
     after_load: bool = False
 
+    def add(self, write: Write) -> None:
+        """Append ``write``; one that overwrites the parameter replaces what came before (a value kept
+        for an earlier write is let go: a layer's ``torch.empty`` weight once its ``reset_parameters()``
+        has run)."""
+        if write.overwrites:
+            self.ops = [write]
+        else:
+            self.ops.append(write)
+
     def to_replay(self) -> list[Write]:
         """After a load every write; otherwise those after the last standard one."""
         if self.after_load:
             return list(self.ops)
         last = max((i for i, w in enumerate(self.ops) if w.standard), default=-1)
         return self.ops[last + 1 :]
-
-
-def writes_after_load(param: Tensor | None) -> bool:
-    """Whether ``param`` was loaded while built and written into after the load."""
-    held = param.__dict__.get(WRITES_ATTR) if param is not None else None
-    return isinstance(held, Writes) and held.after_load and bool(held.ops)
 
 
 def writes_of(param: nn.Parameter) -> Writes:
@@ -185,10 +204,10 @@ def _hf_base() -> type | None:
 
 
 def _capture(value: Any, written: Tensor, why: list[str]) -> Any:
-    """``value`` as recorded: the written tensor as ``_SELF``, other tensors as CPU copies (a meta one
+    """``value`` as recorded: the written tensor as ``WRITTEN``, other tensors as CPU copies (a meta one
     noted in ``why``), containers walked, generators dropped (replays draw from the seeded default)."""
     if value is written:
-        return _SELF
+        return WRITTEN
     if isinstance(value, Tensor):
         if value.is_meta:
             why.append("it reads another meta-device tensor")
@@ -260,7 +279,21 @@ class WriteRecorder(TorchFunctionMode):
         write = Write(
             path, func, captured_args, captured_kwargs, _standard(sys._getframe(2)), "; ".join(why) or None
         )
-        writes_of(param).ops.append(write)
+        writes_of(param).add(write)
+
+    def created(self, param: nn.Parameter, value: Tensor) -> None:
+        """``param`` (meta) was created from ``value``'s real values (``nn.Parameter(torch.ones(d))``,
+        ``nn.Embedding.from_pretrained(vectors)``, a layer's ``torch.empty`` weight): recorded as a write of
+        them, a constant as ``fill_``, others by reference (no copy; a layer's own ``reset_parameters()``
+        overwrites them at once, which lets the reference go). Values created in an initialiser that
+        materialisation runs again are not kept."""
+        if _standard(sys._getframe(1)):
+            write = Write((), torch.Tensor.copy_, (WRITTEN, None), {}, standard=True)
+        elif (constant := constant_value(value)) is not None:
+            write = Write((), torch.Tensor.fill_, (WRITTEN, constant), {}, standard=False)
+        else:
+            write = Write((), torch.Tensor.copy_, (WRITTEN, value.detach()), {}, standard=False)
+        writes_of(param).add(write)
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -327,76 +360,3 @@ def visible_init_functions(recorder: WriteRecorder) -> Iterator[None]:
         live[0] = False
         for name, original in originals.items():
             setattr(nn.init, name, original)
-
-
-def _bind(value: Any, target: Tensor, device: torch.device) -> Any:
-    if value is _SELF:
-        return target
-    if isinstance(value, Tensor):
-        return value.to(device)
-    if isinstance(value, tuple | list):
-        return type(value)(_bind(v, target, device) for v in value)
-    return value
-
-
-def _run(write: Write, param: Tensor) -> None:
-    target = param
-    for step in write.path:
-        view = step.func(
-            target, *_bind(step.args, target, param.device), **_bind(step.kwargs, target, param.device)
-        )
-        target = view[step.index] if step.index is not None else view
-    args = _bind(write.args, target, param.device)
-    kwargs = {k: _bind(v, target, param.device) for k, v in write.kwargs.items()}
-    write.func(*args, **kwargs)
-
-
-def pending_writes(
-    params: Sequence[tuple[str, nn.Parameter]], *, loaded: set[int]
-) -> list[tuple[str, nn.Parameter, list[Write]]]:
-    """For meta ``params`` (name, parameter) about to be materialised, the writes each needs replayed
-    (``loaded``: ids of those filled from weights; see :meth:`Writes.to_replay`): a parameter loaded from
-    ``pretrained=`` (no load recorded) needs none, its file supersedes what was built. Writes that cannot
-    be replayed are refused here, before anything is replaced."""
-    out: list[tuple[str, nn.Parameter, list[Write]]] = []
-    refused: list[str] = []
-    for name, param in params:
-        writes = param.__dict__.get(WRITES_ATTR)
-        if not isinstance(writes, Writes) or (id(param) in loaded and not writes.after_load):
-            continue
-        todo = writes.to_replay()
-        refused += [f"{name} ({w.name}: {w.unreplayable})" for w in todo if w.unreplayable is not None]
-        if todo:
-            out.append((name, param, todo))
-    if refused:
-        raise ValueError(
-            f"The model's construction wrote into meta-device parameters in ways ZeRO-3 cannot replay when it"
-            f" materialises them: {refused}. Move that initialisation into the module's reset_parameters()"
-            " (run on each unit as it gets storage), pass the weights as pretrained=..., or set"
-            " meta_init=False (the model is built on a real device first)."
-        )
-    return out
-
-
-def replay_writes(
-    pending: Sequence[tuple[str, nn.Parameter, list[Write]]],
-    fresh: dict[int, nn.Parameter],
-    *,
-    reseed: Callable[[str], None],
-) -> None:
-    """Run each parameter's pending writes on its real replacement ``fresh[id(meta)]`` (under no_grad,
-    after ``reseed(name)``)."""
-    with torch.no_grad():
-        for name, param, todo in pending:
-            real = fresh.get(id(param))
-            if real is None:
-                continue
-            reseed(f"{name}#writes")
-            for write in todo:
-                _run(write, real)
-
-
-def forget_writes(params: Sequence[Tensor]) -> None:
-    """Drop records copied onto real parameters (materialisation copies a meta parameter's attributes)."""
-    for p in params:
-        p.__dict__.pop(WRITES_ATTR, None)
