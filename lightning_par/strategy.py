@@ -54,8 +54,8 @@ from lightning_par.zero.meta_init import (
     ValuesFn,
     agree_seed,
     materialize_local,
+    meta_build,
     move_real_tensors,
-    params_on_meta,
 )
 from lightning_par.zero.meta_loads import MetaLoads
 from lightning_par.zero.units import UnitPolicy, check_pipeline_units
@@ -429,21 +429,13 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         # tensors: recorded, and loaded into the shards at setup (lightning_par.zero.meta_loads); so are
         # the model's own init writes, replayed when each unit gets storage (lightning_par.zero.meta_writes)
         loads = MetaLoads()
-        try:
-            with params_on_meta(loads):
-                yield
-        except Exception as error:
-            if "meta" not in str(error):
-                raise
-            raise RuntimeError(
-                "configure_model() failed while ZeRO-3 creates the parameters on the meta device"
-                f" (meta_init): {type(error).__name__}: {error}. Code that needs real weights there"
-                " (transformers' from_pretrained, reading parameter values) cannot run on meta tensors:"
-                " build the model from its config and pass the weights as"
-                " HybridParallelStrategy(pretrained=PATH) (read into each rank's shards), or load them with"
-                " load_state_dict (applied to the shards at setup), or set meta_init=False (the whole model"
-                " is built on every rank first)."
-            ) from error
+        fixes = (
+            "build the model from its config and pass the weights as HybridParallelStrategy(pretrained=PATH)"
+            " (read into each rank's shards), or load them with load_state_dict (applied to the shards at"
+            " setup), or set meta_init=False (the whole model is built on every rank first)."
+        )
+        with meta_build("configure_model()", fixes, loads):
+            yield
         self._meta_loads = loads
 
     def memory_report(self) -> MemoryReport:

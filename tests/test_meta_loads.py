@@ -7,8 +7,9 @@ nothing: the engine initialised them afresh, silently (the Llama 0.13 from its f
 from its file, measured). Now the strategy records such loads and writes them into the shards as it
 writes ``pretrained=`` weights. Checked: at ZeRO-3 dp 2 and at ZeRO-3 x tp 2 the consolidated weights
 are the file's exactly, and two SGD steps from them equal ``"ddp"`` loading the same file on a real
-model; the adapters of ``PeftModel.from_pretrained`` are the saved ones. Refused with the fix:
-transformers' ``from_pretrained`` inside ``configure_model()`` (it cannot run on meta tensors; before,
+model; the adapters of ``PeftModel.from_pretrained`` are the saved ones; transformers' ``from_pretrained``
+with ``use_kernels=False`` gives the file's weights. Refused with the fix: transformers' ``from_pretrained``
+with its default hub kernels inside ``configure_model()`` (it cannot fit them to meta tensors; before,
 its own error named an "Unsupported device type 'meta'" only), and a load in ``configure_model()``
 together with ``pretrained=``.
 """
@@ -43,10 +44,12 @@ class LoadsInConfigure(LoraLlama):
             from peft import PeftModel
 
             self.model = PeftModel.from_pretrained(llama(0), self.root, is_trainable=True)
-        elif self.how == "from_pretrained":
+        elif self.how in ("from_pretrained", "from_pretrained_no_kernels"):
             import transformers
 
-            self.model = transformers.LlamaForCausalLM.from_pretrained(self.root)
+            # transformers 5 ends by fitting hub kernels to the (meta) device unless told not to
+            kernels = {"use_kernels": False} if self.how == "from_pretrained_no_kernels" else {}
+            self.model = transformers.LlamaForCausalLM.from_pretrained(self.root, **kernels)
         else:
             model = llama(5)  # other initial weights: the file's replace them
             state = torch.load(Path(self.root) / "llama.pt")
@@ -86,6 +89,9 @@ def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
         "z3_adapters": _fit(
             HybridParallelStrategy(zero_stage=3), str(Path(root) / "adapters"), "adapters", 0
         ),
+        "z3_from_pretrained": _fit(
+            HybridParallelStrategy(zero_stage=3), str(Path(root) / "hf"), "from_pretrained_no_kernels", 0
+        ),
     }
     for name, strategy, how in (
         ("from_pretrained", HybridParallelStrategy(zero_stage=3), "from_pretrained"),
@@ -111,7 +117,7 @@ def test_weights_loaded_in_configure_model_reach_the_shards(tmp_path: Path) -> N
     ranks = run_distributed(_runs, 2, str(tmp_path), init_group=False, timeout=600)
     first = ranks[0]
     file = {"model." + k: v for k, v in source.state_dict().items()}
-    for name in ("ddp_0", "z3_0", "z3_assign", "z3_data_copy", "z3_tp2"):
+    for name in ("ddp_0", "z3_0", "z3_assign", "z3_data_copy", "z3_tp2", "z3_from_pretrained"):
         assert first[name].keys() == file.keys(), name
         for key, value in file.items():
             torch.testing.assert_close(first[name][key], value, rtol=0, atol=0, msg=f"{name}: {key}")
@@ -124,4 +130,5 @@ def test_weights_loaded_in_configure_model_reach_the_shards(tmp_path: Path) -> N
     for r, out in enumerate(ranks):
         assert "Unsupported device type 'meta'" in out["from_pretrained"], (r, out["from_pretrained"])
         assert "pretrained=PATH" in out["from_pretrained"] and "meta_init=False" in out["from_pretrained"]
+        assert "use_kernels=False" in out["from_pretrained"], out["from_pretrained"]
         assert "loaded values into" in out["both"] and "give the weights one way" in out["both"], out["both"]

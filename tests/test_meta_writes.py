@@ -27,6 +27,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import transformers
 from lightning.fabric import Fabric
 from lightning.pytorch.demos import Transformer
 from torch import Tensor, nn
@@ -309,6 +310,22 @@ def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
         nn.init.zeros_(net.head.weight)
     out["fabric_zeroed"] = {k: v.clone() for k, v in fabric.strategy.consolidated_state_dict().items()}  # type: ignore[attr-defined]
     fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]
+    # transformers' from_pretrained inside init_module(empty_init=True): its default hub-kernels step is
+    # refused with the fixes; with use_kernels=False the weights it reads reach the shards
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=FabricStrategy(zero_stage=3))
+    fabric.launch()
+    hf = Path(root) / "hf"
+    try:
+        with fabric.init_module(empty_init=True):
+            transformers.LlamaForCausalLM.from_pretrained(hf)
+        out["kernels"] = None
+    except RuntimeError as error:
+        out["kernels"] = str(error)
+    with fabric.init_module(empty_init=True):
+        hf_model = transformers.LlamaForCausalLM.from_pretrained(hf, use_kernels=False)
+    fabric.setup_module(hf_model)
+    out["from_pretrained"] = {k: v.clone() for k, v in fabric.strategy.consolidated_state_dict().items()}  # type: ignore[attr-defined]
+    fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]
     return out
 
 
@@ -319,6 +336,8 @@ def test_custom_init_under_zero3_trainer_and_fabric(tmp_path: Path) -> None:
         for p in saved.parameters():
             p.add_(torch.randn_like(p))  # weights no init gives: a load shows
     torch.save(saved.state_dict(), tmp_path / "nano.pt")
+    hf_source = llama(0)
+    hf_source.save_pretrained(tmp_path / "hf")
     both = run_distributed(_runs, 2, str(tmp_path), init_group=False)
     runs = both[0]
     # ZeRO-3 trained from the model's own init: one process training the twin (same seed) ends equal
@@ -365,3 +384,9 @@ def test_custom_init_under_zero3_trainer_and_fabric(tmp_path: Path) -> None:
     for key, value in saved.state_dict().items():
         want = torch.zeros_like(value) if key == "head.weight" else value
         torch.testing.assert_close(runs["fabric_zeroed"][key], want, rtol=0, atol=0, msg=f"zeroed: {key}")
+    # Fabric with transformers' from_pretrained: refused naming use_kernels=False, and with it the file's
+    for run in both:
+        assert run["kernels"] is not None and "use_kernels=False" in run["kernels"], run["kernels"]
+        assert "fabric.load_raw" in run["kernels"], run["kernels"]
+    for key, value in hf_source.state_dict().items():
+        torch.testing.assert_close(runs["from_pretrained"][key], value, rtol=0, atol=0, msg=key)

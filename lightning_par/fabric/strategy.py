@@ -70,7 +70,7 @@ from lightning_par.strategy_options import PipelineSchedule, check_options
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
 from lightning_par.zero.engine import Engine, reads_own_state
 from lightning_par.zero.meta_buffers import materialize_buffers
-from lightning_par.zero.meta_init import move_real_tensors, params_on_meta
+from lightning_par.zero.meta_init import meta_build, move_real_tensors
 from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.units import UnitPolicy
 
@@ -277,8 +277,14 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[None]:
-        if empty_init and self.meta_init and self.zero_stage == 3:
-            return params_on_meta()  # buffers stay real; the engine materialises the shards
+        if empty_init and self.meta_init and self.zero_stage == 3:  # buffers stay real; shards materialised
+            return meta_build(
+                "fabric.init_module(empty_init=True)",
+                "build the model from its config and load the weights inside the same block with"
+                " model.load_state_dict(...) (applied to the shards at setup), or after fabric.setup with"
+                " fabric.load_raw(path, model), or build it with empty_init=False (the whole model on every"
+                " rank first).",
+            )
         return self._on_device()
 
     @contextmanager

@@ -142,6 +142,33 @@ def params_on_meta(loads: MetaLoads | None = None) -> Iterator[None]:
         nn.Parameter.__deepcopy__ = deepcopy  # type: ignore[method-assign]
 
 
+@contextmanager
+def meta_build(where: str, fixes: str, loads: MetaLoads | None = None) -> Iterator[None]:
+    """:func:`params_on_meta` for user code building a model (``where`` names it), with its failures
+    from code that cannot run on meta tensors raised again naming the cause and ``fixes`` (transformers'
+    ``from_pretrained`` fails in its last step, "Unsupported device type 'meta'", and loads with
+    ``use_kernels=False``)."""
+    try:
+        with params_on_meta(loads):
+            yield
+    except Exception as error:
+        if "meta" not in str(error):
+            raise
+        # transformers 5 ends from_pretrained by fitting hub kernels to the model's device, which fails on
+        # meta tensors after the weights are read (and recorded: loads into meta parameters are kept)
+        kernels = (
+            " transformers' from_pretrained itself works here with use_kernels=False: the weights it reads"
+            " are kept and written into the shards at setup (each rank holds them on the host until then)."
+            if "Unsupported device type 'meta'" in str(error)
+            else ""
+        )
+        raise RuntimeError(
+            f"{where} failed while ZeRO-3 creates the parameters on the meta device (meta_init):"
+            f" {type(error).__name__}: {error}.{kernels} Code that needs real weights there (reading"
+            f" parameter values) cannot run on meta tensors: {fixes}"
+        ) from error
+
+
 def materialize_unit(
     root: nn.Module,
     params: Sequence[nn.Parameter],

@@ -102,7 +102,8 @@ class Step:
 @dataclass(frozen=True)
 class Write:
     """One recorded write: ``func`` called with ``WRITTEN`` in ``args``/``kwargs`` standing for the parameter
-    seen through ``path``; other tensors are CPU copies. ``unreplayable`` says why it cannot run again."""
+    seen through ``path``; other tensors are CPU copies (the values a parameter was created with: that
+    tensor itself). ``unreplayable`` says why it cannot run again."""
 
     path: tuple[Step, ...]
     func: Callable[..., Any]
@@ -180,9 +181,9 @@ def constant_value(t: Tensor, *, limit: int = 1 << 20) -> float | None:
 
 def _standard(frame: FrameType | None) -> bool:
     """Whether a frame up the stack is an initialiser that materialisation runs again: a module's
-    ``reset_parameters()``, or a method of a Hugging Face model
-    (transformers' own code), whose ``post_init()`` init is replayed whole, its layers' constructors
-    included (transformers may not even run it on meta tensors). A subclass's own code is the user's."""
+    ``reset_parameters()``, or a method of a Hugging Face model in transformers' own code, whose
+    ``post_init()`` init is replayed whole, its layers' constructors included (transformers may not even
+    run it on meta tensors). A subclass's own code is the user's."""
     base = _hf_base()
     while frame is not None:
         code = frame.f_code
