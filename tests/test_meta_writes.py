@@ -272,6 +272,22 @@ class CustomLlama(LoraLlama):
             layer.mlp.down_proj.weight.data.mul_(0.01)
 
 
+class LoadedThenWritten(LoraLlama):
+    """A Llama loaded from a file in ``configure_model()``, then a column-parallel weight zeroed."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(lora=False)
+        self.root = root
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        model = llama(5)
+        model.load_state_dict(torch.load(Path(self.root) / "llama.pt"))
+        nn.init.zeros_(model.model.layers[0].self_attn.q_proj.weight)
+        self.model = model
+
+
 def loss_of(net: nn.Module, batch: Tensor) -> Tensor:
     logits = net(batch[:, :-1])
     return nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
@@ -291,6 +307,13 @@ def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
     llama_module = CustomLlama(lora=False)
     cpu_trainer(strategy, max_steps=0).fit(llama_module, DataLoader(Tokens(8), batch_size=2))
     out["tp2"] = {"final": final_state(llama_module, strategy), "seed": strategy.engine.init_seed}
+    strategy = HybridParallelStrategy(zero_stage=3, tensor_parallel_size=2, tp_plan="llama")
+    try:  # loaded as slices, written after the load: refused
+        cpu_trainer(strategy, max_steps=0).fit(LoadedThenWritten(root), DataLoader(Tokens(8), batch_size=2))
+        out["tp2_after_load"] = None
+    except ValueError as error:
+        out["tp2_after_load"] = str(error)
+    strategy.destroy_process_groups()
     fabric = Fabric(accelerator="cpu", devices=world, strategy=FabricStrategy(zero_stage=3))
     fabric.launch()
     with fabric.init_module(empty_init=True):
@@ -338,6 +361,7 @@ def test_custom_init_under_zero3_trainer_and_fabric(tmp_path: Path) -> None:
     torch.save(saved.state_dict(), tmp_path / "nano.pt")
     hf_source = llama(0)
     hf_source.save_pretrained(tmp_path / "hf")
+    torch.save(hf_source.state_dict(), tmp_path / "llama.pt")
     both = run_distributed(_runs, 2, str(tmp_path), init_group=False)
     runs = both[0]
     # ZeRO-3 trained from the model's own init: one process training the twin (same seed) ends equal
@@ -390,3 +414,8 @@ def test_custom_init_under_zero3_trainer_and_fabric(tmp_path: Path) -> None:
         assert "fabric.load_raw" in run["kernels"], run["kernels"]
     for key, value in hf_source.state_dict().items():
         torch.testing.assert_close(runs["from_pretrained"][key], value, rtol=0, atol=0, msg=key)
+    # ZeRO-3 x tp2: a weight loaded as slices in configure_model() and written after the load is refused
+    for run in both:
+        refused = run["tp2_after_load"]
+        assert refused is not None and "model.layers.0.self_attn.q_proj.weight" in refused, refused
+        assert "make the write before the load" in refused, refused

@@ -207,6 +207,18 @@ def materialize_unit(
                 f" {tuple(wanted[pid].shape)}."
             )
     todo = {pid for pid in wanted if pid not in loaded}
+    rewritten = [  # loaded as slices: the writes made after the load would need the full tensor
+        label.get(id(p), attr)
+        for s in parallel_layers(root, set(loaded))
+        for attr, p in s.layer._parameters.items()
+        if p is not None and id(p) in loaded and writes_after_load(s.source._parameters.get(attr))
+    ]
+    if rewritten:
+        raise ValueError(
+            f"configure_model() loaded {rewritten} and then wrote into them (an init after the load); under"
+            " tensor parallelism ZeRO-3 loads them as slices and cannot replay such writes: make the write"
+            " before the load, or give the final weights as pretrained=... ."
+        )
     swaps = parallel_layers(root, todo)
     swapped = {id(p) for s in swaps for p in s.layer.parameters(recurse=False)}
     unsourced = [label[pid] for pid in wanted if pid in todo - swapped and hasattr(wanted[pid], TP_DIM_ATTR)]
@@ -222,18 +234,6 @@ def materialize_unit(
         fresh = _materialize(root, wanted, loaded, label, seed=seed, device=device)
         release_sources(root, {id(p) for p in fresh.values()})  # parallel layers filled from pretrained
         return [fresh.get(id(p), p) for p in params]
-    rewritten = [  # loaded as slices: the writes made after the load would need the full tensor
-        label.get(id(p), attr)
-        for s in swaps
-        for attr, p in s.layer._parameters.items()
-        if p is not None and id(p) in loaded and writes_after_load(s.source._parameters.get(attr))
-    ]
-    if rewritten:
-        raise ValueError(
-            f"configure_model() loaded {rewritten} and then wrote into them (an init after the load); under"
-            " tensor parallelism ZeRO-3 loads them as slices and cannot replay such writes: make the write"
-            " before the load, or give the final weights as pretrained=... ."
-        )
     # the parallel layers' parameters: their sources' full-size ones initialised in their place, sliced
     with sources_in_place(swaps):
         full = {id(p): p for s in swaps for p in s.source.parameters(recurse=False) if p.is_meta}
