@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -119,11 +120,27 @@ def gaussian_lora() -> nn.Module:
     return get_peft_model(llama(0), config)
 
 
+def litgpt_pretrained_style() -> nn.Module:
+    """litgpt's GPT with the init of its pretraining script: ``initialize_weights`` sets each linear and
+    embedding's ``reset_parameters`` to ``N(0, sqrt(2 / 5 / n_embd))`` (attention's output projection
+    ``1 / sqrt(n_embd) / n_layer``) and runs them, here on meta tensors. Materialisation calls the patched
+    ``reset_parameters`` again, which alone gives this init; the recorded writes must agree with it."""
+    from litgpt.config import Config
+    from litgpt.model import GPT
+    from litgpt.pretrain import initialize_weights
+
+    config = Config(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=128, padded_vocab_size=128)
+    model = GPT(config)
+    initialize_weights(SimpleNamespace(strategy=None), model, n_layer=2, n_embd=64)  # type: ignore[arg-type]
+    return model
+
+
 BUILDERS = {
     "nanogpt": NanoGPT,
     "vit_bits": ViTBits,
     "lightning_demo_transformer": demo_transformer,
     "peft_gaussian_lora": gaussian_lora,
+    "litgpt_pretrain_init": litgpt_pretrained_style,
 }
 
 
