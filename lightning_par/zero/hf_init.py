@@ -31,7 +31,7 @@ from torch import nn
 Initialiser = Callable[[nn.Module], None]
 
 
-def _pretrained_model_class() -> type | None:
+def pretrained_model_class() -> type | None:
     """``transformers.PreTrainedModel`` if ``transformers`` is imported (a Hugging Face model is an
     instance of it only then); never imports it."""
     module = sys.modules.get("transformers")
@@ -45,7 +45,7 @@ def hf_initialisers(
     """``(path, module, model._init_weights)`` in ``post_init()``'s order (children first) for the modules
     of ``root`` inside a Hugging Face model whose subtree holds a parameter whose id is in ``unit`` (or a
     buffer whose id is in ``buffers``). Empty without Hugging Face models."""
-    base = _pretrained_model_class()
+    base = pretrained_model_class()
     buffers = buffers or set()
     if base is None or not (unit or buffers):
         return []

@@ -50,6 +50,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_par.zero.hf_init import pretrained_model_class
+
 WRITES_ATTR = "_lp_meta_writes"
 
 # compared with ==: each access makes a new method-wrapper
@@ -184,7 +186,7 @@ def _standard(frame: FrameType | None) -> bool:
     ``reset_parameters()``, or a method of a Hugging Face model in transformers' own code, whose
     ``post_init()`` init is replayed whole, its layers' constructors included (transformers may not even
     run it on meta tensors). A subclass's own code is the user's."""
-    base = _hf_base()
+    base = pretrained_model_class()
     while frame is not None:
         code = frame.f_code
         rerun = code.co_name in _RERUN
@@ -196,12 +198,6 @@ def _standard(frame: FrameType | None) -> bool:
                 return True
         frame = frame.f_back
     return False
-
-
-def _hf_base() -> type | None:
-    module = sys.modules.get("transformers")
-    found = getattr(module, "PreTrainedModel", None) if module is not None else None
-    return found if isinstance(found, type) else None
 
 
 def _capture(value: Any, written: Tensor, why: list[str]) -> Any:
