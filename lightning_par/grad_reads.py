@@ -1,4 +1,5 @@
-"""Reads of ``param.grad`` that find nothing at ZeRO 1-3 are refused in the first optimizer step.
+"""Reads of ``param.grad`` that find nothing are refused in the first optimizer step (ZeRO 1-3, and
+other stages' parameters under pipeline parallelism).
 
 Why
 ---
@@ -7,15 +8,22 @@ module's parameters stays None. Code written for DDP that reads it between the b
 optimizer step did nothing, silently: ``torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)`` in
 ``configure_gradient_clipping`` or ``on_before_optimizer_step`` clipped nothing (a small MLP whose steps
 needed the clip ended 1e12 away from ``"ddp"``), and Lightning's ``grad_norm(self, 2)`` logged nothing.
+Under pipeline parallelism the same code sees this stage's gradients only (the other stages' parameters
+are meta placeholders, their ``grad`` None): each stage clipped by its own norm, by a different factor
+than the whole model's, silently (a pp2 GPT's losses then left the one-process run's), and
+``grad_norm`` logged rank 0's stage as the total.
 
 How
 ---
-:meth:`GradReads.arm` (the front door calls it before the first backward it runs) enters a torch
-function mode that watches ``Tensor.grad`` reads. Once the gradients of a window have been reduced
-(:meth:`GradReads.landed`, an engine ``on_synchronized`` listener), a read that returns None for a
-parameter that was trainable at setup raises ``RuntimeError`` naming it and the fixes. The first
-optimizer step ends the watch for good (:meth:`GradReads.end`, also at teardown), so later steps pay
-nothing; a read that first happens in a later step is not caught. Reads before the window's backward
+:meth:`GradReads.arm` (the front door calls it before the first backward it runs; under a pipeline after
+the schedule, before the window's reduction) enters a torch function mode that watches ``Tensor.grad``
+reads. Once the gradients of a window have been reduced (:meth:`GradReads.landed`, an engine
+``on_synchronized`` listener), a read that returns None for a parameter that was trainable at setup
+raises ``RuntimeError`` naming it and the fixes. The first optimizer step ends the watch for good
+(:meth:`GradReads.end`, before the optimizer's own update, which reads every parameter's ``grad``, other
+stages' placeholders among them: in the Trainer once ``on_before_optimizer_step`` and the clipping have
+run, from ``ParallelPrecision.before_update``; also at teardown), so later steps pay nothing; a read
+that first happens in a later step is not caught. Reads before the window's backward
 (``on_before_backward``, where DDP finds None too) and reads that find a gradient pass. With
 ``find_unused_parameters`` the front doors leave the watch off (an unused parameter's gradient is None
 under DDP as well). The engine's own work in backward is not seen: torch runs autograd's nodes and hooks
@@ -51,9 +59,12 @@ class GradReads:
     """The first optimizer step's watch over ``param.grad`` reads (module docstring). ``defer``: record the
     first refused read and raise it from :meth:`end` instead of from inside the read (Fabric, below)."""
 
-    def __init__(self, module: nn.Module, *, zero_stage: int, defer: bool = False) -> None:
+    def __init__(
+        self, module: nn.Module, *, zero_stage: int, pipelined: bool = False, defer: bool = False
+    ) -> None:
         self._names = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
         self.zero_stage = zero_stage
+        self.pipelined = pipelined
         self.defer = defer
         self._mode: TorchFunctionMode | None = None
         self._landed = False
@@ -72,11 +83,11 @@ class GradReads:
         defer: bool = False,
     ) -> GradReads | None:
         """The watch a front door keeps for ``module``'s engine (its ``landed`` listener registered), or None
-        where there is nothing to watch: stage 0 (``param.grad`` holds the gradient), a pipeline (its own
-        steps run every backward), ``find_unused_parameters`` (None is an answer under DDP too)."""
-        if engine is None or zero_stage < 1 or pipelined or find_unused_parameters:
+        where there is nothing to watch: stage 0 without a pipeline (``param.grad`` holds the gradient),
+        ``find_unused_parameters`` (None is an answer under DDP too)."""
+        if engine is None or (zero_stage < 1 and not pipelined) or find_unused_parameters:
             return None
-        reads = cls(module, zero_stage=zero_stage, defer=defer)
+        reads = cls(module, zero_stage=zero_stage, pipelined=pipelined, defer=defer)
         engine.on_synchronized(reads.landed)
         return reads
 
@@ -112,15 +123,31 @@ class GradReads:
         name = self._names.get(id(param))
         if name is None or not self._landed or self._ended or self._refused is not None:
             return
-        message = (
-            f"ZeRO-{self.zero_stage}: {name}.grad was read after the backward and is None: at ZeRO stages 1-3"
-            " the gradients live in each rank's shards, not in param.grad, so code that clips them"
-            " (torch.nn.utils.clip_grad_norm_(self.parameters(), ...)) or logs them (Lightning's"
-            " grad_norm(self, ...)) would do nothing, silently. Clip with Trainer(gradient_clip_val=...) or"
-            " self.clip_gradients(optimizer, ...) (fabric.clip_gradients in Fabric): the global norm over the"
-            " shards; read the norms with trainer.strategy.grad_norm(self); or use zero_stage=0, where"
-            " param.grad holds the averaged gradient. (Checked in the first optimizer step only.)"
-        )
+        if self.pipelined and param.is_meta:
+            message = (
+                f"Pipeline parallelism: {name}.grad was read after the backward and is None here: the"
+                " parameter belongs to another pipeline stage's layers (on this rank it is a meta"
+                " placeholder), so code that clips the gradients of self.parameters()"
+                " (torch.nn.utils.clip_grad_norm_) would measure this stage's alone and clip each stage by a"
+                " different factor, and Lightning's grad_norm(self, ...) would report this stage's norm as"
+                " the total. Clip with Trainer(gradient_clip_val=...) or self.clip_gradients(optimizer, ...)"
+                " (fabric.clip_gradients in Fabric): the global norm over every stage; read the norms with"
+                " trainer.strategy.grad_norm(self) on every rank. (Checked in the first optimizer step"
+                " only.)"
+            )
+        elif self.zero_stage < 1:  # this stage's own parameter without a gradient: None under DDP too
+            return
+        else:
+            message = (
+                f"ZeRO-{self.zero_stage}: {name}.grad was read after the backward and is None: at ZeRO"
+                " stages 1-3 the gradients live in each rank's shards, not in param.grad, so code that clips"
+                " them (torch.nn.utils.clip_grad_norm_(self.parameters(), ...)) or logs them (Lightning's"
+                " grad_norm(self, ...)) would do nothing, silently. Clip with Trainer(gradient_clip_val=...)"
+                " or self.clip_gradients(optimizer, ...) (fabric.clip_gradients in Fabric): the global norm"
+                " over the shards; read the norms with trainer.strategy.grad_norm(self); or use"
+                " zero_stage=0, where param.grad holds the averaged gradient. (Checked in the first"
+                " optimizer step only.)"
+            )
         if self.defer:
             self._refused = message
             return

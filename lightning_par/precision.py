@@ -44,7 +44,7 @@ the strategy then neither steps the LR schedulers nor counts the step (see ``Hyb
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -133,6 +133,9 @@ class ParallelPrecision(Precision):
         self.step_groups: tuple[ProcessGroup | None, ...] = (None,)
         self.last_step_skipped = False
         self.last_grad_norm: Tensor | None = None  # the global norm the latest clip used
+        # called once the closure's hooks and clipping have run, before the optimizer's update: the
+        # Trainer strategy ends its first step's param.grad watch there (lightning_par.grad_reads)
+        self.before_update: Callable[[], None] | None = None
         self.requested_master_weights = master_weights
         self.master_weights = bool(master_weights) if master_weights is not None else self.low_precision
         self.device = torch.device("cpu")  # the communication device, set by configure()
@@ -279,6 +282,19 @@ class ParallelPrecision(Precision):
         output = optimizer.step(**kwargs)
         self.scaler.update(False)
         return output
+
+    @override
+    def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
+        super()._after_closure(model, optimizer)
+        if self.before_update is not None:
+            self.before_update()
+
+    @override
+    def main_params(self, optimizer: Optimizer) -> Iterator[nn.Parameter]:
+        """The optimizer's parameters that live on this rank: under pipeline parallelism an optimizer's
+        groups hold the other stages' parameters as meta placeholders, which never carry a gradient."""
+        for group in optimizer.param_groups:
+            yield from (p for p in group["params"] if not p.is_meta)
 
     @override
     def clip_grad_by_norm(

@@ -40,7 +40,7 @@ from lightning_par.optimizer_checks import check_layout_optimizers
 from lightning_par.pipeline.lightning import LightningPipeline, pipeline_layers_of
 from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
 from lightning_par.pipeline.steps import pipeline_parts
-from lightning_par.precision import cast_frozen
+from lightning_par.precision import ParallelPrecision, cast_frozen
 from lightning_par.strategy_env import MeshStrategy
 from lightning_par.strategy_options import PipelineSchedule, StartMethod, check_fit_setup, check_options
 from lightning_par.strategy_precision import StrategyPrecision
@@ -405,6 +405,9 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             pipelined=self.pipeline_parallel_size > 1,
             find_unused_parameters=self.find_unused_parameters,
         )
+        plugin = self.precision_plugin
+        if isinstance(plugin, ParallelPrecision):  # the watch ends before the optimizer's own update
+            plugin.before_update = self._end_grad_reads if self._grad_reads is not None else None
         # at stage 0 user code sees param.grad: the tp replicas' gradients are compared at the first step
         self._check_tp_replicas = fitting and self.tensor_parallel_size > 1 and self.zero_stage == 0
 
@@ -449,6 +452,9 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         if self._grad_reads is not None:
             self._grad_reads.end(quiet=True)
             self._grad_reads = None
+        plugin = self.precision_plugin
+        if isinstance(plugin, ParallelPrecision):
+            plugin.before_update = None
         if self._engine is not None:
             if self.unshard_on_teardown:
                 self._engine.unshard_all()  # leave a usable, whole model behind (a no-op below stage 3)

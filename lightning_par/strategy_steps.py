@@ -111,6 +111,8 @@ class StrategySteps(ZeroCheckpointIO):
             # the pipeline ran every backward inside training_step; Lightning has zeroed the optimizers'
             # gradients since (a new window), which leaves the engine's buffer alone: reduce it now
             assert self._engine is not None
+            if self._grad_reads is not None:  # before the reduction: its end marks the gradients landed
+                self._grad_reads.arm()
             self._pipeline.end_window(self._engine)
             return closure_loss
         if self._engine is not None:  # its reductions end with this pass, past reentrant checkpoints'
@@ -274,14 +276,19 @@ class StrategySteps(ZeroCheckpointIO):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._engine is not None:
             self._engine.after_step()  # stages 1/2: all-gather the updated parameters
-        if self._grad_reads is not None:
-            self._grad_reads.end()
-            self._grad_reads = None
+        self._end_grad_reads()  # a step skipped for an fp16 overflow never reached the update
         if self._check_tp_replicas:
             self._verify_tp_replicas()
         if self._step_skipped() and self.lightning_module is not None:
             lightning_hooks.uncount_step(self.lightning_module)
         return output
+
+    def _end_grad_reads(self) -> None:
+        """The first optimizer step's ``param.grad`` watch ends (``ParallelPrecision.before_update`` calls
+        this before the optimizer's own update, which reads every parameter's ``grad``)."""
+        reads, self._grad_reads = self._grad_reads, None
+        if reads is not None:
+            reads.end()
 
     def _verify_tp_replicas(self) -> None:
         """Once, after the first optimizer step with gradients (they are still in ``param.grad``): the
@@ -374,8 +381,8 @@ class StrategySteps(ZeroCheckpointIO):
         names = [n for n, q in root.named_parameters() if q.requires_grad and n.startswith(prefix)]
         # (name, gradient piece, the tensor carrying the parallelism marks)
         held: list[tuple[str, Tensor | None, Tensor]]
-        if sharded is None:  # whole gradients, alike on every dp rank
-            held = [(n, q.grad, q) for n, q in root.named_parameters()]
+        if sharded is None:  # whole gradients, alike on every dp rank (other stages' placeholders: none)
+            held = [(n, q.grad, q) for n, q in root.named_parameters() if not q.is_meta]
         else:  # this rank's dp fragments
             held = [(n, master.grad, master) for n, _, _, master in sharded.fragment_table()]
         pieces = [

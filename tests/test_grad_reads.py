@@ -10,7 +10,12 @@ is refused, naming the parameter and the fixes, in the Trainer and in a Fabric l
 What must not be refused: reads that find None under DDP too (``on_before_backward``, after the step in
 ``on_train_batch_end``), and the built-in clipping (``self.clip_gradients``), with gradient accumulation;
 those runs equal ``"ddp"`` at ZeRO 1-3, and the watch is gone from the second step on (no torch function
-mode left in ``training_step``), also after a refusal.
+mode left at the next batch's start), also after a refusal.
+
+Under pipeline parallelism (pp2, the MLP cut in two) the same code saw this stage's gradients only, the
+other stage's parameters being meta placeholders: each stage clipped by its own norm, silently. Reading a
+placeholder's ``grad`` there is refused now too, in the Trainer and in a Fabric loop, while this stage's
+own gradients are read freely, and the built-in clip (global over the stages) equals one process.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from lightning.fabric import Fabric
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.fabric import HybridParallelStrategy as FabricHybridParallelStrategy
@@ -49,9 +54,11 @@ class Clipped(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
         self.modes: list[int] = []  # torch function modes entered after the first optimizer step
 
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if batch_idx > 1:  # the first optimizer step is done (accumulation 1 or 2)
             self.modes.append(torch._C._len_torch_function_stack())
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch
         return F.mse_loss(self.net(x), y)
 
@@ -78,9 +85,28 @@ class Clipped(pl.LightningModule):
         return DataLoader(TensorDataset(*_samples()), batch_size=4)
 
 
+class Piped(Clipped):
+    """``Clipped`` cut into two pipeline stages: ``Linear, ReLU`` | ``Linear``; ``"builtin"`` also reads
+    this stage's own gradients (present: no refusal)."""
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.net)
+
+    def pipeline_loss(self, output: Tensor, batch: Any) -> Tensor:
+        return F.mse_loss(output, batch[1])
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        super().on_before_optimizer_step(optimizer)
+        if self.mode == "builtin":
+            assert all(p.grad is not None for p in self.parameters() if not p.is_meta)
+
+
+PIPED = dict(pipeline_parallel_size=2, num_microbatches=2, partition_method=[2, 1])
+
+
 def _fit(strategy: Any, mode: str, accumulate: int = 1) -> dict[str, Any]:
     torch.manual_seed(0)
-    module = Clipped(mode)
+    module = (Piped if strategy_piped(strategy) else Clipped)(mode)
     trainer = cpu_trainer(strategy, max_epochs=1, accumulate_grad_batches=accumulate)
     refused = fit_refused(trainer, module, strategy)
     if refused is not None:
@@ -88,8 +114,15 @@ def _fit(strategy: Any, mode: str, accumulate: int = 1) -> dict[str, Any]:
     return {"state": final_state(module, strategy), "modes": module.modes}
 
 
-def _fabric(rank: int, clip: str) -> dict[str, Any]:
-    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=FabricHybridParallelStrategy(zero_stage=2))
+def strategy_piped(strategy: Any) -> bool:
+    return getattr(strategy, "pipeline_parallel_size", 1) > 1
+
+
+def _fabric(rank: int, clip: str, piped: bool = False) -> dict[str, Any]:
+    options: dict[str, Any] = dict(zero_stage=2)
+    if piped:  # both ranks hold a stage and take the whole batch of 8
+        options = dict(PIPED, pipeline_layers=lambda module: list(module))
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=FabricHybridParallelStrategy(**options))
     fabric.launch()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
@@ -97,8 +130,14 @@ def _fabric(rank: int, clip: str) -> dict[str, Any]:
     x, y = _samples()
     try:
         for step in range(4):
-            mine = slice(step * 8 + rank * 4, step * 8 + rank * 4 + 4)
-            fabric.backward(F.mse_loss(model(x[mine]), y[mine]))
+            if piped:
+                batch = (x[step * 8 : step * 8 + 8], y[step * 8 : step * 8 + 8])
+                fabric.strategy.pipeline.step(  # type: ignore[attr-defined]
+                    batch, loss_fn=lambda output, micro: F.mse_loss(output, micro[1])
+                )
+            else:
+                mine = slice(step * 8 + rank * 4, step * 8 + rank * 4 + 4)
+                fabric.backward(F.mse_loss(model(x[mine]), y[mine]))
             if clip == "torch":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
             else:
@@ -118,6 +157,11 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         "fabric/torch": _fabric(rank, "torch"),
         "fabric/fabric": _fabric(rank, "fabric"),
+        "fabric_pp/torch": _fabric(rank, "torch", piped=True),
+        "fabric_pp/fabric": _fabric(rank, "fabric", piped=True),
+        "pp/torch_clip/refused": _fit(HybridParallelStrategy(**PIPED), "torch_clip"),
+        "pp/log_norms/refused": _fit(HybridParallelStrategy(**PIPED), "log_norms"),
+        "pp/builtin": _fit(HybridParallelStrategy(**PIPED), "builtin"),
         "ddp/torch_clip": _fit(DDPStrategy(), "torch_clip"),
         "zero0/torch_clip": _fit(HybridParallelStrategy(zero_stage=0), "torch_clip"),
         "ddp/builtin": _fit(DDPStrategy(), "builtin", accumulate=2),
@@ -133,7 +177,15 @@ def test_grad_reads_that_find_nothing_are_refused_and_the_rest_equals_ddp() -> N
     ranks = run_distributed(_runs, WORLD, init_group=False, timeout=300)
     for r, out in enumerate(ranks):
         for key, result in out.items():
-            if key.endswith("refused") or key == "fabric/torch":
+            if (key.startswith("pp/") and key.endswith("refused")) or key == "fabric_pp/torch":
+                # the first placeholder self.parameters() meets: the other stage's first weight
+                other = f"{'net.' if key.startswith('pp') else ''}{2 if r == 0 else 0}.weight"
+                message = result.get("error", "")
+                expected = f"Pipeline parallelism: {other}.grad was read after the backward and is None"
+                assert message.startswith(expected), (r, key, message)
+                assert "another pipeline stage" in message and "gradient_clip_val" in message, (r, key)
+                assert result["modes"] == 0, (r, key, result)
+            elif key.endswith("refused") or key == "fabric/torch":
                 stage, name = (key[4], "net.0.weight") if key.startswith("zero") else ("2", "0.weight")
                 message = result.get("error", "")
                 expected = f"ZeRO-{stage}: {name}.grad was read after the backward and is None"
@@ -144,7 +196,14 @@ def test_grad_reads_that_find_nothing_are_refused_and_the_rest_equals_ddp() -> N
                 assert "error" not in result and result["modes"] == 0, (r, key, result)
             elif not key.startswith("ddp"):
                 assert "error" not in result, (r, key, result)
-                assert len(result["modes"]) == 6 and set(result["modes"]) == {0}, (r, key, result["modes"])
+                steps = (
+                    14 if key.startswith("pp") else 6
+                )  # batches after the first two: 16 at dp 1, 8 at dp 2
+                assert len(result["modes"]) == steps and set(result["modes"]) == {0}, (
+                    r,
+                    key,
+                    result["modes"],
+                )
 
     out = ranks[0]  # the consolidated states land on rank 0
     torch.manual_seed(0)
@@ -170,3 +229,19 @@ def test_grad_reads_that_find_nothing_are_refused_and_the_rest_equals_ddp() -> N
         optimizer.zero_grad()
     for name, value in net.state_dict().items():
         torch.testing.assert_close(out["fabric/fabric"]["state"][name], value, msg=f"fabric: {name}")
+        torch.testing.assert_close(out["fabric_pp/fabric"]["state"][name], value, msg=f"fabric pp: {name}")
+
+    # the Trainer at pp2 (data parallel size 1: every batch of 4 on both stages) against one process fed
+    # the batches of the sampler Lightning puts in (a training loader is shuffled, seed 0)
+    order = list(DistributedSampler(TensorDataset(x), num_replicas=1, rank=0, shuffle=True, seed=0))
+    torch.manual_seed(0)
+    module = Clipped("builtin")
+    optimizer = module.configure_optimizers()
+    for step in range(16):
+        rows = order[step * 4 : step * 4 + 4]
+        F.mse_loss(module.net(x[rows]), y[rows]).backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 0.1)
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(out["pp/builtin"]["state"][name], value, msg=f"pp: {name}")

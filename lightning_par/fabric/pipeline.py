@@ -157,6 +157,8 @@ class FabricPipeline:
                 loss_scale=scaler.scale if scaler is not None else 1.0,
                 names=("loss_fn", "input_fn(batch) (pipeline.step's argument)"),
             )
+        if strategy._grad_reads is not None:  # the first step's param.grad watch, before the reduction
+            strategy._grad_reads.arm()
         self._steps.end_window(engine)  # outside no_backward_sync: tied sums, then the dp reduction
         return _returned(result)
 
