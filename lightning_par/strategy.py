@@ -107,7 +107,9 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             activations: ``True`` for every child of an ``nn.ModuleList`` (the blocks), or module classes /
             name patterns.
         unshard_on_teardown: stage 3: gather the whole model back into every rank when training ends, so
-            the module is usable afterwards (turn off for models that do not fit one device).
+            the module is usable afterwards (turn off for models that do not fit one device); stages 1/2
+            in mixed precision: the parameters go back from their 16-bit compute copies to the fp32
+            masters' values, as under Lightning's own strategies.
         find_unused_parameters: allow parameters without gradients in a step (their ``.grad`` stays
             ``None`` when no rank used them); without it such parameters raise a clear error.
         comm_hook: gradient compression: ``"fp16"``/``"bf16"`` (gradient reductions in that dtype, stages
@@ -457,7 +459,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             plugin.before_update = None
         if self._engine is not None:
             if self.unshard_on_teardown:
-                self._engine.unshard_all()  # leave a usable, whole model behind (a no-op below stage 3)
+                self._engine.unshard_all()  # leave a usable, whole model behind, at master precision
             # hooks go; the engine stays so trainer.save_checkpoint() after fit still sees the shards
             # (the next setup() builds a new one)
             self._engine.remove()

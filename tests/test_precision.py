@@ -232,3 +232,68 @@ def test_loss_scaler_policy_and_bad_values() -> None:
         ParallelPrecision("8-mixed")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="reduce in fp32 or in the compute dtype"):
         ParallelPrecision("bf16-mixed", reduce_dtype="fp16")
+
+
+class _MLP(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _after_fit(rank: int, world: int) -> dict[str, Any]:
+    """The user's module after a bf16-mixed ``fit``: parameter dtypes, values, an eager forward; under
+    ``"ddp"`` and ZeRO 1-3 (ours also the consolidated state)."""
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import TensorDataset
+
+    from tests.fits import cpu_trainer, final_state
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g))
+    probe = torch.randn(5, 8, generator=g)
+    out: dict[str, Any] = {}
+    for name, strategy in (
+        ("ddp", DDPStrategy()),
+        *((f"zero{s}", HybridParallelStrategy(zero_stage=s)) for s in (1, 2, 3)),
+    ):
+        module = _MLP()
+        trainer = cpu_trainer(strategy, max_steps=3, precision="bf16-mixed")
+        trainer.fit(module, DataLoader(data, batch_size=4))
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        with torch.no_grad():
+            logits = module.net(probe)
+        out[name] = {
+            "dtypes": {str(p.dtype) for p in module.parameters()},
+            "state": state,
+            "logits": logits,
+            "consolidated": final_state(module, strategy),
+        }
+    return out
+
+
+def test_bf16_mixed_leaves_the_module_in_fp32_after_fit() -> None:
+    """At ZeRO 1/2 the module's parameters were left as the 16-bit compute copies after ``fit`` (so
+    ``torch.save(model.state_dict())`` saved bf16-rounded weights and an fp32 input failed in an eager
+    forward); Lightning's mixed precision keeps them in fp32. Now every stage leaves them at the fp32
+    masters' values: the module's state equals ``"ddp"``'s module and our own consolidated state."""
+    results = run_distributed(_after_fit, WORLD, init_group=False)
+    for rank, out in enumerate(results):
+        reference = out["ddp"]
+        assert reference["dtypes"] == {"torch.float32"}
+        for stage in ("zero1", "zero2", "zero3"):
+            got = out[stage]
+            assert got["dtypes"] == {"torch.float32"}, (rank, stage, got["dtypes"])
+            for key, value in reference["state"].items():
+                torch.testing.assert_close(got["state"][key], value, msg=f"{rank} {stage} {key}")
+                if rank == 0:  # the consolidated state lands on rank 0
+                    torch.testing.assert_close(got["consolidated"][key], got["state"][key], rtol=0, atol=0)
+            torch.testing.assert_close(got["logits"], reference["logits"], msg=f"{rank} {stage}")

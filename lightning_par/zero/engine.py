@@ -165,7 +165,10 @@ class ZeroEngine:
         self.sync.on_relayout(listener)
 
     def unshard_all(self) -> None:
-        """Parameters are whole below stage 3; nothing to gather."""
+        """Parameters are whole below stage 3; with separate fp32 masters (stages 1/2 in mixed precision)
+        they are left as whole copies of the masters instead of the 16-bit compute copies."""
+        if self.sharded is not None:
+            self.sharded.leave_whole_masters()
 
     def gathered(self, *, writeback: bool = False) -> AbstractContextManager[None]:
         """Parameters are whole below stage 3 (a no-op); with ``writeback`` at stages 1/2 with separate
@@ -214,7 +217,8 @@ class Engine(Protocol):
       module), restored by ``freeze_order`` before fragments are loaded.
     * ``masters_changed()``: after the fragments (fp32 masters or shards) were written, the whole
       parameters every rank computes with follow. ``on_relayout(listener)``: told when fragments move.
-    * ``unshard_all()``: leave whole parameters behind (a no-op below stage 3).
+    * ``unshard_all()``: leave whole parameters behind, trainable ones at master precision (after
+      training).
     * ``gathered(writeback=...)``: whole parameters for code outside a step, entered by every rank
       (``strategy.gathered_params``); with ``writeback`` in their stored precision, writes kept.
     * ``memory_bytes()``: bytes by category; keys present override what a caller would count itself.

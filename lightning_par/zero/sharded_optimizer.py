@@ -310,15 +310,10 @@ class ShardedOptimizer:
             yield
             return
         sync, masters = self.sync, self.master_flat
-        self.absorb_param_writes()
         # entered inside a step (training_step runs between the pre-hook and the refresh), the step's
         # update is still to come: the flag the pre-hook cleared must stay cleared after the refresh below
         current = self._params_current
-        stored = torch.empty(sync.layout.numel, dtype=masters.dtype, device=masters.device)
-        for start, end, lo, hi, at in self._own:
-            all_gather_flat(stored[start:end], masters[at : at + hi - lo], group=sync.group)
-        for p, s in zip(sync.params, sync.layout.slots, strict=True):
-            p.data = stored[s.offset : s.end].view(s.shape)
+        stored = self._whole_masters_in_params()
         try:
             yield
             refuse_unequal_writes([("the trainable parameters", stored)], group=sync.group)
@@ -330,6 +325,30 @@ class ShardedOptimizer:
                 p.data = view
             self.refresh_params()
             self._params_current = current
+
+    @torch.no_grad()
+    def _whole_masters_in_params(self) -> Tensor:
+        """The trainable parameters become views of one whole copy of the masters (returned), gathered
+        over the dp group (one all-gather per bucket), after this rank's writes reached its masters."""
+        sync, masters = self.sync, self.master_flat
+        assert masters is not None
+        self.absorb_param_writes()
+        stored = torch.empty(sync.layout.numel, dtype=masters.dtype, device=masters.device)
+        for start, end, lo, hi, at in self._own:
+            all_gather_flat(stored[start:end], masters[at : at + hi - lo], group=sync.group)
+        for p, s in zip(sync.params, sync.layout.slots, strict=True):
+            p.data = stored[s.offset : s.end].view(s.shape)
+        return stored
+
+    def leave_whole_masters(self) -> None:
+        """After training: the trainable parameters are left as whole copies of the fp32 masters in
+        storage of their own, as they were before setup, so the module the user keeps computes and saves
+        at master precision (Lightning's mixed precision keeps parameters in fp32 too); before, they
+        stayed the 16-bit compute copies, and ``torch.save(model.state_dict())`` after ``fit`` wrote
+        rounded weights. A no-op where the parameters are the masters. The flat buffers stay with the
+        engine: a checkpoint after ``fit`` reads the masters."""
+        if self.master_flat is not None:
+            self._whole_masters_in_params()
 
     def check_untouched(self) -> None:
         """Refuse parameters whose ``.data`` was replaced since the layout (``p.data = ...``, as
