@@ -14,7 +14,9 @@ naming the parameter. On 2 Gloo ranks: a ZeRO-3 ``Trainer`` fit of the nanoGPT-s
 process training its twin; a head zeroed after ``load_state_dict`` in ``configure_model()`` stays zero,
 the rest the file's; Fabric's ``init_module(empty_init=True)`` followed by ``load_state_dict`` (before,
 lost) gives the file's weights; an init after ``fabric.setup`` (torchtitan's order) is refused naming
-``gathered_params(writeback=True)``, inside which it reaches the shards.
+``gathered_params(writeback=True)``, inside which it reaches the shards; Whisper, whose own
+``_init_weights`` copies a sinusoidal table into a parameter, loads from ``pretrained=`` (before, that
+copy was taken for a load in ``configure_model()`` and the run refused).
 """
 
 from __future__ import annotations
@@ -305,6 +307,38 @@ class LoadedThenWritten(LoraLlama):
         self.model = model
 
 
+WHISPER = dict(
+    vocab_size=64,
+    num_mel_bins=8,
+    d_model=32,
+    encoder_layers=1,
+    decoder_layers=1,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    max_source_positions=16,
+    max_target_positions=32,
+    decoder_start_token_id=1,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def whisper() -> nn.Module:
+    return transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(**WHISPER))
+
+
+class Whisper(LoraLlama):
+    """Whisper built in ``configure_model()``: its own ``_init_weights`` copies a sinusoidal table into
+    the encoder's position embedding (an init, not a load of weights)."""
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = whisper()
+
+
 def loss_of(net: nn.Module, batch: Tensor) -> Tensor:
     logits = net(batch[:, :-1])
     return nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
@@ -320,6 +354,12 @@ def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
         strategy = HybridParallelStrategy(zero_stage=3)
         cpu_trainer(strategy, max_steps=2).fit(module)
         out[case] = {"final": final_state(module, strategy), "seed": module.seed, "batches": module.batches}
+    # transformers' own init copied a table while the model was built: pretrained= is not refused as if
+    # configure_model() had loaded weights too, and the file's weights reach the shards
+    strategy = HybridParallelStrategy(zero_stage=3, pretrained=str(Path(root) / "whisper"))
+    whisper_module = Whisper(lora=False)
+    cpu_trainer(strategy, max_steps=0).fit(whisper_module, DataLoader(Tokens(8), batch_size=2))
+    out["whisper"] = final_state(whisper_module, strategy)
     strategy = HybridParallelStrategy(zero_stage=3, tensor_parallel_size=2, tp_plan="llama")
     llama_module = CustomLlama(lora=False)
     cpu_trainer(strategy, max_steps=0).fit(llama_module, DataLoader(Tokens(8), batch_size=2))
@@ -378,6 +418,12 @@ def test_custom_init_under_zero3_trainer_and_fabric(tmp_path: Path) -> None:
     torch.save(saved.state_dict(), tmp_path / "nano.pt")
     hf_source = llama(0)
     hf_source.save_pretrained(tmp_path / "hf")
+    torch.manual_seed(2)
+    whisper_source = whisper()
+    with torch.no_grad():
+        for p in whisper_source.parameters():
+            p.add_(torch.rand_like(p))  # weights no init gives: a load shows
+    whisper_source.save_pretrained(tmp_path / "whisper")
     torch.save(hf_source.state_dict(), tmp_path / "llama.pt")
     both = run_distributed(_runs, 2, str(tmp_path), init_group=False)
     runs = both[0]
@@ -402,6 +448,10 @@ def test_custom_init_under_zero3_trainer_and_fabric(tmp_path: Path) -> None:
     assert runs["reinit"]["final"].keys() == expected.keys()
     for key, value in expected.items():
         torch.testing.assert_close(runs["reinit"]["final"][key], value, rtol=0, atol=0, msg=key)
+    # Whisper at ZeRO-3 with pretrained=: the file's weights, bitwise (before: refused at setup, the
+    # sinusoidal table its _init_weights copies taken for a load in configure_model())
+    for key, value in whisper_source.state_dict().items():
+        torch.testing.assert_close(runs["whisper"][f"model.{key}"], value, rtol=0, atol=0, msg=key)
     # Fabric: load_state_dict inside init_module(empty_init=True) is the file's
     for key, value in saved.state_dict().items():
         torch.testing.assert_close(runs["fabric"][key], value, rtol=0, atol=0, msg=f"fabric: {key}")

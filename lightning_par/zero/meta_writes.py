@@ -77,6 +77,19 @@ _SILENT_ON_META = ("trunc_normal_", "orthogonal_", "dirac_", "sparse_")
 # (not PEFT's reset_lora_parameters(): materialisation re-runs it with the default init only, its
 # recorded writes keep the adapter's own, init_lora_weights="gaussian")
 _RERUN = frozenset({"reset_parameters"})
+# functions that initialise weights by convention (torch's layers, transformers' models, nanoGPT and
+# litgpt scripts): a whole copy of real values made inside one is an init (Whisper's sinusoidal position
+# table), not a load of weights
+_INITIALISERS = frozenset(
+    {
+        "reset_parameters",
+        "_init_weights",
+        "init_weights",
+        "initialize_weights",
+        "_initialize_weights",
+        "post_init",
+    }
+)
 _TRANSFORMERS = f"{os.sep}transformers{os.sep}"  # in the path of transformers' own source files
 
 
@@ -200,6 +213,15 @@ def _standard(frame: FrameType | None) -> bool:
     return False
 
 
+def _initialising(frame: FrameType | None) -> bool:
+    """Whether a frame up the stack is a weight initialiser by name (``_INITIALISERS``)."""
+    while frame is not None:
+        if frame.f_code.co_name in _INITIALISERS:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _capture(value: Any, written: Tensor, why: list[str]) -> Any:
     """``value`` as recorded: the written tensor as ``WRITTEN``, other tensors as CPU copies (a meta one
     noted in ``why``), containers walked, generators dropped (replays draw from the seeded default)."""
@@ -237,7 +259,9 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor
 class WriteRecorder(TorchFunctionMode):
     """Records writes into meta parameters (module docstring). A whole-tensor ``copy_`` from a real
     tensor is a load: given to ``on_load`` when set (its values then go in as pretrained weights, and the
-    parameter's record restarts after it), else recorded as a write like any other."""
+    parameter's record restarts after it), else recorded as a write like any other; made inside a weight
+    initialiser (``reset_parameters``, ``_init_weights``, ...: transformers copies Whisper's sinusoidal
+    position table so) it is an init, recorded as a write."""
 
     def __init__(self, on_load: Callable[[nn.Parameter, Tensor], None] | None = None) -> None:
         super().__init__()
@@ -264,6 +288,7 @@ class WriteRecorder(TorchFunctionMode):
             and self._on_load is not None
             and isinstance(source, Tensor)
             and not source.is_meta
+            and not _initialising(sys._getframe(2))
         ):
             self._on_load(param, source)
             writes = writes_of(param)
