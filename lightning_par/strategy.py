@@ -28,6 +28,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_par import lightning_hooks
+from lightning_par.batch_agreement import BatchAgreement
 from lightning_par.build import ZeroOptions, build_engine
 from lightning_par.checkpoint.load_pretrained import PretrainedPlan, PretrainedSource, load_pretrained_once
 from lightning_par.compose import ComposeOptions, compose
@@ -352,6 +353,11 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         self._buffer_sync = BufferSync(
             self.model, group=self.mesh.dp_group, enabled=self.broadcast_buffers and fitting
         )
+        # the ranks of a tp / pp group read one batch: their first batch of each loop is compared
+        model_groups = [("tensor-parallel", self.mesh.tp_group), ("pipeline", self.mesh.pp_group)]
+        self._batches = BatchAgreement(model_groups, device=self.root_device)
+        if fitting:
+            self._batches.expect("training")
         if fitting:
             assert self._engine is not None
             self.setup_optimizers(trainer)

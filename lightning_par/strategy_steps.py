@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par import lightning_hooks
+from lightning_par.batch_agreement import BatchAgreement
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
 from lightning_par.eval_join import (
     EvalJoin,
@@ -62,6 +63,7 @@ class StrategySteps(ZeroCheckpointIO):
     _patched_callbacks: list[tuple[Any, list[str]]]  # and of callbacks' hooks
     _eval_join: EvalJoin | None = None  # the running evaluation loop's, when its dp ranks' counts differ
     _grad_reads: GradReads | None = None  # the first optimizer step's param.grad watch (grad_reads.py)
+    _batches: BatchAgreement | None = None  # the tp / pp ranks' first batches compared (batch_agreement.py)
     _check_tp_replicas = False  # the first optimizer step compares the tp replicas' gradients (stage 0)
     before_state_write: list[Callable[[], None]]  # fences registered by snapshot writers (FlashCheckpoint)
 
@@ -85,8 +87,13 @@ class StrategySteps(ZeroCheckpointIO):
             synchronising = training and (engine is None or engine.sync_enabled)
             self._buffer_sync.after_forward(synchronising=synchronising)
 
+    def _agree(self, loop: str, args: tuple[Any, ...]) -> None:
+        if self._batches is not None and args:
+            self._batches.check(loop, args[0])
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._agree("training", args)
         if self._pipeline is None:
             with self._step_context(training=True):
                 return super().training_step(*args, **kwargs)
@@ -123,6 +130,7 @@ class StrategySteps(ZeroCheckpointIO):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._agree("validation", args)
         if self._pipeline is not None:
             with self.precision_plugin.val_step_context(), self._step_context():
                 return self._pipeline.eval_step(args[0], stage="val")
@@ -133,6 +141,7 @@ class StrategySteps(ZeroCheckpointIO):
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._agree("test", args)
         if self._pipeline is not None:
             with self.precision_plugin.test_step_context(), self._step_context():
                 return self._pipeline.eval_step(args[0], stage="test")
@@ -143,6 +152,7 @@ class StrategySteps(ZeroCheckpointIO):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._agree("predict", args)
         if self._pipeline is not None:
             with self.precision_plugin.predict_step_context(), self._step_context():
                 return self._pipeline.predict_step(args[0])
@@ -155,16 +165,22 @@ class StrategySteps(ZeroCheckpointIO):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
+        if self._batches is not None:
+            self._batches.expect("validation")
         self._start_eval_join("validation")
 
     @override
     def on_test_start(self) -> None:
         super().on_test_start()
+        if self._batches is not None:
+            self._batches.expect("test")
         self._start_eval_join("test")
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
+        if self._batches is not None:
+            self._batches.expect("predict")
         self._start_eval_join("predict")
 
     @override

@@ -127,6 +127,11 @@ class FabricPipeline:
         """The Lightning-free pipeline steps underneath (runtime, tied parameters, metrics)."""
         return self._steps
 
+    def _agree(self, loop: str, batch: Any) -> None:
+        """The first batch of each kind of call is the same on every rank of the tp / pp groups."""
+        if self._strategy.batches is not None:
+            self._strategy.batches.check(loop, batch)
+
     @contextmanager
     def _context(self) -> Generator[None, None, None]:
         """Autocast as Fabric's module wrapper applies it, and at ZeRO-3 the root unit (embeddings, final
@@ -144,6 +149,7 @@ class FabricPipeline:
         """One training step on ``batch``: every micro-batch's forward and backward (module docstring)."""
         strategy = self._strategy
         scaler = strategy.precision.scaler
+        self._agree("training", batch)
         with self._context():
             engine = strategy.engine
             assert engine is not None
@@ -171,6 +177,7 @@ class FabricPipeline:
         input_fn: InputFn | None = None,
     ) -> Tensor | dict[str, Tensor]:
         """Forward only: the batch's loss (and metrics) on every pipeline rank."""
+        self._agree("evaluation", batch)
         with self._context():
             result = self._steps.evaluate(
                 batch,
@@ -184,6 +191,7 @@ class FabricPipeline:
 
     def predict(self, batch: Any, *, input_fn: InputFn | None = None) -> Tensor:
         """The last layer's outputs for ``batch``, concatenated over the micro-batches, on every rank."""
+        self._agree("prediction", batch)
         with self._context():
             return self._steps.predict(
                 batch, input_fn=input_fn, owner="input_fn(batch) (pipeline.predict's argument)"

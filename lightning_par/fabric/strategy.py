@@ -52,6 +52,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lightning_par.batch_agreement import BatchAgreement
 from lightning_par.build import ZeroOptions, build_engine, set_precision_groups
 from lightning_par.data_reduce import MetricSync
 from lightning_par.device_checks import check_optimizer_kernels, resolve_backend
@@ -213,6 +214,10 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         self.optimizers: list[Optimizer] = []
         self._pipeline: FabricPipeline | None = None
         self._refusal: RemovableHandle | None = None  # the hook refusing model(...) under a pipeline
+        # the tp / pp ranks' first batches compared (batch_agreement.py): the pipeline's steps, or the
+        # module's first forward through a pre-hook (removed after it)
+        self.batches: BatchAgreement | None = None
+        self._first_forward: RemovableHandle | None = None
         self._found_inf: bool | None = None  # this step's fp16 verdict, once gradients are unscaled
         self.before_optimizer_step: list[Callable[[], None]] = []
         # parameters that tensor or pipeline parallelism replaced, by their old identity: an optimizer made
@@ -357,9 +362,26 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
                 "after fabric.setup() and before the first step (an init after sharding, such as"
                 " torchtitan's model.init_weights(), or a weight read such as a norm or a copy)"
             )
+        self.batches = BatchAgreement(
+            [("tensor-parallel", self.mesh.tp_group), ("pipeline", self.mesh.pp_group)],
+            device=self.root_device,
+        )
         if self._pipeline is not None:
             self._refusal = refuse_direct_call(module)
+            for loop in ("training", "evaluation", "prediction"):
+                self.batches.expect(loop)
+        elif self.mesh.tp_size > 1:
+            self.batches.expect("forward")
+            self._first_forward = module.register_forward_pre_hook(self._check_first_input, with_kwargs=True)
         return module
+
+    def _check_first_input(self, _module: nn.Module, args: Any, kwargs: Any) -> None:
+        """The module's first forward: its inputs are the same on every tensor-parallel rank."""
+        handle, self._first_forward = self._first_forward, None
+        if handle is not None:
+            handle.remove()
+        if self.batches is not None:
+            self.batches.check("forward", (args, kwargs))
 
     @property
     def pipeline(self) -> FabricPipeline:
@@ -453,6 +475,9 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         if self._refusal is not None:
             self._refusal.remove()
             self._refusal = None
+        if self._first_forward is not None:
+            self._first_forward.remove()
+            self._first_forward = None
         self._metric_sync.restore()
         super().teardown()
 
