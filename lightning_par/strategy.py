@@ -118,7 +118,8 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             fields) or a DDP hook ``hook(state, bucket) -> Future[Tensor]`` (stages 0-2, ``comm_hook_state``
             default: the dp group); :mod:`lightning_par.zero.comm_hooks`. ``gather_dtype`` (stage 3):
             ``"bf16"``/``"fp16"``/``"int8"`` parameter all-gathers (int8: blockwise-quantized, as ZeRO++).
-        tp_plan: tensor-parallel plan name (``"gpt"``, ``"llama"``) or ``{module pattern: style}``; default:
+        tp_plan: tensor-parallel plan name (``"gpt"``, ``"llama"``, ``"llama_attention"``: the MLP, a mixture
+            of experts, replicated) or ``{module pattern: style}``; default:
             the LightningModule's ``tp_plan`` attribute. Applied when ``tensor_parallel_size > 1``.
         sequence_parallel: split the activations between tensor-parallel regions along the sequence.
         num_microbatches: micro-batches per pipeline step (default ``2 * pipeline_parallel_size``).

@@ -19,6 +19,11 @@ change: a norm inside the attention over all heads at once (OLMo 2's ``q_norm``)
 subclass with its own forward. A converted model can be deep-copied (an EMA or teacher copy; before,
 "cannot pickle 'ProcessGroup' object"): the copy computes the same logits, shares the group and owns its
 slices.
+
+Mixtures of experts (Mixtral, Qwen3-MoE) take ``tp_plan="llama_attention"``: attention and embedding
+sharded, the experts replicated, equal to the unsharded model; the ``"llama"`` plan on Mixtral is refused
+naming it (before, only "'*.mlp.gate_proj' matches no module"; and the MLP entries dropped by hand, with
+the post-attention norm left a region input, gave embedding gradients 0.02 off, silently).
 """
 
 from __future__ import annotations
@@ -38,14 +43,23 @@ from tests.test_tensor_parallel import gather_full
 from tests.third_party import LLAMA, hf_model
 
 SMALL: dict[str, Any] = {**LLAMA, "head_dim": 8}  # Gemma's default head_dim is 256
-FAMILIES = {  # name: (model class, config class, sequence parallel)
-    "gemma": ("GemmaForCausalLM", "GemmaConfig", False),
-    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", False),
-    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", False),
-    "gemma2_sp": ("Gemma2ForCausalLM", "Gemma2Config", True),
-    "gemma3_sp": ("Gemma3ForCausalLM", "Gemma3TextConfig", True),
-    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", False),
-    "qwen3_sp": ("Qwen3ForCausalLM", "Qwen3Config", True),
+MOE: dict[str, Any] = {
+    "num_local_experts": 4,  # Mixtral's name
+    "num_experts": 4,  # Qwen3-MoE's
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+}
+FAMILIES = {  # name: (model class, config class, sequence parallel, plan)
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", False, "llama"),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", False, "llama"),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", False, "llama"),
+    "gemma2_sp": ("Gemma2ForCausalLM", "Gemma2Config", True, "llama"),
+    "gemma3_sp": ("Gemma3ForCausalLM", "Gemma3TextConfig", True, "llama"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", False, "llama"),
+    "qwen3_sp": ("Qwen3ForCausalLM", "Qwen3Config", True, "llama"),
+    # mixtures of experts: attention sharded, the experts replicated
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", False, "llama_attention"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", False, "llama_attention"),
 }
 
 
@@ -65,10 +79,10 @@ def _train(model: nn.Module, ids: Tensor) -> list[float]:
 def _families(rank: int, world: int) -> dict[str, Any]:
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     out: dict[str, Any] = {}
-    for name, (model_class, config_class, sp) in FAMILIES.items():
-        ref = hf_model(model_class, config_class, **SMALL)
+    for name, (model_class, config_class, sp, plan) in FAMILIES.items():
+        ref = hf_model(model_class, config_class, **SMALL, **(MOE if plan == "llama_attention" else {}))
         model = copy.deepcopy(ref)
-        apply_tensor_parallel(model, group=group.WORLD, plan="llama", sequence_parallel=sp)
+        apply_tensor_parallel(model, group=group.WORLD, plan=plan, sequence_parallel=sp)
         want, got = _train(ref, ids), _train(model, ids)
         state = gather_full(model)
         out[name] = (want, got, {k: (state[k], v.detach()) for k, v in ref.named_parameters()})
@@ -110,10 +124,14 @@ def _refusals() -> dict[str, str]:
         apply_tensor_parallel(net, group=group.WORLD, plan={"2": "rowwise", "0": "colwise"})
     refused["forward"] = str(forward.value)
     refused["forward_unchanged"] = type(net[2]).__name__  # before, converted before the refusal
+    mixtral = hf_model("MixtralForCausalLM", "MixtralConfig", **SMALL, **MOE)
+    with pytest.raises(ValueError) as experts:
+        apply_tensor_parallel(mixtral, group=group.WORLD, plan="llama")
+    refused["experts"] = str(experts.value)
     return refused
 
 
-def test_llama_plan_fits_gemma_and_qwen3_as_the_unsharded_model() -> None:
+def test_llama_plans_fit_gemma_qwen3_and_mixtures_of_experts_as_the_unsharded_model() -> None:
     for rank, got in enumerate(run_distributed(_families, 2)):
         for name in FAMILIES:
             want_losses, losses, state = got[name]
@@ -124,4 +142,6 @@ def test_llama_plan_fits_gemma_and_qwen3_as_the_unsharded_model() -> None:
         assert "self_attn.q_norm.weight" in refused["olmo2"] and "per-head" in refused["olmo2"], refused
         assert refused["olmo2_unchanged"] == refused["forward_unchanged"] == "Linear"
         assert "Doubled subclasses nn.Linear with a forward of its own" in refused["forward"], refused
+        assert "mixture of experts ('model.layers.0.mlp.experts')" in refused["experts"], refused
+        assert "tp_plan='llama_attention'" in refused["experts"], refused
         assert got["copy"] == {"same": True, "apart": True, "group": True, "own": True}, got["copy"]

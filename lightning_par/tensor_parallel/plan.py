@@ -24,7 +24,9 @@ and ``model.blocks.3.attn.q_proj``). Styles:
 Styles combine with ``+`` and apply left to right (``"vocab+scatter_sequence"``).
 
 Shipped plans (``"gpt"`` for :class:`lightning_par.models.GPT`, ``"llama"`` for Llama-style decoders with
-``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, ``embed_tokens``, ``lm_head``) keep the
+``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, ``embed_tokens``, ``lm_head``;
+``"llama_attention"`` the same without the MLP, for mixture-of-experts decoders such as Mixtral and
+Qwen-MoE, whose experts stay replicated, no sequence parallelism) keep the
 model's outputs those of the unsharded model: full logits. With ``sequence_parallel=True`` their SP
 entries are added. Weights are sliced from the existing modules, so a seeded or pretrained model keeps
 its function; tied weights (embedding and head) stay tied when both sides shard the vocabulary alike.
@@ -128,9 +130,16 @@ LLAMA_PLAN: dict[str, Style] = {
 # builds position ids, rotary tables and the causal mask from the embedding output's length, which must
 # stay the full sequence (the attention sees the full sequence, gathered by input_layernorm)
 LLAMA_SP: dict[str, str] = {"*.layers.0": "scatter_sequence_input"}
+# attention and embedding sharded, the MLP replicated (a mixture of experts, whose experts no shipped plan
+# shards): its input norm is no region input, since a replicated consumer's input gradient, equal on every
+# rank, would be summed over the group (t times; measured on Mixtral: embedding gradients 0.02 apart)
+LLAMA_ATTENTION_PLAN: dict[str, Style] = {
+    k: v for k, v in LLAMA_PLAN.items() if ".mlp." not in k and k != "*.post_attention_layernorm"
+}
 PLANS: dict[str, tuple[dict[str, Style], dict[str, str]]] = {
     "gpt": (GPT_PLAN, GPT_SP),
     "llama": (LLAMA_PLAN, LLAMA_SP),
+    "llama_attention": (LLAMA_ATTENTION_PLAN, {}),
 }
 # set on the root module by apply_tensor_parallel: {"plan", "resolved", "size", "sequence_parallel",
 # "applied"}; a second application compares against it (the conversion is in place and not repeatable)
@@ -155,6 +164,11 @@ def resolve_plan(plan: str | Mapping[str, str], *, sequence_parallel: bool = Fal
         if plan not in PLANS:
             raise ValueError(f"Unknown tp_plan {plan!r}; shipped plans are {sorted(PLANS)}, or pass a dict.")
         base, sp = PLANS[plan]
+        if sequence_parallel and not sp:
+            raise ValueError(
+                f"tp_plan={plan!r} has no sequence-parallel form (its replicated MLP would need whole"
+                " sequences); use sequence_parallel=False."
+            )
         resolved: dict[str, str] = dict(base)
         if sequence_parallel:
             resolved.update(sp)
@@ -174,7 +188,10 @@ def _matches(name: str, pattern: str) -> bool:
 
 
 # A shipped plan's (LM head, final norm) entries: the norm is a region input for the column-parallel head
-_HEADS: dict[str, tuple[str, str]] = {"llama": ("*.lm_head", "*.norm")}
+_HEADS: dict[str, tuple[str, str]] = {
+    "llama": ("*.lm_head", "*.norm"),
+    "llama_attention": ("*.lm_head", "*.norm"),
+}
 
 
 def _fit_head(
@@ -191,6 +208,17 @@ def _fit_head(
     if sp:
         fitted[head[1]] = "sequence_output"
     return fitted
+
+
+def _experts_hint(plan: str | Mapping[str, str], pattern: str, names: list[str]) -> str:
+    """For a shipped plan's MLP entry on a mixture-of-experts model: the plan to pass instead."""
+    experts = next((n for n in names if n.rsplit(".", 1)[-1] == "experts"), None)
+    if plan != "llama" or ".mlp." not in pattern or experts is None:
+        return ""
+    return (
+        f" The model's MLP is a mixture of experts ({experts!r}), which the 'llama' plan does not shard:"
+        " tp_plan='llama_attention' shards attention and embedding and keeps the MLP replicated."
+    )
 
 
 def apply_tensor_parallel(
@@ -235,6 +263,7 @@ def apply_tensor_parallel(
             examples = [n for n in modules if n][:6]
             raise ValueError(
                 f"tp_plan pattern {pattern!r} ({style}) matches no module; module names look like {examples}."
+                + _experts_hint(plan, pattern, names)
             )
         for n in hits:
             hit_styles.setdefault(n, []).append(style)
