@@ -247,39 +247,53 @@ def load_optimizer_states(
     optimizers: Sequence[Optimizer],
     sharded_path: Path | None,
     tp: TPInfo,
+    saved_index: Sequence[int] | None = None,
 ) -> None:
     """Restore ``optimizers`` (sharded or not) from a checkpoint of either format and any layout, and the
-    gradient compressor's state recorded beside them."""
+    gradient compressor's state recorded beside them. ``saved_index[i]``: which of the checkpoint's
+    optimizers ``optimizers[i]`` restores (Fabric's state keys; default: the ``i``-th, all of them)."""
     if engine is not None:
         engine.load_comm_state((checkpoint.get(METADATA_KEY) or {}).get(COMM_KEY))
     names = {p: n for n, p in module.named_parameters()}
     current = [_group_names(opt, engine, names, k) for k, opt in enumerate(optimizers)]
+    index = list(saved_index) if saved_index is not None else list(range(len(optimizers)))
+    by_saved = dict(zip(index, current, strict=True))
     sharded = engine.sharded_state if engine is not None else None
     shapes = global_shapes(module, tp)
     scalars = {n for n, shape in shapes.items() if len(shape) == 0}
     saved = [o["param_names"] for o in (checkpoint.get(METADATA_KEY) or {}).get("optimizers", [])]
+    states = checkpoint.get("optimizer_states", [])
+    # a checkpoint without our metadata (plain Lightning) was made by the same configure_optimizers()
+    current_of_saved = [by_saved.get(k, []) for k in range(len(states))]
     if engine is None or sharded is None:
         # torch's own load ties state to parameters by position: only when the names, where the
         # checkpoint records them, are in the same order (else by name, below)
-        if sharded_path is None and tp["size"] == 1 and saved in ([], current):
-            for opt, state in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
-                opt.load_state_dict(state)
-            return
-        for opt, (hyper, pieces) in zip(
-            optimizers, _sources(checkpoint, sharded_path, current, scalars), strict=False
+        if (
+            sharded_path is None
+            and tp["size"] == 1
+            and (saved == [] or [saved[j] for j in index if j < len(saved)] == current)
         ):
-            load_unsharded(opt, localize(pieces, shapes, tp), hyper, names)
+            for opt, j in zip(optimizers, index, strict=True):
+                if j < len(states):
+                    opt.load_state_dict(states[j])
+            return
+        sources = _sources(checkpoint, sharded_path, current_of_saved, scalars)
+        for opt, j in zip(optimizers, index, strict=True):
+            if j < len(sources):
+                hyper, pieces = sources[j]
+                load_unsharded(opt, localize(pieces, shapes, tp), hyper, names)
         return
     meta = checkpoint.get(METADATA_KEY) or {}
     # the optimizer now has state: freeze the bucket order (the checkpoint's, when it is ours)
     engine.freeze_order(meta.get("order") or [])
-    sources = _sources(checkpoint, sharded_path, current, scalars)
-    if len(sources) != len(optimizers):
+    sources = _sources(checkpoint, sharded_path, current_of_saved, scalars)
+    if (saved_index is None and len(sources) != len(optimizers)) or any(j >= len(sources) for j in index):
         raise ValueError(
             f"The checkpoint holds {len(sources)} optimizer(s), the model configures {len(optimizers)}."
         )
     table = sharded.fragment_table()
-    for opt, (hyper, pieces) in zip(optimizers, sources, strict=True):
+    for opt, j in zip(optimizers, index, strict=True):
+        hyper, pieces = sources[j]
         load_fragments(opt, localize(pieces, shapes, tp), hyper, table, master_key=sharded.master_key)
     engine.masters_changed()  # the compute copy follows the restored fp32 masters
 

@@ -36,6 +36,7 @@ from lightning_par.checkpoint.full import gather_full_optimizer_state, gather_fu
 from lightning_par.checkpoint.io import (
     _group_names,
     check_model,
+    consolidate,
     layout_metadata,
     load_module_state,
     load_optimizer_states,
@@ -202,9 +203,11 @@ def load(
         )
     state = {} if state is None else state
     source: Path | None = path if is_sharded_checkpoint(path) else None
+    raw: Mapping[str, Any] = {}  # a single file's or a DCP directory's entries
     if source is not None:
         checkpoint = read_meta(path)
         keys, extras = checkpoint.get(KEYS, {}), dict(checkpoint.get("extras", {}))
+        saved_optimizers = list(keys.get("optimizers") or [])
     else:
         dcp = is_dcp_checkpoint(path)  # Fabric's FSDPStrategy / ModelParallelStrategy wrote it
         raw = (
@@ -217,9 +220,10 @@ def load(
             "optimizers": [k for k, v in state.items() if isinstance(v, Optimizer)],
         }
         saved = {*([keys["module"]] if keys["module"] else []), *keys["optimizers"]}
+        saved_optimizers = [k for k in keys["optimizers"] if k in raw]
         checkpoint = {
             "state_dict": raw.get(keys["module"], {}) if keys["module"] else {},
-            "optimizer_states": [raw[k] for k in keys["optimizers"] if k in raw],
+            "optimizer_states": [raw[k] for k in saved_optimizers],
             METADATA_KEY: raw.get(METADATA_KEY),
         }
         extras = {k: v for k, v in raw.items() if k not in saved and k not in (KEYS, METADATA_KEY)}
@@ -228,16 +232,20 @@ def load(
             checkpoint["optimizer_states"], checkpoint[METADATA_KEY] = torch_optimizer_states(raw, present)
     module_key, opt_keys = _split(strategy, state)
     module = strategy.module
+    # each optimizer restores the saved one of its key, as Fabric's own strategies do (before: by
+    # position, so two optimizers listed in another order swapped their state, silently); checked
+    # before anything is loaded
+    index = _saved_index(opt_keys, saved_optimizers, path, strict=strict)
     if module_key is not None:
         assert module is not None
         check_model(checkpoint, module, _tp(strategy))
         _load_module(strategy, checkpoint, source, strict=strict)
     if opt_keys:
         assert module is not None
-        optimizers = [state[k] for k in opt_keys]
+        optimizers = [state[k] for k in opt_keys if k in index]
         load_optimizer_states(
             checkpoint, module=module, engine=strategy.engine, optimizers=optimizers, sharded_path=source,
-            tp=_tp(strategy),
+            tp=_tp(strategy), saved_index=[index[k] for k in opt_keys if k in index],
         )  # fmt: skip
         _optimizers_to_device(optimizers, strategy.root_device)
     for k in [k for k in state if isinstance(state[k], WeightAverages)]:
@@ -254,7 +262,39 @@ def load(
             target.load_state_dict(extras[k])
         else:
             state[k] = extras[k]
-    return {k: v for k, v in extras.items() if k not in state}
+    rest = {k: v for k, v in extras.items() if k not in state}
+    # Fabric's contract: what the checkpoint holds beyond ``state``, the model's and the optimizers'
+    # states included (before: left out, so fabric.load(path)["model"] was a KeyError), whole. From a
+    # sharded directory that means assembling every rank's pieces on each rank: done when the model was
+    # not asked for (fabric.load(path) to look inside), not for the optimizers an evaluation load skips
+    unloaded = [k for k in [keys.get("module"), *saved_optimizers] if k is not None and k not in state]
+    if source is not None and module_key is not None:
+        unloaded = []
+    if unloaded:
+        whole = consolidate(path) if source is not None else None
+        for k in unloaded:
+            if whole is None:
+                rest[k] = raw[k]
+            elif k == keys.get("module"):
+                rest[k] = whole["state_dict"]
+            else:
+                rest[k] = whole["optimizer_states"][saved_optimizers.index(k)]
+    return rest
+
+
+def _saved_index(opt_keys: list[str], saved: list[str], path: Path, *, strict: bool) -> dict[str, int]:
+    """Which saved optimizer each of ``opt_keys`` restores: the one saved under its key; a checkpoint that
+    names none (written before keys were recorded) by position. A key the checkpoint lacks is refused,
+    or skipped with ``strict=False``."""
+    if not saved:
+        return {k: i for i, k in enumerate(opt_keys)}
+    missing = [k for k in opt_keys if k not in saved]
+    if missing and strict:
+        raise KeyError(
+            f"state[{missing[0]!r}] (an optimizer) is not in the checkpoint {str(path)!r}, which holds the"
+            f" optimizers {saved}: load with the keys they were saved under, or pass strict=False."
+        )
+    return {k: saved.index(k) for k in opt_keys if k in saved}
 
 
 def _load_averages(

@@ -19,13 +19,14 @@ model keeps separate fp32 master fragments (see ``master_dtype``).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_par.collectives import all_gather_flat
 from lightning_par.optimizer_checks import check_shardable
@@ -86,10 +87,17 @@ def optimizer_group_params(
 
 
 def rebuild_optimizer(
-    opt: Optimizer, groups: list[list[nn.Parameter]], masters: dict[int, list[Tensor]]
-) -> None:
+    opt: Optimizer,
+    groups: list[list[nn.Parameter]],
+    masters: dict[int, list[Tensor]],
+    *,
+    names: Mapping[int, str],
+) -> RemovableHandle:
     """Replace ``opt``'s parameters by the master fragments of its parameters (``masters[id(param)]``),
-    keeping the object, its hyper-parameters and its class; the state starts empty."""
+    keeping the object, its hyper-parameters, its class and its group dicts (refilled in place, so a
+    group held from before, ``group = opt.param_groups[0]; group["lr"] = 0.0``, still drives the step);
+    the state starts empty. Returns the step pre-hook that refuses groups added afterwards
+    (:func:`refuse_added_groups`; ``names``: module parameter names by id), for the caller to remove."""
     new_groups: list[dict[str, Any]] = []
     for group, params in zip(opt.param_groups, groups, strict=True):
         hyper = {k: v for k, v in group.items() if k != "params"}
@@ -98,8 +106,36 @@ def rebuild_optimizer(
     # constructor arguments, so those are passed again, as far as the constructor accepts them).
     accepted = inspect.signature(type(opt).__init__).parameters
     fresh = type(opt)(new_groups, **{k: v for k, v in opt.defaults.items() if k in accepted})
-    opt.param_groups = fresh.param_groups
+    for group, built in zip(opt.param_groups, fresh.param_groups, strict=True):
+        group.clear()
+        group.update(built)
     opt.state = fresh.state
+    expected = len(opt.param_groups)
+
+    def before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        refuse_added_groups(optimizer, expected=expected, names=names)
+
+    return opt.register_step_pre_hook(before_step)
+
+
+def refuse_added_groups(opt: Optimizer, *, expected: int, names: Mapping[int, str]) -> None:
+    """Refuse a step of ``opt`` once groups were added after it was rebuilt (``add_param_group``): their
+    parameters are the module's, not fragments of the shards, so no gradient would reach them and they
+    would never train (before: silently)."""
+    if len(opt.param_groups) <= expected:
+        return
+    added = [
+        names.get(id(p), f"a tensor of shape {tuple(p.shape)}")
+        for group in opt.param_groups[expected:]
+        for p in group["params"]
+    ]
+    raise RuntimeError(
+        f"optimizer.add_param_group after setup at ZeRO 1-3: the optimizer was rebuilt over this rank's"
+        f" shards of the parameters it held at setup, so the added group's {added[:4]} would get no"
+        " gradient and never train. Give the optimizer every parameter before setup (a param group with"
+        " lr=0 until it should train, then set its lr), or use zero_stage=0, where the optimizer keeps"
+        " the module's parameters."
+    )
 
 
 class ShardedOptimizer:
@@ -125,6 +161,8 @@ class ShardedOptimizer:
         self._group_params = optimizer_group_params(
             self.optimizers, sync.params, param_names, allow_untested=allow_untested_optimizer
         )
+        self._names = {id(p): n for p, n in param_names.items()}
+        self._group_guards: list[RemovableHandle] = []  # refuse groups added after the rebuild
         sync.on_relayout(self._relayout)
         sync.on_reduced(self._attach_grads)
         self._relayout()
@@ -192,8 +230,12 @@ class ShardedOptimizer:
         grad_shard = sync.grad_shard
         assert grad_shard is not None
         self._grad_views = [grad_shard[f.shard_lo : f.shard_lo + f.numel] for f in self.fragments]
-        for opt, groups in zip(self.optimizers, self._group_params, strict=True):
-            rebuild_optimizer(opt, groups, masters)
+        for handle in self._group_guards:  # a new layout: the groups are rebuilt again
+            handle.remove()
+        self._group_guards = [
+            rebuild_optimizer(opt, groups, masters, names=self._names)
+            for opt, groups in zip(self.optimizers, self._group_params, strict=True)
+        ]
 
     @torch.no_grad()
     def _carry_masters(self, old: FlatLayout, old_masters: Tensor) -> None:
@@ -393,9 +435,9 @@ class ShardedOptimizer:
 
     def remove(self) -> None:
         """Detach the optimizers' step pre-hooks (the rebuilt groups stay)."""
-        for handle in self._step_hooks:
+        for handle in self._step_hooks + self._group_guards:
             handle.remove()
-        self._step_hooks = []
+        self._step_hooks, self._group_guards = [], []
 
     def optimizer_state_bytes(self) -> int:
         total = 0

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_par.zero.sharded_optimizer import (
     inherit_param_attrs,
@@ -34,6 +35,7 @@ class Stage3Optim(Stage3State):
     optimizers: list[Optimizer]
     _group_params: list[list[list[nn.Parameter]]]
     _grad_views: list[Tensor | None]
+    _handles: list[RemovableHandle]
     unused: frozenset[int]
 
     # ------------------------------------------------------------------ optimizer
@@ -65,8 +67,10 @@ class Stage3Optim(Stage3State):
                     self._grad_views.append(g[f.shard_lo : f.shard_lo + f.numel])
                 else:
                     self._grad_views.append(None)
+        ids = {id(p): n for p, n in names.items()}
         for opt, groups in zip(self.optimizers, self._group_params, strict=True):
-            rebuild_optimizer(opt, groups, masters)
+            # the guard against groups added later goes with the engine's other hooks
+            self._handles.append(rebuild_optimizer(opt, groups, masters, names=ids))
 
     def _attach_grads(self) -> None:
         """Point each master fragment's ``.grad`` at its slice of its unit's gradient shard, or of one
