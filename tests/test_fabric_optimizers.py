@@ -13,6 +13,9 @@ probe where a silent difference from Fabric's ``"ddp"`` showed:
   the shards). Now the step is refused naming the parameters and the fix; at stage 0 it trains.
 * ``fabric.load(path)`` returned neither the model nor the optimizers (Fabric's contract: what the
   checkpoint holds beyond the state passed); now it returns them whole.
+* ``optimizer.state_dict()`` at ZeRO 1-3 returned this rank's fragments (a resume failed with torch's
+  size errors, or loaded another rank's moments where the sizes matched); now it and
+  ``load_state_dict`` are refused naming ``fabric.save`` / ``fabric.load``; at stage 0 it is torch's.
 """
 
 from __future__ import annotations
@@ -153,8 +156,18 @@ def _groups(rank: int, stage: int) -> dict[str, Any]:
         added: Any = (_weights(strategy, net)["2.weight"] - before["2.weight"]).abs().max().item()
     except RuntimeError as error:
         added = str(error)
+    formats = {}
+    for call in ("state_dict", "load_state_dict"):
+        try:
+            if call == "state_dict":
+                opt.state_dict()
+            else:
+                opt.load_state_dict({"state": {}, "param_groups": []})
+            formats[call] = None
+        except (RuntimeError, ValueError) as error:
+            formats[call] = str(error)
     strategy.destroy_process_groups()
-    return {"held": held, "added": added}
+    return {"held": held, "added": added, "formats": formats}
 
 
 def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -173,12 +186,19 @@ def test_optimizer_objects_under_zero_in_fabric(tmp_path: Path) -> None:
         for stage in (0, 2, 3):
             got = out[f"groups{stage}"]
             assert got["held"] == {"same": True, "moved": 0.0}, (rank, stage, got["held"])
+            formats = got["formats"]
             if stage == 0:
                 assert isinstance(got["added"], float) and got["added"] > 0, (rank, got["added"])
+                assert formats["state_dict"] is None, formats  # torch's own format: the whole state
             else:
                 message = got["added"]
                 assert isinstance(message, str) and "add_param_group after setup" in message, (rank, stage)
                 assert "'2.weight'" in message and "lr=0" in message, message
+                assert formats["state_dict"].startswith("optimizer.state_dict() at ZeRO 1-3"), formats
+                assert formats["load_state_dict"].startswith("optimizer.load_state_dict(...) at ZeRO"), (
+                    formats
+                )
+                assert "fabric.save(path" in formats["state_dict"], formats
         for key in ("ckpt2True", "ckpt2False", "ckpt3True"):
             got = out[key]
             for case in ("swapped", "one"):

@@ -5,9 +5,10 @@ Contract
 The parameters of the module are moved into one flat buffer laid out like the gradients (same buckets,
 see :class:`~lightning_par.zero.layout.FlatLayout`). Rank ``r`` owns slice ``r`` of every bucket: the
 *fragments* of parameters in that slice. The user's optimizer object is kept (LR schedulers, ``lr_monitor``
-and ``optimizer.param_groups[i]["lr"]`` keep working) but its ``param_groups``/``state`` are replaced by
-those of a fresh optimizer of the same class and hyper-parameters over the fragments, so each rank keeps
-optimizer state for 1/N of the elements. This is exact for element-wise optimizers (every update of
+and ``optimizer.param_groups[i]["lr"]`` keep working, its group dicts too) but its groups' contents and
+``state`` are those of a fresh optimizer of the same class and hyper-parameters over the fragments
+(:mod:`lightning_par.zero.optimizer_rebuild`, which also guards it), so each rank keeps optimizer state
+for 1/N of the elements. This is exact for element-wise optimizers (every update of
 element ``i`` depends only on element ``i`` of the parameter, gradient and state), which is why only
 those are accepted.
 
@@ -18,8 +19,7 @@ model keeps separate fp32 master fragments (see ``master_dtype``).
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,113 +29,18 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_par.collectives import all_gather_flat
-from lightning_par.optimizer_checks import check_shardable
 from lightning_par.zero.grad_sync import GradSync
 from lightning_par.zero.layout import FlatLayout, Fragment
+from lightning_par.zero.optimizer_rebuild import (
+    inherit_param_attrs,
+    optimizer_group_params,
+    rebuild_optimizer,
+)
 from lightning_par.zero.writeback import refuse_unequal_writes
 
 # Checkpoint key of fp32 master weights saved beside the optimizer state of low-precision models (the
 # engine names it, so the checkpoint code depends on the engine and not the other way round).
 MASTER_KEY = "master"
-
-
-def inherit_param_attrs(fragment: Tensor, param: nn.Parameter) -> None:
-    """A master fragment carries its parameter's parallelism marks (e.g. the tensor-parallel dimension),
-    so code that sees only the optimizer's tensors (global-norm clipping) can tell sharded from
-    replicated pieces."""
-    for attr in ("_lp_tp_dim", "_lp_norm_skip"):
-        if hasattr(param, attr):
-            setattr(fragment, attr, getattr(param, attr))
-
-
-def optimizer_group_params(
-    optimizers: Sequence[Optimizer],
-    trainable: Sequence[nn.Parameter],
-    param_names: dict[nn.Parameter, str],
-    *,
-    allow_untested: bool = False,
-) -> list[list[list[nn.Parameter]]]:
-    """The module parameters of each group of each optimizer, checked to be module parameters that
-    belong to one optimizer only. Frozen parameters (``requires_grad=False``, not in ``trainable``) are
-    allowed, as torch optimizers skip parameters without gradients: they get no fragment and no state."""
-    engine_params = set(map(id, trainable))
-    module_params = set(map(id, param_names))
-    out: list[list[list[nn.Parameter]]] = []
-    owner: dict[int, int] = {}
-    for k, opt in enumerate(optimizers):
-        check_shardable(opt, allow_untested=allow_untested)
-        groups = []
-        for group in opt.param_groups:
-            params = list(group["params"])
-            for p in params:
-                if id(p) not in module_params:
-                    raise ValueError(
-                        f"Optimizer {k} holds a tensor of shape {tuple(p.shape)} that is not a parameter of"
-                        " the module; ZeRO can only shard module parameters (register it as an"
-                        " nn.Parameter of the LightningModule)."
-                    )
-                if id(p) not in engine_params and p.requires_grad and not p.is_meta:
-                    raise ValueError(
-                        f"Optimizer {k} holds {param_names[p]!r}, which the ZeRO engine does not manage"
-                        " (its requires_grad changed after setup?); set requires_grad before training."
-                    )
-                if owner.setdefault(id(p), k) != k:
-                    raise ValueError(f"Parameter {param_names[p]!r} is in two optimizers.")
-            groups.append(params)
-        out.append(groups)
-    return out
-
-
-def rebuild_optimizer(
-    opt: Optimizer,
-    groups: list[list[nn.Parameter]],
-    masters: dict[int, list[Tensor]],
-    *,
-    names: Mapping[int, str],
-) -> RemovableHandle:
-    """Replace ``opt``'s parameters by the master fragments of its parameters (``masters[id(param)]``),
-    keeping the object, its hyper-parameters, its class and its group dicts (refilled in place, so a
-    group held from before, ``group = opt.param_groups[0]; group["lr"] = 0.0``, still drives the step);
-    the state starts empty. Returns the step pre-hook that refuses groups added afterwards
-    (:func:`refuse_added_groups`; ``names``: module parameter names by id), for the caller to remove."""
-    new_groups: list[dict[str, Any]] = []
-    for group, params in zip(opt.param_groups, groups, strict=True):
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        new_groups.append({**hyper, "params": [m for p in params for m in masters.get(id(p), [])]})
-    # A fresh instance runs the class's own state initialisation (Adagrad fills state eagerly from its
-    # constructor arguments, so those are passed again, as far as the constructor accepts them).
-    accepted = inspect.signature(type(opt).__init__).parameters
-    fresh = type(opt)(new_groups, **{k: v for k, v in opt.defaults.items() if k in accepted})
-    for group, built in zip(opt.param_groups, fresh.param_groups, strict=True):
-        group.clear()
-        group.update(built)
-    opt.state = fresh.state
-    expected = len(opt.param_groups)
-
-    def before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        refuse_added_groups(optimizer, expected=expected, names=names)
-
-    return opt.register_step_pre_hook(before_step)
-
-
-def refuse_added_groups(opt: Optimizer, *, expected: int, names: Mapping[int, str]) -> None:
-    """Refuse a step of ``opt`` once groups were added after it was rebuilt (``add_param_group``): their
-    parameters are the module's, not fragments of the shards, so no gradient would reach them and they
-    would never train (before: silently)."""
-    if len(opt.param_groups) <= expected:
-        return
-    added = [
-        names.get(id(p), f"a tensor of shape {tuple(p.shape)}")
-        for group in opt.param_groups[expected:]
-        for p in group["params"]
-    ]
-    raise RuntimeError(
-        f"optimizer.add_param_group after setup at ZeRO 1-3: the optimizer was rebuilt over this rank's"
-        f" shards of the parameters it held at setup, so the added group's {added[:4]} would get no"
-        " gradient and never train. Give the optimizer every parameter before setup (a param group with"
-        " lr=0 until it should train, then set its lr), or use zero_stage=0, where the optimizer keeps"
-        " the module's parameters."
-    )
 
 
 class ShardedOptimizer:
@@ -162,7 +67,7 @@ class ShardedOptimizer:
             self.optimizers, sync.params, param_names, allow_untested=allow_untested_optimizer
         )
         self._names = {id(p): n for p, n in param_names.items()}
-        self._group_guards: list[RemovableHandle] = []  # refuse groups added after the rebuild
+        self._group_guards: list[RemovableHandle] = []  # rebuild_optimizer's guards of the optimizers
         sync.on_relayout(self._relayout)
         sync.on_reduced(self._attach_grads)
         self._relayout()
@@ -233,8 +138,9 @@ class ShardedOptimizer:
         for handle in self._group_guards:  # a new layout: the groups are rebuilt again
             handle.remove()
         self._group_guards = [
-            rebuild_optimizer(opt, groups, masters, names=self._names)
+            hook
             for opt, groups in zip(self.optimizers, self._group_params, strict=True)
+            for hook in rebuild_optimizer(opt, groups, masters, names=self._names)
         ]
 
     @torch.no_grad()

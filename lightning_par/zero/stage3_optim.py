@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_par.zero.sharded_optimizer import (
+from lightning_par.zero.optimizer_rebuild import (
     inherit_param_attrs,
     optimizer_group_params,
     rebuild_optimizer,
@@ -69,8 +69,8 @@ class Stage3Optim(Stage3State):
                     self._grad_views.append(None)
         ids = {id(p): n for p, n in names.items()}
         for opt, groups in zip(self.optimizers, self._group_params, strict=True):
-            # the guard against groups added later goes with the engine's other hooks
-            self._handles.append(rebuild_optimizer(opt, groups, masters, names=ids))
+            # its guards (groups added later, torch's state dicts) go with the engine's other hooks
+            self._handles += rebuild_optimizer(opt, groups, masters, names=ids)
 
     def _attach_grads(self) -> None:
         """Point each master fragment's ``.grad`` at its slice of its unit's gradient shard, or of one
