@@ -122,6 +122,20 @@ def gaussian_lora() -> nn.Module:
     return get_peft_model(llama(0), config)
 
 
+def uninitialised_lora() -> nn.Module:
+    """PEFT LoRA with ``init_lora_weights=False``: A and B keep ``nn.Linear``'s init (before: B zero and A
+    drawn by the Llama's ``_init_weights``)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(llama(0), LoraConfig(r=4, target_modules=LORA_TARGETS, init_lora_weights=False))
+
+
+def pissa_lora() -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(llama(0), LoraConfig(r=4, target_modules=LORA_TARGETS, init_lora_weights="pissa"))
+
+
 def litgpt_pretrained_style() -> nn.Module:
     """litgpt's GPT with the init of its pretraining script: ``initialize_weights`` sets each linear and
     embedding's ``reset_parameters`` to ``N(0, sqrt(2 / 5 / n_embd))`` (attention's output projection
@@ -142,6 +156,7 @@ BUILDERS = {
     "vit_bits": ViTBits,
     "lightning_demo_transformer": demo_transformer,
     "peft_gaussian_lora": gaussian_lora,
+    "peft_uninitialised_lora": uninitialised_lora,
     "litgpt_pretrain_init": litgpt_pretrained_style,
 }
 
@@ -189,6 +204,9 @@ class CopiesAnotherParameter(nn.Module):
 def test_writes_that_cannot_be_replayed_are_refused() -> None:
     with pytest.raises(ValueError, match=r"head\.weight \(copy_: it reads another meta-device tensor\)"):
         _materialized(lambda: CopiesAnotherParameter(reset_after=False))
+    # PiSSA computes the adapters from the base weights (before: silently PEFT's default init instead)
+    with pytest.raises(ValueError, match=r"init_lora_weights='pissa', which reads the base layer's weights"):
+        _materialized(pissa_lora)
     model = _materialized(lambda: CopiesAnotherParameter(reset_after=True))
     assert model.head.weight.abs().max() <= 1 / math.sqrt(8)  # its reset_parameters() bound
 

@@ -188,6 +188,21 @@ def test_match_names_peft_lora(saved: Saved) -> None:
             torch.testing.assert_close(src.get(f), model_sd[m], rtol=0, atol=0)
 
 
+def test_match_names_peft_modules_to_save(saved: Saved) -> None:
+    """``modules_to_save``: the frozen original and the trainable copy both start from the base model's
+    weight (before, neither matched, and pretrained= refused the right file as another architecture)."""
+    import peft
+
+    sd, _ = saved
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    model_sd = peft.get_peft_model(_llama(), config).state_dict()
+    mapping = match_names(sd, model_sd)
+    head = "base_model.model.lm_head"
+    assert mapping[f"{head}.original_module.weight"] == "lm_head.weight"
+    assert mapping[f"{head}.modules_to_save.default.weight"] == "lm_head.weight"
+    assert sorted(set(mapping.values())) == sorted(sd)
+
+
 def test_check_against(saved: Saved) -> None:
     sd, _ = saved
     expected = {k: tuple(v.shape) for k, v in sd.items()}

@@ -25,6 +25,7 @@ import difflib
 import json
 import os
 import pickle
+import re
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -294,8 +295,13 @@ class WeightSource:
         return self._handles[shard]
 
 
+# PEFT's wrappers: a LoRA layer's base (``base_layer``), and ``modules_to_save``'s frozen original and its
+# trainable copies, which all start from the base model's weight of that name
+_PEFT_INFIX = re.compile(r"\.(?:base_layer|original_module|modules_to_save\.[^.]+)\.")
+
+
 def _norm(name: str) -> str:
-    return name.replace(".base_layer.", ".")
+    return _PEFT_INFIX.sub(".", name)
 
 
 def _dot_prefixes(name: str) -> Iterable[str]:

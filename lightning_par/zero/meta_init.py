@@ -395,22 +395,71 @@ def _check_set(initialised: Sequence[tuple[str, Tensor]]) -> None:
             f"Parameters {names} were left unset by their modules' initialisers (reset_parameters(), or"
             " a Hugging Face model's _init_weights), so ZeRO-3 cannot initialise them from the meta"
             " device; give the module a reset_parameters() that sets them, load them (pretrained=...),"
-            " or create the model on a real device."
+            " or create the model on a real device (meta_init=False; needed where the init reads other"
+            " weights, as PEFT's DoRA magnitudes do)."
         )
 
 
+def _peft_configs(root: nn.Module) -> dict[str, Any]:
+    """Each PEFT adapter's config by name, from the PEFT models and tuners inside ``root``."""
+    found: dict[str, Any] = {}
+    for m in root.modules():
+        configs = getattr(m, "peft_config", None)
+        if isinstance(configs, dict):
+            for adapter, config in configs.items():
+                found.setdefault(str(adapter), config)
+    return found
+
+
+# PEFT's initialisations of an adapter that read the base layer's weights or data (PiSSA, CorDA, OLoRA,
+# MiCA, LoftQ, orthogonal, LoRA-GA): not there on the meta device
+_BASE_READING = ("pissa", "corda", "olora", "mica", "loftq", "orthogonal", "lora_ga")
+
+
 def _reset_lora(root: nn.Module, initialised: set[int], *, reseed: Callable[[str], None]) -> None:
-    """PEFT LoRA layers whose adapter weights were just initialised: A as nn.Linear, B zero (each adapter
-    after ``reseed`` with the path of its ``lora_A`` layer)."""
+    """PEFT LoRA layers whose adapter weights were just initialised, as PEFT's ``update_layer`` does for
+    the adapter's ``init_lora_weights`` (each adapter after ``reseed`` with the path of its ``lora_A``
+    layer): ``True`` (and EVA's start) A as nn.Linear and B zero (``"gaussian"``'s A is the recorded
+    write, replayed after); ``False`` both layers' own nn.Linear init (before: B zeroed, A drawn by the
+    enclosing model's ``_init_weights``); an init that reads the base weights is refused (before: PiSSA
+    silently became the default)."""
+    configs = _peft_configs(root)
     for name, m in root.named_modules():
         reset = getattr(m, "reset_lora_parameters", None)
-        lora_a = getattr(m, "lora_A", None)
+        lora_a, lora_b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
         if not callable(reset) or not isinstance(lora_a, nn.ModuleDict):
             continue
+        prefix = f"{name}." if name else ""
         for adapter, layer in lora_a.items():
-            if any(id(p) in initialised for p in layer.parameters()):
-                reseed(f"{name}.lora_A.{adapter}" if name else f"lora_A.{adapter}")
+            fresh = [  # the adapter's layers initialised in this unit
+                (f"{prefix}{kind}.{adapter}", own)
+                for kind, own in (("lora_A", layer), ("lora_B", _get(lora_b, adapter)))
+                if own is not None and any(id(p) in initialised for p in own.parameters())
+            ]
+            if not fresh:
+                continue
+            init = getattr(configs.get(adapter), "init_lora_weights", True)
+            if isinstance(init, str) and init.lower().startswith(_BASE_READING):
+                raise ValueError(
+                    f"PEFT adapter {adapter!r} of {name or '<root>'!r} is initialised with"
+                    f" init_lora_weights={init!r}, which reads the base layer's weights (or data); built on"
+                    " the meta device (ZeRO-3's meta init) they are not there, so the adapter would start"
+                    " from another init. Build the model with meta_init=False, or load the adapter's"
+                    " weights (pretrained=, or load_state_dict in configure_model())."
+                )
+            if init is False:  # each layer's own nn.Linear init (not the enclosing model's _init_weights)
+                for path, own in fresh:
+                    if callable(getattr(own, "reset_parameters", None)):
+                        reseed(path)
+                        own.reset_parameters()  # type: ignore[operator]
+                continue
+            if fresh[0][1] is layer:
+                reseed(f"{prefix}lora_A.{adapter}")
                 reset(adapter, True)
+
+
+def _get(layers: Any, key: str) -> nn.Module | None:
+    return layers[key] if isinstance(layers, nn.ModuleDict) and key in layers else None
 
 
 def materialize_model(
