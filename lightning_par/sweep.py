@@ -22,11 +22,24 @@ from typing import Any
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 
 def _is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def _sweep_dir(config: DictConfig, job_dir: Path) -> Path:
+    """The sweep directory, resolved in the job's whole config: ``hydra.sweep.dir`` reads top-level keys
+    (``${task_name}``), which the detached Hydra node of the job's return cannot resolve (before, the
+    summary of a sweep with the default directory was never written: an interpolation error that Hydra
+    reports as one warning). Falls back to the job directory's parent (the default ``subdir`` is the
+    job number)."""
+    try:
+        resolved = OmegaConf.select(config, "hydra.sweep.dir", throw_on_missing=True)
+    except Exception:  # an interpolation that still cannot be resolved
+        resolved = None
+    return Path(str(resolved)) if resolved is not None else job_dir.parent
 
 
 class SweepSummary(Callback):
@@ -36,8 +49,8 @@ class SweepSummary(Callback):
         hydra_cfg = job_return.hydra_cfg.hydra if job_return.hydra_cfg is not None else None
         if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN or not _is_rank_zero():
             return
-        sweep_dir = Path(str(hydra_cfg.sweep.dir))
         job_dir = Path(str(hydra_cfg.runtime.output_dir))
+        sweep_dir = _sweep_dir(config, job_dir)
         row: dict[str, Any] = {
             "job": int(hydra_cfg.job.num),
             "overrides": " ".join(job_return.overrides or []),

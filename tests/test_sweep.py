@@ -45,7 +45,8 @@ def test_sweep_of_strategies_and_precisions(tmp_path: Path) -> None:
 
 
 def test_sweep_job_with_invalid_value_fails_alone(tmp_path: Path) -> None:
-    sweep = tmp_path / "sweep"
+    """In the default sweep directory (``multirun/<task>/<time>``, whose path reads a top-level key of the
+    config: before, the summary was never written there, only Hydra's one warning said why)."""
     run = subprocess.run(
         [
             *_command(),
@@ -54,7 +55,6 @@ def test_sweep_job_with_invalid_value_fails_alone(tmp_path: Path) -> None:
             "strategy=zero1",
             "strategy.bucket_size_mb=-1,25",
             "logger=none",
-            f"hydra.sweep.dir={sweep}",
         ],
         capture_output=True,
         text=True,
@@ -62,6 +62,7 @@ def test_sweep_job_with_invalid_value_fails_alone(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert run.returncode != 0  # Hydra reports the failed job when the sweep ends
+    (sweep,) = (tmp_path / "multirun").glob("*/*")
     rows = json.loads((sweep / "summary.json").read_text())
     assert [r["status"] for r in rows] == ["failed", "completed"]
     assert "bucket_size_mb must be > 0" in rows[0]["error"] and "\n" not in rows[0]["error"]
