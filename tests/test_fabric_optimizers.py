@@ -143,12 +143,19 @@ def _groups(rank: int, stage: int) -> dict[str, Any]:
     group = opt.param_groups[0]
     net, opt = fabric.setup(net, opt)
     group["lr"] = 0.0
+    inside: list[int] = []  # torch function modes on the stack in each forward: no read checks there
+    net.module.register_forward_pre_hook(lambda *_: inside.append(torch._C._len_torch_function_stack()))
     before = _weights(strategy, net)
     fabric.backward(net(_batch(rank, 0)).square().mean())
     opt.step()
     opt.zero_grad()
     moved = (_weights(strategy, net)["0.weight"] - before["0.weight"]).abs().max().item()
     held = {"same": opt.param_groups[0] is group, "moved": moved}
+    try:  # a weight read between steps, outside gathered_params: placeholders at ZeRO-3
+        float(net.module[0].weight.sum())
+        between = None
+    except RuntimeError as error:
+        between = str(error)
     opt.add_param_group({"params": list(net.module[2].parameters()), "lr": 0.1})
     fabric.backward(net(_batch(rank, 1)).square().mean())
     try:
@@ -167,7 +174,7 @@ def _groups(rank: int, stage: int) -> dict[str, Any]:
         except (RuntimeError, ValueError) as error:
             formats[call] = str(error)
     strategy.destroy_process_groups()
-    return {"held": held, "added": added, "formats": formats}
+    return {"held": held, "added": added, "formats": formats, "between": between, "inside": inside}
 
 
 def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -187,6 +194,13 @@ def test_optimizer_objects_under_zero_in_fabric(tmp_path: Path) -> None:
             got = out[f"groups{stage}"]
             assert got["held"] == {"same": True, "moved": 0.0}, (rank, stage, got["held"])
             formats = got["formats"]
+            # ZeRO-3: refused until the next forward (before, the check of reads after fabric.setup stayed
+            # on for the whole loop, every forward op going through it, and named "before the first step")
+            assert got["inside"] == [0, 0], (rank, stage, got["inside"])
+            if stage == 3:
+                assert "between optimizer.step() and the model's next forward" in got["between"], got
+            else:
+                assert got["between"] is None, (rank, stage, got["between"])
             if stage == 0:
                 assert isinstance(got["added"], float) and got["added"] > 0, (rank, got["added"])
                 assert formats["state_dict"] is None, formats  # torch's own format: the whole state

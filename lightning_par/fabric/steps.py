@@ -25,6 +25,7 @@ from lightning_par.checkpoint.tp_reshard import tp_info
 from lightning_par.fabric.pipeline import refuse_backward
 from lightning_par.grad_reads import GradReads
 from lightning_par.tensor_parallel.replicas import mismatch_message, replicated_grad_mismatch
+from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.stage3_join import Stage3Join
 
 if TYPE_CHECKING:
@@ -137,6 +138,11 @@ class FabricSteps:
         self._found_inf = None
         if self.engine is not None:
             self.engine.after_step()
+        if isinstance(self.engine, Stage3Engine):  # until the next forward, its placeholders are refused
+            self.engine.refuse_reads_between_steps(
+                "between optimizer.step() and the model's next forward (a merge of adapters, an EMA"
+                " update or a weight read in the loop)"
+            )
         return output
 
     @contextmanager

@@ -205,6 +205,7 @@ class Stage3Engine(Stage3Reduce):
         self._cross_guard = CrossUnitGuard(self.units, self.root)
         self._between: BetweenSteps | None = BetweenSteps(self.units, self.own_reads)  # after step 1
         self._before_first: BetweenSteps | None = None  # refuse_reads_until_step's window
+        self._fabric_between: BetweenSteps | None = None  # refuse_reads_between_steps' window
         # generate() keeps the ranks' forwards in step only for models it knows are sharded (stage3_join)
         self._hf_marked = mark_hf_models(module) if self.world > 1 else []
         broadcast_module_states(module, group=group, params=False)  # buffers are replicated
@@ -327,6 +328,10 @@ class Stage3Engine(Stage3Reduce):
 
     def _pre_forward(self, unit: Unit) -> None:
         backward = in_backward()
+        if not backward:  # a step starts: the windows of refused reads outside the steps end
+            self._stop_before_first()
+            if self._fabric_between is not None:
+                self._fabric_between.stop()
         if self._recording and not backward and unit is not self.root and unit not in self._order:
             self._order.append(unit)
         self._wait(unit)
@@ -419,13 +424,23 @@ class Stage3Engine(Stage3Reduce):
             guard.stop()
 
     def refuse_reads_until_step(self, where: str) -> None:
-        """From now until the next step starts, a read of a parameter whose unit is not gathered raises
-        (``where`` in the message): a Fabric loop's code between ``fabric.setup`` and its first step,
+        """From now until the next step starts (the next forward of a unit, or a step context), a read of
+        a parameter whose unit is not gathered raises (``where`` in the message): a Fabric loop's code
+        between ``fabric.setup`` and its first step,
         where an init after sharding (torchtitan's ``init_weights()``) or a weight read would meet the
         placeholders (:mod:`lightning_par.zero.stage3_between`)."""
         if self._before_first is None:
             self._before_first = BetweenSteps(self.units, self.own_reads, where=where)
             self._before_first.start()
+
+    def refuse_reads_between_steps(self, where: str) -> None:
+        """From an optimizer step of a Fabric loop to the model's next forward, a read of a parameter
+        whose unit is not gathered raises (``where`` in the message), as
+        :meth:`refuse_reads_until_step` does before the first step. The window closes at the next
+        forward of any unit, so the forward and backward of a step run without the check."""
+        if self._fabric_between is None:
+            self._fabric_between = BetweenSteps(self.units, self.own_reads, where=where)
+        self._fabric_between.start()
 
     def _stop_before_first(self) -> None:
         guard, self._before_first = self._before_first, None
@@ -516,5 +531,8 @@ class Stage3Engine(Stage3Reduce):
             self._between.stop()
             self._between = None
         self._stop_before_first()
+        if self._fabric_between is not None:
+            self._fabric_between.stop()
+            self._fabric_between = None
         unmark_hf_models(self._hf_marked)
         self._hf_marked = []

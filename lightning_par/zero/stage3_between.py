@@ -72,6 +72,7 @@ class BetweenSteps:
 
     def stop(self) -> None:
         mode, self._mode = self._mode, None
+        self._refused = False  # a later start() watches again
         if mode is not None:
             leave_mode(mode)
 
