@@ -13,6 +13,8 @@ probe where a silent difference from Fabric's ``"ddp"`` showed:
   the shards). Now the step is refused naming the parameters and the fix; at stage 0 it trains.
 * ``fabric.load(path)`` returned neither the model nor the optimizers (Fabric's contract: what the
   checkpoint holds beyond the state passed); now it returns them whole.
+* ``fabric.save(path, state, filter={"model": ...})`` (litgpt's LoRA save) was refused; now one file of
+  the entries the filter keeps, equal to the consolidated state's.
 * ``optimizer.state_dict()`` at ZeRO 1-3 returned this rank's fragments (a resume failed with torch's
   size errors, or loaded another rank's moments where the sizes matched); now it and
   ``load_state_dict`` are refused naming ``fabric.save`` / ``fabric.load``; at stage 0 it is torch's.
@@ -95,9 +97,12 @@ def _checkpoints(rank: int, stage: int, root: Path, distributed: bool) -> dict[s
     _gan_steps(fabric, net, opt_g, opt_d, rank=rank, steps=range(2))
     saved = {"g": _moments(opt_g), "d": _moments(opt_d)}
     fabric.save(path, {"model": net, "opt_g": opt_g, "opt_d": opt_d, "step": 2})
+    # litgpt's LoRA save: fabric.save with a filter of the model's entries (before, refused)
+    only_d = root / f"{path.name}_d.pt"
+    fabric.save(only_d, {"model": net, "step": 2}, filter={"model": lambda name, _: name.startswith("d.")})
     whole = strategy.consolidated_state_dict()
     strategy.destroy_process_groups()
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"filtered": torch.load(only_d, weights_only=True) if rank == 0 else None}
     for case, keys in (("swapped", ("opt_d", "opt_g")), ("one", ("opt_d",))):
         fabric, strategy = _setup(stage)
         net = _net()
@@ -232,3 +237,7 @@ def test_optimizer_objects_under_zero_in_fabric(tmp_path: Path) -> None:
             if rank == 0:  # the consolidated state lands on rank 0
                 for name, value in everything["whole"].items():
                     torch.testing.assert_close(everything["model"][name], value, rtol=0, atol=0)
+                filtered = got["filtered"]
+                assert filtered["step"] == 2 and sorted(filtered["model"]) == ["d.bias", "d.weight"]
+                for name, value in filtered["model"].items():
+                    torch.testing.assert_close(value, everything["whole"][name], rtol=0, atol=0)

@@ -20,7 +20,7 @@ into the shards: each rank copies only its slices, from a memory-mapped file.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -177,6 +177,37 @@ def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any])
         }
         if module_key is not None:
             content[module_key] = full_model
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(content, path)
+    strategy.barrier()
+
+
+def save_filtered(
+    strategy: HybridParallelStrategy,
+    path: Path,
+    state: Mapping[str, Any],
+    keep: Mapping[str, Callable[[str, Any], bool]],
+) -> None:
+    """``fabric.save(path, state, filter={key: keep(name, value)})``, as Fabric's strategies do it for a
+    module: one torch file on rank 0 whose module entry is the whole state dict's entries ``keep``
+    accepts (litgpt saves its LoRA weights so); other entries as they are. Collective (the module's
+    state is consolidated); filters are for the module's entry only, optimizers cannot be filtered."""
+    module_key, opt_keys = _split(strategy, state)
+    wrong = [k for k in keep if k != module_key]
+    if wrong or opt_keys:
+        raise TypeError(
+            f"fabric.save(..., filter=...) with lightning_par's Fabric strategy filters the model's entry"
+            f" only and saves no optimizer (asked: filter keys {sorted(keep)}, optimizers {opt_keys});"
+            " save the optimizers with a second fabric.save without filter."
+        )
+    whole = consolidated(strategy) if module_key is not None else {}
+    if strategy.is_global_zero:
+        content: dict[str, Any] = {}
+        for k, v in state.items():
+            if k == module_key:
+                content[k] = {n: t for n, t in whole.items() if keep.get(k, lambda *_: True)(n, t)}
+            else:
+                content[k] = v.state_dict() if is_stateful(v) else v
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(content, path)
     strategy.barrier()

@@ -441,11 +441,13 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         storage_options: Any | None = None,
         filter: dict[str, Any] | None = None,
     ) -> None:
-        if storage_options is not None or filter is not None:
-            raise TypeError(
-                "storage_options and filter are not supported by lightning_par's Fabric strategy."
-            )
-        fabric_checkpoint.save(self, Path(self.broadcast(str(path))), state)
+        if storage_options is not None:
+            raise TypeError("storage_options is not supported by lightning_par's Fabric strategy.")
+        target = Path(self.broadcast(str(path)))
+        if filter is not None:  # litgpt's LoRA save: one file with the entries the filter keeps
+            fabric_checkpoint.save_filtered(self, target, state, filter)
+            return
+        fabric_checkpoint.save(self, target, state)
 
     @override
     @reads_own_state
