@@ -27,13 +27,16 @@ naming the ranks and the fix. One small all-gather per group and one host read, 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_flatten
+
+if TYPE_CHECKING:
+    from lightning_par.mesh import ParallelMesh
 
 __all__ = ["BatchAgreement", "batch_fingerprint"]
 
@@ -88,6 +91,11 @@ class BatchAgreement:
         self._groups = [(kind, g) for kind, g in groups if dist.get_world_size(g) > 1]
         self._device = device
         self._pending: set[str] = set()
+
+    @classmethod
+    def of_mesh(cls, mesh: ParallelMesh, *, device: torch.device) -> BatchAgreement:
+        """The check over ``mesh``'s tensor- and pipeline-parallel groups."""
+        return cls([("tensor-parallel", mesh.tp_group), ("pipeline", mesh.pp_group)], device=device)
 
     def expect(self, loop: str) -> None:
         if self._groups:

@@ -355,8 +355,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             self.model, group=self.mesh.dp_group, enabled=self.broadcast_buffers and fitting
         )
         # the ranks of a tp / pp group read one batch: their first batch of each loop is compared
-        model_groups = [("tensor-parallel", self.mesh.tp_group), ("pipeline", self.mesh.pp_group)]
-        self._batches = BatchAgreement(model_groups, device=self.root_device)
+        self._batches = BatchAgreement.of_mesh(self.mesh, device=self.root_device)
         if fitting:
             self._batches.expect("training")
         if fitting:

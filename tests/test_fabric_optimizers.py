@@ -178,8 +178,16 @@ def _groups(rank: int, stage: int) -> dict[str, Any]:
             formats[call] = None
         except (RuntimeError, ValueError) as error:
             formats[call] = str(error)
-    strategy.destroy_process_groups()
-    return {"held": held, "added": added, "formats": formats, "between": between, "inside": inside}
+    strategy.destroy_process_groups()  # also closes the window the last step opened
+    left = torch._C._len_torch_function_stack()
+    return {
+        "held": held,
+        "added": added,
+        "formats": formats,
+        "between": between,
+        "inside": inside,
+        "left": left,
+    }
 
 
 def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -201,7 +209,7 @@ def test_optimizer_objects_under_zero_in_fabric(tmp_path: Path) -> None:
             formats = got["formats"]
             # ZeRO-3: refused until the next forward (before, the check of reads after fabric.setup stayed
             # on for the whole loop, every forward op going through it, and named "before the first step")
-            assert got["inside"] == [0, 0], (rank, stage, got["inside"])
+            assert got["inside"] == [0, 0] and got["left"] == 0, (rank, stage, got["inside"], got["left"])
             if stage == 3:
                 assert "between optimizer.step() and the model's next forward" in got["between"], got
             else:

@@ -205,7 +205,8 @@ def save_filtered(
         content: dict[str, Any] = {}
         for k, v in state.items():
             if k == module_key:
-                content[k] = {n: t for n, t in whole.items() if keep.get(k, lambda *_: True)(n, t)}
+                kept = keep.get(k)
+                content[k] = {n: t for n, t in whole.items() if kept is None or kept(n, t)}
             else:
                 content[k] = v.state_dict() if is_stateful(v) else v
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -362,10 +362,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
                 "after fabric.setup() and before the first step (an init after sharding, such as"
                 " torchtitan's model.init_weights(), or a weight read such as a norm or a copy)"
             )
-        self.batches = BatchAgreement(
-            [("tensor-parallel", self.mesh.tp_group), ("pipeline", self.mesh.pp_group)],
-            device=self.root_device,
-        )
+        self.batches = BatchAgreement.of_mesh(self.mesh, device=self.root_device)
         if self._pipeline is not None:
             self._refusal = refuse_direct_call(module)
             for loop in ("training", "evaluation", "prediction"):
@@ -487,6 +484,8 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         """Destroy this strategy's mesh groups when done with it, on every rank (a process that runs one
         Fabric loop after another; see :meth:`lightning_par.mesh.ParallelMesh.destroy`). A later launch
         builds new ones."""
+        if isinstance(self.engine, Stage3Engine):  # no forward closes the last step's window of checks
+            self.engine.end_read_windows()
         if self._pipeline is not None:  # the tied-weight groups first: built over the mesh's ranks
             self._pipeline.steps.tied.destroy()
             self._pipeline = None

@@ -329,9 +329,7 @@ class Stage3Engine(Stage3Reduce):
     def _pre_forward(self, unit: Unit) -> None:
         backward = in_backward()
         if not backward:  # a step starts: the windows of refused reads outside the steps end
-            self._stop_before_first()
-            if self._fabric_between is not None:
-                self._fabric_between.stop()
+            self._stop_outside_windows()
         if self._recording and not backward and unit is not self.root and unit not in self._order:
             self._order.append(unit)
         self._wait(unit)
@@ -386,7 +384,7 @@ class Stage3Engine(Stage3Reduce):
         if self._between is not None and self._between.active:  # the window after step 1 ends here
             self._between.stop()
             self._between = None
-        self._stop_before_first()
+        self._stop_outside_windows()
         if self.root is not None:
             self._pre_forward(self.root)
         self._in_step += 1
@@ -426,9 +424,9 @@ class Stage3Engine(Stage3Reduce):
     def refuse_reads_until_step(self, where: str) -> None:
         """From now until the next step starts (the next forward of a unit, or a step context), a read of
         a parameter whose unit is not gathered raises (``where`` in the message): a Fabric loop's code
-        between ``fabric.setup`` and its first step,
-        where an init after sharding (torchtitan's ``init_weights()``) or a weight read would meet the
-        placeholders (:mod:`lightning_par.zero.stage3_between`)."""
+        between ``fabric.setup`` and its first step, where an init after sharding (torchtitan's
+        ``init_weights()``) or a weight read would meet the placeholders
+        (:mod:`lightning_par.zero.stage3_between`)."""
         if self._before_first is None:
             self._before_first = BetweenSteps(self.units, self.own_reads, where=where)
             self._before_first.start()
@@ -442,10 +440,19 @@ class Stage3Engine(Stage3Reduce):
             self._fabric_between = BetweenSteps(self.units, self.own_reads, where=where)
         self._fabric_between.start()
 
-    def _stop_before_first(self) -> None:
+    def end_read_windows(self) -> None:
+        """The windows of refused reads outside the steps end (a Fabric run is done: its last
+        ``optimizer.step`` opened one that no forward closes)."""
+        self._stop_outside_windows()
+
+    def _stop_outside_windows(self) -> None:
+        """A step starts (a step context, a pipeline step, a unit's forward): the windows of refused reads
+        outside the steps end, the one before the first step for good."""
         guard, self._before_first = self._before_first, None
         if guard is not None:
             guard.stop()
+        if self._fabric_between is not None:
+            self._fabric_between.stop()
 
     def after_step(self) -> None:
         """Open a new gradient window (the shards are updated in place; gathers read them next time)."""
@@ -530,9 +537,7 @@ class Stage3Engine(Stage3Reduce):
         if self._between is not None:
             self._between.stop()
             self._between = None
-        self._stop_before_first()
-        if self._fabric_between is not None:
-            self._fabric_between.stop()
-            self._fabric_between = None
+        self._stop_outside_windows()
+        self._fabric_between = None
         unmark_hf_models(self._hf_marked)
         self._hf_marked = []
