@@ -329,7 +329,7 @@ class Stage3Engine(Stage3Reduce):
     def _pre_forward(self, unit: Unit) -> None:
         backward = in_backward()
         if not backward:  # a step starts: the windows of refused reads outside the steps end
-            self._stop_outside_windows()
+            self.end_read_windows()
         if self._recording and not backward and unit is not self.root and unit not in self._order:
             self._order.append(unit)
         self._wait(unit)
@@ -384,7 +384,7 @@ class Stage3Engine(Stage3Reduce):
         if self._between is not None and self._between.active:  # the window after step 1 ends here
             self._between.stop()
             self._between = None
-        self._stop_outside_windows()
+        self.end_read_windows()
         if self.root is not None:
             self._pre_forward(self.root)
         self._in_step += 1
@@ -441,13 +441,9 @@ class Stage3Engine(Stage3Reduce):
         self._fabric_between.start()
 
     def end_read_windows(self) -> None:
-        """The windows of refused reads outside the steps end (a Fabric run is done: its last
-        ``optimizer.step`` opened one that no forward closes)."""
-        self._stop_outside_windows()
-
-    def _stop_outside_windows(self) -> None:
-        """A step starts (a step context, a pipeline step, a unit's forward): the windows of refused reads
-        outside the steps end, the one before the first step for good."""
+        """A step starts (a step context, a pipeline step, a unit's forward) or a Fabric run is done (its
+        last ``optimizer.step`` opened a window no forward closes): the windows of refused reads outside
+        the steps end, the one before the first step for good."""
         guard, self._before_first = self._before_first, None
         if guard is not None:
             guard.stop()
@@ -537,7 +533,7 @@ class Stage3Engine(Stage3Reduce):
         if self._between is not None:
             self._between.stop()
             self._between = None
-        self._stop_outside_windows()
+        self.end_read_windows()
         self._fabric_between = None
         unmark_hf_models(self._hf_marked)
         self._hf_marked = []
