@@ -81,8 +81,10 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             stage 1), ``"every"`` after each micro-batch so gradient memory stays 1/N (default for stage 2).
         reduce_op: stages 1-3: ``"auto"`` (reduce-scatter on NCCL, all-reduce on Gloo), ``"all_reduce"`` or
             ``"reduce_scatter"``.
-        zero3_units: stage 3: which modules gather their parameters together: module classes or
-            ``fnmatch`` patterns of module names (default: every child of an ``nn.ModuleList``).
+        zero3_units: stage 3: which modules gather their parameters together: module classes, class
+            names (``"LlamaDecoderLayer"``, bare or dotted) or ``fnmatch`` patterns of module names
+            (default: every child of an ``nn.ModuleList``). This and ``reshard_after_forward`` are refused
+            at stages 0-2, where they would do nothing.
         reshard_after_forward: stage 3: free gathered parameters after each unit's forward (re-gather in
             backward: 3Ψ traffic, least memory) or keep them until backward (2Ψ traffic). ``None``
             (default): True, but False under pipeline parallelism, where units stay gathered across a
@@ -201,6 +203,8 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             partition_method=partition_method,
             timeout_s=timeout_s,
             start_method=start_method,
+            zero3_units=zero3_units,
+            reshard_after_forward=reshard_after_forward,
         )
         check_comm_hook(
             comm_hook,

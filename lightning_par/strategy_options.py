@@ -36,6 +36,8 @@ def check_options(
     partition_method: PartitionMethod | Sequence[int],
     timeout_s: float,
     start_method: StartMethod,
+    zero3_units: object = None,
+    reshard_after_forward: bool | None = None,
 ) -> int | None:
     """Raise a ``ValueError`` for the first bad option; return ``num_microbatches`` (``2 p`` by default
     with pipeline parallelism, else as given)."""
@@ -84,7 +86,34 @@ def check_options(
         raise ValueError(f"reduce_op must be 'auto', 'all_reduce' or 'reduce_scatter', got {reduce_op!r}.")
     if start_method not in _START_METHODS:
         raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}.")
+    _check_stage3_options(zero_stage, zero3_units=zero3_units, reshard_after_forward=reshard_after_forward)
     return num_microbatches
+
+
+def _check_stage3_options(zero_stage: int, *, zero3_units: object, reshard_after_forward: object) -> None:
+    """The unit options shape stage 3 only: below it they would be accepted and do nothing, so a run that
+    meant to shard by those units would silently replicate the parameters (as ``gather_dtype``)."""
+    rules = [zero3_units] if isinstance(zero3_units, str | type) else zero3_units
+    if zero3_units is not None and (
+        not isinstance(rules, Sequence) or not all(isinstance(r, str | type) for r in rules)
+    ):
+        raise ValueError(
+            "zero3_units must be module classes or strings (module name patterns such as 'model.layers.*',"
+            f" or class names such as 'LlamaDecoderLayer'), or a list of them; got {zero3_units!r}."
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}.")
+    given = [
+        name
+        for name, value in (("zero3_units", zero3_units), ("reshard_after_forward", reshard_after_forward))
+        if value is not None
+    ]
+    if given and zero_stage != 3:
+        raise ValueError(
+            f"{' and '.join(given)} shape ZeRO-3 units and apply at zero_stage=3 only, but zero_stage="
+            f"{zero_stage}: use zero_stage=3, or leave {' and '.join(given)} unset (None / null in a config,"
+            " e.g. when a sweep varies zero_stage)."
+        )
 
 
 def check_fit_setup(

@@ -178,3 +178,18 @@ def test_registered_names_and_bad_options() -> None:
         HybridParallelStrategy(start_method="thread")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="unexpected keyword argument 'bucket_mb'"):
         HybridParallelStrategy(bucket_mb=4)  # type: ignore[call-arg]
+    # the unit options do nothing below stage 3: refused there, as gather_dtype is, in both front doors
+    from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
+
+    for front in (HybridParallelStrategy, FabricStrategy):
+        for stage in (0, 1, 2):
+            with pytest.raises(ValueError, match=rf"zero3_units shape ZeRO-3 units .* zero_stage={stage}"):
+                front(zero_stage=stage, zero3_units=["blocks.*"])
+        with pytest.raises(ValueError, match=r"reshard_after_forward .* leave reshard_after_forward unset"):
+            front(zero_stage=2, reshard_after_forward=False)
+        with pytest.raises(ValueError, match=r"zero3_units must be module classes or strings"):
+            front(zero_stage=3, zero3_units={"blocks": 1})  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"reshard_after_forward must be True, False or None"):
+            front(zero_stage=3, reshard_after_forward="no")  # type: ignore[arg-type]
+        assert front(zero_stage=3, zero3_units="Block", reshard_after_forward=False).zero3_units == "Block"
+        assert front(zero_stage=1).reshard_after_forward is None

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_par.grad_norm import clip_grad_norm_
-from lightning_par.models.gpt import GPT, GPTConfig
+from lightning_par.models.gpt import GPT, Block, GPTConfig
 from lightning_par.models.lit_gpt import warmup_cosine
 from lightning_par.zero.meta_init import materialize_model, params_on_meta
 from lightning_par.zero.stage3 import Stage3Engine
@@ -310,6 +310,14 @@ def test_unit_policy_errors_and_ownership() -> None:
         plan_units(model, ["decoder.layers.*"])
     plan = plan_units(model, [nn.TransformerEncoderLayer, "blocks.1"])
     assert [name for name, _, _ in plan.units] == ["blocks.1", ""]
+    # a class named by a string (as a YAML file or command line gives it), bare or dotted, selects what
+    # the class does; a string that is neither a name pattern nor a class name says what would match
+    by_class = [name for name, _, _ in plan_units(model, [Block]).units]
+    assert by_class == ["blocks.0", "blocks.1", "blocks.2", ""]
+    for spelled in ("Block", f"{Block.__module__}.{Block.__qualname__}"):
+        assert [name for name, _, _ in plan_units(model, spelled).units] == by_class
+    with pytest.raises(ValueError, match=r"module classes are \[.*'Block'"):
+        plan_units(model, ["Blocks"])
     default = plan_units(model)
     root_names = [n for n, _ in default.units[-1][2]]
     # the tied embedding/head weight has one owner (the root) and appears once

@@ -117,7 +117,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         reduce_op: Literal["auto", "all_reduce", "reduce_scatter"] = "auto",
         find_unused_parameters: bool = False,
         zero3_units: UnitPolicy = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         prefetch: bool = True,
         meta_init: bool = True,
         save_distributed_checkpoint: bool = True,
@@ -161,6 +161,8 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             partition_method=partition_method,
             timeout_s=timeout_s,
             start_method=start_method,
+            zero3_units=zero3_units,
+            reshard_after_forward=reshard_after_forward,
         )
         if sequence_parallel and tensor_parallel_size == 1:
             raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")

@@ -2,7 +2,9 @@
 
 A *unit* is a module whose parameters are all-gathered together before its forward and freed after it.
 The default policy takes every direct child of an ``nn.ModuleList`` (the transformer blocks of almost
-every model); a policy may instead name module classes or ``fnmatch`` patterns of module names. What no
+every model); a policy may instead name module classes, or strings: ``fnmatch`` patterns of module names
+or a class's name, bare or dotted (``"LlamaDecoderLayer"``, ``"transformers.models.llama.modeling_llama.
+LlamaDecoderLayer"``), so a YAML file or command line can name the block class as it names a layer. What no
 unit owns belongs to the root unit (embeddings, final norm, head), which stays gathered for the step.
 
 Every parameter takes part, trainable or frozen (``requires_grad=False``: sharded and gathered the same
@@ -47,21 +49,27 @@ def match_modules(root: nn.Module, policy: UnitPolicy) -> list[str]:
         policy = [policy]
     names = []
     for name, module in root.named_modules():
-        if not name:
-            continue
-        for rule in policy:
-            hit = fnmatch.fnmatchcase(name, rule) if isinstance(rule, str) else isinstance(module, rule)
-            if hit:
-                names.append(name)
-                break
+        if name and any(_selects(rule, name, module) for rule in policy):
+            names.append(name)
     if not names:
         examples = [n for n, _ in root.named_modules() if n][:8]
+        classes = sorted({type(m).__name__ for n, m in root.named_modules() if n})[:8]
         rules = [r if isinstance(r, str) else r.__name__ for r in policy]
         raise ValueError(
-            f"The module policy {rules} matches no module. Module names look like {examples}; pass class"
-            " types (e.g. the transformer block class) or name patterns such as 'model.blocks.*'."
+            f"The module policy {rules} matches no module. Module names look like {examples} and module"
+            f" classes are {classes}; pass class types or class names (e.g. the transformer block's) or name"
+            " patterns such as 'model.blocks.*'."
         )
     return names
+
+
+def _selects(rule: str | type[nn.Module], name: str, module: nn.Module) -> bool:
+    """A class selects its instances (subclasses included); a string selects the modules whose name it
+    matches as an ``fnmatch`` pattern, or whose class is named so, bare or with its module's path."""
+    if not isinstance(rule, str):
+        return isinstance(module, rule)
+    cls = type(module)
+    return fnmatch.fnmatchcase(name, rule) or rule in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
 
 
 def plan_units(root: nn.Module, policy: UnitPolicy = None) -> UnitPlan:
