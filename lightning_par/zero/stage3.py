@@ -452,6 +452,9 @@ class Stage3Engine(Stage3Reduce):
 
     def after_step(self) -> None:
         """Open a new gradient window (the shards are updated in place; gathers read them next time)."""
+        self.refuse_late_writes()
+        for unit in self.units:  # what is gathered now is older than the updated shards
+            unit.fresh = False
         self.release_graph_hold()  # a graph built before the step is stale: it saw the old weights
         for _, _, master in self._masters:
             master.grad = None
@@ -469,7 +472,7 @@ class Stage3Engine(Stage3Reduce):
         steps) holds the old values, so it is freed; its next use gathers the new ones."""
         if not self._in_step:
             for unit in self.units:
-                self._free(unit)
+                self._free(unit, keep_writes=False)  # the new shard values win, as a load after a write
 
     def on_relayout(self, listener: Callable[[], None]) -> None:
         """Never called: a unit's shard layout is fixed when the engine is built."""

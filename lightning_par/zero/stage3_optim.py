@@ -71,6 +71,8 @@ class Stage3Optim(Stage3State):
         for opt, groups in zip(self.optimizers, self._group_params, strict=True):
             # its guards (groups added later, torch's state dicts) go with the engine's other hooks
             self._handles += rebuild_optimizer(opt, groups, masters, names=ids)
+            # writes to parameters gathered now (a root kept through a manual-optimization step) first
+            self._handles.append(opt.register_step_pre_hook(lambda *_: self.absorb_gathered_writes()))
 
     def _attach_grads(self) -> None:
         """Point each master fragment's ``.grad`` at its slice of its unit's gradient shard, or of one

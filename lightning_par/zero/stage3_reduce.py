@@ -88,10 +88,31 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
         self._announce(unit)
         unit.wait(self.group)
 
-    def _free(self, unit: Unit) -> None:
+    def _free(self, unit: Unit, *, keep_writes: bool = True) -> None:
         # inside gathered() every unit stays whole (stage3_join); after a create_graph pass, see below
         if not (self._holding or self._graph_hold):
+            if keep_writes:  # writes since its forward (a step's code between forward and backward)
+                unit.absorb_writes(self.rank, self.world)
             unit.free()
+
+    def absorb_gathered_writes(self) -> None:
+        """Before an optimizer update: in-place writes to units gathered now (a root kept whole through a
+        manual-optimization step) go into the shards, which the update then reads, as under DDP."""
+        if not self._holding:
+            for unit in self.units:
+                unit.absorb_writes(self.rank, self.world)
+
+    def refuse_late_writes(self) -> None:
+        """After an optimizer update: a write to a gathered unit still not absorbed was made before the
+        update (absorbing it now would undo the update); refuse it rather than lose it."""
+        late = [name for unit in self.units for name in unit.written()]
+        if late and not self._holding:
+            raise RuntimeError(
+                f"ZeRO-3: parameters {late[:4]} were written in place while gathered, where the write could"
+                " not reach the shards before the optimizer step (it would be lost). Write parameters inside"
+                " a module's forward, before the optimizer step in training_step, or between steps inside"
+                " trainer.strategy.gathered_params(writeback=True)."
+            )
 
     def _hold_for_graph(self) -> None:
         """Called in a backward pass's hooks: a pass run with ``create_graph=True`` records nodes that

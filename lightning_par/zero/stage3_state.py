@@ -37,6 +37,11 @@ class Stage3State:
     _masters: list[tuple[Unit, Fragment, Tensor]]
     _pool_bytes: int
 
+    def absorb_gathered_writes(self) -> None:
+        """Provided by the engine (:class:`~lightning_par.zero.stage3_reduce.Stage3Reduce`): writes to the
+        units gathered now go into the shards, so a state read next sees them."""
+        raise NotImplementedError
+
     def fragment_table(self) -> list[tuple[str, int, int, Tensor]]:
         """``(param name, lo, hi, shard view)`` for every trainable fragment this rank owns; the views are
         the optimizer's parameters (optimizer state is keyed by them) once optimizers are sharded."""
@@ -61,6 +66,7 @@ class Stage3State:
     def shard_table(self) -> list[tuple[str, int, int, Tensor]]:
         """``(param name, lo, hi, shard view)`` for every parameter piece this rank holds, trainable and
         frozen: the model's share of a checkpoint or snapshot."""
+        self.absorb_gathered_writes()
         return [row for u in self.units for part in u.parts for row in part.fragments(self.rank)]
 
     @torch.no_grad()
@@ -77,6 +83,7 @@ class Stage3State:
         """All parameters, trainable at master precision and frozen in their shard dtype (gathered from
         the shards one unit at a time: bounded memory), as CPU tensors on ``to_rank`` (other ranks get an
         empty dict); every name under which a tied parameter is registered is filled."""
+        self.absorb_gathered_writes()
         aliases: dict[int, list[str]] = {}
         for name, p in self.module.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
@@ -116,6 +123,7 @@ class Stage3State:
     def unshard_all(self) -> None:
         """Leave every parameter whole, trainable ones at master precision (e.g. after training, for use
         without the engine); the gathered buffers are released."""
+        self.absorb_gathered_writes()
         for unit in self.units:
             unit.free()
             for part in unit.parts:

@@ -48,6 +48,8 @@ class Part:
     wire: list[Tensor] = field(default_factory=list)
     # whole parameters in the shard's dtype inside gathered_params(writeback=True) (Unit.gather_stored)
     stored: Tensor | None = None
+    # each parameter's version counter when it was last made whole or its writes last absorbed
+    gathered_versions: list[int] = field(default_factory=list)
 
     @property
     def full_bytes(self) -> int:
@@ -76,6 +78,8 @@ class Unit:
     needs_backward: bool = True  # its outputs required gradients in the latest forward
     # the dtype the gathers move (None: the compute dtype); fp16/bf16, or int8 blockwise-quantized
     gather_dtype: torch.dtype | None = None
+    # gathered since the last optimizer update: its gathered values are the shards' (Unit.absorb_writes)
+    fresh: bool = False
 
     @property
     def train(self) -> Part | None:
@@ -169,7 +173,75 @@ class Unit:
                 part.works, part.send, part.wire = [], [], []
                 for p, s in zip(part.params, part.layout.slots, strict=True):
                     p.data = part.full[s.offset : s.end].view(s.shape)
+                part.gathered_versions = [p._version for p in part.params]
             self.state = "gathered"
+            self.fresh = True
+
+    def written(self) -> list[str]:
+        """Names of the parameters written in place through themselves (a bumped version counter) or
+        pointed elsewhere (``.data`` replaced) since they were made whole or their writes last absorbed.
+        Host-side only: writes through ``param.data`` are not counted here (:meth:`absorb_writes` finds
+        them by value)."""
+        return [part.names[i] for part in self.parts for i in self._written_slots(part)]
+
+    def _written_slots(self, part: Part) -> list[int]:
+        if self.state != "gathered" or part.stored is not None or not part.gathered_versions:
+            return []
+        base, size = part.full.data_ptr(), part.full.element_size()
+        return [
+            i
+            for i, (p, s, version) in enumerate(
+                zip(part.params, part.layout.slots, part.gathered_versions, strict=True)
+            )
+            if p._version != version or (s.numel and p.data_ptr() != base + s.offset * size)
+        ]
+
+    def absorb_writes(self, rank: int, world: int) -> None:
+        """Keep what was written into the gathered parameters (a forward that renormalises its weight,
+        ``nn.Embedding(max_norm=...)``, a frozen statistic updated in place), as torch's DDP keeps a write
+        in its module: this rank's slice of the gathered buffer goes into its shard (the fp32 master of a
+        trainable part, only where the values differ from the shard's compute copy, so an unwritten
+        master keeps its low bits; the only copy of a frozen part). No host sync: element-wise ops. Ranks
+        that write differently each keep their own values on the slice they hold (under DDP their
+        replicas would drift apart).
+
+        Only while :attr:`fresh`: after an optimizer update the gathered values are older than the
+        shards, and copying them would undo the update. With a low-precision or quantized gather the
+        slice is not the shard's compute copy, so only writes through the parameters themselves (not
+        through ``.data``) are seen, by their version counters."""
+        if self.state != "gathered" or not self.fresh:
+            return
+        for part in self.parts:
+            if part.stored is not None or not part.gathered_versions:
+                continue
+            changed = self._written_slots(part)
+            for i in changed:  # replaced .data (or shape): into the gathered buffer first
+                p, s = part.params[i], part.layout.slots[i]
+                if tuple(p.shape) != tuple(s.shape):
+                    raise RuntimeError(
+                        f"ZeRO-3: parameter {part.names[i]!r} was given another shape ({tuple(p.shape)},"
+                        f" sharded as {tuple(s.shape)}) while it was gathered; a parameter keeps its shape"
+                        " under sharding: change its values in place, or build the model with the new shape"
+                        " before the strategy's setup."
+                    )
+                view = part.full[s.offset : s.end].view(s.shape)
+                if p.data_ptr() != view.data_ptr():
+                    view.copy_(p.detach())
+                    p.data = view
+            lo, hi = part.layout.buckets[0].shard_range(rank, world)
+            own = part.full[lo:hi]
+            if self.gather_dtype not in (None, part.full.dtype):
+                slots = set(changed)
+                for f in part.layout.fragments(rank):
+                    if f.slot in slots:
+                        source = part.full[lo + f.shard_lo : lo + f.shard_lo + f.numel]
+                        part.shard[f.shard_lo : f.shard_lo + f.numel].copy_(source)
+            elif part.shard.dtype == own.dtype:
+                part.shard.copy_(own)  # bitwise equal where nothing was written
+            else:
+                compute = part.shard.to(own.dtype)
+                part.shard.copy_(torch.where(own != compute, own.to(part.shard.dtype), part.shard))
+            part.gathered_versions = [p._version for p in part.params]
 
     def gather_stored(self, group: ProcessGroup) -> None:
         """Make the parameters whole in their stored precision (each part's shard dtype: the fp32 master,
@@ -204,6 +276,7 @@ class Unit:
             for p, ph in zip(part.params, part.placeholders, strict=True):
                 p.data = ph
             part.versions = [p._version for p in part.params]
+            part.gathered_versions = []
             part.full.untyped_storage().resize_(0)
             part.stored = None
         self.state = "sharded"
