@@ -71,12 +71,12 @@ def replay(
     ``unit`` (module docstring)."""
     for path, module, init in calls:
         reseed(path)
-        with _others_on_meta(module, unit):
+        with others_on_meta(module, unit):
             init(module)
 
 
 @contextmanager
-def _others_on_meta(module: nn.Module, unit: set[int]) -> Iterator[None]:
+def others_on_meta(module: nn.Module, unit: set[int]) -> Iterator[None]:
     """Within: the real parameters below ``module`` outside ``unit`` are meta stand-ins; restored after."""
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
     try:

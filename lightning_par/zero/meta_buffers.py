@@ -55,10 +55,12 @@ def materialize_buffers(root: nn.Module, *, device: torch.device) -> list[str]:
             m._buffers[name] = meta
         raise ValueError(
             f"Buffers {unset} are on the meta device and no initialiser sets them (their modules'"
-            " reset_parameters(), or a Hugging Face model's _init_weights). Build the model in"
-            " configure_model() or under Fabric's init_module(empty_init=True) instead of under"
-            " torch.device('meta'): both put only the parameters on the meta device and keep buffers"
-            " real. Or build it on a real device."
+            " reset_parameters(), or a Hugging Face model's _init_weights). A buffer computed from a"
+            " parameter while the model is built (torch.nn.utils.spectral_norm's _u and _v) is on meta"
+            " even in configure_model() or Fabric's init_module(empty_init=True): pass meta_init=False to"
+            " the strategy, which builds the model on the real device. A model built under"
+            " torch.device('meta'): build it in configure_model() or under init_module(empty_init=True),"
+            " which keep the buffers computed in __init__ real, or on a real device."
         )
     return [f"{module_name}.{name}" if module_name else name for module_name, _, name, _ in found]
 

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
-from lightning_par.zero.hf_init import hf_initialisers, replay
+from lightning_par.zero.hf_init import hf_initialisers, others_on_meta, replay
 from lightning_par.zero.meta_loads import MetaLoads
 from lightning_par.zero.meta_replay import forget_writes, pending_writes, replay_writes, writes_after_load
 from lightning_par.zero.meta_writes import WriteRecorder, inherit_writes, visible_init_functions
@@ -321,11 +321,18 @@ def _materialize(
             ]
             if not missing:  # its construction initialised them (e.g. nn.MultiheadAttention): replayed
                 continue
+            parametrized = (
+                " (a torch parametrization's originals: weight_norm, spectral_norm and the like compute"
+                " them from the weight when the model is built, which meta init cannot replay)"
+                if type(m).__name__ == "ParametrizationList"
+                else ""
+            )
             raise ValueError(
                 f"Module {module_name or '<root>'!r} ({type(m).__name__}) holds meta-device parameters"
-                f" {missing} that no pretrained weights fill, but it has no reset_parameters(), so ZeRO-3"
-                " cannot initialise its shard; give it one, load its weights (pretrained=...), or create"
-                " the model on a real device."
+                f" {missing}{parametrized} that no pretrained weights fill, but it has no"
+                " reset_parameters(), so ZeRO-3 cannot initialise its shard; pass meta_init=False to the"
+                " strategy (configure_model() then builds the model on the real device and each rank keeps"
+                " its shard), give the module a reset_parameters(), or load its weights (pretrained=...)."
             )
     data: dict[int, Tensor] = {}
     for pid, old in wanted.items():
@@ -336,11 +343,15 @@ def _materialize(
     forget_writes(list(fresh.values()))
     for pid in todo:  # transformers' init functions skip tensors flagged as initialised
         fresh[pid].__dict__.pop("_is_hf_initialized", None)
+    unit_ids = {id(p) for p in fresh.values()}
     with own_rng(device) as reseed, torch.no_grad():
         for module_name, m in to_init:  # as the layers' constructors do on a real device
             if callable(reset := getattr(m, "reset_parameters", None)):
                 reseed(module_seed(seed, module_name))
-                reset()
+                # a module also holding parameters of other units (a weight tied across units: its bias
+                # lives in a unit sharded already) resets those into meta stand-ins, not placeholders
+                with others_on_meta(m, unit_ids):
+                    reset()
         initialised = {id(fresh[pid]) for pid in todo}
         # then a Hugging Face model's post_init()
         replay(hf_calls, initialised, reseed=lambda path: reseed(module_seed(seed, path)))

@@ -146,8 +146,9 @@ class CrossUnitGuard:
                 continue
             caller = f" in the forward of unit {self._running[-1].name!r}" if self._running else ""
             why = (
-                "after its module's forward: code outside any forward reads it, as a weight penalty"
-                " in training_step does"
+                "after its module's forward: code outside that module reads it, as a parent's forward"
+                " applying the weight itself (F.linear(x, block.fc.weight)) or a weight penalty in"
+                " training_step does"
                 if unit in self._entered
                 else "its module has not run: a parent module reads the parameter itself, as"
                 " nn.MultiheadAttention reads out_proj.weight"
@@ -157,7 +158,7 @@ class CrossUnitGuard:
                 f" {getattr(func, '__name__', func)!r}{caller} outside that unit's forward ({why})."
                 " A unit's parameters are whole only around the forward and backward of its own module"
                 " (NaN placeholders elsewhere), so this would compute NaN. Read it inside the forward of"
-                " a module containing the unit, or choose units that contain every use of their"
+                f" {unit.name!r} or of a module within it, or choose units that contain every use of their"
                 " parameters (zero3_units=[...] naming the reading module, e.g. nn.MultiheadAttention or"
                 " the transformer layer; parameters outside every unit stay whole for the step); for a"
                 " weight penalty, the optimizer's weight_decay; to read weights outside a forward"
