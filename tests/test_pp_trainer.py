@@ -250,6 +250,25 @@ def test_pipeline_checkpoint_reloads_at_another_pipeline_size_and_cut(tmp_path: 
             torch.testing.assert_close(merged[k], v, msg=k)
 
 
+def test_pipeline_at_stage0_resumes_its_own_checkpoint(tmp_path: Path) -> None:
+    """At ZeRO-0 a stage's optimizer holds the other stage's meta placeholders. Before, a resume put
+    their saved momentum on the meta device and failed ("Cannot copy out of meta tensor"), from a
+    directory or a single file; now they get no state (they never step here) and the run continues as
+    one process over both epochs."""
+    ref_losses, ref_state, _ = _reference(tmp_path, epochs=2)
+    half = len(ref_losses) // 2
+    for distributed in (True, False):
+        kw = dict(pipeline_parallel_size=2, num_microbatches=4, save_distributed_checkpoint=distributed)
+        ckpt = os.path.join(str(tmp_path), f"pp0-{distributed}.ckpt")
+        saved = run_distributed(_run, 2, str(tmp_path), kw, 1, None, ckpt, init_group=False)
+        torch.testing.assert_close(torch.tensor(saved[0]["losses"]), ref_losses[:half])
+        resumed = run_distributed(_run, 2, str(tmp_path), kw, 2, ckpt, init_group=False)
+        torch.testing.assert_close(torch.tensor([r["losses"] for r in resumed]).mean(0), ref_losses[half:])
+        merged = {k: v for r in resumed for k, v in r["state"].items()}
+        for k, v in ref_state.items():
+            torch.testing.assert_close(merged[k], v, msg=k)
+
+
 def test_pipeline_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match=r"multiple of the pipeline size.*m=3, p=2; use m=4"):
         HybridParallelStrategy(

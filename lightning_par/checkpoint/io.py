@@ -267,10 +267,13 @@ def load_optimizer_states(
     current_of_saved = [by_saved.get(k, []) for k in range(len(states))]
     if engine is None or sharded is None:
         # torch's own load ties state to parameters by position: only when the names, where the
-        # checkpoint records them, are in the same order (else by name, below)
+        # checkpoint records them, are in the same order (else by name, below), and no parameter is
+        # another pipeline stage's meta placeholder (torch would move its saved state onto meta)
+        placeholders = any(p.is_meta for opt in optimizers for g in opt.param_groups for p in g["params"])
         if (
             sharded_path is None
             and tp["size"] == 1
+            and not placeholders
             and (saved == [] or [saved[j] for j in index if j < len(saved)] == current)
         ):
             for opt, j in zip(optimizers, index, strict=True):

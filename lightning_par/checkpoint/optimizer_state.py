@@ -137,11 +137,15 @@ def restore_hyperparams(optimizer: Optimizer, saved: Sequence[Mapping[str, Any]]
 def load_unsharded(
     optimizer: Optimizer, pieces: Pieces, hyper: Sequence[Mapping[str, Any]], names: dict[nn.Parameter, str]
 ) -> None:
-    """Fill an ordinary (unsharded) optimizer from pieces."""
+    """Fill an ordinary (unsharded) optimizer from pieces. Meta placeholders (another pipeline stage's
+    parameters, held by the optimizer of a pipeline at stage 0) get no state: they never get a gradient
+    here, so the optimizer never steps them, and a state on the meta device could not move."""
     restore_hyperparams(optimizer, hyper)
     optimizer.state.clear()
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if p.is_meta:
+                continue
             state = cut(pieces.get(names[p], []), 0, p.numel())
             if state is not None:
                 optimizer.state[p] = {
