@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,56 @@ def eval_count_table(
     """Every dp rank's batch count per dataloader of the evaluation loop starting now (``max_batches``:
     this rank's, ``inf`` when unknown, given as ``-1``): one all-gather over ``group``."""
     return _gather_counts([-1 if math.isinf(c) else int(c) for c in max_batches], group=group, device=device)
+
+
+def loop_dataloaders(trainer: Any, loop_name: str) -> list[object]:
+    """The dataloaders of the Trainer's evaluation loop ``loop_name``, in the loop's order."""
+    attribute = {"validation": "val_dataloaders", "test": "test_dataloaders"}.get(
+        loop_name, "predict_dataloaders"
+    )
+    loaders = getattr(trainer, attribute, None)
+    if isinstance(loaders, dict):
+        return list(loaders.values())
+    return list(loaders) if isinstance(loaders, list | tuple) else [loaders]
+
+
+def last_batch_sizes(dataloaders: Sequence[object], max_batches: Sequence[int | float]) -> list[int]:
+    """The size of this rank's last batch in each dataloader of a loop (``-1``: unknown, e.g. an iterable
+    dataset): the remainder of its sampler over the batch size, unless the loop stops earlier
+    (``limit_*_batches``) or the batch sampler drops it."""
+    sizes = []
+    for dataloader, count in zip(dataloaders, max_batches, strict=False):
+        batches = getattr(dataloader, "batch_sampler", None)
+        size, inner = getattr(batches, "batch_size", None), getattr(batches, "sampler", None)
+        if not isinstance(size, int) or size < 1 or inner is None or not hasattr(inner, "__len__"):
+            sizes.append(-1)
+            continue
+        rest = len(inner) % size
+        full = rest == 0 or getattr(batches, "drop_last", False) or count < math.ceil(len(inner) / size)
+        sizes.append(size if full else rest)
+    return sizes
+
+
+def refuse_short_last_batches(table: Sequence[Sequence[int]], *, num_microbatches: int, loop: str) -> None:
+    """Under pipeline parallelism every batch is cut into ``num_microbatches``: refuse, on every rank and
+    before the first batch, a loop whose last batch on some dp rank (``table``: each dp rank's
+    :func:`last_batch_sizes`) is smaller. Raised at that batch instead, only its rank would stop, after
+    the others' predictions were computed, and at ZeRO-3 its dp peers would wait in their gathers."""
+    for r, row in enumerate(table):
+        for k, last in enumerate(row):
+            if 0 < last < num_microbatches:
+                keep = (
+                    " (Lightning keeps the last batch when predicting, whatever drop_last says)"
+                    if loop == "predict"
+                    else " (or drop_last=True)"
+                )
+                raise ValueError(
+                    f"The {loop} dataloader {k} ends with a batch of {last} samples on data-parallel rank"
+                    f" {r}, which cannot fill num_microbatches={num_microbatches} pipeline micro-batches."
+                    " Use a batch size and a dataset size that leave every rank's last batch at least"
+                    f" {num_microbatches} samples{keep}, e.g. a dataset size that is a multiple of the"
+                    " data-parallel size times the batch size, or fewer micro-batches."
+                )
 
 
 def counts_differ(table: Sequence[Sequence[int]]) -> bool:

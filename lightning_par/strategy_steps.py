@@ -33,7 +33,10 @@ from lightning_par.eval_join import (
     check_every_rank_has_batches,
     counts_differ,
     eval_count_table,
+    last_batch_sizes,
+    loop_dataloaders,
     plan_eval_join,
+    refuse_short_last_batches,
 )
 from lightning_par.grad_norm import param_grad_norms
 from lightning_par.grad_reads import GradReads
@@ -231,15 +234,30 @@ class StrategySteps(ZeroCheckpointIO):
         self._eval_join = None
         engine = self._engine
         zero3 = isinstance(engine, Stage3Join)
-        if self.mesh.dp_size == 1 or not (zero3 or self._pipeline is not None):
-            return  # nothing communicates over dp in this evaluation
+        pipeline = self._pipeline
+        if not (pipeline is not None or (zero3 and self.mesh.dp_size > 1)):
+            return  # nothing communicates over dp in this evaluation, and no batch is cut
         module = self.lightning_module
         assert module is not None
         loop = module.trainer._active_loop
         assert loop is not None and isinstance(loop.max_batches, list)  # an evaluation loop's, per dataloader
-        table = eval_count_table(loop.max_batches, group=self.mesh.dp_group, device=self.root_device)
-        if self._pipeline is not None:
-            self._pipeline.uneven_eval = counts_differ(table)
+        k = len(loop.max_batches)
+        lasts = []
+        if pipeline is not None:  # each dp rank's last batch must fill the micro-batches
+            lasts = last_batch_sizes(loop_dataloaders(module.trainer, loop_name), loop.max_batches)
+        if self.mesh.dp_size == 1:
+            assert pipeline is not None
+            refuse_short_last_batches([lasts], num_microbatches=pipeline.runtime.m, loop=loop_name)
+            return
+        both = eval_count_table(
+            [*loop.max_batches, *lasts], group=self.mesh.dp_group, device=self.root_device
+        )
+        table = [row[:k] for row in both]
+        if pipeline is not None:
+            refuse_short_last_batches(
+                [row[k:] for row in both], num_microbatches=pipeline.runtime.m, loop=loop_name
+            )
+            pipeline.uneven_eval = counts_differ(table)
         if not isinstance(engine, Stage3Join):
             return
         self._eval_join = plan_eval_join(

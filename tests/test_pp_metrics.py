@@ -194,3 +194,45 @@ def test_ragged_batches_split_by_size_and_too_small_ones_are_refused() -> None:
     assert micro_weights(split_batch(torch.zeros(8, 3), 4)) == [1.0] * 4
     with pytest.raises(ValueError, match=r"A batch of 3 samples cannot fill num_microbatches=4.*drop_last"):
         split_batch({"x": torch.zeros(3, 2)}, 4)
+
+
+class Batches(pl.Callback):
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def on_predict_batch_end(
+        self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, i: int
+    ) -> None:
+        self.seen.append(i)
+
+
+def _short_last_batches(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """pp2 x dp2 at ZeRO-3: predict over 11 samples in batches of 2 leaves dp rank 1 a last batch of 1
+    (Lightning's predict sampler does not pad), fewer than the 2 micro-batches; over 12 it runs."""
+    out: dict[str, Any] = {}
+    for n in (11, 12):
+        strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, zero_stage=3)
+        batches = Batches()
+        trainer = _trainer(strategy, world, tmp, [batches])
+        try:
+            predictions = trainer.predict(_module(), DataLoader(Tokens(n), batch_size=2))
+            out[n] = torch.cat([p.detach() for p in predictions])  # type: ignore[union-attr]
+        except ValueError as error:
+            out[n] = str(error)
+        out[f"{n}/batches"] = batches.seen
+        strategy.destroy_process_groups()
+    return out
+
+
+def test_a_last_batch_too_small_for_the_micro_batches_is_refused_on_every_rank_first(tmp_path: Path) -> None:
+    """Before, only dp rank 1's ranks raised, at their last batch, after the others' predictions; at
+    ZeRO-3 their dp peers then hung in a parameter gather (Gloo: "collective mismatch")."""
+    results = run_distributed(_short_last_batches, 4, str(tmp_path), init_group=False, timeout=300)
+    for rank, r in enumerate(results):
+        message = r[11]
+        assert isinstance(message, str), rank
+        assert "predict dataloader 0 ends with a batch of 1 samples on data-parallel rank 1" in message, (
+            message
+        )
+        assert "Lightning keeps the last batch when predicting" in message and r["11/batches"] == [], rank
+        assert isinstance(r[12], Tensor) and len(r[12]) == 6 and r["12/batches"] == [0, 1, 2], rank
