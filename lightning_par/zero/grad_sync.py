@@ -339,7 +339,9 @@ class GradSync(GradBuckets):
             self._follow_trainable()
         if self.buffer is None or not torch.is_grad_enabled() or self.buffer.dtype != self._params[0].dtype:
             return
-        if any(p.grad is not None for p in self._params):
+        with torch._C.DisableTorchFunction():  # the engine's own read, not one grad_reads should see
+            kept = any(p.grad is not None for p in self._params)
+        if kept:
             return
         self.buffer.zero_()
         for p, view in zip(self._params, self._views, strict=True):

@@ -462,6 +462,9 @@ class Stage3Engine(Stage3Reduce):
         for unit in self.units:
             if unit.grad_shard is not None:
                 unit.grad_shard.zero_()
+        for unit in self.units:  # still gathered (a forward without backward): older than the shards
+            if unit.state != "sharded" and not (self._in_step and unit is self.root):
+                self._free(unit, keep_writes=False)
         if self._in_step and self.root is not None and self.root.state != "sharded":
             self._free(self.root)  # an optimizer step inside training_step: gather the updated shards
             self._wait(self.root)

@@ -1,0 +1,63 @@
+"""Fabric loops written in forms our steps did not expect, on 2 Gloo ranks, against Fabric's ``"ddp"``.
+
+* A forward with gradients on whose output is never backwarded, between ``fabric.backward`` and
+  ``optimizer.step()`` (a monitoring forward without ``torch.no_grad()``). At ZeRO-3 it left the root
+  unit gathered across the step, and the next forward computed with the weights from before the step,
+  silently: the loss after a step equalled the loss before it, and the weights drifted from ``"ddp"``
+  (0.0038 after 3 steps). Now an optimizer step frees every unit still gathered.
+* Gradient accumulation without ``fabric.no_backward_sync`` (each backward reduces), and that monitoring
+  forward, before the first step at ZeRO-1. The engine's own look at ``param.grad`` before a forward was
+  taken for a user's read by the first step's watch (``grad_reads.py``), which refused the loop with
+  "2.bias.grad was read after the backward and is None". Now the engine's read is not watched.
+
+Checked at ZeRO 1-3: both loops' final weights equal ``"ddp"``'s.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from torch import Tensor, nn
+from torch.testing import assert_close
+
+from lightning_par.fabric import HybridParallelStrategy
+from tests.distributed import run_distributed
+
+
+def _loop(rank: int, strategy: Any) -> dict[str, Tensor]:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.3))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        for _ in range(2):  # accumulation, every backward reducing (no no_backward_sync)
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+            fabric.backward((model(x) - y).pow(2).mean() / 2)
+        model(x)  # a monitoring forward with gradients on, never backwarded
+        opt.step()
+        opt.zero_grad()
+    ours = isinstance(fabric.strategy, HybridParallelStrategy)
+    with fabric.strategy.gathered_params() if ours else nullcontext():  # every rank, whole weights
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if ours:
+        fabric.strategy.destroy_process_groups()
+    return state
+
+
+def _runs(rank: int, world: int) -> dict[str, dict[str, Tensor]]:
+    torch.set_num_threads(1)
+    out = {"ddp": _loop(rank, "ddp")}
+    for stage in (1, 2, 3):
+        out[f"zero{stage}"] = _loop(rank, HybridParallelStrategy(zero_stage=stage))
+    return out
+
+
+def test_unbackwarded_forward_and_reducing_accumulation_equal_ddp() -> None:
+    out = run_distributed(_runs, 2, init_group=False)[0]
+    for stage in (1, 2, 3):
+        assert_close(out[f"zero{stage}"], out["ddp"], msg=f"zero{stage}")
