@@ -239,9 +239,10 @@ class ParallelPrecision(Precision):
 
     @override
     def convert_output(self, data: Any) -> Any:
-        """Fabric's module wrapper hands the outputs back through this: under ``"bf16-true"`` in the default
-        dtype (fp32), as Fabric's own ``HalfPrecision`` does, so a loss computed on them is fp32 too."""
-        if self.precision != "bf16-true":
+        """Fabric's module wrapper hands the outputs back through this: under the 16-bit modes in the
+        default dtype (fp32), as Fabric's own ``MixedPrecision`` and ``HalfPrecision`` do, so a loss
+        computed on them outside the forward is fp32 too (before, ``"bf16-mixed"`` handed bf16 back)."""
+        if self.precision == "32-true":
             return data
         default = torch.get_default_dtype()
         return apply_to_collection(

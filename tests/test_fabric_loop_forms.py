@@ -10,7 +10,8 @@
   taken for a user's read by the first step's watch (``grad_reads.py``), which refused the loop with
   "2.bias.grad was read after the backward and is None". Now the engine's read is not watched.
 
-Checked at ZeRO 1-3: both loops' final weights equal ``"ddp"``'s.
+Checked at ZeRO 1-3: both loops' final weights equal ``"ddp"``'s. And the module's outputs come back in
+fp32 under ``"bf16-mixed"``, as from Fabric's own ``MixedPrecision`` (before: bf16).
 """
 
 from __future__ import annotations
@@ -49,11 +50,27 @@ def _loop(rank: int, strategy: Any) -> dict[str, Tensor]:
     return state
 
 
-def _runs(rank: int, world: int) -> dict[str, dict[str, Tensor]]:
+def _output_dtype(strategy: Any, precision: str) -> torch.dtype:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)  # type: ignore[arg-type]
+    fabric.launch()
+    model = fabric.setup_module(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
+    dtype = model(torch.randn(4, 8)).dtype
+    if isinstance(strategy, HybridParallelStrategy):
+        strategy.destroy_process_groups()
+    return dtype
+
+
+def _runs(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    out = {"ddp": _loop(rank, "ddp")}
+    out: dict[str, Any] = {"ddp": _loop(rank, "ddp")}
     for stage in (1, 2, 3):
         out[f"zero{stage}"] = _loop(rank, HybridParallelStrategy(zero_stage=stage))
+    for precision in ("bf16-mixed", "bf16-true", "32-true"):
+        out[f"dtype/ddp/{precision}"] = _output_dtype("ddp", precision)
+        for stage in (0, 3):
+            out[f"dtype/zero{stage}/{precision}"] = _output_dtype(
+                HybridParallelStrategy(zero_stage=stage), precision
+            )
     return out
 
 
@@ -61,3 +78,9 @@ def test_unbackwarded_forward_and_reducing_accumulation_equal_ddp() -> None:
     out = run_distributed(_runs, 2, init_group=False)[0]
     for stage in (1, 2, 3):
         assert_close(out[f"zero{stage}"], out["ddp"], msg=f"zero{stage}")
+    # the module's outputs come back in Fabric's dtype (fp32 under the 16-bit modes; before, bf16-mixed
+    # handed back bf16, so a loss computed outside the forward ran in bf16)
+    for precision in ("bf16-mixed", "bf16-true", "32-true"):
+        assert out[f"dtype/ddp/{precision}"] == torch.float32
+        for stage in (0, 3):
+            assert out[f"dtype/zero{stage}/{precision}"] == torch.float32, (stage, precision)
