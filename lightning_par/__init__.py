@@ -11,10 +11,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_par.fabric import HybridParallelStrategy as FabricHybridParallelStrategy
 from lightning_par.mesh import MeshLayout, ParallelMesh
+from lightning_par.precision import ParallelPrecision
 from lightning_par.strategy import HybridParallelStrategy
 
 HybridParallelStrategy.register_strategies(StrategyRegistry)
 FabricHybridParallelStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
-__all__ = ["HybridParallelStrategy", "MeshLayout", "ParallelMesh"]
+__all__ = ["HybridParallelStrategy", "MeshLayout", "ParallelMesh", "ParallelPrecision"]
 __version__ = "0.1.0"
