@@ -38,6 +38,7 @@ def check_options(
     start_method: StartMethod,
     zero3_units: object = None,
     reshard_after_forward: bool | None = None,
+    sequence_parallel: bool = False,
 ) -> int | None:
     """Raise a ``ValueError`` for the first bad option; return ``num_microbatches`` (``2 p`` by default
     with pipeline parallelism, else as given)."""
@@ -87,6 +88,11 @@ def check_options(
     if start_method not in _START_METHODS:
         raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}.")
     _check_stage3_options(zero_stage, zero3_units=zero3_units, reshard_after_forward=reshard_after_forward)
+    if sequence_parallel and tensor_parallel_size == 1:
+        raise ValueError(
+            "sequence_parallel=True splits the activations over a tensor-parallel group, but"
+            " tensor_parallel_size=1: set tensor_parallel_size > 1, or sequence_parallel=False."
+        )
     return num_microbatches
 
 

@@ -173,7 +173,7 @@ def test_fabric_tensor_parallel_llama_equals_one_process() -> None:
 def test_fabric_tensor_parallel_bad_input() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         HybridParallelStrategy(tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="sequence_parallel=True needs tensor_parallel_size > 1"):
+    with pytest.raises(ValueError, match=r"sequence_parallel=True splits .* tensor_parallel_size=1: set"):
         HybridParallelStrategy(sequence_parallel=True)
     with pytest.raises(ValueError, match="Unknown tp_plan 'mistral'"):
         HybridParallelStrategy(tensor_parallel_size=2, tp_plan="mistral")

@@ -193,3 +193,5 @@ def test_registered_names_and_bad_options() -> None:
             front(zero_stage=3, reshard_after_forward="no")  # type: ignore[arg-type]
         assert front(zero_stage=3, zero3_units="Block", reshard_after_forward=False).zero3_units == "Block"
         assert front(zero_stage=1).reshard_after_forward is None
+        with pytest.raises(ValueError, match=r"sequence_parallel=True .* tensor_parallel_size=1: set"):
+            front(sequence_parallel=True)  # refused by both front doors (before: the Trainer's accepted it)

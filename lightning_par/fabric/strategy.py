@@ -163,9 +163,8 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             start_method=start_method,
             zero3_units=zero3_units,
             reshard_after_forward=reshard_after_forward,
+            sequence_parallel=sequence_parallel,
         )
-        if sequence_parallel and tensor_parallel_size == 1:
-            raise ValueError("sequence_parallel=True needs tensor_parallel_size > 1.")
         if pipeline_layers is not None and not callable(pipeline_layers):
             raise ValueError(f"pipeline_layers must be a function of the module, got {pipeline_layers!r}.")
         check_comm_hook(
