@@ -134,8 +134,9 @@ class Unit:
 
     def _send_and_wire(self, part: Part, full: Tensor, world: int) -> tuple[list[Tensor], list[Tensor]]:
         """What this rank sends of ``part`` and the buffers the all-gathers fill (``full`` itself, or
-        low-precision ones that :meth:`wait` casts into it)."""
-        wire = self.gather_dtype if self.gather_dtype not in (None, full.dtype) else None
+        low-precision ones that :meth:`wait` casts into it). In a group of one nothing travels, so nothing
+        is rounded for the wire (a tensor-parallel run with one data-parallel rank)."""
+        wire = self.gather_dtype if self.gather_dtype not in (None, full.dtype) and world > 1 else None
         if wire == torch.int8:  # values and one scale per block, dequantized in wait()
             q, scales = quantize_blockwise(part.shard)
             return [q, scales], [
@@ -230,7 +231,7 @@ class Unit:
                     p.data = view
             lo, hi = part.layout.buckets[0].shard_range(rank, world)
             own = part.full[lo:hi]
-            if self.gather_dtype not in (None, part.full.dtype):
+            if self.gather_dtype not in (None, part.full.dtype) and world > 1:
                 slots = set(changed)
                 for f in part.layout.fragments(rank):
                     if f.slot in slots:
