@@ -8,13 +8,14 @@ hooks, a Fabric loop); torch runs autograd's nodes and hooks outside it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Check", "CheckedCalls", "leave_mode"]
+__all__ = ["Check", "CheckedCalls", "leave_mode", "mode_entered"]
 
 Check = Callable[[Callable[..., Any], Sequence[Any], dict[str, Any]], None]
 
@@ -37,6 +38,22 @@ class CheckedCalls(TorchFunctionMode):
         kwargs = kwargs or {}
         self._check(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+@contextmanager
+def mode_entered(mode: TorchFunctionMode | None) -> Iterator[None]:
+    """Within: ``mode`` on torch's function-mode stack (None: nothing). At the exit it leaves wherever it
+    sits (:func:`leave_mode`), where ``with mode:`` would pop the top of the stack: another watch entered
+    inside and still on (the first step's ``param.grad`` watch, armed by a backward inside a
+    manual-optimization step) would be popped in its place, and this one stranded for good."""
+    if mode is None:
+        yield
+        return
+    mode.__enter__()
+    try:
+        yield
+    finally:
+        leave_mode(mode)
 
 
 def leave_mode(mode: TorchFunctionMode) -> None:

@@ -13,8 +13,10 @@ a write still pending after an update is refused (absorbing it would undo the up
 Every rank sees the same batches here (no distributed sampler), so the writes are the same on every rank
 and ``"ddp"``'s replicas stay equal: the reference is exact. Checked at ZeRO-3 (fp32, default units and
 root): the final weights and the frozen parameters equal ``"ddp"``; in ``bf16-mixed`` they stay within
-bf16 rounding of ``"ddp"`` and the written values hold; manual optimization writing a root parameter
-before and after ``opt.step()`` equals ``"ddp"``; the engine refuses a write made after an update.
+bf16 rounding of ``"ddp"`` and the written values hold; manual optimization accumulating over two
+batches and writing a root parameter before and after ``opt.step()`` equals ``"ddp"`` (with accumulation
+the first step's watches once stranded a torch function mode and failed the fit at teardown); the
+engine refuses a write made after an update.
 """
 
 from __future__ import annotations
@@ -81,7 +83,9 @@ class Writer(pl.LightningModule):
         if not self.manual:
             return loss
         opt = self.optimizers()
-        self.manual_backward(loss)
+        self.manual_backward(loss / 2)
+        if index % 2 == 0:  # accumulation: the first step's backward arms the first-step watches
+            return None
         with torch.no_grad():
             self.scale.clamp_(max=0.97)  # before the update: the optimizer steps from the clamped value
         opt.step()  # type: ignore[union-attr]
@@ -163,6 +167,7 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
         out[f"zero3/{precision}"] = _fit(HybridParallelStrategy(zero_stage=3), precision=precision)
     out["ddp/manual"] = _fit(DDPStrategy(), manual=True)
     out["zero3/manual"] = _fit(HybridParallelStrategy(zero_stage=3), manual=True)
+    out["modes left"] = torch._C._len_torch_function_stack()
     out["late"] = _late_write_refused(rank, world)
     out["bits"] = _kept_bits(rank, world)
     return out
@@ -183,6 +188,9 @@ def test_forward_writes_at_zero3_equal_ddp() -> None:
     # the manual step's clamp (before the update) and decay (after it, the last one at teardown) hold
     assert out["ddp/manual"]["scale"].item() < 0.97
     assert_close(out["zero3/manual"], out["ddp/manual"])
+    # a manual step that accumulates: the first-step watches left torch's mode stack (before, the reads
+    # guard was stranded there and refused teardown's module.cpu())
+    assert out["modes left"] == 0
     assert "written in place while gathered" in out["late"] and "'scale'" in out["late"]
     bits: dict[str, dict[str, bool]] = {}  # per parameter: did any rank's shard piece change
     for rank_out in both:

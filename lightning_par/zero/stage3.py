@@ -74,7 +74,7 @@ reduction queue and the window's end (:mod:`~lightning_par.zero.stage3_reduce`),
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -85,6 +85,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_par.state_guard import OwnReads
+from lightning_par.torch_modes import mode_entered
 from lightning_par.zero.autograd_state import (
     alias_leaves,
     in_backward,
@@ -389,7 +390,7 @@ class Stage3Engine(Stage3Reduce):
             self._pre_forward(self.root)
         self._in_step += 1
         guard = self._cross_guard  # the first step: reads of sharded parameters are watched too
-        reads: AbstractContextManager[Any] = guard.reads() if guard is not None else nullcontext()
+        reads = mode_entered(guard.reads() if guard is not None else None)
         training = torch.is_grad_enabled()
         try:
             with reads:
