@@ -128,6 +128,18 @@ def _refusals() -> dict[str, str]:
     with pytest.raises(ValueError) as experts:
         apply_tensor_parallel(mixtral, group=group.WORLD, plan="llama")
     refused["experts"] = str(experts.value)
+    # torch's encoder layer applies linear1 / linear2 itself in its fused inference path, multi-head
+    # attention its out_proj always: sharded, their all-reduce never ran (before: each tp rank validated
+    # with half the feed-forward, silently; out_proj failed on shapes in torch)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2)
+    for key, plan in (
+        ("encoder_ffn", {"*.linear1": "colwise", "*.linear2": "rowwise"}),
+        ("out_proj", {"*.self_attn.out_proj": "rowwise"}),
+    ):
+        with pytest.raises(ValueError) as bypassed:
+            apply_tensor_parallel(encoder, group=group.WORLD, plan=plan)
+        refused[key] = str(bypassed.value)
+    refused["encoder_unchanged"] = type(encoder.layers[0].linear2).__name__
     return refused
 
 
@@ -144,4 +156,7 @@ def test_llama_plans_fit_gemma_qwen3_and_mixtures_of_experts_as_the_unsharded_mo
         assert "Doubled subclasses nn.Linear with a forward of its own" in refused["forward"], refused
         assert "mixture of experts ('model.layers.0.mlp.experts')" in refused["experts"], refused
         assert "tp_plan='llama_attention'" in refused["experts"], refused
+        assert "on 'layers.0.linear" in refused["encoder_ffn"] and "fused" in refused["encoder_ffn"], refused
+        assert "MultiheadAttention applies out_proj.weight itself" in refused["out_proj"], refused
+        assert refused["encoder_unchanged"] == "Linear"
         assert got["copy"] == {"same": True, "apart": True, "group": True, "own": True}, got["copy"]

@@ -51,6 +51,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_par.tensor_parallel.family import (
     check_forward,
+    check_parent,
     fit_layout,
     head_local,
     scale_of,
@@ -276,6 +277,7 @@ def apply_tensor_parallel(
     # refusals before any change, so a refused model is left as it was
     for name, style in targets:
         _refuse_parallel(modules[name], name)
+        check_parent(modules, name, style)
         if is_lora_wrapper(modules[name]):
             for part in style.split("+"):
                 check_lora(modules[name], name=name, style=part)
