@@ -318,6 +318,11 @@ def test_damaged_files_are_named(trained: dict[str, Any], tmp_path: Path, name: 
 def test_missing_rank_file_and_incomplete_checkpoint_keep_their_errors(
     trained: dict[str, Any], tmp_path: Path
 ) -> None:
+    no_meta = _copy(trained["manual"], tmp_path / "no_meta.ckpt")
+    (no_meta / META_FILE).unlink()  # still ours: its reader names the file (before: IsADirectoryError)
+    assert is_sharded_checkpoint(no_meta)
+    with pytest.raises(ValueError, match=rf"no_meta\.ckpt lacks {META_FILE}\. The checkpoint is damaged"):
+        consolidate(no_meta)
     ckpt = _copy(trained["manual"], tmp_path / "model.ckpt")
     (ckpt / rank_file(1)).unlink()
     with pytest.raises(ValueError, match=rf"lacks {rank_file(1)} although it was saved by 2 ranks"):

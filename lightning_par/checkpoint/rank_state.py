@@ -209,6 +209,8 @@ def load_resharded(
     _load_model(module, model, skip=skip)
     names = {p: n for n, p in module.named_parameters()}
     sharded = engine.sharded_state if engine is not None else None
+    if engine is not None:  # the optimizer gets state now: fix the bucket layout first (a writer's, if
+        engine.freeze_order(optims[0].get("order") or [])  # it names the same parameters), as load() does
     for k, opt in enumerate(optimizers):
         if kinds == {"fragments"}:
             pieces = pieces_from_records(r for o in optims for r in o["optimizers"][k]["records"])

@@ -106,10 +106,15 @@ DCP_INDEX = ".metadata"  # torch.distributed.checkpoint's index: Lightning's FSD
 
 
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """A directory of ours (``meta.pt`` without DCP's index, which Lightning's FSDP strategies write beside
-    their own ``meta.pt``: :mod:`lightning_par.checkpoint.dcp_import` reads those)."""
+    """A directory of ours (``meta.pt``, ``COMPLETE`` or a rank's file, without DCP's index, which
+    Lightning's FSDP strategies write beside their own ``meta.pt``: :mod:`lightning_par.checkpoint.dcp_import`
+    reads those). A damaged one counts too, so its reader names what is missing (:func:`read_meta`: "lacks
+    meta.pt"), where Lightning's single-file loader said only ``IsADirectoryError``."""
     p = resolve_checkpoint_dir(path)
-    return p.is_dir() and (p / META_FILE).is_file() and not (p / DCP_INDEX).is_file()
+    if not p.is_dir() or (p / DCP_INDEX).is_file():
+        return False
+    ours = (p / META_FILE).is_file() or (p / COMPLETE_FILE).is_file()
+    return ours or next(p.glob("optim_rank*.pt"), None) is not None
 
 
 # ---------------------------------------------------------------------------------------------- writing
