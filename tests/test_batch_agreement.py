@@ -13,6 +13,7 @@ first forward with per-rank inputs and a pp2 ``pipeline.step`` with per-rank bat
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
+from transformers import BatchEncoding
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.batch_agreement import batch_fingerprint
@@ -200,6 +202,12 @@ def test_ranks_of_a_model_parallel_group_must_read_the_same_batch() -> None:
         torch.testing.assert_close(state[name], value, msg=name)
 
 
+@dataclasses.dataclass
+class Pair:
+    x: Tensor
+    y: Tensor
+
+
 def test_batch_fingerprint_tells_batches_apart() -> None:
     cpu = torch.device("cpu")
     x, y = samples()
@@ -213,3 +221,14 @@ def test_batch_fingerprint_tells_batches_apart() -> None:
         {"x": x[:4]},  # a tensor fewer
     ):
         assert not torch.equal(batch_fingerprint(other, device=cpu), batch_fingerprint(batch, device=cpu))
+    # Hugging Face's BatchEncoding (a UserDict, a leaf to torch's pytree) and dataclasses are looked into:
+    # before, such batches had no tensors to compare and any two agreed
+    encoded = BatchEncoding({"x": x[:4], "y": y[:4]})
+    torch.testing.assert_close(batch_fingerprint(encoded, device=cpu), same, rtol=0, atol=0)
+    assert not torch.equal(
+        batch_fingerprint(BatchEncoding({"x": x[4:8], "y": y[:4]}), device=cpu),
+        batch_fingerprint(encoded, device=cpu),
+    )
+    assert not torch.equal(
+        batch_fingerprint(Pair(x[:4], y[:4]), device=cpu), batch_fingerprint(Pair(x[4:8], y[:4]), device=cpu)
+    )

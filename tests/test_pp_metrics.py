@@ -11,15 +11,17 @@ the first step, raise the same error on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
+from transformers import BatchEncoding
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.pipeline.lightning import micro_weights, split_batch
@@ -185,6 +187,17 @@ def test_pipeline_metrics_predict_and_export_equal_the_single_process_run(
     assert results[1]["full"] == {}  # the export lives on global rank 0 only
 
 
+class Named(NamedTuple):
+    x: Tensor
+    y: Tensor
+
+
+@dataclasses.dataclass
+class Record:
+    x: Tensor
+    tag: str
+
+
 def test_ragged_batches_split_by_size_and_too_small_ones_are_refused() -> None:
     x, y = torch.arange(6), torch.arange(6) * 10
     micro = split_batch((x, y), 4)
@@ -194,6 +207,18 @@ def test_ragged_batches_split_by_size_and_too_small_ones_are_refused() -> None:
     assert micro_weights(split_batch(torch.zeros(8, 3), 4)) == [1.0] * 4
     with pytest.raises(ValueError, match=r"A batch of 3 samples cannot fill num_microbatches=4.*drop_last"):
         split_batch({"x": torch.zeros(3, 2)}, 4)
+    # containers keep their type and are split too: Hugging Face's BatchEncoding (a UserDict: before, every
+    # micro-batch got the whole batch, and predict returned it m times), named tuples (before, a
+    # TypeError), dataclasses (before, whole in every micro-batch); other leaves go whole into each
+    encoded = split_batch(BatchEncoding({"input_ids": torch.arange(6), "n": 3}), 2)
+    assert [type(mb).__name__ for mb in encoded] == ["BatchEncoding"] * 2
+    assert torch.equal(encoded[1]["input_ids"], torch.tensor([3, 4, 5])) and encoded[1]["n"] == 3
+    assert micro_weights(split_batch(BatchEncoding({"input_ids": torch.arange(5)}), 2)) == [1.2, 0.8]
+    named = split_batch(Named(torch.arange(4), torch.arange(4) * 2), 2)
+    assert isinstance(named[1], Named) and torch.equal(named[1].y, torch.tensor([4, 6]))
+    record = split_batch(Record(torch.arange(4), "tag"), 2)
+    assert isinstance(record[0], Record) and torch.equal(record[0].x, torch.tensor([0, 1]))
+    assert record[0].tag == record[1].tag == "tag"
 
 
 class Batches(pl.Callback):
@@ -206,16 +231,31 @@ class Batches(pl.Callback):
         self.seen.append(i)
 
 
+class EncodedGPT(MetricGPT):
+    def pipeline_input(self, batch: Any) -> Tensor:
+        return batch["input_ids"]
+
+
+def _encoded(samples: list[tuple[Tensor, Tensor]]) -> BatchEncoding:
+    return BatchEncoding({"input_ids": torch.stack([x for x, _ in samples]), "labels": None})
+
+
 def _short_last_batches(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """pp2 x dp2 at ZeRO-3: predict over 11 samples in batches of 2 leaves dp rank 1 a last batch of 1
     (Lightning's predict sampler does not pad), fewer than the 2 micro-batches; over 12 it runs."""
     out: dict[str, Any] = {}
-    for n in (11, 12):
+    for n in (11, 12, "encoded"):
         strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, zero_stage=3)
         batches = Batches()
         trainer = _trainer(strategy, world, tmp, [batches])
+        # "encoded": the 12 samples as Hugging Face's collators hand them over, a BatchEncoding
+        loader = (
+            DataLoader(Tokens(12), batch_size=2, collate_fn=_encoded)
+            if n == "encoded"
+            else DataLoader(Tokens(n), batch_size=2)
+        )
         try:
-            predictions = trainer.predict(_module(), DataLoader(Tokens(n), batch_size=2))
+            predictions = trainer.predict(_module(EncodedGPT if n == "encoded" else MetricGPT), loader)
             out[n] = torch.cat([p.detach() for p in predictions])  # type: ignore[union-attr]
         except ValueError as error:
             out[n] = str(error)
@@ -236,3 +276,5 @@ def test_a_last_batch_too_small_for_the_micro_batches_is_refused_on_every_rank_f
         )
         assert "Lightning keeps the last batch when predicting" in message and r["11/batches"] == [], rank
         assert isinstance(r[12], Tensor) and len(r[12]) == 6 and r["12/batches"] == [0, 1, 2], rank
+        # before, each micro-batch computed the whole BatchEncoding and predict returned it twice
+        torch.testing.assert_close(r["encoded"], r[12], msg=f"rank {rank}")

@@ -16,7 +16,7 @@ The shape header of an activation (steps that learn shapes only) describes the w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,7 +168,7 @@ def signature(value: Any) -> Any:
         return ("tensor", tuple(value.shape), str(value.dtype))
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(signature(x) for x in value))
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):  # dict, or a BatchEncoding (a UserDict) an input function returns
         return ("dict", tuple((repr(k), signature(x)) for k, x in value.items()))
     if value is None or isinstance(value, (bool, int, str)):
         return repr(value)

@@ -22,6 +22,7 @@ reduction; :meth:`PipelineSteps.end_window` sums tied gradients over their stage
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +45,11 @@ InputFn = Callable[[Any], Any]  # micro-batch -> what the first layer takes
 
 def split_batch(batch: Any, m: int) -> list[Any]:
     """``m`` micro-batches of ``batch``: every tensor split along dim 0, in equal parts when the size
-    divides by ``m``, else in parts one sample apart (a ragged last batch; see :func:`micro_weights`)."""
+    divides by ``m``, else in parts one sample apart (a ragged last batch; see :func:`micro_weights`).
+    Containers keep their type: lists, tuples and named tuples, mappings (``dict`` and others, such as
+    Hugging Face's ``BatchEncoding``, rebuilt from a dict), dataclasses (their init fields); anything else
+    goes whole into every micro-batch (before, a ``BatchEncoding`` did too, tensors and all: each
+    micro-batch computed the whole batch, and ``predict`` returned it ``m`` times)."""
     if isinstance(batch, Tensor):
         if batch.shape[0] < m:
             raise ValueError(
@@ -53,20 +58,45 @@ def split_batch(batch: Any, m: int) -> list[Any]:
                 " micro-batches."
             )
         return list(batch.tensor_split(m))
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple takes its fields by position
+        parts = [split_batch(b, m) for b in batch]
+        return [type(batch)(*(p[i] for p in parts)) for i in range(m)]
     if isinstance(batch, (list, tuple)):
         parts = [split_batch(b, m) for b in batch]
         return [type(batch)(p[i] for p in parts) for i in range(m)]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         parts_d = {k: split_batch(v, m) for k, v in batch.items()}
-        return [{k: v[i] for k, v in parts_d.items()} for i in range(m)]
+        return [_like(batch, {k: v[i] for k, v in parts_d.items()}) for i in range(m)]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        fields = [f.name for f in dataclasses.fields(batch) if f.init]
+        parts_f = {name: split_batch(getattr(batch, name), m) for name in fields}
+        return [dataclasses.replace(batch, **{k: v[i] for k, v in parts_f.items()}) for i in range(m)]
     return [batch] * m
+
+
+def _like(mapping: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """``items`` as a mapping of ``mapping``'s type where that type builds from a dict, else a dict."""
+    if type(mapping) is dict:
+        return items
+    build: Any = type(mapping)
+    try:
+        return build(items)
+    except TypeError:
+        return items
 
 
 def _samples(micro: Any) -> int | None:
     """The leading size of the first tensor in a micro-batch (None without tensors)."""
     if isinstance(micro, Tensor):
         return int(micro.shape[0])
-    values = micro.values() if isinstance(micro, dict) else micro if isinstance(micro, (list, tuple)) else []
+    if isinstance(micro, Mapping):
+        values: Any = micro.values()
+    elif isinstance(micro, (list, tuple)):
+        values = micro
+    elif dataclasses.is_dataclass(micro) and not isinstance(micro, type):
+        values = [getattr(micro, f.name) for f in dataclasses.fields(micro)]
+    else:
+        values = []
     return next((n for n in map(_samples, values) if n is not None), None)
 
 
