@@ -10,7 +10,8 @@ whose gradient is the leaf's, summed over the module's uses.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -33,13 +34,17 @@ def in_reentrant_recompute() -> bool:
 
 
 def tensors_in(value: Any) -> list[Tensor]:
-    """The tensors in ``value``, looking into lists, tuples and dicts."""
+    """The tensors in ``value``, looking into lists, tuples, mappings and dataclasses (a unit whose module
+    returns a dataclass or a ``UserDict``: before, its outputs' tensors went unseen, no hook re-gathered
+    the unit for backward, and torch failed on its freed storage)."""
     if isinstance(value, Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
         return [t for item in value for t in tensors_in(item)]
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return [t for item in value.values() for t in tensors_in(item)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value) for t in tensors_in(getattr(value, f.name))]
     return []
 
 
