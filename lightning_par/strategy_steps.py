@@ -66,6 +66,7 @@ class StrategySteps(ZeroCheckpointIO):
     _patched_callbacks: list[tuple[Any, list[str]]]  # and of callbacks' hooks
     _eval_join: EvalJoin | None = None  # the running evaluation loop's, when its dp ranks' counts differ
     _grad_reads: GradReads | None = None  # the first optimizer step's param.grad watch (grad_reads.py)
+    _window_pending: bool = False  # an optimizer stepped: gradients kept for the others (fabric/steps.py)
     _batches: BatchAgreement | None = None  # the tp / pp ranks' first batches compared (batch_agreement.py)
     _check_tp_replicas = False  # the first optimizer step compares the tp replicas' gradients (stage 0)
     before_state_write: list[Callable[[], None]]  # fences registered by snapshot writers (FlashCheckpoint)
@@ -104,6 +105,7 @@ class StrategySteps(ZeroCheckpointIO):
         scaler = plugin.scaler if isinstance(plugin, ParallelPrecision) else None
         assert self._engine is not None
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        self._open_pending_window()  # the schedule runs this step's backwards
         with self.precision_plugin.train_step_context(), self._step_context(training=True):
             return self._pipeline.training_step(
                 args[0],
@@ -117,6 +119,7 @@ class StrategySteps(ZeroCheckpointIO):
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
+        self._open_pending_window()
         if self._pipeline is not None:
             # the pipeline ran every backward inside training_step; Lightning has zeroed the optimizers'
             # gradients since (a new window), which leaves the engine's buffer alone: reduce it now
@@ -130,6 +133,14 @@ class StrategySteps(ZeroCheckpointIO):
         if self._grad_reads is not None:
             self._grad_reads.arm()
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _open_pending_window(self) -> None:
+        """A backward begins a new gradient window once an optimizer has stepped: the last window's
+        gradients are dropped only now, so several optimizers stepped after one backward (manual
+        optimization of a model split over two optimizers) all find theirs."""
+        if self._window_pending and self._engine is not None:
+            self._engine.open_window()
+        self._window_pending = False
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -308,8 +319,9 @@ class StrategySteps(ZeroCheckpointIO):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._engine is not None:
-            self._engine.after_step()  # stages 1/2: all-gather the updated parameters
+        if self._engine is not None:  # stages 1/2: all-gather the updated parameters
+            self._engine.after_step(open_window=False)  # the gradients stay for another optimizer's step
+            self._window_pending = True
         self._end_grad_reads()  # a step skipped for an fp16 overflow never reached the update
         if self._check_tp_replicas:
             self._verify_tp_replicas()

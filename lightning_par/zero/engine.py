@@ -86,10 +86,17 @@ class ZeroEngine:
             allow_untested_optimizer=self.allow_untested_optimizer,
         )
 
-    def after_step(self) -> None:
-        """Stages 1/2: all-gather the updated parameters and start a new gradient window."""
+    def after_step(self, *, open_window: bool = True) -> None:
+        """Stages 1/2: all-gather the updated parameters and (``open_window``) start a new gradient
+        window; without it the window's gradients stay for another optimizer's step until
+        :meth:`open_window`."""
         if self.sharded is not None:
-            self.sharded.after_step()
+            self.sharded.after_step(open_window=open_window)
+
+    def open_window(self) -> None:
+        """Stages 1/2: drop the last window's gradients (masters' and the reduced shard)."""
+        if self.sharded is not None:
+            self.sharded.open_window()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -237,7 +244,6 @@ class Engine(Protocol):
     own_reads: OwnReads
 
     def shard_optimizers(self, optimizers: Sequence[Optimizer]) -> None: ...
-    def after_step(self) -> None: ...
     def no_sync(self) -> AbstractContextManager[None]: ...
     def forward_context(self) -> AbstractContextManager[None]: ...
     def on_synchronized(self, listener: Callable[[], None]) -> None: ...
@@ -248,6 +254,8 @@ class Engine(Protocol):
     @property
     def sync_enabled(self) -> bool: ...
     def freeze_order(self, names: Sequence[str]) -> None: ...
+    def after_step(self, *, open_window: bool = True) -> None: ...
+    def open_window(self) -> None: ...
 
     @property
     def sharded_state(self) -> ShardedState | None: ...

@@ -217,11 +217,17 @@ class ShardedOptimizer:
             torch.where(compute != master.to(compute.dtype), compute, master, out=master)
 
     @torch.no_grad()
-    def after_step(self) -> None:
-        """Copy masters into the compute parameters, all-gather every bucket, open a new window."""
+    def after_step(self, *, open_window: bool = True) -> None:
+        """Copy masters into the compute parameters, all-gather every bucket, and (``open_window``)
+        open a new window (:meth:`open_window`)."""
         self.check_untouched()
         self.absorb_param_writes()  # a skipped step (fp16 overflow) did not run the pre-hook
         self.refresh_params()
+        if open_window:
+            self.open_window()
+
+    def open_window(self) -> None:
+        """Drop the last window's gradients: the masters' and the reduced gradient shard."""
         for master, _, _ in self._master_slots:
             master.grad = None
         self._grad_copy = None

@@ -451,24 +451,31 @@ class Stage3Engine(Stage3Reduce):
         if self._fabric_between is not None:
             self._fabric_between.stop()
 
-    def after_step(self) -> None:
-        """Open a new gradient window (the shards are updated in place; gathers read them next time)."""
+    def after_step(self, *, open_window: bool = True) -> None:
+        """After an optimizer update (the shards are updated in place; gathers read them next time), and
+        with ``open_window`` a new gradient window (:meth:`open_window`; without it the window's
+        gradients stay for another optimizer's step)."""
         self.refuse_late_writes()
         for unit in self.units:  # what is gathered now is older than the updated shards
             unit.fresh = False
         self.release_graph_hold()  # a graph built before the step is stale: it saw the old weights
-        for _, _, master in self._masters:
-            master.grad = None
-        self._grad_copies = []
-        for unit in self.units:
-            if unit.grad_shard is not None:
-                unit.grad_shard.zero_()
+        if open_window:
+            self.open_window()
         for unit in self.units:  # still gathered (a forward without backward): older than the shards
             if unit.state != "sharded" and not (self._in_step and unit is self.root):
                 self._free(unit, keep_writes=False)
         if self._in_step and self.root is not None and self.root.state != "sharded":
             self._free(self.root)  # an optimizer step inside training_step: gather the updated shards
             self._wait(self.root)
+
+    def open_window(self) -> None:
+        """Drop the last window's gradients: the masters' and every unit's gradient shard."""
+        for _, _, master in self._masters:
+            master.grad = None
+        self._grad_copies = []
+        for unit in self.units:
+            if unit.grad_shard is not None:
+                unit.grad_shard.zero_()
 
     def masters_changed(self) -> None:
         """The shards were written from outside: the shard is what forward gathers (masters are the shard
