@@ -219,6 +219,19 @@ def test_ragged_batches_split_by_size_and_too_small_ones_are_refused() -> None:
     record = split_batch(Record(torch.arange(4), "tag"), 2)
     assert isinstance(record[0], Record) and torch.equal(record[0].x, torch.tensor([0, 1]))
     assert record[0].tag == record[1].tag == "tag"
+    # a 0-dim tensor goes whole into each micro-batch (before: IndexError); sizes the micro-batches would
+    # split into other shares are refused (before: a combined batch of 8 and 6 samples was weighted by the
+    # first tensor's split alone, 1.1e-3 off one process after an epoch), and so is a tensor too short to
+    # cut among larger ones (a broadcast position_ids, a list of per-sample spans)
+    scalar = split_batch({"x": torch.arange(8), "w": torch.tensor(2.0)}, 4)
+    assert all(mb["w"].item() == 2.0 for mb in scalar) and micro_weights(scalar) == [1.0] * 4
+    assert len(split_batch({"a": torch.zeros(8), "b": torch.zeros(4)}, 4)) == 4  # both divide: exact
+    with pytest.raises(ValueError, match=r"different leading sizes \[6, 8\] that num_microbatches=4"):
+        split_batch({"a": (torch.zeros(8), torch.zeros(8)), "b": (torch.zeros(6), torch.zeros(6))}, 4)
+    with pytest.raises(ValueError, match=r"has 1 rows along dim 0 among tensors of 8.*position_ids"):
+        split_batch({"input_ids": torch.zeros(8, 3), "position_ids": torch.zeros(1, 3)}, 4)
+    with pytest.raises(ValueError, match=r"has 3 rows along dim 0 among tensors of 8.*per-sample"):
+        split_batch({"x": torch.zeros(8, 3), "spans": [torch.zeros(3), torch.zeros(5)]}, 4)
 
 
 class Batches(pl.Callback):

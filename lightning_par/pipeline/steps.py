@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lightning_par.batch_agreement import batch_tensors
 from lightning_par.loss import TokenNormalizer
 from lightning_par.mesh import ParallelMesh
 from lightning_par.pipeline.apply import PipelineSplit, TiedGradients
@@ -47,29 +48,59 @@ def split_batch(batch: Any, m: int) -> list[Any]:
     """``m`` micro-batches of ``batch``: every tensor split along dim 0, in equal parts when the size
     divides by ``m``, else in parts one sample apart (a ragged last batch; see :func:`micro_weights`).
     Containers keep their type: lists, tuples and named tuples, mappings (``dict`` and others, such as
-    Hugging Face's ``BatchEncoding``, rebuilt from a dict), dataclasses (their init fields); anything else
-    goes whole into every micro-batch (before, a ``BatchEncoding`` did too, tensors and all: each
-    micro-batch computed the whole batch, and ``predict`` returned it ``m`` times)."""
+    Hugging Face's ``BatchEncoding``, rebuilt from a dict), dataclasses (their init fields); 0-dim tensors
+    and anything else go whole into every micro-batch (before, a ``BatchEncoding`` did too, tensors and
+    all: each micro-batch computed the whole batch, and ``predict`` returned it ``m`` times).
+
+    Refused first (:func:`_check_sizes`): a tensor too small to cut, and tensors of different leading
+    sizes that ``m`` does not divide, whose micro-batches would hold other shares of each."""
+    _check_sizes(batch, m)
+    return _split(batch, m)
+
+
+def _check_sizes(batch: Any, m: int) -> None:
+    sizes = [int(t.shape[0]) for t in batch_tensors(batch) if t.dim() > 0]
+    if not sizes:
+        return
+    small, large = min(sizes), max(sizes)
+    if small < m and large >= m:
+        raise ValueError(
+            f"A tensor of the batch has {small} rows along dim 0 among tensors of {large}: every tensor of a"
+            f" batch is cut along dim 0 into num_microbatches={m} micro-batches (a list of per-sample tensors"
+            " element by element). Expand it to the batch size (a broadcast position_ids of shape (1, T)),"
+            " stack or pad per-sample tensors into one, or build it per micro-batch in pipeline_input."
+        )
+    if small < m:
+        raise ValueError(
+            f"A batch of {small} samples cannot fill num_microbatches={m}: use a batch size of at least {m}"
+            " (with drop_last=True if the dataset leaves a smaller last batch), or fewer micro-batches."
+        )
+    if small != large and any(n % m for n in sizes):
+        raise ValueError(
+            f"The batch holds tensors of different leading sizes {sorted(set(sizes))} that"
+            f" num_microbatches={m} does not divide: their micro-batches would hold other shares of each"
+            " (a combined batch of loaders with other batch sizes, a list of per-sample tensors, which is"
+            " cut element by element), and no weight makes every micro-batch mean the batch's. Give every"
+            f" tensor of a batch the same leading size, or sizes divisible by {m} (drop_last=True on each"
+            " loader); stack or pad per-sample tensors into one."
+        )
+
+
+def _split(batch: Any, m: int) -> list[Any]:
     if isinstance(batch, Tensor):
-        if batch.shape[0] < m:
-            raise ValueError(
-                f"A batch of {batch.shape[0]} samples cannot fill num_microbatches={m}: use a batch size of"
-                f" at least {m} (with drop_last=True if the dataset leaves a smaller last batch), or fewer"
-                " micro-batches."
-            )
-        return list(batch.tensor_split(m))
+        return list(batch.tensor_split(m)) if batch.dim() > 0 else [batch] * m
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple takes its fields by position
-        parts = [split_batch(b, m) for b in batch]
+        parts = [_split(b, m) for b in batch]
         return [type(batch)(*(p[i] for p in parts)) for i in range(m)]
     if isinstance(batch, (list, tuple)):
-        parts = [split_batch(b, m) for b in batch]
+        parts = [_split(b, m) for b in batch]
         return [type(batch)(p[i] for p in parts) for i in range(m)]
     if isinstance(batch, Mapping):
-        parts_d = {k: split_batch(v, m) for k, v in batch.items()}
+        parts_d = {k: _split(v, m) for k, v in batch.items()}
         return [_like(batch, {k: v[i] for k, v in parts_d.items()}) for i in range(m)]
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         fields = [f.name for f in dataclasses.fields(batch) if f.init]
-        parts_f = {name: split_batch(getattr(batch, name), m) for name in fields}
+        parts_f = {name: _split(getattr(batch, name), m) for name in fields}
         return [dataclasses.replace(batch, **{k: v[i] for k, v in parts_f.items()}) for i in range(m)]
     return [batch] * m
 
@@ -86,18 +117,8 @@ def _like(mapping: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
 
 
 def _samples(micro: Any) -> int | None:
-    """The leading size of the first tensor in a micro-batch (None without tensors)."""
-    if isinstance(micro, Tensor):
-        return int(micro.shape[0])
-    if isinstance(micro, Mapping):
-        values: Any = micro.values()
-    elif isinstance(micro, (list, tuple)):
-        values = micro
-    elif dataclasses.is_dataclass(micro) and not isinstance(micro, type):
-        values = [getattr(micro, f.name) for f in dataclasses.fields(micro)]
-    else:
-        values = []
-    return next((n for n in map(_samples, values) if n is not None), None)
+    """The leading size of the first tensor of at least one dimension in a micro-batch (None without)."""
+    return next((int(t.shape[0]) for t in batch_tensors(micro) if t.dim() > 0), None)
 
 
 def micro_weights(micro: list[Any]) -> list[float]:
