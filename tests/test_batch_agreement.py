@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.fabric import Fabric
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from transformers import BatchEncoding
 
 from lightning_par import HybridParallelStrategy
@@ -100,6 +100,36 @@ class PipedVal(Piped):
         return DataLoader(Stream(samples(), by_global_rank), batch_size=BATCH)
 
 
+class Augmented(Piped):
+    """``Piped`` with dropout in its first stage only, and a noise augmentation drawn from torch's global
+    generator after the batch reaches the device (a Lightning hook on the main process)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 1))
+        self.seen: list[float] = []
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        x, y = batch
+        noisy = x + 0.1 * torch.randn_like(x)
+        self.seen.append(float(noisy.sum()))
+        return noisy, y
+
+
+def _augmented() -> list[float]:
+    """pp2 with the stages' global generators used by other layers (dropout on one side): before, the
+    stages' augmented batches differed from the second step on, silently (the batch check compares a
+    loop's first batch only)."""
+    strategy = HybridParallelStrategy(**(PIPED | {"partition_method": [3, 1]}))
+    module = Augmented()
+    cpu_trainer(strategy, max_steps=STEPS, limit_val_batches=0).fit(
+        module, DataLoader(TensorDataset(*samples()), batch_size=BATCH)
+    )
+    strategy.destroy_process_groups()
+    return module.seen
+
+
 def _fit(strategy: HybridParallelStrategy, trainer: pl.Trainer, module: Any, loader: Any) -> dict[str, Any]:
     try:
         trainer.fit(module, loader)
@@ -162,12 +192,15 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
         "tp/global": _llama_tp(),
         "fabric_tp": _fabric(rank, world, pipelined=False),
         "fabric_pp": _fabric(rank, world, pipelined=True),
+        "pp/augmented": _augmented(),
     }
 
 
 def test_ranks_of_a_model_parallel_group_must_read_the_same_batch() -> None:
     results = run_distributed(_runs, WORLD, init_group=False, timeout=300)
     fix = "trainer.strategy.distributed_sampler_kwargs"
+    augmented = [out["pp/augmented"] for out in results]
+    assert len(augmented[0]) == STEPS and augmented[0] == augmented[1], augmented  # one batch per step
     for rank, out in enumerate(results):
         for key, kind, loop in (
             ("pp/global", "pipeline", "training"),

@@ -11,7 +11,8 @@ optimizer step with clipping:
 (b) Host reads per optimizer step made by the package's own code (``tests.probes.HostSyncs``): on
     pipeline ranks > 0 the step's input-signature id (one per pipeline step, ``pipeline/runtime.py``), on
     the ranks but the last stage's the previous step's metric flag, read from host memory
-    (``pipeline/metrics.py``), and nothing else (clipping with ``error_if_nonfinite=False``).
+    (``pipeline/metrics.py``), on every rank the seed of the schedule's random state (a CPU draw, read from
+    host memory: ``pipeline/steps.py``), and nothing else (clipping with ``error_if_nonfinite=False``).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def test_pipeline_steps_use_explicit_devices_and_read_the_host_only_where_docume
             assert torch.equal(guarded[name], value), (stage, name)
         for r in results:
             run = r[stage]["guarded"]
-            want: Counter[tuple[str, str]] = Counter()
+            # every rank: the seed of the schedule's random state, one CPU draw per pipeline step
+            want: Counter[tuple[str, str]] = Counter({("__int__", "pipeline/steps.py"): ACCUM})
             if run["pp_rank"] > 0:  # the signature id, once per pipeline step
                 want[("item", "pipeline/runtime.py")] = ACCUM
             if run["pp_rank"] < PP - 1:  # the previous step's metric flag, from host memory

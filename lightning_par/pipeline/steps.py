@@ -23,7 +23,8 @@ reduction; :meth:`PipelineSteps.end_window` sums tied gradients over their stage
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,25 @@ def split_batch(batch: Any, m: int) -> list[Any]:
     sizes that ``m`` does not divide, whose micro-batches would hold other shares of each."""
     _check_sizes(batch, m)
     return _split(batch, m)
+
+
+@contextmanager
+def stage_random_state(device: torch.device) -> Iterator[None]:
+    """Within: the global random state seeded from one draw of it, restored at the exit, so the schedule
+    moves the global generators by that one draw on every pipeline stage. The stages run other layers
+    (dropout in some, none in others), and a schedule on the global state left each stage's generators
+    elsewhere: the next batch's random augmentation in a Lightning hook, or a collate on the main
+    process, then differed between the stages, whose first and last layers must see one batch, silently
+    (the tp/pp batch check compares a loop's first batch only). Each step's dropout masks still differ
+    (another seed per step). One read of a CPU draw per step (the seed's value), no device sync."""
+    # the CPU generator on every device: a read of host memory, not a device sync
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu"))
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        torch.random.default_generator.manual_seed(seed)
+        if devices:
+            torch.cuda.manual_seed(seed)  # the current device, which fork_rng restores
+        yield
 
 
 def _check_sizes(batch: Any, m: int) -> None:
@@ -256,13 +276,14 @@ class PipelineSteps:
             return loss * ((1.0 if summed else weights[i]) * factor * loss_scale)
 
         self.metrics.start(m)
-        mean = self.runtime.train_step(
-            inputs=self.inputs(micro, input_fn, owner=names[1]),
-            loss_fn=wrapped,
-            no_sync=engine.no_sync,
-            sync_last=False,
-            grad_of=engine.grad_view,  # zb's weight-gradient passes add into the engine's buffer
-        )
+        with stage_random_state(self.runtime.device):
+            mean = self.runtime.train_step(
+                inputs=self.inputs(micro, input_fn, owner=names[1]),
+                loss_fn=wrapped,
+                no_sync=engine.no_sync,
+                sync_last=False,
+                grad_of=engine.grad_view,  # zb's weight-gradient passes add into the engine's buffer
+            )
         metrics = self.metrics.finish("train")
         if "tokens" not in metrics:  # undo the scaling of the returned number: it is for logging
             return StepResult(loss=mean / (factor * loss_scale), metrics=metrics)
