@@ -131,7 +131,17 @@ def _late_write_refused(rank: int, world: int) -> str:
         else:
             message = "not refused"
     engine.remove()
-    return message
+    # a module replaced inside gathered_params() without writeback (PEFT's merge_and_unload() replaces
+    # its LoRA layers): the gathered values it wrote are dropped at the exit, so that is refused
+    engine = Stage3Engine(model, group=dist.group.WORLD)
+    try:
+        with engine.gathered():
+            model.head = nn.Linear(8, 1)
+        replaced = "not refused"
+    except RuntimeError as error:
+        replaced = str(error)
+    engine.remove()
+    return message + "\n" + replaced
 
 
 def _kept_bits(rank: int, world: int) -> dict[str, dict[str, bool]]:
@@ -192,6 +202,7 @@ def test_forward_writes_at_zero3_equal_ddp() -> None:
     # guard was stranded there and refused teardown's module.cpu())
     assert out["modes left"] == 0
     assert "written in place while gathered" in out["late"] and "'scale'" in out["late"]
+    assert "parameters changed inside gathered_params()" in out["late"] and "writeback=True" in out["late"]
     bits: dict[str, dict[str, bool]] = {}  # per parameter: did any rank's shard piece change
     for rank_out in both:
         for case, changed in rank_out["bits"].items():

@@ -62,6 +62,7 @@ class Stage3Join:
 
     group: ProcessGroup
     device: torch.device
+    module: nn.Module
     units: list[Unit]
     _joining: bool = False  # see the joining property
     _holding: bool = False  # inside gathered(): every unit stays whole
@@ -95,10 +96,18 @@ class Stage3Join:
         self._holding = True
         # no synced generate() inside: a rank generating alone must not wait for the others' forwards
         unmark_hf_models(self._hf_marked)
+        before = {id(p) for p in self.module.parameters()}
         try:
             yield
             if writeback:
                 self._keep_writes()
+            elif {id(p) for p in self.module.parameters()} != before:
+                raise RuntimeError(
+                    "The model's parameters changed inside gathered_params() (modules replaced or removed,"
+                    " as PEFT's merge_and_unload() does), whose writes are dropped at the exit without"
+                    " writeback: the merged weights are gone while the adapters are too. Enter"
+                    " gathered_params(writeback=True) (every rank) to keep what is written inside."
+                )
         finally:
             self._holding = False
             if not self._joining:  # while joining the mark stays lifted (joining's setter)
