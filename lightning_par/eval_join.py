@@ -60,10 +60,10 @@ def eval_count_table(
 
 
 def loop_dataloaders(trainer: Any, loop_name: str) -> list[object]:
-    """The dataloaders of the Trainer's evaluation loop ``loop_name``, in the loop's order."""
-    attribute = {"validation": "val_dataloaders", "test": "test_dataloaders"}.get(
-        loop_name, "predict_dataloaders"
-    )
+    """The dataloaders of the Trainer's loop ``loop_name`` (``"training"`` or an evaluation loop's), in
+    the loop's order."""
+    names = {"training": "train_dataloader", "validation": "val_dataloaders", "test": "test_dataloaders"}
+    attribute = names.get(loop_name, "predict_dataloaders")
     loaders = getattr(trainer, attribute, None)
     if isinstance(loaders, dict):
         return list(loaders.values())

@@ -237,11 +237,15 @@ def test_ragged_batches_split_by_size_and_too_small_ones_are_refused() -> None:
 class Batches(pl.Callback):
     def __init__(self) -> None:
         self.seen: list[int] = []
+        self.trained = 0
 
     def on_predict_batch_end(
         self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, i: int
     ) -> None:
         self.seen.append(i)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, i: int) -> None:
+        self.trained += 1
 
 
 class EncodedGPT(MetricGPT):
@@ -274,6 +278,17 @@ def _short_last_batches(rank: int, world: int, tmp: str) -> dict[str, Any]:
             out[n] = str(error)
         out[f"{n}/batches"] = batches.seen
         strategy.destroy_process_groups()
+    # training: 10 samples over 2 dp ranks, 5 each in batches of 2: a last batch of 1, refused before the
+    # first step (before: at that batch, after the epoch's other steps)
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, zero_stage=3)
+    trained = Batches()
+    try:
+        _trainer(strategy, world, tmp, [trained]).fit(_module(), DataLoader(Tokens(10), batch_size=2))
+        out["train"] = "not refused"
+    except ValueError as error:
+        out["train"] = str(error)
+    out["train/batches"] = trained.trained
+    strategy.destroy_process_groups()
     return out
 
 
@@ -289,5 +304,7 @@ def test_a_last_batch_too_small_for_the_micro_batches_is_refused_on_every_rank_f
         )
         assert "Lightning keeps the last batch when predicting" in message and r["11/batches"] == [], rank
         assert isinstance(r[12], Tensor) and len(r[12]) == 6 and r["12/batches"] == [0, 1, 2], rank
+        assert "The training dataloader 0 ends with a batch of 1 samples" in r["train"], r["train"]
+        assert "drop_last=True" in r["train"] and r["train/batches"] == 0, rank
         # before, each micro-batch computed the whole BatchEncoding and predict returned it twice
         torch.testing.assert_close(r["encoded"], r[12], msg=f"rank {rank}")

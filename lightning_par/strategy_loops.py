@@ -1,0 +1,168 @@
+"""The loop side of :class:`~lightning_par.HybridParallelStrategy`: what runs when Lightning's loops start
+and end, before any step.
+
+:class:`StrategyLoops` is a base of :class:`~lightning_par.strategy_steps.StrategySteps` and declares the
+attributes it reads (the engine, the pipeline, the mesh, the batch agreement). At each loop's start it
+checks what a step could not undo: under a pipeline, a last batch on some dp rank too small for the
+micro-batches (training, validation, test, predict; refused on every rank before the first batch); at
+ZeRO-3, data-parallel ranks whose evaluation batch counts differ (joined, :mod:`lightning_par.eval_join`,
+or refused with the fix), and a dataloader that gives some rank no batch. After each evaluation step of
+an uneven loop, a rank whose batches are over serves the others' gathers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.utilities.data import has_len
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from typing_extensions import override
+
+from lightning_par.batch_agreement import BatchAgreement
+from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
+from lightning_par.eval_join import (
+    EvalJoin,
+    check_every_rank_has_batches,
+    counts_differ,
+    eval_count_table,
+    last_batch_sizes,
+    loop_dataloaders,
+    plan_eval_join,
+    refuse_short_last_batches,
+)
+from lightning_par.pipeline.lightning import LightningPipeline
+from lightning_par.zero.stage3_join import Stage3Join
+
+
+class StrategyLoops(ZeroCheckpointIO):
+    """Loop starts and ends: the batch checks and ZeRO-3's uneven evaluation (see the module docstring)."""
+
+    # set by HybridParallelStrategy.__init__ and setup(); _engine and the mesh come from ZeroCheckpointIO
+    _pipeline: LightningPipeline | None
+    _eval_join: EvalJoin | None = None  # the running evaluation loop's, when its dp ranks' counts differ
+    _batches: BatchAgreement | None = None  # the tp / pp ranks' first batches compared (batch_agreement.py)
+
+    @override
+    def on_train_start(self) -> None:
+        """Under a pipeline: a training dataloader whose last batch on some dp rank cannot fill the
+        micro-batches is refused on every rank before the first step (before: at that batch, after most
+        of an epoch, on the ranks that had it)."""
+        super().on_train_start()
+        pipeline, module = self._pipeline, self.lightning_module
+        if pipeline is None or module is None:
+            return
+        trainer = module.trainer
+        loaders = loop_dataloaders(trainer, "training")
+        lasts = last_batch_sizes(loaders, [trainer.num_training_batches] * len(loaders))
+        table = [lasts]
+        if self.mesh.dp_size > 1:
+            table = eval_count_table(lasts, group=self.mesh.dp_group, device=self.root_device)
+        refuse_short_last_batches(table, num_microbatches=pipeline.runtime.m, loop="training")
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self._batches is not None:
+            self._batches.expect("validation")
+        self._start_eval_join("validation")
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        if self._batches is not None:
+            self._batches.expect("test")
+        self._start_eval_join("test")
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        if self._batches is not None:
+            self._batches.expect("predict")
+        self._start_eval_join("predict")
+
+    @override
+    def on_validation_end(self) -> None:
+        self._end_eval_join()
+        super().on_validation_end()
+
+    @override
+    def on_test_end(self) -> None:
+        self._end_eval_join()
+        super().on_test_end()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._end_eval_join()
+        super().on_predict_end()
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        engine = self._engine
+        if isinstance(engine, Stage3Join) and self.mesh.dp_size > 1:
+            check_every_rank_has_batches(
+                len(dataloader) if has_len(dataloader) else None,
+                group=self.mesh.dp_group,
+                device=self.root_device,
+            )
+        return super().process_dataloader(dataloader)
+
+    def _start_eval_join(self, loop_name: str) -> None:
+        """Compare the dp ranks' batch counts of the loop starting now (:mod:`lightning_par.eval_join`):
+        at ZeRO-3 uneven counts are joined; under a pipeline its dp token mean is left out."""
+        self._eval_join = None
+        engine = self._engine
+        zero3 = isinstance(engine, Stage3Join)
+        pipeline = self._pipeline
+        if not (pipeline is not None or (zero3 and self.mesh.dp_size > 1)):
+            return  # nothing communicates over dp in this evaluation, and no batch is cut
+        module = self.lightning_module
+        assert module is not None
+        loop = module.trainer._active_loop
+        assert loop is not None and isinstance(loop.max_batches, list)  # an evaluation loop's, per dataloader
+        k = len(loop.max_batches)
+        lasts = []
+        if pipeline is not None:  # each dp rank's last batch must fill the micro-batches
+            lasts = last_batch_sizes(loop_dataloaders(module.trainer, loop_name), loop.max_batches)
+        if self.mesh.dp_size == 1:
+            assert pipeline is not None
+            refuse_short_last_batches([lasts], num_microbatches=pipeline.runtime.m, loop=loop_name)
+            return
+        both = eval_count_table(
+            [*loop.max_batches, *lasts], group=self.mesh.dp_group, device=self.root_device
+        )
+        table = [row[:k] for row in both]
+        if pipeline is not None:
+            refuse_short_last_batches(
+                [row[k:] for row in both], num_microbatches=pipeline.runtime.m, loop=loop_name
+            )
+            pipeline.uneven_eval = counts_differ(table)
+        if not isinstance(engine, Stage3Join):
+            return
+        self._eval_join = plan_eval_join(
+            table, rank=self.mesh.dp_rank, pipelined=self._pipeline is not None, loop=loop_name
+        )
+        step = getattr(module, f"{loop_name}_step")
+        if self._eval_join is not None and is_param_in_hook_signature(step, "dataloader_iter", explicit=True):
+            raise ValueError(
+                f"{loop_name}_step(dataloader_iter) takes its own batches, so the strategy cannot tell when"
+                " this rank's are over while the data-parallel ranks' batch counts differ at ZeRO-3. Give"
+                " every rank the same number of batches, or take a batch argument."
+            )
+        engine.joining = self._eval_join is not None
+
+    def _end_eval_join(self) -> None:
+        if isinstance(self._engine, Stage3Join):
+            self._engine.joining = False
+        self._eval_join = None
+
+    def _after_eval_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """After this rank's last batch of a dataloader in an uneven loop: serve the others' gathers."""
+        join = self._eval_join
+        if join is None:
+            return
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        dataloader_idx = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
+        loop = self.lightning_module.trainer._active_loop  # type: ignore[union-attr]
+        assert loop is not None and isinstance(self._engine, Stage3Join)
+        if join.ends_dataloader(batch_idx, dataloader_idx, last_batch=loop.batch_progress.is_last_batch):
+            self._engine.serve_gathers()
