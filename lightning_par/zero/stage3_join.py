@@ -63,15 +63,13 @@ class Stage3Join:
     group: ProcessGroup
     device: torch.device
     module: nn.Module
+    rank: int
+    world: int
     units: list[Unit]
     _joining: bool = False  # see the joining property
     _holding: bool = False  # inside gathered(): every unit stays whole
     _hf_marked: list[nn.Module]  # Hugging Face models marked as sharded (mark_hf_models)
     _codes: torch.Tensor | None = None  # 0, 1, ..., len(units) on the device (what a round says)
-
-    def absorb_gathered_writes(self) -> None:
-        """Provided by the engine (:class:`~lightning_par.zero.stage3_reduce.Stage3Reduce`)."""
-        raise NotImplementedError
 
     @contextmanager
     def gathered(self, *, writeback: bool = False) -> Iterator[None]:
@@ -85,7 +83,8 @@ class Stage3Join:
         rank must write the same (:mod:`lightning_par.zero.writeback` checks)."""
         if self._holding:
             raise RuntimeError("gathered_params() is already active: leave it before entering it again.")
-        self.absorb_gathered_writes()  # a forward's writes to a unit gathered now (inside a step)
+        for unit in self.units:  # a forward's writes to a unit gathered now (inside a step)
+            unit.absorb_writes(self.rank, self.world)
         for unit in self.units:  # whatever this rank holds now, every rank gathers the same units below
             unit.free()
         for unit in self.units:

@@ -95,13 +95,6 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
                 unit.absorb_writes(self.rank, self.world)
             unit.free()
 
-    def absorb_gathered_writes(self) -> None:
-        """Before an optimizer update: in-place writes to units gathered now (a root kept whole through a
-        manual-optimization step) go into the shards, which the update then reads, as under DDP."""
-        if not self._holding:
-            for unit in self.units:
-                unit.absorb_writes(self.rank, self.world)
-
     def refuse_late_writes(self) -> None:
         """After an optimizer update: a write to a gathered unit still not absorbed was made before the
         update (absorbing it now would undo the update); refuse it rather than lose it."""

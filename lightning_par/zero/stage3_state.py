@@ -33,14 +33,20 @@ class Stage3State:
     module: nn.Module
     group: ProcessGroup
     rank: int
+    world: int
     units: list[Unit]
+    _holding: bool = False  # inside gathered() (stage3_join)
     _masters: list[tuple[Unit, Fragment, Tensor]]
     _pool_bytes: int
 
     def absorb_gathered_writes(self) -> None:
-        """Provided by the engine (:class:`~lightning_par.zero.stage3_reduce.Stage3Reduce`): writes to the
-        units gathered now go into the shards, so a state read next sees them."""
-        raise NotImplementedError
+        """In-place writes to the units gathered now go into the shards (:meth:`Unit.absorb_writes`):
+        before an optimizer update (a root kept whole through a manual-optimization step), which then
+        reads them, as under DDP, and before a state read. Inside ``gathered()`` they are left to its
+        exit."""
+        if not self._holding:
+            for unit in self.units:
+                unit.absorb_writes(self.rank, self.world)
 
     def fragment_table(self) -> list[tuple[str, int, int, Tensor]]:
         """``(param name, lo, hi, shard view)`` for every trainable fragment this rank owns; the views are
