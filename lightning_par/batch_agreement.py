@@ -26,14 +26,15 @@ naming the ranks and the fix. One small all-gather per group and one host read, 
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+
+from lightning_par.zero.autograd_state import tensors_in
 
 if TYPE_CHECKING:
     from lightning_par.mesh import ParallelMesh
@@ -53,30 +54,13 @@ _FIX = (
 )
 
 
-def batch_tensors(batch: Any) -> list[Tensor]:
-    """The tensors in a batch, in order: inside lists, tuples, mappings (``dict`` and others, such as
-    Hugging Face's ``BatchEncoding``, which torch's pytree takes for a leaf: before, such a batch had no
-    tensors to compare) and dataclasses."""
-    if isinstance(batch, Tensor):
-        return [batch]
-    if isinstance(batch, Mapping):
-        items: Any = batch.values()
-    elif isinstance(batch, (list, tuple)):
-        items = batch
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        items = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
-    else:
-        return []
-    return [t for item in items for t in batch_tensors(item)]
-
-
 def batch_fingerprint(batch: Any, *, device: torch.device) -> Tensor:
     """Six float64 numbers that differ, but for a negligible chance, between batches with other tensors:
     the number of tensors, their elements, and sums over tensor ``i`` (weighted by ``i + 1``) of its
     number of dimensions, its sum, and its sum weighted by position (``1`` to ``2`` along the flattened
     tensor, so a permutation shows). Non-tensor leaves are left out. Computed where the tensors are,
     returned on ``device``."""
-    leaves = [t for t in batch_tensors(batch) if not t.is_meta]
+    leaves = [t for t in tensors_in(batch) if not t.is_meta]  # BatchEncoding, dataclasses included
     out = torch.zeros(6, dtype=torch.float64, device=device)
     for i, tensor in enumerate(leaves):
         flat = tensor.detach().reshape(-1)

@@ -33,12 +33,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lightning_par.batch_agreement import batch_tensors
 from lightning_par.loss import TokenNormalizer
 from lightning_par.mesh import ParallelMesh
 from lightning_par.pipeline.apply import PipelineSplit, TiedGradients
 from lightning_par.pipeline.metrics import PipelineMetrics
 from lightning_par.pipeline.runtime import PipelineRuntime
+from lightning_par.zero.autograd_state import tensors_in
 from lightning_par.zero.engine import Engine
 
 LossFn = Callable[[Any, Any], Any]  # (last layer's output, micro-batch) -> tensor or mapping
@@ -74,12 +74,13 @@ def stage_random_state(device: torch.device) -> Iterator[None]:
     with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
         torch.random.default_generator.manual_seed(seed)
         if devices:
-            torch.cuda.manual_seed(seed)  # the current device, which fork_rng restores
+            with torch.cuda.device(device):  # this rank's device, the one fork_rng restores
+                torch.cuda.manual_seed(seed)
         yield
 
 
 def _check_sizes(batch: Any, m: int) -> None:
-    sizes = [int(t.shape[0]) for t in batch_tensors(batch) if t.dim() > 0]
+    sizes = [int(t.shape[0]) for t in tensors_in(batch) if t.dim() > 0]
     if not sizes:
         return
     small, large = min(sizes), max(sizes)
@@ -138,7 +139,7 @@ def _like(mapping: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
 
 def _samples(micro: Any) -> int | None:
     """The leading size of the first tensor of at least one dimension in a micro-batch (None without)."""
-    return next((int(t.shape[0]) for t in batch_tensors(micro) if t.dim() > 0), None)
+    return next((int(t.shape[0]) for t in tensors_in(micro) if t.dim() > 0), None)
 
 
 def micro_weights(micro: list[Any]) -> list[float]:

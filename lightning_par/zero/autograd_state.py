@@ -34,9 +34,10 @@ def in_reentrant_recompute() -> bool:
 
 
 def tensors_in(value: Any) -> list[Tensor]:
-    """The tensors in ``value``, looking into lists, tuples, mappings and dataclasses (a unit whose module
-    returns a dataclass or a ``UserDict``: before, its outputs' tensors went unseen, no hook re-gathered
-    the unit for backward, and torch failed on its freed storage)."""
+    """The tensors in ``value``, in order, looking into lists, tuples, mappings and dataclasses: a unit's
+    outputs (a module returning a dataclass or a ``UserDict``: before, its tensors went unseen, no hook
+    re-gathered the unit for backward, and torch failed on its freed storage) and a batch's (Hugging
+    Face's ``BatchEncoding``, a ``UserDict`` torch's pytree takes for a leaf)."""
     if isinstance(value, Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
