@@ -205,6 +205,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             start_method=start_method,
             zero3_units=zero3_units,
             reshard_after_forward=reshard_after_forward,
+            prefetch=prefetch,
             sequence_parallel=sequence_parallel,
         )
         check_comm_hook(

@@ -38,6 +38,7 @@ def check_options(
     start_method: StartMethod,
     zero3_units: object = None,
     reshard_after_forward: bool | None = None,
+    prefetch: bool = True,
     sequence_parallel: bool = False,
 ) -> int | None:
     """Raise a ``ValueError`` for the first bad option; return ``num_microbatches`` (``2 p`` by default
@@ -87,7 +88,14 @@ def check_options(
         raise ValueError(f"reduce_op must be 'auto', 'all_reduce' or 'reduce_scatter', got {reduce_op!r}.")
     if start_method not in _START_METHODS:
         raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}.")
-    _check_stage3_options(zero_stage, zero3_units=zero3_units, reshard_after_forward=reshard_after_forward)
+    _check_stage3_options(
+        zero_stage, zero3_units=zero3_units, reshard_after_forward=reshard_after_forward, prefetch=prefetch
+    )
+    if grad_sync is not None and zero_stage == 3:
+        raise ValueError(
+            f"grad_sync={grad_sync!r} applies at zero_stage 1/2 only: stage 3 reduce-scatters each unit's"
+            " gradients as its backward ends. Leave grad_sync unset (None / null) at stage 3."
+        )
     if sequence_parallel and tensor_parallel_size == 1:
         raise ValueError(
             "sequence_parallel=True splits the activations over a tensor-parallel group, but"
@@ -96,7 +104,9 @@ def check_options(
     return num_microbatches
 
 
-def _check_stage3_options(zero_stage: int, *, zero3_units: object, reshard_after_forward: object) -> None:
+def _check_stage3_options(
+    zero_stage: int, *, zero3_units: object, reshard_after_forward: object, prefetch: object
+) -> None:
     """The unit options shape stage 3 only: below it they would be accepted and do nothing, so a run that
     meant to shard by those units would silently replicate the parameters (as ``gather_dtype``)."""
     rules = [zero3_units] if isinstance(zero3_units, str | type) else zero3_units
@@ -113,12 +123,13 @@ def _check_stage3_options(zero_stage: int, *, zero3_units: object, reshard_after
         name
         for name, value in (("zero3_units", zero3_units), ("reshard_after_forward", reshard_after_forward))
         if value is not None
-    ]
+    ] + (["prefetch=False"] if prefetch is False else [])
     if given and zero_stage != 3:
         raise ValueError(
-            f"{' and '.join(given)} shape ZeRO-3 units and apply at zero_stage=3 only, but zero_stage="
-            f"{zero_stage}: use zero_stage=3, or leave {' and '.join(given)} unset (None / null in a config,"
-            " e.g. when a sweep varies zero_stage)."
+            f"{' and '.join(given)}: ZeRO-3 unit options, which apply at zero_stage=3 only, but zero_stage="
+            f"{zero_stage}. Use zero_stage=3, or leave them at their defaults (zero3_units and"
+            " reshard_after_forward None, prefetch True; null / true in a config, e.g. when a sweep varies"
+            " zero_stage)."
         )
 
 

@@ -183,10 +183,14 @@ def test_registered_names_and_bad_options() -> None:
 
     for front in (HybridParallelStrategy, FabricStrategy):
         for stage in (0, 1, 2):
-            with pytest.raises(ValueError, match=rf"zero3_units shape ZeRO-3 units .* zero_stage={stage}"):
+            with pytest.raises(ValueError, match=rf"zero3_units: ZeRO-3 unit options, .* zero_stage={stage}"):
                 front(zero_stage=stage, zero3_units=["blocks.*"])
-        with pytest.raises(ValueError, match=r"reshard_after_forward .* leave reshard_after_forward unset"):
+        with pytest.raises(ValueError, match=r"reshard_after_forward: ZeRO-3 unit options.*their defaults"):
             front(zero_stage=2, reshard_after_forward=False)
+        with pytest.raises(ValueError, match=r"prefetch=False: ZeRO-3 unit options"):
+            front(zero_stage=1, prefetch=False)  # accepted before, and did nothing
+        with pytest.raises(ValueError, match=r"grad_sync='boundary' applies at zero_stage 1/2 only"):
+            front(zero_stage=3, grad_sync="boundary")  # accepted before, and did nothing
         with pytest.raises(ValueError, match=r"zero3_units must be module classes or strings"):
             front(zero_stage=3, zero3_units={"blocks": 1})  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=r"reshard_after_forward must be True, False or None"):

@@ -163,6 +163,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             start_method=start_method,
             zero3_units=zero3_units,
             reshard_after_forward=reshard_after_forward,
+            prefetch=prefetch,
             sequence_parallel=sequence_parallel,
         )
         if pipeline_layers is not None and not callable(pipeline_layers):
