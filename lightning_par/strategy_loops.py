@@ -62,23 +62,17 @@ class StrategyLoops(ZeroCheckpointIO):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        if self._batches is not None:
-            self._batches.expect("validation")
-        self._start_eval_join("validation")
+        self._start_eval_loop("validation")
 
     @override
     def on_test_start(self) -> None:
         super().on_test_start()
-        if self._batches is not None:
-            self._batches.expect("test")
-        self._start_eval_join("test")
+        self._start_eval_loop("test")
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
-        if self._batches is not None:
-            self._batches.expect("predict")
-        self._start_eval_join("predict")
+        self._start_eval_loop("predict")
 
     @override
     def on_validation_end(self) -> None:
@@ -106,9 +100,13 @@ class StrategyLoops(ZeroCheckpointIO):
             )
         return super().process_dataloader(dataloader)
 
-    def _start_eval_join(self, loop_name: str) -> None:
-        """Compare the dp ranks' batch counts of the loop starting now (:mod:`lightning_par.eval_join`):
-        at ZeRO-3 uneven counts are joined; under a pipeline its dp token mean is left out."""
+    def _start_eval_loop(self, loop_name: str) -> None:
+        """The evaluation loop starting now: its first batch awaited by the tp / pp batch agreement; under
+        a pipeline the dp ranks' last batches checked against the micro-batches; the dp ranks' batch
+        counts compared (:mod:`lightning_par.eval_join`): at ZeRO-3 uneven counts are joined, under a
+        pipeline its dp token mean is left out."""
+        if self._batches is not None:  # the loop's first batch is compared over the tp / pp groups
+            self._batches.expect(loop_name)
         self._eval_join = None
         engine = self._engine
         zero3 = isinstance(engine, Stage3Join)

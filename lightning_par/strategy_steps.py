@@ -51,7 +51,6 @@ class StrategySteps(StrategyLoops):
     _patched: list[str]  # names of the LightningModule's hooks replaced for this run
     _patched_callbacks: list[tuple[Any, list[str]]]  # and of callbacks' hooks
     _grad_reads: GradReads | None = None  # the first optimizer step's param.grad watch (grad_reads.py)
-    _window_pending: bool = False  # an optimizer stepped: gradients kept for the others (fabric/steps.py)
     _check_tp_replicas = False  # the first optimizer step compares the tp replicas' gradients (stage 0)
     before_state_write: list[Callable[[], None]]  # fences registered by snapshot writers (FlashCheckpoint)
 
@@ -122,9 +121,8 @@ class StrategySteps(StrategyLoops):
         """A backward begins a new gradient window once an optimizer has stepped: the last window's
         gradients are dropped only now, so several optimizers stepped after one backward (manual
         optimization of a model split over two optimizers) all find theirs."""
-        if self._window_pending and self._engine is not None:
+        if self._engine is not None:
             self._engine.open_window()
-        self._window_pending = False
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -197,7 +195,6 @@ class StrategySteps(StrategyLoops):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._engine is not None:  # stages 1/2: all-gather the updated parameters
             self._engine.after_step(open_window=False)  # the gradients stay for another optimizer's step
-            self._window_pending = True
         self._end_grad_reads()  # a step skipped for an fp16 overflow never reached the update
         if self._check_tp_replicas:
             self._verify_tp_replicas()

@@ -67,6 +67,9 @@ MANIFEST_VERSION = 1
 PREVIOUS_SUFFIX = ".previous"
 
 
+RANK_FILES = "optim_rank*.pt"  # every rank's file, as a glob pattern
+
+
 def rank_file(rank: int) -> str:
     return f"optim_rank{rank:05d}.pt"
 
@@ -114,7 +117,7 @@ def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
     if not p.is_dir() or (p / DCP_INDEX).is_file():
         return False
     ours = (p / META_FILE).is_file() or (p / COMPLETE_FILE).is_file()
-    return ours or next(p.glob("optim_rank*.pt"), None) is not None
+    return ours or next(p.glob(RANK_FILES), None) is not None
 
 
 # ---------------------------------------------------------------------------------------------- writing

@@ -150,7 +150,7 @@ class FabricPipeline:
         strategy = self._strategy
         scaler = strategy.precision.scaler
         self._agree("training", batch)
-        strategy.open_pending_window()
+        strategy.open_window()
         with self._context():
             engine = strategy.engine
             assert engine is not None

@@ -47,16 +47,13 @@ class FabricSteps:
     _found_inf: bool | None  # this step's fp16 verdict, once gradients are unscaled
     _pipeline: FabricPipeline | None  # under pipeline parallelism: its steps run every backward
     _grad_reads: GradReads | None = None  # the first optimizer step's param.grad watch (grad_reads.py)
-    # an optimizer stepped: the window's gradients stay for the others until the next backward
-    _window_pending: bool = False
 
-    def open_pending_window(self) -> None:
+    def open_window(self) -> None:
         """A backward (or a pipeline step) begins a new gradient window once an optimizer has stepped:
         the last window's gradients are dropped only now, so every optimizer stepped after one backward
         (a model split over two optimizers) finds its gradients (before, the first step dropped them)."""
-        if self._window_pending and self.engine is not None:
+        if self.engine is not None:
             self.engine.open_window()
-        self._window_pending = False
 
     _check_tp_replicas = False  # the first optimizer step compares the tp replicas' gradients (stage 0)
 
@@ -74,7 +71,7 @@ class FabricSteps:
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         if self._pipeline is not None:
             refuse_backward()
-        self.open_pending_window()
+        self.open_window()
         if self.engine is not None:  # its reductions end with this pass, past reentrant checkpoints'
             self.engine.watch_backward(tensor)
         if self._grad_reads is not None:
@@ -150,7 +147,6 @@ class FabricSteps:
         self._found_inf = None
         if self.engine is not None:  # the gradients stay for another optimizer until the next backward
             self.engine.after_step(open_window=False)
-            self._window_pending = True
         if isinstance(self.engine, Stage3Engine):  # until the next forward, its placeholders are refused
             self.engine.refuse_reads_between_steps(
                 "between optimizer.step() and the model's next forward (a merge of adapters, an EMA"

@@ -94,7 +94,8 @@ class ZeroEngine:
             self.sharded.after_step(open_window=open_window)
 
     def open_window(self) -> None:
-        """Stages 1/2: drop the last window's gradients (masters' and the reduced shard)."""
+        """Stages 1/2: after an update, drop the window's gradients (masters' and the reduced shard);
+        nothing before one. The front doors call it at every backward."""
         if self.sharded is not None:
             self.sharded.open_window()
 

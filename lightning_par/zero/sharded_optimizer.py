@@ -219,15 +219,22 @@ class ShardedOptimizer:
     @torch.no_grad()
     def after_step(self, *, open_window: bool = True) -> None:
         """Copy masters into the compute parameters, all-gather every bucket, and (``open_window``)
-        open a new window (:meth:`open_window`)."""
+        open a new window; without it the window stays until :meth:`open_window`."""
         self.check_untouched()
         self.absorb_param_writes()  # a skipped step (fp16 overflow) did not run the pre-hook
         self.refresh_params()
+        self._window_done = True
         if open_window:
             self.open_window()
 
+    _window_done = False  # an update has used this window's gradients
+
     def open_window(self) -> None:
-        """Drop the last window's gradients: the masters' and the reduced gradient shard."""
+        """After an update: drop the window's gradients (the masters' and the reduced gradient shard);
+        nothing before one (a later backward of the same window)."""
+        if not self._window_done:
+            return
+        self._window_done = False
         for master, _, _ in self._master_slots:
             master.grad = None
         self._grad_copy = None

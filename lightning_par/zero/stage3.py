@@ -456,20 +456,26 @@ class Stage3Engine(Stage3Reduce):
         with ``open_window`` a new gradient window (:meth:`open_window`; without it the window's
         gradients stay for another optimizer's step)."""
         self.refuse_late_writes()
-        for unit in self.units:  # what is gathered now is older than the updated shards
-            unit.fresh = False
         self.release_graph_hold()  # a graph built before the step is stale: it saw the old weights
+        self._window_done = True
         if open_window:
             self.open_window()
-        for unit in self.units:  # still gathered (a forward without backward): older than the shards
+        for unit in self.units:  # what is gathered now (a forward without backward) is older than the shards
+            unit.fresh = False
             if unit.state != "sharded" and not (self._in_step and unit is self.root):
                 self._free(unit, keep_writes=False)
         if self._in_step and self.root is not None and self.root.state != "sharded":
             self._free(self.root)  # an optimizer step inside training_step: gather the updated shards
             self._wait(self.root)
 
+    _window_done = False  # an update has used this window's gradients
+
     def open_window(self) -> None:
-        """Drop the last window's gradients: the masters' and every unit's gradient shard."""
+        """After an update: drop the window's gradients (the masters' and every unit's gradient shard);
+        nothing before one (a later backward of the same window)."""
+        if not self._window_done:
+            return
+        self._window_done = False
         for _, _, master in self._masters:
             master.grad = None
         self._grad_copies = []

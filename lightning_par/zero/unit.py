@@ -239,9 +239,8 @@ class Unit:
                         part.shard[f.shard_lo : f.shard_lo + f.numel].copy_(source)
             elif part.shard.dtype == own.dtype:
                 part.shard.copy_(own)  # bitwise equal where nothing was written
-            else:
-                compute = part.shard.to(own.dtype)
-                part.shard.copy_(torch.where(own != compute, own.to(part.shard.dtype), part.shard))
+            else:  # as ZeRO 1/2 absorb writes to their compute copy (ShardedOptimizer.absorb_param_writes)
+                torch.where(own != part.shard.to(own.dtype), own, part.shard, out=part.shard)
             part.gathered_versions = [p._version for p in part.params]
 
     def gather_stored(self, group: ProcessGroup) -> None:
