@@ -185,6 +185,14 @@ class ParallelPrecision(Precision):
         requested = self.requested_master_weights
         self.master_weights = self.low_precision and (zero_stage > 0 if requested is None else requested)
         fp32_params = not self.master_weights and self.precision in ("bf16-mixed", "16-mixed")
+        if fp32_params and self.frozen_dtype == "compute":
+            raise ValueError(
+                f"ParallelPrecision({self.precision!r}, frozen_dtype='compute') stores frozen parameters in"
+                " the compute dtype beside fp32 masters, which this run does not keep"
+                f" (zero_stage={zero_stage}, master_weights={self.master_weights}): its parameters stay fp32"
+                " under autocast and the option would do nothing. Use zero_stage >= 1 with masters, or"
+                " frozen_dtype='auto'."
+            )
         if fp32_params and self.reduce_dtype != torch.float32:
             raise ValueError(
                 f"reduce_dtype={self.reduce_dtype} with fp32 parameters ({self.precision!r} without"

@@ -86,6 +86,11 @@ def check_options(
         raise ValueError("grad_sync='every' reduces into a gradient shard: use zero_stage 1 or 2.")
     if reduce_op not in ("auto", "all_reduce", "reduce_scatter"):
         raise ValueError(f"reduce_op must be 'auto', 'all_reduce' or 'reduce_scatter', got {reduce_op!r}.")
+    if reduce_op == "reduce_scatter" and zero_stage == 0:
+        raise ValueError(
+            "reduce_op='reduce_scatter' reduces gradients into the shards of ZeRO stages 1-3; zero_stage=0"
+            " keeps whole gradients and all-reduces them. Use zero_stage >= 1, or reduce_op 'auto'."
+        )
     if start_method not in _START_METHODS:
         raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}.")
     _check_stage3_options(

@@ -7,9 +7,8 @@ the clip norms (on every rank) equal Fabric's single-device run; the ZeRO-3 run 
 activation checkpointing on (non-reentrant, transformers 5's default). The ZeRO-3 run also ``fabric.save``s a
 sharded checkpoint after step 2; it is loaded in one process at ZeRO-0 (no tensor parallelism) and the
 last step there equals the uninterrupted run. ``torch.optim.Muon`` over the sliced weight matrices is
-refused at ``setup_optimizers`` (it orthogonalises whole matrices). litgpt's GPT has no shipped plan (its
-fused ``attn.attn`` projection and the heads it reads from a shared config would need one of their own),
-so it is not covered here.
+refused at ``setup_optimizers`` (it orthogonalises whole matrices). litgpt's GPT under its own plan is in
+``tests/test_tp_litgpt.py``.
 """
 
 from __future__ import annotations

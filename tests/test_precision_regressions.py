@@ -156,7 +156,8 @@ def test_tied_copies_and_tensor_parallel_clipping_in_bf16() -> None:
 
 def test_stage0_precision_mapping() -> None:
     """Lightning's strings become ParallelPrecision at stage 0 too (fp32 parameters under autocast);
-    asking for fp32 masters at stage 0 is refused with the alternative."""
+    asking for fp32 masters at stage 0, or for frozen parameters stored beside masters the run does not
+    keep, is refused with the alternative."""
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="zero0", precision="bf16-mixed", logger=False)
     plugin = trainer.strategy.precision_plugin
     assert isinstance(plugin, ParallelPrecision) and plugin.precision == "bf16-mixed"
@@ -167,3 +168,13 @@ def test_stage0_precision_mapping() -> None:
         masters.configure(zero_stage=0, device=CPU)
     with pytest.raises(ValueError, match=r"reduce_dtype=.*fp32 parameters"):
         ParallelPrecision("bf16-mixed", reduce_dtype="bf16").configure(zero_stage=0, device=CPU)
+    # frozen parameters in the compute dtype need masters beside them: without, accepted and ignored before
+    with pytest.raises(ValueError, match=r"frozen_dtype='compute'.*zero_stage=0.*would do nothing"):
+        ParallelPrecision("16-mixed", frozen_dtype="compute").configure(zero_stage=0, device=CPU)
+    with pytest.raises(ValueError, match=r"frozen_dtype='compute'.*master_weights=False"):
+        ParallelPrecision("bf16-mixed", frozen_dtype="compute", master_weights=False).configure(
+            zero_stage=2, device=CPU
+        )
+    kept = ParallelPrecision("bf16-mixed", frozen_dtype="compute")
+    kept.configure(zero_stage=1, device=CPU)
+    assert kept.frozen_storage_dtype() == torch.bfloat16

@@ -191,6 +191,8 @@ def test_registered_names_and_bad_options() -> None:
             front(zero_stage=1, prefetch=False)  # accepted before, and did nothing
         with pytest.raises(ValueError, match=r"grad_sync='boundary' applies at zero_stage 1/2 only"):
             front(zero_stage=3, grad_sync="boundary")  # accepted before, and did nothing
+        with pytest.raises(ValueError, match=r"reduce_op='reduce_scatter' .* zero_stage=0 keeps whole"):
+            front(zero_stage=0, reduce_op="reduce_scatter")  # accepted before, and did nothing
         with pytest.raises(ValueError, match=r"zero3_units must be module classes or strings"):
             front(zero_stage=3, zero3_units={"blocks": 1})  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=r"reshard_after_forward must be True, False or None"):

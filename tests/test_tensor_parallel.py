@@ -22,6 +22,7 @@ from lightning_par.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from lightning_par.tensor_parallel import comm as tp_comm
+from lightning_par.tensor_parallel.slices import join, segments_of
 from tests.distributed import run_distributed
 from tests.third_party import LLAMA, hf_model
 
@@ -33,7 +34,7 @@ def _slice(t: Tensor, dim: int, rank: int, world: int) -> Tensor:
 
 
 def gather_full(module: nn.Module, group: Any = None) -> dict[str, Tensor]:
-    """The unsharded parameters of a tensor-parallel module (pieces concatenated along their tp dim)."""
+    """The unsharded parameters of a tensor-parallel module (pieces joined along their tp dim)."""
     out = {}
     world = dist.get_world_size(group)
     for name, p in module.named_parameters():
@@ -42,7 +43,7 @@ def gather_full(module: nn.Module, group: Any = None) -> dict[str, Tensor]:
         if dim is not None and world > 1:
             parts = [torch.empty_like(value) for _ in range(world)]
             dist.all_gather(parts, value.contiguous(), group=group)
-            value = torch.cat(parts, dim=dim)
+            value = join(parts, dim=dim, segments=segments_of(p))
         out[name] = value.clone()
     return out
 

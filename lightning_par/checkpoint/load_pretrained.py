@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from lightning_par.checkpoint.pretrained import WeightSource, match_names
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
+from lightning_par.tensor_parallel.slices import piece, segments_by_name
 from lightning_par.zero.units import REMOTE_ATTR
 
 PretrainedSource = str | os.PathLike[str] | Mapping[str, Tensor]
@@ -40,6 +41,7 @@ class PretrainedPlan:
     tp_rank: int
     tp_size: int
     dims: dict[str, int]  # tensor-parallel dimension of sharded parameters
+    segments: dict[str, list[int]]  # a fused projection's segments (tensor_parallel.slices)
 
     def value(self, name: str) -> Tensor | None:
         """The values of model parameter or buffer ``name`` for this rank (its tensor-parallel slice), or
@@ -50,6 +52,10 @@ class PretrainedPlan:
         dim = self.dims.get(name)
         if dim is None or self.tp_size == 1:
             return self.source.get(file_name)
+        if name in self.segments:  # one block of each segment: read whole, then cut
+            full = self.source.get(file_name)
+            cut = piece(full, dim=dim, rank=self.tp_rank, size=self.tp_size, segments=self.segments[name])
+            return cut.clone()
         return self.source.get_slice(file_name, dim=dim, index=self.tp_rank, parts=self.tp_size)
 
     @torch.no_grad()
@@ -159,7 +165,10 @@ def plan_pretrained(
     except BaseException:
         weights.close()
         raise
-    return PretrainedPlan(source=weights, names=names, tp_rank=tp_rank, tp_size=tp_size, dims=dims)
+    segments = segments_by_name([(n, p) for n, p in module.named_parameters() if n in dims])
+    return PretrainedPlan(
+        source=weights, names=names, tp_rank=tp_rank, tp_size=tp_size, dims=dims, segments=segments
+    )
 
 
 def load_pretrained_once(

@@ -2,8 +2,11 @@
 
 Every rank saves records in the coordinates of its *local* parameters (see
 :mod:`lightning_par.checkpoint.optimizer_state`) together with its tensor-parallel coordinates
-``{"rank": r, "size": t, "dims": {name: d}}``: parameter ``name`` is the concatenation along dimension
-``d`` of the ``t`` ranks' local pieces; parameters without a dimension are replicated over the tp group.
+``{"rank": r, "size": t, "dims": {name: d}, "segments": {name: sizes}}``: parameter ``name`` is the
+concatenation along dimension ``d`` of the ``t`` ranks' local pieces (for a fused projection listed in
+``segments``: of each segment's pieces, see :mod:`lightning_par.tensor_parallel.slices`); parameters
+without a dimension are replicated over the tp group. Checkpoints written before segments existed have
+none.
 
 :func:`globalize` turns the records of all ranks into pieces of the *full* parameters: for a sharded
 parameter, each tp rank's local tensor is assembled from its records (any dp layout) and the ``t``
@@ -23,15 +26,25 @@ from torch import Tensor, nn
 
 from lightning_par.checkpoint.optimizer_state import Pieces, cut
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
+from lightning_par.tensor_parallel.slices import join, piece, segments_by_name
 
 Record = tuple[str, int, int, dict[str, Any]]
 TPInfo = dict[str, Any]
 
 
 def tp_info(module: nn.Module, *, rank: int, size: int) -> TPInfo:
-    """This rank's tensor-parallel coordinates and the tp dimension of each sharded parameter."""
+    """This rank's tensor-parallel coordinates and the tp dimension (and segments) of each sharded
+    parameter."""
     dims = {n: int(getattr(p, TP_DIM_ATTR)) for n, p in module.named_parameters() if hasattr(p, TP_DIM_ATTR)}
-    return {"rank": rank, "size": size, "dims": dims if size > 1 else {}}
+    if size == 1:
+        return {"rank": rank, "size": size, "dims": {}, "segments": {}}
+    segments = segments_by_name([(n, p) for n, p in module.named_parameters() if n in dims])
+    return {"rank": rank, "size": size, "dims": dims, "segments": segments}
+
+
+def _segments(info: TPInfo, name: str) -> list[int] | None:
+    found: list[int] | None = info.get("segments", {}).get(name)
+    return found
 
 
 def global_shapes(module: nn.Module, info: TPInfo) -> dict[str, list[int]]:
@@ -58,11 +71,13 @@ def globalize(
     """Pieces of the full parameters from every rank's local records (see the module docstring)."""
     by_name: dict[str, dict[int, list[tuple[int, int, dict[str, Any]]]]] = {}
     dims: dict[str, tuple[int, int]] = {}
+    segments: dict[str, list[int] | None] = {}
     for info, records in records_by_rank:
         for name, lo, hi, state in records:
             by_name.setdefault(name, {}).setdefault(info["rank"], []).append((lo, hi, state))
             if name in info["dims"]:
                 dims[name] = (info["dims"][name], info["size"])
+                segments[name] = _segments(info, name)
     out: Pieces = {}
     for name, per_tp in by_name.items():
         if name not in dims:
@@ -80,7 +95,7 @@ def globalize(
         for key, value in locals_[0].items():  # type: ignore[union-attr]
             if isinstance(value, Tensor) and value.dim() > 0:
                 parts = [s[key].view(local_shape) for s in locals_]  # type: ignore[index]
-                merged[key] = torch.cat(parts, dim=dim).reshape(-1)
+                merged[key] = join(parts, dim=dim, segments=segments[name]).reshape(-1)
             else:
                 merged[key] = value
         out[name] = [(0, _numel(full_shape), merged)]
@@ -102,9 +117,15 @@ def localize(pieces: Pieces, shapes: Mapping[str, Sequence[int]], info: TPInfo) 
         local: dict[str, Any] = {}
         for key, value in full.items():
             if isinstance(value, Tensor) and value.dim() > 0:
-                local[key] = (
-                    value.view(full_shape).chunk(info["size"], dim=dim)[info["rank"]].reshape(-1).clone()
+                block = piece(
+                    value.view(full_shape),
+                    dim=dim,
+                    rank=info["rank"],
+                    size=info["size"],
+                    segments=_segments(info, name),
+                    what=name,
                 )
+                local[key] = block.reshape(-1).clone()
             else:
                 local[key] = value
         out[name] = [(0, _numel(full_shape) // info["size"], local)]
@@ -115,12 +136,19 @@ def localize_state_dict(state: Mapping[str, Any], module: nn.Module, info: TPInf
     """A full state dict cut to this rank's tensor-parallel pieces (also under tied aliases)."""
     if info["size"] == 1 or not info["dims"]:
         return dict(state)
-    dims_by_param = {id(p): info["dims"][n] for n, p in module.named_parameters() if n in info["dims"]}
+    names = {id(p): n for n, p in module.named_parameters() if n in info["dims"]}
     out = dict(state)
     for alias, p in module.named_parameters(remove_duplicate=False):
-        dim = dims_by_param.get(id(p))
-        if dim is not None and alias in state:
-            out[alias] = state[alias].chunk(info["size"], dim=dim)[info["rank"]].clone()
+        name = names.get(id(p))
+        if name is not None and alias in state:
+            out[alias] = piece(
+                state[alias],
+                dim=info["dims"][name],
+                rank=info["rank"],
+                size=info["size"],
+                segments=_segments(info, name),
+                what=alias,
+            ).clone()
     return out
 
 
@@ -130,13 +158,13 @@ def gather_tensor_parallel(
     """Full tensors from this tp group's local pieces (every rank of the group calls it, in the same
     order; one all-gather per sharded parameter)."""
     out = dict(state)
-    dims = {id(p): info["dims"][n] for n, p in module.named_parameters() if n in info["dims"]}
+    names = {id(p): n for n, p in module.named_parameters() if n in info["dims"]}
     for alias, p in module.named_parameters(remove_duplicate=False):
-        dim = dims.get(id(p))
-        if dim is None or alias not in state:
+        name = names.get(id(p))
+        if name is None or alias not in state:
             continue
         local = state[alias].contiguous()
         parts = [torch.empty_like(local) for _ in range(info["size"])]
         dist.all_gather(parts, local, group=group)
-        out[alias] = torch.cat(parts, dim=dim)
+        out[alias] = join(parts, dim=info["dims"][name], segments=_segments(info, name))
     return out

@@ -29,6 +29,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_par.pipeline.partition import Cut, cut
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
+from lightning_par.tensor_parallel.slices import SEGMENTS_ATTR
 from lightning_par.zero.units import REMOTE_ATTR
 
 NORM_SKIP_ATTR = "_lp_norm_skip"
@@ -78,8 +79,10 @@ def apply_pipeline(
                         torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
                     )
                     setattr(placeholder, REMOTE_ATTR, True)
-                    if hasattr(p, TP_DIM_ATTR):  # full shapes (checkpoints) are known on every stage
-                        setattr(placeholder, TP_DIM_ATTR, getattr(p, TP_DIM_ATTR))
+                    # full shapes (checkpoints) are known on every stage
+                    for attr in (TP_DIM_ATTR, SEGMENTS_ATTR):
+                        if hasattr(p, attr):
+                            setattr(placeholder, attr, getattr(p, attr))
                     module._parameters[name] = placeholder
     return PipelineSplit(chunks=chunks, pieces=pieces, local=local)
 

@@ -10,13 +10,8 @@ from lightning_par.tensor_parallel.layers import (
     vocab_parallel_cross_entropy,
 )
 from lightning_par.tensor_parallel.lora import is_lora_wrapper
-from lightning_par.tensor_parallel.plan import (
-    PLANS,
-    STYLES,
-    TP_STATE_ATTR,
-    apply_tensor_parallel,
-    resolve_plan,
-)
+from lightning_par.tensor_parallel.plan import TP_STATE_ATTR, apply_tensor_parallel
+from lightning_par.tensor_parallel.plans import PLANS, STYLES, resolve_plan
 
 __all__ = [
     "PLANS",

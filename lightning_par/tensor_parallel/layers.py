@@ -19,15 +19,17 @@ the sequence, and parameters used on sequence shards (norm weights, row-parallel
 partial gradients all-reduced over the group.
 
 Sharded parameters carry ``_lp_tp_dim`` (0: rows, 1: columns): the dimension along which the full
-tensor is the concatenation of the ranks' pieces, used by checkpoints and gradient norms. A layer
-converted from one on the meta device (a model built for ZeRO-3's meta init) keeps that layer, storage-
-less, as ``_lp_tp_source``: the full-size layer :mod:`lightning_par.zero.tp_init` initialises in its place
-and slices, so that the ranks' slices are parts of one matrix.
+tensor is the concatenation of the ranks' pieces, used by checkpoints and gradient norms; a fused
+projection's rows (litgpt's ``qkv``) also carry their segments (:mod:`lightning_par.tensor_parallel.slices`).
+A layer converted from one on the meta device (a model built for ZeRO-3's meta init) keeps that layer,
+storage-less, as ``_lp_tp_source``: the full-size layer :mod:`lightning_par.zero.tp_init` initialises in
+its place and slices, so that the ranks' slices are parts of one matrix.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,6 +44,7 @@ from lightning_par.tensor_parallel.comm import (
     reduce_from,
     reduce_scatter_seq,
 )
+from lightning_par.tensor_parallel.slices import SEGMENTS_ATTR, piece
 
 TP_DIM_ATTR = "_lp_tp_dim"
 SOURCE_ATTR = "_lp_tp_source"
@@ -138,8 +141,16 @@ class ColumnParallelLinear(_GroupLayer):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, *, group: ProcessGroup, name: str = "", **kw: Any
+        cls,
+        linear: nn.Linear,
+        *,
+        group: ProcessGroup,
+        name: str = "",
+        segments: Sequence[int] | None = None,
+        **kw: Any,
     ) -> ColumnParallelLinear:
+        """The column-parallel layer holding this rank's rows of ``linear``: block ``r`` of ``t``, or with
+        ``segments`` (a fused projection's full segment sizes, see :mod:`~.slices`) block ``r`` of each."""
         with torch.device(linear.weight.device):  # a meta (not yet loaded) weight gives a meta slice
             layer = cls(
                 linear.in_features,
@@ -149,15 +160,19 @@ class ColumnParallelLinear(_GroupLayer):
                 name=name,
                 **kw,
             )
-        r = dist.get_rank(group)
+        r, t = dist.get_rank(group), dist.get_world_size(group)
+
+        def rows(full: Tensor) -> Tensor:
+            return piece(full.detach(), dim=0, rank=r, size=t, segments=segments, what=name).clone()
+
         with torch.no_grad():
-            layer.weight.data = linear.weight.detach()[
-                r * layer.local_out : (r + 1) * layer.local_out
-            ].clone()
+            layer.weight.data = rows(linear.weight)
             if linear.bias is not None and layer.bias is not None:
-                layer.bias.data = linear.bias.detach()[
-                    r * layer.local_out : (r + 1) * layer.local_out
-                ].clone()
+                layer.bias.data = rows(linear.bias)
+        if segments is not None:
+            for p in (layer.weight, layer.bias):
+                if p is not None:
+                    setattr(p, SEGMENTS_ATTR, tuple(segments))
         _inherit(layer, linear)
         return layer
 

@@ -1,49 +1,11 @@
-"""Tensor-parallel plans: ``{module-name pattern: style}``, and the function that applies them.
-
-Patterns are ``fnmatch`` patterns matched against module names relative to the module the plan is
-applied to (a leading ``*.`` also matches at the top level: ``"*.attn.q_proj"`` matches ``attn.q_proj``
-and ``model.blocks.3.attn.q_proj``). Styles:
-
-================== ==================================================================================
-``colwise``        ``nn.Linear`` -> :class:`ColumnParallelLinear` (output stays sharded)
-``colwise_gather`` ``nn.Linear`` -> :class:`ColumnParallelLinear` with the output all-gathered
-``rowwise``        ``nn.Linear`` -> :class:`RowParallelLinear` (input is the column-parallel shard)
-``vocab``          ``nn.Embedding`` -> :class:`VocabParallelEmbedding`
-``region_input``   any module (the norm before a region) -> its output enters a tensor-parallel region:
-                   ``copy_to`` (one gradient all-reduce for all the column-parallel layers that read it);
-                   with SP the module runs on sequence shards and its output is all-gathered
-``sequence_output`` any module (a final norm before a replicated head) -> runs on sequence shards, its
-                   output all-gathered, the backward keeping this rank's slice (SP only: where SP ends)
-``sequence_local``  any module (a norm on the residual stream between regions) -> runs on sequence
-                   shards, its parameters' gradients summed over the group (SP only)
-``scatter_sequence`` any module -> output split along the sequence (SP only: where SP starts)
-``scatter_sequence_input`` any module -> its input split along the sequence (SP only: where SP starts,
-                   for models that compute positions and masks from the embedding's output length)
-================== ==================================================================================
-
-Styles combine with ``+`` and apply left to right (``"vocab+scatter_sequence"``).
-
-Shipped plans (``"gpt"`` for :class:`lightning_par.models.GPT`, ``"llama"`` for Llama-style decoders with
-``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, ``embed_tokens``, ``lm_head``;
-``"llama_attention"`` the same without the MLP, for mixture-of-experts decoders such as Mixtral and
-Qwen-MoE, whose experts stay replicated, no sequence parallelism) keep the
-model's outputs those of the unsharded model: full logits. With ``sequence_parallel=True`` their SP
-entries are added. Weights are sliced from the existing modules, so a seeded or pretrained model keeps
-its function; tied weights (embedding and head) stay tied when both sides shard the vocabulary alike.
-Attention modules whose projections become column-parallel get their head-count attributes divided.
-The Llama plan's SP starts at the first decoder layer's input, so it also fits Hugging Face's
-``LlamaForCausalLM``. PEFT LoRA layers (``lora.Linear``: ``base_layer`` + ``lora_A``/``lora_B``) matched by
-a linear style are sharded inside their wrapper (:mod:`lightning_par.tensor_parallel.lora`), and so are
-PEFT's ``modules_to_save`` copies. A model without the shipped plan's LM head (a classification or
-reward head, a bare ``LlamaModel``) keeps its head replicated (:func:`_fit_head`). Parameters keep their
-``requires_grad``. A model is converted once (see :func:`apply_tensor_parallel`).
+"""Apply a tensor-parallel plan (:mod:`~lightning_par.tensor_parallel.plans`: the styles and the shipped
+plans) to a model: each matched module is replaced by its sharded version, in place, after every check
+that could refuse it has passed.
 """
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping
-from typing import Literal
 
 import torch.distributed as dist
 from torch import nn
@@ -62,6 +24,12 @@ from lightning_par.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from lightning_par.tensor_parallel.litgpt_family import (
+    check_attention,
+    divide_config_heads,
+    fit_litgpt,
+    fused_segments,
+)
 from lightning_par.tensor_parallel.lora import (
     PARALLEL_TYPES,
     check_lora,
@@ -69,6 +37,7 @@ from lightning_par.tensor_parallel.lora import (
     is_lora_wrapper,
     saved_copies,
 )
+from lightning_par.tensor_parallel.plans import experts_hint, fit_head, matches, resolve_plan
 from lightning_par.tensor_parallel.regions import (
     make_region_input,
     make_scatter_sequence,
@@ -76,72 +45,6 @@ from lightning_par.tensor_parallel.regions import (
     make_sequence_output,
 )
 
-Style = Literal[
-    "colwise",
-    "colwise_gather",
-    "rowwise",
-    "vocab",
-    "region_input",
-    "sequence_output",
-    "sequence_local",
-    "scatter_sequence",
-    "scatter_sequence_input",
-]
-STYLES: tuple[str, ...] = (
-    "colwise",
-    "colwise_gather",
-    "rowwise",
-    "vocab",
-    "region_input",
-    "sequence_output",
-    "sequence_local",
-    "scatter_sequence",
-    "scatter_sequence_input",
-)
-
-GPT_PLAN: dict[str, Style] = {
-    "*.embed.tok": "vocab",
-    "*.ln_1": "region_input",
-    "*.ln_2": "region_input",
-    "*.head.norm": "region_input",
-    "*.attn.q_proj": "colwise",
-    "*.attn.k_proj": "colwise",
-    "*.attn.v_proj": "colwise",
-    "*.attn.out_proj": "rowwise",
-    "*.mlp.fc_in": "colwise",
-    "*.mlp.fc_out": "rowwise",
-    "*.head.lm_head": "colwise_gather",
-}
-GPT_SP: dict[str, str] = {"*.embed": "scatter_sequence"}
-LLAMA_PLAN: dict[str, Style] = {
-    "*.embed_tokens": "vocab",
-    "*.input_layernorm": "region_input",
-    "*.post_attention_layernorm": "region_input",
-    "*.norm": "region_input",
-    "*.self_attn.q_proj": "colwise",
-    "*.self_attn.k_proj": "colwise",
-    "*.self_attn.v_proj": "colwise",
-    "*.self_attn.o_proj": "rowwise",
-    "*.mlp.gate_proj": "colwise",
-    "*.mlp.up_proj": "colwise",
-    "*.mlp.down_proj": "rowwise",
-    "*.lm_head": "colwise_gather",
-}
-# SP starts at the first decoder layer's input, not at the embedding's output: Hugging Face's LlamaModel
-# builds position ids, rotary tables and the causal mask from the embedding output's length, which must
-# stay the full sequence (the attention sees the full sequence, gathered by input_layernorm)
-LLAMA_SP: dict[str, str] = {"*.layers.0": "scatter_sequence_input"}
-# attention and embedding sharded, the MLP replicated (a mixture of experts, whose experts no shipped plan
-# shards): its input norm is no region input, since a replicated consumer's input gradient, equal on every
-# rank, would be summed over the group (t times; measured on Mixtral: embedding gradients 0.02 apart)
-LLAMA_ATTENTION_PLAN: dict[str, Style] = {
-    k: v for k, v in LLAMA_PLAN.items() if ".mlp." not in k and k != "*.post_attention_layernorm"
-}
-PLANS: dict[str, tuple[dict[str, Style], dict[str, str]]] = {
-    "gpt": (GPT_PLAN, GPT_SP),
-    "llama": (LLAMA_PLAN, LLAMA_SP),
-    "llama_attention": (LLAMA_ATTENTION_PLAN, {}),
-}
 # set on the root module by apply_tensor_parallel: {"plan", "resolved", "size", "sequence_parallel",
 # "applied"}; a second application compares against it (the conversion is in place and not repeatable)
 TP_STATE_ATTR = "_lp_tensor_parallel"
@@ -157,69 +60,6 @@ _HEAD_ATTRS = (
     "num_key_value_heads",
     "num_kv_heads",
 )
-
-
-def resolve_plan(plan: str | Mapping[str, str], *, sequence_parallel: bool = False) -> dict[str, str]:
-    """A plan name or dict -> a checked ``{pattern: style}`` dict (SP entries added for shipped plans)."""
-    if isinstance(plan, str):
-        if plan not in PLANS:
-            raise ValueError(f"Unknown tp_plan {plan!r}; shipped plans are {sorted(PLANS)}, or pass a dict.")
-        base, sp = PLANS[plan]
-        if sequence_parallel and not sp:
-            raise ValueError(
-                f"tp_plan={plan!r} has no sequence-parallel form (its replicated MLP would need whole"
-                " sequences); use sequence_parallel=False."
-            )
-        resolved: dict[str, str] = dict(base)
-        if sequence_parallel:
-            resolved.update(sp)
-        return resolved
-    for pattern, style in plan.items():
-        for part in style.split("+"):
-            if part not in STYLES:
-                raise ValueError(
-                    f"tp_plan[{pattern!r}] = {style!r}: {part!r} is not a style; use one of {STYLES}"
-                    " (several joined by '+', e.g. 'vocab+scatter_sequence')."
-                )
-    return dict(plan)
-
-
-def _matches(name: str, pattern: str) -> bool:
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase("." + name, pattern)
-
-
-# A shipped plan's (LM head, final norm) entries: the norm is a region input for the column-parallel head
-_HEADS: dict[str, tuple[str, str]] = {
-    "llama": ("*.lm_head", "*.norm"),
-    "llama_attention": ("*.lm_head", "*.norm"),
-}
-
-
-def _fit_head(
-    resolved: dict[str, str], plan: str | Mapping[str, str], names: list[str], sp: bool
-) -> dict[str, str]:
-    """A model without the shipped plan's LM head (a sequence-classification or reward head, a bare base
-    model) keeps its head replicated, and its final norm is no region input: ``copy_to`` (or, with
-    sequence parallelism, the gather's reduce-scatter) would sum the replicated head's equal input
-    gradients over the group (``t`` times the gradient). Under SP the norm ends it: ``sequence_output``."""
-    head = _HEADS.get(plan) if isinstance(plan, str) else None
-    if head is None or any(_matches(n, head[0]) for n in names):
-        return resolved
-    fitted = {k: v for k, v in resolved.items() if k not in head}
-    if sp:
-        fitted[head[1]] = "sequence_output"
-    return fitted
-
-
-def _experts_hint(plan: str | Mapping[str, str], pattern: str, names: list[str]) -> str:
-    """For a shipped plan's MLP entry on a mixture-of-experts model: the plan to pass instead."""
-    experts = next((n for n in names if n.rsplit(".", 1)[-1] == "experts"), None)
-    if plan != "llama" or ".mlp." not in pattern or experts is None:
-        return ""
-    return (
-        f" The model's MLP is a mixture of experts ({experts!r}), which the 'llama' plan does not shard:"
-        " tp_plan='llama_attention' shards attention and embedding and keeps the MLP replicated."
-    )
 
 
 def apply_tensor_parallel(
@@ -257,14 +97,16 @@ def apply_tensor_parallel(
             tied.setdefault(id(p), []).append((name, pname))
     hit_styles: dict[str, list[str]] = {}
     names = [n for n in modules if n]
-    fitted = fit_layout(_fit_head(resolved, plan, names, sequence_parallel), plan, names, sequence_parallel)
+    fitted = fit_layout(fit_head(resolved, plan, names, sequence_parallel), plan, names, sequence_parallel)
+    if plan == "litgpt":
+        fitted = fit_litgpt(fitted, modules, sequence_parallel)
     for pattern, style in fitted.items():
-        hits = [n for n in modules if n and _matches(n, pattern)]
+        hits = [n for n in modules if n and matches(n, pattern)]
         if not hits:
             examples = [n for n in modules if n][:6]
             raise ValueError(
                 f"tp_plan pattern {pattern!r} ({style}) matches no module; module names look like {examples}."
-                + _experts_hint(plan, pattern, names)
+                + experts_hint(plan, pattern, names)
             )
         for n in hits:
             hit_styles.setdefault(n, []).append(style)
@@ -278,6 +120,7 @@ def apply_tensor_parallel(
     for name, style in targets:
         _refuse_parallel(modules[name], name)
         check_parent(modules, name, style)
+        _check_fused(modules, name, style, t)
         if is_lora_wrapper(modules[name]):
             for part in style.split("+"):
                 check_lora(modules[name], name=name, style=part)
@@ -300,8 +143,9 @@ def apply_tensor_parallel(
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         new = getattr(parent, attr)
+        segments = fused_segments(parent, attr) if t > 1 else None
         for part in style.split("+"):
-            new = _convert(new, name, part, group, sequence_parallel, in_region)
+            new = _convert(new, name, part, group, sequence_parallel, in_region, segments)
             if part in ("colwise", "colwise_gather") and t > 1:
                 # the parent of a projection (a LoRA wrapper included) is the attention module
                 _divide_heads(parent, t, name)
@@ -333,7 +177,13 @@ def _refuse_parallel(old: nn.Module, name: str) -> None:
 
 
 def _convert(
-    old: nn.Module, name: str, style: str, group: ProcessGroup, sp: bool, in_region: bool
+    old: nn.Module,
+    name: str,
+    style: str,
+    group: ProcessGroup,
+    sp: bool,
+    in_region: bool,
+    segments: list[int] | None = None,
 ) -> nn.Module:
     if style in _LINEAR_STYLES or style == "vocab":
         _refuse_parallel(old, name)
@@ -354,7 +204,12 @@ def _convert(
         if style == "rowwise":
             return RowParallelLinear.from_linear(old, group=group, name=name, sequence_parallel=sp)
         return ColumnParallelLinear.from_linear(
-            old, group=group, name=name, gather_output=style == "colwise_gather", copy_input=not in_region
+            old,
+            group=group,
+            name=name,
+            segments=segments,
+            gather_output=style == "colwise_gather",
+            copy_input=not in_region,
         )
     if style == "vocab":
         assert isinstance(old, nn.Embedding)  # _check_kind
@@ -379,6 +234,24 @@ def _check_kind(old: nn.Module, name: str, style: str) -> None:
         )
     if style in _LINEAR_STYLES or style == "vocab":
         check_forward(old, name, style)
+
+
+def _check_fused(modules: dict[str, nn.Module], name: str, style: str, t: int) -> None:
+    """A fused projection (litgpt's ``attn.qkv``, see :mod:`~.litgpt_family`): only a plain ``nn.Linear``
+    split by rows, and an attention whose heads divide by ``t``."""
+    parent_name, _, attr = name.rpartition(".")
+    parent = modules.get(parent_name)
+    if parent is None or t == 1 or fused_segments(parent, attr) is None:
+        return
+    layer = modules[name]
+    if style.split("+")[0] != "colwise" or is_lora_wrapper(layer) or saved_copies(layer) is not None:
+        raise ValueError(
+            f"tp_plan style {style!r} on {name!r}: a fused query/key/value projection is sharded only as a"
+            " plain nn.Linear with style 'colwise' (each of its query, key and value segments cut by"
+            " heads); a LoRA wrapper or another style would cut across the segments. Leave the"
+            " attention's projections out of the plan (they then stay replicated)."
+        )
+    check_attention(parent, parent_name, t)
 
 
 def _split_by_heads(targets: list[tuple[str, str]], modules: dict[str, nn.Module]) -> dict[str, set[str]]:
@@ -411,6 +284,7 @@ def _divide_heads(attention: nn.Module, t: int, name: str) -> None:
                     f" choose a head count divisible by {t}."
                 )
             setattr(attention, attr, value // t)
+    divide_config_heads(attention, t)
     attention._lp_heads_divided = True  # type: ignore[assignment]
 
 

@@ -32,7 +32,7 @@ def inherit_param_attrs(fragment: Tensor, param: nn.Parameter) -> None:
     """A master fragment carries its parameter's parallelism marks (e.g. the tensor-parallel dimension),
     so code that sees only the optimizer's tensors (global-norm clipping) can tell sharded from
     replicated pieces."""
-    for attr in ("_lp_tp_dim", "_lp_norm_skip"):
+    for attr in ("_lp_tp_dim", "_lp_tp_segments", "_lp_norm_skip"):
         if hasattr(param, attr):
             setattr(fragment, attr, getattr(param, attr))
 

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_par.tensor_parallel.layers import SOURCE_ATTR, TP_DIM_ATTR
+from lightning_par.tensor_parallel.slices import piece, segments_of
 
 
 @dataclass(frozen=True)
@@ -69,18 +70,18 @@ def sources_in_place(swaps: Sequence[Swap]) -> Iterator[None]:
 
 def slice_of(layer: nn.Module, attr: str, full: Tensor) -> Tensor:
     """This rank's part of ``full``, the whole-layer value of ``layer``'s parameter ``attr``: block
-    ``r`` of ``t`` along the parameter's tensor-parallel dimension (``r`` its rank in ``layer.group``),
-    or ``full`` itself for a replicated one. A copy, so the full tensor can be released."""
+    ``r`` of ``t`` along the parameter's tensor-parallel dimension (``r`` its rank in ``layer.group``;
+    of each segment for a fused projection), or ``full`` itself for a replicated one. A copy, so the
+    full tensor can be released."""
     param = layer._parameters[attr]
     assert param is not None
     if not hasattr(param, TP_DIM_ATTR):
         return full.clone()
     dim = int(getattr(param, TP_DIM_ATTR))
-    size = param.shape[dim]
     group = layer.group
     assert isinstance(group, ProcessGroup)
-    rank = dist.get_rank(group)
-    return full.narrow(dim, rank * size, size).clone()
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    return piece(full, dim=dim, rank=rank, size=size, segments=segments_of(param), what=attr).clone()
 
 
 def release_sources(root: nn.Module, unit: set[int]) -> None:
