@@ -20,6 +20,11 @@ subclass with its own forward. A converted model can be deep-copied (an EMA or t
 "cannot pickle 'ProcessGroup' object"): the copy computes the same logits, shares the group and owns its
 slices.
 
+Phi-3's fused projections (``qkv_proj``: query, key and value rows side by side; ``gate_up_proj``) take
+the places of the plan's separate ones, each cut by segment, and each attention gets its own config with
+half the heads: equal to the unsharded model, also with SP and with ``"llama_attention"`` (before, the
+``"llama"`` plan was refused: "'*.self_attn.q_proj' matches no module"). Odd head counts are refused.
+
 Mixtures of experts (Mixtral, Qwen3-MoE) take ``tp_plan="llama_attention"``: attention and embedding
 sharded, the experts replicated, equal to the unsharded model; the ``"llama"`` plan on Mixtral is refused
 naming it (before, only "'*.mlp.gate_proj' matches no module"; and the MLP entries dropped by hand, with
@@ -60,7 +65,12 @@ FAMILIES = {  # name: (model class, config class, sequence parallel, plan)
     # mixtures of experts: attention sharded, the experts replicated
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", False, "llama_attention"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", False, "llama_attention"),
+    # fused qkv_proj and gate_up_proj, cut by segment (tensor_parallel/fused.py)
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", False, "llama"),
+    "phi3_sp": ("Phi3ForCausalLM", "Phi3Config", True, "llama"),
+    "phi3_attention": ("Phi3ForCausalLM", "Phi3Config", False, "llama_attention"),
 }
+EXTRA: dict[str, dict[str, Any]] = {"Phi3Config": {"pad_token_id": 0}}  # its default is beyond the vocab
 
 
 def _train(model: nn.Module, ids: Tensor) -> list[float]:
@@ -80,7 +90,8 @@ def _families(rank: int, world: int) -> dict[str, Any]:
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     out: dict[str, Any] = {}
     for name, (model_class, config_class, sp, plan) in FAMILIES.items():
-        ref = hf_model(model_class, config_class, **SMALL, **(MOE if plan == "llama_attention" else {}))
+        moe = MOE if plan == "llama_attention" and "Phi3" not in model_class else {}
+        ref = hf_model(model_class, config_class, **SMALL, **moe, **EXTRA.get(config_class, {}))
         model = copy.deepcopy(ref)
         apply_tensor_parallel(model, group=group.WORLD, plan=plan, sequence_parallel=sp)
         want, got = _train(ref, ids), _train(model, ids)
@@ -140,6 +151,11 @@ def _refusals() -> dict[str, str]:
             apply_tensor_parallel(encoder, group=group.WORLD, plan=plan)
         refused[key] = str(bypassed.value)
     refused["encoder_unchanged"] = type(encoder.layers[0].linear2).__name__
+    phi3 = hf_model("Phi3ForCausalLM", "Phi3Config", **SMALL | {"num_key_value_heads": 1, "pad_token_id": 0})
+    with pytest.raises(ValueError) as heads:
+        apply_tensor_parallel(phi3, group=group.WORLD, plan="llama")
+    refused["phi3_heads"] = str(heads.value)
+    refused["phi3_unchanged"] = type(phi3.model.layers[0].self_attn.qkv_proj).__name__
     return refused
 
 
@@ -159,4 +175,6 @@ def test_llama_plans_fit_gemma_qwen3_and_mixtures_of_experts_as_the_unsharded_mo
         assert "on 'layers.0.linear" in refused["encoder_ffn"] and "fused" in refused["encoder_ffn"], refused
         assert "MultiheadAttention applies out_proj.weight itself" in refused["out_proj"], refused
         assert refused["encoder_unchanged"] == "Linear"
+        assert "num_key_value_heads=1, not divisible by tensor_parallel_size=2" in refused["phi3_heads"]
+        assert refused["phi3_unchanged"] == "Linear"
         assert got["copy"] == {"same": True, "apart": True, "group": True, "own": True}, got["copy"]

@@ -90,14 +90,30 @@ def check_parent(modules: Mapping[str, nn.Module], name: str, style: str) -> Non
             )
 
 
+# Phi-3's fused projections, for the "llama" plan's separate ones (lightning_par.tensor_parallel.fused)
+_FUSED = {
+    "self_attn.qkv_proj": ("*.self_attn.q_proj", "*.self_attn.k_proj", "*.self_attn.v_proj"),
+    "mlp.gate_up_proj": ("*.mlp.gate_proj", "*.mlp.up_proj"),
+}
+
+
 def fit_layout(
     resolved: dict[str, str], plan: str | Mapping[str, str], names: list[str], sp: bool
 ) -> dict[str, str]:
-    """For the ``"llama"`` plan on a model with ``pre_feedforward_layernorm`` (Gemma 2 / 3): that norm is
-    the MLP's region input, not ``post_attention_layernorm`` (see the module docstring)."""
-    if plan != "llama" or not any(n.rsplit(".", 1)[-1] == _PRE_FEEDFORWARD for n in names):
+    """For the ``"llama"`` plans on a model with fused projections (Phi-3's ``qkv_proj`` and
+    ``gate_up_proj``): those, column-parallel by segment, instead of the separate ones. For the ``"llama"``
+    plan on a model with ``pre_feedforward_layernorm`` (Gemma 2 / 3): that norm is the MLP's region input,
+    not ``post_attention_layernorm`` (see the module docstring)."""
+    if plan not in ("llama", "llama_attention"):
         return resolved
-    fitted = {k: v for k, v in resolved.items() if k != "*.post_attention_layernorm"}
+    fitted = dict(resolved)
+    for fused, separate in _FUSED.items():
+        if separate[0] in fitted and any(n.endswith("." + fused) for n in names):
+            fitted = {k: v for k, v in fitted.items() if k not in separate}
+            fitted[f"*.{fused}"] = "colwise"
+    if plan != "llama" or not any(n.rsplit(".", 1)[-1] == _PRE_FEEDFORWARD for n in names):
+        return fitted
+    fitted = {k: v for k, v in fitted.items() if k != "*.post_attention_layernorm"}
     fitted[f"*.{_PRE_FEEDFORWARD}"] = "region_input"
     if sp:  # the post-norms run on the row-parallel layers' sequence shards, before the residual sum
         fitted["*.post_attention_layernorm"] = "sequence_local"

@@ -1,6 +1,7 @@
 """The ``"litgpt"`` tensor-parallel plan: what litgpt's ``GPT`` needs beyond module names.
 
-litgpt's attention differs from Hugging Face's in two ways that a name-by-name plan cannot express:
+litgpt's attention needs two things a name-by-name plan cannot express (both done in
+:mod:`~lightning_par.tensor_parallel.fused`, as for Phi-3's fused projections):
 
 * **One fused projection.** ``attn.qkv`` produces the rows of all ``n_head`` query heads, then the
   ``n_query_groups`` key groups, then the value groups; the forward splits its output by those sizes. A
@@ -28,7 +29,6 @@ layers' sequence shards (``sequence_local``).
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 from collections.abc import Mapping
 from typing import Any
@@ -39,9 +39,7 @@ __all__ = [
     "LITGPT_PLAN",
     "LITGPT_SP",
     "check_attention",
-    "divide_config_heads",
     "fit_litgpt",
-    "fused_segments",
     "is_litgpt_attention",
 ]
 
@@ -119,25 +117,3 @@ def check_attention(attention: nn.Module, name: str, t: int) -> None:
             " weight, which a rank holding a slice of the heads cannot compute alone; tp_plan='litgpt'"
             " does not shard such a model. Use tensor_parallel_size=1."
         )
-
-
-def fused_segments(attention: nn.Module, child: str) -> list[int] | None:
-    """The full (query, key, value) row counts of ``attention.qkv``, or None for any other layer."""
-    if child != "qkv" or not is_litgpt_attention(attention):
-        return None
-    config: Any = attention.config
-    return [
-        config.n_head * config.head_size,
-        config.n_query_groups * config.head_size,
-        config.n_query_groups * config.head_size,
-    ]
-
-
-def divide_config_heads(attention: nn.Module, t: int) -> None:
-    """Give a litgpt attention its own config with ``1/t`` of the heads and key/value groups."""
-    if not is_litgpt_attention(attention):
-        return
-    local = copy.copy(attention.config)
-    for attr in _HEAD_COUNTS:
-        setattr(local, attr, getattr(local, attr) // t)
-    attention.config = local

@@ -19,17 +19,13 @@ from lightning_par.tensor_parallel.family import (
     scale_of,
     sum_head_local,
 )
+from lightning_par.tensor_parallel.fused import check_heads, divide_config_heads, fused_segments
 from lightning_par.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from lightning_par.tensor_parallel.litgpt_family import (
-    check_attention,
-    divide_config_heads,
-    fit_litgpt,
-    fused_segments,
-)
+from lightning_par.tensor_parallel.litgpt_family import fit_litgpt
 from lightning_par.tensor_parallel.lora import (
     PARALLEL_TYPES,
     check_lora,
@@ -237,8 +233,9 @@ def _check_kind(old: nn.Module, name: str, style: str) -> None:
 
 
 def _check_fused(modules: dict[str, nn.Module], name: str, style: str, t: int) -> None:
-    """A fused projection (litgpt's ``attn.qkv``, see :mod:`~.litgpt_family`): only a plain ``nn.Linear``
-    split by rows, and an attention whose heads divide by ``t``."""
+    """A fused projection (litgpt's ``attn.qkv``, Phi-3's ``qkv_proj`` / ``gate_up_proj``, see
+    :mod:`~.fused`): only a plain ``nn.Linear`` split by rows, and an attention whose heads divide by
+    ``t``."""
     parent_name, _, attr = name.rpartition(".")
     parent = modules.get(parent_name)
     if parent is None or t == 1 or fused_segments(parent, attr) is None:
@@ -246,12 +243,12 @@ def _check_fused(modules: dict[str, nn.Module], name: str, style: str, t: int) -
     layer = modules[name]
     if style.split("+")[0] != "colwise" or is_lora_wrapper(layer) or saved_copies(layer) is not None:
         raise ValueError(
-            f"tp_plan style {style!r} on {name!r}: a fused query/key/value projection is sharded only as a"
-            " plain nn.Linear with style 'colwise' (each of its query, key and value segments cut by"
-            " heads); a LoRA wrapper or another style would cut across the segments. Leave the"
-            " attention's projections out of the plan (they then stay replicated)."
+            f"tp_plan style {style!r} on {name!r}: a fused projection (query/key/value or gate/up) is"
+            " sharded only as a plain nn.Linear with style 'colwise' (each of its segments cut alike); a"
+            " LoRA wrapper or another style would cut across the segments. Leave the block's projections"
+            " out of the plan (they then stay replicated)."
         )
-    check_attention(parent, parent_name, t)
+    check_heads(parent, parent_name, t)
 
 
 def _split_by_heads(targets: list[tuple[str, str]], modules: dict[str, nn.Module]) -> dict[str, set[str]]:
