@@ -6,8 +6,9 @@ soft-capping, sliding-window layers, ``rope_indices``; and litgpt's LoRA and ada
 refusals name the fix (not a litgpt GPT, a subclass with its own forward, a sequence beyond
 ``max_seq_length``, a module replaced after the cut).
 Behind the pipeline protocol, a Pythia-shaped GPT at pp2 with 1F1B, a Llama-shaped one at pp2 x dp2 with
-zb and ZeRO-3, and a ``litgpt.lora.GPT`` (frozen base, LoRA in the attention) at pp2 with zb train as the
-single-process Trainer running the model's own ``forward``: per-step losses, validation loss, weights."""
+zb and ZeRO-3, a ``litgpt.lora.GPT`` (frozen base, LoRA in the attention) at pp2 with zb, and a Llama-shaped
+one at pp2 x tp2 with the ``"litgpt"`` tensor-parallel plan train as the single-process Trainer running the
+model's own ``forward``: per-step losses, validation loss, weights."""
 
 from __future__ import annotations
 
@@ -156,12 +157,19 @@ CASES = {
     "llama-zb-zero3-dp2": (4, "llama", False, dict(pipeline_schedule="zb", zero_stage=3)),
     "llama-zb-zero3-meta": (4, "llama", False, dict(pipeline_schedule="zb", zero_stage=3, pretrained="meta")),
     "lora-zb": (2, "llama", True, dict(pipeline_schedule="zb")),
+    # the "litgpt" tp plan inside each stage (fused qkv cut by segment, tensor_parallel/fused.py)
+    "llama-1f1b-tp2": (
+        4,
+        "llama",
+        False,
+        dict(pipeline_schedule="1f1b", tensor_parallel_size=2, tp_plan="litgpt"),
+    ),
 }
 
 
 def _run(rank: int, world: int, tmp: str, case: str) -> dict[str, Any]:
     _, shape, lora, kw = CASES[case]
-    dp = world // 2
+    dp = world // (2 * kw.get("tensor_parallel_size", 1))
     rec = LossRecorder()
     meta = kw.get("pretrained") == "meta"
     if meta:
