@@ -15,7 +15,7 @@ backoff 0.5; ``hysteresis=1`` backs off at the first overflow (DeepSpeed's defau
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -103,6 +103,26 @@ class DynamicLossScaler:
         if self._clean_steps >= self.growth_interval:
             self.scale *= self.growth_factor
             self._clean_steps = 0
+
+    def get_scale(self) -> float:
+        """The current scale (torch's ``GradScaler.get_scale``, which loggers call)."""
+        return self.scale
+
+    def grad_scaler_state(self) -> dict[str, Any]:
+        """This state in ``torch.amp.GradScaler.state_dict()``'s format."""
+        return {
+            "scale": self.scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": self._clean_steps,
+        }
+
+    def load_grad_scaler_state(self, state: Mapping[str, Any]) -> None:
+        """The scale and clean-step count of a ``torch.amp.GradScaler.state_dict()``."""
+        self.scale = float(state["scale"])
+        self._clean_steps = int(state.get("_growth_tracker", 0))
+        self._overflows_left = self.hysteresis
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -44,7 +44,7 @@ the strategy then neither steps the LR schedulers nor counts the step (see ``Hyb
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -64,6 +64,9 @@ from lightning_par.grad_norm import clip_grad_norm_
 from lightning_par.loss_scaler import DynamicLossScaler
 from lightning_par.pipeline.apply import NORM_SKIP_ATTR
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
+
+# where Lightning's MixedPrecision keeps its GradScaler state in a Trainer checkpoint (its class name)
+_LIGHTNING_AMP_KEY = "MixedPrecision"
 
 PrecisionMode = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 FrozenDtype = Literal["auto", "compute"]
@@ -172,10 +175,16 @@ class ParallelPrecision(Precision):
         """Low-precision parameters whose fp32 masters live in the ZeRO shards."""
         return self.low_precision and self.master_weights
 
-    def configure(self, *, zero_stage: int, device: torch.device) -> None:
+    def configure(self, *, zero_stage: int, device: torch.device, evaluating: bool = False) -> None:
         """Resolve the stage-dependent defaults (see the module docstring) and take the strategy's root
         device (autocast's device type, and where the fp16 verdict is agreed); called by the strategy at
-        setup, before ``convert_module``."""
+        setup, before ``convert_module``. ``evaluating``: a validate / test / predict run at stage 1 or 2,
+        which builds no engine and so keeps no masters: the module is converted as at stage 0 (as
+        Lightning's: ``"bf16-true"`` casts it; before, it stayed fp32 and met bf16 inputs)."""
+        self.device = torch.device(device)
+        if evaluating and zero_stage in (1, 2):
+            self.master_weights = False
+            return
         if self.requested_master_weights and zero_stage == 0 and self.low_precision:
             raise ValueError(
                 f"ParallelPrecision({self.precision!r}, master_weights=True) keeps fp32 masters in ZeRO"
@@ -198,7 +207,6 @@ class ParallelPrecision(Precision):
                 f"reduce_dtype={self.reduce_dtype} with fp32 parameters ({self.precision!r} without"
                 " masters): gradients are fp32, reduce them in fp32."
             )
-        self.device = torch.device(device)
 
     # ------------------------------------------------------------------ module and inputs
     @override
@@ -222,7 +230,10 @@ class ParallelPrecision(Precision):
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         if self.precision in ("bf16-mixed", "16-mixed"):
-            with torch.autocast(self.device_type, dtype=self.compute_dtype):
+            # no weight-cast cache, as Lightning's MixedPrecision: a step that updates the weights and
+            # runs forward again inside one training_step (manual optimization's inner loop, a GAN's two
+            # optimizers) would reuse the casts of the weights before the update (before: 0.18 off "ddp")
+            with torch.autocast(self.device_type, dtype=self.compute_dtype, cache_enabled=False):
                 yield
         elif self.precision == "bf16-true":
             # as Lightning's HalfPrecision: tensors the step creates (noise, masks, positions) are bf16 like
@@ -345,6 +356,24 @@ class ParallelPrecision(Precision):
         return {"precision": self.precision, **({"scaler": self.scaler.state_dict()} if self.scaler else {})}
 
     @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """fp16: the loss scale also under Lightning's ``MixedPrecision`` key, in torch's GradScaler format,
+        so a run resumed with ``strategy="ddp"`` continues from this scale."""
+        if self.scaler is not None:
+            checkpoint.setdefault(_LIGHTNING_AMP_KEY, self.scaler.grad_scaler_state())
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """fp16: a checkpoint written under Lightning's ``MixedPrecision`` (a ``"ddp"`` run) gives its
+        GradScaler's scale and growth count (before, they were dropped and the scale restarted); our own
+        entry, when present, is loaded after this and wins."""
+        if self.scaler is None or type(self).__qualname__ in checkpoint:
+            return
+        amp = checkpoint.get(_LIGHTNING_AMP_KEY)
+        if isinstance(amp, Mapping) and "scale" in amp:
+            self.scaler.load_grad_scaler_state(amp)
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and "scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["scaler"])
@@ -390,6 +419,21 @@ def cast_frozen(module: nn.Module, dtype: torch.dtype | None) -> None:
             p.data = p.data.to(dtype)
 
 
+def scaler_options(plugin: Any) -> dict[str, Any] | None:
+    """The loss-scale settings of a Lightning / Fabric ``MixedPrecision("16-mixed")``'s own GradScaler
+    (``init_scale``, growth, backoff, interval), for ours; None without one. Before, a user's
+    ``GradScaler(init_scale=128, growth_interval=1)`` was replaced by the defaults, silently."""
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return {
+        "init_scale": float(scaler.get_scale()),
+        "growth_factor": float(scaler.get_growth_factor()),
+        "backoff_factor": float(scaler.get_backoff_factor()),
+        "growth_interval": int(scaler.get_growth_interval()),
+    }
+
+
 def convert_precision_plugin(plugin: Precision | None, *, zero_stage: int) -> Precision | None:
     """Map Lightning's precision plugins onto ours (the way Lightning's FSDP strategy enforces its own).
 
@@ -405,7 +449,7 @@ def convert_precision_plugin(plugin: Precision | None, *, zero_stage: int) -> Pr
     if type(plugin) is Precision:  # Lightning's "32-true"
         return ParallelPrecision("32-true")
     if type(plugin) is MixedPrecision and plugin.precision in ("bf16-mixed", "16-mixed"):
-        return ParallelPrecision(plugin.precision)
+        return ParallelPrecision(plugin.precision, loss_scale=scaler_options(plugin))
     if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
         return ParallelPrecision("bf16-true")
     if zero_stage == 0:

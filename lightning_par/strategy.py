@@ -274,7 +274,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         assert self.accelerator is not None
         assert self.model is not None and self.lightning_module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self._configure_precision()
+        self._configure_precision(fitting=fitting)
         if fitting:  # callbacks that cannot serve this layout are refused before anything is built
             check_fit_setup(
                 trainer,

@@ -38,12 +38,12 @@ class StrategyPrecision(ZeroCheckpointIO):
     def precision_plugin(self, plugin: Precision | None) -> None:
         self._precision_plugin = convert_precision_plugin(plugin, zero_stage=self.zero_stage)
 
-    def _configure_precision(self) -> None:
+    def _configure_precision(self, *, fitting: bool) -> None:
         """One precision path at every stage: ours resolves its stage-dependent defaults; a plugin that is
         not ours (kept only at stage 0) is refused where its clip norm would be a rank's local one."""
         plugin = self.precision_plugin
         if isinstance(plugin, ParallelPrecision):
-            plugin.configure(zero_stage=self.zero_stage, device=self.root_device)
+            plugin.configure(zero_stage=self.zero_stage, device=self.root_device, evaluating=not fitting)
             return
         if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
             raise ValueError(

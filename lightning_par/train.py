@@ -189,7 +189,29 @@ def build(cfg: DictConfig) -> TrainingRun:
         )
     except Exception as exc:
         raise ConfigError("trainer", _describe(exc)) from exc
+    _check_layout(strategy, model, world_size=trainer.world_size)
     return TrainingRun(datamodule=datamodule, model=model, trainer=trainer)
+
+
+def _check_layout(strategy: Any, model: pl.LightningModule, *, world_size: int) -> None:
+    """The strategy's layout against the Trainer's process count and the model, before any process is
+    started (the strategy itself finds these only at setup, on every rank, with tracebacks)."""
+    from lightning_par.mesh import MeshLayout
+    from lightning_par.strategy import HybridParallelStrategy
+
+    if not isinstance(strategy, HybridParallelStrategy):
+        return
+    tp, pp = strategy.tensor_parallel_size, strategy.pipeline_parallel_size
+    try:
+        MeshLayout(world_size=world_size, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    except ValueError as exc:
+        raise ConfigError("strategy", _describe(exc)) from exc
+    if tp > 1 and strategy.tp_plan is None and getattr(model, "tp_plan", None) is None:
+        raise ConfigError(
+            "strategy",
+            f"tensor_parallel_size={tp} needs a plan: set strategy.tp_plan (e.g. gpt or llama) or give the"
+            " model a tp_plan attribute.",
+        )
 
 
 def _write_metrics(path: Path, trainer: pl.Trainer, wall_time_s: float) -> dict[str, float]:

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -43,6 +44,7 @@ from lightning_par.train import (
     SWEEP_DIR_ENV,
     ConfigError,
     TrainingRun,
+    _check_layout,
     build,
     find_config_dir,
     instantiate_named,
@@ -231,6 +233,20 @@ def test_pipeline_cut_from_the_command_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         build(compose_config(tmp_path, *overrides, "strategy.partition_method=[1,1,2]"))
     assert info.value.group == "strategy" and "gives 3 layer counts for 2 stages" in info.value.message
+
+
+def test_layout_checked_before_any_process_starts(tmp_path: Path) -> None:
+    """A layout the process count cannot hold, or tensor parallelism without a plan, is refused at build
+    time with the strategy group named (before, only after the ranks were launched: a traceback on each
+    rank, exit status 1). The shipped GPT module carries its plan, so tp alone is enough."""
+    with pytest.raises(ConfigError) as info:
+        build(compose_config(tmp_path, "strategy=hybrid", "strategy.tensor_parallel_size=3"))
+    assert info.value.group == "strategy" and "Impossible parallel layout" in info.value.message
+    run = build(compose_config(tmp_path, "strategy=hybrid", "strategy.tensor_parallel_size=2"))
+    assert run.model.tp_plan == "gpt" and run.trainer.strategy.tensor_parallel_size == 2  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError) as info:
+        _check_layout(HybridParallelStrategy(tensor_parallel_size=2), pl.LightningModule(), world_size=2)
+    assert info.value.group == "strategy" and "needs a plan: set strategy.tp_plan" in info.value.message
 
 
 def test_bad_value_names_its_group(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ configure_model()", where it was built). With ``meta_init=False`` both equal ``"
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -121,8 +122,11 @@ def _job(rank: int, world: int) -> dict[str, Any]:
         start = StartState()
         trainer = cpu_trainer(strategy, max_steps=4, callbacks=[start])
         module = Tied(tie)
-        trainer.fit(module, _loader())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, _loader())
         ours = final_state(module, strategy)
+        out[f"{tie}/warned"] = [str(w.message) for w in caught if "meta init draws" in str(w.message)]
         reference = Tied(tie)
         reference.configure_model()
         reference.load_state_dict(start.state)
@@ -138,7 +142,10 @@ def _job(rank: int, world: int) -> dict[str, Any]:
             strategy.destroy_process_groups()
         strategy = HybridParallelStrategy(zero_stage=3, meta_init=False)
         module = Parametrized(kind, build_now=False)
-        cpu_trainer(strategy, max_steps=4).fit(module, _loader())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cpu_trainer(strategy, max_steps=4).fit(module, _loader())
+        out[f"{kind}/warned"] = [str(w.message) for w in caught if "meta init draws" in str(w.message)]
         reference = Parametrized(kind, build_now=True)
         cpu_trainer("ddp", max_steps=4).fit(reference, _loader())
         out[kind] = {"ours": final_state(module, strategy), "ddp": reference.state_dict()}
@@ -162,6 +169,9 @@ def test_weights_tied_across_units_under_meta_init_equal_ddp(results: dict[str, 
         assert torch.equal(ours[f"{a}.weight"], ours[f"{b}.weight"]), tie
         assert (ddp["out.weight"] - start["out.weight"]).abs().max() > 1e-3, tie  # the reference trained
         assert_close(ours, ddp, msg=tie)
+        # drawn by module path, not from the global generator: said once, naming the way to ddp's model
+        (warned,) = out[f"{tie}/warned"]
+        assert "differ from the model a non-sharded run" in warned and "meta_init=False" in warned, warned
 
 
 def test_parametrizations_under_meta_init_are_refused_naming_the_fix_which_equals_ddp(
@@ -172,3 +182,4 @@ def test_parametrizations_under_meta_init_are_refused_naming_the_fix_which_equal
         message = out[f"{kind}/refused"]
         assert message is not None and what in message and "meta_init=False" in message, (kind, message)
         assert_close(out[kind]["ours"], out[kind]["ddp"], msg=kind)
+        assert out[f"{kind}/warned"] == [], out[f"{kind}/warned"]  # meta_init=False: the user's model

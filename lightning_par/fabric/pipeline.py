@@ -154,7 +154,7 @@ class FabricPipeline:
         with self._context():
             engine = strategy.engine
             assert engine is not None
-            strategy._found_inf = None  # new gradients: the next clip or step unscales them
+            strategy._found_inf.clear()  # new gradients: the next clip or step unscales them
             result = self._steps.train(
                 batch,
                 loss_fn=loss_fn,

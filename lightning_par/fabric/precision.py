@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
-from lightning_par.precision import PRECISION_MODES, ParallelPrecision
+from lightning_par.precision import PRECISION_MODES, ParallelPrecision, scaler_options
 
 
 def to_parallel_precision(plugin: Precision) -> ParallelPrecision:
@@ -20,7 +20,7 @@ def to_parallel_precision(plugin: Precision) -> ParallelPrecision:
     if type(plugin) is Precision:  # Fabric's "32-true"
         return ParallelPrecision("32-true")
     if type(plugin) is MixedPrecision and plugin.precision in ("bf16-mixed", "16-mixed"):
-        return ParallelPrecision(plugin.precision)
+        return ParallelPrecision(plugin.precision, loss_scale=scaler_options(plugin))
     if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
         return ParallelPrecision("bf16-true")
     raise ValueError(

@@ -18,9 +18,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_par.compose import ComposeOptions, Composition, compose
 from lightning_par.pipeline.steps import layers_of
+from lightning_par.precision import ParallelPrecision
 
 if TYPE_CHECKING:
     from lightning_par.fabric.strategy import HybridParallelStrategy
@@ -116,3 +118,24 @@ def complete_stage_groups(optimizers: list[Optimizer], module: nn.Module, *, pp_
             if missing:
                 params = [*group["params"], *(by_name[n] for n in missing)]
                 group["params"] = sorted(params, key=lambda p: order.get(names.get(id(p), ""), len(order)))
+
+
+def refuse_forward_before_optimizers(
+    module: nn.Module, *, zero_stage: int, precision: ParallelPrecision
+) -> RemovableHandle | None:
+    """``"bf16-true"`` at stage 1/2 with masters: the module stays fp32 until ``setup_optimizers`` takes
+    the fp32 masters from it and casts the compute copy, while inputs are cast to bf16 from the start. A
+    forward in between is refused with the fix (before: torch's "mat1 and mat2 must have the same
+    dtype"); the handle is removed at ``setup_optimizers``."""
+    if zero_stage not in (1, 2) or precision.precision != "bf16-true" or not precision.uses_masters:
+        return None
+
+    def refuse(_module: nn.Module, _args: Any) -> None:
+        raise RuntimeError(
+            f"precision='bf16-true' at zero_stage={zero_stage}: the model stays fp32 until"
+            " fabric.setup_optimizers() takes its fp32 master weights and casts the bf16 copy, so it"
+            " cannot run a forward before that. Set the optimizers up first (fabric.setup(model,"
+            " optimizer)); for inference alone use zero_stage=0 (or 3), where the model is bf16 at setup."
+        )
+
+    return module.register_forward_pre_hook(refuse)

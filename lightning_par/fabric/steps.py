@@ -2,8 +2,8 @@
 ``optimizer.step()`` mapped onto the engine and ``ParallelPrecision``; ``strategy.join()`` for evaluation
 loops whose ranks run different numbers of batches at ZeRO-3.
 
-One fp16 rule holds at every stage: a step's gradients are unscaled once, and the overflow verdict is
-agreed over every rank (``precision.step_groups``), at the first of ``clip_gradients`` or
+One fp16 rule holds at every stage: each optimizer's gradients are unscaled once per backward, and the
+overflow verdict is agreed over every rank (``precision.step_groups``), at the first of ``clip_gradients`` or
 ``optimizer.step()``; a skipped step is skipped on every rank, and the loss scale moves the same way
 everywhere. The clip norm is the global one: the sum over the groups that hold disjoint gradient
 pieces (``precision.grad_norm_groups``: dp from stage 1 on, tp under tensor parallelism).
@@ -44,7 +44,7 @@ class FabricSteps:
     # called first in every optimizer step: e.g. FlashSnapshots' fence, so a snapshot copy still reading
     # the weights finishes before they change (registered and removed by their owners)
     before_optimizer_step: list[Callable[[], None]]
-    _found_inf: bool | None  # this step's fp16 verdict, once gradients are unscaled
+    _found_inf: dict[int, bool]  # this window's fp16 verdict per optimizer, once its gradients are unscaled
     _pipeline: FabricPipeline | None  # under pipeline parallelism: its steps run every backward
     _grad_reads: GradReads | None = None  # the first optimizer step's param.grad watch (grad_reads.py)
 
@@ -79,21 +79,24 @@ class FabricSteps:
         scaler = self.precision.scaler
         if scaler is not None:
             tensor = scaler.scale_loss(tensor)
-        self._found_inf = None  # new gradients: the next clip or step unscales them
+        self._found_inf.clear()  # new gradients: the next clip or step unscales them
         tensor.backward(*args, **kwargs)
 
     def _unscaled(self, optimizer: Optimizer) -> bool:
-        """fp16: unscale this step's gradients once and agree on overflow over every rank; True if the
-        step must be skipped."""
+        """fp16: unscale ``optimizer``'s gradients once per window and agree on overflow over every rank;
+        True if its step must be skipped. Per optimizer, as torch's GradScaler: two optimizers clipped
+        after one backward each unscale their own gradients (before, the second one's verdict was the
+        first's, and it clipped its gradients still scaled)."""
         scaler = self.precision.scaler
         if scaler is None:
             return False
-        if self._found_inf is None:
+        key = id(optimizer)
+        if key not in self._found_inf:
             grads = [p.grad for p in self.precision.main_params(optimizer) if p.grad is not None]
-            self._found_inf = scaler.unscale_and_check(
+            self._found_inf[key] = scaler.unscale_and_check(
                 grads, groups=self.precision.step_groups, device=self.root_device
             )
-        return self._found_inf
+        return self._found_inf[key]
 
     def clip_gradients_norm(
         self,
@@ -144,7 +147,6 @@ class FabricSteps:
             output = optimizer.step(**kwargs)
             if scaler is not None:
                 scaler.update(False)
-        self._found_inf = None
         if self.engine is not None:  # the gradients stay for another optimizer until the next backward
             self.engine.after_step(open_window=False)
         if isinstance(self.engine, Stage3Engine):  # until the next forward, its placeholders are refused

@@ -59,7 +59,13 @@ from lightning_par.device_checks import check_optimizer_kernels, resolve_backend
 from lightning_par.fabric import checkpoint as fabric_checkpoint
 from lightning_par.fabric.pipeline import FabricPipeline, build_fabric_pipeline, refuse_direct_call
 from lightning_par.fabric.precision import to_parallel_precision
-from lightning_par.fabric.setup import Replaced, complete_stage_groups, compose_module, follow_replaced
+from lightning_par.fabric.setup import (
+    Replaced,
+    complete_stage_groups,
+    compose_module,
+    follow_replaced,
+    refuse_forward_before_optimizers,
+)
 from lightning_par.fabric.steps import FabricSteps
 from lightning_par.grad_reads import GradReads
 from lightning_par.mesh import ParallelMesh
@@ -220,7 +226,9 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         # module's first forward through a pre-hook (removed after it)
         self.batches: BatchAgreement | None = None
         self._first_forward: RemovableHandle | None = None
-        self._found_inf: bool | None = None  # this step's fp16 verdict, once gradients are unscaled
+        self._before_optimizers: RemovableHandle | None = None  # refuse_forward_before_optimizers
+        # this window's fp16 verdict per optimizer (by id), once its gradients are unscaled
+        self._found_inf: dict[int, bool] = {}
         self.before_optimizer_step: list[Callable[[], None]] = []
         # parameters that tensor or pipeline parallelism replaced, by their old identity: an optimizer made
         # before setup_module is pointed at the replacements (kept until the optimizers are set up)
@@ -356,6 +364,9 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         # at stage 0 the loop sees param.grad: the tp replicas' gradients are compared at the first step
         self._check_tp_replicas = self.mesh.tp_size > 1 and self.zero_stage == 0
         cast_frozen(module, self.precision.frozen_storage_dtype())
+        self._before_optimizers = refuse_forward_before_optimizers(
+            module, zero_stage=self.zero_stage, precision=self.precision
+        )
         self._metric_sync.assign(module, mesh=self.mesh, pipelined=self._pipeline is not None)
         setattr(module, SETUP_ATTR, True)
         self.module = module
@@ -426,6 +437,9 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         )
         check_optimizer_kernels(optimizers, device=self.root_device)
         self.engine.shard_optimizers(optimizers)
+        if self._before_optimizers is not None:
+            self._before_optimizers.remove()
+            self._before_optimizers = None
         _optimizers_to_device(optimizers, self.root_device)
         self.optimizers = list(optimizers)
         set_precision_groups(self.precision, self.mesh, zero_stage=self.zero_stage)

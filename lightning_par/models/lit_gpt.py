@@ -54,8 +54,12 @@ class GPTModule(pl.LightningModule):
     """Next-token training of a :class:`GPT` with AdamW and a warmup-cosine schedule.
 
     The network is built in :meth:`configure_model` (not ``__init__``) so that strategies can create it
-    under a meta-device or sharded context; :attr:`gpt` is the built network.
+    under a meta-device or sharded context; :attr:`gpt` is the built network. Its :attr:`tp_plan` is the
+    shipped ``"gpt"`` plan, which a strategy with ``tensor_parallel_size > 1`` and no ``tp_plan`` of its
+    own applies.
     """
+
+    tp_plan = "gpt"
 
     def __init__(
         self,

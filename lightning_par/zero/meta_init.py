@@ -55,6 +55,23 @@ def module_seed(seed: int, path: str) -> int:
     return int.from_bytes(digest, "little")
 
 
+def warn_drawn_init(params: Sequence[nn.Parameter], *, seed: int, group: ProcessGroup) -> None:
+    """Say once (on the group's first rank) that ZeRO-3 draws the initial values of meta ``params`` from
+    ``seed`` by module path, so they differ from what a non-sharded run draws from the caller's generator
+    (the same for every stage-3 layout with that seed); nothing is said when none is drawn."""
+    drawn = [p for p in params if p.is_meta and not getattr(p, REMOTE_ATTR, False)]
+    if not drawn or dist.get_rank(group) != 0:
+        return
+    warnings.warn(
+        f"ZeRO-3 meta init draws the initial values of {len(drawn)} parameters from seed {seed}, per module"
+        " path (every stage-3 layout with this seed gets the same model), not from your global random"
+        ' generator: they differ from the model a non-sharded run ("ddp", ZeRO 0-2, meta_init=False)'
+        " draws after the same seed_everything(). For the same initial weights pass meta_init=False, or load"
+        " them (pretrained=..., fabric.load_raw).",
+        stacklevel=2,
+    )
+
+
 def agree_seed(value: int, *, groups: Sequence[ProcessGroup], device: torch.device) -> int:
     """``value`` of the first rank of the mesh, on every rank: broadcast from the first rank of each of
     ``groups`` in turn (groups spanning the mesh's dimensions: data, tensor and pipeline parallel). The

@@ -96,7 +96,13 @@ from lightning_par.zero.autograd_state import (
 from lightning_par.zero.broadcast import broadcast_module_states
 from lightning_par.zero.grad_buckets import ReduceOp
 from lightning_par.zero.layout import Fragment
-from lightning_par.zero.meta_init import ValuesFn, agree_seed, materialize_unit, target_device
+from lightning_par.zero.meta_init import (
+    ValuesFn,
+    agree_seed,
+    materialize_unit,
+    target_device,
+    warn_drawn_init,
+)
 from lightning_par.zero.stage3_between import BetweenSteps
 from lightning_par.zero.stage3_calls import CrossUnitGuard
 from lightning_par.zero.stage3_join import mark_hf_models, unmark_hf_models
@@ -170,6 +176,8 @@ class Stage3Engine(Stage3Reduce):
             with torch.random.fork_rng(devices=[]):
                 drawn = int(torch.randint(0, 2**31 - 1, (1,)))
         self.init_seed = agree_seed(drawn, groups=(group, *seed_groups), device=self.device)
+        if values is None:  # with a source, what it lacks is drawn: the user chose to load the rest
+            warn_drawn_init([p for _, _, named in plan for _, p in named], seed=self.init_seed, group=group)
         self.units: list[Unit] = []
         for index, (name, unit_module, named) in enumerate(plan):
             self.units.append(self._shard_unit(index, name, unit_module, named, self.init_seed))
