@@ -156,6 +156,7 @@ def build_engine(
         comm_hook=compression.hook,
         comm_hook_state=compression.state,
         comm_dtype=compression.dtype,
+        device=device,
     )
 
 

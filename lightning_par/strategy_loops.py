@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.fabric.utilities.data import has_len
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from typing_extensions import override
 
@@ -32,6 +35,19 @@ from lightning_par.eval_join import (
 )
 from lightning_par.pipeline.lightning import LightningPipeline
 from lightning_par.zero.stage3_join import Stage3Join
+
+
+def _defined_by(cls: type, name: str) -> type | None:
+    return next((c for c in cls.__mro__ if name in vars(c)), None)
+
+
+def _predict_step_unserved(module: pl.LightningModule) -> bool:
+    """A ``predict_step`` of the user's own that no ``pipeline_predict`` stands for: none is defined, or
+    the step was overridden in a subclass of the class that defines it."""
+    if not is_overridden("predict_step", module):
+        return False
+    step, hook = _defined_by(type(module), "predict_step"), _defined_by(type(module), "pipeline_predict")
+    return hook is None or (step is not None and step is not hook and issubclass(step, hook))
 
 
 class StrategyLoops(ZeroCheckpointIO):
@@ -73,6 +89,16 @@ class StrategyLoops(ZeroCheckpointIO):
     def on_predict_start(self) -> None:
         super().on_predict_start()
         self._start_eval_loop("predict")
+        module = self.lightning_module
+        if module is not None and self._pipeline is not None and _predict_step_unserved(module):
+            # the schedule runs the pipeline layers, not the user's step: say so rather than return
+            # something the user's predict_step would not have (before: the last stage's raw outputs)
+            rank_zero_warn(
+                f"{type(module).__name__}.predict_step is not run under pipeline parallelism: trainer.predict"
+                " returns the last stage's outputs (the pipeline layers' output) for each batch, on every"
+                " rank. Define pipeline_predict(output, batch) for what predict should return (it runs on"
+                " the last stage, per micro-batch), or post-process the outputs after trainer.predict."
+            )
 
     @override
     def on_validation_end(self) -> None:

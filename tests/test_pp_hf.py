@@ -329,6 +329,20 @@ def test_bad_models_are_refused_with_the_fix() -> None:
         TypeError, match=r"model_type gpt2, llama, .* got Linear with model_type=None.* write"
     ):
         hf_pipeline_layers(nn.Linear(2, 2))
+    # a supported family with another head, or none (before: a bare KeyError 'lm_head' / AttributeError)
+    import transformers
+
+    llama_config = LlamaConfig(**(_DECODER | {"num_labels": 3, "pad_token_id": 0}))
+    for other in (
+        transformers.LlamaForSequenceClassification(llama_config),
+        transformers.LlamaForTokenClassification(llama_config),
+        transformers.LlamaModel(llama_config),
+        transformers.GPT2Model(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)),
+    ):
+        with pytest.raises(
+            TypeError, match=rf"builds the pieces of a causal LM .* got {type(other).__name__}\."
+        ):
+            hf_pipeline_layers(other)
     from peft import PromptTuningConfig, get_peft_model
 
     prompted = get_peft_model(build("llama"), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))

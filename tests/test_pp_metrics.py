@@ -12,6 +12,7 @@ the first step, raise the same error on every rank.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -63,6 +64,20 @@ class MetricGPT(SGDGPT):
         return result["loss"]
 
 
+class ArgmaxGPT(MetricGPT):
+    """A ``predict_step`` of its own, which a pipeline does not run: warned."""
+
+    def predict_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
+        return self(batch[0]).argmax(-1)
+
+
+class ArgmaxPipelineGPT(ArgmaxGPT):
+    """The same through the protocol: ``pipeline_predict`` runs on the last stage."""
+
+    def pipeline_predict(self, output: Tensor, batch: Any) -> Tensor:
+        return output.argmax(-1)
+
+
 class BadMetricGPT(MetricGPT):
     def pipeline_eval(self, output: Tensor, batch: Sequence[Tensor]) -> dict[str, Tensor]:
         return {"per_token": output.float().mean(-1)}  # a tensor per token, not a scalar
@@ -110,8 +125,14 @@ def _pp(rank: int, world: int, tmp: str, zero_stage: int, n: int) -> dict[str, A
     module = _module()
     val = DataLoader(Tokens(n - 24), batch_size=8)
     trainer.fit(module, DataLoader(Tokens(n), batch_size=GLOBAL, shuffle=True), val)
-    predictions = trainer.predict(module, DataLoader(Tokens(n - 24), batch_size=8))
-    full = strategy.consolidated_state_dict()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        predictions = trainer.predict(module, DataLoader(Tokens(n - 24), batch_size=8))
+        full = strategy.consolidated_state_dict()
+        # fresh modules from here on (the export above is the trained one's)
+        trainer.predict(_module(ArgmaxGPT), DataLoader(Tokens(8), batch_size=8))
+        tokens = trainer.predict(_module(ArgmaxPipelineGPT), DataLoader(Tokens(8), batch_size=8))
+    warned = [str(w.message) for w in caught if "predict_step is not run" in str(w.message)]
     bad = _module(BadMetricGPT)
     error = ""
     try:
@@ -134,6 +155,8 @@ def _pp(rank: int, world: int, tmp: str, zero_stage: int, n: int) -> dict[str, A
         "full": {k: v.clone() for k, v in full.items()},
         "error": error,
         "changed": changed,
+        "warned": warned,
+        "tokens": torch.cat(tokens),  # type: ignore[arg-type]
     }
 
 
@@ -179,6 +202,15 @@ def test_pipeline_metrics_predict_and_export_equal_the_single_process_run(
         assert "train step: the metrics changed from ['acc', 'conf'] to" in r["changed"], r["changed"]
         assert "return the same names every step" in r["changed"], r["changed"]
     assert results[0]["train"] == results[1]["train"]  # every rank logs the same numbers
+    # a predict_step of the user's own is not run by the schedule: said once (rank 0), not silently
+    (warned,) = results[0]["warned"]
+    assert "ArgmaxGPT.predict_step is not run under pipeline parallelism" in warned, warned
+    assert results[1]["warned"] == []
+    # pipeline_predict: computed on the last stage, returned on every rank, equal to the model's own step
+    with torch.no_grad():  # the same fresh module in one process, its own predict_step
+        want = _module(ArgmaxGPT).predict_step((Tokens(8).data[:, :-1],), 0)
+    for r in results:
+        assert r["tokens"].dtype == torch.int64 and torch.equal(r["tokens"], want), r["tokens"]
     full = results[0]["full"]
     assert set(full) >= {k for k in ref["state"] if not k.endswith((".cos", ".sin"))}
     for k, v in ref["state"].items():

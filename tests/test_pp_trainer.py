@@ -57,6 +57,19 @@ def _module() -> GPTModule:
     return m
 
 
+# a fine-tune that freezes the embedding (tied to the head) and the first block: with the cut [2, 2]
+# (embedding and block 0 | block 1 and head) stage 0 trains nothing
+FROZEN_PREFIXES = ("model.embed.", "model.blocks.0.")
+
+
+def _frozen_module() -> GPTModule:
+    m = _module()
+    for name, p in m.named_parameters():
+        if name.startswith(FROZEN_PREFIXES):
+            p.requires_grad_(False)
+    return m
+
+
 def _trainer(
     strategy: Any, devices: int, tmp: str, callbacks: list[pl.Callback], epochs: int = 1, **options: Any
 ) -> pl.Trainer:
@@ -87,6 +100,7 @@ def _run(
     epochs: int = 1,
     resume: str | None = None,
     save: str | None = None,
+    make: Callable[[], GPTModule] = _module,
 ) -> dict[str, Any]:
     rec, col = LossRecorder(), Collect()
     strategy = HybridParallelStrategy(**kw)
@@ -94,7 +108,7 @@ def _run(
     trainer = _trainer(strategy, world, tmp, [rec, col], epochs)
     train = DataLoader(Tokens(N), batch_size=GLOBAL // dp, shuffle=True)
     val = DataLoader(Tokens(8), batch_size=8 // dp)
-    trainer.fit(_module(), train, val, ckpt_path=resume)
+    trainer.fit(make(), train, val, ckpt_path=resume)
     if save:
         trainer.save_checkpoint(save)
     return {
@@ -267,6 +281,29 @@ def test_pipeline_at_stage0_resumes_its_own_checkpoint(tmp_path: Path) -> None:
         merged = {k: v for r in resumed for k, v in r["state"].items()}
         for k, v in ref_state.items():
             torch.testing.assert_close(merged[k], v, msg=k)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_a_stage_with_every_layer_frozen_trains_and_resumes_as_one_process(
+    zero_stage: int, tmp_path: Path
+) -> None:
+    """A fine-tune freezing every layer one stage holds. Before, ZeRO 0-2 failed at setup on that stage
+    ("GradSync got no parameters that require gradients") and its peer died in Gloo; now the stage
+    reduces and steps nothing, and the run (and its resume from a checkpoint) equals one process."""
+    ref_losses, ref_state, _ = _reference(tmp_path, epochs=2, make=_frozen_module)
+    half = len(ref_losses) // 2
+    kw = dict(pipeline_parallel_size=2, num_microbatches=4, zero_stage=zero_stage, partition_method=[2, 2])
+    ckpt = os.path.join(str(tmp_path), f"frozen{zero_stage}.ckpt")
+    saved = run_distributed(_run, 2, str(tmp_path), kw, 1, None, ckpt, _frozen_module, init_group=False)
+    torch.testing.assert_close(torch.tensor(saved[0]["losses"]), ref_losses[:half])
+    resumed = run_distributed(_run, 2, str(tmp_path), kw, 2, ckpt, None, _frozen_module, init_group=False)
+    torch.testing.assert_close(torch.tensor([r["losses"] for r in resumed]).mean(0), ref_losses[half:])
+    merged = {k: v for r in resumed for k, v in r["state"].items()}
+    start = _frozen_module().state_dict()
+    for k, v in ref_state.items():
+        torch.testing.assert_close(merged[k], v, msg=k)
+        if k.startswith(FROZEN_PREFIXES):
+            assert torch.equal(merged[k], start[k]), k  # frozen: untouched
 
 
 def test_pipeline_bad_input_is_named() -> None:

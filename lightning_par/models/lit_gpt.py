@@ -164,6 +164,11 @@ class GPTModule(pl.LightningModule):
         idx = batch if isinstance(batch, Tensor) else self.pipeline_input(batch)
         return self(idx)
 
+    def pipeline_predict(self, output: Tensor, batch: Any) -> Tensor:
+        """Under pipeline parallelism, what :meth:`predict_step` returns: the logits (the last layer's
+        output)."""
+        return output
+
     def _eval_step(self, batch: Sequence[Tensor], *, stage: str, metric: Perplexity) -> Tensor:
         logits = self(self.pipeline_input(batch))
         loss = self.pipeline_loss(logits, batch)

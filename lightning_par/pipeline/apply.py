@@ -140,6 +140,8 @@ class TiedGradients:
         for owner, attr, group in self.entries:
             param = owner._parameters[attr]
             assert param is not None
+            if not param.requires_grad:  # frozen (alike on every holder: one model, frozen before the cut)
+                continue
             grad = grad_of(param) if grad_of is not None else param.grad
             if grad is None:
                 if grad_of is not None:

@@ -118,6 +118,7 @@ def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
             " yourself: an ordered list of modules, each mapping a tensor or a flat tuple of tensors to the"
             " next one, whose chain computes the model's logits."
         )
+    _check_causal_lm(model, kind)
     if kind in GEMMA:
         _check_gemma(hf, config)
     if getattr(config, "output_router_logits", False):
@@ -155,6 +156,22 @@ def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
     ):  # a decoder that builds its masks the pre-5 way (Qwen2-MoE, StableLM)
         first.__dict__["_legacy"] = type(m).__name__
     return [first, *blocks, _Head((m, norm), (hf, head), cap)]
+
+
+def _check_causal_lm(model: nn.Module, kind: str) -> None:
+    """A supported family's other heads (sequence or token classification, a bare decoder) are refused
+    by name: the pieces end with the causal LM's head (before: a bare KeyError 'lm_head' or an
+    AttributeError on the decoder's attribute)."""
+    decoder = "transformer" if kind == "gpt2" else _PARTS.get(kind, _LLAMA_PARTS)[0]
+    head = model._modules.get("lm_head", model._modules.get("embed_out"))
+    if isinstance(model._modules.get(decoder), nn.Module) and isinstance(head, nn.Module):
+        return
+    raise TypeError(
+        f"hf_pipeline_layers builds the pieces of a causal LM (...ForCausalLM: a decoder {decoder!r} and an"
+        f" lm_head); got {type(model).__name__}. For a classification head or a bare decoder, write"
+        " pipeline_layers() yourself: the decoder's embedding and blocks as here, and a last layer that"
+        " applies the head (pooling included) to the hidden states."
+    )
 
 
 def hf_causal_lm_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> dict[str, Tensor]:

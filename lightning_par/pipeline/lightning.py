@@ -12,7 +12,11 @@ The LightningModule tells the strategy its network through three methods (the pi
   ``{"loss": loss, "acc": ..., ...}`` whose other entries are metrics, logged as ``train_acc`` (training),
   ``val_acc`` / ``test_acc`` (evaluation);
 * ``pipeline_eval(self, output, batch) -> Mapping[str, Tensor]`` (optional): more metrics for validation
-  and test, logged as ``val_<name>`` / ``test_<name>`` (see :mod:`lightning_par.pipeline.metrics`).
+  and test, logged as ``val_<name>`` / ``test_<name>`` (see :mod:`lightning_par.pipeline.metrics`);
+* ``pipeline_predict(self, output, batch) -> Tensor`` (optional): what ``predict`` returns for a
+  micro-batch (e.g. ``output.argmax(-1)``), computed on the last stage (only its result is broadcast);
+  default: the last layer's output. The module's own ``predict_step`` is not run (warned when it is
+  overridden and ``pipeline_predict`` is not).
 
 Token-exact loss (the pipeline's form of ``HybridParallelStrategy.token_normalized``): ``pipeline_loss``
 returns ``{"loss_sum": S_i, "tokens": n_i, ...}``, the summed token losses of micro-batch ``i`` and its
@@ -34,7 +38,8 @@ the protocol's methods are what runs there). Metrics are means over the micro-ba
 the last stage so every rank logs the same values. A batch that does not divide by ``m`` (a ragged last
 batch) is cut into micro-batches one sample apart, and each micro-batch's loss and metrics are weighted
 by its size, so the step still sees the batch mean; a batch smaller than ``m`` is refused with the fix.
-Prediction returns the last layer's outputs for the whole batch on every pipeline rank.
+Prediction returns the last layer's outputs (or ``pipeline_predict``'s) for the whole batch on every
+pipeline rank.
 """
 
 from __future__ import annotations
@@ -108,6 +113,12 @@ class LightningPipeline(PipelineSteps):
                 f"{type(module).__name__}.pipeline_eval must be a method (output, batch) -> dict."
             )
         self._eval_metrics = extra
+        predict = getattr(module, "pipeline_predict", None)
+        if predict is not None and not callable(predict):
+            raise TypeError(
+                f"{type(module).__name__}.pipeline_predict must be a method (output, batch) -> Tensor."
+            )
+        self._predict_fn = predict
         to_input = getattr(module, "pipeline_input", None)
         self._input_fn = to_input if callable(to_input) else None
         self._owner = f"{type(module).__name__}.pipeline_input(batch)"
@@ -146,8 +157,9 @@ class LightningPipeline(PipelineSteps):
         return result.loss.detach()
 
     def predict_step(self, batch: Any) -> Tensor:
-        """The last stage's outputs for ``batch`` (micro-batch outputs concatenated), on every rank."""
-        return self.predict(batch, input_fn=self._input_fn, owner=self._owner)
+        """The last stage's outputs for ``batch`` (micro-batch outputs concatenated, each through the
+        module's ``pipeline_predict`` when it has one), on every rank."""
+        return self.predict(batch, input_fn=self._input_fn, owner=self._owner, predict_fn=self._predict_fn)
 
     def eval_step(self, batch: Any, *, stage: str) -> Tensor:
         result: StepResult = self.evaluate(

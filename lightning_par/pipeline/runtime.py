@@ -335,19 +335,26 @@ class PipelineRuntime:
         return self._broadcast_loss(losses.mean())
 
     @torch.no_grad()
-    def predict_step(self, *, inputs: Sequence[Any] | None) -> Tensor:
-        """Forward only: the last virtual stage's outputs of all micro-batches, concatenated along dim 0
-        and broadcast, so every pipeline rank returns the same tensor (one header, read on the host once
-        per call, and one broadcast)."""
+    def predict_step(
+        self, *, inputs: Sequence[Any] | None, transform: Callable[[Any, int], Any] | None = None
+    ) -> Tensor:
+        """Forward only: the last virtual stage's outputs of all micro-batches (each passed through
+        ``transform(output, micro-batch index)`` there first, when given), concatenated along dim 0 and
+        broadcast, so every pipeline rank returns the same tensor (one header, read on the host once per
+        call, and one broadcast)."""
         outputs: list[Tensor] = []
 
         def record(out: Any, i: int) -> None:
-            if not isinstance(out, Tensor):
+            what = "the last layer"
+            if transform is not None:
+                out, what = transform(out, i), "pipeline_predict"
+            if not isinstance(out, Tensor) or out.dim() == 0:
+                got = "a 0-dim tensor" if isinstance(out, Tensor) else type(out).__name__
                 raise TypeError(
-                    "predict under pipeline parallelism needs the last layer to return a tensor, got"
-                    f" {type(out).__name__}."
+                    f"predict under pipeline parallelism needs {what} to return a tensor with the"
+                    f" micro-batch along dim 0 (the micro-batches' results are concatenated), got {got}."
                 )
-            outputs.append(out)
+            outputs.append(out.detach())
 
         self._forward_only(inputs, record)
         src = self._peer(self.last % self.p)

@@ -351,11 +351,21 @@ class PipelineSteps:
         return (pair[0] / pair[1].clamp(min=1)).float()
 
     def predict(
-        self, batch: Any, *, input_fn: InputFn | None, owner: str = "pipeline_input(batch)"
+        self,
+        batch: Any,
+        *,
+        input_fn: InputFn | None,
+        owner: str = "pipeline_input(batch)",
+        predict_fn: Callable[[Any, Any], Any] | None = None,
     ) -> Tensor:
-        """The last stage's outputs for ``batch`` (micro-batch outputs concatenated), on every rank."""
+        """The last stage's outputs for ``batch`` (micro-batch outputs concatenated), on every rank;
+        ``predict_fn(output, micro_batch)`` turns each micro-batch's output into what is returned, on the
+        last stage (the LightningModule's ``pipeline_predict``)."""
         micro = split_batch(batch, self.runtime.m)
-        return self.runtime.predict_step(inputs=self.inputs(micro, input_fn, owner=owner))
+        transform = (lambda out, i: predict_fn(out, micro[i])) if predict_fn is not None else None
+        return self.runtime.predict_step(
+            inputs=self.inputs(micro, input_fn, owner=owner), transform=transform
+        )
 
 
 def pipeline_parts(

@@ -71,8 +71,10 @@ class ZeroEngine:
     own_reads: OwnReads = field(default_factory=OwnReads)
 
     def shard_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
-        """Stages 1/2: rebuild ``optimizers`` over this rank's shard (a no-op at stage 0)."""
-        if self.stage == 0 or not optimizers:
+        """Stages 1/2: rebuild ``optimizers`` over this rank's shard (a no-op at stage 0, and where this
+        rank trains nothing: a pipeline stage whose layers are all frozen, whose optimizers hold only the
+        other stages' placeholders)."""
+        if self.stage == 0 or not optimizers or not self.sync.params:
             return
         names = {p: n for n, p in self.module.named_parameters()}
         if self.sharded is not None:  # optimizers sharded again (a new fit): the old hooks go
@@ -303,6 +305,7 @@ def apply_zero(
     comm_hook: CommHook | None = None,
     comm_hook_state: object = None,
     comm_dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
 ) -> ZeroEngine:
     """Install ZeRO ``stage`` (0, 1 or 2) on ``module`` over ``group``; see the module docstring.
 
@@ -311,7 +314,8 @@ def apply_zero(
     ``grad_dtype`` is the reduction dtype (default: the parameters' current dtype). ``comm_hook``
     replaces each bucket's all-reduce (:mod:`lightning_par.zero.comm_hooks`); with a hook, ``"auto"``
     picks the all-reduce and the window is reduced at its boundary. ``comm_dtype`` (fp16/bf16) runs every
-    gradient reduction in that dtype instead.
+    gradient reduction in that dtype instead. ``device``: the communication device, for a module with
+    nothing to train on this rank (a pipeline stage whose layers are all frozen).
     """
     if isinstance(stage, bool) or stage not in (0, 1, 2):
         raise ValueError(f"apply_zero handles stages 0, 1 and 2, got {stage!r}.")
@@ -345,6 +349,7 @@ def apply_zero(
         comm_hook=comm_hook,
         comm_hook_state=comm_hook_state,
         comm_dtype=comm_dtype,
+        device=device,
     )
     sync.attach_to(module)
     return ZeroEngine(

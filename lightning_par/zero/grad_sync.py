@@ -114,7 +114,10 @@ class GradSync(GradBuckets):
         comm_hook: CommHook | None = None,
         comm_hook_state: object = None,
         comm_dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
     ) -> None:
+        """``device``: the communication device where no parameter tells it (a rank with nothing to train:
+        a pipeline stage whose layers are all frozen reduces nothing, but joins the window's counts)."""
         if grad_sync not in ("boundary", "every"):
             raise ValueError(f"grad_sync must be 'boundary' or 'every', got {grad_sync!r}.")
         if reduce_op not in ("all_reduce", "reduce_scatter"):
@@ -144,8 +147,6 @@ class GradSync(GradBuckets):
         self._bucket_numel = bucket_numel
         # meta tensors (other pipeline stages' layers) have no gradient here
         named = [(n, p) for n, p in named_params if p.requires_grad and not p.is_meta]
-        if not named:
-            raise ValueError("GradSync got no parameters that require gradients.")
         dtypes = {p.dtype for _, p in named}
         devices = {p.device for _, p in named}
         if len(dtypes) > 1 or len(devices) > 1:
@@ -157,8 +158,8 @@ class GradSync(GradBuckets):
         named.reverse()
         self._params: list[nn.Parameter] = [p for _, p in named]
         self._names: list[str] = [n for n, _ in named]
-        self.dtype = grad_dtype or self._params[0].dtype
-        self.device = self._params[0].device
+        self.dtype = grad_dtype or (self._params[0].dtype if self._params else torch.float32)
+        self.device = self._params[0].device if self._params else (device or torch.device("cpu"))
         self._sync = True
         self._rebuild_order = rebuild_order
         self._order_pending = rebuild_order
