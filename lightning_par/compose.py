@@ -23,9 +23,11 @@ from torch.distributed import ProcessGroup
 from lightning_par.activation_checkpointing import apply_activation_checkpointing
 from lightning_par.pipeline.apply import PipelineSplit, apply_pipeline
 from lightning_par.pipeline.partition import Cut
+from lightning_par.pipeline.pieces import Piece
 from lightning_par.state_guard import guard_state_dicts
 from lightning_par.tensor_parallel import apply_tensor_parallel
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
+from lightning_par.tensor_parallel.plans import PLANS
 from lightning_par.zero.units import UnitPolicy
 
 log = logging.getLogger(__name__)
@@ -102,8 +104,9 @@ def compose(
         plan = options.tp_plan if options.tp_plan is not None else getattr(module, "tp_plan", None)
         if plan is None:
             raise ValueError(
-                f"tensor_parallel_size={options.tensor_parallel_size} needs a plan: pass tp_plan ('gpt',"
-                " 'llama' or {module pattern: style}) or give the LightningModule a tp_plan attribute."
+                f"tensor_parallel_size={options.tensor_parallel_size} needs a plan: pass tp_plan (one of"
+                f" {sorted(PLANS)}, or {{module pattern: style}}) to the strategy, or give the model (the"
+                " LightningModule, or the module given to fabric.setup) a tp_plan attribute."
             )
         assert tp_group is not None
         composition.tensor_parallel = apply_tensor_parallel(
@@ -122,8 +125,20 @@ def compose(
         )
     if options.pipeline_parallel_size > 1:
         assert layers is not None
+        built = layers()
+        if options.sequence_parallel and any(isinstance(layer, Piece) for layer in built):
+            # refused on every rank alike, before any pipeline communication (a piece that failed in its
+            # forward would leave the other stages waiting)
+            raise ValueError(
+                "sequence_parallel=True with pipeline pieces from hf_pipeline_layers or"
+                " litgpt_pipeline_layers: their blocks build the rotary tables and attention masks from"
+                " the hidden states' length, which sequence parallelism splits. Use"
+                " sequence_parallel=False (tensor parallelism itself works with these pieces), or write"
+                " pipeline_layers() whose blocks take the full length. (The model was converted to"
+                " tensor parallelism already: build it afresh for the next run.)"
+            )
         composition.pipeline = apply_pipeline(
-            layers(),
+            built,
             pp_rank=pp_rank,
             pp_size=options.pipeline_parallel_size,
             virtual_stages=options.virtual_stages,

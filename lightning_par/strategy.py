@@ -42,6 +42,7 @@ from lightning_par.pipeline.lightning import LightningPipeline, pipeline_layers_
 from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
 from lightning_par.pipeline.steps import pipeline_parts
 from lightning_par.precision import ParallelPrecision, cast_frozen
+from lightning_par.random_state import agree_random_state
 from lightning_par.strategy_env import MeshStrategy
 from lightning_par.strategy_options import PipelineSchedule, StartMethod, check_fit_setup, check_options
 from lightning_par.strategy_precision import StrategyPrecision
@@ -382,6 +383,8 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         self._setup_precision_groups()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            # the ranks of one model replica (tp, pp) start with one random state: dropout masks alike
+            agree_random_state(groups=(self.mesh.tp_group, self.mesh.pp_group), device=self.root_device)
 
     def _compose_options(self) -> ComposeOptions:
         return ComposeOptions(

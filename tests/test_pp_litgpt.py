@@ -198,3 +198,28 @@ def test_litgpt_pipeline_matches_single_process(case: str, tmp_path: Path) -> No
     world, shape, lora, _ = CASES[case]
     results = run_distributed(_run, world, str(tmp_path), case, init_group=False, timeout=400)
     assert_equals_reference(results, _reference(tmp_path, make=module_factory(shape, lora)))
+
+
+def _sequence_parallel_refused(rank: int, world: int, tmp: str) -> str:
+    strategy = HybridParallelStrategy(
+        pipeline_parallel_size=2,
+        num_microbatches=2,
+        tensor_parallel_size=2,
+        tp_plan="litgpt",
+        sequence_parallel=True,
+    )
+    trainer = _trainer(strategy, world, tmp, [])
+    with pytest.raises(ValueError) as refused:
+        trainer.fit(module_factory("llama")(), DataLoader(Tokens(N), batch_size=GLOBAL))
+    strategy.destroy_process_groups()
+    return str(refused.value)
+
+
+def test_sequence_parallelism_with_the_pieces_is_refused_at_setup(tmp_path: Path) -> None:
+    """The pieces size the rotary tables by the hidden states' length, which SP splits: refused on every
+    rank before the pipeline communicates (before, torch's "The size of tensor a (16) must match the size
+    of tensor b (8)" in the first step's rope, on the stages that got that far)."""
+    for message in run_distributed(_sequence_parallel_refused, 4, str(tmp_path), init_group=False):
+        assert (
+            "sequence_parallel=True with pipeline pieces" in message and "sequence_parallel=False" in message
+        )

@@ -9,8 +9,11 @@ and values, and the attention read the full head counts from the config every bl
   Gemma-2- (post-norms, scaled embeddings, soft-capping) and Phi-2-shaped (parallel residual sharing
   ``norm_1``, partial rotary) configs, Llama and Gemma 2 also with sequence parallelism, train 3 SGD steps
   with the unsharded model's losses and weights; generation with litgpt's KV cache gives its logits.
-* Refused before any change, naming the fix: one key/value group at tp2 (multi-query), Gemma 3's
-  ``norm_qk``, a mixture-of-experts MLP, a LoRA wrapper on the fused projection.
+* Gemma-3-shaped configs (the default ``norm_qk``: one norm of ``head_size`` over every query and key
+  head), with and without SP, equal it too: the norms' gradients are summed over the tp group.
+* Refused before any change, naming the fix: one key/value group at tp2 (multi-query), OLMo 2's
+  ``norm_qk_type="olmo2"`` (a norm over all heads), a mixture-of-experts MLP, a LoRA wrapper on the fused
+  projection.
 * Fabric at ZeRO-3 with meta init (``fabric.init_module(empty_init=True)``), 2 ranks: at tp2 the
   initial model equals the dp2 run's bitwise (each rank's rows drawn from the full fused matrix, per
   segment); both train as one process from that model; the tp2 run's sharded checkpoint resumes in one
@@ -40,7 +43,7 @@ from lightning_par.checkpoint.load_pretrained import plan_pretrained
 from lightning_par.fabric import HybridParallelStrategy
 from lightning_par.tensor_parallel.plan import apply_tensor_parallel
 from tests.distributed import run_distributed
-from tests.test_pp_litgpt import SHAPES, SMALL
+from tests.test_pp_litgpt import SHAPES, SMALL, build
 from tests.test_tensor_parallel import gather_full
 
 PHI2 = ("phi-2", dict(intermediate_size=64))
@@ -51,6 +54,9 @@ PLAN_CASES = {  # name: (litgpt config name, overrides, sequence parallel)
     "gemma2": (*SHAPES["gemma2"], False),
     "gemma2_sp": (*SHAPES["gemma2"], True),
     "phi2": (*PHI2, False),
+    # the default norm_qk: one norm of head_size over every query and key head, its gradient summed
+    "gemma3": (*SHAPES["gemma3"], False),
+    "gemma3_sp": (*SHAPES["gemma3"], True),
 }
 
 
@@ -107,11 +113,14 @@ def _plan(rank: int, world: int) -> dict[str, Any]:
     out["shared_config"] = (attention.config.n_head, model.config.n_head)
     mqa = _gpt(*SHAPES["llama"][:1], SHAPES["llama"][1] | {"n_query_groups": 1})
     out["mqa"] = _refused(mqa)
-    out["norm_qk"] = _refused(_gpt(*SHAPES["gemma3"]))
+    olmo2 = {"norm_qk": True, "norm_qk_type": "olmo2"}
+    out["norm_qk"] = _refused(_gpt(*SHAPES["llama"][:1], SHAPES["llama"][1] | olmo2))
     moe = dict(mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_intermediate_size=32)
     out["moe"] = _refused(_gpt(*SHAPES["llama"][:1], SHAPES["llama"][1] | moe))
     lora = peft.get_peft_model(_gpt(*SHAPES["llama"]), peft.LoraConfig(r=2, target_modules=["qkv"]))
     out["lora"] = _refused(lora, {"*.attn.qkv": "colwise", "*.attn.proj": "rowwise"})
+    out["litgpt_lora"] = _refused(build("llama", lora=True))  # litgpt's own LoRA layers
+    out["llama_plan"] = _refused(_gpt(*SHAPES["llama"]), "llama")
     out["pretrained"] = _pretrained(rank)
     return out
 
@@ -149,13 +158,19 @@ def test_litgpt_plan_equals_the_unsharded_model() -> None:
         assert "n_query_groups=1, not divisible by tensor_parallel_size=2" in message, message
         assert kept == "Linear"  # nothing was converted before the refusal
         message, kept = got["norm_qk"]
-        assert "norm_qk" in message and "tensor_parallel_size=1" in message and kept == "Linear", message
+        assert "norm_qk_type='olmo2'" in message and "tensor_parallel_size=1" in message, message
+        assert kept == "Linear", message
         message, kept = got["moe"]
         assert "mixture-of-experts MLP" in message and "LLaMAMoE" in message and kept == "Linear", message
         message, _ = got["lora"]
         assert "a fused projection (query/key/value or gate/up)" in message and "LoRA wrapper" in message, (
             message
         )
+        assert "target_modules without 'qkv'" in message, message
+        message, kept = got["litgpt_lora"]
+        assert "LoRAQKVLinear" in message and "litgpt.lora / litgpt.adapter models" in message, message
+        message, _ = got["llama_plan"]
+        assert "use tp_plan='litgpt'" in message, message
         loaded, saved = got["pretrained"]
         for key, value in saved.items():
             torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=f"pretrained {key}")

@@ -72,6 +72,7 @@ from lightning_par.mesh import ParallelMesh
 from lightning_par.optimizer_checks import check_layout_optimizers
 from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
 from lightning_par.precision import ParallelPrecision, cast_frozen
+from lightning_par.random_state import agree_random_state
 from lightning_par.rendezvous import launch_store
 from lightning_par.strategy_options import PipelineSchedule, check_options
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
@@ -376,6 +377,8 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
                 " torchtitan's model.init_weights(), or a weight read such as a norm or a copy)"
             )
         self.batches = BatchAgreement.of_mesh(self.mesh, device=self.root_device)
+        # the ranks of one model replica (tp, pp) start with one random state: dropout masks alike
+        agree_random_state(groups=(self.mesh.tp_group, self.mesh.pp_group), device=self.root_device)
         if self._pipeline is not None:
             self._refusal = refuse_direct_call(module)
             for loop in ("training", "evaluation", "prediction"):

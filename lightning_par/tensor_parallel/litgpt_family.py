@@ -15,9 +15,11 @@ litgpt's attention needs two things a name-by-name plan cannot express (both don
   blocks' config (which size the rotary tables and the residual stream) keep the full values.
 
 Refused at apply, before anything changes: ``n_head`` or ``n_query_groups`` not divisible by ``t``
-(multi-query attention with one key/value group would need the group replicated), ``norm_qk`` (litgpt's
-query/key norms act on all heads or on one head's size, neither of which a rank's slice of heads can
-compute alone), and a mixture-of-experts MLP (``LLaMAMoE``), whose experts no plan shards.
+(multi-query attention with one key/value group would need the group replicated), ``norm_qk_type``
+``"olmo2"`` (a norm over all heads at once, which a rank's slice of heads cannot compute), and a
+mixture-of-experts MLP (``LLaMAMoE``), whose experts no plan shards. The default ``norm_qk`` (Qwen 3,
+Gemma 3: one norm of ``head_size`` applied to every head) is kept, its gradients summed over the group
+(:func:`head_shared`).
 
 The MLP entries cover litgpt's three MLP classes (``GptNeoxMLP``: ``fc``, ``proj``; ``LLaMAMLP`` and
 ``GemmaMLP``: ``fc_1``, ``fc_2``, ``proj``); entries a model lacks are dropped, as is ``norm_2`` where the
@@ -40,6 +42,7 @@ __all__ = [
     "LITGPT_SP",
     "check_attention",
     "fit_litgpt",
+    "head_shared",
     "is_litgpt_attention",
 ]
 
@@ -111,9 +114,25 @@ def check_attention(attention: nn.Module, name: str, t: int) -> None:
                 f" tensor_parallel_size that divides both n_head ({config.n_head}) and n_query_groups"
                 f" ({config.n_query_groups})."
             )
-    if getattr(config, "norm_qk", False):
+    if getattr(config, "norm_qk", False) and getattr(config, "norm_qk_type", "default") != "default":
         raise ValueError(
-            f"{name}: litgpt's norm_qk normalises queries and keys over all heads or with one head's"
-            " weight, which a rank holding a slice of the heads cannot compute alone; tp_plan='litgpt'"
-            " does not shard such a model. Use tensor_parallel_size=1."
+            f"{name}: litgpt's norm_qk_type={config.norm_qk_type!r} normalises the queries and keys over"
+            " all heads at once, which a rank holding a slice of the heads cannot compute alone;"
+            " tp_plan='litgpt' does not shard such a model (OLMo 2). Use tensor_parallel_size=1."
         )
+
+
+def head_shared(attention: nn.Module) -> list[tuple[nn.Module, str]]:
+    """``(module, parameter name)`` of the weights a litgpt attention applies to every head alike (the
+    default ``norm_qk``: one norm of ``head_size`` over each query and key head): each rank's gradient
+    covers its heads only, so they are summed over the tensor-parallel group, as for Hugging Face's
+    per-head ``q_norm`` / ``k_norm``."""
+    config: Any = getattr(attention, "config", None)
+    if not is_litgpt_attention(attention) or not getattr(config, "norm_qk", False):
+        return []
+    return [
+        (norm, pname)
+        for norm in (attention.norm_q, attention.norm_k)
+        if isinstance(norm, nn.Module)
+        for pname, _ in norm.named_parameters(recurse=False)
+    ]

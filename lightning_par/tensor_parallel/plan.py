@@ -25,7 +25,7 @@ from lightning_par.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from lightning_par.tensor_parallel.litgpt_family import fit_litgpt
+from lightning_par.tensor_parallel.litgpt_family import fit_litgpt, head_shared
 from lightning_par.tensor_parallel.lora import (
     PARALLEL_TYPES,
     check_lora,
@@ -149,7 +149,12 @@ def apply_tensor_parallel(
         setattr(parent, attr, new)
         applied[name] = style
     if t > 1:
-        sum_head_local(head_local_params, group=group)
+        shared = [
+            found
+            for parent_name in {n.rpartition(".")[0] for n, _ in targets}
+            for found in head_shared(modules[parent_name] if parent_name else module)
+        ]
+        sum_head_local([*head_local_params, *shared], group=group)
     _retie(module, tied)
     record = {
         "plan": plan if isinstance(plan, str) else dict(plan),
@@ -223,7 +228,17 @@ def _convert(
 
 def _check_kind(old: nn.Module, name: str, style: str) -> None:
     if style in _LINEAR_STYLES and not isinstance(old, nn.Linear):
-        raise ValueError(f"tp_plan style {style!r} needs an nn.Linear, but {name!r} is {type(old).__name__}.")
+        litgpt = type(old).__module__.startswith("litgpt.")
+        raise ValueError(
+            f"tp_plan style {style!r} needs an nn.Linear, but {name!r} is {type(old).__name__}."
+            + (
+                " litgpt's own LoRA and adapter layers are not sharded by tensor parallelism: fine-tune"
+                " litgpt.lora / litgpt.adapter models with tensor_parallel_size=1 (ZeRO shards them), or put"
+                " PEFT LoRA on a plain litgpt GPT's non-fused layers (attn.proj, mlp.*)."
+                if litgpt
+                else ""
+            )
+        )
     if style == "vocab" and not isinstance(old, nn.Embedding):
         raise ValueError(
             f"tp_plan style 'vocab' needs an nn.Embedding, but {name!r} is {type(old).__name__}."
@@ -245,8 +260,9 @@ def _check_fused(modules: dict[str, nn.Module], name: str, style: str, t: int) -
         raise ValueError(
             f"tp_plan style {style!r} on {name!r}: a fused projection (query/key/value or gate/up) is"
             " sharded only as a plain nn.Linear with style 'colwise' (each of its segments cut alike); a"
-            " LoRA wrapper or another style would cut across the segments. Leave the block's projections"
-            " out of the plan (they then stay replicated)."
+            " LoRA wrapper or another style would cut across the segments. Leave it out of the adapters"
+            f" (PEFT's target_modules without {attr!r}), or the block's projections out of the plan (they"
+            " then stay replicated)."
         )
     check_heads(parent, parent_name, t)
 

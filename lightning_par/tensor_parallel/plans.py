@@ -174,7 +174,10 @@ def fit_head(
 
 
 def experts_hint(plan: str | Mapping[str, str], pattern: str, names: list[str]) -> str:
-    """For a shipped plan's MLP entry on a mixture-of-experts model: the plan to pass instead."""
+    """For a shipped plan's MLP entry on a mixture-of-experts model: the plan to pass instead; for a
+    Llama plan on a litgpt GPT: ``"litgpt"``."""
+    if isinstance(plan, str) and plan != "litgpt" and any(n.endswith(".attn.qkv") for n in names):
+        return " The model looks like litgpt's GPT (attn.qkv): use tp_plan='litgpt'."
     experts = next((n for n in names if n.rsplit(".", 1)[-1] == "experts"), None)
     if plan != "llama" or ".mlp." not in pattern or experts is None:
         return ""

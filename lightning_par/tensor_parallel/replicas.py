@@ -76,5 +76,7 @@ def mismatch_message(mismatch: list[tuple[str, float, float]], *, fabric: bool) 
         f" {len(mismatch)} such parameter(s)), so the replicas would drift apart. Something rescaled each"
         " rank's gradients by what that rank sees alone: usually torch.nn.utils.clip_grad_norm_ over the"
         " model's parameters, which measures this rank's slices only. Clip with"
-        f" {fix}, which measures the whole model."
+        f" {fix}, which measures the whole model. (Or the ranks' dropout masks differed: random numbers"
+        " drawn on some tensor-parallel ranks only, after the strategy gave them one random state at"
+        " setup; draw those from a generator of their own.)"
     )
