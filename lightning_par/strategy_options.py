@@ -187,7 +187,10 @@ def _check_finetuning(callbacks: list[object], *, zero_stage: int, pipeline_para
     raise ValueError(
         f"{type(tuning[0]).__name__} cannot be used with this layout: {reason}. Use zero_stage=0 without"
         " pipeline parallelism (there it trains the unfrozen parameters as one process would), or make the"
-        " parameters trainable before fit and hold them still with lr=0 in a param group of their own."
+        " parameters trainable before fit and hold them still with lr=0 in a param group of their own. A"
+        " callback that only freezes (it names the optimizer's tensors at every epoch start all the same):"
+        " freeze in the module instead (requires_grad_(False) in __init__ or configure_model()), which"
+        " every layout supports."
     )
 
 

@@ -10,7 +10,11 @@ saved before the first step kept the trial steps' Adam moments and step counts (
 Checked, at every stage: the trial losses, the suggested rate (on the module and in every param group),
 the param groups' keys (the finder's ``initial_lr`` gone with the restore, as under torch's
 ``load_state_dict``), the optimizer's step count and the final weights equal ``"ddp"``'s; the finder's
-checkpoint is gone.
+checkpoint is gone. The model registers its head before the body it follows (as Hugging Face models do):
+its gradients arrive in another order than registered, which the engine learns in the first trial
+backward; before, restoring the finder's checkpoint (saved before that) at ZeRO-1/2 imposed the old
+order on an optimizer that had stepped, and failed ("The ZeRO layout changed after the optimizer took a
+step").
 """
 
 from __future__ import annotations
@@ -37,10 +41,13 @@ class Regressor(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.lr = 1e-3  # the finder writes its suggestion here (update_attr=True)
-        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+        # the head registered before the body it follows, as Hugging Face models hold lm_head: the
+        # gradients arrive in another order than the registration's, and the engine learns it
+        self.head = nn.Linear(32, 1)
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.ReLU())
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.net(x)
+        return self.head(self.body(x))
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch

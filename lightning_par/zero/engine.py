@@ -139,7 +139,14 @@ class ZeroEngine:
         return self.sync.sync_enabled
 
     def freeze_order(self, names: Sequence[str]) -> None:
-        """Fix the bucket order (a checkpoint's, if it names the same parameters) before loading state."""
+        """Fix the bucket order (a checkpoint's, if it names the same parameters) before loading state. An
+        order a backward has fixed already stays: the optimizer's shards may hold state in it (a checkpoint
+        restored inside the same fit, as Lightning's learning-rate finder restores the one it saved before
+        its trial steps; before, a model whose gradients arrive in another order than its parameters are
+        registered failed there: "The ZeRO layout changed after the optimizer took a step"). The state is
+        loaded by parameter name, whatever either order."""
+        if not self.sync.order_pending:
+            return
         self.sync.set_order(names if sorted(names) == sorted(self.sync.names) else self.sync.names)
 
     @property
