@@ -55,35 +55,40 @@ def fused_segments(parent: nn.Module, child: str) -> list[int] | None:
     return None
 
 
+def _head_counts(attention: nn.Module) -> tuple[str, str] | None:
+    """The config's (query heads, key/value heads) attribute names of an attention with a fused
+    projection, or None for any other module."""
+    if is_litgpt_attention(attention):
+        return ("n_head", "n_query_groups")
+    return _HF_HEADS if _is_hf_fused_attention(attention) else None
+
+
 def check_heads(parent: nn.Module, name: str, t: int) -> None:
     """Refuse an attention with a fused projection whose head counts ``t`` does not divide (and what
     :func:`~lightning_par.tensor_parallel.litgpt_family.check_attention` refuses in litgpt's)."""
-    if is_litgpt_attention(parent):
-        check_attention(parent, name, t)
-        return
-    if not _is_hf_fused_attention(parent):
+    counts = _head_counts(parent)
+    if counts is None:
         return
     config: Any = parent.config
-    for attr in _HF_HEADS:
+    for attr in counts:
         value = getattr(config, attr)
         if value % t:
+            values = " and ".join(f"{a} ({getattr(config, a)})" for a in counts)
             raise ValueError(
                 f"{name}: the config has {attr}={value}, not divisible by tensor_parallel_size={t} (each"
-                " rank holds whole query heads and the key/value heads they read from the fused qkv_proj);"
-                " choose a tensor_parallel_size that divides num_attention_heads"
-                f" ({config.num_attention_heads}) and num_key_value_heads ({config.num_key_value_heads})."
+                " rank holds whole query heads and the key/value heads they read from the fused"
+                f" projection); choose a tensor_parallel_size that divides {values}."
             )
+    if is_litgpt_attention(parent):
+        check_attention(parent, name)
 
 
 def divide_config_heads(attention: nn.Module, t: int) -> None:
     """Give an attention with a fused projection its own config with ``1/t`` of the heads."""
-    if is_litgpt_attention(attention):
-        names: tuple[str, ...] = ("n_head", "n_query_groups")
-    elif _is_hf_fused_attention(attention):
-        names = _HF_HEADS
-    else:
+    counts = _head_counts(attention)
+    if counts is None:
         return
     local = copy.copy(attention.config)
-    for attr in names:
+    for attr in counts:
         setattr(local, attr, getattr(local, attr) // t)
     attention.config = local

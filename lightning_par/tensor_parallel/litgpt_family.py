@@ -102,18 +102,11 @@ def is_litgpt_attention(module: nn.Module) -> bool:
     )
 
 
-def check_attention(attention: nn.Module, name: str, t: int) -> None:
-    """Refuse what the sliced attention could not compute (module docstring); nothing is changed."""
+def check_attention(attention: nn.Module, name: str) -> None:
+    """Refuse a query/key norm the sliced attention could not compute (module docstring; the head counts
+    are checked with every fused attention's, :func:`~lightning_par.tensor_parallel.fused.check_heads`);
+    nothing is changed."""
     config: Any = attention.config
-    for attr in _HEAD_COUNTS:
-        value = getattr(config, attr)
-        if value % t:
-            raise ValueError(
-                f"{name}: litgpt's config has {attr}={value}, not divisible by tensor_parallel_size={t}"
-                " (each rank holds whole heads and the key/value groups they read); choose a"
-                f" tensor_parallel_size that divides both n_head ({config.n_head}) and n_query_groups"
-                f" ({config.n_query_groups})."
-            )
     if getattr(config, "norm_qk", False) and getattr(config, "norm_qk_type", "default") != "default":
         raise ValueError(
             f"{name}: litgpt's norm_qk_type={config.norm_qk_type!r} normalises the queries and keys over"
