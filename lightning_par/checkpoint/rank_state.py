@@ -127,6 +127,12 @@ def load(
     """Put :func:`capture`'s trees back on the same layout (positions and fragments match)."""
     if engine is not None and optim.get("order"):
         engine.freeze_order(optim["order"])  # the saved bucket layout, before fragments are matched
+        if engine.bucket_order() != list(optim["order"]):  # kept: its optimizers hold state in it
+            raise ValueError(
+                "This snapshot's fragments follow another bucket order than the one this run's optimizers"
+                " hold state in, so its positions would land on other parameters. Restore it before the"
+                " first optimizer step (at the start of the run), where its order is adopted."
+            )
     if engine is not None:
         engine.load_comm_state(optim.get("comm"))  # the same rank's residuals: exact
     shards_params = engine is not None and engine.shards_params

@@ -140,12 +140,12 @@ class ZeroEngine:
 
     def freeze_order(self, names: Sequence[str]) -> None:
         """Fix the bucket order (a checkpoint's, if it names the same parameters) before loading state. An
-        order a backward has fixed already stays: the optimizer's shards may hold state in it (a checkpoint
-        restored inside the same fit, as Lightning's learning-rate finder restores the one it saved before
-        its trial steps; before, a model whose gradients arrive in another order than its parameters are
-        registered failed there: "The ZeRO layout changed after the optimizer took a step"). The state is
-        loaded by parameter name, whatever either order."""
-        if not self.sync.order_pending:
+        order the sharded optimizers already hold state in stays (a checkpoint restored inside the same
+        fit, as Lightning's learning-rate finder restores the one it saved before its trial steps, after
+        the first backward learnt another order; before, that failed: "The ZeRO layout changed after the
+        optimizer took a step"); a checkpoint's state is loaded by parameter name, whatever either order
+        (:func:`lightning_par.checkpoint.rank_state.load` matches positions and checks the order)."""
+        if self.sharded is not None and self.sharded.holds_state():
             return
         self.sync.set_order(names if sorted(names) == sorted(self.sync.names) else self.sync.names)
 

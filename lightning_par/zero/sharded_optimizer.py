@@ -77,9 +77,14 @@ class ShardedOptimizer:
         self._step_hooks = [opt.register_step_pre_hook(self._before_update) for opt in self.optimizers]
 
     # ------------------------------------------------------------------ layout
+    def holds_state(self) -> bool:
+        """Whether the rebuilt optimizers hold state over the current fragments (a relayout would strand
+        it)."""
+        return hasattr(self, "_masters") and any(opt.state for opt in self.optimizers)
+
     def _relayout(self) -> None:
         sync, layout = self.sync, self.sync.layout
-        if any(opt.state for opt in self.optimizers if hasattr(self, "_masters")):
+        if self.holds_state():
             raise RuntimeError("The ZeRO layout changed after the optimizer took a step; this is a bug.")
         params = sync.params
         old_layout, old_masters = getattr(self, "_layout", None), getattr(self, "master_flat", None)
