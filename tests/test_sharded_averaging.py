@@ -338,8 +338,7 @@ def test_sharded_ema_under_tensor_parallelism_equals_one_process() -> None:
 
 # ---------------------------------------------------------------------------------------- the core, moved
 def _moved_averages(rank: int, world: int) -> dict[str, Any]:
-    """ZeRO-2 in a plain loop: averages kept across a rebuild of the buckets (after the first backward's
-    order; a checkpoint's order is adopted only before it, ``ZeroEngine.freeze_order``)."""
+    """ZeRO-2 in a plain loop: averages kept across a rebuild of the buckets (a checkpoint's order)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
@@ -353,9 +352,9 @@ def _moved_averages(rank: int, world: int) -> dict[str, Any]:
         averages.update()
         current = {n: p.detach() for n, p in model.named_parameters()}
         whole = {n: v if step == 0 else 0.5 * v + 0.5 * current[n] for n, v in whole.items()}
-        if step == 1:  # another bucket order (a rebuild): each rank now owns other elements
+        if step == 1:  # a checkpoint's bucket order: each rank now owns other elements
             keys.append([k[:3] for k in averages.targets()])
-            engine.sync.set_order(["0.bias", "1.weight", "0.weight", "1.bias"])
+            engine.freeze_order(["0.bias", "1.weight", "0.weight", "1.bias"])
             keys.append([k[:3] for k in averages.targets()])
         g = torch.Generator().manual_seed(10 * step + rank)
         x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
