@@ -153,9 +153,9 @@ def _find(
     other_worlds = sorted({k[3] for k in covered - usable})
     if other_worlds and not usable:
         raise ValueError(
-            f"FlashCheckpoint: the snapshots in {disk.dirpath} were written by a job of {other_worlds}"
-            f" rank(s), this one has {world_size}. Nothing was loaded or deleted; run with the original"
-            " number of processes, pass another dirpath, or auto_resume=False."
+            f"The flash snapshots in {disk.dirpath} were written by a job of {other_worlds} rank(s), this one"
+            f" has {world_size}. Nothing was loaded or deleted; run with the original number of processes,"
+            " or pass another dirpath (FlashCheckpoint: or auto_resume=False)."
         )
     order = sorted(usable, key=lambda k: (k[0], k[2]), reverse=True)
     best = order[0] if order else None
