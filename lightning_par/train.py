@@ -198,6 +198,7 @@ def _check_layout(strategy: Any, model: pl.LightningModule, *, world_size: int) 
     started (the strategy itself finds these only at setup, on every rank, with tracebacks)."""
     from lightning_par.mesh import MeshLayout
     from lightning_par.strategy import HybridParallelStrategy
+    from lightning_par.tensor_parallel import PLANS
 
     if not isinstance(strategy, HybridParallelStrategy):
         return
@@ -209,8 +210,8 @@ def _check_layout(strategy: Any, model: pl.LightningModule, *, world_size: int) 
     if tp > 1 and strategy.tp_plan is None and getattr(model, "tp_plan", None) is None:
         raise ConfigError(
             "strategy",
-            f"tensor_parallel_size={tp} needs a plan: set strategy.tp_plan (e.g. gpt or llama) or give the"
-            " model a tp_plan attribute.",
+            f"tensor_parallel_size={tp} needs a plan: set strategy.tp_plan (one of"
+            f" {', '.join(sorted(PLANS))}) or give the model a tp_plan attribute.",
         )
 
 

@@ -184,11 +184,6 @@ class GradSync(GradBuckets):
         self._build(list(range(len(self._params))))
 
     # ------------------------------------------------------------------ layout
-    @property
-    def order_pending(self) -> bool:
-        """True until the first backward (or :meth:`set_order`) has fixed the bucket order."""
-        return self._order_pending
-
     def set_order(self, names: Sequence[str]) -> None:
         """Adopt a parameter order (e.g. a checkpoint's) and stop the first-backward rebuild."""
         index = {n: i for i, n in enumerate(self._names)}
