@@ -66,7 +66,7 @@ from lightning_par.pipeline.apply import NORM_SKIP_ATTR
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 
 # where Lightning's MixedPrecision keeps its GradScaler state in a Trainer checkpoint (its class name)
-_LIGHTNING_AMP_KEY = "MixedPrecision"
+_LIGHTNING_AMP_KEY = MixedPrecision.__qualname__
 
 PrecisionMode = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 FrozenDtype = Literal["auto", "compute"]

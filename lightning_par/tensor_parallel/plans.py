@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, get_args
 
 from lightning_par.tensor_parallel.litgpt_family import LITGPT_PLAN, LITGPT_SP
 
@@ -62,17 +62,7 @@ Style = Literal[
     "scatter_sequence",
     "scatter_sequence_input",
 ]
-STYLES: tuple[str, ...] = (
-    "colwise",
-    "colwise_gather",
-    "rowwise",
-    "vocab",
-    "region_input",
-    "sequence_output",
-    "sequence_local",
-    "scatter_sequence",
-    "scatter_sequence_input",
-)
+STYLES: tuple[str, ...] = get_args(Style)
 
 GPT_PLAN: dict[str, Style] = {
     "*.embed.tok": "vocab",
