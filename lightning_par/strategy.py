@@ -23,7 +23,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import nn
 from typing_extensions import override
 
@@ -473,8 +473,11 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         if isinstance(plugin, ParallelPrecision):
             plugin.before_update = None
         if self._engine is not None:
-            if self.unshard_on_teardown:
-                self._engine.unshard_all()  # leave a usable, whole model behind, at master precision
+            # leave a usable, whole model behind, at master precision; not after an exception, which may
+            # have stopped this rank alone (a failed restore): its peers would never join the gathers and
+            # the error would wait in them instead of surfacing
+            if self.unshard_on_teardown and not self._interrupted():
+                self._engine.unshard_all()
             # hooks go; the engine stays so trainer.save_checkpoint() after fit still sees the shards
             # (the next setup() builds a new one)
             self._engine.remove()
@@ -495,6 +498,11 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             super().teardown()
         else:
             self._teardown_with_meta(module)
+
+    def _interrupted(self) -> bool:
+        """Whether the Trainer is tearing down after an exception (Lightning marks it interrupted first)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
 
     def destroy_process_groups(self) -> None:
         """Destroy the process groups this strategy created (its mesh, the pipeline's tied-weight groups)

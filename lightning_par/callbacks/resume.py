@@ -260,7 +260,7 @@ def _load_candidate(
     )
 
 
-RESHARDABLE = ("world_size", "dp", "zero_stage")  # what a resharded resume may change
+RESHARDABLE = ("world_size", "dp", "zero_stage", "frozen")  # what a resharded resume may change
 
 
 def check_fingerprint(

@@ -88,6 +88,10 @@ def layout_metadata(
             for k, opt in enumerate(optimizers)
         ],
     }
+    if stage > 0:
+        # ZeRO 1-3 hold optimizer state (and at 3 the parameters) in flat fragments laid out over the
+        # trainable parameters, so a same-layout snapshot fits only the same trainable set
+        meta["frozen"] = sorted(n for n, p in module.named_parameters() if not p.requires_grad)
     composition = getattr(module, COMPOSITION_ATTR, None)
     if composition is not None and composition.pipeline is not None:
         # which layers each pipeline piece holds: a same-layout snapshot is only valid for the same cut

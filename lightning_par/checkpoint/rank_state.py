@@ -254,7 +254,17 @@ def fingerprint(
     """What must be equal for a snapshot to load: strategy, world size, parameters, optimizers and, for
     our strategies, the layout metadata a checkpoint records (``layout``, which then replaces the rest)."""
     if layout is not None:
-        keys = ("zero_stage", "world_size", "dp", "tp", "pp", "pipeline_cut", "params", "optimizers")
+        keys = (
+            "zero_stage",
+            "world_size",
+            "dp",
+            "tp",
+            "pp",
+            "pipeline_cut",
+            "params",
+            "frozen",
+            "optimizers",
+        )
         return {"strategy": strategy, **{k: layout[k] for k in keys if k in layout}}
     names = {id(p): n for n, p in module.named_parameters()}
     return {
@@ -283,7 +293,9 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
         a, b = saved.get(key), current.get(key)
         if a == b:
             continue
-        if key == "params" and isinstance(a, dict) and isinstance(b, dict):
+        if key == "frozen":
+            out.extend(_frozen_differences(a, b))
+        elif key == "params" and isinstance(a, dict) and isinstance(b, dict):
             missing = sorted(set(b) - set(a))[:5]
             extra = sorted(set(a) - set(b))[:5]
             shapes = [f"{n}: {a[n]} vs {b[n]}" for n in sorted(set(a) & set(b)) if a[n] != b[n]][:5]
@@ -304,4 +316,27 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
             )
         else:
             out.append(f"{key}: snapshot {a!r}, now {b!r}")
+    return out
+
+
+def _frozen_differences(saved: list[str] | None, current: list[str] | None) -> list[str]:
+    """The frozen-set change between a snapshot and this run, with the way to make it (nothing when
+    either side does not record the set: snapshots of ZeRO-0, or written before it was recorded)."""
+    if saved is None or current is None:
+        return []
+    now_frozen = sorted(set(current) - set(saved))
+    now_trainable = sorted(set(saved) - set(current))
+    out = [
+        f"parameters {label}: {names[:5]}{' ...' if len(names) > 5 else ''}"
+        for label, names in (
+            ("trained in the snapshot, frozen now", now_frozen),
+            ("frozen in the snapshot, trainable now", now_trainable),
+        )
+        if names
+    ]
+    out.append(
+        "ZeRO 1-3 lay their optimizer state out over the trainable parameters only, so a snapshot loads"
+        " into the same frozen set; to change it, resume from a checkpoint of trainer.save_checkpoint or"
+        " fabric.save, which loads by name"
+    )
     return out
