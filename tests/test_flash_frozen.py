@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.callbacks import FlashCheckpoint
+from lightning_par.checkpoint.rank_state import differences
 from lightning_par.models import GPTModule
 from tests.distributed import run_distributed
 from tests.test_lora import GPT_KW, Probe, _trainer
@@ -141,3 +142,16 @@ def test_a_resharded_snapshot_takes_another_frozen_set_as_a_saved_checkpoint_doe
         for k in frozen:
             torch.testing.assert_close(exports[mode][k], first[k], rtol=0, atol=0)
     torch.testing.assert_close(exports["flash"], exports["save"], rtol=0, atol=0)
+
+
+def test_fingerprint_differences_name_the_frozen_set_and_the_stage_with_their_fixes() -> None:
+    saved = {"strategy": "HybridParallelStrategy", "zero_stage": 2, "frozen": ["a", "b"]}
+    now = {"strategy": "HybridParallelStrategy", "zero_stage": 3, "frozen": ["b", "c"]}
+    found = differences(saved, now)
+    assert found[0].startswith("parameters trained in the snapshot, frozen now: ['c']"), found
+    assert found[1] == "parameters frozen in the snapshot, trainable now: ['a']", found
+    assert "loads by name" in found[2]
+    assert found[3].startswith("ZeRO stage: snapshot 2, now 3") and "loads at any stage" in found[3]
+    # a snapshot written before the frozen set was recorded (or at ZeRO-0) is not judged by it
+    old = {k: v for k, v in saved.items() if k != "frozen"}
+    assert differences({**old, "zero_stage": 3}, now) == []

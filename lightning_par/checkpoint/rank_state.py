@@ -314,6 +314,12 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
                 f"pipeline cut: the snapshot's stages held {was} layers per piece, now {now}; resume with"
                 f" partition_method={was}"
             )
+        elif key == "zero_stage":
+            out.append(
+                f"ZeRO stage: snapshot {a!r}, now {b!r} (a snapshot changes stage only together with the"
+                " data-parallel size; at this size resume at its stage, or from a checkpoint of"
+                " trainer.save_checkpoint or fabric.save, which loads at any stage)"
+            )
         else:
             out.append(f"{key}: snapshot {a!r}, now {b!r}")
     return out
