@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -114,7 +115,11 @@ def assemble_model(
         for k, v in share["extras"].items():
             extras.setdefault(k, v)
     values: dict[str, Tensor] = {}
+    dtypes = {n: p.dtype for n, p in module.named_parameters()}
     for name, shape in shapes.items():
+        if _numel(shape) == 0:  # nothing to hold: no rank has a fragment of it
+            values[name] = torch.empty(shape, dtype=dtypes[name])
+            continue
         source = masters if masters.get(name) else params
         piece = cut(source.get(name, []), 0, _numel(shape))
         if piece is None:

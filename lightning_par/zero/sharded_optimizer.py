@@ -75,12 +75,21 @@ class ShardedOptimizer:
         # refresh; False between an update of the masters and the refresh that follows it
         self._params_current = True
         self._step_hooks = [opt.register_step_pre_hook(self._before_update) for opt in self.optimizers]
+        # after the update, not before: Lightning runs the closure (forward, backward, the first
+        # backward's relayout) inside optimizer.step()
+        self._step_hooks += [opt.register_step_post_hook(self._after_update) for opt in self.optimizers]
 
     # ------------------------------------------------------------------ layout
     def holds_state(self) -> bool:
-        """Whether the rebuilt optimizers hold state over the current fragments (a relayout would strand
-        it)."""
-        return hasattr(self, "_masters") and any(opt.state for opt in self.optimizers)
+        """Whether the rebuilt optimizers hold state over the current fragments that a relayout would
+        strand: they stepped, or state was loaded into them. What their constructor made (Adagrad fills
+        its accumulators eagerly) does not count: a relayout builds it again over the new fragments."""
+        if not hasattr(self, "_masters"):
+            return False
+        return any(
+            _state_ids(opt) != built or (self._stepped and opt.state)
+            for opt, built in zip(self.optimizers, self._built_state, strict=True)
+        )
 
     def _relayout(self) -> None:
         sync, layout = self.sync, self.sync.layout
@@ -147,6 +156,8 @@ class ShardedOptimizer:
             for opt, groups in zip(self.optimizers, self._group_params, strict=True)
             for hook in rebuild_optimizer(opt, groups, masters, names=self._names)
         ]
+        self._built_state = [_state_ids(opt) for opt in self.optimizers]
+        self._stepped = False
 
     @torch.no_grad()
     def _carry_masters(self, old: FlatLayout, old_masters: Tensor) -> None:
@@ -200,6 +211,10 @@ class ShardedOptimizer:
         """torch's step pre-hook of every rebuilt optimizer: the masters take the user's writes first."""
         self.absorb_param_writes()
         self._params_current = False
+
+    def _after_update(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        """torch's step post-hook: the state now follows the current fragments."""
+        self._stepped = True
 
     @torch.no_grad()
     def absorb_param_writes(self) -> None:
@@ -371,3 +386,8 @@ class ShardedOptimizer:
         if self.master_flat is not None:
             total += self.master_flat.numel() * self.master_flat.element_size()
         return total
+
+
+def _state_ids(opt: Optimizer) -> dict[int, dict[str, int]]:
+    """Which objects ``opt``'s state holds: a load replaces them, a step updates them in place."""
+    return {id(p): {k: id(v) for k, v in state.items()} for p, state in opt.state.items()}
