@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_par.owned_hooks import for_owner
+
 __all__ = ["OwnReads", "guard_state_dicts"]
 
 FIX = (
@@ -61,10 +63,12 @@ def guard_state_dicts(
     reason: Callable[[nn.Module], str | None],
     whole: Callable[[], str | None] | None = None,
     own: OwnReads | None = None,
+    on_copy: Callable[[nn.Module], None] | None = None,
 ) -> list[RemovableHandle]:
     """Hook every submodule of ``root`` (not ``root``) for which ``holds(module)``; a traversal below
     ``root`` raises where ``reason(module)`` gives one. With ``whole``: also a traversal of ``root``
-    outside ``own()`` while ``whole()`` gives a reason (see the module docstring)."""
+    outside ``own()`` while ``whole()`` gives a reason (see the module docstring); that one holds for
+    ``root`` itself, and a copy of it carrying the hook gets ``on_copy(copy)`` instead."""
     found: dict[int, tuple[nn.Module, set[str]]] = {}
     for name, module in root.named_modules(remove_duplicate=False):
         if module is not root and holds(module):
@@ -73,7 +77,8 @@ def guard_state_dicts(
         module.register_state_dict_pre_hook(_refuse(prefixes, reason)) for module, prefixes in found.values()
     ]
     if whole is not None:
-        handles.append(root.register_state_dict_pre_hook(_refuse_whole(whole, own or OwnReads())))
+        refuse = for_owner(root, _refuse_whole(whole, own or OwnReads()), on_copy=on_copy)
+        handles.append(root.register_state_dict_pre_hook(refuse))
     return handles
 
 

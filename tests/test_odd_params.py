@@ -49,7 +49,9 @@ class OddModel(pl.LightningModule):
 
 def _data() -> DataLoader:
     g = torch.Generator().manual_seed(1)
-    return DataLoader(TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, generator=g)), batch_size=4)
+    return DataLoader(
+        TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, generator=g)), batch_size=4
+    )
 
 
 def _fit(strategy: Any, tmp: str, steps: int, ckpt_path: str | None = None) -> pl.Trainer:

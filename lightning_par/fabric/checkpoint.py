@@ -55,18 +55,27 @@ KEYS = "fabric_keys"  # which entries of the saved state were the module and its
 
 def _split(strategy: HybridParallelStrategy, state: Mapping[str, Any]) -> tuple[str | None, list[str]]:
     """The key of the module and the keys of its optimizers in ``state`` (checked to be the ones this
-    strategy set up)."""
+    strategy set up). Other modules (an EMA copy, a teacher) are entries like a scheduler: their
+    ``state_dict()`` is saved and loaded whole, as Fabric's own strategies do; under tensor or pipeline
+    parallelism, where such a module may hold this rank's pieces only, they are refused by key."""
     modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
-    if len(modules) > 1 or (modules and state[modules[0]] is not strategy.module):
+    mine = [k for k in modules if state[k] is strategy.module]
+    if len(mine) > 1:
+        raise ValueError(f"The state holds the set-up module under several keys {mine}: keep one.")
+    others = [k for k in modules if k not in mine]
+    mesh = strategy.mesh
+    if others and (mesh.tp_size > 1 or mesh.pp_size > 1):
         raise ValueError(
-            "The state holds a module this strategy did not set up (or several): pass the module returned"
-            " by fabric.setup()."
+            f"state[{others[0]!r}] is a module this strategy did not set up. Under tensor or pipeline"
+            " parallelism a copy of the model holds this rank's slices or stage, which one whole entry"
+            f" cannot keep: save state[{others[0]!r}].state_dict() on every rank to a file of its own, or"
+            " keep its weights in the set-up module."
         )
     optimizers = [k for k, v in state.items() if isinstance(v, Optimizer)]
     for k in optimizers:
         if not any(state[k] is opt for opt in strategy.optimizers):
             raise ValueError(f"state[{k!r}] is not an optimizer set up by fabric.setup() with this module.")
-    return (modules[0] if modules else None), optimizers
+    return (mine[0] if mine else None), optimizers
 
 
 def _tp(strategy: HybridParallelStrategy) -> TPInfo:

@@ -55,6 +55,7 @@ from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
+from lightning_par.owned_hooks import for_owner
 from lightning_par.zero.broadcast import broadcast_module_states, broadcast_tensors
 from lightning_par.zero.comm_hooks import CommHook
 from lightning_par.zero.grad_buckets import GradBuckets, GradSyncPolicy, ReduceOp, bucket_numel_for
@@ -338,7 +339,9 @@ class GradSync(GradBuckets):
         Lightning's default): gradients someone keeps on purpose are left alone."""
         if torch.is_grad_enabled():
             self._follow_trainable()
-        if self.buffer is None or not torch.is_grad_enabled() or self.buffer.dtype != self._params[0].dtype:
+        if self.buffer is None or not torch.is_grad_enabled() or not self._params:
+            return  # (no parameters: a frozen module, or a pipeline stage of frozen layers)
+        if self.buffer.dtype != self._params[0].dtype:
             return
         with torch._C.DisableTorchFunction():  # the engine's own read, not one grad_reads should see
             kept = any(p.grad is not None for p in self._params)
@@ -378,7 +381,7 @@ class GradSync(GradBuckets):
     def attach_to(self, module: nn.Module) -> None:
         """Call :meth:`prepare_window` before every forward of ``module`` (eagerly, also when a compiled
         ``module`` would trace it: it edits the buckets, Python state a graph would not replay)."""
-        hook = torch.compiler.disable(lambda _m, _a: self.prepare_window())
+        hook = torch.compiler.disable(for_owner(module, lambda _m, _a: self.prepare_window()))
         self._handles.append(module.register_forward_pre_hook(hook))
 
     @contextmanager

@@ -84,6 +84,7 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from lightning_par.owned_hooks import PlaceholderCopies, for_owner
 from lightning_par.state_guard import OwnReads
 from lightning_par.torch_modes import mode_entered
 from lightning_par.zero.autograd_state import (
@@ -258,26 +259,30 @@ class Stage3Engine(Stage3Reduce):
         # The gathers run before the module's own forward pre-hooks (prepend), which may read the
         # parameters: torch.nn.utils.weight_norm computes the weight from weight_g and weight_v there (run
         # ahead of the gather, it read NaN placeholders). The reshards run after the module's forward hooks.
+        # Every hook acts on its own module only: a copy of the model (an EMA) carries the hooks, and must
+        # neither gather the original's units nor compute with copies of placeholders (owned_hooks.py).
         eager = torch.compiler.disable
+        copies = PlaceholderCopies()
         for unit in self.units:
             module = unit.module
-            self._handles.append(
-                module.register_forward_pre_hook(eager(self._make_pre_forward(unit)), prepend=True)
-            )
+            pre = for_owner(module, self._make_pre_forward(unit), on_copy=copies)
+            self._handles.append(module.register_forward_pre_hook(eager(pre), prepend=True))
             if unit.has_frozen:
-                watch = eager(self._make_watch_inputs(unit))
+                watch = eager(for_owner(module, self._make_watch_inputs(unit)))
                 self._handles.append(module.register_forward_pre_hook(watch, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(eager(self._make_post_forward(unit))))
+            post = for_owner(module, self._make_post_forward(unit))
+            self._handles.append(module.register_forward_hook(eager(post)))
             for p in unit.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        self._handles += guard_unit_state_dicts(self.module, self.units, self.own_reads)
+        self._handles += guard_unit_state_dicts(self.module, self.units, self.own_reads, on_copy=copies)
         self._handles += load_into_shards(self.module, self.units, self.rank)  # load_state_dict works
         if self.root is not None:  # the modules holding root parameters, called without the root's forward
             mine = {id(p) for part in self.root.parts for p in part.params}
             for m in self.module.modules():
                 if m is not self.module and any(id(p) in mine for p in m.parameters(recurse=False)):
-                    self._handles.append(m.register_forward_pre_hook(eager(self._borrow_root), prepend=True))
-                    self._handles.append(m.register_forward_hook(eager(self._return_root)))
+                    borrow = for_owner(m, self._borrow_root, on_copy=copies)
+                    self._handles.append(m.register_forward_pre_hook(eager(borrow), prepend=True))
+                    self._handles.append(m.register_forward_hook(eager(for_owner(m, self._return_root))))
 
     def _borrow_root(self, module: nn.Module, args: Any) -> None:
         """Gather the root unit for a call of ``module`` (it holds root parameters) while nothing else

@@ -40,6 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from lightning_par.owned_hooks import for_owner
 from lightning_par.torch_modes import CheckedCalls
 from lightning_par.zero.unit import Unit
 
@@ -103,15 +104,16 @@ class CrossUnitGuard:
             if unit is root:
                 continue
             module = unit.module
-            self._handles.append(module.register_forward_pre_hook(eager(partial(self._enter, unit))))
+            enter, leave = partial(self._enter, unit), partial(self._leave, unit)
+            self._handles.append(module.register_forward_pre_hook(eager(for_owner(module, enter))))
             self._handles.append(
-                module.register_forward_hook(eager(partial(self._leave, unit)), always_call=True)
+                module.register_forward_hook(eager(for_owner(module, leave)), always_call=True)
             )
             mine = {id(p) for part in unit.parts for p in part.params}
             for name, m in module.named_modules():
                 if m is not module and any(id(p) in mine for p in m.parameters(recurse=False)):
                     where = f"{unit.name}.{name}" if unit.name else name
-                    hook = eager(partial(self._check, unit, where))
+                    hook = eager(for_owner(m, partial(self._check, unit, where)))
                     self._handles.append(m.register_forward_pre_hook(hook))
 
     def _enter(self, unit: Unit, module: nn.Module, args: Any) -> None:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_par.owned_hooks import for_owner
 from lightning_par.zero.unit import Unit
 
 # id(parameter) -> (its unit, this rank's pieces of it: (first element, end element, shard view))
@@ -48,8 +49,10 @@ def load_into_shards(root: nn.Module, units: list[Unit], rank: int) -> list[Remo
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) in pieces]
         if own:
             taken: list[str] = []
-            handles.append(module.register_load_state_dict_pre_hook(_pre_hook(own, pieces, taken)))
-            handles.append(module.register_load_state_dict_post_hook(_post_hook(taken)))
+            # a copy of the module (an EMA) loads into its own parameters, as torch does
+            pre, post = for_owner(module, _pre_hook(own, pieces, taken)), for_owner(module, _post_hook(taken))
+            handles.append(module.register_load_state_dict_pre_hook(pre))
+            handles.append(module.register_load_state_dict_post_hook(post))
     return handles
 
 

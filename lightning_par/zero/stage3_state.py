@@ -147,10 +147,13 @@ class Stage3State:
         load_compressor_state(None, saved, {})
 
 
-def guard_unit_state_dicts(root: nn.Module, units: list[Unit], own: OwnReads) -> list[RemovableHandle]:
+def guard_unit_state_dicts(
+    root: nn.Module, units: list[Unit], own: OwnReads, *, on_copy: Callable[[nn.Module], None] | None = None
+) -> list[RemovableHandle]:
     """:func:`lightning_par.state_guard.guard_state_dicts` for the modules holding unit parameters: refused
     while a unit the module draws on is not gathered, and for ``root`` (outside ``own()``) while any unit
-    is not (after ``fit`` the model is whole again)."""
+    is not (after ``fit`` the model is whole again). A copy of ``root`` (an EMA) holds parameters of its
+    own: the root's check does not apply to it, ``on_copy(copy)`` does (see owned_hooks.py)."""
     owner = {id(p): u for u in units for part in u.parts for p in part.params}
 
     def holders(module: nn.Module) -> list[Unit]:
@@ -167,4 +170,6 @@ def guard_unit_state_dicts(root: nn.Module, units: list[Unit], own: OwnReads) ->
             return None
         return "ZeRO-3 shards (NaN placeholders outside a forward)"
 
-    return guard_state_dicts(root, holds=lambda m: bool(holders(m)), reason=reason, whole=whole, own=own)
+    return guard_state_dicts(
+        root, holds=lambda m: bool(holders(m)), reason=reason, whole=whole, own=own, on_copy=on_copy
+    )

@@ -1,0 +1,125 @@
+"""Copies of the set-up model and modules beside it in Fabric loops, against Fabric's ``"ddp"``. Each was a
+probe's finding:
+
+* An EMA made with ``copy.deepcopy(model.module)`` after setup at ZeRO-3, outside ``gathered_params()``,
+  copied the NaN placeholders and computed NaN without a word; its first forward now refuses it, naming
+  the fix. Made inside ``gathered_params()`` it holds whole weights, but it carried the engine's hooks:
+  its ``state_dict()`` was refused as if sharded and its forward gathered the original's units. The hooks
+  now act on the original only, and the EMA trained and read so equals ``"ddp"``'s.
+* ``fabric.save(path, {"model": ..., "optimizer": ..., "ema": ema})`` was refused ("a module this
+  strategy did not set up"); another module is now saved and loaded through its state dict, as Fabric's
+  own strategies do.
+* A module with every parameter frozen, set up alone and called with gradients enabled (a teacher), failed
+  at ZeRO 0/1 with an ``IndexError``; now its output is the module's own.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.fabric import Fabric
+from torch import Tensor, nn
+
+from lightning_par.fabric import HybridParallelStrategy
+from tests.distributed import run_distributed
+
+WORLD, STEPS, DECAY = 2, 4, 0.5
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _batch(rank: int, step: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+
+
+def _fabric(strategy: Any) -> Fabric:
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+    fabric.launch()
+    return fabric
+
+
+def _ema_run(rank: int, name: str, strategy: Any, path: Path) -> dict[str, Any]:
+    fabric = _fabric(strategy)
+    net = _net()
+    model, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=0.05))
+    ours = isinstance(strategy, HybridParallelStrategy)
+    out: dict[str, Any] = {}
+    gathered = fabric.strategy.gathered_params if ours else nullcontext
+    probe = _batch(99, 0)[0]
+    if name == "zero3":  # a copy of the placeholders: refused at its first use
+        early = copy.deepcopy(model.module)
+        try:
+            early(probe)
+            out["early"] = "ran"
+        except RuntimeError as exc:
+            out["early"] = str(exc)
+    with gathered():
+        ema = copy.deepcopy(model.module)
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        fabric.backward(F.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        with gathered(), torch.no_grad():
+            for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+                e.lerp_(p, 1 - DECAY)
+    out["ema_out"] = ema(probe).detach()  # the copy's own forward, outside any gather
+    out["ema"] = {k: v.clone() for k, v in ema.state_dict().items()}
+    fabric.save(path, {"model": model, "optimizer": optimizer, "ema": ema, "step": STEPS})
+    fresh = _net()
+    state = {"model": model, "optimizer": optimizer, "ema": fresh, "step": 0}
+    fabric.load(path, state)
+    out["loaded_ema"] = fresh.state_dict()
+    out["step"] = state["step"]
+    if ours:
+        strategy.destroy_process_groups()
+    return out
+
+
+def _frozen_run(stage: int) -> Tensor:
+    strategy = HybridParallelStrategy(zero_stage=stage)
+    fabric = _fabric(strategy)
+    teacher = _net().requires_grad_(False)
+    teacher = fabric.setup_module(teacher)
+    out = teacher(_batch(99, 0)[0])  # gradients enabled, as in a distillation step
+    strategy.destroy_process_groups()
+    return out
+
+
+def _job(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    layouts: dict[str, Any] = {
+        "ddp": "ddp",
+        "zero1": HybridParallelStrategy(zero_stage=1),
+        "zero3": HybridParallelStrategy(zero_stage=3),
+        "zero3_file": HybridParallelStrategy(zero_stage=3, save_distributed_checkpoint=False),
+    }
+    out: dict[str, Any] = {name: _ema_run(rank, name, s, Path(tmp) / name) for name, s in layouts.items()}
+    out["frozen"] = {stage: _frozen_run(stage) for stage in (0, 1, 2, 3)}
+    return out
+
+
+def test_ema_copies_extra_modules_and_a_frozen_module_as_under_ddp(tmp_path: Path) -> None:
+    for out in run_distributed(_job, WORLD, str(tmp_path), init_group=False, timeout=300):
+        reference = out["ddp"]
+        assert (reference["ema"]["0.weight"] - _net().state_dict()["0.weight"]).abs().max() > 1e-2
+        for name in ("zero1", "zero3", "zero3_file"):
+            got = out[name]
+            torch.testing.assert_close(got["ema"], reference["ema"], msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(got["ema_out"], reference["ema_out"])
+            torch.testing.assert_close(got["loaded_ema"], reference["ema"])
+            assert got["step"] == STEPS
+        assert "is a copy (copy.deepcopy, AveragedModel) of a ZeRO-3 module" in out["zero3"]["early"]
+        assert "gathered_params()" in out["zero3"]["early"]
+        torch.testing.assert_close(reference["loaded_ema"], reference["ema"])
+        expected = _net()(_batch(99, 0)[0])
+        for stage, value in out["frozen"].items():
+            torch.testing.assert_close(value, expected, msg=lambda m, s=stage: f"frozen at ZeRO-{s}: {m}")
