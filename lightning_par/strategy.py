@@ -401,6 +401,11 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         """Step 6 of the composition: ZeRO over the dp group (stage 3 for evaluation too)."""
         assert self.model is not None
         compute, reduce = self._dtypes()
+        # an evaluation run after a fit (test, validate: one or several) keeps the fit's engine for its
+        # optimizer state, which Lightning keeps and checkpoints (checkpoint/fit_state.py)
+        fit = self._engine if self._engine is not None and self._engine.sharded_state is not None else None
+        fit = fit if fit is not None else self._fit_engine
+        self._fit_engine = fit if not fitting and self.optimizers else None
         self._engine = engine = build_engine(
             self.model,
             options=ZeroOptions.of(self),

@@ -7,8 +7,13 @@
   consolidated state (``trainer.save_checkpoint`` with one file) raised on rank 0 alone, "No rank holds
   parameter", and rank 1 waited in the next collective.
 
-Both run in one model here (an MLP whose head's gradients arrive first), trained, saved and resumed, as
-under ``"ddp"``.
+* ``trainer.save_checkpoint`` after ``fit`` then ``test`` / ``validate`` (``ModelCheckpoint``, then
+  ``test(ckpt_path="best")``, then a save) failed at ZeRO 1-3 with a ``KeyError`` on a fragment tensor:
+  the evaluation run's engine held no optimizer fragments. Lightning keeps the fit's optimizers and
+  ``"ddp"`` checkpoints their state; so do we now.
+
+All run in one model here (an MLP whose head's gradients arrive first), trained, evaluated, saved and
+resumed, as under ``"ddp"``.
 """
 
 from __future__ import annotations
@@ -42,6 +47,14 @@ class OddModel(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch
         return nn.functional.mse_loss(self(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.Adagrad(self.parameters(), lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1)
@@ -81,7 +94,10 @@ def _runs(rank: int, world: int, tmp: str) -> dict[str, dict[str, Tensor]]:
     for name, make in layouts.items():
         path = str(Path(tmp) / f"{name}.ckpt")
         first = _fit(make(), tmp, STEPS)
-        first.save_checkpoint(path)
+        module = first.lightning_module
+        first.test(module, _data(), verbose=False)
+        first.validate(module, _data(), verbose=False)
+        first.save_checkpoint(path)  # after evaluation runs: the fit's optimizer state too
         resumed = _fit(make(), tmp, STEPS + MORE, ckpt_path=path)
         strategy = resumed.strategy
         if isinstance(strategy, HybridParallelStrategy):

@@ -13,7 +13,7 @@ import shutil
 from abc import abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint, read_dcp_checkpoint
+from lightning_par.checkpoint.fit_state import FitState
 from lightning_par.checkpoint.full import gather_full_optimizer_state, gather_full_state_dict
 from lightning_par.checkpoint.io import (
     _group_names,
@@ -53,6 +54,7 @@ class ZeroCheckpointIO(ParallelStrategy):
 
     zero_stage: int = 0
     _engine: Engine | None = None
+    _fit_engine: Engine | None = None  # the last fit's, kept through evaluation runs (fit_state.py)
     _sharded_source: Path | None = None
 
     @property
@@ -74,6 +76,13 @@ class ZeroCheckpointIO(ParallelStrategy):
     def mesh(self) -> ParallelMesh:
         """The strategy's process groups."""
 
+    def _saved_engine(self) -> Engine | None:
+        """What a checkpoint reads: the engine, or after an evaluation run that followed a fit, the
+        evaluation's model with that fit's optimizer state (:class:`FitState`)."""
+        if self._fit_engine is None:
+            return self._engine
+        return cast(Engine, FitState(self._engine, self._fit_engine))
+
     def _tp(self) -> TPInfo:
         assert self.lightning_module is not None
         rank, size = self.tp_coordinates()
@@ -87,14 +96,14 @@ class ZeroCheckpointIO(ParallelStrategy):
 
     def _model_in_pieces(self) -> bool:
         """No rank holds the whole model: ZeRO-3, tensor or pipeline parallelism."""
-        stage3 = self._engine is not None and self._engine.stage == 3
+        engine = self._saved_engine()
+        stage3 = engine is not None and engine.stage == 3
         return stage3 or self.tp_coordinates()[1] > 1 or self.layout.pipeline_parallel_size > 1
 
     def _sharded(self) -> bool:
         """Written per rank: optimizer shards (ZeRO 1-3) or model pieces."""
-        return self._model_in_pieces() or (
-            self._engine is not None and self._engine.sharded_state is not None
-        )
+        engine = self._saved_engine()
+        return self._model_in_pieces() or (engine is not None and engine.sharded_state is not None)
 
     save_distributed_checkpoint: bool = True
 
@@ -136,7 +145,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         :mod:`lightning_par.checkpoint.full`), so no rank holds more than the result and one share."""
         assert self.lightning_module is not None
         return gather_full_state_dict(
-            self.lightning_module, self._engine, tp=self._tp(), dp_rank=self._dp_rank(), group=None
+            self.lightning_module, self._saved_engine(), tp=self._tp(), dp_rank=self._dp_rank(), group=None
         )
 
     @override
@@ -150,11 +159,12 @@ class ZeroCheckpointIO(ParallelStrategy):
         module = self.lightning_module
         index = next(k for k, opt in enumerate(self.optimizers) if opt is optimizer)
         names = {p: n for n, p in module.named_parameters()}
+        engine = self._saved_engine()
         return gather_full_optimizer_state(
             optimizer,
             module=module,
-            engine=self._engine,
-            param_names=_group_names(optimizer, self._engine, names, index),
+            engine=engine,
+            param_names=_group_names(optimizer, engine, names, index),
             tp=self._tp(),
             dp_rank=self._dp_rank(),
             group=None,
@@ -172,7 +182,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         entries = checkpoint.pop(RANK_ENTRIES_KEY, None) or {}
         checkpoint[METADATA_KEY] = self.layout_metadata()
         if "optimizer_states" in checkpoint:  # beside the optimizer state it belongs with (collective)
-            record_comm_state(checkpoint[METADATA_KEY], self._engine)
+            record_comm_state(checkpoint[METADATA_KEY], self._saved_engine())
         if self._full_file():
             # one ordinary Lightning file: the state dict and optimizer states are already full (rank 0)
             checkpoint[METADATA_KEY]["format"] = "full"
@@ -184,7 +194,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         payload = rank_payload(
             self.lightning_module,
-            self._engine,
+            self._saved_engine(),
             self.optimizers,
             self._tp(),
             with_model=self._model_in_pieces(),
@@ -226,7 +236,11 @@ class ZeroCheckpointIO(ParallelStrategy):
             "pp": layout.pipeline_parallel_size,
         }
         return layout_metadata(
-            self.lightning_module, engine=self._engine, optimizers=self.optimizers, sizes=sizes, tp=self._tp()
+            self.lightning_module,
+            engine=self._saved_engine(),
+            optimizers=self.optimizers,
+            sizes=sizes,
+            tp=self._tp(),
         )
 
     @override
