@@ -194,7 +194,8 @@ class StrategySteps(StrategyLoops):
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._engine is not None:  # stages 1/2: all-gather the updated parameters
-            self._engine.after_step(open_window=False)  # the gradients stay for another optimizer's step
+            # the gradients of the others stay for their steps
+            self._engine.after_step(open_window=False, optimizer=optimizer)
         self._end_grad_reads()  # a step skipped for an fp16 overflow never reached the update
         if self._check_tp_replicas:
             self._verify_tp_replicas()

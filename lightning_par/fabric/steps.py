@@ -148,7 +148,7 @@ class FabricSteps:
             if scaler is not None:
                 scaler.update(False)
         if self.engine is not None:  # the gradients stay for another optimizer until the next backward
-            self.engine.after_step(open_window=False)
+            self.engine.after_step(open_window=False, optimizer=optimizer)
         if isinstance(self.engine, Stage3Engine):  # until the next forward, its placeholders are refused
             self.engine.refuse_reads_between_steps(
                 "between optimizer.step() and the model's next forward (a merge of adapters, an EMA"

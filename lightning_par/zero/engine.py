@@ -88,12 +88,12 @@ class ZeroEngine:
             allow_untested_optimizer=self.allow_untested_optimizer,
         )
 
-    def after_step(self, *, open_window: bool = True) -> None:
+    def after_step(self, *, open_window: bool = True, optimizer: Optimizer | None = None) -> None:
         """Stages 1/2: all-gather the updated parameters and (``open_window``) start a new gradient
         window; without it the window's gradients stay for another optimizer's step until
-        :meth:`open_window`."""
+        :meth:`open_window`, which drops those of the optimizers that stepped (``optimizer``, or all)."""
         if self.sharded is not None:
-            self.sharded.after_step(open_window=open_window)
+            self.sharded.after_step(open_window=open_window, optimizer=optimizer)
 
     def open_window(self) -> None:
         """Stages 1/2: after an update, drop the window's gradients (masters' and the reduced shard);
@@ -264,7 +264,7 @@ class Engine(Protocol):
     @property
     def sync_enabled(self) -> bool: ...
     def freeze_order(self, names: Sequence[str]) -> None: ...
-    def after_step(self, *, open_window: bool = True) -> None: ...
+    def after_step(self, *, open_window: bool = True, optimizer: Optimizer | None = None) -> None: ...
     def open_window(self) -> None: ...
 
     @property

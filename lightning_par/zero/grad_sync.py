@@ -178,6 +178,8 @@ class GradSync(GradBuckets):
         self.buffer: Tensor | None = None
         self._views: list[Tensor] = []
         self._touched: list[bool] = []
+        # ids of the parameters given a reduced gradient since the window's views were zeroed (stage 0)
+        self._reduced_in_window: set[int] = set()
         self.unused: frozenset[int] = frozenset()
         self._handles: list[RemovableHandle] = []  # the module hooks of attach_to
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
@@ -298,11 +300,17 @@ class GradSync(GradBuckets):
         # the gradient pipeline, in this order (see lightning_par.precision): attach (param.grad, or the
         # sharded optimizer's masters), then whoever rescales what was attached (token normalisation)
         for i, p in enumerate(self._params):
-            if self.shard or i in self.unused:
+            if self.shard:
                 p.grad = None
+            elif i in self.unused:
+                # unused in this pass: what earlier passes of the window reduced stays (re-reduced as it
+                # was, unchanged), as DDP leaves a gradient; None if there is none (a new window's view)
+                if id(p) not in self._reduced_in_window:
+                    p.grad = None
             else:  # a view when the dtypes agree, else a copy in the parameter's dtype
                 view = self._views[i]
                 p.grad = view if p.dtype == self.dtype else view.to(p.dtype)
+                self._reduced_in_window.add(id(p))
         for attach in self._attachers:
             attach()
         for listener in self._sync_listeners:
@@ -348,6 +356,7 @@ class GradSync(GradBuckets):
         if kept:
             return
         self.buffer.zero_()
+        self._reduced_in_window = set()
         for p, view in zip(self._params, self._views, strict=True):
             p.grad = view
 

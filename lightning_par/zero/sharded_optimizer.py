@@ -68,6 +68,7 @@ class ShardedOptimizer:
         )
         self._names = {id(p): n for p, n in param_names.items()}
         self._group_guards: list[RemovableHandle] = []  # rebuild_optimizer's guards of the optimizers
+        self._stepped_in_window: set[int] = set()  # ids of the optimizers that stepped in this window
         sync.on_relayout(self._relayout)
         sync.on_reduced(self._attach_grads)
         self._relayout()
@@ -158,6 +159,14 @@ class ShardedOptimizer:
         ]
         self._built_state = [_state_ids(opt) for opt in self.optimizers]
         self._stepped = False
+        # the optimizer (its id) each fragment's parameter belongs to, for open_window
+        owner_of = {
+            id(p): id(opt)
+            for opt, groups in zip(self.optimizers, self._group_params, strict=True)
+            for group in groups
+            for p in group
+        }
+        self._owners = [owner_of.get(id(params[f.slot]), 0) for f in self.fragments]
 
     @torch.no_grad()
     def _carry_masters(self, old: FlatLayout, old_masters: Tensor) -> None:
@@ -237,9 +246,12 @@ class ShardedOptimizer:
             torch.where(compute != master.to(compute.dtype), compute, master, out=master)
 
     @torch.no_grad()
-    def after_step(self, *, open_window: bool = True) -> None:
+    def after_step(self, *, open_window: bool = True, optimizer: Optimizer | None = None) -> None:
         """Copy masters into the compute parameters, all-gather every bucket, and (``open_window``)
-        open a new window; without it the window stays until :meth:`open_window`."""
+        open a new window; without it the window stays until :meth:`open_window`. ``optimizer``: the one
+        that stepped (or skipped its step: an fp16 overflow), whose gradients the window drops; None for
+        all of them."""
+        self._stepped_in_window.update([id(optimizer)] if optimizer is not None else map(id, self.optimizers))
         self.check_untouched()
         self.absorb_param_writes()  # a skipped step (fp16 overflow) did not run the pre-hook
         self.refresh_params()
@@ -251,14 +263,30 @@ class ShardedOptimizer:
 
     def open_window(self) -> None:
         """After an update: drop the window's gradients (the masters' and the reduced gradient shard);
-        nothing before one (a later backward of the same window)."""
+        nothing before one (a later backward of the same window). Only those of the optimizers that
+        stepped: another optimizer's parameters keep accumulating until it steps, as ``param.grad`` does
+        under DDP (a GAN in manual optimization with accumulation steps the generator before the
+        discriminator's last backward of the window; the shard accumulates reduced passes, so what is
+        kept and what comes add up to the window's gradient)."""
         if not self._window_done:
             return
         self._window_done = False
-        for master, _, _ in self._master_slots:
-            master.grad = None
+        stepped, self._stepped_in_window = self._stepped_in_window, set()
         self._grad_copy = None
-        self.sync.zero_grad_shard()
+        if all(id(opt) in stepped for opt in self.optimizers):
+            for master, _, _ in self._master_slots:
+                master.grad = None
+            self.sync.zero_grad_shard()
+            return
+        grad_shard = self.sync.grad_shard
+        assert grad_shard is not None
+        with torch.no_grad():
+            for (master, _, _), f, owner in zip(
+                self._master_slots, self.fragments, self._owners, strict=True
+            ):
+                if owner in stepped:
+                    master.grad = None
+                    grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
 
     @torch.no_grad()
     def refresh_params(self) -> None:

@@ -220,6 +220,7 @@ class Stage3Engine(Stage3Reduce):
         self._hf_marked = mark_hf_models(module) if self.world > 1 else []
         broadcast_module_states(module, group=group, params=False)  # buffers are replicated
         self.optimizers: list[Optimizer] = []
+        self._stepped_in_window: set[int] = set()  # ids of the optimizers that stepped in this window
         self._group_params: list[list[list[nn.Parameter]]] = []
         self._masters: list[tuple[Unit, Fragment, Tensor]] = []  # (unit, fragment, master view)
         self._grad_views: list[Tensor | None] = []  # stage3_optim: each master's gradient view
@@ -464,10 +465,12 @@ class Stage3Engine(Stage3Reduce):
         if self._fabric_between is not None:
             self._fabric_between.stop()
 
-    def after_step(self, *, open_window: bool = True) -> None:
+    def after_step(self, *, open_window: bool = True, optimizer: Optimizer | None = None) -> None:
         """After an optimizer update (the shards are updated in place; gathers read them next time), and
         with ``open_window`` a new gradient window (:meth:`open_window`; without it the window's
-        gradients stay for another optimizer's step)."""
+        gradients stay for another optimizer's step). ``optimizer``: the one that stepped (or skipped),
+        whose gradients the window drops; None for all."""
+        self._stepped_in_window.update([id(optimizer)] if optimizer is not None else map(id, self.optimizers))
         self.refuse_late_writes()
         self.release_graph_hold()  # a graph built before the step is stale: it saw the old weights
         self._window_done = True
@@ -489,12 +492,22 @@ class Stage3Engine(Stage3Reduce):
         if not self._window_done:
             return
         self._window_done = False
-        for _, _, master in self._masters:
-            master.grad = None
+        stepped, self._stepped_in_window = self._stepped_in_window, set()
         self._grad_copies = []
-        for unit in self.units:
-            if unit.grad_shard is not None:
-                unit.grad_shard.zero_()
+        if all(id(opt) in stepped for opt in self.optimizers):
+            for _, _, master in self._masters:
+                master.grad = None
+            for unit in self.units:
+                if unit.grad_shard is not None:
+                    unit.grad_shard.zero_()
+            return
+        # another optimizer's parameters keep their gradients until it steps (see ShardedOptimizer)
+        with torch.no_grad():
+            for (unit, f, master), owner in zip(self._masters, self._master_owners, strict=True):
+                if owner in stepped:
+                    master.grad = None
+                    assert unit.grad_shard is not None
+                    unit.grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
 
     def masters_changed(self) -> None:
         """The shards were written from outside: the shard is what forward gathers (masters are the shard

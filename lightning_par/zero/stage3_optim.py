@@ -67,6 +67,15 @@ class Stage3Optim(Stage3State):
                     self._grad_views.append(g[f.shard_lo : f.shard_lo + f.numel])
                 else:
                     self._grad_views.append(None)
+        owner_of = {
+            id(p): id(opt)
+            for opt, groups in zip(self.optimizers, self._group_params, strict=True)
+            for group in groups
+            for p in group
+        }
+        # the optimizer (its id) of each master fragment, for open_window; what stepped this window
+        self._master_owners = [owner_of.get(id(unit.params[f.slot]), 0) for unit, f, _ in self._masters]
+        self._stepped_in_window: set[int] = set()
         ids = {id(p): n for p, n in names.items()}
         for opt, groups in zip(self.optimizers, self._group_params, strict=True):
             # its guards (groups added later, torch's state dicts) go with the engine's other hooks
