@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
+from tests.fits import cpu_trainer, final_state
 
 ACC, BATCHES = 2, 4  # per rank: two windows of two micro-batches
 
@@ -66,21 +67,9 @@ class Gan(pl.LightningModule):
 
 def _fit(strategy: Any) -> dict[str, Tensor]:
     data = TensorDataset(torch.randn(4 * BATCHES * 2, 8, generator=torch.Generator().manual_seed(5)))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
     module = Gan()
-    trainer.fit(module, DataLoader(data, batch_size=4))
-    if isinstance(strategy, HybridParallelStrategy):
-        return trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    cpu_trainer(strategy, max_epochs=1).fit(module, DataLoader(data, batch_size=4))
+    return final_state(module, strategy)
 
 
 def _runs(rank: int, world: int) -> dict[str, dict[str, Tensor]]:

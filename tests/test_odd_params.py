@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
+from tests.fits import cpu_trainer
 
 STEPS, MORE = 3, 2
 
@@ -68,17 +69,7 @@ def _data() -> DataLoader:
 
 
 def _fit(strategy: Any, tmp: str, steps: int, ckpt_path: str | None = None) -> pl.Trainer:
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp,
-    )
+    trainer = cpu_trainer(strategy, max_steps=steps, default_root_dir=tmp)
     trainer.fit(OddModel(), _data(), ckpt_path=ckpt_path)
     return trainer
 
