@@ -9,6 +9,8 @@ probe's finding:
 * ``fabric.save(path, {"model": ..., "optimizer": ..., "ema": ema})`` was refused ("a module this
   strategy did not set up"); another module is now saved and loaded through its state dict, as Fabric's
   own strategies do.
+* A ``FlashSnapshots`` state with such an EMA beside the model was refused ("exactly one model"); now it
+  is an entry restored through its state dict, copied when the snapshot is taken.
 * A module with every parameter frozen, set up alone and called with gradients enabled (a teacher), failed
   at ZeRO 0/1 with an ``IndexError``; now its output is the module's own.
 """
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 from torch import Tensor, nn
 
-from lightning_par.fabric import HybridParallelStrategy
+from lightning_par.fabric import FlashSnapshots, HybridParallelStrategy
 from tests.distributed import run_distributed
 
 WORLD, STEPS, DECAY = 2, 4, 0.5
@@ -80,6 +82,14 @@ def _ema_run(rank: int, name: str, strategy: Any, path: Path) -> dict[str, Any]:
     fabric.load(path, state)
     out["loaded_ema"] = fresh.state_dict()
     out["step"] = state["step"]
+    # a flash snapshot holds the EMA beside the set-up model (before, refused: "exactly one model")
+    flash = {"dirpath": path.with_suffix(".flash"), "shm_dir": path.with_suffix(f".shm{rank}")}
+    with FlashSnapshots(fabric, snapshot_copy="blocking", **flash) as snapshots:
+        snapshots.snapshot(STEPS, {"model": model, "optimizer": optimizer, "ema": ema})
+    restored = _net()
+    with FlashSnapshots(fabric, **flash) as snapshots:
+        out["flash_step"] = snapshots.restore({"model": model, "optimizer": optimizer, "ema": restored})
+    out["flash_ema"] = restored.state_dict()
     if ours:
         strategy.destroy_process_groups()
     return out
@@ -116,10 +126,12 @@ def test_ema_copies_extra_modules_and_a_frozen_module_as_under_ddp(tmp_path: Pat
             torch.testing.assert_close(got["ema"], reference["ema"], msg=lambda m, n=name: f"{n}: {m}")
             torch.testing.assert_close(got["ema_out"], reference["ema_out"])
             torch.testing.assert_close(got["loaded_ema"], reference["ema"])
-            assert got["step"] == STEPS
+            torch.testing.assert_close(got["flash_ema"], reference["ema"])
+            assert got["step"] == got["flash_step"] == STEPS
         assert "is a copy (copy.deepcopy, AveragedModel) of a ZeRO-3 module" in out["zero3"]["early"]
         assert "gathered_params()" in out["zero3"]["early"]
         torch.testing.assert_close(reference["loaded_ema"], reference["ema"])
+        torch.testing.assert_close(reference["flash_ema"], reference["ema"])
         expected = _net()(_batch(99, 0)[0])
         for stage, value in out["frozen"].items():
             torch.testing.assert_close(value, expected, msg=lambda m, s=stage: f"frozen at ZeRO-{s}: {m}")

@@ -232,7 +232,9 @@ def test_single_device_resume_and_bad_input(tmp_path: Path) -> None:
         data_parallel = Fabric(accelerator="cpu", devices=1, strategy=DataParallelStrategy())
         FlashSnapshots(data_parallel, tmp_path / "bad")
     with FlashSnapshots(fabric, tmp_path / "bad", shm_dir=tmp_path / "shm-bad") as snaps:
-        with pytest.raises(ValueError, match=r"exactly one model \(nn.Module\), it holds 2"):
-            snaps.snapshot(2, {**state, "teacher": torch.nn.Linear(2, 2)})
+        with pytest.raises(
+            ValueError, match=r"the model fabric.setup\(\) returned, once \(modules \['a', 'b'\]"
+        ):
+            snaps.snapshot(2, {"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
         with pytest.raises(ValueError, match="step must be a non-negative integer, got -1"):
             snaps.snapshot(-1, state)

@@ -183,26 +183,30 @@ class FlashSnapshots:
         if not isinstance(state, dict):
             raise TypeError(f"{_OWNER}: pass the state as a dict (as for fabric.save), not {type(state)}.")
         modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
-        if len(modules) != 1:
+        strategy = self._fabric.strategy
+        # the set-up model; other modules (an EMA copy, a frozen teacher) are entries with a state dict
+        if isinstance(strategy, HybridParallelStrategy):
+            models = [k for k in modules if _unwrap(state[k]) is strategy.module]
+        else:  # Fabric's own strategies: the module it wrapped, or the only one
+            models = [k for k in modules if is_wrapped(state[k])] or (modules if len(modules) == 1 else [])
+        if len(models) != 1:
+            found = f"modules {modules}, of which {models} set up" if modules else "no module"
             raise ValueError(
-                f"{_OWNER}: the state must hold exactly one model (nn.Module), it holds {len(modules)}"
-                f" {modules}: the strategy sets up one module; wrap several networks in one nn.Module."
+                f"{_OWNER}: the state must hold the model fabric.setup() returned, once ({found}); the"
+                " strategy sets up one module: wrap several trained networks in one nn.Module."
             )
-        module = state[modules[0]]
-        module = module.module if is_wrapped(module) else module
+        model_key = models[0]
+        module = _unwrap(state[model_key])
         opt_keys = [k for k, v in state.items() if isinstance(v, Optimizer)]
         optimizers = [state[k].optimizer if is_wrapped(state[k]) else state[k] for k in opt_keys]
-        strategy = self._fabric.strategy
         if isinstance(strategy, HybridParallelStrategy):
-            if module is not strategy.module:
-                raise ValueError(f"{_OWNER}: state[{modules[0]!r}] is not the model fabric.setup() returned.")
             for k, opt in zip(opt_keys, optimizers, strict=True):
                 if not any(opt is o for o in strategy.optimizers):
                     raise ValueError(f"{_OWNER}: state[{k!r}] is not an optimizer set up with this module.")
-        rest = [k for k in state if k != modules[0] and k not in opt_keys]
+        rest = [k for k in state if k != model_key and k not in opt_keys]
         stateful = [k for k in rest if is_stateful(state[k])]
         values = [k for k in rest if k not in stateful]
-        return _Parts(modules[0], module, opt_keys, optimizers, stateful, values)
+        return _Parts(model_key, module, opt_keys, optimizers, stateful, values)
 
     def _fingerprint(self, parts: _Parts) -> dict[str, Any]:
         """What must be equal for a snapshot to load: the Trainer's fingerprint of model, optimizers,
@@ -232,7 +236,7 @@ class FlashSnapshots:
         tree = {
             "model": model,
             "optim": optim,
-            "stateful": {k: state[k].state_dict() for k in parts.stateful},
+            "stateful": {k: _taken(state[k]) for k in parts.stateful},
             "values": {k: state[k] for k in parts.values},
             "precision": self._fabric.strategy.precision.state_dict(),
             "rng": _collect_rng_states(include_cuda=True),
@@ -322,3 +326,16 @@ class FlashSnapshots:
             self._failed = True
             self.flush()
         self.close()
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    return module.module if is_wrapped(module) else module  # type: ignore[return-value]
+
+
+def _taken(entry: Any) -> Any:
+    """An entry's state for a snapshot: a module's tensors copied now (an EMA is updated in place by the
+    next step, while the snapshot may still be copying in the background); others' ``state_dict()``."""
+    state = entry.state_dict()
+    if isinstance(entry, nn.Module):
+        return {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in state.items()}
+    return state
