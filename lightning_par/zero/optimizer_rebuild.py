@@ -25,6 +25,7 @@ __all__ = [
     "rebuild_optimizer",
     "refuse_added_groups",
     "refuse_state_dict",
+    "stepped_ids",
 ]
 
 
@@ -157,3 +158,14 @@ def refuse_added_groups(opt: Optimizer, *, expected: int, names: Mapping[int, st
         " lr=0 until it should train, then set its lr), or use zero_stage=0, where the optimizer keeps"
         " the module's parameters."
     )
+
+
+def stepped_ids(optimizer: Optimizer | None, optimizers: Sequence[Optimizer]) -> set[int]:
+    """The optimizers (their ids) an optimizer step marks as done with the window's gradients:
+    ``optimizer`` (unwrapped from Lightning's ``LightningOptimizer``) when it is one of ``optimizers``;
+    otherwise, or without one, all of them, so the window's gradients are dropped whole rather than
+    carried into the next window."""
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    if inner is not None and any(inner is opt for opt in optimizers):
+        return {id(inner)}
+    return {id(opt) for opt in optimizers}

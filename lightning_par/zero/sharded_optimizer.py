@@ -35,6 +35,7 @@ from lightning_par.zero.optimizer_rebuild import (
     inherit_param_attrs,
     optimizer_group_params,
     rebuild_optimizer,
+    stepped_ids,
 )
 from lightning_par.zero.writeback import refuse_unequal_writes
 
@@ -251,7 +252,7 @@ class ShardedOptimizer:
         open a new window; without it the window stays until :meth:`open_window`. ``optimizer``: the one
         that stepped (or skipped its step: an fp16 overflow), whose gradients the window drops; None for
         all of them."""
-        self._stepped_in_window.update([id(optimizer)] if optimizer is not None else map(id, self.optimizers))
+        self._stepped_in_window |= stepped_ids(optimizer, self.optimizers)
         self.check_untouched()
         self.absorb_param_writes()  # a skipped step (fp16 overflow) did not run the pre-hook
         self.refresh_params()

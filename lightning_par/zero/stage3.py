@@ -104,6 +104,7 @@ from lightning_par.zero.meta_init import (
     target_device,
     warn_drawn_init,
 )
+from lightning_par.zero.optimizer_rebuild import stepped_ids
 from lightning_par.zero.stage3_between import BetweenSteps
 from lightning_par.zero.stage3_calls import CrossUnitGuard
 from lightning_par.zero.stage3_join import mark_hf_models, unmark_hf_models
@@ -470,7 +471,7 @@ class Stage3Engine(Stage3Reduce):
         with ``open_window`` a new gradient window (:meth:`open_window`; without it the window's
         gradients stay for another optimizer's step). ``optimizer``: the one that stepped (or skipped),
         whose gradients the window drops; None for all."""
-        self._stepped_in_window.update([id(optimizer)] if optimizer is not None else map(id, self.optimizers))
+        self._stepped_in_window |= stepped_ids(optimizer, self.optimizers)
         self.refuse_late_writes()
         self.release_graph_hold()  # a graph built before the step is stale: it saw the old weights
         self._window_done = True
