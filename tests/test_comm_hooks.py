@@ -150,4 +150,24 @@ def test_bad_hooks_are_refused_at_construction(cls: type) -> None:
         cls(zero_stage=2, comm_hook=default_hooks.fp16_compress_hook, grad_sync="every")
     with pytest.raises(ValueError, match="unknown field"):
         cls(comm_hook="powersgd", comm_hook_state={"rank": 4})
+    # PowerSGD's fields at construction, not in each rank's first backward (before: an AttributeError
+    # there for torch's PowerSGDState, torch's own error for a string seed, a negative size accepted)
+    torch_state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1)
+    with pytest.raises(ValueError, match="is a mapping of its fields .* comm_hook=powerSGD_hook"):
+        cls(comm_hook="powersgd", comm_hook_state=torch_state)
+    for field, value, message in (
+        ("start_iter", -1, "start_iter must be an integer >= 0, got -1"),
+        ("start_iter", 2.5, "start_iter must be an integer >= 0, got 2.5"),
+        ("min_compression_rate", 0.5, "min_compression_rate must be a number >= 1, got 0.5"),
+        ("seed", "x", "seed must be an integer, got 'x'"),
+        ("min_bucket_numel", -5, "min_bucket_numel must be an integer >= 0, got -5"),
+        ("warm_start", "yes", "warm_start must be True or False, got 'yes'"),
+    ):
+        with pytest.raises(ValueError, match=f"PowerSGD {message}"):
+            cls(comm_hook="powersgd", comm_hook_state={field: value})
+    # options PowerSGD alone reads, without it: said (a sweep over comm_hook keeps them)
+    with pytest.warns(UserWarning, match="comm_hook=None uses neither comm_hook_state nor powersgd_rank"):
+        cls(comm_hook_state={"start_iter": 5})
+    with pytest.warns(UserWarning, match="comm_hook='fp16' uses neither"):
+        cls(comm_hook="fp16", powersgd_rank=4)
     cls(zero_stage=3, comm_hook="fp16")  # a low-precision reduction applies at every stage

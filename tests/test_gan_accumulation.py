@@ -7,7 +7,9 @@ backward opened a new gradient window for every parameter: at ZeRO 1-3 the discr
 micro-batches were dropped, and at ZeRO 0 the generator's gradient, unused in the discriminator's
 backward, was set to ``None`` (DDP leaves a gradient of an unused parameter as it is). The weights ended
 up to 0.07 away from ``"ddp"``, silently. Now a window drops only the gradients of the optimizers that
-stepped, and ZeRO 0 keeps an unused parameter's gradient of earlier passes.
+stepped or were zeroed, and a parameter unused in a pass keeps its gradient of earlier passes (the
+WGAN-GP of ``tests/test_input_grads.py``, which zeroes each optimizer before its backward and lets the
+generator's backward reach the critic, checks the zeroing side).
 """
 
 from __future__ import annotations

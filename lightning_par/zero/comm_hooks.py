@@ -23,6 +23,7 @@ strategy refuses it at setup.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
@@ -136,16 +137,32 @@ def check_comm_hook(
         )
     if isinstance(powersgd_rank, bool) or not isinstance(powersgd_rank, int) or powersgd_rank <= 0:
         raise ValueError(f"powersgd_rank must be a positive integer, got {powersgd_rank!r}.")
-    if comm_hook == "powersgd" and isinstance(comm_hook_state, Mapping):
+    if comm_hook == "powersgd":
         from lightning_par.zero.powersgd import PowerSGDState  # imports this module: not at the top
 
         allowed = set(inspect.signature(PowerSGDState).parameters) - {"group", "rank"}
-        unknown = sorted(set(comm_hook_state) - allowed)
+        if comm_hook_state is not None and not isinstance(comm_hook_state, Mapping):
+            raise ValueError(
+                f"comm_hook_state for comm_hook='powersgd' is a mapping of its fields {sorted(allowed)},"
+                f" got {type(comm_hook_state).__name__}. torch's own PowerSGD goes as a callable:"
+                " comm_hook=powerSGD_hook, comm_hook_state=PowerSGDState(...)."
+            )
+        fields = dict(comm_hook_state or {})
+        unknown = sorted(set(fields) - allowed)
         if unknown:
             raise ValueError(
                 f"comm_hook_state for 'powersgd' has unknown field(s) {unknown}; the fields are"
                 f" {sorted(allowed)} (the rank is powersgd_rank)."
             )
+        check_powersgd_fields(fields)
+    elif not callable(comm_hook) and (comm_hook_state is not None or powersgd_rank != 1):
+        # accepted (a sweep over comm_hook keeps the others), but said: it would train uncompressed
+        warnings.warn(
+            f"comm_hook={comm_hook!r} uses neither comm_hook_state nor powersgd_rank (given:"
+            f" comm_hook_state={comm_hook_state!r}, powersgd_rank={powersgd_rank!r}); they apply with"
+            " comm_hook='powersgd' (or comm_hook_state with a callable hook).",
+            stacklevel=3,
+        )
     if gather_dtype is not None and gather_dtype not in GATHER_DTYPES:
         raise ValueError(
             f"gather_dtype must be one of {sorted(GATHER_DTYPES)} or None, got {gather_dtype!r}."
@@ -170,6 +187,30 @@ def check_comm_hook(
             f" needs reduce_op 'auto' or 'all_reduce' and grad_sync 'boundary' or None (got reduce_op="
             f"{reduce_op!r}, grad_sync={grad_sync!r}); comm_hook='bf16' or 'fp16' works with both."
         )
+
+
+_POWERSGD_INTEGERS = {"start_iter": 0, "min_bucket_numel": 0, "seed": None}  # name -> minimum
+_POWERSGD_FLAGS = ("error_feedback", "warm_start", "compress_embeddings")
+
+
+def check_powersgd_fields(fields: Mapping[str, Any]) -> None:
+    """Raise a ``ValueError`` naming a PowerSGD field of the wrong type or range (``start_iter``,
+    ``min_bucket_numel`` integers >= 0, ``seed`` an integer, ``min_compression_rate`` a number >= 1, the
+    switches booleans); fields not given keep their defaults."""
+    for name, minimum in _POWERSGD_INTEGERS.items():
+        if name not in fields:
+            continue
+        value = fields[name]
+        if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+            wanted = "an integer" + (f" >= {minimum}" if minimum is not None else "")
+            raise ValueError(f"PowerSGD {name} must be {wanted}, got {value!r}.")
+    if "min_compression_rate" in fields:
+        rate = fields["min_compression_rate"]
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not rate >= 1:
+            raise ValueError(f"PowerSGD min_compression_rate must be a number >= 1, got {rate!r}.")
+    for name in _POWERSGD_FLAGS:
+        if name in fields and not isinstance(fields[name], bool):
+            raise ValueError(f"PowerSGD {name} must be True or False, got {fields[name]!r}.")
 
 
 def hook_result(value: Any) -> Tensor:

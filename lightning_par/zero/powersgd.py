@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lightning_par.zero.comm_hooks import CommHookBucket
+from lightning_par.zero.comm_hooks import CommHookBucket, check_powersgd_fields
 
 
 @dataclass
@@ -119,10 +119,17 @@ class PowerSGDState:
     ) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
             raise ValueError(f"powersgd_rank must be a positive integer, got {rank!r}.")
-        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
-            raise ValueError(f"PowerSGD start_iter must be an integer >= 0, got {start_iter!r}.")
-        if not min_compression_rate >= 1:
-            raise ValueError(f"PowerSGD min_compression_rate must be >= 1, got {min_compression_rate!r}.")
+        check_powersgd_fields(
+            {
+                "start_iter": start_iter,
+                "min_compression_rate": min_compression_rate,
+                "min_bucket_numel": min_bucket_numel,
+                "seed": seed,
+                "error_feedback": error_feedback,
+                "warm_start": warm_start,
+                "compress_embeddings": compress_embeddings,
+            }
+        )
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = rank

@@ -70,6 +70,7 @@ class ShardedOptimizer:
         self._names = {id(p): n for p, n in param_names.items()}
         self._group_guards: list[RemovableHandle] = []  # rebuild_optimizer's guards of the optimizers
         self._stepped_in_window: set[int] = set()  # ids of the optimizers that stepped in this window
+        self._window_params: set[int] = set()  # ids of the parameters with gradients in this window
         sync.on_relayout(self._relayout)
         sync.on_reduced(self._attach_grads)
         self._relayout()
@@ -206,9 +207,13 @@ class ShardedOptimizer:
         else:
             self._grad_copy = grad_shard.to(dtype)
             views = [self._grad_copy[f.shard_lo : f.shard_lo + f.numel] for f in self.fragments]
-        unused = self.sync.unused
+        unused, params = self.sync.unused, self.sync.params
         for (master, _, slot), view in zip(self._master_slots, views, strict=True):
-            master.grad = None if slot in unused else view
+            # a parameter unused in this pass keeps what earlier passes of the window reduced, as under
+            # DDP; None only if it has had nothing (so None afterwards means the user's zero_grad())
+            had = slot not in unused or id(params[slot]) in self._window_params
+            master.grad = view if had else None
+        self._window_params |= {id(params[slot]) for _, _, slot in self._master_slots if slot not in unused}
 
     @torch.no_grad()
     def scale_attached(self, factor: float | Tensor) -> None:
@@ -265,10 +270,10 @@ class ShardedOptimizer:
     def open_window(self) -> None:
         """After an update: drop the window's gradients (the masters' and the reduced gradient shard);
         nothing before one (a later backward of the same window). Only those of the optimizers that
-        stepped: another optimizer's parameters keep accumulating until it steps, as ``param.grad`` does
-        under DDP (a GAN in manual optimization with accumulation steps the generator before the
-        discriminator's last backward of the window; the shard accumulates reduced passes, so what is
-        kept and what comes add up to the window's gradient)."""
+        stepped or were zeroed (``zero_grad()``): another optimizer's parameters keep accumulating until
+        it steps, as ``param.grad`` does under DDP (a GAN in manual optimization with accumulation steps
+        the generator before the discriminator's last backward of the window; the shard accumulates
+        reduced passes, so what is kept and what comes add up to the window's gradient)."""
         if not self._window_done:
             return
         self._window_done = False
@@ -278,16 +283,19 @@ class ShardedOptimizer:
             for master, _, _ in self._master_slots:
                 master.grad = None
             self.sync.zero_grad_shard()
+            self._window_params = set()
             return
-        grad_shard = self.sync.grad_shard
+        grad_shard, params = self.sync.grad_shard, self.sync.params
         assert grad_shard is not None
         with torch.no_grad():
-            for (master, _, _), f, owner in zip(
+            for (master, _, slot), f, owner in zip(
                 self._master_slots, self.fragments, self._owners, strict=True
             ):
-                if owner in stepped:
+                # dropped when its optimizer stepped or the user zeroed it (zero_grad(): grad None)
+                if owner in stepped or master.grad is None:
                     master.grad = None
                     grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
+                    self._window_params.discard(id(params[slot]))
 
     @torch.no_grad()
     def refresh_params(self) -> None:

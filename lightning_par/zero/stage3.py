@@ -222,6 +222,7 @@ class Stage3Engine(Stage3Reduce):
         broadcast_module_states(module, group=group, params=False)  # buffers are replicated
         self.optimizers: list[Optimizer] = []
         self._stepped_in_window: set[int] = set()  # ids of the optimizers that stepped in this window
+        self._window_params: set[int] = set()  # ids of the parameters with gradients in this window
         self._group_params: list[list[list[nn.Parameter]]] = []
         self._masters: list[tuple[Unit, Fragment, Tensor]] = []  # (unit, fragment, master view)
         self._grad_views: list[Tensor | None] = []  # stage3_optim: each master's gradient view
@@ -501,12 +502,14 @@ class Stage3Engine(Stage3Reduce):
             for unit in self.units:
                 if unit.grad_shard is not None:
                     unit.grad_shard.zero_()
+            self._window_params = set()
             return
         # another optimizer's parameters keep their gradients until it steps (see ShardedOptimizer)
         with torch.no_grad():
             for (unit, f, master), owner in zip(self._masters, self._master_owners, strict=True):
-                if owner in stepped:
+                if owner in stepped or master.grad is None:  # stepped, or zeroed by the user
                     master.grad = None
+                    self._window_params.discard(id(unit.params[f.slot]))
                     assert unit.grad_shard is not None
                     unit.grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
 

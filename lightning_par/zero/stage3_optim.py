@@ -76,6 +76,7 @@ class Stage3Optim(Stage3State):
         # the optimizer (its id) of each master fragment, for open_window; what stepped this window
         self._master_owners = [owner_of.get(id(unit.params[f.slot]), 0) for unit, f, _ in self._masters]
         self._stepped_in_window: set[int] = set()
+        self._window_params: set[int] = set()  # ids of the parameters with gradients in this window
         ids = {id(p): n for p, n in names.items()}
         for opt, groups in zip(self.optimizers, self._group_params, strict=True):
             # its guards (groups added later, torch's state dicts) go with the engine's other hooks
@@ -89,7 +90,9 @@ class Stage3Optim(Stage3State):
         kernel per unit instead of one per fragment."""
         copies: dict[int, Tensor] = {}
         for (unit, f, master), view in zip(self._masters, self._grad_views, strict=True):
-            if id(unit.params[f.slot]) in self.unused:
+            param = id(unit.params[f.slot])
+            # unused in this pass: what earlier passes of the window reduced stays (see ShardedOptimizer)
+            if param in self.unused and param not in self._window_params:
                 master.grad = None
             elif view is not None:
                 master.grad = view
@@ -99,6 +102,7 @@ class Stage3Optim(Stage3State):
                     copies[id(unit)] = unit.grad_shard.to(master.dtype)
                 master.grad = copies[id(unit)][f.shard_lo : f.shard_lo + f.numel]
         self._grad_copies = list(copies.values())
+        self._window_params |= {id(u.params[f.slot]) for u, f, _ in self._masters} - set(self.unused)
 
     def group_params(self, index: int) -> list[list[nn.Parameter]]:
         return self._group_params[index]
