@@ -160,6 +160,19 @@ def refuse_added_groups(opt: Optimizer, *, expected: int, names: Mapping[int, st
     )
 
 
+def optimizer_of(
+    optimizers: Sequence[Optimizer], group_params: Sequence[Sequence[Sequence[nn.Parameter]]]
+) -> dict[int, int]:
+    """Parameter id -> the id of the optimizer holding it (``group_params``: each optimizer's groups, as
+    :func:`optimizer_group_params` returns them)."""
+    return {
+        id(p): id(opt)
+        for opt, groups in zip(optimizers, group_params, strict=True)
+        for group in groups
+        for p in group
+    }
+
+
 def stepped_ids(optimizer: Optimizer | None, optimizers: Sequence[Optimizer]) -> set[int]:
     """The optimizers (their ids) an optimizer step marks as done with the window's gradients:
     ``optimizer`` (unwrapped from Lightning's ``LightningOptimizer``) when it is one of ``optimizers``;

@@ -34,6 +34,7 @@ from lightning_par.zero.layout import FlatLayout, Fragment
 from lightning_par.zero.optimizer_rebuild import (
     inherit_param_attrs,
     optimizer_group_params,
+    optimizer_of,
     rebuild_optimizer,
     stepped_ids,
 )
@@ -162,12 +163,7 @@ class ShardedOptimizer:
         self._built_state = [_state_ids(opt) for opt in self.optimizers]
         self._stepped = False
         # the optimizer (its id) each fragment's parameter belongs to, for open_window
-        owner_of = {
-            id(p): id(opt)
-            for opt, groups in zip(self.optimizers, self._group_params, strict=True)
-            for group in groups
-            for p in group
-        }
+        owner_of = optimizer_of(self.optimizers, self._group_params)
         self._owners = [owner_of.get(id(params[f.slot]), 0) for f in self.fragments]
 
     @torch.no_grad()
@@ -207,13 +203,15 @@ class ShardedOptimizer:
         else:
             self._grad_copy = grad_shard.to(dtype)
             views = [self._grad_copy[f.shard_lo : f.shard_lo + f.numel] for f in self.fragments]
-        unused, params = self.sync.unused, self.sync.params
+        unused, params, window = self.sync.unused, self.sync.params, self._window_params
         for (master, _, slot), view in zip(self._master_slots, views, strict=True):
             # a parameter unused in this pass keeps what earlier passes of the window reduced, as under
             # DDP; None only if it has had nothing (so None afterwards means the user's zero_grad())
-            had = slot not in unused or id(params[slot]) in self._window_params
-            master.grad = view if had else None
-        self._window_params |= {id(params[slot]) for _, _, slot in self._master_slots if slot not in unused}
+            if slot not in unused:
+                master.grad = view
+                window.add(id(params[slot]))
+            else:
+                master.grad = view if id(params[slot]) in window else None
 
     @torch.no_grad()
     def scale_attached(self, factor: float | Tensor) -> None:

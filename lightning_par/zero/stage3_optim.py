@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_par.zero.optimizer_rebuild import (
     inherit_param_attrs,
     optimizer_group_params,
+    optimizer_of,
     rebuild_optimizer,
 )
 from lightning_par.zero.stage3_state import Stage3State
@@ -67,12 +68,7 @@ class Stage3Optim(Stage3State):
                     self._grad_views.append(g[f.shard_lo : f.shard_lo + f.numel])
                 else:
                     self._grad_views.append(None)
-        owner_of = {
-            id(p): id(opt)
-            for opt, groups in zip(self.optimizers, self._group_params, strict=True)
-            for group in groups
-            for p in group
-        }
+        owner_of = optimizer_of(self.optimizers, self._group_params)
         # the optimizer (its id) of each master fragment, for open_window; what stepped this window
         self._master_owners = [owner_of.get(id(unit.params[f.slot]), 0) for unit, f, _ in self._masters]
         self._stepped_in_window: set[int] = set()
@@ -89,12 +85,16 @@ class Stage3Optim(Stage3State):
         copy of that shard in the masters' dtype (a reduction dtype other than the masters'): one cast
         kernel per unit instead of one per fragment."""
         copies: dict[int, Tensor] = {}
+        window = self._window_params
         for (unit, f, master), view in zip(self._masters, self._grad_views, strict=True):
             param = id(unit.params[f.slot])
             # unused in this pass: what earlier passes of the window reduced stays (see ShardedOptimizer)
-            if param in self.unused and param not in self._window_params:
+            if param not in self.unused:
+                window.add(param)
+            elif param not in window:
                 master.grad = None
-            elif view is not None:
+                continue
+            if view is not None:
                 master.grad = view
             else:
                 assert unit.grad_shard is not None
@@ -102,7 +102,6 @@ class Stage3Optim(Stage3State):
                     copies[id(unit)] = unit.grad_shard.to(master.dtype)
                 master.grad = copies[id(unit)][f.shard_lo : f.shard_lo + f.numel]
         self._grad_copies = list(copies.values())
-        self._window_params |= {id(u.params[f.slot]) for u, f, _ in self._masters} - set(self.unused)
 
     def group_params(self, index: int) -> list[list[nn.Parameter]]:
         return self._group_params[index]
