@@ -153,7 +153,7 @@ def test_bad_hooks_are_refused_at_construction(cls: type) -> None:
     # PowerSGD's fields at construction, not in each rank's first backward (before: an AttributeError
     # there for torch's PowerSGDState, torch's own error for a string seed, a negative size accepted)
     torch_state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1)
-    with pytest.raises(ValueError, match="is a mapping of its fields .* comm_hook=powerSGD_hook"):
+    with pytest.raises(ValueError, match=r"is a mapping of its fields .* comm_hook=powerSGD_hook"):
         cls(comm_hook="powersgd", comm_hook_state=torch_state)
     for field, value, message in (
         ("start_iter", -1, "start_iter must be an integer >= 0, got -1"),

@@ -74,6 +74,13 @@ def _cpu(t: Tensor) -> Tensor:
     return t.detach().reshape(-1).cpu().clone()
 
 
+def unsharded_params(module: nn.Module, engine: Engine) -> list[tuple[str, nn.Parameter]]:
+    """At ZeRO-3, the module's parameters no unit holds: attached after setup (an EMA copy made in
+    ``on_fit_start``), whole on every rank; other pipeline stages' placeholders are not among them."""
+    held = engine.sharded_param_ids
+    return [(n, p) for n, p in module.named_parameters() if id(p) not in held and not p.is_meta]
+
+
 def model_records(module: nn.Module, engine: Engine | None, *, dp_rank: int, tp_rank: int) -> dict[str, Any]:
     """This rank's share of the model (see the module docstring): parameter records, master records and
     non-parameter state."""
@@ -81,6 +88,8 @@ def model_records(module: nn.Module, engine: Engine | None, *, dp_rank: int, tp_
     masters: list[Record] = []
     if engine is not None and engine.shards_params:
         params = [(n, lo, hi, {"param": _cpu(view)}) for n, lo, hi, view in engine.param_shards()]
+        if dp_rank == 0:  # parameters attached after setup (an EMA copy), whole on every rank
+            params += [(n, 0, p.numel(), {"param": _cpu(p)}) for n, p in unsharded_params(module, engine)]
     else:
         if dp_rank == 0:
             params = [

@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_par.checkpoint.averages import CHECKPOINT_ENTRY, averaged_state_dict, pieces_from_entries
 from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint, read_dcp_checkpoint
-from lightning_par.checkpoint.full import model_records, torch_optimizer_state
+from lightning_par.checkpoint.full import model_records, torch_optimizer_state, unsharded_params
 from lightning_par.checkpoint.optimizer_state import (
     MASTER_KEY,
     Pieces,
@@ -346,7 +346,12 @@ def load_stage3_params(
 
     engine.load_param_shards(values)
     params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
-    return {k: v for k, v in state.items() if k not in params}
+    rest = {k: v for k, v in state.items() if k not in params}
+    for name, p in unsharded_params(engine.module, engine):  # attached after setup: loaded whole
+        piece = cut(pieces.get(name, []), 0, p.numel())
+        if piece is not None:
+            rest[name] = piece["param"].reshape(p.shape)
+    return rest
 
 
 def load_module_state(
@@ -367,10 +372,12 @@ def load_module_state(
         rest = load_stage3_params(checkpoint, engine, sharded_path, tp)
         rest = {k: v for k, v in rest.items() if k not in remote}
         missing, unexpected = module.load_state_dict(rest, strict=False)
-        buffers = {n for n, b in module.named_buffers() if not b.is_meta}
-        if strict and (set(missing) & buffers or unexpected):
+        # buffers, and parameters no unit holds (attached after setup), come through load_state_dict
+        whole = {n for n, b in module.named_buffers() if not b.is_meta}
+        whole |= {n for n, _ in unsharded_params(module, engine)}
+        if strict and (set(missing) & whole or unexpected):
             raise KeyError(
-                f"Buffers missing from the checkpoint: {sorted(set(missing) & buffers)};"
+                f"Buffers or whole parameters missing from the checkpoint: {sorted(set(missing) & whole)};"
                 f" unexpected keys: {sorted(unexpected)}."
             )
         return

@@ -92,7 +92,9 @@ def capture(
         optim["comm"] = comm
     step_tensors: list[Tensor] = [p for p in module.parameters() if not p.is_meta]
     if engine is not None and engine.shards_params:
-        params = _param_names(module)
+        # the units' parameters go as shards; one attached after setup (an EMA copy) stays in `model`
+        held = engine.sharded_param_ids
+        params = {n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in held}
         model = OrderedDict((k, v) for k, v in model.items() if k not in params)
         shards = engine.param_shards()
         optim["shards"] = [(n, lo, hi, {"param": v.detach()}) for n, lo, hi, v in shards]

@@ -165,6 +165,8 @@ class ZeroEngine:
         """Parameter pieces held as shards: none below stage 3 (the parameters are whole)."""
         return []
 
+    sharded_param_ids: frozenset[int] = frozenset()  # no parameter is sharded below stage 3
+
     def load_param_shards(self, values: Callable[[str, int, int], Tensor | None]) -> None:
         """Nothing to load below stage 3: whole parameters load through ``module.load_state_dict``."""
 
@@ -272,6 +274,9 @@ class Engine(Protocol):
 
     # state access, identical in meaning at stages 0-3 (callers never ask which engine they hold)
     shards_params: bool
+
+    @property
+    def sharded_param_ids(self) -> frozenset[int]: ...
 
     def bucket_order(self) -> list[str]: ...
     def param_shards(self) -> list[tuple[str, int, int, Tensor]]: ...

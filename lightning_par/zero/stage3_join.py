@@ -100,7 +100,8 @@ class Stage3Join:
             yield
             if writeback:
                 self._keep_writes()
-            elif {id(p) for p in self.module.parameters()} != before:
+            elif before - {id(p) for p in self.module.parameters()}:
+                # (a module added inside, as an EMA copy assigned to the model, loses nothing)
                 raise RuntimeError(
                     "The model's parameters changed inside gathered_params() (modules replaced or removed,"
                     " as PEFT's merge_and_unload() does), whose writes are dropped at the exit without"

@@ -61,6 +61,13 @@ class Stage3State:
         """Empty: units follow the module structure, not a recorded flat order."""
         return []
 
+    @property
+    def sharded_param_ids(self) -> frozenset[int]:
+        """Ids of the parameters the units hold, trainable and frozen. A parameter attached to the model
+        after setup (an EMA copy made in ``on_fit_start``) is not among them: it is whole on every rank,
+        and checkpoints take it whole."""
+        return frozenset(id(p) for u in self.units for part in u.parts for p in part.params)
+
     def param_shards(self) -> list[tuple[str, int, int, Tensor]]:
         """The engine protocol's name for :meth:`shard_table`."""
         return self.shard_table()
