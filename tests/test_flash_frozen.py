@@ -152,6 +152,14 @@ def test_fingerprint_differences_name_the_frozen_set_and_the_stage_with_their_fi
     assert found[1] == "parameters frozen in the snapshot, trainable now: ['a']", found
     assert "loads by name" in found[2]
     assert found[3].startswith("ZeRO stage: snapshot 2, now 3") and "loads at any stage" in found[3]
+    # an optimizer over the trainable parameters follows the frozen set (ZeRO-0 has no frozen record)
+    adam = {"class": "AdamW", "param_names": [["a", "b"]]}
+    moved = differences({"optimizers": [adam]}, {"optimizers": [{**adam, "param_names": [["b", "c"]]}]})
+    assert moved[0].startswith("optimizer 0: parameters left it: ['a']; joined it: ['c']"), moved
+    assert "trainer.save_checkpoint" in moved[0]
+    assert differences({"optimizers": [adam]}, {"optimizers": []}) == [
+        "optimizers: the snapshot has 1, this run 0"
+    ]
     # a snapshot written before the frozen set was recorded (or at ZeRO-0) is not judged by it
     old = {k: v for k, v in saved.items() if k != "frozen"}
     assert differences({**old, "zero_stage": 3}, now) == []

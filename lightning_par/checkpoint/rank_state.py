@@ -309,7 +309,7 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
                 if items:
                     out.append(f"parameters {label}: {items}")
         elif key == "optimizers":
-            out.append("optimizers (class or parameter groups) differ")
+            out.extend(_optimizer_differences(a or [], b or []))
         elif key == "pipeline_cut" and isinstance(a, list) and isinstance(b, list):
             was, now = [e - s for s, e in a], [e - s for s, e in b]
             out.append(
@@ -347,4 +347,31 @@ def _frozen_differences(saved: list[str] | None, current: list[str] | None) -> l
         " into the same frozen set; to change it, resume from a checkpoint of trainer.save_checkpoint or"
         " fabric.save, which loads by name"
     )
+    return out
+
+
+def _optimizer_differences(saved: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[str]:
+    """The optimizers' differences by name: count, class, and which parameters joined or left each (an
+    optimizer built over the trainable parameters follows the frozen set)."""
+    if len(saved) != len(current):
+        return [f"optimizers: the snapshot has {len(saved)}, this run {len(current)}"]
+    out = []
+    for k, (a, b) in enumerate(zip(saved, current, strict=True)):
+        if a.get("class") != b.get("class"):
+            out.append(f"optimizer {k}: snapshot {a.get('class')}, now {b.get('class')}")
+            continue
+        was = {n for group in a.get("param_names", []) for n in group}
+        now = {n for group in b.get("param_names", []) for n in group}
+        left, joined = sorted(was - now), sorted(now - was)
+        if not left and not joined:
+            out.append(f"optimizer {k}: its parameter groups are split otherwise")
+            continue
+        listed = [
+            f"{label} {names[:5]}" for label, names in (("left it:", left), ("joined it:", joined)) if names
+        ]
+        out.append(
+            f"optimizer {k}: parameters {'; '.join(listed)} (frozen otherwise? resume with the same"
+            " parameters trainable, or from a checkpoint of trainer.save_checkpoint or fabric.save, which"
+            " loads by name)"
+        )
     return out
