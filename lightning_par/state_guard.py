@@ -20,6 +20,7 @@ Nothing is gathered: such saves run on rank 0 alone, where a collective would ha
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -74,7 +75,8 @@ def guard_state_dicts(
         if module is not root and holds(module):
             found.setdefault(id(module), (module, set()))[1].add(name + ".")
     handles = [
-        module.register_state_dict_pre_hook(_refuse(prefixes, reason)) for module, prefixes in found.values()
+        module.register_state_dict_pre_hook(_refuse(prefixes, reason, root))
+        for module, prefixes in found.values()
     ]
     if whole is not None:
         refuse = for_owner(root, _refuse_whole(whole, own or OwnReads()), on_copy=on_copy)
@@ -95,14 +97,17 @@ def _refuse_whole(whole: Callable[[], str | None], own: OwnReads) -> Callable[..
     return hook
 
 
-def _refuse(prefixes: set[str], reason: Callable[[nn.Module], str | None]) -> Callable[..., None]:
+def _refuse(
+    prefixes: set[str], reason: Callable[[nn.Module], str | None], root: nn.Module
+) -> Callable[..., None]:
     name = min(prefixes).rstrip(".")
+    top = weakref.ref(root)
 
     def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if prefix in prefixes:
             return
         why = reason(module)
-        if why is not None:
+        if why is not None and not _from_root(top(), module, prefix):
             raise RuntimeError(
                 f"state_dict() reached {name!r} ({type(module).__name__}), whose parameters are {why}, so"
                 " this state dict (Hugging Face's save_pretrained, PEFT's adapter export, torch.save) would"
@@ -110,3 +115,13 @@ def _refuse(prefixes: set[str], reason: Callable[[nn.Module], str | None]) -> Ca
             )
 
     return hook
+
+
+def _from_root(root: nn.Module | None, module: nn.Module, prefix: str) -> bool:
+    """Whether a traversal of ``root`` reached ``module`` under ``prefix``: a deep copy of a guarded
+    module (an EMA attached to the model after setup) carries the hook under a path the hook was not
+    registered for; its root's own traversal (the strategies' checkpoints) passes it too. One walk of
+    the root's modules, for such copies only."""
+    if root is None:
+        return False
+    return any(m is module and prefix == f"{n}." for n, m in root.named_modules(remove_duplicate=False))

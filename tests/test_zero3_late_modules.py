@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
 from tests.fits import cpu_trainer, final_state
+from tests.third_party import Tokens, llama
 
 STEPS, MORE = 4, 2
 
@@ -179,3 +180,82 @@ def test_fabric_loads_a_module_attached_after_setup_at_zero3(tmp_path: Path) -> 
             torch.testing.assert_close(out[name]["loaded"], out[name]["saved"])
             torch.testing.assert_close(out[name]["flash"], out[name]["saved"])
         torch.testing.assert_close(out["zero3"]["saved"], out["ddp"]["saved"])
+
+
+class EmaLlama(pl.LightningModule):
+    """A Hugging Face Llama and an EMA copy of it made after setup (``on_fit_start``), or in
+    ``__init__`` with ``early`` (the resumed run: the copy exists before the checkpoint loads)."""
+
+    tp_plan = "llama"
+
+    def __init__(self, *, early: bool = False) -> None:
+        super().__init__()
+        self.model = llama()
+        if early:
+            self.ema = copy.deepcopy(self.model).requires_grad_(False)
+
+    def _gathered(self, **options: Any) -> Any:
+        strategy = self.trainer.strategy
+        ours = isinstance(strategy, HybridParallelStrategy)
+        return strategy.gathered_params(**options) if ours else nullcontext()
+
+    def on_fit_start(self) -> None:
+        if not hasattr(self, "ema"):
+            with self._gathered():
+                self.ema = copy.deepcopy(self.model).requires_grad_(False)  # tp slices, after setup
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        ids, labels = batch
+        return self.model(input_ids=ids, labels=labels).loss
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        with self._gathered(writeback=True), torch.no_grad():
+            for e, p in zip(self.ema.parameters(), self.model.parameters(), strict=True):
+                e.lerp_(p, 0.5)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.model.parameters(), lr=0.5)
+
+
+def _tp_runs(rank: int, world: int, tmp: str, stages: list[int]) -> dict[str, dict[str, dict[str, Tensor]]]:
+    out = {}
+    for stage in stages:
+        path = str(Path(tmp) / f"tp{world}_{stage}.ckpt")
+
+        def make(s: int = stage) -> Any:
+            if world == 1:
+                return "auto"
+            return HybridParallelStrategy(zero_stage=s, tensor_parallel_size=2, meta_init=False)
+
+        data = DataLoader(Tokens(8), batch_size=4)
+        module, strategy = EmaLlama(), make()
+        # dp = 1 in both: every rank reads the whole loader in order, as the one process does
+        trainer = cpu_trainer(strategy, devices=world, max_steps=2, use_distributed_sampler=False)
+        trainer.fit(module, data)
+        trainer.save_checkpoint(path)
+        first = final_state(module, strategy)
+        module, strategy = EmaLlama(early=True), make()
+        resumed = cpu_trainer(strategy, devices=world, max_steps=4, use_distributed_sampler=False)
+        resumed.fit(module, data, ckpt_path=path)
+        out[f"zero{stage}"] = {"first": first, "resumed": final_state(module, strategy)}
+    return out
+
+
+def test_a_tensor_parallel_copy_attached_after_setup_is_checkpointed_as_one_process(tmp_path: Path) -> None:
+    """A deep copy of a tensor-parallel model holds this rank's slices: before, its parameters lost the
+    marks of their cut (torch's Parameter copy drops Python attributes) and the slices' state-dict guard,
+    carried along, refused the whole model's checkpoint and export ("state_dict() reached
+    'model.model.embed_tokens' ... tensor-parallel slices"). Now the copy is saved, exported and resumed
+    as one process's EMA, at ZeRO-0 and ZeRO-3."""
+    reference = run_distributed(_tp_runs, 1, str(tmp_path / "one"), [0], init_group=False)[0]["zero0"]
+    results = run_distributed(_tp_runs, 2, str(tmp_path / "tp"), [0, 3], init_group=False, timeout=300)[0]
+    assert (
+        reference["resumed"]["ema.lm_head.weight"] - reference["first"]["ema.lm_head.weight"]
+    ).abs().max() > 1e-4
+    for name, runs in results.items():
+        for run, state in runs.items():
+            assert state.keys() == reference[run].keys(), (name, run)
+            for key, value in reference[run].items():
+                torch.testing.assert_close(
+                    state[key], value, msg=lambda m, n=name, r=run, k=key: f"{n} {r} {k}: {m}"
+                )

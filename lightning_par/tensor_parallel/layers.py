@@ -107,6 +107,14 @@ class _GroupLayer(nn.Module):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        # torch's Parameter copy drops its Python attributes: the slices keep their marks (which dimension
+        # is cut, the fused segments), so a copy is checkpointed and consolidated as the original
+        for name, param in self._parameters.items():
+            twin = new._parameters.get(name)
+            if param is not None and twin is not None:
+                for attr, value in vars(param).items():
+                    if attr.startswith("_lp_"):
+                        setattr(twin, attr, value)
         return new
 
 
