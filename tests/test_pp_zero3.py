@@ -17,6 +17,7 @@ drawn exactly as block 0 (stage 0).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -205,3 +206,10 @@ def test_pipeline_unit_policies_are_checked_against_the_layers() -> None:
     # all on one stage, but above the layers: the pipeline never calls it
     with pytest.raises(ValueError, match=r"'model.blocks' .* would never gather it"):
         check_pipeline_units(module, ["model.blocks"], layers=layers, pieces=[(0, 3), (3, 4)], pp_size=2)
+    # a copy of the model beside the layers (an EMA made in __init__): named as such, with the fix (before,
+    # "zero3_units selects ..." though zero3_units was never set)
+    module.ema = copy.deepcopy(module.model)
+    with pytest.raises(
+        ValueError, match=r"found 'ema.blocks.0' .* outside the pipeline's layers .*ShardedEMA"
+    ):
+        check_pipeline_units(module, None, layers=layers, pieces=pieces, pp_size=2)

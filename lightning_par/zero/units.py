@@ -127,6 +127,14 @@ def check_pipeline_units(
             " never gather it"
         )
         layer_names = [names.get(id(layer), type(layer).__name__) for layer in layers[:3]]
+        if not held:  # no layer in it: a module beside the pipeline (an EMA or teacher copy on the module)
+            raise ValueError(
+                f"ZeRO-3 under pipeline parallelism found {name!r} (selected as a unit by zero3_units or"
+                f" its default) outside the pipeline's layers (e.g. {layer_names}): each stage holds and"
+                " runs its own layers only, so a module beside them (a copy of the model for an EMA or a"
+                " teacher) would never be gathered. Keep it off the LightningModule (for an EMA:"
+                " lightning_par.callbacks.ShardedEMA, which averages each stage's own weights)."
+            )
         raise ValueError(
             f"zero3_units selects {name!r} as a ZeRO-3 unit, but {where}. Under pipeline parallelism every"
             f" unit must be a pipeline layer (e.g. {layer_names}) or lie inside one: pass the block class,"
