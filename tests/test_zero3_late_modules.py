@@ -35,15 +35,12 @@ from tests.third_party import Tokens, llama
 STEPS, MORE = 4, 2
 
 
-class EmaModule(pl.LightningModule):
-    """An MLP and an EMA of it, made in ``on_fit_start`` (or in ``__init__`` with ``early``)."""
+class EmaBase(pl.LightningModule):
+    """A network (``self.source()``) and an EMA of it, made in ``on_fit_start`` (or in ``__init__`` with
+    ``early``: the resumed runs, where the copy exists before the checkpoint loads)."""
 
-    def __init__(self, *, early: bool = False) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-        if early:
-            self.ema = copy.deepcopy(self.net).requires_grad_(False)
+    def source(self) -> nn.Module:
+        raise NotImplementedError
 
     def _gathered(self, **options: Any) -> Any:
         strategy = self.trainer.strategy
@@ -53,17 +50,31 @@ class EmaModule(pl.LightningModule):
     def on_fit_start(self) -> None:
         if not hasattr(self, "ema"):
             with self._gathered():  # at ZeRO-3 the weights are whole only in here
-                self.ema = copy.deepcopy(self.net).requires_grad_(False)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = batch
-        return F.mse_loss(self.net(x), y)
+                self.ema = copy.deepcopy(self.source()).requires_grad_(False)
 
     def on_train_batch_end(self, *args: Any) -> None:
         # writeback: an EMA made in __init__ is a (frozen) part of ZeRO-3's units, whose writes it keeps
         with self._gathered(writeback=True), torch.no_grad():
-            for e, p in zip(self.ema.parameters(), self.net.parameters(), strict=True):
+            for e, p in zip(self.ema.parameters(), self.source().parameters(), strict=True):
                 e.lerp_(p, 0.5)
+
+
+class EmaModule(EmaBase):
+    """An MLP and its EMA."""
+
+    def __init__(self, *, early: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        if early:
+            self.ema = copy.deepcopy(self.net).requires_grad_(False)
+
+    def source(self) -> nn.Module:
+        return self.net
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam(self.net.parameters(), lr=0.05)
@@ -182,9 +193,8 @@ def test_fabric_loads_a_module_attached_after_setup_at_zero3(tmp_path: Path) -> 
         torch.testing.assert_close(out["zero3"]["saved"], out["ddp"]["saved"])
 
 
-class EmaLlama(pl.LightningModule):
-    """A Hugging Face Llama and an EMA copy of it made after setup (``on_fit_start``), or in
-    ``__init__`` with ``early`` (the resumed run: the copy exists before the checkpoint loads)."""
+class EmaLlama(EmaBase):
+    """A Hugging Face Llama under the "llama" plan and its EMA (made after setup: tensor-parallel slices)."""
 
     tp_plan = "llama"
 
@@ -194,24 +204,12 @@ class EmaLlama(pl.LightningModule):
         if early:
             self.ema = copy.deepcopy(self.model).requires_grad_(False)
 
-    def _gathered(self, **options: Any) -> Any:
-        strategy = self.trainer.strategy
-        ours = isinstance(strategy, HybridParallelStrategy)
-        return strategy.gathered_params(**options) if ours else nullcontext()
-
-    def on_fit_start(self) -> None:
-        if not hasattr(self, "ema"):
-            with self._gathered():
-                self.ema = copy.deepcopy(self.model).requires_grad_(False)  # tp slices, after setup
+    def source(self) -> nn.Module:
+        return self.model
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         ids, labels = batch
         return self.model(input_ids=ids, labels=labels).loss
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        with self._gathered(writeback=True), torch.no_grad():
-            for e, p in zip(self.ema.parameters(), self.model.parameters(), strict=True):
-                e.lerp_(p, 0.5)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.model.parameters(), lr=0.5)
