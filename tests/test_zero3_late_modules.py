@@ -36,11 +36,10 @@ STEPS, MORE = 4, 2
 
 
 class EmaBase(pl.LightningModule):
-    """A network (``self.source()``) and an EMA of it, made in ``on_fit_start`` (or in ``__init__`` with
-    ``early``: the resumed runs, where the copy exists before the checkpoint loads)."""
+    """A network (the attribute ``source`` names) and an EMA of it, made in ``on_fit_start`` (or in
+    ``__init__`` with ``early``: the resumed runs, where the copy exists before the checkpoint loads)."""
 
-    def source(self) -> nn.Module:
-        raise NotImplementedError
+    source = "net"  # the attribute holding the network the EMA follows
 
     def _gathered(self, **options: Any) -> Any:
         strategy = self.trainer.strategy
@@ -50,12 +49,12 @@ class EmaBase(pl.LightningModule):
     def on_fit_start(self) -> None:
         if not hasattr(self, "ema"):
             with self._gathered():  # at ZeRO-3 the weights are whole only in here
-                self.ema = copy.deepcopy(self.source()).requires_grad_(False)
+                self.ema = copy.deepcopy(getattr(self, self.source)).requires_grad_(False)
 
     def on_train_batch_end(self, *args: Any) -> None:
         # writeback: an EMA made in __init__ is a (frozen) part of ZeRO-3's units, whose writes it keeps
         with self._gathered(writeback=True), torch.no_grad():
-            for e, p in zip(self.ema.parameters(), self.source().parameters(), strict=True):
+            for e, p in zip(self.ema.parameters(), getattr(self, self.source).parameters(), strict=True):
                 e.lerp_(p, 0.5)
 
 
@@ -68,9 +67,6 @@ class EmaModule(EmaBase):
         self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
         if early:
             self.ema = copy.deepcopy(self.net).requires_grad_(False)
-
-    def source(self) -> nn.Module:
-        return self.net
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch
@@ -197,15 +193,13 @@ class EmaLlama(EmaBase):
     """A Hugging Face Llama under the "llama" plan and its EMA (made after setup: tensor-parallel slices)."""
 
     tp_plan = "llama"
+    source = "model"
 
     def __init__(self, *, early: bool = False) -> None:
         super().__init__()
         self.model = llama()
         if early:
             self.ema = copy.deepcopy(self.model).requires_grad_(False)
-
-    def source(self) -> nn.Module:
-        return self.model
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         ids, labels = batch
