@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_par.activation_checkpointing import apply_activation_checkpointing
-from lightning_par.pipeline.apply import PipelineSplit, apply_pipeline
+from lightning_par.pipeline.apply import PipelineSplit, apply_pipeline, warn_frozen_beside
 from lightning_par.pipeline.partition import Cut
 from lightning_par.pipeline.pieces import Piece
 from lightning_par.state_guard import guard_state_dicts
@@ -146,6 +146,7 @@ def compose(
             sample=sample,
             groups=cut_groups,
         )
+        warn_frozen_beside(module, built)
     if options.activation_checkpointing is not False:
         policy = None if options.activation_checkpointing is True else options.activation_checkpointing
         composition.checkpointed = apply_activation_checkpointing(module, policy=policy)

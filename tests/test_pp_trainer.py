@@ -4,7 +4,9 @@ clipping; validation through the pipeline; a checkpoint reloaded at another pipe
 
 from __future__ import annotations
 
+import copy
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.models import GPTModule
+from lightning_par.pipeline.apply import warn_frozen_beside
 from tests.distributed import run_distributed
 from tests.test_strategy import LossRecorder, Tokens
 from tests.test_tensor_parallel import gather_full
@@ -320,3 +323,19 @@ def test_pipeline_bad_input_is_named() -> None:
         HybridParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="gpipe", pipeline_slack=1)
     with pytest.raises(ValueError, match="partition_method must be one of"):
         HybridParallelStrategy(pipeline_parallel_size=2, partition_method="random")  # type: ignore[arg-type]
+
+
+def test_a_frozen_copy_beside_the_pipeline_layers_is_named() -> None:
+    # an EMA copy of the model made in __init__ (frozen): the pipeline never runs it, and its update with
+    # the model's parameters meets other stages' meta placeholders; before, only torch's bare "Tensor on
+    # device meta is not on the expected device cpu!" at the first update
+    module = _module()
+    layers = list(module.pipeline_layers())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_frozen_beside(module, layers)  # the model alone: nothing beside its layers
+        module.ema = copy.deepcopy(module.model).requires_grad_(True)
+        warn_frozen_beside(module, layers)  # trainable: the engines name it as unused at the first step
+    module.ema.requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"19 frozen parameter\(s\) .*\['ema.embed.tok.weight'.*ShardedEMA"):
+        warn_frozen_beside(module, layers)

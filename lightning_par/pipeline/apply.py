@@ -19,6 +19,7 @@ gradient norm counts it once.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -85,6 +86,29 @@ def apply_pipeline(
                             setattr(placeholder, attr, getattr(p, attr))
                     module._parameters[name] = placeholder
     return PipelineSplit(chunks=chunks, pieces=pieces, local=local)
+
+
+def warn_frozen_beside(root: nn.Module, layers: Sequence[nn.Module]) -> None:
+    """Warn (on global rank 0) about frozen parameters of ``root`` outside every pipeline layer: a copy of
+    the model for an EMA or a teacher, made in ``__init__``. The pipeline runs its layers only, and on
+    each rank the layers of other stages are meta placeholders, so code pairing such a copy with the
+    model's parameters (an EMA update) fails in torch with a bare meta-device error. Trainable ones need
+    no warning: they get no gradient, which the engines refuse by name."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    inside = {id(p) for layer in layers for p in layer.parameters()}
+    beside = [n for n, p in root.named_parameters() if id(p) not in inside and not p.requires_grad]
+    if beside:
+        warnings.warn(
+            f"Pipeline parallelism: {len(beside)} frozen parameter(s) lie outside the pipeline's layers"
+            f" ({beside[:4]}{' ...' if len(beside) > 4 else ''}), a copy of the model for an EMA or a"
+            " teacher? The pipeline runs its layers only, and each rank holds its own stage's layers (the"
+            " other stages' parameters are meta-device placeholders there), so an update pairing this copy"
+            " with the model's parameters fails with torch's 'Tensor on device meta' error. For an EMA of"
+            " the weights use lightning_par.callbacks.ShardedEMA, which averages each stage's own layers;"
+            " otherwise keep such a module off the model.",
+            stacklevel=2,
+        )
 
 
 class TiedGradients:
