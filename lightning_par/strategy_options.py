@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
 from lightning_par.pipeline.partition import PartitionMethod, as_cut
 from lightning_par.pipeline.schedule import SCHEDULES, ScheduleName, validate_sizes
 from lightning_par.tensor_parallel import resolve_plan
@@ -106,7 +108,45 @@ def check_options(
             "sequence_parallel=True splits the activations over a tensor-parallel group, but"
             " tensor_parallel_size=1: set tensor_parallel_size > 1, or sequence_parallel=False."
         )
+    _warn_idle_options(
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        tp_plan=tp_plan,
+        pipeline={
+            "num_microbatches": (num_microbatches, None),
+            "pipeline_schedule": (pipeline_schedule, "1f1b"),
+            "virtual_stages": (virtual_stages, 1),
+            "pipeline_slack": (pipeline_slack, 0),
+            "partition_method": (partition_method, "compute"),
+        },
+    )
     return num_microbatches
+
+
+def _warn_idle_options(
+    *,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    tp_plan: object,
+    pipeline: Mapping[str, tuple[object, object]],
+) -> None:
+    """Warn (rank 0) about options set away from their defaults that do nothing at this layout: pipeline
+    options at ``pipeline_parallel_size=1``, a ``tp_plan`` at ``tensor_parallel_size=1``. Warned, not
+    refused, so a sweep over the sizes (``pipeline_parallel_size=1,2``) keeps its other values."""
+    if pipeline_parallel_size == 1:
+        idle = [f"{name}={value!r}" for name, (value, default) in pipeline.items() if value != default]
+        if idle:
+            verb = "apply" if len(idle) > 1 else "applies"
+            rank_zero_warn(
+                f"{', '.join(idle)} {verb} under pipeline parallelism only, but pipeline_parallel_size=1:"
+                " nothing is pipelined in this run. Set pipeline_parallel_size > 1, or leave them at their"
+                " defaults."
+            )
+    if tensor_parallel_size == 1 and tp_plan is not None:
+        rank_zero_warn(
+            f"tp_plan={tp_plan!r} applies under tensor parallelism only, but tensor_parallel_size=1: the"
+            " model is not split in this run. Set tensor_parallel_size > 1, or leave tp_plan unset."
+        )
 
 
 def _check_stage3_options(

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_par import HybridParallelStrategy
+from lightning_par.fabric import HybridParallelStrategy as LitFabricStrategy
 from lightning_par.models import GPTModule
 from lightning_par.pipeline.apply import warn_frozen_beside
 from tests.distributed import run_distributed
@@ -339,3 +340,17 @@ def test_a_frozen_copy_beside_the_pipeline_layers_is_named() -> None:
     module.ema.requires_grad_(False)
     with pytest.warns(UserWarning, match=r"19 frozen parameter\(s\) .*\['ema.embed.tok.weight'.*ShardedEMA"):
         warn_frozen_beside(module, layers)
+
+
+def test_options_that_do_nothing_at_this_layout_are_warned() -> None:
+    # before, silently ignored: a run meant to be pipelined or split trained as plain data parallelism
+    with pytest.warns(UserWarning, match=r"num_microbatches=8, pipeline_schedule='zb' apply under pipeline"):
+        HybridParallelStrategy(num_microbatches=8, pipeline_schedule="zb")
+    with pytest.warns(UserWarning, match=r"virtual_stages=2 applies .* but pipeline_parallel_size=1"):
+        LitFabricStrategy(zero_stage=1, virtual_stages=2)
+    with pytest.warns(UserWarning, match=r"tp_plan='llama' applies .* but tensor_parallel_size=1"):
+        HybridParallelStrategy(tp_plan="llama", pipeline_parallel_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        HybridParallelStrategy(zero_stage=2)  # the defaults: nothing to say
+        HybridParallelStrategy(tensor_parallel_size=2, tp_plan="llama", pipeline_parallel_size=2)
