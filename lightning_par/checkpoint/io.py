@@ -215,11 +215,13 @@ def save_sharded(
     barrier()  # nobody reads path (or saves it again) before the swap is done
 
 
-def check_model(checkpoint: Mapping[str, Any], module: nn.Module, tp: TPInfo) -> None:
+def check_model(checkpoint: Mapping[str, Any], module: nn.Module, tp: TPInfo, *, strict: bool = True) -> None:
+    """Refuse a checkpoint whose recorded parameters are not the model's, before anything loads (with
+    ``strict=False``, only those of another shape)."""
     meta = checkpoint.get(METADATA_KEY)
     if meta and "params" in meta:
         current = {n: tuple(s) for n, s in global_shapes(module, tp).items()}
-        check_params_match(meta["params"], current)
+        check_params_match(meta["params"], current, strict=strict)
 
 
 def _sources(

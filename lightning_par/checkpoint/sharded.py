@@ -320,11 +320,15 @@ def assemble_state_dict(
     return out
 
 
-def check_params_match(saved: Mapping[str, Any], current: Mapping[str, tuple[int, ...]]) -> None:
-    """Raise a ``ValueError`` naming every parameter that is missing, unexpected or of another shape."""
+def check_params_match(
+    saved: Mapping[str, Any], current: Mapping[str, tuple[int, ...]], *, strict: bool = True
+) -> None:
+    """Raise a ``ValueError`` naming every parameter that is missing, unexpected or of another shape;
+    with ``strict=False`` only shapes are compared, over the names both hold (torch's
+    ``load_state_dict(strict=False)``: a new head, or one dropped, is left out of the load)."""
     saved_shapes = {k: tuple(v) for k, v in saved.items()}
-    missing = sorted(set(current) - set(saved_shapes))
-    unexpected = sorted(set(saved_shapes) - set(current))
+    missing = sorted(set(current) - set(saved_shapes)) if strict else []
+    unexpected = sorted(set(saved_shapes) - set(current)) if strict else []
     reshaped = sorted(
         f"{k}: checkpoint {saved_shapes[k]} vs model {current[k]}"
         for k in set(current) & set(saved_shapes)
@@ -340,5 +344,11 @@ def check_params_match(saved: Mapping[str, Any], current: Mapping[str, tuple[int
             parts.append(f"different shapes: {reshaped[:8]}")
         raise ValueError(
             "The checkpoint does not match the model (" + "; ".join(parts) + "). Load it into the model"
-            " configuration it was saved from."
+            " configuration it was saved from"
+            + (
+                ", or leave out the names only one side has: fabric.load(..., strict=False), or"
+                " self.strict_loading = False on the LightningModule."
+                if strict
+                else "."
+            )
         )

@@ -279,7 +279,7 @@ def load(
     index = _saved_index(opt_keys, saved_optimizers, path, strict=strict)
     if module_key is not None:
         assert module is not None
-        check_model(checkpoint, module, _tp(strategy))
+        check_model(checkpoint, module, _tp(strategy), strict=strict)
         _load_module(strategy, checkpoint, source, strict=strict)
     if opt_keys:
         assert module is not None

@@ -139,6 +139,7 @@ class FabricPipeline:
         engine = self._strategy.engine
         if engine is None:
             raise RuntimeError("Set up the module first: fabric.setup(model, optimizer).")
+        self._strategy.flush_optimizers()  # handed over by setup_optimizers: sharded at the first call
         gather = engine.forward_context() if engine.shards_params else nullcontext()
         with self._strategy.precision.forward_context(), gather:
             yield

@@ -220,7 +220,11 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         self._launch_store: torch.distributed.TCPStore | None = None  # rank 0 hosts it
         self.engine: Engine | None = None
         self.module: nn.Module | None = None
-        self.optimizers: list[Optimizer] = []
+        self._optimizers: list[Optimizer] = []
+        # optimizers from fabric.setup_optimizers(...), which hands them over one call each: sharded
+        # together at the first use (a forward, a pipeline call, a checkpoint, a read of .optimizers)
+        self._pending: list[Optimizer] = []
+        self._pending_hook: RemovableHandle | None = None
         self._pipeline: FabricPipeline | None = None
         self._refusal: RemovableHandle | None = None  # the hook refusing model(...) under a pipeline
         # the tp / pp ranks' first batches compared (batch_agreement.py): the pipeline's steps, or the
@@ -407,18 +411,48 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             )
         return self._pipeline
 
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        """The set-up optimizers, rebuilt over this rank's shards (those handed over by
+        ``setup_optimizers`` are sharded now if they were not yet)."""
+        self.flush_optimizers()
+        return self._optimizers
+
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        self._setup_optimizers([optimizer])
+        """``fabric.setup_optimizers(opt_a, opt_b)`` calls this once per optimizer, so each is only
+        recorded here: ZeRO 1-3 shard all of them together (one layout over every optimizer's parameters)
+        at their first use, :meth:`flush_optimizers` (before, the second call was refused)."""
+        self._check_optimizers([optimizer])
+        self._pending.append(optimizer)
+        if self._before_optimizers is not None:  # the first forward sets them up: nothing to refuse
+            self._before_optimizers.remove()
+            self._before_optimizers = None
+        if self._pending_hook is None and self.module is not None:
+            self._pending_hook = self.module.register_forward_pre_hook(
+                lambda *_: self.flush_optimizers(), prepend=True
+            )
         return optimizer
 
-    def _setup_optimizers(self, optimizers: list[Optimizer]) -> None:
+    def flush_optimizers(self) -> None:
+        """Set up the optimizers ``setup_optimizers`` handed over, if any (every rank, at the same point
+        of the loop: the first forward, pipeline call, checkpoint or read of :attr:`optimizers`)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        if self._pending_hook is not None:
+            self._pending_hook.remove()
+            self._pending_hook = None
+        self._setup_optimizers(pending)
+
+    def _check_optimizers(self, optimizers: list[Optimizer]) -> None:
         if self.engine is None:
             raise RuntimeError("Set up the module first: fabric.setup(model, optimizer) or setup_module().")
-        if self.optimizers:
+        if self._optimizers:
             raise ValueError(
-                "The optimizers of this module are already set up; pass all of them in one"
-                " fabric.setup(model, *optimizers) or setup_optimizers(*optimizers) call."
+                "The optimizers of this module are already set up (and sharded at their first use): pass"
+                " all of them in one fabric.setup(model, *optimizers) or setup_optimizers(*optimizers)"
+                " call, or several setup_optimizers calls before the model's first forward."
             )
         if any(p.is_meta for opt in optimizers for g in opt.param_groups for p in g["params"]):
             raise ValueError(
@@ -427,6 +461,9 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
                 " model = fabric.setup_module(model), from model.parameters(), then call"
                 " fabric.setup_optimizers(optimizer)."
             )
+
+    def _setup_optimizers(self, optimizers: list[Optimizer]) -> None:
+        self._check_optimizers(optimizers)
         follow_replaced(self._replaced, optimizers)
         self._replaced = {}
         if self._pipeline is not None:
@@ -439,12 +476,13 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             names={id(p): n for n, p in self.module.named_parameters()} if self.module is not None else None,
         )
         check_optimizer_kernels(optimizers, device=self.root_device)
+        assert self.engine is not None  # _check_optimizers
         self.engine.shard_optimizers(optimizers)
         if self._before_optimizers is not None:
             self._before_optimizers.remove()
             self._before_optimizers = None
         _optimizers_to_device(optimizers, self.root_device)
-        self.optimizers = list(optimizers)
+        self._optimizers = list(optimizers)
         set_precision_groups(self.precision, self.mesh, zero_stage=self.zero_stage)
 
     # ------------------------------------------------------------------ checkpoints
@@ -496,6 +534,9 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         if self._first_forward is not None:
             self._first_forward.remove()
             self._first_forward = None
+        if self._pending_hook is not None:
+            self._pending_hook.remove()
+            self._pending_hook = None
         self._metric_sync.restore()
         super().teardown()
 
