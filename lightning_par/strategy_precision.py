@@ -12,7 +12,9 @@ verdicts must agree.
 from __future__ import annotations
 
 import torch
+from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from lightning.pytorch.plugins.precision import Precision
+from torch import nn
 from typing_extensions import override
 
 from lightning_par.build import set_precision_groups
@@ -68,4 +70,18 @@ class StrategyPrecision(ZeroCheckpointIO):
         plugin = self.precision_plugin
         if isinstance(plugin, ParallelPrecision):
             set_precision_groups(plugin, self.mesh, zero_stage=self.zero_stage)
+            module = self.lightning_module
+            if plugin.precision == "bf16-true" and module is not None:
+                # the engine casts the compute copy through .data, which Lightning's dtype record does not
+                # see: self.dtype said float32 over bf16 weights (x.to(self.dtype) then failed in a step)
+                note_module_dtype(module, plugin.compute_dtype)
         self.setup_precision_plugin()
+
+
+def note_module_dtype(module: nn.Module, dtype: torch.dtype) -> None:
+    """Record ``dtype`` as the dtype of ``module`` and of every Lightning module within it (the
+    ``self.dtype`` that Lightning's ``.to()`` keeps), where the engines changed their parameters' dtype
+    without a ``.to()`` call."""
+    for m in module.modules():
+        if isinstance(m, _DeviceDtypeModuleMixin):
+            m._dtype = dtype

@@ -7,7 +7,9 @@ stopped: "mat1 and mat2 must have the same dtype, but got Float and BFloat16" at
 Lightning's ``"ddp"`` trains. Now, on 2 Gloo ranks:
 
 * Trainer: the noise drawn in ``training_step`` is bf16 and a tensor made in ``on_train_batch_end`` fp32
-  at ZeRO 0, 2 and 3; ZeRO-0 (bf16 parameters updated as they are, Lightning's scheme) equals ``"ddp"``;
+  at ZeRO 0, 2 and 3; ``self.dtype`` is bf16 there, as the weights (before, float32 at ZeRO 1-3, where the
+  engine casts the compute copy itself, so a step's ``x.to(self.dtype)`` failed: "mat1 and mat2 must have
+  the same dtype"); ZeRO-0 (bf16 parameters updated as they are, Lightning's scheme) equals ``"ddp"``;
   ZeRO-2 (fp32 masters in the shards) ends nearer the ``32-true`` run than ``"ddp"`` does.
 * Fabric: inside the module's forward the default dtype is bf16, the outputs come back fp32, and ZeRO-0
   equals Fabric's own DDP.
@@ -57,10 +59,12 @@ class NoisyModule(pl.LightningModule):
         super().__init__()
         self.model = Noisy()
         self.after: list[torch.dtype] = []
+        self.dtypes: list[torch.dtype] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch
-        return F.mse_loss(self.model(x).float(), y.float())
+        self.dtypes.append(self.dtype)  # the weights' dtype (before, float32 at ZeRO 1-3: masters)
+        return F.mse_loss(self.model(x.to(self.dtype)).float(), y.float())
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.after.append(torch.zeros(1).dtype)
@@ -77,7 +81,8 @@ def _fit(strategy: Any, precision: str) -> dict[str, Any]:
     module = NoisyModule()
     cpu_trainer(strategy, max_epochs=1, precision=precision).fit(module)
     drawn, after = set(module.model.drawn), set(module.after)
-    return {"state": final_state(module, strategy), "drawn": drawn, "after": after}
+    out = {"drawn": drawn, "after": after, "dtypes": set(module.dtypes)}
+    return out | {"state": final_state(module, strategy)}
 
 
 def _fabric(rank: int, strategy: Any) -> dict[str, Any]:
@@ -126,6 +131,7 @@ def test_bf16_true_steps_create_bf16_tensors_as_lightning_does() -> None:
         for key in ("ddp", "zero0", "zero2", "zero3"):
             assert out[key]["drawn"] == {torch.bfloat16}, (r, key, out[key]["drawn"])
             assert out[key]["after"] == {torch.float32}, (r, key, out[key]["after"])
+            assert out[key]["dtypes"] == {torch.bfloat16}, (r, key, out[key]["dtypes"])
         for key in ("fabric/ddp", "fabric/zero0"):
             assert out[key]["drawn"] == {torch.bfloat16}, (r, key, out[key]["drawn"])
             assert out[key]["outputs"] == {torch.float32}, (r, key, out[key]["outputs"])
