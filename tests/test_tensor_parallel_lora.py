@@ -242,6 +242,14 @@ def _refusals(rank: int, world: int, singles: list[Any]) -> str:
         with pytest.raises(ValueError, match=r"base_model\.model\.model\..*" + reason):
             apply_tensor_parallel(model, group=WORLD, plan="llama")
         assert not any(hasattr(p, TP_DIM_ATTR) for p in model.parameters()), "refused: left unchanged"
+    # PEFT's other in-layer methods: named as such (before, "needs an nn.Linear, but ... is Linear")
+    for config in (
+        peft.IA3Config(target_modules=TARGETS, feedforward_modules=[]),
+        peft.LoKrConfig(r=4, target_modules=TARGETS),
+    ):
+        model = peft.get_peft_model(llama(0), config)
+        with pytest.raises(ValueError, match=r"PEFT's peft\.tuners\..*plain LoRA .* tensor_parallel_size=1"):
+            apply_tensor_parallel(model, group=WORLD, plan="llama")
     merged = hf_llama()
     merged.merge_adapter()
     with pytest.raises(ValueError, match=r"self_attn\.q_proj'.*merged into the base weight"):

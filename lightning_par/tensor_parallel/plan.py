@@ -228,16 +228,22 @@ def _convert(
 
 def _check_kind(old: nn.Module, name: str, style: str) -> None:
     if style in _LINEAR_STYLES and not isinstance(old, nn.Linear):
-        litgpt = type(old).__module__.startswith("litgpt.")
-        raise ValueError(
-            f"tp_plan style {style!r} needs an nn.Linear, but {name!r} is {type(old).__name__}."
-            + (
+        where = type(old).__module__
+        hint = ""
+        if where.startswith("litgpt."):
+            hint = (
                 " litgpt's own LoRA and adapter layers are not sharded by tensor parallelism: fine-tune"
                 " litgpt.lora / litgpt.adapter models with tensor_parallel_size=1 (ZeRO shards them), or put"
                 " PEFT LoRA on a plain litgpt GPT's non-fused layers (attn.proj, mlp.*)."
-                if litgpt
-                else ""
             )
+        elif where.startswith("peft."):  # IA3, LoKr, LoHa, ...: their own Linear wrappers
+            hint = (
+                f" It is PEFT's {where}.{type(old).__name__}, an adapter layer tensor parallelism does not"
+                " split: of PEFT's methods it supports plain LoRA (with modules_to_save) only. Train this"
+                " adapter with tensor_parallel_size=1 (ZeRO shards it), or use LoraConfig."
+            )
+        raise ValueError(
+            f"tp_plan style {style!r} needs an nn.Linear, but {name!r} is {type(old).__name__}." + hint
         )
     if style == "vocab" and not isinstance(old, nn.Embedding):
         raise ValueError(
