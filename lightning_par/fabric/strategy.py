@@ -443,9 +443,13 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         if self._pending_hook is not None:
             self._pending_hook.remove()
             self._pending_hook = None
-        self._setup_optimizers(pending)
+        self._setup_optimizers(pending, checked=True)
 
     def _check_optimizers(self, optimizers: list[Optimizer]) -> None:
+        """What can be refused before the optimizers are sharded (at once, also for those
+        ``setup_optimizers`` hands over one by one): no module set up, optimizers set up already, meta
+        parameters; then, pointed at what tensor or pipeline parallelism replaced (under a pipeline, their
+        groups completed with the other stages' placeholders), the layout's optimizer rules."""
         if self.engine is None:
             raise RuntimeError("Set up the module first: fabric.setup(model, optimizer) or setup_module().")
         if self._optimizers:
@@ -461,12 +465,8 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
                 " model = fabric.setup_module(model), from model.parameters(), then call"
                 " fabric.setup_optimizers(optimizer)."
             )
-
-    def _setup_optimizers(self, optimizers: list[Optimizer]) -> None:
-        self._check_optimizers(optimizers)
         follow_replaced(self._replaced, optimizers)
-        self._replaced = {}
-        if self._pipeline is not None:
+        if self._pipeline is not None:  # collective over the stages: every rank, one optimizer at a time
             assert self.module is not None
             complete_stage_groups(optimizers, self.module, pp_group=self.mesh.pp_group)
         check_layout_optimizers(
@@ -476,6 +476,13 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             names={id(p): n for n, p in self.module.named_parameters()} if self.module is not None else None,
         )
         check_optimizer_kernels(optimizers, device=self.root_device)
+
+    def _setup_optimizers(self, optimizers: list[Optimizer], *, checked: bool = False) -> None:
+        """Shard ``optimizers`` (``checked``: :meth:`_check_optimizers` passed them already, and pointed
+        them at the placeholders of other stages, which it would now take for meta parameters)."""
+        if not checked:
+            self._check_optimizers(optimizers)
+        self._replaced = {}
         assert self.engine is not None  # _check_optimizers
         self.engine.shard_optimizers(optimizers)
         if self._before_optimizers is not None:
