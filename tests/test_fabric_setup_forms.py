@@ -6,7 +6,8 @@ Each was found by a probe:
   hands the optimizers over one call each, and the second was taken for a repeated setup ("already set
   up; pass all of them in one ... setup_optimizers(*optimizers) call", the call that failed). Now they
   are recorded and sharded together at their first use (here a ``fabric.save`` before the first
-  forward, and the first forward), and train as ``"ddp"``; an optimizer set up after that is refused.
+  forward, and the first forward), and train as ``"ddp"``; an optimizer set up after that is refused, and
+  so is the same module set up again (before, at ZeRO-3, as a placeholder read by Fabric's move).
 * ``fabric.load(path, {"model": model}, strict=False)`` into a model with a new head (a fine-tune) was
   refused for every checkpoint of ours ("missing in the checkpoint: ['aux.bias', 'aux.weight']"),
   ``strict`` notwithstanding. Now the names both hold load, as torch's ``load_state_dict(strict=False)``
@@ -99,6 +100,11 @@ def _run(rank: int, name: str, make: Callable[[], Any], root: Path) -> dict[str,
             out["late"] = None
         except ValueError as error:
             out["late"] = str(error)
+        try:  # the same module again: named before Fabric moves it (before, at ZeRO-3 a placeholder read)
+            fabric.setup_module(net.module)
+            out["twice"] = None
+        except ValueError as error:
+            out["twice"] = str(error)
     path = root / name
     fabric.save(path, {"model": net, "opt_g": opt_g, "opt_d": opt_d})
     if ours:
@@ -197,6 +203,7 @@ def test_setup_optimizers_one_by_one_and_a_partial_load_as_under_ddp(tmp_path: P
             for k, v in got["head"].items():  # the new head kept its initial values through the load
                 torch.testing.assert_close(got["loaded"][f"aux.{k}"], v, rtol=0, atol=0)
             assert "already set up" in got["late"] and "before the model's first forward" in got["late"], got
+            assert "This module was already set up by lightning_par" in got["twice"], got["twice"]
             assert "missing in the checkpoint: ['aux.bias', 'aux.weight']" in got["strict"], got["strict"]
             assert "strict=False" in got["strict"], got["strict"]
         for k in reference["trained"]:  # the loaded weights are the trained ones, the new head aside

@@ -316,6 +316,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
     def module_to_device(self, module: nn.Module) -> None:
         """Real tensors move to the root device; meta parameters wait for the engine (stage 3); meta
         buffers (a model built under ``torch.device("meta")``) are computed on the device."""
+        self._refuse_second_setup(module)  # Fabric moves a module before it sets it up
         move_real_tensors(module, self.root_device)
         materialize_buffers(module, device=self.root_device)
 
@@ -329,11 +330,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]
-        if getattr(module, SETUP_ATTR, False):
-            raise ValueError(
-                "This module was already set up by lightning_par's Fabric strategy: call fabric.setup() (or"
-                " setup_module()) once per module and keep the returned object."
-            )
+        self._refuse_second_setup(module)
         if self.module is not None:
             raise ValueError(
                 "lightning_par's Fabric strategy sets up one module per Fabric (its ZeRO engine and"
@@ -399,6 +396,14 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             handle.remove()
         if self.batches is not None:
             self.batches.check("forward", (args, kwargs))
+
+    @staticmethod
+    def _refuse_second_setup(module: nn.Module) -> None:
+        if getattr(module, SETUP_ATTR, False):
+            raise ValueError(
+                "This module was already set up by lightning_par's Fabric strategy: call fabric.setup() (or"
+                " setup_module()) once per module and keep the returned object."
+            )
 
     @property
     def pipeline(self) -> FabricPipeline:
