@@ -6,8 +6,9 @@ Each was found by a probe:
   hands the optimizers over one call each, and the second was taken for a repeated setup ("already set
   up; pass all of them in one ... setup_optimizers(*optimizers) call", the call that failed). Now they
   are recorded and sharded together at their first use (here a ``fabric.save`` before the first
-  forward, and the first forward), and train as ``"ddp"``; an optimizer set up after that is refused, and
-  so is the same module set up again (before, at ZeRO-3, as a placeholder read by Fabric's move).
+  forward, the first forward, or an EMA of the weights asked for right after), and train as ``"ddp"``;
+  an optimizer set up after that is refused, and so is the same module set up again (before, at ZeRO-3,
+  as a placeholder read by Fabric's move to the device).
 * ``fabric.load(path, {"model": model}, strict=False)`` into a model with a new head (a fine-tune) was
   refused for every checkpoint of ours ("missing in the checkpoint: ['aux.bias', 'aux.weight']"),
   ``strict`` notwithstanding. Now the names both hold load, as torch's ``load_state_dict(strict=False)``
@@ -131,6 +132,29 @@ def _run(rank: int, name: str, make: Callable[[], Any], root: Path) -> dict[str,
     return out
 
 
+def _averaged(rank: int, stage: int) -> dict[str, Tensor]:
+    """An EMA asked for right after setup_optimizers, before the optimizers are sharded: it binds to what
+    it averages at its first update, after the first forward, so it follows their shards (at ZeRO 1-3 the
+    fp32 masters) and equals ZeRO-0's, which averages the parameters."""
+    strategy = HybridParallelStrategy(zero_stage=stage)
+    fabric = _fabric(strategy)
+    net = fabric.setup_module(Net())
+    opt_g, opt_d = fabric.setup_optimizers(
+        torch.optim.Adam(net.g.parameters(), lr=0.01), torch.optim.Adam(net.d.parameters(), lr=0.01)
+    )
+    averages = strategy.weight_averages(decay=0.5)
+    for step in range(STEPS):
+        for which, opt in (("g", opt_g), ("d", opt_d)):
+            fabric.backward(net(_batch(rank, step), which))
+            opt.step()
+            opt.zero_grad()
+        averages.update()
+    averages.copy_to_targets()
+    out = _weights(fabric, net)
+    strategy.destroy_process_groups()
+    return out
+
+
 class Regression(pl.LightningModule):
     def __init__(self, *, aux: bool = False) -> None:
         super().__init__()
@@ -182,6 +206,7 @@ def _job(rank: int, world: int, tmp: str) -> dict[str, Any]:
         "zero3_file": lambda: HybridParallelStrategy(zero_stage=3, save_distributed_checkpoint=False),
     }
     out: dict[str, Any] = {name: _run(rank, name, make, root) for name, make in layouts.items()}
+    out["averaged"] = {stage: _averaged(rank, stage) for stage in (0, 1, 3)}
     trainers: dict[str, Callable[[], Any]] = {
         "ddp": lambda: "ddp",
         "zero3": lambda: TrainerStrategy(zero_stage=3),
@@ -208,5 +233,9 @@ def test_setup_optimizers_one_by_one_and_a_partial_load_as_under_ddp(tmp_path: P
             assert "strict=False" in got["strict"], got["strict"]
         for k in reference["trained"]:  # the loaded weights are the trained ones, the new head aside
             torch.testing.assert_close(reference["loaded"][k], reference["trained"][k], rtol=0, atol=0)
+        averaged = out["averaged"]
+        assert (averaged[0]["g.weight"] - reference["trained"]["g.weight"]).abs().max() > 1e-4  # an average
+        for stage in (1, 3):
+            torch.testing.assert_close(averaged[stage], averaged[0], msg=lambda m, s=stage: f"EMA {s}: {m}")
         # before, refused: "missing in the checkpoint: ['aux.bias', 'aux.weight']"
         torch.testing.assert_close(out["validate"]["zero3"], out["validate"]["ddp"])
