@@ -8,17 +8,21 @@ state dict (``lightning_par/zero/stage3_load.py``):
 * Trainer: weights loaded in ``on_train_start`` (another seed's Llama), then 3 steps: the final weights
   equal Lightning's ``"ddp"`` doing the same;
 * Fabric: after ``fabric.setup`` at ZeRO-3 the loaded model's logits equal the loaded weights' own in one
-  process; ``strict`` loading still names a missing key, an unexpected one and a shape mismatch.
+  process, also from a state dict of Lightning's ``lazy_load`` (litgpt's ``load_checkpoint``), whose
+  tensors are read on first use (before, each was reported as a "size mismatch"); ``strict`` loading
+  still names a missing key, an unexpected one and a shape mismatch.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.utilities.load import _lazy_load
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -53,7 +57,7 @@ def _fit(strategy: Any) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _fabric(rank: int, world: int) -> dict[str, Any]:
+def _fabric(rank: int, world: int, tmp: str) -> dict[str, Any]:
     fabric = Fabric(accelerator="cpu", devices=world, strategy=FabricStrategy(zero_stage=3))
     fabric.launch()
     model = fabric.setup(llama(seed=0))
@@ -61,6 +65,12 @@ def _fabric(rank: int, world: int) -> dict[str, Any]:
     model.load_state_dict(weights)
     with torch.no_grad():
         logits = model(input_ids=IDS).logits
+    # Lightning's lazy_load (litgpt's load_checkpoint): tensors read on first use, not Tensor objects
+    path = Path(tmp) / f"weights{rank}.pt"
+    torch.save(llama(seed=3).state_dict(), path)
+    model.load_state_dict(_lazy_load(path))
+    with torch.no_grad():
+        lazy = model(input_ids=IDS).logits
     errors = []
     for bad in (
         {k: v for k, v in weights.items() if k != "model.norm.weight"},
@@ -70,20 +80,20 @@ def _fabric(rank: int, world: int) -> dict[str, Any]:
         with pytest.raises(RuntimeError) as refused:
             model.load_state_dict(bad)
         errors.append(str(refused.value))
-    return {"logits": logits, "errors": errors}
+    return {"logits": logits, "lazy": lazy, "errors": errors}
 
 
-def _runs(rank: int, world: int) -> dict[str, Any]:
+def _runs(rank: int, world: int, tmp: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     return {
         "ddp": _fit("ddp"),
         "zero3": _fit(HybridParallelStrategy(zero_stage=3, meta_init=False)),
-        **_fabric(rank, world),
+        **_fabric(rank, world, tmp),
     }
 
 
-def test_load_state_dict_at_zero3_equals_ddp_and_one_process() -> None:
-    runs = run_distributed(_runs, 2, init_group=False)
+def test_load_state_dict_at_zero3_equals_ddp_and_one_process(tmp_path: Path) -> None:
+    runs = run_distributed(_runs, 2, str(tmp_path), init_group=False)
     torch.set_num_threads(1)
     loaded = llama(seed=7)
     with torch.no_grad():
@@ -95,6 +105,10 @@ def test_load_state_dict_at_zero3_equals_ddp_and_one_process() -> None:
         for name, value in ddp.items():
             torch.testing.assert_close(ours[name], value, msg=f"rank {rank} {name}")
         torch.testing.assert_close(run["logits"], want, msg=f"rank {rank} logits")
+        with torch.no_grad():  # before, "size mismatch ... copying a param with shape _NotYetLoadedTensor"
+            torch.testing.assert_close(
+                run["lazy"], llama(seed=3)(input_ids=IDS).logits, msg=f"rank {rank} lazy"
+            )
         missing, unexpected, shape = run["errors"]
         assert 'Missing key(s) in state_dict: "model.norm.weight"' in missing, missing
         assert 'Unexpected key(s) in state_dict: "model.extra"' in unexpected, unexpected

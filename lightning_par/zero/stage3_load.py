@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import is_tensor_like
 from torch.utils.hooks import RemovableHandle
 
 from lightning_par.owned_hooks import for_owner
@@ -74,6 +75,10 @@ def _pre_hook(own: list[tuple[str, nn.Parameter]], pieces: Pieces, taken: list[s
                 continue  # torch reports it missing
             value = state_dict.pop(key)
             taken.append(key)
+            if not isinstance(value, Tensor) and is_tensor_like(value):
+                # a tensor read on first use (Lightning's lazy_load, which litgpt's load_checkpoint calls):
+                # any torch op reads it, through its __torch_function__ (before, "size mismatch")
+                value = torch.reshape(value, tuple(value.shape))
             if not isinstance(value, Tensor) or value.shape != param.shape:
                 shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
                 error_msgs.append(
