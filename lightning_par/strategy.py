@@ -45,7 +45,7 @@ from lightning_par.precision import ParallelPrecision, cast_frozen
 from lightning_par.random_state import agree_random_state
 from lightning_par.strategy_env import MeshStrategy
 from lightning_par.strategy_options import PipelineSchedule, StartMethod, check_fit_setup, check_options
-from lightning_par.strategy_precision import StrategyPrecision, note_module_dtype
+from lightning_par.strategy_precision import StrategyPrecision
 from lightning_par.strategy_steps import StrategySteps
 from lightning_par.zero.buffers import BufferSync
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
@@ -483,14 +483,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             # the error would wait in them instead of surfacing
             if self.unshard_on_teardown and not self._interrupted():
                 self._engine.unshard_all()
-                whole = self.lightning_module
-                dtype = (
-                    next((p.dtype for p in whole.parameters() if p.is_floating_point()), None)
-                    if whole
-                    else None
-                )
-                if whole is not None and dtype is not None:  # at master precision again: say so
-                    note_module_dtype(whole, dtype)
+                self._note_master_dtype()
             # hooks go; the engine stays so trainer.save_checkpoint() after fit still sees the shards
             # (the next setup() builds a new one)
             self._engine.remove()

@@ -74,11 +74,22 @@ class StrategyPrecision(ZeroCheckpointIO):
             if plugin.precision == "bf16-true" and module is not None:
                 # the engine casts the compute copy through .data, which Lightning's dtype record does not
                 # see: self.dtype said float32 over bf16 weights (x.to(self.dtype) then failed in a step)
-                note_module_dtype(module, plugin.compute_dtype)
+                _note_module_dtype(module, plugin.compute_dtype)
         self.setup_precision_plugin()
 
+    def _note_master_dtype(self) -> None:
+        """After the model is whole again at teardown: under ``bf16-true`` its trainable parameters hold
+        the fp32 masters at ZeRO 1-3 (bf16 at stage 0), which ``self.dtype`` says again."""
+        plugin, module = self.precision_plugin, self.lightning_module
+        if not isinstance(plugin, ParallelPrecision) or plugin.precision != "bf16-true" or module is None:
+            return
+        trainable = (p for p in module.parameters() if p.requires_grad and p.is_floating_point())
+        first = next(trainable, None)
+        if first is not None:
+            _note_module_dtype(module, first.dtype)
 
-def note_module_dtype(module: nn.Module, dtype: torch.dtype) -> None:
+
+def _note_module_dtype(module: nn.Module, dtype: torch.dtype) -> None:
     """Record ``dtype`` as the dtype of ``module`` and of every Lightning module within it (the
     ``self.dtype`` that Lightning's ``.to()`` keeps), where the engines changed their parameters' dtype
     without a ``.to()`` call."""
