@@ -103,9 +103,10 @@ def refuse_short_last_batches(table: Sequence[Sequence[int]], *, num_microbatche
                 raise ValueError(
                     f"The {loop} dataloader {k} ends with a batch of {last} samples on data-parallel rank"
                     f" {r}, which cannot fill num_microbatches={num_microbatches} pipeline micro-batches."
-                    " Use a batch size and a dataset size that leave every rank's last batch at least"
+                    f" Use a batch size of at least {num_microbatches} (each batch is cut into the"
+                    " micro-batches) and a dataset size that leaves every rank's last batch at least"
                     f" {num_microbatches} samples{keep}, e.g. a dataset size that is a multiple of the"
-                    " data-parallel size times the batch size, or fewer micro-batches."
+                    " data-parallel size times the batch size; or fewer micro-batches."
                 )
 
 

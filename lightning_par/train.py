@@ -164,6 +164,9 @@ def build(cfg: DictConfig) -> TrainingRun:
             unknown ``_target_``, missing interpolation) or, as ``trainer``, a Trainer that refuses its
             arguments (e.g. ``trainer.devices=0``).
     """
+    _check_trainer_keys(cfg)
+    _check_ckpt_path(cfg.get("ckpt_path"))
+    _check_sweep_world(cfg.trainer)
     datamodule = instantiate_group("data", cfg.data)
     model = instantiate_group("model", cfg.model)
     strategy = instantiate_group("strategy", cfg.strategy)
@@ -191,6 +194,61 @@ def build(cfg: DictConfig) -> TrainingRun:
         raise ConfigError("trainer", _describe(exc)) from exc
     _check_layout(strategy, model, world_size=trainer.world_size)
     return TrainingRun(datamodule=datamodule, model=model, trainer=trainer)
+
+
+# Trainer arguments that build() passes itself, from their own config groups: set under trainer they would
+# be overridden silently (Hydra suggests `+trainer.precision=...` when `trainer.precision=...` fails)
+_GROUP_KEYS = {
+    "precision": "precision=bf16-mixed (a file of conf/precision)",
+    "strategy": "strategy=zero2, or strategy.<option>=... (conf/strategy)",
+    "logger": "logger=csv or logger=none (conf/logger)",
+    "callbacks": "callbacks=none, or +callbacks.<name>={_target_: ...} (conf/callbacks)",
+}
+
+
+def _check_trainer_keys(cfg: DictConfig) -> None:
+    for key, fix in _GROUP_KEYS.items():
+        if key in cfg.trainer:
+            raise ConfigError(
+                "trainer", f"trainer.{key} is not read: {key} is a config group of its own; use {fix}."
+            )
+
+
+def _check_ckpt_path(ckpt_path: Any) -> None:
+    """A resume from a file or directory that does not exist, refused before any process starts (Lightning
+    finds it only after every rank has built the model); Lightning's names ("last", "best", ...) pass."""
+    if (
+        ckpt_path is None
+        or str(ckpt_path) in ("last", "best", "hpc")
+        or str(ckpt_path).startswith("registry")
+    ):
+        return
+    if "://" not in str(ckpt_path) and not Path(str(ckpt_path)).exists():
+        raise ConfigError(
+            "ckpt_path",
+            f"no checkpoint at {str(ckpt_path)!r}: give an existing file or directory,"
+            " or 'last' with the resumed run's hydra.run.dir.",
+        )
+
+
+def _check_sweep_world(trainer: DictConfig) -> None:
+    """The jobs of a sweep run in the processes its first job started (Lightning starts ranks > 0 once, and
+    each re-runs the sweep in lockstep): a job asking for another process count is refused. Before, it
+    reused the first job's processes silently (a 2-process job ran in 1) or failed on rank 1 alone."""
+    import torch.distributed as dist
+
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+    if not dist.is_available() or not dist.is_initialized() or not isinstance(devices, int):
+        return
+    if not isinstance(nodes, int) or devices * nodes == dist.get_world_size():
+        return
+    world, asked = dist.get_world_size(), devices * nodes
+    raise ConfigError(
+        "trainer",
+        f"this sweep's processes were started for {world} ranks by its first job, and this job asks for"
+        f" {asked} (trainer.devices={devices}, trainer.num_nodes={nodes}): give every job of a sweep the"
+        " same trainer.devices and trainer.num_nodes, or run one sweep per process count.",
+    )
 
 
 def _check_layout(strategy: Any, model: pl.LightningModule, *, world_size: int) -> None:

@@ -34,7 +34,7 @@ from hydra.utils import get_class
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import lightning_par
 from lightning_par import HybridParallelStrategy
@@ -45,6 +45,7 @@ from lightning_par.train import (
     ConfigError,
     TrainingRun,
     _check_layout,
+    _check_sweep_world,
     build,
     find_config_dir,
     instantiate_named,
@@ -254,6 +255,35 @@ def test_bad_value_names_its_group(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         build(cfg)
     assert info.value.group == "model" and "n_head" in info.value.message and "\n" not in str(info.value)
+
+
+def test_silent_overrides_and_late_errors_are_refused_at_build(tmp_path: Path) -> None:
+    """Each was found by a probe of the command line: before, the first three trained in 32-true with the
+    default logger and callbacks (Hydra suggests `+trainer.precision=...` when `trainer.precision=...`
+    fails, and build() passed its own values over them); a missing ckpt_path failed after every rank had
+    built the model, with a traceback; a sweep job asking for another process count than the sweep's
+    first job ran in that job's processes (2 devices in 1 process, silently) or failed on rank 1 alone."""
+    for override, fix in (
+        ("+trainer.precision=bf16-mixed", "use precision=bf16-mixed"),
+        ("+trainer.strategy=ddp", "use strategy=zero2"),
+        ("+trainer.logger=false", "use logger=csv or logger=none"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            build(compose_config(tmp_path, override))
+        assert info.value.group == "trainer" and fix in info.value.message, info.value.message
+    with pytest.raises(ConfigError) as info:
+        build(compose_config(tmp_path, f"ckpt_path={tmp_path / 'nope.ckpt'}"))
+    assert info.value.group == "ckpt_path" and "no checkpoint at" in info.value.message
+    torch.distributed.init_process_group(
+        "gloo", rank=0, world_size=1, store=torch.distributed.HashStore()
+    )  # the group a sweep's first job left
+    try:
+        with pytest.raises(ConfigError) as info:
+            _check_sweep_world(OmegaConf.create({"devices": 2, "num_nodes": 1}))
+        assert "started for 1 ranks by its first job, and this job asks for 2" in info.value.message
+        _check_sweep_world(OmegaConf.create({"devices": 1, "num_nodes": 1}))  # the same count: fine
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------ command-line runs
