@@ -300,40 +300,58 @@ class Llama(pl.LightningModule):
         return DataLoader(TensorDataset(_token_ids()), batch_size=4)
 
 
-def _llama_fit(strategy: Any, devices: int) -> State:
+def _llama_fit(
+    strategy: Any, devices: int, *, epochs: int = 1, save: str | None = None, resume: str | None = None
+) -> State:
+    """``epochs`` epochs of 4 AdamW steps with the EMA callback; ``save``: a ``ModelCheckpoint`` there at
+    the epoch's end (inside fit: the averages are in it); ``resume``: ``fit(ckpt_path=resume)``."""
     module = Llama()
     ours = isinstance(strategy, HybridParallelStrategy)
+    callbacks: list[pl.Callback] = [ShardedEMA(decay=DECAY) if ours else EMAWeightAveraging(decay=DECAY)]
+    if save is not None:
+        callbacks.append(ModelCheckpoint(dirpath=save, filename="first"))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
-        max_epochs=1,
-        callbacks=[ShardedEMA(decay=DECAY) if ours else EMAWeightAveraging(decay=DECAY)],
+        max_epochs=epochs,
+        callbacks=callbacks,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=save is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
     )
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=resume)
     return final_state(module, strategy)
 
 
-def _tp_runs(rank: int, world: int) -> State:
+def _tp_runs(rank: int, world: int, root: str) -> dict[str, State]:
     torch.set_num_threads(1)
-    strategy = HybridParallelStrategy(zero_stage=1, tensor_parallel_size=world, tp_plan="llama")
-    return _llama_fit(strategy, world)
+
+    def strategy() -> HybridParallelStrategy:
+        return HybridParallelStrategy(zero_stage=1, tensor_parallel_size=world, tp_plan="llama")
+
+    out = {"one": _llama_fit(strategy(), world), "two": _llama_fit(strategy(), world, epochs=2)}
+    _llama_fit(strategy(), world, save=root)
+    out["resumed"] = _llama_fit(strategy(), world, epochs=2, resume=str(Path(root) / "first.ckpt"))
+    return out
 
 
-def test_sharded_ema_under_tensor_parallelism_equals_one_process() -> None:
+def test_sharded_ema_under_tensor_parallelism_equals_one_process(tmp_path: Path) -> None:
     """A Llama at tp 2 with ZeRO-1 (each rank averaging its slices) equals one process with Lightning's
-    ``EMAWeightAveraging``, 4 AdamW steps."""
+    ``EMAWeightAveraging``, 4 AdamW steps; a second epoch resumed from a checkpoint of the first (written
+    inside fit, with the averages) equals the uninterrupted 2 epochs. Before, that resume read the
+    averages before tensor parallelism had cut the model: each rank took the first elements of the whole
+    tensors (0.09 off after the second epoch)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ranks = run_distributed(_tp_runs, WORLD, init_group=False, timeout=600)
+    ranks = run_distributed(_tp_runs, WORLD, str(tmp_path), init_group=False, timeout=600)
     reference = _llama_fit("auto", 1)
-    _assert_floats_equal(ranks[0], reference, "tp 2")
+    _assert_floats_equal(ranks[0]["one"], reference, "tp 2")
+    _assert_floats_equal(ranks[0]["resumed"], ranks[0]["two"], "tp 2 resumed")
     plain = Llama()
     assert not torch.allclose(reference["model.lm_head.weight"], plain.model.lm_head.weight)
+    assert not torch.allclose(ranks[0]["two"]["model.lm_head.weight"], reference["model.lm_head.weight"])
 
 
 # ---------------------------------------------------------------------------------------- the core, moved

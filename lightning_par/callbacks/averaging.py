@@ -57,6 +57,9 @@ class ShardedWeightAveraging(Callback):
         self._averages: WeightAverages | None = None
         self._fitting = False
         self._loaded: tuple[Pieces, dict[str, Tensor], int] | None = None
+        # the loaded pieces are of the whole parameters (a checkpoint read before the strategy's setup, when
+        # no tensor-parallel slice exists yet): cut to this rank's slices at on_fit_start
+        self._loaded_whole = False
         self._latest_update_step = 0  # optimizer steps taken at the last update (Lightning's bookkeeping)
         self._latest_update_epoch = -1
 
@@ -87,8 +90,12 @@ class ShardedWeightAveraging(Callback):
             before_write=partial(_fence_snapshot_copies, trainer),
         )
         if self._loaded is not None:  # a checkpoint restored before the strategy's setup (ZeRO 0-2)
-            self._averages.load(self._loaded[0], self._loaded[1], n_averaged=self._loaded[2])
-            self._loaded = None
+            pieces, buffers, n_averaged = self._loaded
+            if self._loaded_whole:
+                _, tp = _coordinates(trainer, pl_module)
+                pieces = localize(pieces, global_shapes(pl_module, tp), tp)
+            self._averages.load(pieces, buffers, n_averaged=n_averaged)
+            self._loaded, self._loaded_whole = None, False
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -194,7 +201,7 @@ class ShardedWeightAveraging(Callback):
             int(entry["n_averaged"]),
         )
         if self._averages is None:
-            self._loaded = (pieces, buffers, n_averaged)  # applied at on_fit_start
+            self._loaded, self._loaded_whole = (pieces, buffers, n_averaged), False  # at on_fit_start
         else:
             self._averages.load(pieces, buffers, n_averaged=n_averaged)
 
@@ -229,11 +236,13 @@ class ShardedWeightAveraging(Callback):
                 " callback); the average starts again from the loaded weights."
             )
             return
-        loaded = (localize(pieces, shapes, tp), buffers, n_averaged)
         if self._averages is None:
-            self._loaded = loaded  # ZeRO 0-2 restore before the strategy's setup: applied at on_fit_start
+            # ZeRO 0-2 restore before the strategy's setup, where tensor parallelism has not cut the model
+            # yet (before, cut here: no slices, so every tp rank took the first elements of each whole
+            # tensor): applied, and cut, at on_fit_start
+            self._loaded, self._loaded_whole = (pieces, buffers, n_averaged), True
         else:
-            self._averages.load(loaded[0], loaded[1], n_averaged=loaded[2])
+            self._averages.load(localize(pieces, shapes, tp), buffers, n_averaged=n_averaged)
 
 
 def _fence_snapshot_copies(trainer: pl.Trainer) -> None:
