@@ -106,12 +106,8 @@ def _runs(rank: int, world: int, tmp: str) -> dict[str, dict[str, dict[str, Tens
     return out
 
 
-def test_a_module_attached_after_setup_is_checkpointed_and_resumed_as_under_ddp(tmp_path: Path) -> None:
-    results = run_distributed(_runs, 2, str(tmp_path), init_group=False, timeout=300)[0]
-    reference = results.pop("ddp")
-    first_ema = reference["first"]["ema.0.weight"]
-    assert (first_ema - EmaModule().net[0].weight).abs().max() > 1e-2  # the EMA moved
-    assert (reference["resumed"]["ema.0.weight"] - first_ema).abs().max() > 1e-3  # and kept moving
+def _assert_runs_equal(results: dict[str, Any], reference: dict[str, Any]) -> None:
+    """Every layout's states of each run (first, resumed) equal the reference's, key for key."""
     for name, runs in results.items():
         for run, state in runs.items():
             assert state.keys() == reference[run].keys(), (name, run)
@@ -119,6 +115,15 @@ def test_a_module_attached_after_setup_is_checkpointed_and_resumed_as_under_ddp(
                 torch.testing.assert_close(
                     state[key], value, msg=lambda m, n=name, r=run, k=key: f"{n} {r} {k}: {m}"
                 )
+
+
+def test_a_module_attached_after_setup_is_checkpointed_and_resumed_as_under_ddp(tmp_path: Path) -> None:
+    results = run_distributed(_runs, 2, str(tmp_path), init_group=False, timeout=300)[0]
+    reference = results.pop("ddp")
+    first_ema = reference["first"]["ema.0.weight"]
+    assert (first_ema - EmaModule().net[0].weight).abs().max() > 1e-2  # the EMA moved
+    assert (reference["resumed"]["ema.0.weight"] - first_ema).abs().max() > 1e-3  # and kept moving
+    _assert_runs_equal(results, reference)
 
 
 class _Holder(nn.Module):
@@ -244,10 +249,4 @@ def test_a_tensor_parallel_copy_attached_after_setup_is_checkpointed_as_one_proc
     assert (
         reference["resumed"]["ema.lm_head.weight"] - reference["first"]["ema.lm_head.weight"]
     ).abs().max() > 1e-4
-    for name, runs in results.items():
-        for run, state in runs.items():
-            assert state.keys() == reference[run].keys(), (name, run)
-            for key, value in reference[run].items():
-                torch.testing.assert_close(
-                    state[key], value, msg=lambda m, n=name, r=run, k=key: f"{n} {r} {k}: {m}"
-                )
+    _assert_runs_equal(results, reference)
