@@ -37,6 +37,12 @@ from lightning_par.pipeline.lightning import LightningPipeline
 from lightning_par.zero.stage3_join import Stage3Join
 
 
+def loader_idx(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The ``dataloader_idx`` of an evaluation step's arguments, as Lightning passes them (third
+    positional, or absent with one dataloader: 0)."""
+    return int(args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0))
+
+
 def _defined_by(cls: type, name: str) -> type | None:
     return next((c for c in cls.__mro__ if name in vars(c)), None)
 
@@ -185,7 +191,7 @@ class StrategyLoops(ZeroCheckpointIO):
         if join is None:
             return
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        dataloader_idx = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
+        dataloader_idx = loader_idx(args, kwargs)
         loop = self.lightning_module.trainer._active_loop  # type: ignore[union-attr]
         assert loop is not None and isinstance(self._engine, Stage3Join)
         if join.ends_dataloader(batch_idx, dataloader_idx, last_batch=loop.batch_progress.is_last_batch):

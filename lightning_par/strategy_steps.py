@@ -31,7 +31,7 @@ from lightning_par.pipeline.apply import NORM_SKIP_ATTR
 from lightning_par.pipeline.lightning import LightningPipeline
 from lightning_par.pipeline.runtime import StepStats
 from lightning_par.precision import ParallelPrecision
-from lightning_par.strategy_loops import StrategyLoops
+from lightning_par.strategy_loops import StrategyLoops, loader_idx
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.tensor_parallel.replicas import mismatch_message, replicated_grad_mismatch
 from lightning_par.zero.buffers import BufferSync
@@ -129,7 +129,7 @@ class StrategySteps(StrategyLoops):
         self._agree("validation", args)
         if self._pipeline is not None:
             with self.precision_plugin.val_step_context(), self._step_context():
-                return self._pipeline.eval_step(args[0], stage="val")
+                return self._pipeline.eval_step(args[0], stage="val", dataloader_idx=loader_idx(args, kwargs))
         with self._step_context():
             output = super().validation_step(*args, **kwargs)
         self._after_eval_step(args, kwargs)
@@ -140,7 +140,9 @@ class StrategySteps(StrategyLoops):
         self._agree("test", args)
         if self._pipeline is not None:
             with self.precision_plugin.test_step_context(), self._step_context():
-                return self._pipeline.eval_step(args[0], stage="test")
+                return self._pipeline.eval_step(
+                    args[0], stage="test", dataloader_idx=loader_idx(args, kwargs)
+                )
         with self._step_context():
             output = super().test_step(*args, **kwargs)
         self._after_eval_step(args, kwargs)
@@ -151,7 +153,7 @@ class StrategySteps(StrategyLoops):
         self._agree("predict", args)
         if self._pipeline is not None:
             with self.precision_plugin.predict_step_context(), self._step_context():
-                return self._pipeline.predict_step(args[0])
+                return self._pipeline.predict_step(args[0], dataloader_idx=loader_idx(args, kwargs))
         with self._step_context():
             output = super().predict_step(*args, **kwargs)
         self._after_eval_step(args, kwargs)

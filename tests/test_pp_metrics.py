@@ -78,6 +78,26 @@ class ArgmaxPipelineGPT(ArgmaxGPT):
         return output.argmax(-1)
 
 
+class LoaderGPT(MetricGPT):
+    """``pipeline_predict`` and ``pipeline_eval`` told which dataloader the batch came from (its steps
+    take ``dataloader_idx``, which Lightning checks with several dataloaders even where a pipeline runs
+    the protocol instead)."""
+
+    def validation_step(self, batch: Sequence[Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        raise AssertionError("not run under a pipeline")
+
+    def predict_step(self, batch: Sequence[Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        raise AssertionError("not run under a pipeline")
+
+    def pipeline_predict(self, output: Tensor, batch: Any, dataloader_idx: int = 0) -> Tensor:
+        return output.argmax(-1) + 1000 * dataloader_idx
+
+    def pipeline_eval(  # type: ignore[override]
+        self, output: Tensor, batch: Sequence[Tensor], **kwargs: int
+    ) -> dict[str, Tensor]:
+        return {"loader": output.new_full((), float(kwargs["dataloader_idx"]))}
+
+
 class BadMetricGPT(MetricGPT):
     def pipeline_eval(self, output: Tensor, batch: Sequence[Tensor]) -> dict[str, Tensor]:
         return {"per_token": output.float().mean(-1)}  # a tensor per token, not a scalar
@@ -132,6 +152,11 @@ def _pp(rank: int, world: int, tmp: str, zero_stage: int, n: int) -> dict[str, A
         # fresh modules from here on (the export above is the trained one's)
         trainer.predict(_module(ArgmaxGPT), DataLoader(Tokens(8), batch_size=8))
         tokens = trainer.predict(_module(ArgmaxPipelineGPT), DataLoader(Tokens(8), batch_size=8))
+        two = [DataLoader(Tokens(8), batch_size=8), DataLoader(Tokens(8), batch_size=8)]
+        by_loader = trainer.predict(_module(LoaderGPT), two)
+        val_by_loader = _trainer(
+            HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), world, tmp, []
+        ).validate(_module(LoaderGPT), two, verbose=False)
     warned = [str(w.message) for w in caught if "predict_step is not run" in str(w.message)]
     bad = _module(BadMetricGPT)
     error = ""
@@ -157,6 +182,8 @@ def _pp(rank: int, world: int, tmp: str, zero_stage: int, n: int) -> dict[str, A
         "changed": changed,
         "warned": warned,
         "tokens": torch.cat(tokens),  # type: ignore[arg-type]
+        "by_loader": [torch.cat(out) for out in by_loader],  # type: ignore[arg-type, union-attr]
+        "val_by_loader": val_by_loader,
     }
 
 
@@ -211,6 +238,10 @@ def test_pipeline_metrics_predict_and_export_equal_the_single_process_run(
         want = _module(ArgmaxGPT).predict_step((Tokens(8).data[:, :-1],), 0)
     for r in results:
         assert r["tokens"].dtype == torch.int64 and torch.equal(r["tokens"], want), r["tokens"]
+        # with two dataloaders, pipeline_predict / pipeline_eval are told which (a dataloader_idx keyword)
+        first, second = r["by_loader"]
+        assert torch.equal(first, want) and torch.equal(second, want + 1000)
+        assert [d[f"val_loader/dataloader_idx_{i}"] for i, d in enumerate(r["val_by_loader"])] == [0, 1]
     full = results[0]["full"]
     assert set(full) >= {k for k in ref["state"] if not k.endswith((".cos", ".sin"))}
     for k, v in ref["state"].items():

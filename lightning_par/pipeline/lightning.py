@@ -18,6 +18,10 @@ The LightningModule tells the strategy its network through three methods (the pi
   default: the last layer's output. The module's own ``predict_step`` is not run (warned when it is
   overridden and ``pipeline_predict`` is not).
 
+``pipeline_eval`` and ``pipeline_predict`` may take a ``dataloader_idx`` keyword too: with several
+evaluation or prediction dataloaders it says which one the batch came from (as the third argument of
+Lightning's ``validation_step`` / ``predict_step``; 0 with one dataloader).
+
 Token-exact loss (the pipeline's form of ``HybridParallelStrategy.token_normalized``): ``pipeline_loss``
 returns ``{"loss_sum": S_i, "tokens": n_i, ...}``, the summed token losses of micro-batch ``i`` and its
 valid tokens; every stage's gradients become the gradient of ``Σ S / T``, ``T`` the window's valid tokens
@@ -44,7 +48,9 @@ pipeline rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -73,6 +79,25 @@ __all__ = [
     "split_batch",
     "token_mean",
 ]
+
+
+def _takes_dataloader_idx(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` accepts a ``dataloader_idx`` keyword (named, or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: called as (output, batch)
+        return False
+    return any(
+        p.kind is p.VAR_KEYWORD or (p.name == "dataloader_idx" and p.kind is not p.POSITIONAL_ONLY)
+        for p in params
+    )
+
+
+def _for_loader(fn: Any, dataloader_idx: int) -> Any:
+    """``fn`` with ``dataloader_idx`` bound when it takes one (``None`` stays ``None``)."""
+    if fn is None or not _takes_dataloader_idx(fn):
+        return fn
+    return functools.partial(fn, dataloader_idx=dataloader_idx)
 
 
 def pipeline_layers_of(module: pl.LightningModule) -> Sequence[nn.Module]:
@@ -156,16 +181,21 @@ class LightningPipeline(PipelineSteps):
             self.module.log(f"train_{name}", metric)
         return result.loss.detach()
 
-    def predict_step(self, batch: Any) -> Tensor:
+    def predict_step(self, batch: Any, *, dataloader_idx: int = 0) -> Tensor:
         """The last stage's outputs for ``batch`` (micro-batch outputs concatenated, each through the
         module's ``pipeline_predict`` when it has one), on every rank."""
-        return self.predict(batch, input_fn=self._input_fn, owner=self._owner, predict_fn=self._predict_fn)
+        return self.predict(
+            batch,
+            input_fn=self._input_fn,
+            owner=self._owner,
+            predict_fn=_for_loader(self._predict_fn, dataloader_idx),
+        )
 
-    def eval_step(self, batch: Any, *, stage: str) -> Tensor:
+    def eval_step(self, batch: Any, *, stage: str, dataloader_idx: int = 0) -> Tensor:
         result: StepResult = self.evaluate(
             batch,
             loss_fn=self.module.pipeline_loss,  # type: ignore[arg-type]
-            metrics_fn=self._eval_metrics,
+            metrics_fn=_for_loader(self._eval_metrics, dataloader_idx),
             input_fn=self._input_fn,
             kind=stage,
             names=("pipeline_loss", "pipeline_eval", self._owner),
