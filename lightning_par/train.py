@@ -17,7 +17,8 @@ Contract of one run:
     ``metrics.json`` (final ``trainer.callback_metrics`` as floats, plus ``global_step``, ``world_size``
     and ``wall_time_s``, the seconds from building the objects to the end of ``fit``);
   * processes that Lightning starts for ranks > 0 re-run this command into the same directory (in a
-    sweep: the same sweep directory) and write no config, metrics or folders of their own;
+    sweep: the same sweep directory) and write no config, metrics or folders of their own; so do the
+    ranks torchrun or srun start (:mod:`lightning_par.run_dirs` names their shared directory);
   * a bad value in a config group is reported as one line on stderr,
     ``lightning-par-train: <group>: <what went wrong>``, with exit status 2;
   * the task returns the final ``val_loss`` (NaN when no validation ran) so Hydra sweepers can optimise it.
@@ -46,6 +47,8 @@ from hydra.types import RunMode
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
+
+from lightning_par.run_dirs import launcher_overrides
 
 __all__ = ["ConfigError", "TrainingRun", "build", "find_config_dir", "main", "train"]
 
@@ -366,23 +369,6 @@ def _task(cfg: DictConfig) -> float:
         _fail(str(exc))
 
 
-def _share_run_dir_under_launcher() -> None:
-    """Under torchrun every rank runs this command itself: give all ranks one run directory.
-
-    Unless ``hydra.run.dir`` is given, it is named after torchrun's run id (``--rdzv-id``; the same for
-    all ranks and across restarts, so a restarted job finds its own folder again), and only rank 0 writes
-    the ``.hydra`` config record.
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    given = {arg.split("=", 1)[0] for arg in sys.argv[1:]}
-    if "hydra.run.dir" not in given:
-        run_id = os.environ["TORCHELASTIC_RUN_ID"]
-        sys.argv.append(f"hydra.run.dir=outputs/${{task_name}}/torchrun-{run_id}")
-    if os.environ.get("RANK", "0") != "0" and "hydra.output_subdir" not in given:
-        sys.argv.append("hydra.output_subdir=null")
-
-
 def main() -> None:
     """Console script ``lightning-par-train``: run :func:`train` with the Hydra overrides in ``sys.argv``."""
     try:
@@ -395,7 +381,8 @@ def main() -> None:
         # with rank 0 (Lightning passes the original arguments on), but its sweep directory would be a
         # new timestamp; join rank 0's instead. Lightning already points single runs at rank 0's run dir.
         sys.argv.append(f'hydra.sweep.dir="{sweep_dir}"')
-    _share_run_dir_under_launcher()
+    given = {arg.split("=", 1)[0].lstrip("+~") for arg in sys.argv[1:]}
+    sys.argv.extend(launcher_overrides(os.environ, given))  # torchrun / srun: one directory for all ranks
     # Decorated here rather than at import time: the config directory is only known at run time.
     hydra.main(version_base="1.3", config_path=str(config_dir), config_name="train")(_task)()
 
