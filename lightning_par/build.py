@@ -79,11 +79,19 @@ def check_params(module: nn.Module) -> None:
         f"{dtype}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''} ({len(names)})"
         for dtype, names in ranked[1:]
     )
+    # a cast cannot join complex and real parameters: a complex one trains as a real pair instead
+    complex_fix = (
+        " Complex parameters beside real ones: store each as a real tensor of pairs"
+        " (torch.view_as_real) and take torch.view_as_complex of it in forward, or make every trainable"
+        " parameter complex."
+        if any(dtype.is_complex for dtype in by_dtype) and not all(dtype.is_complex for dtype in by_dtype)
+        else ""
+    )
     raise TypeError(
         f"Trainable parameters of {len(ranked)} dtypes: most are {ranked[0][0]} ({len(ranked[0][1])}), the"
         f" others {odd}. ZeRO's gradient buckets and shards hold one dtype: cast the model to one"
         " (model.to(dtype) before fit), or freeze the odd ones or make them buffers (Lightning's own"
-        ' "ddp" buckets by dtype, if they must train in theirs).'
+        f' "ddp" buckets by dtype, if they must train in theirs).{complex_fix}'
     )
 
 

@@ -12,10 +12,12 @@ an uneven loop, a rank whose batches are over serves the others' gathers.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.data import has_len
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
@@ -56,6 +58,27 @@ def _predict_step_unserved(module: pl.LightningModule) -> bool:
     return hook is None or (step is not None and step is not hook and issubclass(step, hook))
 
 
+def _batches_reached(trainer: pl.Trainer) -> int | float:
+    """How far into the current epoch's training batches this fit can go: all of them, unless
+    ``max_steps`` ends it earlier (then at most ``done + steps left x accumulation``, the largest
+    accumulation a ``GradientAccumulationScheduler`` will set counted, an upper bound: a window started
+    before a resume ends sooner). A short last batch the run never reaches is not refused."""
+    count = trainer.num_training_batches
+    if trainer.max_steps < 0 or math.isinf(count):
+        return count
+    accumulate = max(
+        [trainer.accumulate_grad_batches]
+        + [
+            max(c.scheduling.values())
+            for c in trainer.callbacks  # type: ignore[attr-defined]
+            if isinstance(c, GradientAccumulationScheduler)
+        ]
+    )
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # restored by a mid-epoch resume
+    done = done if done < count else 0  # resumed at an epoch's end: the next epoch starts at its first
+    return min(count, done + max(trainer.max_steps - trainer.global_step, 0) * accumulate)
+
+
 class StrategyLoops(ZeroCheckpointIO):
     """Loop starts and ends: the batch checks and ZeRO-3's uneven evaluation (see the module docstring)."""
 
@@ -75,7 +98,7 @@ class StrategyLoops(ZeroCheckpointIO):
             return
         trainer = module.trainer
         loaders = loop_dataloaders(trainer, "training")
-        lasts = last_batch_sizes(loaders, [trainer.num_training_batches] * len(loaders))
+        lasts = last_batch_sizes(loaders, [_batches_reached(trainer)] * len(loaders))
         table = [lasts]
         if self.mesh.dp_size > 1:
             table = eval_count_table(lasts, group=self.mesh.dp_group, device=self.root_device)

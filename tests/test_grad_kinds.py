@@ -230,3 +230,18 @@ def test_sparse_gradients_equal_ddp_two_dtypes_and_lazy_parameters_are_refused()
     assert fabric.keys() == one_process.keys()
     for key, value in one_process.items():
         torch.testing.assert_close(fabric[key], value, msg=lambda m, k=key: f"fabric {k}: {m}")
+
+
+def test_a_complex_parameter_beside_real_ones_is_told_how_to_train_as_real_pairs() -> None:
+    """A cast to one dtype cannot join complex and real parameters: the message names the real-pair
+    form instead (torch.view_as_real), and only then."""
+    from lightning_par.build import check_params
+
+    mixed = nn.Linear(2, 2)
+    mixed.phase = nn.Parameter(torch.ones(3, dtype=torch.complex64))
+    with pytest.raises(TypeError, match=r"torch\.complex64: phase.*torch\.view_as_real"):
+        check_params(mixed)
+    with pytest.raises(TypeError) as info:
+        check_params(Scaled())
+    assert "view_as_real" not in str(info.value) and "cast the model to one" in str(info.value)
+    check_params(nn.Linear(2, 2).to(torch.complex64))  # one dtype, complex: trains (equal to "ddp")

@@ -354,3 +354,36 @@ def test_options_that_do_nothing_at_this_layout_are_warned() -> None:
         warnings.simplefilter("error")
         HybridParallelStrategy(zero_stage=2)  # the defaults: nothing to say
         HybridParallelStrategy(tensor_parallel_size=2, tp_plan="llama", pipeline_parallel_size=2)
+
+
+def _short_last_batch(rank: int, world: int, tmp: str, max_steps: int) -> dict[str, Any]:
+    """33 samples in batches of 8: the fifth batch holds 1 sample, fewer than num_microbatches=4."""
+    rec, col = LossRecorder(), Collect()
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=4)
+    trainer = _trainer(strategy, world, tmp, [rec, col], limit_val_batches=0, max_steps=max_steps)
+    try:
+        trainer.fit(_module(), DataLoader(Tokens(N + 1), batch_size=GLOBAL))
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"losses": rec.losses, "state": col.state}
+
+
+def test_a_short_last_batch_the_run_never_reaches_is_not_refused(tmp_path: Path) -> None:
+    # max_steps=2 ends the epoch at its second batch: before, the fifth batch's single sample was refused
+    # at fit start all the same; a run that reaches it is still refused there, on every rank
+    ran = run_distributed(_short_last_batch, 2, str(tmp_path), 2, init_group=False)
+    refused = run_distributed(_short_last_batch, 2, str(tmp_path), 6, init_group=False)
+    rec = LossRecorder()
+    module = _module()
+    # Lightning shuffles a training set under a distributed sampler: the same order in one process
+    perm = list(DistributedSampler(Tokens(N + 1), num_replicas=1, rank=0, shuffle=True, seed=SEED))
+    _trainer("auto", 1, str(tmp_path / "ref"), [rec], limit_val_batches=0, max_steps=2).fit(
+        module, DataLoader(Tokens(N + 1), batch_sampler=[perm[:GLOBAL], perm[GLOBAL : 2 * GLOBAL]])
+    )
+    for r in ran:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(rec.losses))
+    state = {k: v for r in ran for k, v in r["state"].items()}
+    for name, value in module.named_parameters():
+        torch.testing.assert_close(state[name], value.detach(), msg=name)
+    for r in refused:
+        assert "ends with a batch of 1 samples" in r["error"], r
