@@ -68,6 +68,7 @@ class Stage3Join:
     units: list[Unit]
     _joining: bool = False  # see the joining property
     _holding: bool = False  # inside gathered(): every unit stays whole
+    _whole: bool = False  # the model is whole since unshard_all() (after fit; stage3_state)
     _hf_marked: list[nn.Module]  # Hugging Face models marked as sharded (mark_hf_models)
     _codes: torch.Tensor | None = None  # 0, 1, ..., len(units) on the device (what a round says)
 
@@ -83,6 +84,9 @@ class Stage3Join:
         rank must write the same (:mod:`lightning_par.zero.writeback` checks)."""
         if self._holding:
             raise RuntimeError("gathered_params() is already active: leave it before entering it again.")
+        if self._whole:  # after fit: whole already; writes stay in the model (absorbed at the next read)
+            yield
+            return
         for unit in self.units:  # a forward's writes to a unit gathered now (inside a step)
             unit.absorb_writes(self.rank, self.world)
         for unit in self.units:  # whatever this rank holds now, every rank gathers the same units below

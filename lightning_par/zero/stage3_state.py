@@ -36,6 +36,7 @@ class Stage3State:
     world: int
     units: list[Unit]
     _holding: bool = False  # inside gathered() (stage3_join)
+    _whole: bool = False  # unshard_all() left the model whole (after fit): its parameters are the truth
     _masters: list[tuple[Unit, Fragment, Tensor]]
     _pool_bytes: int
 
@@ -43,10 +44,33 @@ class Stage3State:
         """In-place writes to the units gathered now go into the shards (:meth:`Unit.absorb_writes`):
         before an optimizer update (a root kept whole through a manual-optimization step), which then
         reads them, as under DDP, and before a state read. Inside ``gathered()`` they are left to its
-        exit."""
-        if not self._holding:
+        exit. After :meth:`unshard_all` the whole parameters are copied into the shards instead (edits
+        made to the model after fit)."""
+        if self._whole:
+            self._absorb_whole()
+        elif not self._holding:
             for unit in self.units:
                 unit.absorb_writes(self.rank, self.world)
+
+    @torch.no_grad()
+    def _absorb_whole(self) -> None:
+        """The model is whole since :meth:`unshard_all` and may have been changed in place since (a merge,
+        a clamp, ``gathered_params()`` code after ``fit``): before the shards are read (an export, a
+        checkpoint), each rank copies its pieces of the whole parameters into them, so the shards say
+        what the model holds, as the parameters themselves do under DDP."""
+        for unit in self.units:
+            for part in unit.parts:
+                for name, p, slot in zip(part.names, part.params, part.layout.slots, strict=True):
+                    if tuple(p.shape) != tuple(slot.shape):
+                        raise RuntimeError(
+                            f"ZeRO-3: after fit, parameter {name!r} changed shape from {tuple(slot.shape)} to"
+                            f" {tuple(p.shape)}; its shards cannot hold it. The model is whole on every"
+                            " rank after fit: save it with torch.save(model.state_dict()) on rank 0 (or"
+                            " save_pretrained), or make the change before fit."
+                        )
+                for f in part.layout.fragments(self.rank):
+                    flat = part.params[f.slot].detach().reshape(-1)
+                    part.shard[f.shard_lo : f.shard_lo + f.numel].copy_(flat[f.param_lo : f.param_hi])
 
     def fragment_table(self) -> list[tuple[str, int, int, Tensor]]:
         """``(param name, lo, hi, shard view)`` for every trainable fragment this rank owns; the views are
@@ -144,6 +168,7 @@ class Stage3State:
                 all_gather_flat(full, part.shard, group=self.group)
                 for p, s in zip(part.params, part.layout.slots, strict=True):
                     p.data = full[s.offset : s.end].view(s.shape)
+        self._whole = True
 
     def comm_state(self, *, average: bool = False) -> dict[str, Any] | None:
         """ZeRO-3 compresses without state (low-precision reduce-scatter at most): nothing to save."""
