@@ -587,3 +587,24 @@ def test_a_tied_parameter_loads_from_either_of_its_names() -> None:
         torch.testing.assert_close(
             target.transformer.wte.weight, source.transformer.wte.weight, msg=str(drop)
         )
+
+
+def test_a_checkpoint_transformers_converts_on_load_is_named(tmp_path: Path) -> None:
+    """transformers 5 saves a Mixtral's fused experts one tensor per expert and fuses them again in
+    ``from_pretrained``; ``pretrained=`` reads names as stored, so such a directory does not fit: the
+    refusal says why and names ``from_pretrained(..., use_kernels=False)`` in ``configure_model()`` (before,
+    it suggested the file was the wrong one). A mismatch of a model without such a conversion says
+    nothing of it."""
+    from lightning_par.checkpoint.load_pretrained import plan_pretrained
+
+    config = transformers.MixtralConfig(**{**LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2})
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "mixtral")
+    with pytest.raises(
+        ValueError, match=r"block_sparse_moe\.experts\.0.*transformers converts mixtral"
+    ) as info:
+        plan_pretrained(transformers.MixtralForCausalLM(config), str(tmp_path / "mixtral"))
+    assert "from_pretrained(dir, use_kernels=False) inside configure_model()" in str(info.value)
+    weights = {**llama().state_dict(), "model.bogus.weight": torch.zeros(2)}
+    with pytest.raises(ValueError, match="do not fit the model") as info:
+        plan_pretrained(llama(), weights)
+    assert "transformers converts" not in str(info.value)

@@ -95,6 +95,24 @@ def _expected(module: nn.Module, tp_size: int) -> tuple[dict[str, tuple[int, ...
     return shapes, dims
 
 
+def _hf_converted_types(module: nn.Module) -> list[str]:
+    """The ``model_type`` of each Hugging Face model inside ``module`` whose checkpoints transformers
+    converts on load (transformers 5's conversion mapping: renames, experts fused from per-expert
+    tensors); empty without transformers or such a model."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import extract_weight_conversions_for_model
+    except ImportError:  # transformers absent, or before 5 (no conversion on load)
+        return []
+    found: list[str] = []
+    for sub in module.modules():
+        if isinstance(sub, PreTrainedModel) and extract_weight_conversions_for_model(sub):
+            kind = str(sub.config.model_type)
+            if kind not in found:
+                found.append(kind)
+    return found
+
+
 def plan_pretrained(
     module: nn.Module,
     source: PretrainedSource,
@@ -151,10 +169,20 @@ def plan_pretrained(
                 f" {new[:_LIST]}"
             )
         if problems:
+            converted = _hf_converted_types(module)
+            hint = (
+                f" transformers converts {' and '.join(converted)} checkpoints while loading them (their"
+                " stored names and layout differ from the modules', e.g. one tensor per expert where the"
+                " model fuses them), and pretrained= reads the file as stored: build the model with"
+                " from_pretrained(dir, use_kernels=False) inside configure_model() instead (its weights"
+                " are kept under meta init)."
+                if converted
+                else ""
+            )
             raise ValueError(
                 f"The pretrained weights {_label(source)} do not fit the model: " + "; ".join(problems) + "."
                 " Load the weights of this architecture, pass the right file, or (for extra entries in"
-                " the file) pretrained_strict=False."
+                " the file) pretrained_strict=False." + hint
             )
         if new and not partial:
             warnings.warn(
