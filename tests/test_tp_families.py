@@ -168,6 +168,7 @@ def test_llama_plans_fit_gemma_qwen3_and_mixtures_of_experts_as_the_unsharded_mo
                 torch.testing.assert_close(ours, unsharded, rtol=1e-5, atol=1e-6, msg=f"{rank} {name} {key}")
         refused = got["refusals"]
         assert "self_attn.q_norm.weight" in refused["olmo2"] and "per-head" in refused["olmo2"], refused
+        assert "pass tp_plan as a dict without their entries" in refused["olmo2"], refused
         assert refused["olmo2_unchanged"] == refused["forward_unchanged"] == "Linear"
         assert "Doubled subclasses nn.Linear with a forward of its own" in refused["forward"], refused
         assert "mixture of experts ('model.layers.0.mlp.experts')" in refused["experts"], refused

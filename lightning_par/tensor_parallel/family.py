@@ -137,7 +137,10 @@ def head_local(attention: nn.Module, name: str, *, styled: set[str]) -> list[tup
                 raise ValueError(
                     f"Tensor parallelism splits {name!r} by heads, but {full!r} (shape {tuple(p.shape)}) is"
                     f" applied inside it and is not a per-head weight of head_dim ({head_dim}) elements: it"
-                    " would see only this rank's heads. Leave this attention's projections out of the plan."
+                    " would see only this rank's heads. Leave this attention's projections out of the plan:"
+                    " pass tp_plan as a dict without their entries (e.g. a shipped plan's, from"
+                    " lightning_par.tensor_parallel.plans.PLANS, less its '*.self_attn.*' ones), or train"
+                    " with tensor_parallel_size=1."
                 )
             found.append((sub, pname))
     return found
