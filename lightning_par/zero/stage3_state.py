@@ -60,8 +60,16 @@ class Stage3State:
         what the model holds, as the parameters themselves do under DDP."""
         for unit in self.units:
             for part in unit.parts:
-                for name, p, slot in zip(part.names, part.params, part.layout.slots, strict=True):
-                    if tuple(p.shape) != tuple(slot.shape):
+                # a parameter an evaluation run after fit has sharded again (its engine's placeholder, one
+                # NaN element expanded) holds nothing to copy: this engine's shards stay as they are
+                held = [
+                    not p.is_meta and p.untyped_storage().nbytes() >= p.numel() * p.element_size()
+                    for p in part.params
+                ]
+                for name, p, slot, whole in zip(
+                    part.names, part.params, part.layout.slots, held, strict=True
+                ):
+                    if whole and tuple(p.shape) != tuple(slot.shape):
                         raise RuntimeError(
                             f"ZeRO-3: after fit, parameter {name!r} changed shape from {tuple(slot.shape)} to"
                             f" {tuple(p.shape)}; its shards cannot hold it. The model is whole on every"
@@ -69,6 +77,8 @@ class Stage3State:
                             " save_pretrained), or make the change before fit."
                         )
                 for f in part.layout.fragments(self.rank):
+                    if not held[f.slot]:
+                        continue
                     flat = part.params[f.slot].detach().reshape(-1)
                     part.shard[f.shard_lo : f.shard_lo + f.numel].copy_(flat[f.param_lo : f.param_hi])
 
