@@ -6,8 +6,11 @@ was replaced or modified outside a forward pass", though nothing had changed), t
 ``gathered_params(writeback=True)`` and the final norm shifted in place outside it; then
 ``consolidated_state_dict()`` and ``trainer.save_checkpoint`` (consolidated). Both equal ``"ddp"``'s model
 after the same edits; before, they returned the weights as they were at the end of fit (the shards),
-dropping the edits without a word. A parameter whose shape changed after fit cannot go back into its
-shards: refused, naming ``torch.save(model.state_dict())``.
+dropping the edits without a word. Then a new head replaces the old one (as a merge replaces modules):
+the export holds it, as ``"ddp"``'s state dict does (before, the old head, silently), a weights-only
+checkpoint too, and a full checkpoint, whose optimizer state is saved by parameter name and whose
+optimizer holds the vanished head, is refused naming the weights-only save (before, a bare ``KeyError``
+at every stage; ``"ddp"`` saves its optimizer state by position).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
@@ -24,7 +28,7 @@ from lightning_par.checkpoint import consolidate
 from tests.distributed import run_distributed
 from tests.fits import cpu_trainer
 from tests.test_strategy import Tokens
-from tests.third_party import LoraLlama
+from tests.third_party import LLAMA, LoraLlama
 
 
 def _job(rank: int, world: int, tmp: str, name: str) -> dict[str, Any]:
@@ -53,28 +57,51 @@ def _job(rank: int, world: int, tmp: str, name: str) -> dict[str, Any]:
     if rank == 0:
         ckpt = torch.load(path, weights_only=False) if path.is_file() else consolidate(path)
         saved = ckpt["state_dict"]
+    # a module replaced after fit (as a merge does): exported as the model holds it; the optimizer, built
+    # over the old one, cannot be saved by name (refused naming the weights-only save, which works)
+    torch.manual_seed(7)
+    model.lm_head = nn.Linear(LLAMA["hidden_size"], LLAMA["vocab_size"], bias=False)
+    if name == "ddp":
+        replaced = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    else:
+        replaced = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
     refused = ""
+    try:
+        trainer.save_checkpoint(Path(tmp) / f"replaced_{name}")
+    except RuntimeError as exc:
+        refused = str(exc)
+    weights = Path(tmp) / f"weights_{name}"
+    trainer.save_checkpoint(weights, weights_only=True)
+    saved_weights: dict[str, torch.Tensor] = {}
+    if rank == 0:
+        ckpt = torch.load(weights, weights_only=False) if weights.is_file() else consolidate(weights)
+        saved_weights = ckpt["state_dict"]
     if name != "ddp":
-        model.resize_token_embeddings(80)  # a new embedding: its shards cannot hold it
-        try:
-            trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
-        except RuntimeError as exc:
-            refused = str(exc)
         trainer.strategy.destroy_process_groups()  # type: ignore[attr-defined]
-    return {"embed": embed, "state": state, "saved": saved, "refused": refused}
+    return {
+        "embed": embed,
+        "state": state,
+        "saved": saved,
+        "replaced": replaced,
+        "saved_weights": saved_weights,
+        "refused": refused,
+    }
 
 
 def test_edits_after_fit_reach_the_export_and_the_checkpoint_as_under_ddp(tmp_path: Path) -> None:
     ref = run_distributed(_job, 2, str(tmp_path), "ddp", init_group=False, timeout=300)
     ours = run_distributed(_job, 2, str(tmp_path), "zero3", init_group=False, timeout=300)
-    want = ref[0]["state"]
     for rank in range(2):
         torch.testing.assert_close(ours[rank]["embed"], ref[rank]["embed"], msg=f"rank {rank} embedding")
-    for what in ("state", "saved"):
-        got = ours[0][what]
+    for what, reference in (("state", "state"), ("saved", "state"), ("replaced", "replaced")):
+        got, want = ours[0][what], ref[0][reference]
         assert set(got) == set(want), (what, sorted(set(got) ^ set(want)))
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, msg=f"{what}: {k}")
+    for k, v in ref[0]["replaced"].items():
+        torch.testing.assert_close(ours[0]["saved_weights"][k], v, msg=f"weights only: {k}")
+        torch.testing.assert_close(ref[0]["saved_weights"][k], v, msg=f"ddp weights only: {k}")
+    assert ref[0]["refused"] == ""  # "ddp" saves its optimizer positionally, whatever it was built over
     for rank in range(2):
-        assert "changed shape" in ours[rank]["refused"], ours[rank]["refused"]
-        assert "torch.save(model.state_dict())" in ours[rank]["refused"]
+        assert "no longer has (shapes [(64, 32)])" in ours[rank]["refused"], ours[rank]["refused"]
+        assert "save_checkpoint(path, weights_only=True)" in ours[rank]["refused"]

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,13 +111,29 @@ def record_comm_state(meta: dict[str, Any], engine: Engine | None) -> None:
         meta[COMM_KEY] = state
 
 
+def named_params(params: Iterable[nn.Parameter], names: Mapping[nn.Parameter, str]) -> list[str]:
+    """The model's names of an optimizer's ``params`` (its state is saved by name); a parameter the model
+    no longer holds (a module replaced after fit) is refused, naming the ways to save."""
+    params = list(params)
+    gone = [tuple(p.shape) for p in params if p not in names]
+    if gone:
+        raise RuntimeError(
+            f"The optimizer holds {len(gone)} parameter(s) the model no longer has (shapes {gone[:4]}): a"
+            " module was replaced after the optimizer was built (PEFT's merge_and_unload() after fit, say)."
+            " Optimizer state is saved by parameter name, so it cannot be saved with this model: save the"
+            " weights alone (trainer.save_checkpoint(path, weights_only=True), or the strategy's"
+            " consolidated_state_dict()), or fit again to build an optimizer for the new modules."
+        )
+    return [names[p] for p in params]
+
+
 def _group_names(
     opt: Optimizer, engine: Engine | None, names: Mapping[nn.Parameter, str], index: int
 ) -> list[list[str]]:
     sharded = engine.sharded_state if engine is not None else None
     if sharded is not None:
-        return [[names[p] for p in group] for group in sharded.group_params(index)]
-    return [[names[p] for p in g["params"]] for g in opt.param_groups]
+        return [named_params(group, names) for group in sharded.group_params(index)]
+    return [named_params(g["params"], names) for g in opt.param_groups]
 
 
 def rank_payload(
@@ -147,7 +163,7 @@ def rank_payload(
         "optimizers": [
             {
                 "param_groups": [
-                    {**hyper, "param_names": [names[p] for p in params]}
+                    {**hyper, "param_names": named_params(params, names)}
                     for hyper, params in zip(group_hyperparams(opt), group_params[k], strict=True)
                 ],
                 "records": fragment_pieces(opt, table, master_key=master_key),

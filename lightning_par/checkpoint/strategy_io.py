@@ -180,8 +180,11 @@ class ZeroCheckpointIO(ParallelStrategy):
             hook(checkpoint)
         # per-rank entries callbacks added (a sharded weight average): this rank's file, never meta.pt
         entries = checkpoint.pop(RANK_ENTRIES_KEY, None) or {}
-        checkpoint[METADATA_KEY] = self.layout_metadata()
-        if "optimizer_states" in checkpoint:  # beside the optimizer state it belongs with (collective)
+        # weights only (Lightning's save_weights_only): no optimizer is named or recorded, so one whose
+        # parameters the model no longer holds (a module replaced after fit) does not stop the save
+        with_optimizers = "optimizer_states" in checkpoint
+        checkpoint[METADATA_KEY] = self.layout_metadata(with_optimizers=with_optimizers)
+        if with_optimizers:  # beside the optimizer state it belongs with (collective)
             record_comm_state(checkpoint[METADATA_KEY], self._saved_engine())
         if self._full_file():
             # one ordinary Lightning file: the state dict and optimizer states are already full (rank 0)
@@ -195,7 +198,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         payload = rank_payload(
             self.lightning_module,
             self._saved_engine(),
-            self.optimizers,
+            self.optimizers if with_optimizers else [],
             self._tp(),
             with_model=self._model_in_pieces(),
             dp_rank=self._dp_rank(),
@@ -225,8 +228,9 @@ class ZeroCheckpointIO(ParallelStrategy):
         return read_rank_entries(self._sharded_source, key)
 
     @reads_own_state
-    def layout_metadata(self) -> dict[str, Any]:
-        """What a checkpoint records about the model and the layout it was written with."""
+    def layout_metadata(self, *, with_optimizers: bool = True) -> dict[str, Any]:
+        """What a checkpoint records about the model and the layout it was written with (and its
+        optimizers' parameter names, unless ``with_optimizers`` is False: a weights-only save)."""
         assert self.lightning_module is not None
         layout = self.layout
         sizes = {
@@ -238,7 +242,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         return layout_metadata(
             self.lightning_module,
             engine=self._saved_engine(),
-            optimizers=self.optimizers,
+            optimizers=self.optimizers if with_optimizers else [],
             sizes=sizes,
             tp=self._tp(),
         )

@@ -273,7 +273,8 @@ class Engine(Protocol):
     def sharded_state(self) -> ShardedState | None: ...
 
     # state access, identical in meaning at stages 0-3 (callers never ask which engine they hold)
-    shards_params: bool
+    @property
+    def shards_params(self) -> bool: ...
 
     @property
     def sharded_param_ids(self) -> frozenset[int]: ...

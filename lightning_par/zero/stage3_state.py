@@ -36,7 +36,7 @@ class Stage3State:
     world: int
     units: list[Unit]
     _holding: bool = False  # inside gathered() (stage3_join)
-    _whole: bool = False  # unshard_all() left the model whole (after fit): its parameters are the truth
+    _whole: bool = False  # unshard_all() left the model whole (after fit): the shards are history
     _masters: list[tuple[Unit, Fragment, Tensor]]
     _pool_bytes: int
 
@@ -44,43 +44,10 @@ class Stage3State:
         """In-place writes to the units gathered now go into the shards (:meth:`Unit.absorb_writes`):
         before an optimizer update (a root kept whole through a manual-optimization step), which then
         reads them, as under DDP, and before a state read. Inside ``gathered()`` they are left to its
-        exit. After :meth:`unshard_all` the whole parameters are copied into the shards instead (edits
-        made to the model after fit)."""
-        if self._whole:
-            self._absorb_whole()
-        elif not self._holding:
+        exit."""
+        if not self._holding and not self._whole:
             for unit in self.units:
                 unit.absorb_writes(self.rank, self.world)
-
-    @torch.no_grad()
-    def _absorb_whole(self) -> None:
-        """The model is whole since :meth:`unshard_all` and may have been changed in place since (a merge,
-        a clamp, ``gathered_params()`` code after ``fit``): before the shards are read (an export, a
-        checkpoint), each rank copies its pieces of the whole parameters into them, so the shards say
-        what the model holds, as the parameters themselves do under DDP."""
-        for unit in self.units:
-            for part in unit.parts:
-                # a parameter an evaluation run after fit has sharded again (its engine's placeholder, one
-                # NaN element expanded) holds nothing to copy: this engine's shards stay as they are
-                held = [
-                    not p.is_meta and p.untyped_storage().nbytes() >= p.numel() * p.element_size()
-                    for p in part.params
-                ]
-                for name, p, slot, whole in zip(
-                    part.names, part.params, part.layout.slots, held, strict=True
-                ):
-                    if whole and tuple(p.shape) != tuple(slot.shape):
-                        raise RuntimeError(
-                            f"ZeRO-3: after fit, parameter {name!r} changed shape from {tuple(slot.shape)} to"
-                            f" {tuple(p.shape)}; its shards cannot hold it. The model is whole on every"
-                            " rank after fit: save it with torch.save(model.state_dict()) on rank 0 (or"
-                            " save_pretrained), or make the change before fit."
-                        )
-                for f in part.layout.fragments(self.rank):
-                    if not held[f.slot]:
-                        continue
-                    flat = part.params[f.slot].detach().reshape(-1)
-                    part.shard[f.shard_lo : f.shard_lo + f.numel].copy_(flat[f.param_lo : f.param_hi])
 
     def fragment_table(self) -> list[tuple[str, int, int, Tensor]]:
         """``(param name, lo, hi, shard view)`` for every trainable fragment this rank owns; the views are
@@ -89,7 +56,13 @@ class Stage3State:
             return [(unit.names[f.slot], f.param_lo, f.param_hi, view) for unit, f, view in self._masters]
         return [row for u in self.units if u.train is not None for row in u.train.fragments(self.rank)]
 
-    shards_params = True
+    @property
+    def shards_params(self) -> bool:
+        """Parameters live as shards, until :meth:`unshard_all` (after fit) leaves the model whole on every
+        rank: from then on exports and checkpoints read the model itself, as at stages 0-2, so what the
+        user does to it after fit (in-place edits, a merge that replaces modules, a resized embedding)
+        is what they save, as under DDP."""
+        return not self._whole
 
     def bucket_order(self) -> list[str]:
         """Empty: units follow the module structure, not a recorded flat order."""
