@@ -386,8 +386,9 @@ def _compute_in_fp32(module: nn.Module) -> None:
     graph keeps the copies and the gradients flow back through the cast to the parameters. (Swapping
     ``p.data`` for the call instead left the graph holding the parameters themselves, whose storage was
     16-bit again by the backward: BatchNorm's and GroupNorm's backward refused it, "mixed dtype".)"""
-    if getattr(module, "_lightning_par_fp32", False):
+    if _FP32_ATTR in module.__dict__:
         return
+    previous = module.__dict__.get("forward")  # an instance forward of its own (kept for the restore)
     inner = module.forward
     slots = module._parameters
 
@@ -406,7 +407,25 @@ def _compute_in_fp32(module: nn.Module) -> None:
         return out.to(x.dtype)
 
     module.forward = forward
-    module._lightning_par_fp32 = True  # type: ignore[assignment]
+    setattr(module, _FP32_ATTR, (previous,))
+
+
+_FP32_ATTR = "_lightning_par_fp32"  # on a module _compute_in_fp32 changed: (its own instance forward,)
+
+
+def restore_norms(module: nn.Module) -> None:
+    """Undo :func:`_compute_in_fp32` in ``module`` (the strategy's teardown): each norm layer's forward is
+    its class's again (or the instance forward it had), so the model after ``fit`` is the user's as it
+    was (before, the wrapper stayed: ``torch.save(model)`` failed, "Can't pickle local object")."""
+    for m in module.modules():
+        saved = m.__dict__.pop(_FP32_ATTR, None)
+        if saved is None:
+            continue
+        (previous,) = saved
+        if previous is None:
+            m.__dict__.pop("forward", None)
+        else:
+            m.forward = previous
 
 
 def cast_frozen(module: nn.Module, dtype: torch.dtype | None) -> None:

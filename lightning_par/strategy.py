@@ -41,7 +41,7 @@ from lightning_par.optimizer_checks import check_layout_optimizers
 from lightning_par.pipeline.lightning import LightningPipeline, pipeline_layers_of
 from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
 from lightning_par.pipeline.steps import pipeline_parts
-from lightning_par.precision import ParallelPrecision, cast_frozen
+from lightning_par.precision import ParallelPrecision, cast_frozen, restore_norms
 from lightning_par.random_state import agree_random_state
 from lightning_par.strategy_env import MeshStrategy
 from lightning_par.strategy_options import PipelineSchedule, StartMethod, check_fit_setup, check_options
@@ -489,6 +489,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             self._engine.remove()
         self._token_normalizer = None
         if self.lightning_module is not None:
+            restore_norms(self.lightning_module)  # the norm layers' fp32 wrappers of convert_module
             lightning_hooks.restore(self.lightning_module, self._patched)  # the class's own methods again
         self._patched = []
         for callback, names in self._patched_callbacks:

@@ -168,7 +168,9 @@ class StrategySteps(StrategyLoops):
         in-place writes to them (an EMA teacher's update, a clamp) are kept at the exit; every rank must
         make the same writes (checked before anything is written back). Elsewhere a no-op: the parameters
         are whole, and at ZeRO 1/2 writes to the compute copy reach the masters before the next update.
-        Tensor parallelism still communicates in every forward. With ``writeback`` a ``FlashCheckpoint``
+        Under tensor parallelism the parameters stay this rank's slices (``consolidated_state_dict()`` for
+        whole weights) and every forward still communicates. After ``fit`` (the model whole, masters
+        included) it does nothing. With ``writeback`` a ``FlashCheckpoint``
         copy still reading the weights finishes first."""
         if writeback:
             for fence in self.before_state_write:

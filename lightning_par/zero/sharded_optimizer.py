@@ -103,6 +103,8 @@ class ShardedOptimizer:
         old_layout, old_masters = getattr(self, "_layout", None), getattr(self, "master_flat", None)
         self.fragments = layout.fragments(sync.rank)
         self.master_flat: Tensor | None = None
+        # leave_whole_masters() ran (after fit): the parameters are whole fp32 copies the user may change
+        self._left_whole = False
         if self.master_dtype != self.compute_dtype:
             self.master_flat = torch.zeros(layout.shard_numel, dtype=self.master_dtype, device=sync.device)
             if old_layout is not None and old_masters is not None:
@@ -322,7 +324,7 @@ class ShardedOptimizer:
         normal exit each rank's slice goes back into its masters, after the ranks agreed they wrote the
         same (:mod:`lightning_par.zero.writeback`). A no-op where the parameters are the masters. One
         all-gather per bucket in, one refresh of the compute copy out; the whole model in fp32 inside."""
-        if self.master_flat is None:
+        if self.master_flat is None or self._left_whole:  # after fit: the parameters are the fp32 values
             yield
             return
         sync, masters = self.sync, self.master_flat
@@ -362,9 +364,12 @@ class ShardedOptimizer:
         at master precision (Lightning's mixed precision keeps parameters in fp32 too); before, they
         stayed the 16-bit compute copies, and ``torch.save(model.state_dict())`` after ``fit`` wrote
         rounded weights. A no-op where the parameters are the masters. The flat buffers stay with the
-        engine: a checkpoint after ``fit`` reads the masters."""
+        engine, but from then on the parameters are what counts: exports and checkpoints read them (no
+        separate master records, :attr:`master_key` is None), so edits made after ``fit`` (in place, a
+        ``load_state_dict``) are saved, as under DDP, and ``whole_masters()`` changes nothing."""
         if self.master_flat is not None:
             self._whole_masters_in_params()
+            self._left_whole = True
 
     def check_untouched(self) -> None:
         """Refuse parameters whose ``.data`` was replaced since the layout (``p.data = ...``, as
@@ -394,8 +399,9 @@ class ShardedOptimizer:
 
     @property
     def master_key(self) -> str | None:
-        """Checkpoint key of separate fp32 master values (None when the parameters are the masters)."""
-        return MASTER_KEY if self.master_flat is not None else None
+        """Checkpoint key of separate fp32 master values (None when the parameters are the masters, or
+        hold their values whole since :meth:`leave_whole_masters`)."""
+        return MASTER_KEY if self.master_flat is not None and not self._left_whole else None
 
     def fragment_table(self) -> list[tuple[str, int, int, Tensor]]:
         """``(param name, lo, hi, master fragment)`` for every fragment this rank owns (the user's writes

@@ -1,0 +1,164 @@
+"""After ``fit`` the model is whole on every rank, and what the user does with it then counts.
+
+ZeRO-3 (the first test): a Hugging Face Llama trained 2 steps at ZeRO-3 (2 Gloo ranks), then, as after
+a fit under Lightning's ``"ddp"``: the embedding read inside ``gathered_params()`` (before, refused on
+every rank: "parameter ... was replaced or modified outside a forward pass", though nothing had
+changed), the head halved inside ``gathered_params(writeback=True)`` and the final norm shifted in place
+outside it; then ``consolidated_state_dict()`` and ``trainer.save_checkpoint`` (consolidated). Both equal
+``"ddp"``'s model after the same edits; before, they returned the weights as they were at the end of fit
+(the shards), dropping the edits without a word. Then a new head replaces the old one (as a merge
+replaces modules): the export holds it, as ``"ddp"``'s state dict does (before, the old head, silently),
+a weights-only checkpoint too, and a full checkpoint, whose optimizer state is saved by parameter name
+and whose optimizer holds the vanished head, is refused naming the weights-only save (before, a bare
+``KeyError`` at every stage; ``"ddp"`` saves its optimizer state by position).
+
+ZeRO 1/2 in ``bf16-mixed`` (separate fp32 masters): see the second test.
+"""
+
+from __future__ import annotations
+
+import io
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_par import HybridParallelStrategy
+from lightning_par.checkpoint import consolidate
+from tests.distributed import run_distributed
+from tests.fits import cpu_trainer
+from tests.test_strategy import Tokens
+from tests.third_party import LLAMA, LoraLlama
+
+
+def _job(rank: int, world: int, tmp: str, name: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    strategy: Any = "ddp" if name == "ddp" else HybridParallelStrategy(zero_stage=3, meta_init=False)
+    module = LoraLlama(lora=False)
+    trainer = cpu_trainer(strategy, devices=world, max_steps=2, limit_val_batches=0)
+    trainer.fit(module, DataLoader(Tokens(16), batch_size=2))
+    model = module.model
+    assert model is not None
+    # "ddp" has no gathered_params(): its model is whole anyway
+    gathered = getattr(trainer.strategy, "gathered_params", lambda **_: nullcontext())
+    with gathered():
+        embed = model.get_input_embeddings().weight.detach().clone()
+    with gathered(writeback=True), torch.no_grad():
+        model.lm_head.weight.mul_(0.5)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+    if name == "ddp":
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    else:
+        state = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+    path = Path(tmp) / f"after_{name}"
+    trainer.save_checkpoint(path)
+    saved: dict[str, torch.Tensor] = {}
+    if rank == 0:
+        ckpt = torch.load(path, weights_only=False) if path.is_file() else consolidate(path)
+        saved = ckpt["state_dict"]
+    # a module replaced after fit (as a merge does): exported as the model holds it; the optimizer, built
+    # over the old one, cannot be saved by name (refused naming the weights-only save, which works)
+    torch.manual_seed(7)
+    model.lm_head = nn.Linear(LLAMA["hidden_size"], LLAMA["vocab_size"], bias=False)
+    if name == "ddp":
+        replaced = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    else:
+        replaced = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+    refused = ""
+    try:
+        trainer.save_checkpoint(Path(tmp) / f"replaced_{name}")
+    except RuntimeError as exc:
+        refused = str(exc)
+    weights = Path(tmp) / f"weights_{name}"
+    trainer.save_checkpoint(weights, weights_only=True)
+    saved_weights: dict[str, torch.Tensor] = {}
+    if rank == 0:
+        ckpt = torch.load(weights, weights_only=False) if weights.is_file() else consolidate(weights)
+        saved_weights = ckpt["state_dict"]
+    if name != "ddp":
+        trainer.strategy.destroy_process_groups()  # type: ignore[attr-defined]
+    return {
+        "embed": embed,
+        "state": state,
+        "saved": saved,
+        "replaced": replaced,
+        "saved_weights": saved_weights,
+        "refused": refused,
+    }
+
+
+def test_edits_after_fit_reach_the_export_and_the_checkpoint_as_under_ddp(tmp_path: Path) -> None:
+    ref = run_distributed(_job, 2, str(tmp_path), "ddp", init_group=False, timeout=300)
+    ours = run_distributed(_job, 2, str(tmp_path), "zero3", init_group=False, timeout=300)
+    for rank in range(2):
+        torch.testing.assert_close(ours[rank]["embed"], ref[rank]["embed"], msg=f"rank {rank} embedding")
+    for what, reference in (("state", "state"), ("saved", "state"), ("replaced", "replaced")):
+        got, want = ours[0][what], ref[0][reference]
+        assert set(got) == set(want), (what, sorted(set(got) ^ set(want)))
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, msg=f"{what}: {k}")
+    for k, v in ref[0]["replaced"].items():
+        torch.testing.assert_close(ours[0]["saved_weights"][k], v, msg=f"weights only: {k}")
+        torch.testing.assert_close(ref[0]["saved_weights"][k], v, msg=f"ddp weights only: {k}")
+    assert ref[0]["refused"] == ""  # "ddp" saves its optimizer positionally, whatever it was built over
+    for rank in range(2):
+        assert "no longer has (shapes [(64, 32)])" in ours[rank]["refused"], ours[rank]["refused"]
+        assert "save_checkpoint(path, weights_only=True)" in ours[rank]["refused"]
+
+
+def _mixed_job(rank: int, world: int, tmp: str, name: str) -> dict[str, Any]:
+    """``bf16-mixed``: at ZeRO 1/2 the fp32 masters are separate from the 16-bit compute copy."""
+    torch.manual_seed(0)
+    strategy: Any = "ddp" if name == "ddp" else HybridParallelStrategy(zero_stage=int(name[-1]))
+    module = LoraLlama(lora=False)
+    trainer = cpu_trainer(strategy, devices=world, max_steps=2, limit_val_batches=0, precision="bf16-mixed")
+    trainer.fit(module, DataLoader(Tokens(16), batch_size=2))
+    model = module.model
+    assert model is not None
+    gathered = getattr(trainer.strategy, "gathered_params", lambda **_: nullcontext())
+    with torch.no_grad():
+        model.model.norm.weight.mul_(0.5)
+        head = model.lm_head.weight.detach().clone()
+    with gathered(writeback=True), torch.no_grad():
+        model.lm_head.weight.add_(0.25)
+    own = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    export = own if name == "ddp" else trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+    path = Path(tmp) / f"mixed_{name}"
+    trainer.save_checkpoint(path)
+    out: dict[str, Any] = {"own": own, "head": head, "dtypes": {p.dtype for p in model.parameters()}}
+    if rank == 0:
+        ckpt = torch.load(path, weights_only=False) if path.is_file() else consolidate(path)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)  # the whole module pickled, as users save a model
+        buffer.seek(0)
+        out |= {
+            "export": export,
+            "saved": ckpt["state_dict"],
+            "pickled": torch.load(buffer, weights_only=False),
+        }
+    if name != "ddp":
+        trainer.strategy.destroy_process_groups()  # type: ignore[attr-defined]
+    return out
+
+
+def test_bf16_mixed_edits_after_fit_reach_exports_and_the_model_pickles(tmp_path: Path) -> None:
+    """ZeRO 1/2 in ``bf16-mixed`` against ``"ddp"``'s contract: after fit the model holds fp32 weights, and
+    the export and the checkpoint are what it holds (an in-place edit, a ``gathered_params(writeback=True)``
+    write included). Before: both returned the end-of-fit masters, the write inside ``gathered_params`` was
+    applied to those masters and left the parameters bf16, and ``torch.save(model)`` failed ("Can't pickle
+    local object '_compute_in_fp32.<locals>.forward'": the norm layers' fp32 wrapper outlived the fit)."""
+    for name in ("ddp", "zero1", "zero2"):
+        results = run_distributed(_mixed_job, 2, str(tmp_path), name, init_group=False, timeout=300)
+        for r in results:
+            assert r["dtypes"] == {torch.float32}, (name, r["dtypes"])
+            torch.testing.assert_close(r["own"]["model.lm_head.weight"], r["head"] + 0.25, msg=name)
+        first = results[0]
+        pickled = first["pickled"].state_dict()
+        for k, v in first["own"].items():
+            torch.testing.assert_close(first["export"][k], v, msg=f"{name} export {k}")
+            torch.testing.assert_close(first["saved"][k], v, msg=f"{name} checkpoint {k}")
+            torch.testing.assert_close(pickled[k.removeprefix("model.")], v, msg=f"{name} pickled {k}")
