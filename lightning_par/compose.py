@@ -150,7 +150,11 @@ def compose(
     if options.activation_checkpointing is not False:
         policy = None if options.activation_checkpointing is True else options.activation_checkpointing
         composition.checkpointed = apply_activation_checkpointing(module, policy=policy)
-    setattr(module, COMPOSITION_ATTR, composition)
+    rewritten = options.tensor_parallel_size > 1 or options.pipeline_parallel_size > 1
+    if rewritten or options.activation_checkpointing is not False:
+        # marked only when something was rewritten: a plain (ZeRO) layout leaves the model free to take
+        # another one next (before, a tensor-parallel fit after it was refused as "already parallelised")
+        setattr(module, COMPOSITION_ATTR, composition)
     return composition
 
 

@@ -116,6 +116,13 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
             ):
                 other.test(module, evaluate, verbose=False)
             strategies.append(other.strategy)  # it built its mesh before refusing
+        if name == "zero3":
+            # a plain ZeRO layout rewrote nothing: tensor parallelism takes the same model next (before,
+            # refused as "already parallelised by lightning_par with another layout")
+            tp = _trainer(HybridParallelStrategy(tensor_parallel_size=2, tp_plan="llama"), world, 1)
+            every = DataLoader(Tokens(4, seed=9), batch_size=GLOBAL)
+            result["tp_test"] = tp.test(module, every, verbose=False)[0]["test_loss"]
+            strategies.append(tp.strategy)
         # done with the strategies: their groups go, the default group stays
         for strategy in strategies:
             strategy.destroy_process_groups()  # type: ignore[attr-defined]
@@ -140,6 +147,8 @@ def test_fit_test_predict_fit_again_and_a_fresh_trainer(tmp_path: Path) -> None:
             got = r[name]
             torch.testing.assert_close(torch.tensor(got["test"]), torch.tensor(ref["test"]), msg=name)
             assert got["fresh_test"] == pytest.approx(ref["test"][1], rel=1e-5), name
+            if name == "zero3":
+                assert got["tp_test"] == pytest.approx(ref["test"][1], rel=1e-5), got["tp_test"]
             # a dp rank predicts every dp-th sample (Lightning's unshuffled distributed sampler)
             expected: Tensor = ref["predict"][rank::dp] if dp > 1 else ref["predict"]
             torch.testing.assert_close(got["predict"], expected, msg=f"{name} rank {rank} predictions")
