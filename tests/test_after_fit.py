@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric import Fabric
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.checkpoint import consolidate
+from lightning_par.fabric import HybridParallelStrategy as FabricHybridParallelStrategy
 from tests.distributed import run_distributed
 from tests.fits import cpu_trainer
 from tests.test_strategy import Tokens
@@ -162,3 +164,32 @@ def test_bf16_mixed_edits_after_fit_reach_exports_and_the_model_pickles(tmp_path
             torch.testing.assert_close(first["export"][k], v, msg=f"{name} export {k}")
             torch.testing.assert_close(first["saved"][k], v, msg=f"{name} checkpoint {k}")
             torch.testing.assert_close(pickled[k.removeprefix("model.")], v, msg=f"{name} pickled {k}")
+
+
+def _fabric_job(rank: int, world: int, name: str) -> dict[str, Any]:
+    """A Fabric loop in ``bf16-mixed``, then the strategy's teardown: the user's norm layer is its own
+    again (the fp32 wrapper set at setup is gone) and the model pickles."""
+    strategy: Any = "ddp" if name == "ddp" else FabricHybridParallelStrategy(zero_stage=1)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="bf16-mixed")
+    fabric.launch()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped, optimizer = fabric.setup(model, optimizer)
+    fabric.backward(wrapped(torch.randn(4, 8)).float().pow(2).mean())
+    optimizer.step()
+    fabric.strategy.teardown()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copy = torch.load(buffer, weights_only=False)
+    if name != "ddp":
+        fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]
+    return {"own_forward": "forward" in vars(model[1]), "pickled": copy.state_dict()}
+
+
+def test_fabric_teardown_gives_the_norm_layers_back() -> None:
+    for name in ("ddp", "zero1"):
+        for r in run_distributed(_fabric_job, 2, name, init_group=False, timeout=300):
+            assert r["own_forward"] is False, name
+            assert set(r["pickled"]) == {"0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"}

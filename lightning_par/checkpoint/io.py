@@ -121,8 +121,9 @@ def named_params(params: Iterable[nn.Parameter], names: Mapping[nn.Parameter, st
             f"The optimizer holds {len(gone)} parameter(s) the model no longer has (shapes {gone[:4]}): a"
             " module was replaced after the optimizer was built (PEFT's merge_and_unload() after fit, say)."
             " Optimizer state is saved by parameter name, so it cannot be saved with this model: save the"
-            " weights alone (trainer.save_checkpoint(path, weights_only=True), or the strategy's"
-            " consolidated_state_dict()), or fit again to build an optimizer for the new modules."
+            " weights alone (Trainer: trainer.save_checkpoint(path, weights_only=True); Fabric:"
+            " fabric.save(path, {'model': model}); either: the strategy's consolidated_state_dict()), or"
+            " build an optimizer over the new modules (a new fit or setup)."
         )
     return [names[p] for p in params]
 

@@ -71,7 +71,7 @@ from lightning_par.grad_reads import GradReads
 from lightning_par.mesh import ParallelMesh
 from lightning_par.optimizer_checks import check_layout_optimizers
 from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
-from lightning_par.precision import ParallelPrecision, cast_frozen
+from lightning_par.precision import ParallelPrecision, cast_frozen, restore_norms
 from lightning_par.random_state import agree_random_state
 from lightning_par.rendezvous import launch_store
 from lightning_par.strategy_options import PipelineSchedule, check_options
@@ -334,7 +334,8 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         if self.module is not None:
             raise ValueError(
                 "lightning_par's Fabric strategy sets up one module per Fabric (its ZeRO engine and"
-                " checkpoints follow that module); wrap several networks in one nn.Module."
+                " checkpoints follow that module); wrap several networks in one nn.Module. To evaluate a"
+                " saved checkpoint, fabric.load it into the model already set up."
             )
         self.module_to_device(module)
         # the model-changing steps (tensor parallel, pipeline split, activation checkpointing), once per
@@ -550,6 +551,8 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             self._pending_hook.remove()
             self._pending_hook = None
         self._metric_sync.restore()
+        if self.module is not None:  # the norm layers' fp32 wrappers of convert_module, as the Trainer's
+            restore_norms(self.module)
         super().teardown()
 
     def destroy_process_groups(self) -> None:
