@@ -84,7 +84,7 @@ class Stage3Join:
         rank must write the same (:mod:`lightning_par.zero.writeback` checks)."""
         if self._holding:
             raise RuntimeError("gathered_params() is already active: leave it before entering it again.")
-        if self._whole:  # after fit: whole already; writes stay in the model (absorbed at the next read)
+        if self._whole:  # after fit: whole already; writes stay in the model, which exports read then
             yield
             return
         for unit in self.units:  # a forward's writes to a unit gathered now (inside a step)
