@@ -93,11 +93,10 @@ def _takes_dataloader_idx(fn: Callable[..., Any]) -> bool:
     )
 
 
-def _for_loader(fn: Any, dataloader_idx: int) -> Any:
-    """``fn`` with ``dataloader_idx`` bound when it takes one (``None`` stays ``None``)."""
-    if fn is None or not _takes_dataloader_idx(fn):
-        return fn
-    return functools.partial(fn, dataloader_idx=dataloader_idx)
+def _for_loader(fn: Any, dataloader_idx: int, *, takes: bool) -> Any:
+    """``fn`` with ``dataloader_idx`` bound when it ``takes`` one (:func:`_takes_dataloader_idx`, asked
+    once per module rather than per step)."""
+    return functools.partial(fn, dataloader_idx=dataloader_idx) if takes else fn
 
 
 def pipeline_layers_of(module: pl.LightningModule) -> Sequence[nn.Module]:
@@ -138,12 +137,14 @@ class LightningPipeline(PipelineSteps):
                 f"{type(module).__name__}.pipeline_eval must be a method (output, batch) -> dict."
             )
         self._eval_metrics = extra
+        self._eval_takes_idx = extra is not None and _takes_dataloader_idx(extra)
         predict = getattr(module, "pipeline_predict", None)
         if predict is not None and not callable(predict):
             raise TypeError(
                 f"{type(module).__name__}.pipeline_predict must be a method (output, batch) -> Tensor."
             )
         self._predict_fn = predict
+        self._predict_takes_idx = predict is not None and _takes_dataloader_idx(predict)
         to_input = getattr(module, "pipeline_input", None)
         self._input_fn = to_input if callable(to_input) else None
         self._owner = f"{type(module).__name__}.pipeline_input(batch)"
@@ -188,14 +189,14 @@ class LightningPipeline(PipelineSteps):
             batch,
             input_fn=self._input_fn,
             owner=self._owner,
-            predict_fn=_for_loader(self._predict_fn, dataloader_idx),
+            predict_fn=_for_loader(self._predict_fn, dataloader_idx, takes=self._predict_takes_idx),
         )
 
     def eval_step(self, batch: Any, *, stage: str, dataloader_idx: int = 0) -> Tensor:
         result: StepResult = self.evaluate(
             batch,
             loss_fn=self.module.pipeline_loss,  # type: ignore[arg-type]
-            metrics_fn=_for_loader(self._eval_metrics, dataloader_idx),
+            metrics_fn=_for_loader(self._eval_metrics, dataloader_idx, takes=self._eval_takes_idx),
             input_fn=self._input_fn,
             kind=stage,
             names=("pipeline_loss", "pipeline_eval", self._owner),
