@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 import torch.distributed as dist
@@ -116,6 +116,25 @@ class _GroupLayer(nn.Module):
                     if attr.startswith("_lp_"):
                         setattr(twin, attr, value)
         return new
+
+    def __copy__(self) -> _GroupLayer:
+        # a shallow copy shares everything, as copy.copy of any module does (and pickles nothing)
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        # what a pickle would hold, this rank's slices and a process group, loads nowhere else: refused
+        # naming the whole-weight exports (before, "Can't pickle local object '_refuse.<locals>.hook'")
+        raise RuntimeError(
+            f"A tensor-parallel {type(self).__name__} cannot be pickled (torch.save(model), pickle, sending"
+            " the model to another process): it holds this rank's slices of its weights and communicates over"
+            " the tensor-parallel process group, so the pickle would load nowhere else. Save whole weights"
+            " instead: strategy.consolidated_state_dict() on every rank (trainer.strategy or fabric.strategy;"
+            " the full state lands on rank 0) loaded into a model built without tensor parallelism, or a"
+            " checkpoint (trainer.save_checkpoint / fabric.save). copy.deepcopy (an EMA or teacher copy)"
+            " works."
+        )
 
 
 class ColumnParallelLinear(_GroupLayer):
