@@ -60,6 +60,10 @@ class ShardedWeightAveraging(Callback):
         # the loaded pieces are of the whole parameters (a checkpoint read before the strategy's setup, when
         # no tensor-parallel slice exists yet): cut to this rank's slices at on_fit_start
         self._loaded_whole = False
+        # after fit: the update count of the averages the model took at the end, which a checkpoint saved
+        # then records; a fit resumed from it starts its averages from the loaded (averaged) weights
+        self._ended_n_averaged: int | None = None
+        self._resume_from_model: int | None = None
         self._latest_update_step = 0  # optimizer steps taken at the last update (Lightning's bookkeeping)
         self._latest_update_epoch = -1
 
@@ -96,10 +100,24 @@ class ShardedWeightAveraging(Callback):
                 pieces = localize(pieces, global_shapes(pl_module, tp), tp)
             self._averages.load(pieces, buffers, n_averaged=n_averaged)
             self._loaded, self._loaded_whole = None, False
+        if self._resume_from_model is not None:  # restored before the strategy's setup (ZeRO 0-2)
+            self._start_from_model(self._resume_from_model)
+        self._ended_n_averaged = None
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
+            if self._averages is not None and self._averages.n_averaged > 0:
+                self._ended_n_averaged = self._averages.n_averaged
             self._averages, self._fitting = None, False
+
+    def _start_from_model(self, n_averaged: int) -> None:
+        """The averages take the model's weights (which are the averaged ones: a checkpoint saved after a
+        fit) and go on from ``n_averaged`` updates, as Lightning's averaged model, saved then, does."""
+        assert self._averages is not None
+        self._averages.n_averaged = 0
+        self._averages.update()  # the first update copies the weights
+        self._averages.n_averaged = n_averaged
+        self._resume_from_model = None
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -155,6 +173,18 @@ class ShardedWeightAveraging(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         averages = self._averages
+        if averages is None and self._ended_n_averaged is not None:
+            # after fit the model holds the averaged weights (Lightning's callback saves them as both the
+            # model and the average then); before, the count was dropped and a fit resumed from this
+            # checkpoint restarted the average (0.04 off Lightning's after one epoch of a small net)
+            n = torch.tensor(self._ended_n_averaged, dtype=torch.long)
+            checkpoint["averaging_state"] = {"n_averaged": n}
+            sharded = (
+                isinstance(trainer.strategy, ZeroCheckpointIO) and trainer.strategy.writes_sharded_checkpoints
+            )
+            if not sharded and checkpoint.get("state_dict"):  # one file: Lightning's layout
+                checkpoint["current_model_state"] = checkpoint["state_dict"]
+            return
         if averages is None:
             rank_zero_info(
                 "ShardedWeightAveraging: a checkpoint saved outside fit holds the model as it is (after fit:"
@@ -230,6 +260,13 @@ class ShardedWeightAveraging(Callback):
                 {**checkpoint, "state_dict": checkpoint["current_model_state"]},
                 strict=pl_module.strict_loading,
             )
+        elif "averaging_state" in checkpoint:
+            # saved after a fit (per-rank files): the model, loaded already, holds the averaged weights
+            if self._averages is None:
+                self._resume_from_model = n_averaged  # at on_fit_start
+            else:
+                self._start_from_model(n_averaged)
+            return
         else:
             rank_zero_warn(
                 "ShardedWeightAveraging: the checkpoint holds no weight averages (it was saved without this"

@@ -439,6 +439,9 @@ def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
         current = checkpoint["state_dict"]
         checkpoint["state_dict"] = averaged_state_dict(current, pieces, buffers, meta)
         checkpoint["current_model_state"] = current
+    elif "averaging_state" in checkpoint:
+        # saved after fit, when the model holds the averages: Lightning's layout has them twice
+        checkpoint["current_model_state"] = checkpoint["state_dict"]
     states = [
         torch_optimizer_state(hyper, pieces, meta["params"])
         for hyper, pieces in read_optimizer_records(source)
