@@ -168,16 +168,23 @@ def test_bf16_mixed_edits_after_fit_reach_exports_and_the_model_pickles(tmp_path
 
 def _fabric_job(rank: int, world: int, name: str) -> dict[str, Any]:
     """A Fabric loop in ``bf16-mixed``, then the strategy's teardown: the user's norm layer is its own
-    again (the fp32 wrapper set at setup is gone) and the model pickles."""
-    strategy: Any = "ddp" if name == "ddp" else FabricHybridParallelStrategy(zero_stage=1)
+    again (the fp32 wrapper set at setup is gone), the model is whole and fp32 (ZeRO-3 gathered, ZeRO-1's
+    masters), and it pickles."""
+    strategy: Any = "ddp"
+    if name != "ddp":  # units per layer at ZeRO-3, so they really shard
+        units = {"zero3_units": [nn.Linear, nn.LayerNorm]} if name == "zero3" else {}
+        strategy = FabricHybridParallelStrategy(zero_stage=int(name[-1]), **units)
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="bf16-mixed")
     fabric.launch()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     wrapped, optimizer = fabric.setup(model, optimizer)
-    fabric.backward(wrapped(torch.randn(4, 8)).float().pow(2).mean())
-    optimizer.step()
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        fabric.backward(wrapped(torch.randn(4, 8, generator=data)).float().pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
     fabric.strategy.teardown()
     buffer = io.BytesIO()
     torch.save(model, buffer)
@@ -185,11 +192,24 @@ def _fabric_job(rank: int, world: int, name: str) -> dict[str, Any]:
     copy = torch.load(buffer, weights_only=False)
     if name != "ddp":
         fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]
-    return {"own_forward": "forward" in vars(model[1]), "pickled": copy.state_dict()}
+    return {
+        "own_forward": "forward" in vars(model[1]),
+        "pickled": copy.state_dict(),
+        "dtypes": {p.dtype for p in model.parameters()},
+    }
 
 
-def test_fabric_teardown_gives_the_norm_layers_back() -> None:
-    for name in ("ddp", "zero1"):
+def test_fabric_teardown_leaves_the_users_whole_model() -> None:
+    """After ``fabric.strategy.teardown()``: ``"ddp"``'s model, pickled. Before, ZeRO-3 left NaN
+    placeholders (the model computed and pickled NaN without a word) and ZeRO-1 its bf16 compute copies;
+    the norm layers' fp32 wrapper stayed (pickling failed)."""
+    states = {}
+    for name in ("ddp", "zero1", "zero3"):
         for r in run_distributed(_fabric_job, 2, name, init_group=False, timeout=300):
             assert r["own_forward"] is False, name
+            assert r["dtypes"] == {torch.float32}, (name, r["dtypes"])
             assert set(r["pickled"]) == {"0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"}
+            states[name] = r["pickled"]
+    # the stages compute alike; "ddp" autocasts where they run bf16 copies: bf16 round-off apart
+    torch.testing.assert_close(states["zero3"], states["zero1"], rtol=0, atol=0)
+    torch.testing.assert_close(states["zero1"], states["ddp"], rtol=0, atol=2e-3)

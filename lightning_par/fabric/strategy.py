@@ -106,6 +106,10 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         meta_init: at stage 3, ``fabric.init_module(empty_init=True)`` builds on the meta device.
         save_distributed_checkpoint: ``fabric.save`` writes a sharded directory (default) or, with
             ``False``, one torch file with the full state dict and full optimizer state in torch's format.
+        unshard_on_teardown: ``fabric.strategy.teardown()`` (on every rank: collective) leaves the whole
+            model behind, as the Trainer's strategy does when ``fit`` ends: at stage 3 gathered into every
+            rank, at stages 1/2 with separate fp32 masters the parameters take the masters' values. Turn
+            off for a model that does not fit one device (its ZeRO-3 parameters then stay placeholders).
         tensor_parallel_size, tp_plan, sequence_parallel, activation_checkpointing: as for the Trainer
             strategy (see the module docstring).
         pipeline_parallel_size, num_microbatches, pipeline_schedule, virtual_stages, pipeline_slack,
@@ -128,6 +132,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         prefetch: bool = True,
         meta_init: bool = True,
         save_distributed_checkpoint: bool = True,
+        unshard_on_teardown: bool = True,
         allow_untested_optimizer: bool = False,
         comm_hook: HookName | CommHook | None = None,
         comm_hook_state: Any = None,
@@ -186,6 +191,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         )
         self.comm_hook, self.comm_hook_state, self.powersgd_rank = comm_hook, comm_hook_state, powersgd_rank
         self.gather_dtype = gather_dtype
+        self.unshard_on_teardown = unshard_on_teardown
         self.zero_stage = zero_stage
         self.tensor_parallel_size = tensor_parallel_size
         self.tp_plan = tp_plan
@@ -540,6 +546,11 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             self._grad_reads.end(quiet=True)
             self._grad_reads = None
         if self.engine is not None:
+            if self.unshard_on_teardown:
+                # a usable, whole model afterwards, as at the end of a Trainer fit (before, a ZeRO-3 model
+                # was left with NaN placeholders and no hooks: it computed and pickled NaN without a word,
+                # and stages 1/2 in mixed precision left their 16-bit compute copies)
+                self.engine.unshard_all()
             self.engine.remove()
         if self._refusal is not None:
             self._refusal.remove()
