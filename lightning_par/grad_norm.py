@@ -33,14 +33,18 @@ def by_device_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch
     return out
 
 
-def _local_sum(grads: Iterable[Tensor], norm_type: float, device: torch.device) -> Tensor:
-    """``Σ |g_i|^p`` (``max |g_i|`` for p = inf) over ``grads`` as an fp32 scalar on ``device``: one fused
-    per-tensor norm kernel per (device, dtype), accumulated in fp32, and no host synchronisation."""
+def _local_sum(
+    grads: Iterable[Tensor], norm_type: float, device: torch.device, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """``Σ |g_i|^p`` (``max |g_i|`` for p = inf) over ``grads`` as a ``dtype`` scalar on ``device``: one
+    fused per-tensor norm kernel per (device, dtype), accumulated in ``dtype`` (fp32 by default, fp64
+    for ``"64-true"``: every rank passes the same, the all-reduce needs it), and no host synchronisation."""
     is_inf = math.isinf(norm_type)
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for (_, _), tensors in by_device_dtype(grads).items():
-        norms = torch._foreach_norm(tensors, norm_type, dtype=torch.float32)
-        stacked = torch.stack(norms).to(device)
+    total = torch.zeros((), dtype=dtype, device=device)
+    for (_, grad_dtype), tensors in by_device_dtype(grads).items():
+        # each tensor's norm in at least its own precision (the kernel refuses a narrowing dtype)
+        norms = torch._foreach_norm(tensors, norm_type, dtype=torch.promote_types(grad_dtype, dtype))
+        stacked = torch.stack(norms).to(device=device, dtype=dtype)
         part = stacked.max() if is_inf else stacked.pow(norm_type).sum()
         total = torch.maximum(total, part) if is_inf else total + part
     return total
@@ -53,18 +57,20 @@ def global_grad_norm(
     norm_type: float = 2.0,
     replicated: Sequence[tuple[Sequence[Tensor], ProcessGroup]] = (),
     device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Tensor:
-    """The p-norm of all gradient elements held by the ranks of ``groups`` (see the module docstring), an
-    fp32 scalar on ``device`` (the communication device; default: the first gradient's, else the CPU)."""
+    """The p-norm of all gradient elements held by the ranks of ``groups`` (see the module docstring), a
+    ``dtype`` scalar on ``device`` (the communication device; default: the first gradient's, else the
+    CPU)."""
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}.")
     if device is None:
         first = next((g for g in (*grads, *(t for ts, _ in replicated for t in ts))), None)
         device = first.device if first is not None else torch.device("cpu")
-    total = _local_sum(grads, norm_type, device)
+    total = _local_sum(grads, norm_type, device, dtype)
     is_inf = math.isinf(norm_type)
     for tensors, group in replicated:
-        part = _local_sum(tensors, norm_type, device)
+        part = _local_sum(tensors, norm_type, device, dtype)
         total = torch.maximum(total, part) if is_inf else total + part / dist.get_world_size(group)
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
     for group in groups:
@@ -84,11 +90,14 @@ def clip_grad_norm_(
     replicated: Sequence[tuple[Sequence[Tensor], ProcessGroup]] = (),
     extra: Sequence[Tensor] = (),
     device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """Scale ``grads`` (and the ``replicated`` ones, and ``extra`` ones that the norm does not count, such
     as second copies of tied parameters) in place so that the global norm is at most ``max_norm``; return
     the norm. Same coefficient as ``torch.nn.utils.clip_grad_norm_``: ``min(1, max_norm / (norm + eps))``."""
-    norm = global_grad_norm(grads, groups=groups, norm_type=norm_type, replicated=replicated, device=device)
+    norm = global_grad_norm(
+        grads, groups=groups, norm_type=norm_type, replicated=replicated, device=device, dtype=dtype
+    )
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)  # on the device: no host read of the norm
     everything = [*grads, *(t for tensors, _ in replicated for t in tensors), *extra]
     for (dev, _), tensors in by_device_dtype(everything).items():

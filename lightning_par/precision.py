@@ -5,6 +5,9 @@ clipping norms and fp16 verdicts always go over the right groups).
 Modes:
 
 * ``"32-true"``: fp32 everywhere.
+* ``"64-true"``: fp64 everywhere, as Lightning's ``DoublePrecision``: the model is built (in
+  ``configure_model`` / ``init_module``) and converted to float64, floating inputs are cast to it, and
+  inside a step torch's default dtype is float64; the shards, gradients and their reduction are fp64.
 * ``"bf16-mixed"`` / ``"16-mixed"`` with fp32 master weights (the default at ZeRO stages 1-3): parameters
   and gradients are bf16/fp16 on every rank, the forward runs under ``torch.autocast`` (so
   precision-sensitive ops such as softmax and losses stay fp32), and the fp32 master weights and
@@ -45,7 +48,7 @@ the strategy then neither steps the LR schedulers nor counts the step (see ``Hyb
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -53,6 +56,7 @@ import torch
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.amp import MixedPrecision
+from lightning.pytorch.plugins.precision.double import DoublePrecision
 from lightning.pytorch.plugins.precision.half import HalfPrecision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -68,10 +72,10 @@ from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 # where Lightning's MixedPrecision keeps its GradScaler state in a Trainer checkpoint (its class name)
 _LIGHTNING_AMP_KEY = MixedPrecision.__qualname__
 
-PrecisionMode = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
+PrecisionMode = Literal["32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true"]
 FrozenDtype = Literal["auto", "compute"]
 ReduceDtype = Literal["fp32", "bf16", "fp16"]
-PRECISION_MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+PRECISION_MODES = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
 
@@ -80,7 +84,7 @@ class ParallelPrecision(Precision):
     """Precision plugin for sharded training (see the module docstring).
 
     Args:
-        precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``.
+        precision: ``"32-true"``, ``"64-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``.
         reduce_dtype: dtype of gradient reduction and of the gradient shard: ``"fp32"`` (default), or the
             compute dtype's ``"bf16"``/``"fp16"`` to halve the traffic.
         norms_in_fp32: compute norm layers in fp32 where their parameters are low-precision.
@@ -117,11 +121,12 @@ class ParallelPrecision(Precision):
         self.precision = precision
         self.compute_dtype: torch.dtype = {
             "32-true": torch.float32,
+            "64-true": torch.float64,
             "bf16-mixed": torch.bfloat16,
             "bf16-true": torch.bfloat16,
             "16-mixed": torch.float16,
         }[precision]
-        if reduce_dtype != "fp32" and _DTYPES[reduce_dtype] != self.compute_dtype:
+        if reduce_dtype != "fp32" and _DTYPES[reduce_dtype] != self.compute_dtype:  # (64-true: its own)
             raise ValueError(
                 f"reduce_dtype={reduce_dtype!r} with precision={precision!r}: reduce in fp32 or in the"
                 " compute dtype."
@@ -150,7 +155,7 @@ class ParallelPrecision(Precision):
 
     @property
     def low_precision(self) -> bool:
-        return self.compute_dtype != torch.float32
+        return self.compute_dtype in (torch.bfloat16, torch.float16)
 
     def engine_dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
         """(compute, reduction) dtypes for the ZeRO engine: the compute dtype only where fp32 masters live
@@ -169,6 +174,11 @@ class ParallelPrecision(Precision):
         if not self.uses_masters:
             return None
         return self.compute_dtype if self.frozen_dtype == "compute" or self.precision == "bf16-true" else None
+
+    @property
+    def norm_dtype(self) -> torch.dtype:
+        """The dtype gradient norms accumulate in: fp64 under ``"64-true"``, else fp32."""
+        return torch.float64 if self.precision == "64-true" else torch.float32
 
     @property
     def uses_masters(self) -> bool:
@@ -216,6 +226,8 @@ class ParallelPrecision(Precision):
         # and mixed modes keep fp32 parameters under autocast (which runs norms in fp32 by itself).
         if self.precision == "bf16-true" and not self.master_weights:
             module = module.to(self.compute_dtype)
+        if self.precision == "64-true":
+            module = module.double()
         if (
             self.low_precision
             and self.norms_in_fp32
@@ -227,6 +239,16 @@ class ParallelPrecision(Precision):
         return module
 
     @override
+    def tensor_init_context(self) -> AbstractContextManager[None]:
+        """``"64-true"``: tensors and modules created inside (``trainer.init_module()``,
+        ``configure_model``) are float64, as under Lightning's ``DoublePrecision``."""
+        return _default_dtype(torch.float64) if self.precision == "64-true" else nullcontext()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager[None]:
+        return self.tensor_init_context()
+
+    @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         if self.precision in ("bf16-mixed", "16-mixed"):
@@ -235,22 +257,18 @@ class ParallelPrecision(Precision):
             # optimizers) would reuse the casts of the weights before the update (before: 0.18 off "ddp")
             with torch.autocast(self.device_type, dtype=self.compute_dtype, cache_enabled=False):
                 yield
-        elif self.precision == "bf16-true":
-            # as Lightning's HalfPrecision: tensors the step creates (noise, masks, positions) are bf16 like
-            # the parameters; before, a GAN's torch.randn latent met bf16 weights ("mat1 and mat2 must
-            # have the same dtype")
-            default = torch.get_default_dtype()
-            torch.set_default_dtype(self.compute_dtype)
-            try:
+        elif self.precision in ("bf16-true", "64-true"):
+            # as Lightning's HalfPrecision / DoublePrecision: tensors the step creates (noise, masks,
+            # positions) have the parameters' dtype; before, a GAN's torch.randn latent met bf16 weights
+            # ("mat1 and mat2 must have the same dtype")
+            with _default_dtype(self.compute_dtype):
                 yield
-            finally:
-                torch.set_default_dtype(default)
         else:
             yield
 
     @override
     def convert_input(self, data: Any) -> Any:
-        if self.precision != "bf16-true":
+        if self.precision not in ("bf16-true", "64-true"):
             return data
         return apply_to_collection(
             data, dtype=Tensor, function=lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t
@@ -258,8 +276,8 @@ class ParallelPrecision(Precision):
 
     @override
     def convert_output(self, data: Any) -> Any:
-        """Fabric's module wrapper hands the outputs back through this: under the 16-bit modes in the
-        default dtype (fp32), as Fabric's own ``MixedPrecision`` and ``HalfPrecision`` do, so a loss
+        """Fabric's module wrapper hands the outputs back through this: under the 16-bit modes and
+        ``"64-true"`` in the default dtype (fp32), as Fabric's own precision plugins do, so a loss
         computed on them outside the forward is fp32 too (before, ``"bf16-mixed"`` handed bf16 back)."""
         if self.precision == "32-true":
             return data
@@ -336,6 +354,7 @@ class ParallelPrecision(Precision):
                 extra=skip,  # type: ignore[arg-type]
                 norm_type=norm_type,
                 device=self.device,
+                dtype=self.norm_dtype,
             )
             return
         sharded = [p.grad for p in params if hasattr(p, TP_DIM_ATTR)]
@@ -348,6 +367,7 @@ class ParallelPrecision(Precision):
             extra=skip,  # type: ignore[arg-type]
             norm_type=norm_type,
             device=self.device,
+            dtype=self.norm_dtype,
         )
 
     # ------------------------------------------------------------------ state
@@ -377,6 +397,16 @@ class ParallelPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and "scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["scaler"])
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(default)
 
 
 def _compute_in_fp32(module: nn.Module) -> None:
@@ -456,12 +486,12 @@ def scaler_options(plugin: Any) -> dict[str, Any] | None:
 def convert_precision_plugin(plugin: Precision | None, *, zero_stage: int) -> Precision | None:
     """Map Lightning's precision plugins onto ours (the way Lightning's FSDP strategy enforces its own).
 
-    At every stage, Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` and ``"bf16-true"`` become
-    the matching ``ParallelPrecision`` (masters or not follow the stage: see the module docstring), so
-    the clip norm and the fp16 verdict are global whatever the layout. Any other plugin (``"64-true"``,
-    ``"16-true"``, third-party ones) is kept at stage 0, where every rank holds whole gradients, and the
-    strategy refuses it at setup under tensor or pipeline parallelism, where its norm would be a rank's
-    local one; at stages 1-3 it is refused here with its name.
+    At every stage, Lightning's ``"32-true"``, ``"64-true"``, ``"bf16-mixed"``, ``"16-mixed"`` and
+    ``"bf16-true"`` become the matching ``ParallelPrecision`` (masters or not follow the stage: see the
+    module docstring), so the clip norm and the fp16 verdict are global whatever the layout. Any other
+    plugin (``"16-true"``, third-party ones) is kept at stage 0, where every rank holds whole gradients,
+    and the strategy refuses it at setup under tensor or pipeline parallelism, where its norm would be a
+    rank's local one; at stages 1-3 it is refused here with its name.
     """
     if plugin is None or isinstance(plugin, ParallelPrecision):
         return plugin
@@ -471,6 +501,8 @@ def convert_precision_plugin(plugin: Precision | None, *, zero_stage: int) -> Pr
         return ParallelPrecision(plugin.precision, loss_scale=scaler_options(plugin))
     if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
         return ParallelPrecision("bf16-true")
+    if type(plugin) is DoublePrecision:
+        return ParallelPrecision("64-true")
     if zero_stage == 0:
         return plugin
     raise ValueError(

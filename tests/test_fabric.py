@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
-from lightning.fabric.plugins.precision import DoublePrecision
+from lightning.fabric.plugins.precision import HalfPrecision
 
 import lightning_par  # noqa: F401  (registers "zero0".."zero3" with Fabric)
 from lightning_par.checkpoint.full import gather_full_state_dict
@@ -288,7 +288,7 @@ def test_fabric_bad_input() -> None:
     with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive integer"):
         HybridParallelStrategy(pipeline_parallel_size=0)
     with pytest.raises(ValueError, match="cannot be used with lightning_par's Fabric strategy"):
-        to_parallel_precision(DoublePrecision())
+        to_parallel_precision(HalfPrecision("16-true"))
     assert to_parallel_precision(Fabric(accelerator="cpu", precision="bf16-mixed")._precision).precision == (
         "bf16-mixed"
     )

@@ -23,7 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.plugins.precision import DoublePrecision
+from lightning.pytorch.plugins.precision import HalfPrecision
 from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
@@ -102,12 +102,12 @@ def _regressions(rank: int, world: int) -> dict[str, Any]:
         accelerator="cpu",
         devices=world,
         strategy=HybridParallelStrategy(tensor_parallel_size=2, tp_plan="llama"),
-        plugins=[DoublePrecision()],
+        plugins=[HalfPrecision("16-true")],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    with pytest.raises(ValueError, match=r"DoublePrecision.*local gradient norm"):
+    with pytest.raises(ValueError, match=r"HalfPrecision.*local gradient norm"):
         trainer.fit(SGDLlama(lora=False), DataLoader(LlamaTokens(4), batch_size=2))
     assert trainer.global_step == 0
     return out

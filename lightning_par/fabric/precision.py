@@ -8,7 +8,7 @@ same mapping the Trainer strategy applies to Lightning's plugins). ``ParallelPre
 
 from __future__ import annotations
 
-from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 
 from lightning_par.precision import PRECISION_MODES, ParallelPrecision, scaler_options
 
@@ -23,6 +23,8 @@ def to_parallel_precision(plugin: Precision) -> ParallelPrecision:
         return ParallelPrecision(plugin.precision, loss_scale=scaler_options(plugin))
     if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
         return ParallelPrecision("bf16-true")
+    if type(plugin) is DoublePrecision:
+        return ParallelPrecision("64-true")
     raise ValueError(
         f"{type(plugin).__name__}({getattr(plugin, 'precision', '?')!r}) cannot be used with lightning_par's"
         f" Fabric strategy: it supports precision {PRECISION_MODES} (fp32 masters in the shards, global-norm"
