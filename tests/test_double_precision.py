@@ -10,7 +10,8 @@ narrowing").
 
 A Hugging Face Llama, 3 SGD steps with momentum and gradient clipping (at 0.5, which clips): ZeRO 1, 2
 and 3 (units per decoder layer) on 2 Gloo ranks equal Lightning's ``"ddp"`` in ``64-true`` (1e-12; with
-the norm accumulated in fp32 they were 5e-9 apart); tp2 (dp 1) equals one process; a Fabric loop at
+the norm accumulated in fp32 they were 5e-9 apart); tp2 and 2 pipeline stages (zero bubble; dp 1) equal
+one process; a Fabric loop at
 ZeRO-3 equals Fabric's ``"ddp"`` (losses and weights). Every run's state is float64 and the step's
 ``torch.randn`` was float64.
 """
@@ -29,6 +30,7 @@ from lightning_par import HybridParallelStrategy
 from lightning_par.fabric import HybridParallelStrategy as FabricHybridParallelStrategy
 from tests.distributed import run_distributed
 from tests.fits import cpu_trainer, final_state
+from tests.test_pp_hf import module_factory
 from tests.third_party import Tokens, llama
 
 STEPS, CLIP = 3, 0.5
@@ -81,6 +83,29 @@ def _fits(rank: int, world: int, names: list[str]) -> dict[str, Any]:
     return out
 
 
+def _pipeline(rank: int, world: int) -> dict[str, Tensor]:
+    """2 pipeline stages (zero-bubble schedule) of a Hugging Face Llama (``hf_pipeline_layers``), or with
+    one rank the same model unpipelined."""
+    strategy: Any = "ddp"
+    if world > 1:
+        strategy = HybridParallelStrategy(
+            pipeline_parallel_size=2, num_microbatches=2, pipeline_schedule="zb"
+        )
+    module = module_factory("llama")()
+    trainer = cpu_trainer(
+        strategy,
+        devices=world,
+        max_steps=STEPS,
+        limit_val_batches=0,
+        precision="64-true",
+        gradient_clip_val=CLIP,
+    )
+    trainer.fit(module, DataLoader(Tokens(16), batch_size=4))
+    if world > 1:
+        return trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined,no-any-return]
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
 def _fabric(rank: int, world: int, name: str) -> dict[str, Any]:
     strategy: Any = "ddp" if name == "ddp" else FabricHybridParallelStrategy(zero_stage=3, meta_init=False)
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="64-true")
@@ -123,6 +148,8 @@ def test_64_true_at_every_layout_equals_lightnings() -> None:
         assert runs[name]["step_dtypes"] == {torch.float64}, name
         _assert_double_and_equal(runs[name]["state"], ddp["state"], name)
     _assert_double_and_equal(runs["tp2"]["state"], one["state"], "tp2 against one process")
+    pipelined = run_distributed(_pipeline, 2, init_group=False, timeout=300)[0]
+    _assert_double_and_equal(pipelined, run_distributed(_pipeline, 1, init_group=False)[0], "pp2")
     fabric = {name: run_distributed(_fabric, 2, name, init_group=False)[0] for name in ("ddp", "zero3")}
     # Fabric hands outputs back in the default dtype (its own DoublePrecision too)
     assert fabric["zero3"]["loss_dtype"] == fabric["ddp"]["loss_dtype"] == torch.float32
