@@ -378,7 +378,16 @@ def test_consolidate_cli(trained: dict[str, Any], tmp_path: Path, capsys: pytest
     exists = f"lightning-par-consolidate: error: {out} exists; pass --force to overwrite it.\n"
     assert capsys.readouterr().err == exists
     assert out.stat().st_mtime_ns == before.st_mtime_ns
+    # OUT inside DIR: before, --force overwrote meta.pt with the consolidated file, destroying the
+    # checkpoint ("meta.pt is ... bytes, but ... bytes were written"); now refused before anything is read
     damaged = _copy(manual, tmp_path / "damaged.ckpt")
+    meta = (damaged / META_FILE).read_bytes()
+    assert consolidate_cli.main([str(damaged), str(damaged / META_FILE), "--force"]) == 2
+    assert "is inside the checkpoint directory" in capsys.readouterr().err
+    assert (damaged / META_FILE).read_bytes() == meta
+    assert consolidate_cli.main([str(damaged), str(damaged / "new.ckpt")]) == 2
+    assert not (damaged / "new.ckpt").exists()
+    capsys.readouterr()
     os.truncate(damaged / rank_file(1), 100)
     assert consolidate_cli.main([str(damaged), str(tmp_path / "d.ckpt"), "--force"]) == 2
     err = capsys.readouterr().err

@@ -8,7 +8,8 @@ torch's own format unless ``--weights-only``. It is written atomically (temp fil
 fsync, rename), so OUT is either absent, the previous file, or the whole new one.
 
 Exit status: 0 on success (one line on stdout says what was written); 2 on a usage error or when DIR is
-not a complete, undamaged sharded checkpoint or OUT exists without ``--force`` (one line on stderr).
+not a complete, undamaged sharded checkpoint, OUT exists without ``--force``, or OUT is inside DIR (one
+line on stderr).
 """
 
 from __future__ import annotations
@@ -70,6 +71,17 @@ def consolidated_checkpoint(directory: Path, *, weights_only: bool) -> dict[str,
     return checkpoint
 
 
+def check_output(directory: Path, output: Path) -> None:
+    """Refuse an ``output`` inside ``directory``: overwriting one of its files (``meta.pt`` with ``--force``)
+    destroyed the checkpoint, and a new file there is not part of it (its ``COMPLETE`` manifest lists
+    the files). Checked before anything is read."""
+    if output.resolve().is_relative_to(directory.resolve()) and directory.is_dir():
+        raise CliError(
+            f"{output} is inside the checkpoint directory {directory}; writing it there would damage or"
+            f" clutter the checkpoint. Write the consolidated file outside it (e.g. {directory}.full.ckpt)."
+        )
+
+
 def write_atomic(checkpoint: dict[str, Any], output: Path, *, force: bool) -> int:
     """``torch.save`` to ``output`` through a temp file, fsync and rename; return the bytes written.
 
@@ -111,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``lightning-par-consolidate``; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
+        check_output(args.directory, args.output)
         checkpoint = consolidated_checkpoint(args.directory, weights_only=args.weights_only)
         nbytes = write_atomic(checkpoint, args.output, force=args.force)
     except (CliError, ValueError, OSError) as exc:
