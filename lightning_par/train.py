@@ -48,6 +48,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_par.checkpoint.single_file import refuse_directory
 from lightning_par.run_dirs import launcher_overrides
 
 __all__ = ["ConfigError", "TrainingRun", "build", "find_config_dir", "main", "train"]
@@ -218,8 +219,9 @@ def _check_trainer_keys(cfg: DictConfig) -> None:
 
 
 def _check_ckpt_path(ckpt_path: Any) -> None:
-    """A resume from a file or directory that does not exist, refused before any process starts (Lightning
-    finds it only after every rank has built the model); Lightning's names ("last", "best", ...) pass."""
+    """A resume from a file or directory that does not exist, or from a directory that is no checkpoint,
+    refused before any process starts (Lightning finds it only after every rank has built the model);
+    Lightning's names ("last", "best", ...) pass."""
     if (
         ckpt_path is None
         or str(ckpt_path) in ("last", "best", "hpc")
@@ -232,6 +234,11 @@ def _check_ckpt_path(ckpt_path: Any) -> None:
             f"no checkpoint at {str(ckpt_path)!r}: give an existing file or directory,"
             " or 'last' with the resumed run's hydra.run.dir.",
         )
+    if "://" not in str(ckpt_path):
+        try:  # a folder of checkpoints given for one of them
+            refuse_directory(Path(str(ckpt_path)))
+        except ValueError as exc:
+            raise ConfigError("ckpt_path", str(exc)) from None
 
 
 def _check_sweep_world(trainer: DictConfig) -> None:

@@ -236,9 +236,18 @@ def check_model(checkpoint: Mapping[str, Any], module: nn.Module, tp: TPInfo, *,
     """Refuse a checkpoint whose recorded parameters are not the model's, before anything loads (with
     ``strict=False``, only those of another shape)."""
     meta = checkpoint.get(METADATA_KEY)
+    current = {n: tuple(s) for n, s in global_shapes(module, tp).items()}
     if meta and "params" in meta:
-        current = {n: tuple(s) for n, s in global_shapes(module, tp).items()}
         check_params_match(meta["params"], current, strict=strict)
+        return
+    state = checkpoint.get("state_dict")
+    if isinstance(state, Mapping):
+        # a plain Lightning checkpoint ("ddp", a consolidated file): its parameters by their names in the
+        # state dict, beside which buffers and extra state live, so only the model's missing parameters
+        # and shapes are compared here (before, a model of another size failed later with a bare KeyError,
+        # or at ZeRO-3 with a message about the optimizer's param groups)
+        saved = {n: tuple(v.shape) for n, v in state.items() if n in current and isinstance(v, Tensor)}
+        check_params_match(saved, current, strict=strict)
 
 
 def _sources(

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
-import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -44,6 +43,7 @@ from lightning_par.checkpoint.sharded import (
     read_meta,
     read_rank_entries,
 )
+from lightning_par.checkpoint.single_file import read_torch_file, refuse_directory
 from lightning_par.checkpoint.tp_reshard import TPInfo, tp_info
 from lightning_par.mesh import MeshLayout, ParallelMesh
 from lightning_par.zero.engine import Engine, reads_own_state
@@ -259,8 +259,9 @@ class ZeroCheckpointIO(ParallelStrategy):
             self._sharded_source = path
         elif type(self.checkpoint_io) is TorchCheckpointIO and path.is_file():
             # memory-mapped: each rank reads only the slices it keeps, not the whole file into memory
-            checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
+            checkpoint = read_torch_file(path, weights_only=bool(weights_only))
         else:
+            refuse_directory(path)  # a folder of checkpoints given for one (before, IsADirectoryError)
             checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         assert self.lightning_module is not None
         # LightningModule.strict_loading = False: a fine-tune's new head is left out of the load

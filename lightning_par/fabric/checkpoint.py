@@ -45,6 +45,7 @@ from lightning_par.checkpoint.io import (
     save_sharded,
 )
 from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta, read_rank_entries
+from lightning_par.checkpoint.single_file import read_torch_file
 from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, localize, tp_info
 
 if TYPE_CHECKING:
@@ -251,11 +252,7 @@ def load(
         saved_optimizers = list(keys.get("optimizers") or [])
     else:
         dcp = is_dcp_checkpoint(path)  # Fabric's FSDPStrategy / ModelParallelStrategy wrote it
-        raw = (
-            read_dcp_entries(path)
-            if dcp
-            else torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-        )
+        raw = read_dcp_entries(path) if dcp else read_torch_file(path, weights_only=False)
         keys = raw.get(KEYS) or {
             "module": next((k for k, v in state.items() if isinstance(v, nn.Module)), None),
             "optimizers": [k for k, v in state.items() if isinstance(v, Optimizer)],
@@ -385,6 +382,6 @@ def _load_raw(strategy: HybridParallelStrategy, path: Path, module: nn.Module, *
         raise ValueError("fabric.load_raw: pass the module returned by fabric.setup().")
     if is_sharded_checkpoint(path):
         raise ValueError(f"{str(path)!r} is a sharded checkpoint directory: read it with fabric.load.")
-    raw = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    raw = read_torch_file(path, weights_only=True)
     state = raw.get("state_dict", raw) if isinstance(raw, dict) else raw
     _load_module(strategy, {"state_dict": state}, None, strict=strict)

@@ -1,0 +1,121 @@
+"""Checkpoint paths and files that are not what the run needs, named before anything loads (each found by a
+probe of bad input; 2 Gloo ranks, one job).
+
+* A directory that holds no checkpoint of a known kind (a run pointed at its ``checkpoints/`` folder):
+  ``fit(ckpt_path=...)`` at ZeRO-2 and ``fabric.load`` said ``IsADirectoryError``; the Hydra command
+  failed so after every rank had started. Now refused naming the checkpoints the folder holds.
+* A legacy (pre-zip) torch file: torch's memory-mapped load refused it telling the user to re-save it
+  with the zip format; now it is read as Lightning reads it, and resumes as the zip file does.
+* A plain Lightning checkpoint (``"ddp"``'s) of a model of another size: before, ZeRO-1 failed with a bare
+  ``KeyError`` and ZeRO-3 blamed the optimizer ("An optimizer param group holds 19 parameters in the
+  checkpoint and 27 in the model"); a wider one raised torch's size mismatch. Now refused as our own
+  formats are, naming the missing parameters and shapes and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric import Fabric
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_par import HybridParallelStrategy
+from lightning_par.fabric import HybridParallelStrategy as FabricHybridParallelStrategy
+from lightning_par.train import ConfigError, _check_ckpt_path
+from tests.distributed import run_distributed
+from tests.fits import cpu_trainer, final_state
+from tests.third_party import LLAMA, Tokens, hf_model
+
+
+class SizedLlama(pl.LightningModule):
+    def __init__(self, **config: Any) -> None:
+        super().__init__()
+        self.model = hf_model("LlamaForCausalLM", "LlamaConfig", **(LLAMA | config))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(strategy: Any, *, steps: int, ckpt_path: Path | None = None, **config: Any) -> SizedLlama:
+    torch.manual_seed(0)
+    module = SizedLlama(**config)
+    trainer = cpu_trainer(strategy, max_steps=steps, limit_val_batches=0)
+    trainer.fit(module, DataLoader(Tokens(16), batch_size=2), ckpt_path=ckpt_path)
+    return module
+
+
+def _refused(strategy: Any, ckpt_path: Path, **config: Any) -> str:
+    with pytest.raises(ValueError) as info:
+        _fit(strategy, steps=4, ckpt_path=ckpt_path, **config)
+    if isinstance(strategy, HybridParallelStrategy):
+        strategy.destroy_process_groups()
+    return str(info.value)
+
+
+def _job(rank: int, world: int, root: str) -> dict[str, Any]:
+    tmp = Path(root)
+    out: dict[str, Any] = {}
+    ddp = _fit("ddp", steps=2)
+    saved = tmp / "ddp.ckpt"
+    ddp.trainer.save_checkpoint(saved)
+    folder = tmp / "checkpoints"
+    if rank == 0:
+        folder.mkdir()
+        (folder / "empty").mkdir()
+        (folder / "epoch=0-step=2.ckpt").write_bytes(saved.read_bytes())
+        # the same checkpoint in torch's legacy (non-zip) format
+        torch.save(
+            torch.load(saved, weights_only=False), tmp / "legacy.ckpt", _use_new_zipfile_serialization=False
+        )
+    torch.distributed.barrier()
+    out["folder"] = _refused(HybridParallelStrategy(zero_stage=2), folder)
+    out["empty"] = _refused(HybridParallelStrategy(zero_stage=2), folder / "empty")
+    for name, path in (("zip", saved), ("legacy", tmp / "legacy.ckpt")):
+        strategy = HybridParallelStrategy(zero_stage=2)
+        out[name] = final_state(_fit(strategy, steps=4, ckpt_path=path), strategy)
+    # a model of another size (one layer more; wider) from "ddp"'s file
+    out["deeper_z3"] = _refused(
+        HybridParallelStrategy(zero_stage=3, meta_init=False), saved, num_hidden_layers=3
+    )
+    out["deeper_z1"] = _refused(HybridParallelStrategy(zero_stage=1), saved, num_hidden_layers=3)
+    out["wider_z2"] = _refused(HybridParallelStrategy(zero_stage=2), saved, intermediate_size=96)
+    # Fabric, the folder
+    strategy = FabricHybridParallelStrategy(zero_stage=2)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    raw = SizedLlama().model
+    model, optimizer = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=0.1))
+    with pytest.raises(ValueError) as fabric_folder:
+        fabric.load(folder, {"model": model, "optimizer": optimizer})
+    out["fabric"] = str(fabric_folder.value)
+    strategy.destroy_process_groups()
+    return out
+
+
+def test_checkpoint_paths_and_files_that_do_not_fit_are_named(tmp_path: Path) -> None:
+    r = run_distributed(_job, 2, str(tmp_path), init_group=False, timeout=400)[0]
+    assert "is a directory, not a checkpoint" in r["folder"] and "It holds epoch=0-step=2.ckpt" in r["folder"]
+    assert "None is in it" in r["empty"]
+    assert "is a directory, not a checkpoint" in r["fabric"] and "epoch=0-step=2.ckpt" in r["fabric"]
+    torch.testing.assert_close(r["legacy"], r["zip"], rtol=0, atol=0)
+    for name in ("deeper_z3", "deeper_z1"):
+        assert "does not match the model (missing in the checkpoint: ['model.model.layers.2." in r[name], r[
+            name
+        ]
+        assert "strict_loading = False" in r[name]
+    assert (
+        "different shapes" in r["wider_z2"] and "model.model.layers.0.mlp.down_proj.weight" in r["wider_z2"]
+    )
+    # the command line refuses the folder before any process starts
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ConfigError) as info:
+        _check_ckpt_path(str(tmp_path / "runs"))
+    assert info.value.group == "ckpt_path" and "is a directory, not a checkpoint" in info.value.message
