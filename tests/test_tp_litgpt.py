@@ -256,7 +256,12 @@ def _assert_run(run: dict[str, Any], ref: dict[str, Any], what: str, *, state: b
         return
     assert run["final"].keys() == ref["final"].keys(), what
     for k, v in ref["final"].items():
-        torch.testing.assert_close(run["final"][k], v, msg=lambda m, k=k: f"{what}: {k}\n{m}")
+        # AdamW divides by the root of the second moment, so an element whose gradient is rounding-sized
+        # moves by up to lr per step on rounding alone: the tp shards and one process sum in other orders
+        # (1.5e-5 apart on one machine's kernels, within 1e-5 on another's)
+        torch.testing.assert_close(
+            run["final"][k], v, rtol=1.3e-6, atol=5e-5, msg=lambda m, k=k: f"{what}: {k}\n{m}"
+        )
 
 
 def test_fabric_zero3_meta_init_tp2_litgpt_equals_one_process_and_resumes() -> None:
