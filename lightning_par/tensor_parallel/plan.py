@@ -34,6 +34,7 @@ from lightning_par.tensor_parallel.lora import (
     saved_copies,
 )
 from lightning_par.tensor_parallel.plans import experts_hint, fit_head, matches, resolve_plan
+from lightning_par.tensor_parallel.region_check import check_regions
 from lightning_par.tensor_parallel.regions import (
     make_region_input,
     make_scatter_sequence,
@@ -164,7 +165,30 @@ def apply_tensor_parallel(
         "applied": dict(applied),
     }
     setattr(module, TP_STATE_ATTR, record)
+    if t > 1 and not sequence_parallel:
+        _check_regions(module, applied)
     return applied
+
+
+def _check_regions(module: nn.Module, applied: Mapping[str, str]) -> None:
+    """The first backward's check that only column-parallel layers read each region input's output
+    (:mod:`~lightning_par.tensor_parallel.region_check`)."""
+    regions = {n: module.get_submodule(n) for n, s in applied.items() if "region_input" in s.split("+")}
+    readers: dict[str, nn.Module] = {}
+    for name, style in applied.items():
+        if not {"colwise", "colwise_gather"} & set(style.split("+")):
+            continue
+        for sub_name, sub in module.get_submodule(name).named_modules(prefix=name):
+            if _in_region(sub) and ".lora_B." not in sub_name:
+                readers[sub_name] = sub
+            elif is_lora_wrapper(sub) and _in_region(sub.base_layer):
+                # LoRA A reads the region input for a column-parallel B
+                readers.update((f"{sub_name}.lora_A.{k}", a) for k, a in sub.lora_A.items())
+    check_regions(regions, readers)
+
+
+def _in_region(layer: object) -> bool:
+    return isinstance(layer, ColumnParallelLinear) and not layer.copy_input
 
 
 def _refuse_parallel(old: nn.Module, name: str) -> None:

@@ -10,9 +10,12 @@ and ``model.blocks.3.attn.q_proj``). Styles:
 ``colwise_gather`` ``nn.Linear`` -> :class:`ColumnParallelLinear` with the output all-gathered
 ``rowwise``        ``nn.Linear`` -> :class:`RowParallelLinear` (input is the column-parallel shard)
 ``vocab``          ``nn.Embedding`` -> :class:`VocabParallelEmbedding`
-``region_input``   any module (the norm before a region) -> its output enters a tensor-parallel region:
-                   ``copy_to`` (one gradient all-reduce for all the column-parallel layers that read it);
-                   with SP the module runs on sequence shards and its output is all-gathered
+``region_input``   any module (a pre-LN norm whose output only column-parallel layers read) -> its output
+                   enters a tensor-parallel region: ``copy_to`` (one gradient all-reduce for all the
+                   column-parallel layers that read it); with SP the module runs on sequence shards and
+                   its output is all-gathered. Not a post-LN norm (its output is also the residual
+                   stream): the first backward refuses that, and the first forward a column-parallel
+                   layer that no region input feeds (:mod:`~.region_check`)
 ``sequence_output`` any module (a final norm before a replicated head) -> runs on sequence shards, its
                    output all-gathered, the backward keeping this rank's slice (SP only: where SP ends)
 ``sequence_local``  any module (a norm on the residual stream between regions) -> runs on sequence
