@@ -3,12 +3,16 @@
 The prediction is the ZeRO accounting, with ``Ψ`` the parameters held by one tensor/pipeline rank
 (``total / (tp * pp)``), ``N`` the data-parallel size, ``P``/``G`` the bytes of a compute parameter and
 gradient element, ``M`` the bytes of a separate fp32 master copy (0 in fp32 training, where the
-parameters are the masters) and ``S`` the optimizer's state bytes per element (AdamW: 8)::
+parameters are the masters) and ``S`` the optimizer's state bytes per element (AdamW: 8). Gradients are
+accumulated and reduced in ``reduce_dtype``, so in the 16-bit modes ``G`` is 4 by default (fp32, the
+accurate choice) and 2 with ``reduce_dtype="bf16"`` / ``"fp16"``, where the optimizer then reads an fp32
+copy of the gradient shard (``4Ψ/N`` more at stages 1/2). At stage 0 the mixed modes keep no masters:
+fp32 parameters and gradients under autocast (``P = G = 4``, ``M = 0``), as Lightning's::
 
     stage 0:  params PΨ   grads GΨ             optimizer (M+S)Ψ
     stage 1:  params PΨ   grads GΨ + GΨ/N       optimizer (M+S)Ψ/N     (full local buffer + reduced shard)
     stage 2:  params PΨ   grads GΨ/N + buckets  optimizer (M+S)Ψ/N     (grad_sync="every")
-    stage 3:  params PΨ/N + live units   grads GΨ/N   optimizer (M+S)Ψ/N
+    stage 3:  params (M or P)Ψ/N + live units   grads GΨ/N   optimizer SΨ/N   (one copy per shard)
 
 Frozen parameters (``requires_grad=False``, e.g. a LoRA model's base) add ``F Φ`` to the parameters
 (``F Φ/N`` at stage 3, ``Φ`` the frozen count per tensor/pipeline rank) and nothing to gradients or
@@ -20,9 +24,12 @@ where the live units are the root unit (gathered for the whole step) plus a bloc
 successor; under pipeline parallelism (``pp > 1``) every unit of the stage stays gathered for the step
 (``PΨ`` live) and the gradient sums wait unsharded for the step's one reduce-scatter (``GΨ`` of
 communication buffers), about ZeRO-1's peak, with stage 3's ``1/N`` between steps.
-E.g. mixed-precision AdamW (P=G=2, M=4, S=8): stage 1 ≈ 4Ψ + 12Ψ/N, stage 2 ≈ 2Ψ + 14Ψ/N,
-stage 3 ≈ 16Ψ/N (ZeRO paper accounting). With ``grad_sync="boundary"`` stage 2 keeps the full local
-buffer like stage 1.
+E.g. bf16-mixed AdamW (P=2, M=4, S=8) with the default fp32 reduction (G=4): stage 1 ≈ 6Ψ + 16Ψ/N,
+stage 2 ≈ 2Ψ + 16Ψ/N, stage 3 ≈ 16Ψ/N (its shard holds the fp32 master only); with
+``reduce_dtype="bf16"`` (G=2) the ZeRO paper's 4Ψ + 12Ψ/N and 2Ψ + 14Ψ/N plus the fp32 gradient copy
+(4Ψ/N), and 14Ψ/N (measured on 2 ranks with a 4.7M Llama: stage 1 in bf16-mixed holds 63.0 MiB, as
+predicted now; the earlier G=2 prediction was 1.27x short). With
+``grad_sync="boundary"`` stage 2 keeps the full local buffer like stage 1.
 Communication buffers are bounded: at most ``max_inflight + 1`` pooled buckets (never more than there
 are buckets), each the size of the largest bucket (at most the larger of ``bucket_size_mb`` and the
 largest parameter) plus its ``1/N`` reduce-scatter output; ``comm_buffers`` of the estimate is that
@@ -58,6 +65,7 @@ _PRECISION_BYTES: dict[str, tuple[int, int, int]] = {  # (param, grad, separate 
     "16-mixed": (2, 2, 4),
     "bf16-true": (2, 2, 4),
 }
+_REDUCE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 class MemoryReport(TypedDict):
@@ -149,10 +157,12 @@ def estimate_memory(
     stage3_inflight: int = 2,
     frozen_params: int = 0,
     frozen_dtype: Literal["auto", "compute"] = "auto",
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
 ) -> MemoryReport:
     """Predicted bytes per rank of model states (see the module docstring for the formulas). Given a
     parameter count, ``frozen_params`` is the number of frozen parameters besides it; given a model, its
-    parameters with ``requires_grad=False`` are. ``frozen_dtype`` as ParallelPrecision's."""
+    parameters with ``requires_grad=False`` are. ``frozen_dtype`` and ``reduce_dtype`` as
+    ParallelPrecision's."""
     largest = 0
     if isinstance(model_or_param_count, nn.Module):
         trainable = [p for p in model_or_param_count.parameters() if p.requires_grad]
@@ -165,6 +175,8 @@ def estimate_memory(
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
     if precision not in _PRECISION_BYTES:
         raise ValueError(f"precision must be one of {sorted(_PRECISION_BYTES)}, got {precision!r}.")
+    if reduce_dtype not in _REDUCE_BYTES:
+        raise ValueError(f"reduce_dtype must be one of {sorted(_REDUCE_BYTES)}, got {reduce_dtype!r}.")
     if optimizer not in _STATE_BYTES:
         raise ValueError(f"optimizer must be one of {sorted(_STATE_BYTES)}, got {optimizer!r}.")
     for name, size in (("dp", dp), ("tp", tp), ("pp", pp)):
@@ -176,15 +188,24 @@ def estimate_memory(
     s_bytes = _STATE_BYTES[optimizer]
     mixed = precision in ("bf16-mixed", "16-mixed")
     f_bytes = 4 if mixed and frozen_dtype == "auto" else p_bytes
+    grad_copy = 0.0  # the optimizer's fp32 copy of a 16-bit gradient shard (stages 1/2)
+    if mixed and zero_stage == 0:  # no masters: fp32 parameters and gradients under autocast
+        p_bytes, g_bytes, m_bytes = 4, 4, 0
+    elif m_bytes and zero_stage > 0:  # 16-bit parameters with fp32 masters: gradients in the reduction dtype
+        g_bytes = _REDUCE_BYTES[reduce_dtype]
+        grad_copy = 4.0 if g_bytes != 4 and zero_stage in (1, 2) else 0.0
     params = p_bytes * psi + f_bytes * phi
+    # stage 3 keeps one copy of each parameter in its shard: the fp32 master where there is one (the
+    # 16-bit compute copy is made by the gather), so the master counts as parameters there
+    stage3_shard = (m_bytes or p_bytes) * psi + f_bytes * phi
     comm = live = 0.0
     if zero_stage == 3 and pp > 1:
         # under a pipeline every unit stays gathered for the step and its gradients are summed unsharded
         # until the one reduce-scatter after the last micro-batch (zero/stage3.py, deferred reduction)
-        params, grads, opt = params / dp, g_bytes * psi / dp, (m_bytes + s_bytes) * psi / dp
+        params, grads, opt = stage3_shard / dp, g_bytes * psi / dp, s_bytes * psi / dp
         live, comm = p_bytes * (psi + phi), g_bytes * psi
     elif zero_stage == 3:
-        params, grads, opt = params / dp, g_bytes * psi / dp, (m_bytes + s_bytes) * psi / dp
+        params, grads, opt = stage3_shard / dp, g_bytes * psi / dp, s_bytes * psi / dp
         if isinstance(model_or_param_count, nn.Module):
             units = plan_units(model_or_param_count).units
             sizes = [sum(p.numel() for _, p in named) for _, _, named in units]
@@ -204,7 +225,7 @@ def estimate_memory(
     else:
         policy = grad_sync or default_grad_sync(zero_stage)
         opt = (m_bytes + s_bytes) * psi / dp
-        grads = g_bytes * psi / dp + (g_bytes * psi if policy == "boundary" else 0.0)
+        grads = (g_bytes + grad_copy) * psi / dp + (g_bytes * psi if policy == "boundary" else 0.0)
         if policy == "every":
             # pooled buffers all have the largest bucket's size (plus a 1/N reduce-scatter output each);
             # there are at most as many as buckets and at most max_inflight + 1 at once

@@ -11,8 +11,9 @@ Modes:
 * ``"bf16-mixed"`` / ``"16-mixed"`` with fp32 master weights (the default at ZeRO stages 1-3): parameters
   and gradients are bf16/fp16 on every rank, the forward runs under ``torch.autocast`` (so
   precision-sensitive ops such as softmax and losses stay fp32), and the fp32 master weights and
-  optimizer state live only in this rank's ZeRO shard. Memory per parameter: 2 (params) + 2 (grads; 4/N
-  when reduced in fp32 into the shard) + 12/N (fp32 master + Adam), the DeepSpeed accounting.
+  optimizer state live only in this rank's ZeRO shard. Memory per parameter at stage 1: 2 (params) + 4
+  (the local gradient buffer, in the fp32 reduction dtype; 2 with ``reduce_dtype="bf16"``) + 4/N (the
+  reduced shard) + 12/N (fp32 master + Adam); at stage 3 16/N (:mod:`lightning_par.memory`).
 * the same without masters (the default at stage 0, where nothing is sharded; ``master_weights=False``
   at any stage): fp32 parameters and gradients, the forward under autocast, like Lightning's own
   ``"bf16-mixed"``; memory 4 + 4 + 8/N.

@@ -22,6 +22,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric import Fabric
 from torch import nn
@@ -40,8 +41,11 @@ def _job(rank: int, world: int, tmp: str, name: str) -> dict[str, Any]:
     torch.manual_seed(0)
     strategy: Any = "ddp" if name == "ddp" else HybridParallelStrategy(zero_stage=3, meta_init=False)
     module = LoraLlama(lora=False)
-    trainer = cpu_trainer(strategy, devices=world, max_steps=2, limit_val_batches=0)
+    pools = PoolBytes()
+    trainer = cpu_trainer(strategy, devices=world, max_steps=2, limit_val_batches=0, callbacks=[pools])
     trainer.fit(module, DataLoader(Tokens(16), batch_size=2))
+    if name != "ddp":  # ZeRO-3's pooled gradient buffers serve steps only: freed at the end of fit
+        pools.seen.append(trainer.strategy.memory_report()["comm_buffers"])  # type: ignore[attr-defined]
     model = module.model
     assert model is not None
     # "ddp" has no gathered_params(): its model is whole anyway
@@ -90,7 +94,18 @@ def _job(rank: int, world: int, tmp: str, name: str) -> dict[str, Any]:
         "replaced": replaced,
         "saved_weights": saved_weights,
         "refused": refused,
+        "pools": pools.seen,
     }
+
+
+class PoolBytes(pl.Callback):
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report = getattr(trainer.strategy, "memory_report", None)
+        if report is not None:
+            self.seen.append(report()["comm_buffers"])
 
 
 def test_edits_after_fit_reach_the_export_and_the_checkpoint_as_under_ddp(tmp_path: Path) -> None:
@@ -108,6 +123,9 @@ def test_edits_after_fit_reach_the_export_and_the_checkpoint_as_under_ddp(tmp_pa
         torch.testing.assert_close(ref[0]["saved_weights"][k], v, msg=f"ddp weights only: {k}")
     assert ref[0]["refused"] == ""  # "ddp" saves its optimizer positionally, whatever it was built over
     for rank in range(2):
+        # before, the pools outlived the fit (more bytes than the shards on a larger Llama)
+        during, after = ours[rank]["pools"]
+        assert during > 0 and after == 0, ours[rank]["pools"]
         assert "no longer has (shapes [(64, 32)])" in ours[rank]["refused"], ours[rank]["refused"]
         assert "save_checkpoint(path, weights_only=True)" in ours[rank]["refused"]
 

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.loss_scaler import DynamicLossScaler
+from lightning_par.memory import estimate_memory
 from lightning_par.models import GPTModule
 from lightning_par.precision import ParallelPrecision
 from tests.distributed import run_distributed
@@ -91,6 +92,7 @@ def _bf16(rank: int, world: int, tmp: str) -> dict[str, Any]:
         out[stage] = {
             "losses": rec.losses,
             "memory": mem.report,
+            "estimate": estimate_memory(_module(), zero_stage=stage, dp=world, precision="bf16-mixed"),
             "dtype": str(module.gpt.embed.tok.weight.dtype),
         }
     return out
@@ -130,6 +132,11 @@ def test_bf16_mixed_tracks_fp32_and_keeps_masters_in_the_shard(tmp_path: Path) -
             else:
                 assert mem["parameters"] == pytest.approx(4 * n / WORLD, rel=0.05)
                 assert mem["optimizer_state"] == pytest.approx(8 * n / WORLD, rel=0.05)
+            # the gradient shard is fp32 (the default reduction dtype), and the prediction says so
+            # (before, it counted 2 bytes per gradient element and, at stage 3, a 16-bit parameter shard)
+            assert mem["gradients"] == pytest.approx(4 * n / WORLD, rel=0.05)
+            for key in ("parameters", "gradients", "optimizer_state"):
+                assert mem[key] == pytest.approx(r[stage]["estimate"][key], rel=0.05), (stage, key)
 
 
 class Overflowing(GPTModule):

@@ -587,3 +587,9 @@ class Stage3Engine(Stage3Reduce):
         self._fabric_between = None
         unmark_hf_models(self._hf_marked)
         self._hf_marked = []
+        if not self._inflight:
+            # the pooled gradient buffers (unsharded: the root unit's whole gradient among them) serve
+            # only steps; kept after fit, they held more than the shards themselves (a probe: 15.5 MiB per
+            # rank on a 4.7M-parameter Llama, beside 18 MiB of shards)
+            self._pool.clear()
+            self._pool_bytes = 0
