@@ -53,7 +53,14 @@ def match_modules(root: nn.Module, policy: UnitPolicy) -> list[str]:
             names.append(name)
     if not names:
         examples = [n for n, _ in root.named_modules() if n][:8]
-        classes = sorted({type(m).__name__ for n, m in root.named_modules() if n})[:8]
+        # the model's own classes first (a ModuleList's children: its blocks), torch's building blocks last
+        blocks = {id(c) for m in root.modules() if isinstance(m, nn.ModuleList) for c in m.children()}
+        rank: dict[str, int] = {}
+        for n, m in root.named_modules():
+            if n:
+                kind = 0 if id(m) in blocks else 2 if type(m).__module__.startswith("torch.") else 1
+                rank[type(m).__name__] = min(kind, rank.get(type(m).__name__, kind))
+        classes = sorted(rank, key=lambda c: (rank[c], c))[:8]
         rules = [r if isinstance(r, str) else r.__name__ for r in policy]
         raise ValueError(
             f"The module policy {rules} matches no module. Module names look like {examples} and module"
