@@ -304,6 +304,12 @@ def _errors(rank: int, world: int) -> str:
     return "ok"
 
 
+class ZBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+
 def test_unit_policy_errors_and_ownership() -> None:
     model = GPT(CFG)
     with pytest.raises(ValueError, match=r"matches no module.*'embed'"):
@@ -318,8 +324,11 @@ def test_unit_policy_errors_and_ownership() -> None:
         assert [name for name, _, _ in plan_units(model, spelled).units] == by_class
     # the model's block class first, torch's own classes last (before, the first 8 alphabetically, which
     # on a Hugging Face Swin were all torch's)
-    with pytest.raises(ValueError, match=r"module classes are \['Block', "):
+    with pytest.raises(ValueError, match=r"module classes are \[.*'Block'"):
         plan_units(model, ["Blocks"])
+    net = nn.Sequential(nn.Embedding(8, 4), nn.ModuleList([ZBlock(), ZBlock()]), nn.LayerNorm(4))
+    with pytest.raises(ValueError, match=r"module classes are \['ZBlock', 'Embedding', "):
+        plan_units(net, ["ZBlocks"])
     default = plan_units(model)
     root_names = [n for n, _ in default.units[-1][2]]
     # the tied embedding/head weight has one owner (the root) and appears once
