@@ -44,7 +44,13 @@ from lightning_par.pipeline.steps import pipeline_parts
 from lightning_par.precision import ParallelPrecision, cast_frozen, restore_norms
 from lightning_par.random_state import agree_random_state
 from lightning_par.strategy_env import MeshStrategy
-from lightning_par.strategy_options import PipelineSchedule, StartMethod, check_fit_setup, check_options
+from lightning_par.strategy_options import (
+    PipelineSchedule,
+    StartMethod,
+    check_activation_checkpointing,
+    check_fit_setup,
+    check_options,
+)
 from lightning_par.strategy_precision import StrategyPrecision
 from lightning_par.strategy_steps import StrategySteps
 from lightning_par.zero.buffers import BufferSync
@@ -208,7 +214,17 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             reshard_after_forward=reshard_after_forward,
             prefetch=prefetch,
             sequence_parallel=sequence_parallel,
+            flags={
+                "find_unused_parameters": find_unused_parameters,
+                "meta_init": meta_init,
+                "unshard_on_teardown": unshard_on_teardown,
+                "pretrained_strict": pretrained_strict,
+                "save_distributed_checkpoint": save_distributed_checkpoint,
+                "broadcast_buffers": broadcast_buffers,
+                "allow_untested_optimizer": allow_untested_optimizer,
+            },
         )
+        check_activation_checkpointing(activation_checkpointing)
         check_comm_hook(
             comm_hook,
             powersgd_rank=powersgd_rank,

@@ -42,9 +42,17 @@ def check_options(
     reshard_after_forward: bool | None = None,
     prefetch: bool = True,
     sequence_parallel: bool = False,
+    flags: Mapping[str, object] | None = None,
 ) -> int | None:
     """Raise a ``ValueError`` for the first bad option; return ``num_microbatches`` (``2 p`` by default
-    with pipeline parallelism, else as given)."""
+    with pipeline parallelism, else as given). ``flags``: the constructor's other on/off options, which
+    must be booleans."""
+    _check_types(
+        numbers={"bucket_size_mb": bucket_size_mb, "timeout_s": timeout_s},
+        counts={"virtual_stages": (virtual_stages, 1), "pipeline_slack": (pipeline_slack, 0)}
+        | ({"num_microbatches": (num_microbatches, 1)} if num_microbatches is not None else {}),
+        flags={"prefetch": prefetch, "sequence_parallel": sequence_parallel, **(flags or {})},
+    )
     if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
     for name, value in (
@@ -121,6 +129,38 @@ def check_options(
         },
     )
     return num_microbatches
+
+
+def check_activation_checkpointing(policy: object) -> None:
+    """``activation_checkpointing``: a bool, or a unit policy as ``zero3_units`` takes (before, a number
+    was accepted and failed at fit: "'int' object is not iterable")."""
+    rules = [policy] if isinstance(policy, str | type) else policy
+    if isinstance(policy, bool) or (
+        isinstance(rules, Sequence) and all(isinstance(r, str | type) for r in rules)
+    ):
+        return
+    raise ValueError(
+        "activation_checkpointing must be True, False, or module classes or strings (name patterns such"
+        f" as 'model.layers.*', class names such as 'LlamaDecoderLayer'), or a list of them; got {policy!r}."
+    )
+
+
+def _check_types(
+    *, numbers: Mapping[str, object], counts: Mapping[str, tuple[object, int]], flags: Mapping[str, object]
+) -> None:
+    """Options of the wrong type, named before anything compares them (before, ``bucket_size_mb="25"``
+    failed with "'>' not supported between instances of 'str' and 'int'", ``num_microbatches=2.5`` only
+    at fit, ``num_microbatches=0`` became the default silently, and ``save_distributed_checkpoint="no"``
+    counted as true)."""
+    for name, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
+    for name, (value, least) in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}.")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__}).")
 
 
 def _warn_idle_options(

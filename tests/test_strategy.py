@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +202,27 @@ def test_registered_names_and_bad_options() -> None:
         assert front(zero_stage=1).reshard_after_forward is None
         with pytest.raises(ValueError, match=r"sequence_parallel=True .* tensor_parallel_size=1: set"):
             front(sequence_parallel=True)  # refused by both front doors (before: the Trainer's accepted it)
+        # wrong types, named before anything compares them (before: "'>' not supported between instances of
+        # 'str' and 'int'"; num_microbatches=2.5 and activation_checkpointing=5 failed only at fit;
+        # num_microbatches=0 became the default and save_distributed_checkpoint="no" counted as true)
+        for kw, said in (
+            ({"bucket_size_mb": "25"}, "bucket_size_mb must be a number, got '25' (str)"),
+            ({"timeout_s": "30"}, "timeout_s must be a number"),
+            (
+                {"pipeline_parallel_size": 2, "num_microbatches": 2.5},
+                "num_microbatches must be an integer >= 1",
+            ),
+            (
+                {"pipeline_parallel_size": 2, "num_microbatches": 0},
+                "num_microbatches must be an integer >= 1",
+            ),
+            ({"save_distributed_checkpoint": "no"}, "save_distributed_checkpoint must be True or False"),
+            ({"meta_init": 1}, "meta_init must be True or False"),
+            (
+                {"activation_checkpointing": 5},
+                "activation_checkpointing must be True, False, or module classes",
+            ),
+        ):
+            with pytest.raises(ValueError, match=re.escape(said)):
+                front(**kw)
+        assert front(activation_checkpointing=["LlamaDecoderLayer"]).activation_checkpointing

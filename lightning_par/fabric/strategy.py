@@ -74,7 +74,7 @@ from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
 from lightning_par.precision import ParallelPrecision, cast_frozen, restore_norms
 from lightning_par.random_state import agree_random_state
 from lightning_par.rendezvous import launch_store
-from lightning_par.strategy_options import PipelineSchedule, check_options
+from lightning_par.strategy_options import PipelineSchedule, check_activation_checkpointing, check_options
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
 from lightning_par.zero.engine import Engine, reads_own_state
 from lightning_par.zero.meta_buffers import materialize_buffers
@@ -177,7 +177,15 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             reshard_after_forward=reshard_after_forward,
             prefetch=prefetch,
             sequence_parallel=sequence_parallel,
+            flags={
+                "find_unused_parameters": find_unused_parameters,
+                "meta_init": meta_init,
+                "save_distributed_checkpoint": save_distributed_checkpoint,
+                "unshard_on_teardown": unshard_on_teardown,
+                "allow_untested_optimizer": allow_untested_optimizer,
+            },
         )
+        check_activation_checkpointing(activation_checkpointing)
         if pipeline_layers is not None and not callable(pipeline_layers):
             raise ValueError(f"pipeline_layers must be a function of the module, got {pipeline_layers!r}.")
         check_comm_hook(
