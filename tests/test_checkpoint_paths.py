@@ -10,6 +10,7 @@ probe of bad input; 2 Gloo ranks, one job).
   ``KeyError`` and ZeRO-3 blamed the optimizer ("An optimizer param group holds 19 parameters in the
   checkpoint and 27 in the model"); a wider one raised torch's size mismatch. Now refused as our own
   formats are, naming the missing parameters and shapes and the fix.
+* ``fabric.load`` of a Trainer's file: named as such, with the way to load its weights.
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
     with pytest.raises(ValueError) as fabric_folder:
         fabric.load(folder, {"model": model, "optimizer": optimizer})
     out["fabric"] = str(fabric_folder.value)
+    # a Trainer's file, whose weights sit under "state_dict" with the LightningModule's prefix (before:
+    # "The checkpoint's state_dict lacks [every name]", as if the model differed)
+    with pytest.raises(ValueError) as trainer_file:
+        fabric.load(saved, {"model": model, "optimizer": optimizer})
+    out["fabric_trainer_file"] = str(trainer_file.value)
     strategy.destroy_process_groups()
     return out
 
@@ -105,6 +111,8 @@ def test_checkpoint_paths_and_files_that_do_not_fit_are_named(tmp_path: Path) ->
     assert "is a directory, not a checkpoint" in r["folder"] and "It holds epoch=0-step=2.ckpt" in r["folder"]
     assert "None is in it" in r["empty"]
     assert "is a directory, not a checkpoint" in r["fabric"] and "epoch=0-step=2.ckpt" in r["fabric"]
+    assert "is a Lightning Trainer checkpoint" in r["fabric_trainer_file"]
+    assert "fabric.load_raw(path, model)" in r["fabric_trainer_file"]
     torch.testing.assert_close(r["legacy"], r["zip"], rtol=0, atol=0)
     for name in ("deeper_z3", "deeper_z1"):
         assert "does not match the model (missing in the checkpoint: ['model.model.layers.2." in r[name], r[

@@ -259,6 +259,16 @@ def load(
         }
         saved = {*([keys["module"]] if keys["module"] else []), *keys["optimizers"]}
         saved_optimizers = [k for k in keys["optimizers"] if k in raw]
+        trainer_file = "state_dict" in raw and "pytorch-lightning_version" in raw
+        if keys["module"] and keys["module"] not in raw and trainer_file:
+            # before: "The checkpoint's state_dict lacks [every name]", as if the model differed
+            raise ValueError(
+                f"{str(path)!r} is a Lightning Trainer checkpoint: its weights are under 'state_dict', named"
+                " as the LightningModule holds them (e.g. 'model.'), not under"
+                f" {keys['module']!r} as fabric.save writes them. Load the weights with"
+                " fabric.load_raw(path, model), from a file of the model's own names (the 'state_dict'"
+                " entries with the LightningModule's attribute prefix removed, saved with torch.save)."
+            )
         checkpoint = {
             "state_dict": raw.get(keys["module"], {}) if keys["module"] else {},
             "optimizer_states": [raw[k] for k in saved_optimizers],
