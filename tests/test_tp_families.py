@@ -163,6 +163,14 @@ def _refusals() -> dict[str, str]:
         apply_tensor_parallel(phi3, group=group.WORLD, plan="llama")
     refused["phi3_heads"] = str(heads.value)
     refused["phi3_unchanged"] = type(phi3.model.layers[0].self_attn.qkv_proj).__name__
+    # ALiBi (BLOOM): the model's forward builds the bias for every head; splitting heads is refused at
+    # conversion (before, torch's shape error in the first forward, training already started)
+    bloom = hf_model("BloomForCausalLM", "BloomConfig", vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
+    attention = {"*.self_attention.query_key_value": "colwise", "*.self_attention.dense": "rowwise"}
+    with pytest.raises(ValueError) as alibi:
+        apply_tensor_parallel(bloom, group=group.WORLD, plan=attention)
+    refused["bloom"] = str(alibi.value)
+    refused["bloom_unchanged"] = type(bloom.transformer.h[0].self_attention.query_key_value).__name__
     return refused
 
 
@@ -185,4 +193,6 @@ def test_llama_plans_fit_gemma_qwen3_and_mixtures_of_experts_as_the_unsharded_mo
         assert refused["encoder_unchanged"] == "Linear"
         assert "num_key_value_heads=1, not divisible by tensor_parallel_size=2" in refused["phi3_heads"]
         assert refused["phi3_unchanged"] == "Linear"
+        assert "uses ALiBi" in refused["bloom"] and "tensor_parallel_size=1" in refused["bloom"], refused
+        assert refused["bloom_unchanged"] == "Linear"
         assert all(got["copy"].values()) and len(got["copy"]) == 6, got["copy"]

@@ -37,7 +37,15 @@ from torch.distributed import ProcessGroup
 
 from lightning_par.tensor_parallel.regions import sum_grad_over_group
 
-__all__ = ["check_forward", "check_parent", "fit_layout", "head_local", "scale_of", "sum_head_local"]
+__all__ = [
+    "check_alibi",
+    "check_forward",
+    "check_parent",
+    "fit_layout",
+    "head_local",
+    "scale_of",
+    "sum_head_local",
+]
 
 _PRE_FEEDFORWARD = "pre_feedforward_layernorm"
 
@@ -150,3 +158,24 @@ def sum_head_local(found: list[tuple[nn.Module, str]], *, group: ProcessGroup) -
     """Sum the gradients of :func:`head_local`'s parameters over ``group`` as they are computed."""
     for owner, pname in found:
         sum_grad_over_group(owner, pname, group=group)
+
+
+def check_alibi(root: nn.Module, split: Mapping[str, object]) -> None:
+    """Refuse splitting attention heads (``split``: the attention modules whose projections a plan makes
+    column-parallel) of an ALiBi model: BLOOM, Falcon with ``alibi=True`` and MPT build the position bias
+    for every head in the model's forward, outside the attention, so each rank's half of the heads met a
+    bias for all of them (before: torch's "The expanded size of the tensor (4) must match the existing
+    size (8)" in the first forward, after training had started)."""
+    if not split:
+        return
+    for module in root.modules():
+        config = getattr(module, "config", None)
+        attn = getattr(config, "attn_config", None)
+        alibi = getattr(config, "model_type", None) == "bloom" or getattr(config, "alibi", False) is True
+        if alibi or getattr(attn, "alibi", False) is True:
+            raise ValueError(
+                f"tp_plan splits the attention heads of {sorted(split)[0]!r} (and others), but the model"
+                f" ({type(module).__name__}) uses ALiBi, whose position bias its forward builds for all the"
+                " heads outside the attention modules. Leave the attention projections out of the plan (the"
+                " MLP can still be split) or use tensor_parallel_size=1 (ZeRO shards such a model)."
+            )

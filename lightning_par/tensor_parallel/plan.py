@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from lightning_par.tensor_parallel.family import (
+    check_alibi,
     check_forward,
     check_parent,
     fit_layout,
@@ -130,9 +131,11 @@ def apply_tensor_parallel(
             for part in style.split("+"):
                 _check_kind(modules[name], name, part)
     # attention modules split by heads: the parameters applied to this rank's heads (refused if not per head)
+    split = _split_by_heads(targets, modules)
+    check_alibi(module, split)
     head_local_params = [
         found
-        for parent_name, children in _split_by_heads(targets, modules).items()
+        for parent_name, children in split.items()
         for found in head_local(modules[parent_name], parent_name, styled=children)
     ]
     applied: dict[str, str] = {}
