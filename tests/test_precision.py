@@ -95,6 +95,13 @@ def _bf16(rank: int, world: int, tmp: str) -> dict[str, Any]:
             "estimate": estimate_memory(_module(), zero_stage=stage, dp=world, precision="bf16-mixed"),
             "dtype": str(module.gpt.embed.tok.weight.dtype),
         }
+    # bf16 reduction at stage 2: a bf16 gradient shard plus the fp32 copy the optimizer reads
+    mem = Memory()
+    plugin = ParallelPrecision("bf16-mixed", reduce_dtype="bf16")
+    trainer = _trainer(HybridParallelStrategy(zero_stage=2), world, tmp, [mem], plugins=[plugin], max_steps=2)
+    trainer.fit(_module(), DataLoader(Tokens(2 * MICRO * world), batch_size=MICRO))
+    estimate = estimate_memory(_module(), zero_stage=2, dp=world, precision="bf16-mixed", reduce_dtype="bf16")
+    out["reduce_bf16"] = {"memory": mem.report, "estimate": estimate}
     return out
 
 
@@ -137,6 +144,10 @@ def test_bf16_mixed_tracks_fp32_and_keeps_masters_in_the_shard(tmp_path: Path) -
             assert mem["gradients"] == pytest.approx(4 * n / WORLD, rel=0.05)
             for key in ("parameters", "gradients", "optimizer_state"):
                 assert mem[key] == pytest.approx(r[stage]["estimate"][key], rel=0.05), (stage, key)
+    for r in results:  # (before, the report left the fp32 copy out: 4 bytes per parameter / N)
+        mem, estimate = r["reduce_bf16"]["memory"], r["reduce_bf16"]["estimate"]
+        assert mem["gradients"] == pytest.approx((2 + 4) * n / WORLD, rel=0.05)
+        assert mem["gradients"] == pytest.approx(estimate["gradients"], rel=0.05)
 
 
 class Overflowing(GPTModule):

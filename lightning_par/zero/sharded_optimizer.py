@@ -419,6 +419,12 @@ class ShardedOptimizer:
             handle.remove()
         self._step_hooks, self._group_guards = [], []
 
+    def grad_copy_bytes(self) -> int:
+        """The masters' dtype copy of the gradient shard (a reduction dtype other than theirs), held until
+        the next step attaches a new one."""
+        copy = self._grad_copy
+        return copy.numel() * copy.element_size() if copy is not None else 0
+
     def optimizer_state_bytes(self) -> int:
         total = 0
         for opt in self.optimizers:
