@@ -212,6 +212,12 @@ def test_options_are_checked_with_clear_errors() -> None:
         LossGuard(action="retry")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"exit_code must be an integer in 1\.\.255"):
         HangWatchdog(exit_code=0)
+    # wrong types named (before: "'>' not supported between instances of 'str' and 'int'", and torch's
+    # "expected str, bytes or os.PathLike object, not NoneType")
+    with pytest.raises(ValueError, match="timeout_s must be a number of seconds > 0, got '10'"):
+        HangWatchdog(timeout_s="10")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"dirpath must name a directory \(a str or path\), got None"):
+        FlashCheckpoint(None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="slow_factor must be > 1"):
         StragglerDetector(slow_factor=1.0)
     assert "test_options_are_checked_with_clear_errors" in thread_stacks()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 import uuid
 import warnings
@@ -102,8 +103,8 @@ class FlashStore:
         flush_timeout_s: float,
         replicas: int = 0,
     ) -> None:
-        if not str(dirpath):
-            raise ValueError(f"{owner}: dirpath must name a directory.")
+        if not isinstance(dirpath, str | os.PathLike) or not str(dirpath):
+            raise ValueError(f"{owner}: dirpath must name a directory (a str or path), got {dirpath!r}.")
         self.owner = owner
         self.persist_every_n_steps = positive_int(owner, "persist_every_n_steps", persist_every_n_steps)
         self.keep_last = positive_int(owner, "keep_last", keep_last)

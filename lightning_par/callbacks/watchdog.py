@@ -56,8 +56,12 @@ class HangWatchdog(Callback):
     def __init__(
         self, *, timeout_s: float = 600.0, exit_code: int = HANG_EXIT_CODE, flush_timeout_s: float = 30.0
     ) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"HangWatchdog: timeout_s must be > 0, got {timeout_s!r}.")
+        seconds = (("timeout_s", timeout_s, False), ("flush_timeout_s", flush_timeout_s, True))
+        for name, value, zero in seconds:
+            number = not isinstance(value, bool) and isinstance(value, int | float)
+            if not number or not (value >= 0 if zero else value > 0):
+                bound = ">= 0" if zero else "> 0"
+                raise ValueError(f"HangWatchdog: {name} must be a number of seconds {bound}, got {value!r}.")
         if isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 0 < exit_code < 256:
             raise ValueError(f"HangWatchdog: exit_code must be an integer in 1..255, got {exit_code!r}.")
         self.timeout_s = float(timeout_s)
