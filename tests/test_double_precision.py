@@ -65,20 +65,20 @@ def _strategy(name: str) -> Any:
     return HybridParallelStrategy(zero_stage=int(name[1]), **units)
 
 
+def _fit(strategy: Any, module: pl.LightningModule, world: int, batch: int) -> pl.Trainer:
+    """``STEPS`` steps in ``64-true`` with clipping that bites."""
+    options: dict[str, Any] = dict(max_steps=STEPS, limit_val_batches=0, gradient_clip_val=CLIP)
+    trainer = cpu_trainer(strategy, devices=world, precision="64-true", **options)
+    trainer.fit(module, DataLoader(Tokens(16), batch_size=batch))
+    return trainer
+
+
 def _fits(rank: int, world: int, names: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in names:
         strategy = _strategy(name)
         module = DoubleLlama()
-        trainer = cpu_trainer(
-            strategy,
-            devices=world,
-            max_steps=STEPS,
-            limit_val_batches=0,
-            precision="64-true",
-            gradient_clip_val=CLIP,
-        )
-        trainer.fit(module, DataLoader(Tokens(16), batch_size=2))
+        _fit(strategy, module, world, 2)
         out[name] = {"state": final_state(module, strategy), "step_dtypes": module.step_dtypes}
     return out
 
@@ -92,15 +92,7 @@ def _pipeline(rank: int, world: int) -> dict[str, Tensor]:
             pipeline_parallel_size=2, num_microbatches=2, pipeline_schedule="zb"
         )
     module = module_factory("llama")()
-    trainer = cpu_trainer(
-        strategy,
-        devices=world,
-        max_steps=STEPS,
-        limit_val_batches=0,
-        precision="64-true",
-        gradient_clip_val=CLIP,
-    )
-    trainer.fit(module, DataLoader(Tokens(16), batch_size=4))
+    trainer = _fit(strategy, module, world, 4)
     if world > 1:
         return trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined,no-any-return]
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
