@@ -145,6 +145,9 @@ class ParallelPrecision(Precision):
         # called once the closure's hooks and clipping have run, before the optimizer's update: the
         # Trainer strategy ends its first step's param.grad watch there (lightning_par.grad_reads)
         self.before_update: Callable[[], None] | None = None
+        # called when fp16 skips a step (a non-finite gradient): the strategy's engine restarts a stateful
+        # gradient compressor the gradient went into (PowerSGD's residuals)
+        self.on_skip: Callable[[], None] | None = None
         self.requested_master_weights = master_weights
         self.master_weights = bool(master_weights) if master_weights is not None else self.low_precision
         self.device = torch.device("cpu")  # the communication device, set by configure()
@@ -316,6 +319,8 @@ class ParallelPrecision(Precision):
             self.scaler.update(True)
             self.last_step_skipped = True
             optimizer.zero_grad(set_to_none=True)
+            if self.on_skip is not None:
+                self.on_skip()
             return closure_result
         self._after_closure(model, optimizer)  # hooks and clipping see unscaled gradients
         output = optimizer.step(**kwargs)

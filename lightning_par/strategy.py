@@ -446,6 +446,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         plugin = self.precision_plugin
         if isinstance(plugin, ParallelPrecision):  # the watch ends before the optimizer's own update
             plugin.before_update = self._end_grad_reads if self._grad_reads is not None else None
+            plugin.on_skip = self._engine.step_skipped if self._engine is not None else None
         # at stage 0 user code sees param.grad: the tp replicas' gradients are compared at the first step
         self._check_tp_replicas = fitting and self.tensor_parallel_size > 1 and self.zero_stage == 0
 
@@ -492,7 +493,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             self._grad_reads = None
         plugin = self.precision_plugin
         if isinstance(plugin, ParallelPrecision):
-            plugin.before_update = None
+            plugin.before_update = plugin.on_skip = None
         if self._engine is not None:
             # leave a usable, whole model behind, at master precision; not after an exception, which may
             # have stopped this rank alone (a failed restore): its peers would never join the gathers and

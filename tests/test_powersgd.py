@@ -23,12 +23,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState as TorchPowerSGDState
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from lightning_par import HybridParallelStrategy
+from lightning_par import HybridParallelStrategy, ParallelPrecision
 from lightning_par.checkpoint import rank_state
 from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
 from lightning_par.zero.comm_hooks import resolve_comm_hook
@@ -36,7 +38,10 @@ from lightning_par.zero.engine import apply_zero
 from lightning_par.zero.stage3 import Stage3Engine
 from tests import test_fabric as fabric_tests
 from tests.distributed import run_distributed
+from tests.fits import cpu_trainer, final_state
 from tests.test_strategy import N_SAMPLES, WORLD, LossRecorder, Tokens, _module, _trainer
+from tests.third_party import LoraLlama
+from tests.third_party import Tokens as LlamaTokens
 
 STEPS, MICRO = 8, 2
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -302,3 +307,54 @@ def test_fabric_litgpt_powersgd_equals_one_process_and_resumes_at_dp1(tmp_path: 
     tail = {"losses": ref["losses"][2:], "state": ref["state"]}
     fabric_tests._assert_equal(resumed, tail, "PowerSGD zero2 x 2 ranks -> zero1 one process")
     assert _max_diff(ref["state"], plain["state"]) > 1e-4  # PowerSGD changed the run
+
+
+class _Overflowing(LoraLlama):
+    """On rank 1 only, at batch 2, the loss is multiplied by 1e6: the fp16 gradients overflow there."""
+
+    def __init__(self) -> None:
+        super().__init__(lora=False)
+        self.seen: list[tuple[bool, float, int]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * 1e6 if batch_idx == 2 and self.global_rank == 1 else loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        plugin = self.trainer.precision_plugin
+        assert isinstance(plugin, ParallelPrecision) and plugin.scaler is not None
+        self.seen.append(
+            (plugin.last_step_skipped, float(plugin.scaler.get_scale()), self.trainer.global_step)
+        )
+
+
+def _overflow_runs(rank: int, world: int) -> dict[str, Any]:
+    torch_state = TorchPowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+    hooks: dict[str, dict[str, Any]] = {
+        "ours": {"comm_hook": "powersgd", "comm_hook_state": {"start_iter": 1}},
+        "torch": {"comm_hook": powerSGD_hook, "comm_hook_state": torch_state},
+    }
+    out: dict[str, Any] = {}
+    for name, hook in hooks.items():
+        torch.manual_seed(0)
+        module = _Overflowing()
+        strategy = HybridParallelStrategy(zero_stage=1, powersgd_rank=2, **hook)
+        trainer = cpu_trainer(strategy, devices=world, max_steps=6, plugins=[ParallelPrecision("16-mixed")])
+        trainer.fit(module, DataLoader(LlamaTokens(32), batch_size=2))
+        state = final_state(module, strategy)
+        out[name] = {"seen": module.seen, "finite": all(bool(v.isfinite().all()) for v in state.values())}
+    return out
+
+
+def test_an_fp16_overflow_skips_one_step_and_compression_goes_on() -> None:
+    """fp16 with PowerSGD (ours, and torch's hook through our strategy): one overflowing backward on one
+    rank skips that step on every rank, and training goes on. Before, the non-finite gradient stayed in
+    the compressor's error-feedback residuals and warm-started Q, so every later step overflowed and was
+    skipped: the weights froze, the loss scale fell step after step, and a fit with max_steps never
+    ended, without a word."""
+    for r in run_distributed(_overflow_runs, WORLD, init_group=False, timeout=300):
+        for name in ("ours", "torch"):
+            skipped = [s for s, _, _ in r[name]["seen"]]
+            assert skipped == [False, False, True, False, False, False, False], (name, r[name]["seen"])
+            assert [scale for _, scale, _ in r[name]["seen"]][-1] == 32768.0  # halved once
+            assert r[name]["seen"][-1][2] == 6 and r[name]["finite"], name

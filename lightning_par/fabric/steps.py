@@ -143,6 +143,8 @@ class FabricSteps:
             assert scaler is not None
             scaler.update(True)  # skipped on every rank (the verdict is agreed)
             optimizer.zero_grad(set_to_none=True)
+            if self.engine is not None:  # a stateful compressor drops the non-finite gradient it took
+                self.engine.step_skipped()
         else:
             output = optimizer.step(**kwargs)
             if scaler is not None:

@@ -37,7 +37,7 @@ from lightning_par.zero.grad_sync import (
     broadcast_module_states,
     bucket_numel_for,
 )
-from lightning_par.zero.powersgd import PowerSGDState, load_compressor_state
+from lightning_par.zero.powersgd import PowerSGDState, compressor_step_skipped, load_compressor_state
 from lightning_par.zero.sharded_optimizer import ShardedOptimizer
 
 ZeroStage = Literal[0, 1, 2]
@@ -209,6 +209,11 @@ class ZeroEngine:
         """Restore :meth:`comm_state`'s output (a warning when this run has no compressor to take it)."""
         load_compressor_state(self.sync.hook_state, saved, dict(self.module.named_parameters()))
 
+    def step_skipped(self) -> None:
+        """The fp16 loss scaler skipped this step: a stateful compressor (PowerSGD) drops what the
+        non-finite gradient put into its state (:func:`~.powersgd.compressor_step_skipped`)."""
+        compressor_step_skipped(self.sync.hook_state)
+
     def memory_bytes(self) -> dict[str, int]:
         """Bytes the engine holds on this rank: ``gradients`` (full buffer and shard), ``comm`` (the bucket
         pool) and, when optimizers are sharded, ``optimizer_state`` (with the fp32 masters)."""
@@ -291,6 +296,7 @@ class Engine(Protocol):
     def memory_bytes(self) -> dict[str, int]: ...
     def comm_state(self, *, average: bool = False) -> dict[str, Any] | None: ...
     def load_comm_state(self, saved: Mapping[str, Any] | None) -> None: ...
+    def step_skipped(self) -> None: ...
     def remove(self) -> None: ...
 
 

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState as TorchPowerSGDState
 
 from lightning_par.zero.comm_hooks import CommHookBucket, check_powersgd_fields
 
@@ -255,6 +256,19 @@ class PowerSGDState:
                 offset += g.numel()
         return buffer
 
+    @torch.no_grad()
+    def step_skipped(self) -> None:
+        """A step the fp16 loss scaler skipped (a non-finite gradient on some rank): that gradient went into
+        every rank's residuals and warm-started ``Q`` (through the all-reduces), so every later ``M = G + E``
+        would be non-finite too and every step skipped, silently (a probe: one overflow on one rank froze a
+        Llama for good). Both restart: ``E`` at zero, ``Q`` drawn again from the seeded generator (in step
+        on every rank), and the skipped step does not count."""
+        for error in self._error.values():
+            error.zero_()
+        for q in self._q.values():
+            q.copy_(torch.randn(q.shape, generator=self._random, dtype=torch.float32))
+        self.iteration = max(0, self.iteration - 1)
+
     # ------------------------------------------------------------------ state
     def state_dict(self, names: Mapping[nn.Parameter, str], *, average: bool = False) -> dict[str, Any]:
         """The state by parameter name: ``iteration``, ``rank``, ``q`` (shared by all ranks) and
@@ -314,6 +328,21 @@ def powersgd_hook(state: PowerSGDState, bucket: CommHookBucket) -> Any:
     """``hook(state, bucket)`` for our engine (see the module docstring): starts the bucket's reduction
     and returns a handle whose ``wait()`` yields the averaged gradient."""
     return state.start(bucket)
+
+
+def compressor_step_skipped(state: object) -> None:
+    """Restart a PowerSGD state (ours, or torch's ``PowerSGDState`` given with its ``powerSGD_hook``) after
+    a step the fp16 loss scaler skipped (see :meth:`PowerSGDState.step_skipped`); other hooks keep no
+    gradients between steps."""
+    if isinstance(state, PowerSGDState):
+        state.step_skipped()
+        return
+    if isinstance(state, TorchPowerSGDState):
+        # torch's hook fills these again when missing: zero residuals, Q redrawn from its seeded generator
+        state.error_dict.clear()
+        state.p_memory_dict.clear()
+        state.q_memory_dict.clear()
+        state.iter = max(0, state.iter - 1)
 
 
 def load_compressor_state(

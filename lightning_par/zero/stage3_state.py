@@ -161,6 +161,9 @@ class Stage3State:
         """A checkpoint's PowerSGD residuals cannot continue at stage 3: dropped with a warning."""
         load_compressor_state(None, saved, {})
 
+    def step_skipped(self) -> None:
+        """Nothing to restart: stage 3's compression (``"fp16"`` / ``"bf16"``) keeps no state."""
+
 
 def guard_unit_state_dicts(
     root: nn.Module, units: list[Unit], own: OwnReads, *, on_copy: Callable[[nn.Module], None] | None = None
