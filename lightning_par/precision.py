@@ -127,7 +127,8 @@ class ParallelPrecision(Precision):
             "bf16-true": torch.bfloat16,
             "16-mixed": torch.float16,
         }[precision]
-        if reduce_dtype != "fp32" and _DTYPES[reduce_dtype] != self.compute_dtype:  # (64-true: its own)
+        # (under "64-true" gradients stay fp64, reduced in their own dtype: engine_dtypes)
+        if reduce_dtype != "fp32" and _DTYPES[reduce_dtype] != self.compute_dtype:
             raise ValueError(
                 f"reduce_dtype={reduce_dtype!r} with precision={precision!r}: reduce in fp32 or in the"
                 " compute dtype."
