@@ -61,6 +61,7 @@ _STATE_BYTES: dict[str, int] = {
 }
 _PRECISION_BYTES: dict[str, tuple[int, int, int]] = {  # (param, grad, separate master)
     "32-true": (4, 4, 0),
+    "64-true": (8, 8, 0),
     "bf16-mixed": (2, 2, 4),
     "16-mixed": (2, 2, 4),
     "bf16-true": (2, 2, 4),
@@ -185,7 +186,7 @@ def estimate_memory(
     psi = total_params / (tp * pp)
     phi = frozen_params / (tp * pp)
     p_bytes, g_bytes, m_bytes = _PRECISION_BYTES[precision]
-    s_bytes = _STATE_BYTES[optimizer]
+    s_bytes = _STATE_BYTES[optimizer] * (2 if precision == "64-true" else 1)  # state in the params' dtype
     mixed = precision in ("bf16-mixed", "16-mixed")
     f_bytes = 4 if mixed and frozen_dtype == "auto" else p_bytes
     grad_copy = 0.0  # the optimizer's fp32 copy of a 16-bit gradient shard (stages 1/2)

@@ -31,7 +31,7 @@ from typing import Any
 
 from lightning_par.memory import estimate_memory
 
-_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2}
+_BYTES = {"32-true": 4, "64-true": 8, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2}
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,8 @@ def plan(
                             checkpointing=checkpointing,
                             sp=sequence_parallel,
                         )
-                        grad_bytes = _BYTES[precision] if precision == "32-true" else 4  # fp32 reduction
+                        # the 16-bit modes reduce in fp32; fp32 and fp64 in their own dtype
+                        grad_bytes = _BYTES[precision] if precision in ("32-true", "64-true") else 4
                         dp_factor = (3 if stage == 3 else 2) * (dp - 1) / dp if dp > 1 else 0.0
                         comm = dp_factor * psi / (tp * pp) * grad_bytes
                         sbh = b * shape.seq_len * shape.n_embd * _BYTES[precision]

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.fabric import Fabric
 from torch import Tensor
@@ -28,6 +29,7 @@ from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.fabric import HybridParallelStrategy as FabricHybridParallelStrategy
+from lightning_par.memory import estimate_memory
 from tests.distributed import run_distributed
 from tests.fits import cpu_trainer, final_state
 from tests.test_pp_hf import module_factory
@@ -41,6 +43,7 @@ class DoubleLlama(pl.LightningModule):
         super().__init__()
         self.model: torch.nn.Module | None = None
         self.step_dtypes: set[torch.dtype] = set()
+        self.report: dict[str, int] = {}
 
     def configure_model(self) -> None:
         if self.model is None:  # under the precision's init context: float64 from the start
@@ -54,6 +57,10 @@ class DoubleLlama(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+    def on_train_end(self) -> None:
+        report = getattr(self.trainer.strategy, "memory_report", None)
+        self.report = dict(report()) if report is not None else {}
 
 
 def _strategy(name: str) -> Any:
@@ -80,6 +87,11 @@ def _fits(rank: int, world: int, names: list[str]) -> dict[str, Any]:
         module = DoubleLlama()
         _fit(strategy, module, world, 2)
         out[name] = {"state": final_state(module, strategy), "step_dtypes": module.step_dtypes}
+        if name in ("z1", "z3"):  # 8-byte parameters, gradients and momentum, as predicted
+            assert module.model is not None
+            stage = int(name[1])
+            options = dict(zero_stage=stage, dp=world, precision="64-true", optimizer="sgd_momentum")
+            out[name] |= {"report": module.report, "estimate": estimate_memory(module.model, **options)}
     return out
 
 
@@ -139,6 +151,10 @@ def test_64_true_at_every_layout_equals_lightnings() -> None:
     for name in ("z1", "z2", "z3"):
         assert runs[name]["step_dtypes"] == {torch.float64}, name
         _assert_double_and_equal(runs[name]["state"], ddp["state"], name)
+    for name in ("z1", "z3"):
+        report, estimate = runs[name]["report"], runs[name]["estimate"]
+        for key in ("parameters", "gradients", "optimizer_state"):
+            assert report[key] == pytest.approx(estimate[key], rel=0.05), (name, key, report, estimate)
     _assert_double_and_equal(runs["tp2"]["state"], one["state"], "tp2 against one process")
     pipelined = run_distributed(_pipeline, 2, init_group=False, timeout=300)[0]
     _assert_double_and_equal(pipelined, run_distributed(_pipeline, 1, init_group=False)[0], "pp2")
