@@ -18,6 +18,7 @@ ZeRO-3 equals Fabric's ``"ddp"`` (losses and weights). Every run's state is floa
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -163,3 +164,35 @@ def test_64_true_at_every_layout_equals_lightnings() -> None:
     assert fabric["zero3"]["loss_dtype"] == fabric["ddp"]["loss_dtype"] == torch.float32
     torch.testing.assert_close(fabric["zero3"]["losses"], fabric["ddp"]["losses"], rtol=1e-12, atol=1e-12)
     _assert_double_and_equal(fabric["zero3"]["state"], fabric["ddp"]["state"], "Fabric ZeRO-3")
+
+
+def _resumes(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Saved in ``32-true`` after 2 steps, resumed in ``64-true`` for 2 more (and the other way round)."""
+    out: dict[str, Any] = {}
+    for name in ("ddp", "z1", "z3"):
+        for first, then in (("32-true", "64-true"), ("64-true", "32-true")):
+            path = str(Path(tmp) / f"{name}_{first}.ckpt")
+            for precision, steps, resume in ((first, 2, None), (then, 4, path)):
+                strategy = _strategy(name)
+                module = DoubleLlama()
+                options: dict[str, Any] = dict(max_steps=steps, limit_val_batches=0)
+                trainer = cpu_trainer(strategy, devices=world, precision=precision, **options)
+                trainer.fit(module, DataLoader(Tokens(16), batch_size=2), ckpt_path=resume)
+                if resume is None:
+                    trainer.save_checkpoint(path)
+                    if name != "ddp":
+                        strategy.destroy_process_groups()
+            out[f"{name} {first} -> {then}"] = final_state(module, strategy)
+    return out
+
+
+def test_a_checkpoint_moves_between_32_true_and_64_true(tmp_path: Path) -> None:
+    """torch's ``load_state_dict`` casts an optimizer's saved state to its parameters' dtype; before, our
+    sharded optimizers kept the saved dtype and the first step after the resume failed at ZeRO 1-3 on
+    the mixed dtypes (a probe). Now ZeRO-1 and ZeRO-3 resume as ``"ddp"`` does, both ways."""
+    r = run_distributed(_resumes, 2, str(tmp_path), init_group=False, timeout=600)[0]
+    for name in ("z1", "z3"):
+        for first, then in (("32-true", "64-true"), ("64-true", "32-true")):
+            got, want = r[f"{name} {first} -> {then}"], r[f"ddp {first} -> {then}"]
+            what = f"{name} {first} -> {then}"
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=lambda m, w=what: f"{w}: {m}")

@@ -149,7 +149,7 @@ def load_unsharded(
             state = cut(pieces.get(names[p], []), 0, p.numel())
             if state is not None:
                 optimizer.state[p] = {
-                    k: v.view(p.shape).to(p.device) if isinstance(v, Tensor) and v.dim() > 0 else v
+                    k: _like(v.view(p.shape), p) if isinstance(v, Tensor) and v.dim() > 0 else v
                     for k, v in state.items()
                 }
 
@@ -182,8 +182,18 @@ def load_fragments(
             with torch.no_grad():
                 master.copy_(state.pop(master_key))
         optimizer.state[master] = {
-            k: v.to(master.device) if isinstance(v, Tensor) else v for k, v in state.items()
+            k: (_like(v, master) if v.dim() > 0 else v.to(master.device)) if isinstance(v, Tensor) else v
+            for k, v in state.items()
         }
+
+
+def _like(value: Tensor, param: Tensor) -> Tensor:
+    """A saved state tensor on ``param``'s device, and in its dtype where both are floating point, as
+    torch's ``Optimizer.load_state_dict`` casts them (a checkpoint of a ``32-true`` run resumed in
+    ``64-true``; before, the first step failed on the mixed dtypes at ZeRO 1-3)."""
+    if value.is_floating_point() and param.is_floating_point():
+        return value.to(device=param.device, dtype=param.dtype)
+    return value.to(param.device)
 
 
 def fragment_pieces(
