@@ -117,7 +117,8 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             activations: ``True`` for every child of an ``nn.ModuleList`` (the blocks), or module classes /
             name patterns.
         unshard_on_teardown: stage 3: gather the whole model back into every rank when training ends, so
-            the module is usable afterwards (turn off for models that do not fit one device); stages 1/2
+            the module is usable afterwards (turn off for models that do not fit one device: its
+            parameters then stay NaN placeholders, read them with ``consolidated_state_dict()``); stages 1/2
             in mixed precision: the parameters go back from their 16-bit compute copies to the fp32
             masters' values, as under Lightning's own strategies.
         find_unused_parameters: allow parameters without gradients in a step (their ``.grad`` stays

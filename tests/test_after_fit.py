@@ -204,6 +204,16 @@ def _fabric_job(rank: int, world: int, name: str) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
     fabric.strategy.teardown()
+    with torch.no_grad():  # an edit after teardown outlives a second teardown (a cleanup's)
+        model[2].bias.fill_(0.5)
+    fabric.strategy.teardown()
+    another = ""
+    if name != "ddp":  # a second model wants a new Fabric (the message says so after a teardown)
+        other = nn.Linear(2, 2)
+        try:
+            fabric.setup(other, torch.optim.SGD(other.parameters(), lr=0.1))
+        except ValueError as error:
+            another = str(error)
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
@@ -214,6 +224,8 @@ def _fabric_job(rank: int, world: int, name: str) -> dict[str, Any]:
         "own_forward": "forward" in vars(model[1]),
         "pickled": copy.state_dict(),
         "dtypes": {p.dtype for p in model.parameters()},
+        "kept": float(model[2].bias),
+        "another": another,
     }
 
 
@@ -226,6 +238,8 @@ def test_fabric_teardown_leaves_the_users_whole_model() -> None:
         for r in run_distributed(_fabric_job, 2, name, init_group=False, timeout=300):
             assert r["own_forward"] is False, name
             assert r["dtypes"] == {torch.float32}, (name, r["dtypes"])
+            assert r["kept"] == 0.5, (name, r["kept"])  # before, a second teardown undid the edit
+            assert name == "ddp" or "create a new Fabric" in r["another"], r["another"]
             assert set(r["pickled"]) == {"0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"}
             states[name] = r["pickled"]
     # the stages compute alike; "ddp" autocasts where they run bf16 copies: bf16 round-off apart

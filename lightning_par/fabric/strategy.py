@@ -109,7 +109,8 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         unshard_on_teardown: ``fabric.strategy.teardown()`` (on every rank: collective) leaves the whole
             model behind, as the Trainer's strategy does when ``fit`` ends: at stage 3 gathered into every
             rank, at stages 1/2 with separate fp32 masters the parameters take the masters' values. Turn
-            off for a model that does not fit one device (its ZeRO-3 parameters then stay placeholders).
+            off for a model that does not fit one device: its ZeRO-3 parameters then stay NaN placeholders
+            and the module is no longer usable (read its weights with ``consolidated_state_dict()``).
         tensor_parallel_size, tp_plan, sequence_parallel, activation_checkpointing: as for the Trainer
             strategy (see the module docstring).
         pipeline_parallel_size, num_microbatches, pipeline_schedule, virtual_stages, pipeline_slack,
@@ -200,6 +201,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         self.comm_hook, self.comm_hook_state, self.powersgd_rank = comm_hook, comm_hook_state, powersgd_rank
         self.gather_dtype = gather_dtype
         self.unshard_on_teardown = unshard_on_teardown
+        self._torn_down = False
         self.zero_stage = zero_stage
         self.tensor_parallel_size = tensor_parallel_size
         self.tp_plan = tp_plan
@@ -346,10 +348,16 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]
         self._refuse_second_setup(module)
         if self.module is not None:
+            after = (
+                " This strategy was torn down (fabric.strategy.teardown()): for another model, create a new"
+                " Fabric with a new strategy."
+                if self._torn_down
+                else ""
+            )
             raise ValueError(
                 "lightning_par's Fabric strategy sets up one module per Fabric (its ZeRO engine and"
                 " checkpoints follow that module); wrap several networks in one nn.Module. To evaluate a"
-                " saved checkpoint, fabric.load it into the model already set up."
+                " saved checkpoint, fabric.load it into the model already set up." + after
             )
         self.module_to_device(module)
         # the model-changing steps (tensor parallel, pipeline split, activation checkpointing), once per
@@ -550,6 +558,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self._torn_down = True
         if self._grad_reads is not None:
             self._grad_reads.end(quiet=True)
             self._grad_reads = None

@@ -367,7 +367,7 @@ class ShardedOptimizer:
         engine, but from then on the parameters are what counts: exports and checkpoints read them (no
         separate master records, :attr:`master_key` is None), so edits made after ``fit`` (in place, a
         ``load_state_dict``) are saved, as under DDP, and ``whole_masters()`` changes nothing."""
-        if self.master_flat is not None:
+        if self.master_flat is not None and not self._left_whole:  # once (a second teardown kept edits)
             self._whole_masters_in_params()
             self._left_whole = True
 

@@ -142,7 +142,10 @@ class Stage3State:
     @torch.no_grad()
     def unshard_all(self) -> None:
         """Leave every parameter whole, trainable ones at master precision (e.g. after training, for use
-        without the engine); the gathered buffers are released."""
+        without the engine); the gathered buffers are released. Once: a second call (a second teardown)
+        would gather the end-of-fit shards over what the model holds by then, the user's edits lost."""
+        if self._whole:
+            return
         self.absorb_gathered_writes()
         for unit in self.units:
             unit.free()
