@@ -33,6 +33,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -366,14 +367,47 @@ def _fail(message: str) -> NoReturn:
 
 
 def _task(cfg: DictConfig) -> float:
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         return train(cfg)
     except ConfigError as exc:
-        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-            # in a sweep the job fails, is reported in the sweep summary, and the next job runs
+        if multirun:
+            # in a sweep the job fails, is reported in the sweep summary, and the next job runs (config
+            # errors are raised on every rank alike, before any collective)
             print(f"{PROG}: {_one_line(str(exc))}", file=sys.stderr)
             raise
         _fail(str(exc))
+    except Exception as exc:
+        if multirun and _processes() > 1:
+            _stop_sweep(exc)
+        raise
+
+
+def _processes() -> int:
+    """The processes of this run: the sweep's process group where it exists, else the launch's count."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _stop_sweep(exc: BaseException) -> NoReturn:
+    """A job of a sweep over several processes failed on this rank. Its peers may be waiting in the
+    job's collectives while Hydra would move this rank on to the next job: the ranks would never meet
+    again (before: the sweep hung, silently, even through Ctrl-C). The error is printed and this process
+    ends at once, so the peers' collectives fail and they end the same way."""
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+    traceback.print_exception(exc, file=sys.stderr)
+    print(
+        f"{PROG}: rank {rank}: the job failed ({type(exc).__name__}: {_one_line(str(exc))}). A sweep over"
+        " several processes stops at a job's runtime failure, since its ranks cannot continue in step;"
+        " fix it and sweep the remaining values again.",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(1)  # not SystemExit: the job's threads (snapshot writers, Lightning's) must not hold the exit
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -67,3 +68,45 @@ def test_sweep_job_with_invalid_value_fails_alone(tmp_path: Path) -> None:
     assert [r["status"] for r in rows] == ["failed", "completed"]
     assert "bucket_size_mb must be > 0" in rows[0]["error"] and "\n" not in rows[0]["error"]
     assert math.isfinite(rows[1]["val_loss"])
+
+
+FAILING = '''
+from lightning_par.models import GPTModule
+
+
+class FailingGPT(GPTModule):
+    """Raises in training_step at step 1 on rank 1 only (a bad sample in that rank's data)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 1 and self.global_rank == 1:
+            raise RuntimeError("user failure on rank 1")
+        return super().training_step(batch, batch_idx)
+'''
+
+
+def test_sweep_job_failing_on_one_rank_stops_the_sweep(tmp_path: Path) -> None:
+    """A job of a 2-process sweep that raises on rank 1 only: before, rank 1 moved on to the next job while
+    rank 0 waited in the failed job's collectives, forever and without a word (Ctrl-C did not end it).
+    Now the sweep stops on every rank with the error printed, the next job not started."""
+    (tmp_path / "failing_gpt.py").write_text(FAILING)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run(
+        [
+            *_command(),
+            "-m",
+            "experiment=smoke",
+            "model._target_=failing_gpt.FailingGPT",
+            "strategy=zero1",
+            "strategy.bucket_size_mb=25,26",
+            "logger=none",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert run.returncode != 0
+    assert "rank 1: the job failed (RuntimeError: user failure on rank 1)" in run.stderr, run.stderr[-3000:]
+    (sweep,) = (tmp_path / "multirun").glob("*/*")
+    assert not (sweep / "1").exists()  # the next job never started
