@@ -49,7 +49,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_par.checkpoint.single_file import refuse_directory
+from lightning_par.resume_path import check_ckpt_path
 from lightning_par.run_dirs import launcher_overrides
 
 __all__ = ["ConfigError", "TrainingRun", "build", "find_config_dir", "main", "train"]
@@ -170,7 +170,7 @@ def build(cfg: DictConfig) -> TrainingRun:
             arguments (e.g. ``trainer.devices=0``).
     """
     _check_trainer_keys(cfg)
-    _check_ckpt_path(cfg.get("ckpt_path"))
+    _check_ckpt_path(cfg)
     _check_sweep_world(cfg.trainer)
     datamodule = instantiate_group("data", cfg.data)
     model = instantiate_group("model", cfg.model)
@@ -219,27 +219,24 @@ def _check_trainer_keys(cfg: DictConfig) -> None:
             )
 
 
-def _check_ckpt_path(ckpt_path: Any) -> None:
-    """A resume from a file or directory that does not exist, or from a directory that is no checkpoint,
-    refused before any process starts (Lightning finds it only after every rank has built the model);
-    Lightning's names ("last", "best", ...) pass."""
-    if (
-        ckpt_path is None
-        or str(ckpt_path) in ("last", "best", "hpc")
-        or str(ckpt_path).startswith("registry")
-    ):
-        return
-    if "://" not in str(ckpt_path) and not Path(str(ckpt_path)).exists():
-        raise ConfigError(
-            "ckpt_path",
-            f"no checkpoint at {str(ckpt_path)!r}: give an existing file or directory,"
-            " or 'last' with the resumed run's hydra.run.dir.",
-        )
-    if "://" not in str(ckpt_path):
-        try:  # a folder of checkpoints given for one of them
-            refuse_directory(Path(str(ckpt_path)))
-        except ValueError as exc:
-            raise ConfigError("ckpt_path", str(exc)) from None
+def _check_ckpt_path(cfg: DictConfig) -> None:
+    """``ckpt_path`` checked before any process starts (:mod:`lightning_par.resume_path`). ``last`` is
+    compared with the task's other runs only where Hydra made the run directory for this command: not in
+    a sweep (its jobs are siblings of each other), nor where ``hydra.run.dir`` was given (by the user, or
+    by :mod:`lightning_par.run_dirs` for torchrun and srun: a restarted attempt that failed before its
+    first checkpoint starts afresh, as Lightning does)."""
+    made = HydraConfig.initialized() and HydraConfig.get().mode != RunMode.MULTIRUN
+    if made:
+        given = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.hydra}
+        made = "hydra.run.dir" not in given
+    paths = cfg.get("paths")
+    checkpoint_dir = run_dir = None
+    if made and paths is not None and "checkpoint_dir" in paths and "output_dir" in paths:
+        checkpoint_dir, run_dir = Path(str(paths.checkpoint_dir)), Path(str(paths.output_dir))
+    try:
+        check_ckpt_path(cfg.get("ckpt_path"), checkpoint_dir=checkpoint_dir, run_dir=run_dir)
+    except ValueError as exc:
+        raise ConfigError("ckpt_path", str(exc)) from None
 
 
 def _check_sweep_world(trainer: DictConfig) -> None:

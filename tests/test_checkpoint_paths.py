@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric import Fabric
+from omegaconf import OmegaConf
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -125,5 +126,5 @@ def test_checkpoint_paths_and_files_that_do_not_fit_are_named(tmp_path: Path) ->
     # the command line refuses the folder before any process starts
     (tmp_path / "runs").mkdir()
     with pytest.raises(ConfigError) as info:
-        _check_ckpt_path(str(tmp_path / "runs"))
+        _check_ckpt_path(OmegaConf.create({"ckpt_path": str(tmp_path / "runs")}))
     assert info.value.group == "ckpt_path" and "is a directory, not a checkpoint" in info.value.message

@@ -163,9 +163,12 @@ def _check_run(group: str, option: str, cfg: DictConfig, run: TrainingRun, outpu
         for node in nodes.values():
             assert any(type(cb) is get_class(node._target_) for cb in callbacks)
         if group == "callbacks" and option == "default":
-            checkpoint = next(cb for cb in callbacks if isinstance(cb, ModelCheckpoint))
-            assert Path(str(checkpoint.dirpath)) == output_dir / "checkpoints"
-            assert checkpoint.save_last and checkpoint.monitor == "val_loss"
+            best, last = [cb for cb in callbacks if isinstance(cb, ModelCheckpoint)]
+            for checkpoint in (best, last):
+                assert Path(str(checkpoint.dirpath)) == output_dir / "checkpoints"
+            # the best by val_loss, and last.ckpt after every validation (tests/test_default_callbacks.py)
+            assert best.monitor == "val_loss" and not best.save_last
+            assert last.monitor is None and last.filename == "last" and last.save_top_k == 1
             assert any(isinstance(cb, LearningRateMonitor) for cb in callbacks)
             assert any(isinstance(cb, TQDMProgressBar) for cb in callbacks)
     elif group == "logger":
@@ -425,6 +428,32 @@ def test_bad_value_is_one_line_and_exit_2(
     (line,) = run.stderr.strip().splitlines()
     assert line.startswith(f"{PROG}: strategy: ") and needle in line, run
     assert not list(tmp_path.rglob("metrics.json"))
+
+
+def test_resume_without_the_run_directory_names_the_earlier_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # `ckpt_path=last` alone: Hydra makes a new run directory, which holds nothing to resume. Before, the
+    # run warned and trained from scratch; now the command names the earlier run and the override.
+    for stamp, age in (("2026-01-01_00-00-00", 200.0), ("2026-01-02_00-00-00", 100.0)):
+        earlier = tmp_path / "outputs" / "smoke" / stamp / "checkpoints" / "last.ckpt"
+        earlier.parent.mkdir(parents=True)
+        earlier.write_bytes(b"")
+        os.utime(earlier, (earlier.stat().st_atime, earlier.stat().st_mtime - age))
+    run = run_main(["experiment=smoke", "ckpt_path=last"], tmp_path, monkeypatch, capfd)
+    assert run.returncode == 2, run
+    (line,) = run.stderr.strip().splitlines()
+    newest = tmp_path / "outputs" / "smoke" / "2026-01-02_00-00-00"
+    assert line.startswith(f"{PROG}: ckpt_path: ckpt_path=last finds no last checkpoint"), line
+    assert f"hydra.run.dir='{newest}' ckpt_path=last" in line, line
+    assert not list(tmp_path.rglob("metrics.json"))
+    # a run directory given (by the user, or for torchrun / srun ranks): not compared with the others, so
+    # a restarted attempt that failed before its first checkpoint starts afresh (stopped here by a bad
+    # trainer value, which is checked after ckpt_path)
+    given = tmp_path / "outputs" / "smoke" / "given"
+    args = ["experiment=smoke", "ckpt_path=last", f"hydra.run.dir={given}", "trainer.devices=0"]
+    run = run_main(args, tmp_path, monkeypatch, capfd)
+    assert run.returncode == 2 and run.stderr.startswith(f"{PROG}: trainer: "), run
 
 
 @pytest.mark.parametrize(
