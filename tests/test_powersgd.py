@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -358,3 +359,37 @@ def test_an_fp16_overflow_skips_one_step_and_compression_goes_on() -> None:
             assert skipped == [False, False, True, False, False, False, False], (name, r[name]["seen"])
             assert [scale for _, scale, _ in r[name]["seen"]][-1] == 32768.0  # halved once
             assert r[name]["seen"][-1][2] == 6 and r[name]["finite"], name
+
+
+def _fabric_overflow(rank: int, world: int) -> dict[str, Any]:
+    """A Fabric loop in real fp16 with PowerSGD at ZeRO-1; rank 1's loss overflows at step 2 only."""
+    fp16 = ParallelPrecision("16-mixed")  # real fp16 on CPU (Lightning maps "16-mixed" to bf16 there)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=_fabric_psgd(1), plugins=[fp16])
+    fabric.launch()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    gen = torch.Generator().manual_seed(rank)
+    seen: list[tuple[bool, float, bool]] = []
+    for step in range(6):
+        x = torch.randn(8, 16, generator=gen)
+        loss = model(x).float().pow(2).mean()
+        fabric.backward(loss * 1e6 if step == 2 and rank == 1 else loss)
+        norm = fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+        moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+        seen.append((bool(torch.isinf(norm)), float(fp16.scaler.get_scale()), moved))  # type: ignore[union-attr]
+    finite = all(bool(p.isfinite().all()) for p in model.parameters())
+    return {"seen": seen, "finite": finite}
+
+
+def test_fabric_fp16_overflow_skips_one_step_and_compression_goes_on() -> None:
+    """The Fabric loop's twin of the test above: the overflowing step is skipped on every rank
+    (``fabric.clip_gradients`` returns an infinite norm for it, the weights stay), the loss scale halves
+    once, and every later step updates the weights (before the compressor reset, each overflowed)."""
+    for r in run_distributed(_fabric_overflow, WORLD, init_group=False, timeout=300):
+        assert [inf for inf, _, _ in r["seen"]] == [False, False, True, False, False, False], r["seen"]
+        assert [moved for _, _, moved in r["seen"]] == [True, True, False, True, True, True], r["seen"]
+        assert r["seen"][-1][1] == r["seen"][0][1] / 2 and r["finite"], r["seen"]
