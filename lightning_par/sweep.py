@@ -6,7 +6,9 @@ runs the same sweep in lockstep, see ``lightning_par/train.py``) and its own out
 ``<sweep dir>/<job number>``. :class:`SweepSummary` (a Hydra callback, configured in
 ``conf/hydra/default.yaml``) appends each finished or failed job to ``<sweep dir>/summary.json`` and
 ``summary.csv``: job number, overrides, status, the final metrics of its ``metrics.json``, and the error
-of a failed job in one line. A failed job does not stop the sweep; Hydra reports it when the sweep ends.
+of a failed job in one line. A job refused for its configuration does not stop the sweep (Hydra reports
+it when the sweep ends); a job failing at run time in a sweep over several processes does (its ranks
+cannot go on in step, see ``train._stop_sweep``), and its row is written before the processes end.
 
 Only global rank 0 writes (ranks > 0 run the same sweep).
 """
@@ -63,14 +65,46 @@ class SweepSummary(Callback):
         if job_return.status == JobStatus.FAILED:
             error = job_return._return_value
             row["error"] = " ".join(f"{type(error).__name__}: {error}".split())
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        summary = sweep_dir / "summary.json"
-        rows = json.loads(summary.read_text()) if summary.is_file() else []
-        rows = [r for r in rows if r.get("job") != row["job"]] + [row]
-        rows.sort(key=lambda r: r["job"])
-        summary.write_text(json.dumps(rows, indent=2) + "\n")
-        columns = sorted({k for r in rows for k in r}, key=lambda k: (k not in row, k))
-        with (sweep_dir / "summary.csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns)
-            writer.writeheader()
-            writer.writerows(rows)
+        append_row(sweep_dir, row)
+
+
+def append_row(sweep_dir: Path, row: dict[str, Any]) -> None:
+    """Write ``row`` (keyed by its ``job``) into ``summary.json`` / ``summary.csv``, replacing an earlier
+    row of the same job."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    summary = sweep_dir / "summary.json"
+    rows = json.loads(summary.read_text()) if summary.is_file() else []
+    rows = [r for r in rows if r.get("job") != row["job"]] + [row]
+    rows.sort(key=lambda r: r["job"])
+    summary.write_text(json.dumps(rows, indent=2) + "\n")
+    columns = sorted({k for r in rows for k in r}, key=lambda k: (k not in row, k))
+    with (sweep_dir / "summary.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def record_stopped_job(config: DictConfig, error: BaseException) -> None:
+    """On global rank 0: the job that stopped a sweep over several processes (``train._stop_sweep``, which
+    ends the process before Hydra's ``on_job_end``), as a failed row; the jobs after it have none."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not _is_rank_zero() or not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    job_dir = Path(str(hydra_cfg.runtime.output_dir))
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    try:
+        sweep_dir = Path(str(hydra_cfg.sweep.dir))
+    except Exception:  # an interpolation the detached node cannot resolve (see _sweep_dir)
+        sweep_dir = job_dir.parent
+    append_row(
+        sweep_dir,
+        {
+            "job": int(hydra_cfg.job.num),
+            "overrides": " ".join(hydra_cfg.overrides.task),
+            "status": "failed",
+            "output_dir": str(job_dir),
+            "error": f"{text} (the sweep stopped at this job; every rank printed its own error)",
+        },
+    )

@@ -51,6 +51,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_par.resume_path import check_ckpt_path
 from lightning_par.run_dirs import launcher_overrides
+from lightning_par.sweep import record_stopped_job
 
 __all__ = ["ConfigError", "TrainingRun", "build", "find_config_dir", "main", "train"]
 
@@ -376,7 +377,7 @@ def _task(cfg: DictConfig) -> float:
         _fail(str(exc))
     except Exception as exc:
         if multirun and _processes() > 1:
-            _stop_sweep(exc)
+            _stop_sweep(exc, cfg)
         raise
 
 
@@ -389,7 +390,7 @@ def _processes() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _stop_sweep(exc: BaseException) -> NoReturn:
+def _stop_sweep(exc: BaseException, cfg: DictConfig) -> NoReturn:
     """A job of a sweep over several processes failed on this rank. Its peers may be waiting in the
     job's collectives while Hydra would move this rank on to the next job: the ranks would never meet
     again (before: the sweep hung, silently, even through Ctrl-C). The error is printed and this process
@@ -403,6 +404,10 @@ def _stop_sweep(exc: BaseException) -> NoReturn:
         file=sys.stderr,
         flush=True,
     )
+    try:  # the failed job's row in the summary (Hydra's on_job_end does not run after os._exit)
+        record_stopped_job(cfg, exc)
+    except Exception as summary_error:  # the error above matters more than its row
+        print(f"{PROG}: the sweep summary was not written: {summary_error}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(1)  # not SystemExit: the job's threads (snapshot writers, Lightning's) must not hold the exit
 

@@ -4,6 +4,7 @@ with its message while the others finish."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -110,3 +111,11 @@ def test_sweep_job_failing_on_one_rank_stops_the_sweep(tmp_path: Path) -> None:
     assert "rank 1: the job failed (RuntimeError: user failure on rank 1)" in run.stderr, run.stderr[-3000:]
     (sweep,) = (tmp_path / "multirun").glob("*/*")
     assert not (sweep / "1").exists()  # the next job never started
+    # the failed job has its row (before, the process ended before Hydra's on_job_end wrote one)
+    (row,) = json.loads((sweep / "summary.json").read_text())
+    assert row["job"] == 0 and row["status"] == "failed", row
+    assert (
+        "strategy.bucket_size_mb=25" in row["overrides"] and "the sweep stopped at this job" in row["error"]
+    )
+    (csv_row,) = csv.DictReader((sweep / "summary.csv").open())
+    assert csv_row["status"] == "failed" and csv_row["job"] == "0", csv_row
