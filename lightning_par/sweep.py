@@ -84,7 +84,7 @@ def append_row(sweep_dir: Path, row: dict[str, Any]) -> None:
         writer.writerows(rows)
 
 
-def record_stopped_job(config: DictConfig, error: BaseException) -> None:
+def record_stopped_job(error: BaseException) -> None:
     """On global rank 0: the job that stopped a sweep over several processes (``train._stop_sweep``, which
     ends the process before Hydra's ``on_job_end``), as a failed row; the jobs after it have none."""
     from hydra.core.hydra_config import HydraConfig

@@ -377,7 +377,7 @@ def _task(cfg: DictConfig) -> float:
         _fail(str(exc))
     except Exception as exc:
         if multirun and _processes() > 1:
-            _stop_sweep(exc, cfg)
+            _stop_sweep(exc)
         raise
 
 
@@ -390,7 +390,7 @@ def _processes() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _stop_sweep(exc: BaseException, cfg: DictConfig) -> NoReturn:
+def _stop_sweep(exc: BaseException) -> NoReturn:
     """A job of a sweep over several processes failed on this rank. Its peers may be waiting in the
     job's collectives while Hydra would move this rank on to the next job: the ranks would never meet
     again (before: the sweep hung, silently, even through Ctrl-C). The error is printed and this process
@@ -405,7 +405,7 @@ def _stop_sweep(exc: BaseException, cfg: DictConfig) -> NoReturn:
         flush=True,
     )
     try:  # the failed job's row in the summary (Hydra's on_job_end does not run after os._exit)
-        record_stopped_job(cfg, exc)
+        record_stopped_job(exc)
     except Exception as summary_error:  # the error above matters more than its row
         print(f"{PROG}: the sweep summary was not written: {summary_error}", file=sys.stderr, flush=True)
     sys.stdout.flush()
