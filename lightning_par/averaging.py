@@ -68,7 +68,9 @@ def avg_fn_rule(avg_fn: AvgFn) -> Callable[[list[Tensor], list[Tensor], int], No
     def update(averages: list[Tensor], currents: list[Tensor], n: int) -> None:
         counts: dict[torch.device, Tensor] = {}  # n on each device, made once per update
         for a, w in zip(averages, currents, strict=True):
-            count = counts.setdefault(a.device, torch.tensor(n, device=a.device))
+            if a.device not in counts:  # filled on the device: torch.tensor(n) would copy from the host
+                counts[a.device] = torch.full((), n, dtype=torch.int64, device=a.device)
+            count = counts[a.device]
             a.copy_(avg_fn(a, w, count))
 
     return update

@@ -21,18 +21,19 @@ batch, the checked plan cannot deadlock. Under NCCL a wait only orders the compu
 transfers; the host runs on.
 Every tensor handed to a p2p op or a collective lives on :attr:`PipelineRuntime.device`.
 
-Shapes are agreed once per shape change, not per micro-batch. Each step (training or evaluation) starts
-with ONE broadcast of one int64 from pipeline rank 0: the id of the step's input signature (kind of step,
-shapes and dtypes of the micro-batch inputs), which ranks ``> 0`` read on the host (the one host read per
-step; it also makes a collective over the whole group the group's first call, which NCCL requires
-before partial batches of p2p ops). A signature seen before reuses the activation shapes learnt then;
-a new one (the first step, the first evaluation, a ragged last batch) makes that step send a shape header
-(``mail.HEADER`` int64s on the device: the structure and every part's shape) before every activation,
-each read once on the host. So activation shapes must follow from the input signature: a sender checks
-every activation against the structure agreed for it (metadata, no device sync) and raises if it differs
-(its peers then wait until the group's timeout). Gradients have the shapes of the receiver's own output.
-Micro-batch losses accumulate in a tensor on the device; nothing is copied to the host per micro-batch
-(prediction reads its result's header once).
+Shapes are agreed once per shape change, not per micro-batch. Each call (one training or evaluation batch:
+``k`` per optimizer step under accumulation ``k``) starts with ONE broadcast of one int64 from pipeline
+rank 0: the id of the call's input signature (kind of step, shapes and dtypes of the micro-batch inputs),
+which ranks ``> 0`` read on the host (their one host read per call: it sizes the receive buffers, so it
+cannot wait on the device; it also makes a collective over the whole group the group's first call, which
+NCCL requires before partial batches of p2p ops). A signature seen before reuses the activation shapes
+learnt then; a new one (the first step, the first evaluation, a ragged last batch) makes that call send a
+shape header (``mail.HEADER`` int64s on the device: the structure and every part's shape) before every
+activation, each read once on the host. So activation shapes must follow from the input signature: a
+sender checks every activation against the structure agreed for it (metadata, no device sync) and raises
+if it differs (its peers then wait until the group's timeout). Gradients have the shapes of the receiver's
+own output. Micro-batch losses accumulate in a tensor on the device; nothing is copied to the host per
+micro-batch (prediction reads its result's header once).
 
 Time spent computing is recorded per step (``last_stats``: busy and total seconds), so the bubble
 fraction ``1 - busy / total`` of each rank can be reported.
@@ -152,7 +153,7 @@ class PipelineRuntime:
         if self.p > 1:
             flag = torch.full((1,), ident, dtype=torch.int64, device=self.device)
             dist.broadcast(flag, src=self._peer(0), group=self.group)
-            ident = int(flag.item()) if self.s != 0 else ident  # the one host read of a step
+            ident = int(flag.item()) if self.s != 0 else ident  # the one host read of a call
         known = ident in self._layouts
         return ident, Mail(layout=self._layouts[ident] if known else {}, learn=not known)
 

@@ -51,8 +51,10 @@ class MissingGradients:
             # built on the communication device: NCCL refuses CPU tensors
             counts = torch.zeros(len(touched), dtype=torch.int32, device=device)
             if self._missing:
-                index = torch.tensor(self._missing, dtype=torch.int64, device=device)
-                counts.index_fill_(0, index, 1)
+                index = torch.tensor(self._missing, dtype=torch.int64)
+                if device.type == "cuda":  # from pinned memory the copy is asynchronous: no host wait
+                    index = index.pin_memory()
+                counts.index_fill_(0, index.to(device, non_blocking=True), 1)
             self._counts = counts
             self._work = dist.all_reduce(counts, group=group, async_op=True)
 
