@@ -1,9 +1,11 @@
 """Host reads by lightning_par's own lines in steady Trainer steps, for the layouts that
 ``tests/test_device_guards.py`` (ZeRO 0/2/3 with our GPT in each precision) leaves out: ZeRO-1 and tensor
 parallelism with clipping, and ``find_unused_parameters=True`` with a parameter no rank uses, on a Hugging
-Face Llama. The README promises no read in a step in ``32-true`` / ``bf16-mixed``, and one per window for
-the unused-parameter count (its all-reduced flags). Counted with ``tests.probes.HostSyncs`` from the
-third optimizer step on (the first steps run one-time checks); 2 Gloo ranks, accumulation 2, 6 steps.
+Face Llama, and two pipeline stages on our GPT. The README promises no read in a step in ``32-true`` /
+``bf16-mixed``, one per window for the unused-parameter count (its all-reduced flags), and under a
+pipeline one per batch on the stages after the first (the input signature's id). Counted with
+``tests.probes.HostSyncs`` from the third optimizer step on (the first steps run one-time checks); 2 Gloo
+ranks, accumulation 2, 6 steps.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
+from lightning_par.models import GPTModule
 from tests.distributed import run_distributed
 from tests.fits import cpu_trainer, final_state
 from tests.probes import HostSyncs
@@ -51,7 +54,7 @@ class WithUnused(LoraLlama):
         self.unused = nn.Linear(4, 4)
 
 
-def _fit(strategy: HybridParallelStrategy, module: LoraLlama, **options: Any) -> dict[str, int]:
+def _fit(strategy: HybridParallelStrategy, module: pl.LightningModule, **options: Any) -> dict[str, int]:
     torch.manual_seed(0)
     counter = HostReads()
     trainer = cpu_trainer(
@@ -83,7 +86,19 @@ def _job(rank: int, world: int) -> dict[str, dict[str, int]]:
             gradient_clip_val=1.0,
         ),
         "z2_unused": _fit(HybridParallelStrategy(zero_stage=2, find_unused_parameters=True), WithUnused()),
+        "pp2": _fit(
+            HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2),
+            _pipeline_gpt(),
+            gradient_clip_val=1.0,
+        ),
     }
+
+
+def _pipeline_gpt() -> GPTModule:
+    torch.manual_seed(0)
+    module = GPTModule(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, max_steps=STEPS)
+    module.configure_model()
+    return module
 
 
 def test_steady_steps_read_the_host_only_for_verdicts() -> None:
@@ -93,3 +108,10 @@ def test_steady_steps_read_the_host_only_for_verdicts() -> None:
             assert r[name] == {}, (rank, name, r[name])
         # the count of the parameters no rank used, once per window
         assert r["z2_unused"] == {"tolist zero/unused.py": steps}, (rank, r["z2_unused"])
+        # per batch: every stage reads the seed of its random state, drawn from the CPU generator (host
+        # memory: no device sync), and the second stage the input signature's id (it sizes the receive
+        # buffers: one device read)
+        expected = {"__int__ pipeline/steps.py": 2 * steps}
+        if rank == 1:
+            expected["item pipeline/runtime.py"] = 2 * steps
+        assert r["pp2"] == expected, (rank, r["pp2"])
