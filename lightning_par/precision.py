@@ -162,6 +162,25 @@ class ParallelPrecision(Precision):
     def low_precision(self) -> bool:
         return self.compute_dtype in (torch.bfloat16, torch.float16)
 
+    def check_trainable(self, module: nn.Module) -> None:
+        """Refuse trainable fp16 parameters under ``"16-mixed"`` (a model the user already halved):
+        mixed precision keeps fp32 weights (masters) and computes in fp16, and such a model has none, so
+        its optimizer would update fp16 values with fp16 moments. AdamW's ``eps=1e-8`` is 0 there: a
+        probe's first step wrote NaN and every later step was skipped as an overflow, so ``max_steps`` was
+        never reached, silently. Lightning's ``"ddp"`` refuses it too, in the first step (torch's
+        ``GradScaler`` will not unscale fp16 gradients)."""
+        if self.precision != "16-mixed":
+            return
+        half = [n for n, p in module.named_parameters() if p.requires_grad and p.dtype == torch.float16]
+        if half:
+            raise ValueError(
+                f"{len(half)} trainable parameter(s) are float16 under precision='16-mixed'"
+                f" ({', '.join(half[:4])}{' ...' if len(half) > 4 else ''}): mixed precision trains fp32"
+                " weights and computes in fp16 itself. Leave the model in fp32 (drop model.half() or"
+                " .to(torch.float16); frozen parameters may stay fp16), or train in 16 bits throughout"
+                " with precision='bf16-true'."
+            )
+
     def engine_dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
         """(compute, reduction) dtypes for the ZeRO engine: the compute dtype only where fp32 masters live
         in the shards (the engine casts the compute copy), the reduction dtype wherever gradients are low

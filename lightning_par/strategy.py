@@ -417,6 +417,9 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
     def _build_engine(self, fitting: bool, values: ValuesFn | None) -> None:
         """Step 6 of the composition: ZeRO over the dp group (stage 3 for evaluation too)."""
         assert self.model is not None
+        plugin = self.precision_plugin
+        if fitting and isinstance(plugin, ParallelPrecision):
+            plugin.check_trainable(self.model)
         compute, reduce = self._dtypes()
         # an evaluation run after a fit (test, validate: one or several) keeps the fit's engine for its
         # optimizer state, which Lightning keeps and checkpoints (checkpoint/fit_state.py)

@@ -365,6 +365,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         composition, self._replaced = compose_module(self, module)
         if composition.pipeline is not None:
             self._pipeline = build_fabric_pipeline(self, module, composition.pipeline)
+        self.precision.check_trainable(module)
         compute, reduce = self.precision.engine_dtypes()
         self.engine = build_engine(
             module,

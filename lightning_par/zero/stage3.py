@@ -164,6 +164,8 @@ class Stage3Engine(Stage3Reduce):
         # shards keep the parameters' dtype: fp32 masters
         self.master_dtype = trainable[0].dtype if trainable else plan[0][2][0][1].dtype
         self.compute_dtype = compute_dtype or self.master_dtype
+        # frozen floating parameters gather in the mixed precision's compute dtype, else in their own
+        self.frozen_compute_dtype = compute_dtype
         self.frozen_dtype = frozen_dtype  # frozen floating shards' dtype (None: the parameters' own)
         self.dtype = grad_dtype or self.master_dtype  # gradient buffers and reduction
         # the communication device: the strategy's root device (a model wholly on the meta device has
@@ -251,6 +253,7 @@ class Stage3Engine(Stage3Reduce):
             compute_dtype=self.compute_dtype,
             grad_dtype=self.dtype,
             frozen_dtype=self.frozen_dtype,
+            frozen_compute_dtype=self.frozen_compute_dtype,
             device=self.device,
             broadcast=not materialized,
         )

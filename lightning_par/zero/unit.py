@@ -239,8 +239,11 @@ class Unit:
                         part.shard[f.shard_lo : f.shard_lo + f.numel].copy_(source)
             elif part.shard.dtype == own.dtype:
                 part.shard.copy_(own)  # bitwise equal where nothing was written
-            else:  # as ZeRO 1/2 absorb writes to their compute copy (ShardedOptimizer.absorb_param_writes)
+            elif torch.promote_types(own.dtype, part.shard.dtype) == part.shard.dtype:
+                # as ZeRO 1/2 absorb writes to their compute copy (ShardedOptimizer.absorb_param_writes)
                 torch.where(own != part.shard.to(own.dtype), own, part.shard, out=part.shard)
+            else:  # a shard narrower than its gather (frozen_dtype below the compute dtype): rounded
+                part.shard.copy_(torch.where(own != part.shard.to(own.dtype), own, part.shard.to(own.dtype)))
             part.gathered_versions = [p._version for p in part.params]
 
     def gather_stored(self, group: ProcessGroup) -> None:
@@ -337,13 +340,16 @@ def build_unit(
     device: torch.device,
     broadcast: bool,
     frozen_dtype: torch.dtype | None = None,
+    frozen_compute_dtype: torch.dtype | None = None,
 ) -> Unit:
     """Pack ``named`` (real, materialised parameters) into a sharded unit; with ``broadcast`` every rank
     starts from the values of the group's first rank. The trainable shard keeps the parameters' own dtype
     (the fp32 master in mixed precision), gathers produce ``compute_dtype``, gradients reduce in
-    ``grad_dtype``. Frozen floating parameters are gathered in ``compute_dtype`` too and sharded in
-    ``frozen_dtype`` (None: their own dtype, e.g. fp32 under mixed precision, as Lightning keeps them);
-    frozen parameters of other dtypes stay in their own."""
+    ``grad_dtype``. Frozen floating parameters are gathered in ``frozen_compute_dtype`` (the mixed
+    precision's compute dtype; None: their own dtype, so a frozen bf16 base beside fp32 adapters computes
+    in bf16 under ``32-true``, as in the user's model) and sharded in ``frozen_dtype`` (None: their own
+    dtype, e.g. fp32 under mixed precision, as Lightning keeps them); frozen parameters of other dtypes
+    stay in their own."""
     trainable = [(n, p) for n, p in named if p.requires_grad]
     # frozen parts by (shard dtype, gathered dtype)
     frozen: dict[tuple[torch.dtype, torch.dtype], list[tuple[str, nn.Parameter]]] = {}
@@ -351,7 +357,8 @@ def build_unit(
         if not p.requires_grad:
             floating = p.is_floating_point()
             stored = (frozen_dtype or p.dtype) if floating else p.dtype
-            frozen.setdefault((stored, compute_dtype if floating else p.dtype), []).append((n, p))
+            gathered = (frozen_compute_dtype or p.dtype) if floating else p.dtype
+            frozen.setdefault((stored, gathered), []).append((n, p))
     parts: list[Part] = []
     groups: list[tuple[list[tuple[str, nn.Parameter]], torch.dtype, torch.dtype, bool]] = []
     if trainable:
