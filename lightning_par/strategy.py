@@ -509,6 +509,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             # (the next setup() builds a new one)
             self._engine.remove()
         self._token_normalizer = None
+        self._token_calls, self._token_rescaled = 0, False
         if self.lightning_module is not None:
             restore_norms(self.lightning_module)  # the norm layers' fp32 wrappers of convert_module
             lightning_hooks.restore(self.lightning_module, self._patched)  # the class's own methods again

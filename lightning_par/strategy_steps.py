@@ -47,6 +47,8 @@ class StrategySteps(StrategyLoops):
     # set by HybridParallelStrategy.__init__ and setup(); _engine and the mesh come from ZeroCheckpointIO
     _pipeline: LightningPipeline | None
     _token_normalizer: TokenNormalizer | None
+    _token_calls = 0  # token_normalized() calls since the last gradient synchronisation
+    _token_rescaled = False  # a window was rescaled since the last optimizer step
     _buffer_sync: BufferSync
     _patched: list[str]  # names of the LightningModule's hooks replaced for this run
     _patched_callbacks: list[tuple[Any, list[str]]]  # and of callbacks' hooks
@@ -197,6 +199,7 @@ class StrategySteps(StrategyLoops):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._token_rescaled = False  # the next window's gradients start anew
         if self._engine is not None:  # stages 1/2: all-gather the updated parameters
             # the gradients of the others stay for their steps
             self._engine.after_step(open_window=False, optimizer=optimizer)
@@ -335,6 +338,8 @@ class StrategySteps(StrategyLoops):
         gradients are rescaled so that they equal the gradient of (sum of all token losses) / (number of
         valid tokens) over all micro-batches and data-parallel ranks, however unevenly the tokens are
         spread. The returned value is ``loss_sum`` itself; log ``loss_sum / n_tokens`` for display.
+        Call it in every training step of a window or in none, on every rank alike; in manual
+        optimization, run the window's backwards but the last inside :meth:`block_backward_sync`.
         """
         if self._engine is None:
             raise RuntimeError("token_normalized() is for training_step, after the strategy's setup().")
@@ -348,12 +353,32 @@ class StrategySteps(StrategyLoops):
             self._token_normalizer = TokenNormalizer(group=self.mesh.dp_group, device=self.root_device)
             self._engine.on_synchronized(self._apply_token_normalization)
         self._token_normalizer.add(n_tokens)
+        self._token_calls += 1
         return loss_sum
 
     def _apply_token_normalization(self) -> None:
+        """At a gradient synchronisation: the window's gradients (of summed token losses) become the
+        gradient of the global token mean. A window that did not call :meth:`token_normalized` (a loss
+        returned as a mean after token-exact epochs) is left alone; before, its gradients were scaled by
+        ``N / c`` as a window of one token. Each rank of the dp group calls it in the same windows (the
+        count is all-reduced)."""
         assert self._token_normalizer is not None and self._engine is not None
         module = self.lightning_module
         assert module is not None
+        calls, self._token_calls = self._token_calls, 0
+        if calls == 0:
+            return
+        if self._token_rescaled:
+            # the buffer holds the earlier synchronisations' rescaled gradients: a second factor would
+            # scale them again (manual optimization whose backwards all synchronise)
+            raise RuntimeError(
+                "token_normalized(): a second gradient synchronisation before the optimizer step. Each"
+                " backward of a manual-optimization accumulation window synchronises unless it runs"
+                " inside `with self.trainer.strategy.block_backward_sync():` (all but the window's last"
+                " backward), as Lightning's automatic optimization does; the token count of the whole"
+                " window then normalises its gradients once."
+            )
+        self._token_rescaled = True
         # Lightning divides each micro-batch loss by accumulate_grad_batches in automatic optimization
         loss_scale = 1.0 / module.trainer.accumulate_grad_batches if module.automatic_optimization else 1.0
         factor = self._token_normalizer.grad_scale(loss_scale=loss_scale, dp_size=self.mesh.dp_size)
