@@ -32,6 +32,7 @@ the run shares it, and a pickled copy gathers over the world, torchmetrics' defa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -89,10 +90,15 @@ class MetricSync:
         smaller than the world and there is no pipeline (module docstring), after :meth:`restore` of any
         earlier run."""
         self.restore()
+        self.add(list(module.modules()), mesh=mesh, pipelined=pipelined)
+
+    def add(self, metrics: Sequence[object], *, mesh: ParallelMesh, pipelined: bool) -> None:
+        """The same for ``metrics`` themselves (those of them that are torchmetrics ``Metric`` objects
+        syncing over the default group), kept beside the module's until :meth:`restore`."""
         if pipelined or mesh.dp_size == mesh.layout.world_size:
             return
         group = mesh.dp_group
-        for metric in module.modules():
+        for metric in metrics:
             if isinstance(metric, Metric) and metric.process_group is None and metric.dist_sync_fn is None:
                 gather = DataGather(group)
                 metric.dist_sync_fn = gather

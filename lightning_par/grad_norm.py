@@ -23,6 +23,14 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 
+def group_size(group: ProcessGroup | None) -> int:
+    """The ranks of ``group``; ``None`` is the default group, of 1 rank where none was initialised (the
+    precision plugin under Lightning's own single-device strategy)."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
 def by_device_dtype(tensors: Iterable[Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
     """Non-empty ``tensors`` (detached views, same storage) grouped for the fused foreach kernels, which
     take one device and dtype per call."""
@@ -71,10 +79,10 @@ def global_grad_norm(
     is_inf = math.isinf(norm_type)
     for tensors, group in replicated:
         part = _local_sum(tensors, norm_type, device, dtype)
-        total = torch.maximum(total, part) if is_inf else total + part / dist.get_world_size(group)
+        total = torch.maximum(total, part) if is_inf else total + part / group_size(group)
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
     for group in groups:
-        if dist.get_world_size(group) > 1:
+        if group_size(group) > 1:
             dist.all_reduce(total, op=op, group=group)
     return total if is_inf else total.pow(1.0 / norm_type)
 

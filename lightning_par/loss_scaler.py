@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from lightning_par.grad_norm import by_device_dtype
+from lightning_par.grad_norm import by_device_dtype, group_size
 
 
 class DynamicLossScaler:
@@ -85,7 +85,7 @@ class DynamicLossScaler:
             if flag is not found:
                 found = torch.maximum(found, flag.to(found.device, non_blocking=True))
         for group in groups:
-            if group is None or dist.get_world_size(group) > 1:
+            if group_size(group) > 1:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found.item())  # the verdict must reach the host: it decides whether to step
 

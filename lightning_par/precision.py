@@ -48,7 +48,7 @@ the strategy then neither steps the LR schedulers nor counts the step (see ``Hyb
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
 
@@ -162,16 +162,17 @@ class ParallelPrecision(Precision):
     def low_precision(self) -> bool:
         return self.compute_dtype in (torch.bfloat16, torch.float16)
 
-    def check_trainable(self, module: nn.Module) -> None:
+    def check_trainable(self, named: Iterable[tuple[str, Tensor]]) -> None:
         """Refuse trainable fp16 parameters under ``"16-mixed"`` (a model the user already halved):
         mixed precision keeps fp32 weights (masters) and computes in fp16, and such a model has none, so
         its optimizer would update fp16 values with fp16 moments. AdamW's ``eps=1e-8`` is 0 there: a
         probe's first step wrote NaN and every later step was skipped as an overflow, so ``max_steps`` was
         never reached, silently. Lightning's ``"ddp"`` refuses it too, in the first step (torch's
-        ``GradScaler`` will not unscale fp16 gradients)."""
+        ``GradScaler`` will not unscale fp16 gradients). ``named``: the parameters to be trained (a fit's
+        model, or Fabric's optimizers' parameters: a halved model only evaluated passes)."""
         if self.precision != "16-mixed":
             return
-        half = [n for n, p in module.named_parameters() if p.requires_grad and p.dtype == torch.float16]
+        half = [n for n, p in named if p.requires_grad and p.dtype == torch.float16]
         if half:
             raise ValueError(
                 f"{len(half)} trainable parameter(s) are float16 under precision='16-mixed'"

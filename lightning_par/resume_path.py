@@ -10,7 +10,10 @@ Contract
   same task does. Hydra gives every run a new directory (``outputs/<task>/<time>``) unless
   ``hydra.run.dir`` names one, so ``ckpt_path=last`` alone looks in a directory that was created a moment
   ago; Lightning then warns and trains from scratch, which a user resuming a run does not notice until
-  the curves start over. The earlier run is named with the override that resumes it.
+  the curves start over. The earlier run is named with the override that resumes it. Earlier runs are
+  the run directory's siblings whose saved config (``.hydra/config.yaml``) has this ``task_name``: a
+  layout of one directory per task (``hydra.run.dir`` set to ``.../${task_name}`` in a config file) has
+  other tasks' runs beside it, which are not this one's.
 
 ``last`` with no earlier run passes, as in Lightning, so a command can always carry it ("set and
 forget": the first attempt starts, the requeued ones resume), and so do Lightning's other names.
@@ -21,6 +24,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from lightning_par.checkpoint.single_file import refuse_directory
 
@@ -40,7 +45,11 @@ def last_checkpoints(directory: Path) -> list[Path]:
 
 
 def check_ckpt_path(
-    ckpt_path: Any, *, checkpoint_dir: Path | None = None, run_dir: Path | None = None
+    ckpt_path: Any,
+    *,
+    checkpoint_dir: Path | None = None,
+    run_dir: Path | None = None,
+    task_name: str | None = None,
 ) -> None:
     """Refuse a ``ckpt_path`` that cannot mean what the user asked for (see the module docstring).
 
@@ -49,12 +58,14 @@ def check_ckpt_path(
         checkpoint_dir: where this run's ModelCheckpoint callbacks write (``paths.checkpoint_dir``).
         run_dir: this run's own directory (``paths.output_dir``); its siblings are the task's other runs.
             Without both, ``last`` is not checked (a sweep's jobs are siblings of each other).
+        task_name: the run's ``task_name``; a sibling whose saved config names another is not an earlier
+            run of this task.
     """
     if ckpt_path is None:
         return
     text = str(ckpt_path)
     if text == "last" and checkpoint_dir is not None and run_dir is not None:
-        _check_last(checkpoint_dir=checkpoint_dir, run_dir=run_dir)
+        _check_last(checkpoint_dir=checkpoint_dir, run_dir=run_dir, task_name=task_name)
     if text in _NAMES or text.startswith("registry") or "://" in text:
         return
     if not Path(text).exists():
@@ -65,7 +76,21 @@ def check_ckpt_path(
     refuse_directory(Path(text))
 
 
-def _check_last(*, checkpoint_dir: Path, run_dir: Path) -> None:
+def _same_task(run: Path, task_name: str | None) -> bool:
+    """Whether ``run`` is a run of ``task_name``, by the config Hydra saved in it (None: any run)."""
+    if task_name is None:
+        return True
+    saved = run / ".hydra" / "config.yaml"
+    if not saved.is_file():
+        return False
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
+    except Exception:  # unreadable: not known to be this task's
+        return False
+    return isinstance(config, dict) and config.get("task_name") == task_name
+
+
+def _check_last(*, checkpoint_dir: Path, run_dir: Path, task_name: str | None) -> None:
     if last_checkpoints(checkpoint_dir):
         return
     try:
@@ -75,7 +100,7 @@ def _check_last(*, checkpoint_dir: Path, run_dir: Path) -> None:
     earlier = [
         (found[0], sibling)
         for sibling in run_dir.resolve().parent.iterdir()
-        if sibling.is_dir() and sibling != run_dir.resolve()
+        if sibling.is_dir() and sibling != run_dir.resolve() and _same_task(sibling, task_name)
         for found in [last_checkpoints(sibling / inside)]
         if found
     ]

@@ -419,7 +419,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         assert self.model is not None
         plugin = self.precision_plugin
         if fitting and isinstance(plugin, ParallelPrecision):
-            plugin.check_trainable(self.model)
+            plugin.check_trainable(self.model.named_parameters())
         compute, reduce = self._dtypes()
         # an evaluation run after a fit (test, validate: one or several) keeps the fit's engine for its
         # optimizer state, which Lightning keeps and checkpoints (checkpoint/fit_state.py)

@@ -235,7 +235,12 @@ def _check_ckpt_path(cfg: DictConfig) -> None:
     if made and paths is not None and "checkpoint_dir" in paths and "output_dir" in paths:
         checkpoint_dir, run_dir = Path(str(paths.checkpoint_dir)), Path(str(paths.output_dir))
     try:
-        check_ckpt_path(cfg.get("ckpt_path"), checkpoint_dir=checkpoint_dir, run_dir=run_dir)
+        check_ckpt_path(
+            cfg.get("ckpt_path"),
+            checkpoint_dir=checkpoint_dir,
+            run_dir=run_dir,
+            task_name=str(cfg.get("task_name")) if cfg.get("task_name") is not None else None,
+        )
     except ValueError as exc:
         raise ConfigError("ckpt_path", str(exc)) from None
 

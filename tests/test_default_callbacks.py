@@ -106,21 +106,38 @@ def test_last_checkpoint_follows_every_validation_and_resumes_there(tmp_path: Pa
         torch.testing.assert_close(resumed[name], full[name], rtol=0, atol=0, msg=name)
 
 
+def _run(directory: Path, task: str) -> Path:
+    """A run directory as Hydra leaves it: its saved config names the task."""
+    (directory / ".hydra").mkdir(parents=True)
+    (directory / ".hydra" / "config.yaml").write_text(f"task_name: {task}\nseed: 0\n")
+    return directory
+
+
 def test_ckpt_path_last_checks(tmp_path: Path) -> None:
     task = tmp_path / "outputs" / "task"
-    run, earlier = task / "2026-02-01_00-00-00", task / "2026-01-01_00-00-00"
+    run, earlier = _run(task / "2026-02-01_00-00-00", "task"), task / "2026-01-01_00-00-00"
     (run / "checkpoints").mkdir(parents=True)
+    last = {"checkpoint_dir": run / "checkpoints", "run_dir": run, "task_name": "task"}
     # no earlier run: passes (the first attempt of a command that always carries ckpt_path=last)
-    check_ckpt_path("last", checkpoint_dir=run / "checkpoints", run_dir=run)
+    check_ckpt_path("last", **last)
     (earlier / "checkpoints" / "last.ckpt").mkdir(parents=True)  # a sharded last checkpoint
+    check_ckpt_path("last", **last)  # a folder without Hydra's saved config: not known to be a run of it
+    _run(earlier, "task")
     with pytest.raises(ValueError, match=f"hydra.run.dir='{earlier}' ckpt_path=last"):
-        check_ckpt_path("last", checkpoint_dir=run / "checkpoints", run_dir=run)
+        check_ckpt_path("last", **last)
+    # one directory per task (hydra.run.dir=.../${task_name} in a config file): the other tasks' runs
+    # beside this one's first run are not its own
+    first_task = _run(tmp_path / "per_task" / "first_task", "first_task")
+    (first_task / "checkpoints" / "last.ckpt").mkdir(parents=True)
+    second = _run(tmp_path / "per_task" / "second_task", "second_task")
+    (second / "checkpoints").mkdir()
+    check_ckpt_path("last", checkpoint_dir=second / "checkpoints", run_dir=second, task_name="second_task")
     # checkpoints written outside the run directory, or a sweep (no run_dir): not compared
-    check_ckpt_path("last", checkpoint_dir=tmp_path / "elsewhere", run_dir=run)
+    check_ckpt_path("last", checkpoint_dir=tmp_path / "elsewhere", run_dir=run, task_name="task")
     check_ckpt_path("last")
     # the run's own last checkpoint (last-v1 too): passes
     (run / "checkpoints" / "last-v1.ckpt").write_bytes(b"")
     assert last_checkpoints(run / "checkpoints") == [run / "checkpoints" / "last-v1.ckpt"]
-    check_ckpt_path("last", checkpoint_dir=run / "checkpoints", run_dir=run)
+    check_ckpt_path("last", **last)
     with pytest.raises(ValueError, match="no checkpoint at"):
         check_ckpt_path(str(tmp_path / "missing.ckpt"))

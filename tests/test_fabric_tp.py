@@ -176,3 +176,52 @@ def test_fabric_tensor_parallel_bad_input() -> None:
         HybridParallelStrategy(sequence_parallel=True)
     with pytest.raises(ValueError, match="Unknown tp_plan 'mistral'"):
         HybridParallelStrategy(tensor_parallel_size=2, tp_plan="mistral")
+
+
+def _metrics_and_saves(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    from torch.utils.data import DataLoader
+    from torchmetrics import MeanMetric, SumMetric
+
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=world,
+        strategy=HybridParallelStrategy(tensor_parallel_size=TP, tp_plan="llama"),
+    )
+    fabric.launch()
+    model = llama(0)
+    model, optimizer = fabric.setup(model, _adamw(model))
+    synced, plain = SumMetric().to(fabric.device), SumMetric().to(fabric.device)
+    fabric.strategy.sync_metrics(synced)  # type: ignore[attr-defined]
+    for batch in fabric.setup_dataloaders(DataLoader(torch.arange(8.0), batch_size=2)):
+        synced.update(torch.ones_like(batch))
+        plain.update(torch.ones_like(batch))
+    mean = MeanMetric().to(fabric.device)
+    mean.persistent(True)  # its running sums in its state_dict
+    mean.update(torch.tensor([1.0, 3.0]))
+    path = str(Path(tmp) / "with_metric")
+    fabric.save(path, {"model": model, "optimizer": optimizer, "metric": mean, "step": 3})
+    restored = MeanMetric().to(fabric.device)
+    restored.persistent(True)
+    rest = fabric.load(path, {"model": model, "optimizer": optimizer, "metric": restored})
+    block = model.module.model.layers[0]  # a part of the model: this rank's slices only
+    with pytest.raises(ValueError) as refused:
+        fabric.save(str(Path(tmp) / "with_block"), {"model": model, "block": block})
+    return {
+        "synced": float(synced.compute()),
+        "plain": float(plain.compute()),
+        "restored": float(restored.compute()),
+        "step": rest["step"],
+        "copy": str(refused.value),
+    }
+
+
+def test_fabric_tp_metrics_outside_the_module_and_metric_checkpoints(tmp_path: Path) -> None:
+    """At tp2 the two ranks hold the same samples. A torchmetrics object outside the set-up module, given
+    to ``strategy.sync_metrics``, counts the 8 samples once (one synced over the world, as before, counts
+    them twice). A metric in ``fabric.save``'s state is saved and loaded through its ``state_dict``, as
+    at tp1 (before, every module other than the set-up one was refused under tp); a part of the model,
+    which holds this rank's slices, is still refused."""
+    for r in run_distributed(_metrics_and_saves, TP, str(tmp_path), init_group=False):
+        assert r["synced"] == 8.0 and r["plain"] == 16.0, r
+        assert r["restored"] == 2.0 and r["step"] == 3, r
+        assert "holds this rank's tensor-parallel slices" in r["copy"], r

@@ -440,6 +440,8 @@ def test_resume_without_the_run_directory_names_the_earlier_run(
         earlier.parent.mkdir(parents=True)
         earlier.write_bytes(b"")
         os.utime(earlier, (earlier.stat().st_atime, earlier.stat().st_mtime - age))
+        (earlier.parent.parent / ".hydra").mkdir()  # what Hydra saves in a run: the task's name
+        (earlier.parent.parent / ".hydra" / "config.yaml").write_text("task_name: smoke\n")
     run = run_main(["experiment=smoke", "ckpt_path=last"], tmp_path, monkeypatch, capfd)
     assert run.returncode == 2, run
     (line,) = run.stderr.strip().splitlines()

@@ -248,3 +248,37 @@ def test_fabric_fp16_two_optimizers_clip_norms_equal_ddp() -> None:
                 torch.testing.assert_close(v, ddp["state"][k], msg=f"{what}: {k}")
     message = run_distributed(_fabric_bf16_true_forward_before_optimizers, 2, init_group=False)[0]
     assert "bf16-true' at zero_stage=1" in message and "fabric.setup(model, optimizer)" in message, message
+
+
+def _fp16_one_process(rank: int, world: int, strategy: str) -> dict[str, Tensor]:
+    torch.manual_seed(0)
+    module = Regression()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        plugins=[ParallelPrecision("16-mixed")],
+        # one epoch of 4 batches: Lightning's loop counts the skipped first step (the initial scale
+        # overflows), ours does not (README), so max_steps would run another batch under "zero0"
+        max_epochs=1,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,  # the loader's order under both (Lightning's sampler shuffles)
+    )
+    trainer.fit(module, DataLoader(_data(), batch_size=8))
+    assert module.scales == [65536.0, 32768.0, 32768.0, 32768.0]  # one skip, then training
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_fp16_plugin_under_lightnings_single_device_strategy_equals_zero0() -> None:
+    """``plugins=[ParallelPrecision("16-mixed")]``, the README's real fp16 on a CPU, under Lightning's own
+    single-device strategy (a one-process reference): trains, with clipping, as our ``"zero0"`` at one
+    device. Before, the first optimizer step all-reduced the overflow flag over a process group nobody
+    had started ("Default process group has not been initialized")."""
+    auto = run_distributed(_fp16_one_process, 1, "auto", init_group=False)[0]
+    zero0 = run_distributed(_fp16_one_process, 1, "zero0", init_group=False)[0]
+    for k, v in zero0.items():
+        torch.testing.assert_close(auto[k], v, rtol=0, atol=0, msg=k)

@@ -6,7 +6,7 @@
   fixed, it would still have computed the base in fp32, unlike ``"ddp"``. ZeRO 1 and 3 now equal
   ``"ddp"``: losses, final weights and every dtype.
 * A model the user halved (``model.half()``) under ``"16-mixed"``: refused at setup, before any step,
-  in the Trainer and in Fabric. Before, ZeRO 1-3 trained the fp16 values as their own masters: AdamW's
+  in the Trainer's fit and at Fabric's ``setup_optimizers`` (evaluating it works, as under ``"ddp"``). Before, ZeRO 1-3 trained the fp16 values as their own masters: AdamW's
   ``eps`` rounded to 0, the first step wrote NaN, and every later step was skipped as an overflow, so
   ``max_steps`` was never reached (``"ddp"`` refuses it in its first step: torch's ``GradScaler`` will
   not unscale fp16 gradients).
@@ -116,9 +116,11 @@ def _halved(rank: int, world: int) -> dict[str, Any]:
         plugins=[ParallelPrecision("16-mixed")],
     )
     fabric.launch()
-    model = nn.Linear(4, 4).half()
-    with pytest.raises(ValueError) as refused:
-        fabric.setup_module(model)
+    model = fabric.setup_module(nn.Linear(4, 4).half())  # evaluation alone is fine, as under "ddp"
+    with torch.no_grad():
+        out["evaluated"] = bool(torch.isfinite(model(torch.ones(2, 4))).all())
+    with pytest.raises(ValueError) as refused:  # training it is not
+        fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
     out["fabric"] = str(refused.value)
     return out
 
@@ -130,4 +132,4 @@ def test_a_halved_model_under_16_mixed_is_refused_at_setup() -> None:
             assert message is not None and "trainable parameter(s) are float16 under" in message, (name, r)
             assert "drop model.half()" in message
         assert r["z0"][1] == 0 and r["z3"][1] == 0  # before any step
-        assert "(weight, bias)" in r["fabric"]
+        assert "(weight, bias)" in r["fabric"] and r["evaluated"]

@@ -47,6 +47,7 @@ from lightning_par.checkpoint.io import (
 from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta, read_rank_entries
 from lightning_par.checkpoint.single_file import read_torch_file
 from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, localize, tp_info
+from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 
 if TYPE_CHECKING:
     from lightning_par.fabric.strategy import HybridParallelStrategy
@@ -56,20 +57,21 @@ KEYS = "fabric_keys"  # which entries of the saved state were the module and its
 
 def _split(strategy: HybridParallelStrategy, state: Mapping[str, Any]) -> tuple[str | None, list[str]]:
     """The key of the module and the keys of its optimizers in ``state`` (checked to be the ones this
-    strategy set up). Other modules (an EMA copy, a teacher) are entries like a scheduler: their
-    ``state_dict()`` is saved and loaded whole, as Fabric's own strategies do; under tensor or pipeline
-    parallelism, where such a module may hold this rank's pieces only, they are refused by key."""
+    strategy set up). Other modules (an EMA copy, a teacher, a torchmetrics metric) are entries like a
+    scheduler: their ``state_dict()`` is saved and loaded whole, as Fabric's own strategies do; one that
+    holds this rank's pieces only (a copy of a tensor-parallel model's slices, or of a pipeline stage
+    with placeholders for the others) is refused by key. Before, every other module was refused under
+    tensor or pipeline parallelism, a metric included."""
     modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
     mine = [k for k in modules if state[k] is strategy.module]
     if len(mine) > 1:
         raise ValueError(f"The state holds the set-up module under several keys {mine}: keep one.")
-    others = [k for k in modules if k not in mine]
-    mesh = strategy.mesh
-    if others and (mesh.tp_size > 1 or mesh.pp_size > 1):
+    pieces = [k for k in modules if k not in mine and _holds_pieces(state[k])]
+    if pieces:
         raise ValueError(
-            f"state[{others[0]!r}] is a module this strategy did not set up. Under tensor or pipeline"
-            " parallelism a copy of the model holds this rank's slices or stage, which one whole entry"
-            f" cannot keep: save state[{others[0]!r}].state_dict() on every rank to a file of its own, or"
+            f"state[{pieces[0]!r}] is a module this strategy did not set up, and it holds this rank's"
+            " tensor-parallel slices or pipeline placeholders (a copy of the model), which one whole entry"
+            f" cannot keep: save state[{pieces[0]!r}].state_dict() on every rank to a file of its own, or"
             " keep its weights in the set-up module."
         )
     optimizers = [k for k, v in state.items() if isinstance(v, Optimizer)]
@@ -77,6 +79,13 @@ def _split(strategy: HybridParallelStrategy, state: Mapping[str, Any]) -> tuple[
         if not any(state[k] is opt for opt in strategy.optimizers):
             raise ValueError(f"state[{k!r}] is not an optimizer set up by fabric.setup() with this module.")
     return (mine[0] if mine else None), optimizers
+
+
+def _holds_pieces(module: nn.Module) -> bool:
+    """Whether ``module`` has tensors that are this rank's part only: a tensor-parallel slice (marked by
+    the plan) or a meta placeholder (another stage's layers, or ZeRO-3's shards)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return any(hasattr(t, TP_DIM_ATTR) or t.is_meta for t in tensors)
 
 
 def _tp(strategy: HybridParallelStrategy) -> TPInfo:

@@ -365,7 +365,6 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         composition, self._replaced = compose_module(self, module)
         if composition.pipeline is not None:
             self._pipeline = build_fabric_pipeline(self, module, composition.pipeline)
-        self.precision.check_trainable(module)
         compute, reduce = self.precision.engine_dtypes()
         self.engine = build_engine(
             module,
@@ -494,6 +493,9 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
                 " model = fabric.setup_module(model), from model.parameters(), then call"
                 " fabric.setup_optimizers(optimizer)."
             )
+        names = {id(p): n for n, p in self.module.named_parameters()} if self.module is not None else {}
+        held = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+        self.precision.check_trainable((names.get(id(p), "<not in the module>"), p) for p in held)
         follow_replaced(self._replaced, optimizers)
         if self._pipeline is not None:  # collective over the stages: every rank, one optimizer at a time
             assert self.module is not None
@@ -549,6 +551,15 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         return fabric_checkpoint.load(self, Path(self.broadcast(str(path))), state, strict=strict)
+
+    def sync_metrics(self, *metrics: Any) -> None:
+        """Point torchmetrics objects kept outside the set-up module (Fabric's usual
+        ``metric = MeanMetric().to(fabric.device)``) at the data-parallel group, as the module's own are
+        at setup: under tensor parallelism the ranks of a tp group hold the same samples, so a metric
+        synced over the world counts each of them tp times (a ``SumMetric`` over 8 samples gave 16 at
+        tp2). A metric given its own ``process_group`` or ``dist_sync_fn`` is left alone, and every
+        change is undone at teardown. Call it after ``fabric.setup``; nothing to do without tp."""
+        self._metric_sync.add(list(metrics), mesh=self.mesh, pipelined=self._pipeline is not None)
 
     @reads_own_state
     def consolidated_state_dict(self) -> dict[str, Any]:
