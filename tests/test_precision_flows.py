@@ -253,19 +253,14 @@ def test_fabric_fp16_two_optimizers_clip_norms_equal_ddp() -> None:
 def _fp16_one_process(rank: int, world: int, strategy: str) -> dict[str, Tensor]:
     torch.manual_seed(0)
     module = Regression()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
+        strategy,
         devices=1,
-        strategy=strategy,
         plugins=[ParallelPrecision("16-mixed")],
         # one epoch of 4 batches: Lightning's loop counts the skipped first step (the initial scale
         # overflows), ours does not (README), so max_steps would run another batch under "zero0"
         max_epochs=1,
         gradient_clip_val=0.5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,  # the loader's order under both (Lightning's sampler shuffles)
     )
     trainer.fit(module, DataLoader(_data(), batch_size=8))

@@ -5,11 +5,11 @@
   adapters' fp32 and failed in the first forward ("Expected out type to be Float but got BFloat16");
   fixed, it would still have computed the base in fp32, unlike ``"ddp"``. ZeRO 1 and 3 now equal
   ``"ddp"``: losses, final weights and every dtype.
-* A model the user halved (``model.half()``) under ``"16-mixed"``: refused at setup, before any step,
-  in the Trainer's fit and at Fabric's ``setup_optimizers`` (evaluating it works, as under ``"ddp"``). Before, ZeRO 1-3 trained the fp16 values as their own masters: AdamW's
-  ``eps`` rounded to 0, the first step wrote NaN, and every later step was skipped as an overflow, so
-  ``max_steps`` was never reached (``"ddp"`` refuses it in its first step: torch's ``GradScaler`` will
-  not unscale fp16 gradients).
+* A model the user halved (``model.half()``) under ``"16-mixed"``: refused at setup, before any step, in
+  the Trainer's fit and at Fabric's ``setup_optimizers`` (evaluating it works, as under ``"ddp"``).
+  Before, ZeRO 1-3 trained the fp16 values as their own masters: AdamW's ``eps`` rounded to 0, the first
+  step wrote NaN, and every later step was skipped as an overflow, so ``max_steps`` was never reached
+  (``"ddp"`` refuses it in its first step: torch's ``GradScaler`` will not unscale fp16 gradients).
 """
 
 from __future__ import annotations
