@@ -17,8 +17,10 @@ fp32 parameters and gradients under autocast (``P = G = 4``, ``M = 0``), as Ligh
 Frozen parameters (``requires_grad=False``, e.g. a LoRA model's base) add ``F Φ`` to the parameters
 (``F Φ/N`` at stage 3, ``Φ`` the frozen count per tensor/pipeline rank) and nothing to gradients or
 optimizer state: they have no gradient, no master and no optimizer state. ``F`` is the bytes they are
-stored in: 4 under ``"bf16-mixed"`` / ``"16-mixed"`` (fp32, as Lightning keeps them: ParallelPrecision's
-``frozen_dtype="auto"``), ``P`` otherwise or with ``frozen_dtype="compute"``.
+stored in: their own dtype's under ``"32-true"`` and under ``"bf16-mixed"`` / ``"16-mixed"`` (as Lightning
+keeps them: ParallelPrecision's ``frozen_dtype="auto"``), read from the model where one is given (a LoRA
+base cast to bf16 counts 2 bytes; ZeRO-3 also gathers it in bf16 under ``"32-true"``) and taken as 4 for
+a count; ``P`` otherwise or with ``frozen_dtype="compute"``.
 
 where the live units are the root unit (gathered for the whole step) plus a block and its prefetched
 successor; under pipeline parallelism (``pp > 1``) every unit of the stage stays gathered for the step
@@ -165,10 +167,13 @@ def estimate_memory(
     parameters with ``requires_grad=False`` are. ``frozen_dtype`` and ``reduce_dtype`` as
     ParallelPrecision's."""
     largest = 0
+    frozen_own: float | None = None  # bytes of the frozen parameters in their own dtypes (a model given)
     if isinstance(model_or_param_count, nn.Module):
         trainable = [p for p in model_or_param_count.parameters() if p.requires_grad]
+        frozen = [p for p in model_or_param_count.parameters() if not p.requires_grad]
         total_params = sum(p.numel() for p in trainable)
-        frozen_params = sum(p.numel() for p in model_or_param_count.parameters() if not p.requires_grad)
+        frozen_params = sum(p.numel() for p in frozen)
+        frozen_own = float(sum(p.numel() * p.element_size() for p in frozen))
         largest = max((p.numel() for p in trainable), default=0)
     else:
         total_params = int(model_or_param_count)
@@ -189,16 +194,21 @@ def estimate_memory(
     s_bytes = _STATE_BYTES[optimizer] * (2 if precision == "64-true" else 1)  # state in the params' dtype
     mixed = precision in ("bf16-mixed", "16-mixed")
     f_bytes = 4 if mixed and frozen_dtype == "auto" else p_bytes
+    # frozen parameters kept in their own dtype (32-true; mixed with frozen_dtype="auto"): a model's own
+    # (a frozen bf16 base beside fp32 adapters); a count is taken as fp32. ZeRO-3 gathers them so too
+    # under 32-true (zero/unit.py); the other precisions convert or cast them
+    own = precision == "32-true" or (mixed and frozen_dtype == "auto")
+    frozen_bytes = frozen_own / (tp * pp) if own and frozen_own is not None else f_bytes * phi
     grad_copy = 0.0  # the optimizer's fp32 copy of a 16-bit gradient shard (stages 1/2)
     if mixed and zero_stage == 0:  # no masters: fp32 parameters and gradients under autocast
         p_bytes, g_bytes, m_bytes = 4, 4, 0
     elif m_bytes and zero_stage > 0:  # 16-bit parameters with fp32 masters: gradients in the reduction dtype
         g_bytes = _REDUCE_BYTES[reduce_dtype]
         grad_copy = 4.0 if g_bytes != 4 and zero_stage in (1, 2) else 0.0
-    params = p_bytes * psi + f_bytes * phi
+    params = p_bytes * psi + frozen_bytes
     # stage 3 keeps one copy of each parameter in its shard: the fp32 master where there is one (the
     # 16-bit compute copy is made by the gather), so the master counts as parameters there
-    stage3_shard = (m_bytes or p_bytes) * psi + f_bytes * phi
+    stage3_shard = (m_bytes or p_bytes) * psi + frozen_bytes
     comm = live = 0.0
     if zero_stage == 3 and pp > 1:
         # under a pipeline every unit stays gathered for the step and its gradients are summed unsharded
@@ -209,10 +219,15 @@ def estimate_memory(
         params, grads, opt = stage3_shard / dp, g_bytes * psi / dp, s_bytes * psi / dp
         if isinstance(model_or_param_count, nn.Module):
             units = plan_units(model_or_param_count).units
-            sizes = [sum(p.numel() for _, p in named) for _, _, named in units]
+
+            # gathered bytes: the compute dtype, or under 32-true a frozen parameter's own dtype
+            def gathered(p: nn.Parameter) -> int:
+                return p.element_size() if precision == "32-true" and not p.requires_grad else p_bytes
+
+            sizes = [sum(p.numel() * gathered(p) for _, p in named) for _, _, named in units]
             root, blocks = sizes[-1], sizes[:-1] or [0]
             # the root unit stays gathered for the step; a block and its prefetched successor
-            live = p_bytes * (root + 2 * max(blocks)) / (tp * pp)
+            live = (root + 2 * max(blocks)) / (tp * pp)
             # gradient buffers (trainable parameters only) are pooled by size (each unit padded to a
             # multiple of N): per distinct size at most as many as units of that size, and at most
             # stage3_inflight + 1 in flight

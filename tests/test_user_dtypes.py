@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy, ParallelPrecision
 from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
+from lightning_par.memory import estimate_memory
 from tests.distributed import run_distributed
 from tests.fits import cpu_trainer, final_state
 from tests.third_party import LoraLlama, Tokens, add_lora, llama
@@ -38,10 +39,15 @@ class Bf16BaseLora(LoraLlama):
         super().__init__(lora=True)
         self.losses: list[float] = []
         self.seen: set[torch.dtype] = set()
+        self.report: dict[str, int] = {}
 
     def configure_model(self) -> None:
         if self.model is None:
             self.model = add_lora(llama(0).to(torch.bfloat16).requires_grad_(False))
+
+    def configured(self) -> Bf16BaseLora:
+        self.configure_model()
+        return self
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         assert self.model is not None
@@ -49,6 +55,10 @@ class Bf16BaseLora(LoraLlama):
         loss = super().training_step(batch, batch_idx)
         self.losses.append(float(loss))
         return loss
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        report = getattr(self.trainer.strategy, "memory_report", None)
+        self.report = dict(report()) if report is not None else {}
 
 
 def _fit_lora(strategy: Any) -> dict[str, Any]:
@@ -58,6 +68,7 @@ def _fit_lora(strategy: Any) -> dict[str, Any]:
     trainer.fit(module, DataLoader(Tokens(32), batch_size=2))
     state = final_state(module, strategy)
     return {
+        "report": module.report,
         "losses": module.losses,
         "seen": module.seen,
         "state": state,
@@ -83,6 +94,10 @@ def test_lora_on_a_frozen_bf16_base_equals_ddp() -> None:
             assert got["seen"] == {torch.bfloat16}, name  # the base computes in bf16, as under "ddp"
             assert got["dtypes"] == ref["dtypes"], name
             torch.testing.assert_close(got["losses"], ref["losses"], rtol=0, atol=1e-6)
+            # the shards' bytes as predicted from the model's own dtypes (the frozen base at 2 bytes)
+            stage = 3 if name == "z3" else 1
+            estimate = estimate_memory(Bf16BaseLora().configured(), zero_stage=stage, dp=2)
+            assert got["report"]["parameters"] == pytest.approx(estimate["parameters"], rel=0.05), name
             for key, value in ref["state"].items() if rank == 0 else ():  # the whole state: on rank 0
                 assert got["state"][key].dtype == value.dtype, key
                 torch.testing.assert_close(got["state"][key], value, rtol=0, atol=1e-6, msg=f"{name} {key}")
