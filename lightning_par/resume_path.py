@@ -16,7 +16,8 @@ Contract
   other tasks' runs beside it, which are not this one's.
 
 ``last`` with no earlier run passes, as in Lightning, so a command can always carry it ("set and
-forget": the first attempt starts, the requeued ones resume), and so do Lightning's other names.
+forget": the first attempt starts, the requeued ones resume), and so do Lightning's other names but
+``best``, which names the running fit's best checkpoint: a fit that starts has none.
 """
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ def check_ckpt_path(
     if ckpt_path is None:
         return
     text = str(ckpt_path)
+    if text == "best":  # Lightning's name for the current fit's best, which a new fit has not made yet
+        raise ValueError(
+            "ckpt_path=best names the best checkpoint of the running fit, and a fit that starts has none"
+            " (Lightning would stop with 'ModelCheckpoint is not configured to save the best model'): to"
+            " go on from a run, pass ckpt_path=last with its hydra.run.dir, or the best file's path"
+            " (<run>/checkpoints/step...-val_loss....ckpt)."
+        )
     if text == "last" and checkpoint_dir is not None and run_dir is not None:
         _check_last(checkpoint_dir=checkpoint_dir, run_dir=run_dir, task_name=task_name)
     if text in _NAMES or text.startswith("registry") or "://" in text:

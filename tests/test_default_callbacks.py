@@ -141,3 +141,6 @@ def test_ckpt_path_last_checks(tmp_path: Path) -> None:
     check_ckpt_path("last", **last)
     with pytest.raises(ValueError, match="no checkpoint at"):
         check_ckpt_path(str(tmp_path / "missing.ckpt"))
+    # the running fit's best, which a fit that starts has none of (Lightning's message blamed the callback)
+    with pytest.raises(ValueError, match="ckpt_path=best names the best checkpoint of the running fit"):
+        check_ckpt_path("best")
