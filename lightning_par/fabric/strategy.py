@@ -493,10 +493,11 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
                 " model = fabric.setup_module(model), from model.parameters(), then call"
                 " fabric.setup_optimizers(optimizer)."
             )
-        names = {id(p): n for n, p in self.module.named_parameters()} if self.module is not None else {}
-        held = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
-        self.precision.check_trainable((names.get(id(p), "<not in the module>"), p) for p in held)
+        names = {id(p): n for n, p in self.module.named_parameters()} if self.module is not None else None
         follow_replaced(self._replaced, optimizers)
+        # the parameters to be trained, named after what tensor parallelism put in the module
+        held = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+        self.precision.check_trainable(((names or {}).get(id(p), "<not in the module>"), p) for p in held)
         if self._pipeline is not None:  # collective over the stages: every rank, one optimizer at a time
             assert self.module is not None
             complete_stage_groups(optimizers, self.module, pp_group=self.mesh.pp_group)
@@ -504,7 +505,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             optimizers,
             pipeline=self._pipeline is not None,
             allow_untested=self.allow_untested_optimizer,
-            names={id(p): n for n, p in self.module.named_parameters()} if self.module is not None else None,
+            names=names,
         )
         check_optimizer_kernels(optimizers, device=self.root_device)
 
