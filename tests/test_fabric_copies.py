@@ -13,6 +13,9 @@ probe's finding:
   is an entry restored through its state dict, copied when the snapshot is taken.
 * A module with every parameter frozen, set up alone and called with gradients enabled (a teacher), failed
   at ZeRO 0/1 with an ``IndexError``; now its output is the module's own.
+* ``copy.deepcopy(model)`` of what ``fabric.setup`` returned (Fabric's wrapper, which holds the strategy)
+  failed at every layout ("cannot pickle 'ProcessGroup' object"); Fabric's ``"ddp"`` copies it. The copy
+  now shares the strategy, and at tp2 its forward no longer consumes the original's first-input check.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch import Tensor, nn
 
 from lightning_par.fabric import FlashSnapshots, HybridParallelStrategy
 from tests.distributed import run_distributed
+from tests.third_party import llama
 
 WORLD, STEPS, DECAY = 2, 4, 0.5
 
@@ -105,6 +109,55 @@ def _frozen_run(stage: int) -> Tensor:
     return out
 
 
+def _ids(step: int) -> Tensor:
+    """The same tokens on every rank: ``"ddp"`` (two replicas) and tp2 (one) then see the same data."""
+    return torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
+
+
+def _wrapper_copy_run(strategy: Any) -> dict[str, Any]:
+    """An EMA made as ``copy.deepcopy(model)`` of Fabric's wrapper before the first forward, called before
+    the original's first forward, then updated from the original after each step."""
+    ours = isinstance(strategy, HybridParallelStrategy)
+    fabric = _fabric(strategy)
+    net = llama()
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    gathered = fabric.strategy.gathered_params if ours else nullcontext
+    with gathered():
+        ema = copy.deepcopy(model)
+    probe = _ids(99)
+    with torch.no_grad():
+        out: dict[str, Any] = {"first": ema(input_ids=probe).logits}
+    for step in range(STEPS):
+        ids = _ids(step)
+        fabric.backward(model(input_ids=ids, labels=ids).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        with gathered(), torch.no_grad():
+            for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+                e.lerp_(p, 1 - DECAY)
+    with torch.no_grad():
+        out["ema_out"] = ema(input_ids=probe).logits
+    if ours:
+        strategy.destroy_process_groups()
+    return out
+
+
+def _tp_check_after_copy(rank: int) -> str:
+    """At tp2 the original's first forward still compares its inputs over the tp ranks after a copy's
+    forward (before, the copy carried the check's hook and used it up)."""
+    strategy = HybridParallelStrategy(tensor_parallel_size=WORLD, tp_plan="llama")
+    fabric = _fabric(strategy)
+    model = fabric.setup_module(llama())
+    copy.deepcopy(model)(input_ids=_ids(0))
+    try:
+        model(input_ids=_ids(rank))
+        refusal = "not refused"
+    except RuntimeError as exc:
+        refusal = str(exc)
+    strategy.destroy_process_groups()
+    return refusal
+
+
 def _job(rank: int, world: int, tmp: str) -> dict[str, Any]:
     layouts: dict[str, Any] = {
         "ddp": "ddp",
@@ -114,6 +167,10 @@ def _job(rank: int, world: int, tmp: str) -> dict[str, Any]:
     }
     out: dict[str, Any] = {name: _ema_run(rank, name, s, Path(tmp) / name) for name, s in layouts.items()}
     out["frozen"] = {stage: _frozen_run(stage) for stage in (0, 1, 2, 3)}
+    wrapped = {"ddp": "ddp", **{f"zero{k}": HybridParallelStrategy(zero_stage=k) for k in (1, 3)}}
+    wrapped["tp2"] = HybridParallelStrategy(tensor_parallel_size=WORLD, tp_plan="llama")
+    out["wrapper"] = {name: _wrapper_copy_run(s) for name, s in wrapped.items()}
+    out["tp_check"] = _tp_check_after_copy(rank)
     return out
 
 
@@ -135,3 +192,17 @@ def test_ema_copies_extra_modules_and_a_frozen_module_as_under_ddp(tmp_path: Pat
         expected = _net()(_batch(99, 0)[0])
         for stage, value in out["frozen"].items():
             torch.testing.assert_close(value, expected, msg=lambda m, s=stage: f"frozen at ZeRO-{s}: {m}")
+        wrapper = out["wrapper"]
+        assert (wrapper["ddp"]["ema_out"] - wrapper["ddp"]["first"]).abs().max() > 1e-2
+        for name in ("zero1", "zero3", "tp2"):
+            for key in ("first", "ema_out"):
+                msg = lambda m, n=name, k=key: f"deepcopy(model) at {n}, {k}: {m}"  # noqa: E731
+                torch.testing.assert_close(wrapper[name][key], wrapper["ddp"][key], msg=msg)
+        assert "were given different forward batches" in out["tp_check"], out["tp_check"]
+
+
+def test_a_strategy_not_yet_launched_is_copied_like_any_object() -> None:
+    strategy = HybridParallelStrategy(zero_stage=2, tensor_parallel_size=2, tp_plan="llama")
+    copied = copy.deepcopy(strategy)
+    assert copied is not strategy
+    assert (copied.zero_stage, copied.tensor_parallel_size, copied.tp_plan) == (2, 2, "llama")

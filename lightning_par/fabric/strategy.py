@@ -33,6 +33,7 @@ only maps Fabric's calls onto them:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -70,6 +71,7 @@ from lightning_par.fabric.steps import FabricSteps
 from lightning_par.grad_reads import GradReads
 from lightning_par.mesh import ParallelMesh
 from lightning_par.optimizer_checks import check_layout_optimizers
+from lightning_par.owned_hooks import for_owner
 from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
 from lightning_par.precision import ParallelPrecision, cast_frozen, restore_norms
 from lightning_par.random_state import agree_random_state
@@ -256,6 +258,19 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         self._replaced: Replaced = {}
         self._metric_sync = MetricSync()  # torchmetrics over the data-parallel group
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> HybridParallelStrategy:
+        """``copy.deepcopy`` of what ``fabric.setup`` returned (an EMA or teacher copy: Fabric's wrapper holds
+        its strategy) shares this strategy once it is launched: its process groups, mesh and engine belong to
+        the session and cannot be copied (before, "cannot pickle 'ProcessGroup' object"; Fabric's ``"ddp"``
+        copies). The copied module runs none of the engine's hooks (they act on the original only,
+        :mod:`lightning_par.owned_hooks`). Before launch the strategy is copied like any object."""
+        if self._mesh is None and self.module is None:
+            new = object.__new__(type(self))
+            memo[id(self)] = new
+            new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+            return new
+        return self
+
     # ------------------------------------------------------------------ precision and processes
     @property
     def precision(self) -> ParallelPrecision:
@@ -409,7 +424,9 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
                 self.batches.expect(loop)
         elif self.mesh.tp_size > 1:
             self.batches.expect("forward")
-            self._first_forward = module.register_forward_pre_hook(self._check_first_input, with_kwargs=True)
+            self._first_forward = module.register_forward_pre_hook(
+                for_owner(module, self._check_first_input), with_kwargs=True
+            )
         return module
 
     def _check_first_input(self, _module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -458,7 +475,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             self._before_optimizers = None
         if self._pending_hook is None and self.module is not None:
             self._pending_hook = self.module.register_forward_pre_hook(
-                lambda *_: self.flush_optimizers(), prepend=True
+                for_owner(self.module, lambda *_: self.flush_optimizers()), prepend=True
             )
         return optimizer
 
