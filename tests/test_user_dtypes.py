@@ -10,6 +10,8 @@
   Before, ZeRO 1-3 trained the fp16 values as their own masters: AdamW's ``eps`` rounded to 0, the first
   step wrote NaN, and every later step was skipped as an overflow, so ``max_steps`` was never reached
   (``"ddp"`` refuses it in its first step: torch's ``GradScaler`` will not unscale fp16 gradients).
+* A whole model cast to bf16 under ``"bf16-mixed"``: it trains its bf16 weights as under ``"ddp"``; the
+  norm layers computing in fp32 (the default) are the one difference, ``norms_in_fp32=False`` removes it.
 """
 
 from __future__ import annotations
@@ -148,3 +150,56 @@ def test_a_halved_model_under_16_mixed_is_refused_at_setup() -> None:
             assert "drop model.half()" in message
         assert r["z0"][1] == 0 and r["z3"][1] == 0  # before any step
         assert "(weight, bias)" in r["fabric"] and r["evaluated"]
+
+
+class Bf16Cast(LoraLlama):
+    """A whole model the user cast to bf16 (``model.to(torch.bfloat16)``), trained whole; records the
+    dtypes the optimizer steps."""
+
+    def __init__(self) -> None:
+        super().__init__(lora=False)
+        self.stepped: set[torch.dtype] = set()
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = llama(0).to(torch.bfloat16)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.stepped |= {p.dtype for g in self.trainer.optimizers[0].param_groups for p in g["params"]}
+
+
+def _fit_cast(strategy: Any, *, norms_in_fp32: bool = True) -> dict[str, Any]:
+    module = Bf16Cast()
+    options: dict[str, Any] = {"precision": "bf16-mixed"}
+    if not norms_in_fp32:
+        options = {"plugins": [ParallelPrecision("bf16-mixed", norms_in_fp32=False)]}
+    trainer = cpu_trainer(strategy, devices=2, max_steps=STEPS, **options)
+    trainer.fit(module, DataLoader(Tokens(32), batch_size=2))
+    return {"stepped": module.stepped, "state": final_state(module, strategy)}
+
+
+def _cast_runs(rank: int, world: int) -> dict[str, Any]:
+    out = {"ddp": _fit_cast("ddp")}
+    for stage in (1, 3):
+        out[f"z{stage}"] = _fit_cast(HybridParallelStrategy(zero_stage=stage, meta_init=False))
+        strategy = HybridParallelStrategy(zero_stage=stage, meta_init=False)
+        out[f"z{stage}_bf16_norms"] = _fit_cast(strategy, norms_in_fp32=False)
+    return out
+
+
+def test_a_bf16_cast_model_under_bf16_mixed_trains_its_bf16_weights_as_under_ddp() -> None:
+    """A model cast to bf16 has no fp32 weights to keep: at ZeRO 1-3 the optimizer steps its bf16 values
+    (the masters take the parameters' dtype), as ``"ddp"`` and FSDP2 do, and they stay bf16. Its norm
+    layers compute in fp32 (``norms_in_fp32``, the default), where ``"ddp"`` multiplies by the bf16 norm
+    weights in bf16 (equal while those are ones, apart once trained); with ``norms_in_fp32=False``
+    training equals ``"ddp"`` bitwise."""
+    r = run_distributed(_cast_runs, 2, init_group=False, timeout=400)[0]  # whole states: rank 0
+    ref = r["ddp"]
+    assert ref["stepped"] == {torch.bfloat16}
+    for name in ("z1", "z3"):
+        for variant in (name, f"{name}_bf16_norms"):
+            assert r[variant]["stepped"] == {torch.bfloat16}, variant
+            assert {v.dtype for v in r[variant]["state"].values()} == {torch.bfloat16}, variant
+        diff = max((r[name]["state"][k] - v).abs().max().item() for k, v in ref["state"].items())
+        assert diff > 1e-3, (name, diff)  # the fp32 norms' output rounds apart, AdamW amplifies it
+        torch.testing.assert_close(r[f"{name}_bf16_norms"]["state"], ref["state"], rtol=0, atol=0)
