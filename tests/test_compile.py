@@ -20,7 +20,11 @@ loop) wrapped to count calls of compiled graphs, so that the model is shown to r
   default units, the decoder layers), and its PEFT LoRA form (frozen base weights) at ZeRO-3, equal
   ``"ddp"`` with the same compiled model: per-step losses and final weights;
 * Fabric: ``fabric.setup(torch.compile(model), optimizer)`` at ZeRO 0-3 and at tp2 equals the compiled
-  model trained in one process on the global batches.
+  model trained in one process on the global batches; so does ``setup_module`` followed by
+  ``setup_optimizers`` at ZeRO 1 and 3. Before, the hook that shards those optimizers at the first forward
+  ran inside the compiled region: dynamo's tracing of the optimizer switched AdamW to ``capturable=True``,
+  and its first step failed on a CPU ("If capturable=True, params and state_steps must be on supported
+  devices"); it now runs eagerly.
 """
 
 from __future__ import annotations
@@ -117,9 +121,10 @@ def _batches() -> tuple[Tensor, Tensor]:
     return x, x.sum(-1, keepdim=True).sin()
 
 
-def _fabric_run(options: dict[str, Any] | None, rank: int) -> dict[str, Any]:
+def _fabric_run(options: dict[str, Any] | None, rank: int, *, separate: bool = False) -> dict[str, Any]:
     """The loop with ``options`` (a lightning_par Fabric strategy) or in this process alone (None): on
-    the global batches, each data-parallel rank its half."""
+    the global batches, each data-parallel rank its half. ``separate``: ``setup_module`` then
+    ``setup_optimizers``, whose optimizers our strategy shards at the first forward."""
     model = Body()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     compiled: Any = torch.compile(model, backend=counting_backend)
@@ -127,7 +132,11 @@ def _fabric_run(options: dict[str, Any] | None, rank: int) -> dict[str, Any]:
     if options is not None:
         fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=FabricStrategy(**options))
         fabric.launch()
-        compiled, optimizer = fabric.setup(compiled, optimizer)
+        if separate:
+            compiled = fabric.setup_module(compiled)
+            optimizer = fabric.setup_optimizers(optimizer)
+        else:
+            compiled, optimizer = fabric.setup(compiled, optimizer)
     dp = fabric is not None and options is not None and options.get("tensor_parallel_size", 1) == 1
     part = slice(rank * 8, (rank + 1) * 8) if dp else slice(None)
     before = COMPILED_CALLS[0]
@@ -168,6 +177,8 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
     }
     for key, options in fabric_runs.items():
         out[key] = _fabric_run(options, rank)
+    for stage in (1, 3):
+        out[f"fabric_s{stage}_separate"] = _fabric_run({"zero_stage": stage}, rank, separate=True)
     return out
 
 
@@ -178,6 +189,7 @@ def test_compiled_models_equal_ddp_and_one_process() -> None:
         *((f"s{s}", "ddp") for s in range(4)),
         ("s3_lora", "ddp_lora"),
         *((f"fabric_s{s}", "one") for s in range(4)),
+        *((f"fabric_s{s}_separate", "one") for s in (1, 3)),
         ("fabric_tp2", "one"),
     ):
         # every step ran compiled graphs (a forward graph per segment between graph breaks)

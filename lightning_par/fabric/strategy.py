@@ -424,8 +424,9 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
                 self.batches.expect(loop)
         elif self.mesh.tp_size > 1:
             self.batches.expect("forward")
+            # eager inside a compiled model: the check reads its verdict on the host (a graph break)
             self._first_forward = module.register_forward_pre_hook(
-                for_owner(module, self._check_first_input), with_kwargs=True
+                torch.compiler.disable(for_owner(module, self._check_first_input)), with_kwargs=True
             )
         return module
 
@@ -474,9 +475,10 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
             self._before_optimizers.remove()
             self._before_optimizers = None
         if self._pending_hook is None and self.module is not None:
-            self._pending_hook = self.module.register_forward_pre_hook(
-                for_owner(self.module, lambda *_: self.flush_optimizers()), prepend=True
-            )
+            # eager inside a compiled model (Fabric compiles the set-up module again): traced, the
+            # sharding of the optimizers switched AdamW to capturable=True, whose step fails on a CPU
+            flush = torch.compiler.disable(for_owner(self.module, lambda *_: self.flush_optimizers()))
+            self._pending_hook = self.module.register_forward_pre_hook(flush, prepend=True)
         return optimizer
 
     def flush_optimizers(self) -> None:
