@@ -50,7 +50,9 @@ def module_seed(seed: int, path: str) -> int:
     """The seed the initialisers of the module at ``path`` (its name in the model) run under: a 32-bit
     hash of the run's ``seed`` and the path (see the module docstring). 32 bits, because torch's CPU
     generator keeps only the low 32 bits of a seed: a seed with the run's part above them would give
-    every run the same model."""
+    every run the same model. ``torch.compile``'s ``_orig_mod`` steps are left out of the path: compiling a
+    submodule (in ``configure_model``) does not change the model drawn."""
+    path = ".".join(part for part in path.split(".") if part != "_orig_mod")
     digest = hashlib.blake2b(f"{seed}:{path}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little")
 
