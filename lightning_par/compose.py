@@ -93,10 +93,16 @@ def compose(
     done: Composition | None = getattr(module, COMPOSITION_ATTR, None)
     if done is not None:
         if done.key != key:
+            # what rewrote it: tensor / pipeline parallelism, or only activation checkpointing's wrappers
+            rewrote = (
+                "Tensor and pipeline parallelism rewrite"
+                if done.key[0] > 1 or done.key[3] > 1
+                else "Activation checkpointing wraps the layers of"
+            )
             raise ValueError(
                 "The model was already parallelised by lightning_par with another layout"
-                f" ({_describe(done.key)}); now asked for {_describe(key)}. Tensor and pipeline"
-                " parallelism rewrite the model in place: build a fresh model for another layout."
+                f" ({_describe(done.key)}); now asked for {_describe(key)}. {rewrote} the model in place:"
+                " build a fresh model for another layout."
             )
         return done
     composition = Composition(key=key)

@@ -47,6 +47,7 @@ from lightning_par.strategy_env import MeshStrategy
 from lightning_par.strategy_options import (
     PipelineSchedule,
     StartMethod,
+    as_unit_policy,
     check_activation_checkpointing,
     check_fit_setup,
     check_options,
@@ -196,6 +197,8 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
+        zero3_units = as_unit_policy(zero3_units)  # type: ignore[assignment]
+        activation_checkpointing = as_unit_policy(activation_checkpointing)  # type: ignore[assignment]
         num_microbatches = check_options(
             zero_stage=zero_stage,
             tensor_parallel_size=tensor_parallel_size,

@@ -3,7 +3,7 @@ bad value fails with the option's name and what would work."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Literal
 
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -131,6 +131,17 @@ def check_options(
     return num_microbatches
 
 
+def as_unit_policy(policy: object) -> object:
+    """A set of rules (``{Block}``, the form Lightning's ``FSDPStrategy`` policies and litgpt take) as a
+    list ordered by name, so every rank holds it in one order; anything else unchanged (checked by
+    :func:`check_activation_checkpointing` / the ``zero3_units`` check)."""
+    if isinstance(policy, Set):
+        return sorted(
+            policy, key=lambda rule: rule if isinstance(rule, str) else getattr(rule, "__qualname__", "")
+        )
+    return policy
+
+
 def check_activation_checkpointing(policy: object) -> None:
     """``activation_checkpointing``: a bool, or a unit policy as ``zero3_units`` takes (before, a number
     was accepted and failed at fit: "'int' object is not iterable")."""
@@ -141,7 +152,8 @@ def check_activation_checkpointing(policy: object) -> None:
         return
     raise ValueError(
         "activation_checkpointing must be True, False, or module classes or strings (name patterns such"
-        f" as 'model.layers.*', class names such as 'LlamaDecoderLayer'), or a list of them; got {policy!r}."
+        f" as 'model.layers.*', class names such as 'LlamaDecoderLayer'), or a list or set of them; got"
+        f" {policy!r}."
     )
 
 
@@ -200,7 +212,7 @@ def _check_stage3_options(
     ):
         raise ValueError(
             "zero3_units must be module classes or strings (module name patterns such as 'model.layers.*',"
-            f" or class names such as 'LlamaDecoderLayer'), or a list of them; got {zero3_units!r}."
+            f" or class names such as 'LlamaDecoderLayer'), or a list or set of them; got {zero3_units!r}."
         )
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise ValueError(f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}.")

@@ -77,3 +77,19 @@ def test_checkpointed_llama_with_its_default_cache_equals_the_run_without() -> N
         assert plain["mlp_calls"] == 3 and checkpointed["mlp_calls"] == 6, stage  # recomputed in backward
         assert_close(checkpointed["losses"], plain["losses"], msg=f"zero{stage}")
         assert_close(checkpointed["state"], plain["state"], msg=f"zero{stage}")
+
+
+def test_another_checkpointing_layout_on_a_wrapped_model_names_the_wrappers() -> None:
+    """A model fitted with activation checkpointing, then given a layout without it, is refused naming
+    the checkpointing wrappers (before, the message blamed tensor and pipeline parallelism, unused)."""
+    from lightning_par.compose import ComposeOptions, compose
+
+    model = llama()
+    compose(model, options=ComposeOptions(activation_checkpointing=True), tp_group=None, tp_rank=0, pp_rank=0)
+    try:
+        compose(model, options=ComposeOptions(), tp_group=None, tp_rank=0, pp_rank=0)
+        message = "not refused"
+    except ValueError as exc:
+        message = str(exc)
+    assert "Activation checkpointing wraps the layers of the model in place" in message, message
+    assert "activation_checkpointing=True" in message and "Tensor and pipeline" not in message

@@ -226,3 +226,10 @@ def test_registered_names_and_bad_options() -> None:
             with pytest.raises(ValueError, match=re.escape(said)):
                 front(**kw)
         assert front(activation_checkpointing=["LlamaDecoderLayer"]).activation_checkpointing
+        # a set, as Lightning's FSDPStrategy policies and litgpt take them (before, refused): a list in one
+        # order on every rank
+        assert front(activation_checkpointing={"blocks.*", torch.nn.Linear}).activation_checkpointing == [
+            torch.nn.Linear,
+            "blocks.*",
+        ]
+        assert front(zero_stage=3, zero3_units=frozenset({"b.*", "a.*"})).zero3_units == ["a.*", "b.*"]

@@ -76,7 +76,12 @@ from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
 from lightning_par.precision import ParallelPrecision, cast_frozen, restore_norms
 from lightning_par.random_state import agree_random_state
 from lightning_par.rendezvous import launch_store
-from lightning_par.strategy_options import PipelineSchedule, check_activation_checkpointing, check_options
+from lightning_par.strategy_options import (
+    PipelineSchedule,
+    as_unit_policy,
+    check_activation_checkpointing,
+    check_options,
+)
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
 from lightning_par.zero.engine import Engine, reads_own_state
 from lightning_par.zero.meta_buffers import materialize_buffers
@@ -161,6 +166,8 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         timeout_s: float = 1800.0,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
+        zero3_units = as_unit_policy(zero3_units)  # type: ignore[assignment]
+        activation_checkpointing = as_unit_policy(activation_checkpointing)  # type: ignore[assignment]
         self.num_microbatches = check_options(
             zero_stage=zero_stage,
             tensor_parallel_size=tensor_parallel_size,
