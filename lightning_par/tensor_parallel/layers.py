@@ -44,6 +44,7 @@ from lightning_par.tensor_parallel.comm import (
     reduce_from,
     reduce_scatter_seq,
 )
+from lightning_par.tensor_parallel.own_weights import check_own, refuse_derived
 from lightning_par.tensor_parallel.slices import SEGMENTS_ATTR, piece
 
 TP_DIM_ATTR = "_lp_tp_dim"
@@ -178,6 +179,7 @@ class ColumnParallelLinear(_GroupLayer):
     ) -> ColumnParallelLinear:
         """The column-parallel layer holding this rank's rows of ``linear``: block ``r`` of ``t``, or with
         ``segments`` (a fused projection's full segment sizes, see :mod:`~.slices`) block ``r`` of each."""
+        refuse_derived(linear, name=name)
         with torch.device(linear.weight.device):  # a meta (not yet loaded) weight gives a meta slice
             layer = cls(
                 linear.in_features,
@@ -204,6 +206,7 @@ class ColumnParallelLinear(_GroupLayer):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
+        check_own(self)
         x = copy_to(x, self.group) if self.copy_input else x
         y = F.linear(x, self.weight, self.bias)
         return gather_last(y, self.group) if self.gather_output else y
@@ -244,6 +247,7 @@ class RowParallelLinear(_GroupLayer):
     def from_linear(
         cls, linear: nn.Linear, *, group: ProcessGroup, name: str = "", **kw: Any
     ) -> RowParallelLinear:
+        refuse_derived(linear, name=name)
         with torch.device(linear.weight.device):  # a meta (not yet loaded) weight gives a meta slice
             layer = cls(
                 linear.in_features,
@@ -264,6 +268,7 @@ class RowParallelLinear(_GroupLayer):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
+        check_own(self)
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_seq(partial, self.group)
@@ -317,6 +322,7 @@ class VocabParallelEmbedding(_GroupLayer):
     ) -> VocabParallelEmbedding:
         """The sharded ``emb``; ``scale``: the ``embed_scale`` buffer of a scaled word embedding, whose
         forward multiplies the lookup by it (kept as this layer's buffer, so it moves and casts alike)."""
+        refuse_derived(emb, name=name)
         unsupported = {
             "max_norm": emb.max_norm is not None,
             "scale_grad_by_freq": emb.scale_grad_by_freq,
@@ -339,6 +345,7 @@ class VocabParallelEmbedding(_GroupLayer):
         return layer
 
     def forward(self, ids: Tensor) -> Tensor:
+        check_own(self)
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight, padding_idx=self._local_padding_idx)
