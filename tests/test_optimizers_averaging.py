@@ -439,7 +439,7 @@ def test_manual_two_optimizers_gan_matches_ddp(optimizer_results: list[dict[str,
     optimizer steps) at ZeRO 1, 2 and 3 (units = the two networks) with ``find_unused_parameters=True``
     ends with both networks' weights equal to ``"ddp"`` with ``find_unused_parameters=True``. Without the
     flag, the discriminator step (fake samples detached) fails at once with ``UnusedParametersError``
-    naming the generator's parameters, at stage 2 and stage 3."""
+    naming the generator's parameters, which ``toggle_optimizer`` froze, at stage 2 and stage 3."""
     initial = _initial(GAN)
     for rank, r in enumerate(optimizer_results):
         ref = r["gan_ddp"]
@@ -454,6 +454,8 @@ def test_manual_two_optimizers_gan_matches_ddp(optimizer_results: list[dict[str,
             assert "generator.0.weight" in error["message"], key
             assert "find_unused_parameters=True" in error["message"], key
             assert "discriminator" not in error["message"], key
+            # toggle_optimizer froze them: the message says so (before, "freeze them before training")
+            assert "They are frozen (requires_grad=False) now but were trainable" in error["message"], key
 
 
 def test_manual_two_optimizers_gan_matches_ddp_at_stage3_default_units(

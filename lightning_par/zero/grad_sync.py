@@ -292,6 +292,7 @@ class GradSync(GradBuckets):
             group=self.group,
             device=self.device,
             find_unused_parameters=self.find_unused_parameters,
+            params=self._params,
         )
 
     def _finish_window(self, missing: MissingGradients) -> None:

@@ -257,6 +257,7 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
                 group=self.group,
                 device=self.device,
                 find_unused_parameters=self.find_unused_parameters,
+                params=[p for _, p in params],
             )
         while self._inflight:
             self._complete_oldest()

@@ -40,8 +40,10 @@ class MissingGradients:
         group: ProcessGroup,
         device: torch.device,
         find_unused_parameters: bool,
+        params: Sequence[Tensor] = (),
     ) -> None:
         self._names = list(names)
+        self._params = params  # read only to word the error (which of the missing ones are frozen now)
         self._missing = [i for i, t in enumerate(touched) if not t]
         self._find_unused = find_unused_parameters
         self._world = dist.get_world_size(group)
@@ -64,6 +66,17 @@ class MissingGradients:
         if not self._find_unused:
             if self._missing:
                 names = [self._names[i] for i in self._missing]
+                frozen = [i for i in self._missing if self._params and not self._params[i].requires_grad]
+                if len(frozen) == len(self._missing):
+                    raise UnusedParametersError(
+                        f"{len(names)} parameter(s) got no gradient in this step: {names[:8]}"
+                        f"{' ...' if len(names) > 8 else ''}. They are frozen (requires_grad=False) now but"
+                        " were trainable at the strategy's setup (frozen during the fit, or by"
+                        " toggle_optimizer), and the gradient reduction covers the parameters trainable then."
+                        " Pass find_unused_parameters=True to the strategy (as Lightning's 'ddp' needs"
+                        " 'ddp_find_unused_parameters_true' here), or, for a freeze that lasts, freeze them"
+                        " before the fit."
+                    )
                 raise UnusedParametersError(
                     f"{len(names)} parameter(s) got no gradient on this data-parallel rank in this step:"
                     f" {names[:8]}{' ...' if len(names) > 8 else ''}. If that is intended, pass"
