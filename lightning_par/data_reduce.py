@@ -18,13 +18,18 @@ Contract
   sample once.
 * :func:`world_decision`: ``reduce_boolean_decision`` (early stopping, checkpointing verdicts) stays over
   the world, since every rank, whatever its coordinates, must take the same decision.
-* :class:`MetricSync`: torchmetrics ``Metric`` objects inside the module that sync the default way (no
-  ``process_group``, no ``dist_sync_fn`` of their own) gather over the data-parallel group for the run
-  (Trainer and Fabric), through a ``dist_sync_fn`` set at setup and removed at teardown (the user's metric
-  is left as it was). Only without a pipeline: under one, the user's steps do not run, and a metric that
-  a ``pipeline_eval`` updates is updated on the last stage only, so the other stages' reset states must
-  take part in a world gather (their zeros add nothing); a tensor-parallel pipeline therefore still
-  counts its tp copies in such a metric.
+* :class:`MetricSync`: torchmetrics ``Metric`` objects inside the module (submodules, and metrics kept in
+  a module's plain dict / list / tuple attributes) that sync the default way (no ``process_group``, no
+  ``dist_sync_fn`` of their own) gather over the data-parallel group, through a ``dist_sync_fn`` set at
+  setup, on metrics made later when each loop (and each training epoch) begins its first step, and
+  removed with the strategy's process groups (``destroy_process_groups()``) or at the next setup; so a
+  metric read in ``on_fit_end``, a ``teardown`` hook or after ``trainer.fit`` counts each sample once
+  (Lightning tears the strategy down before those; before, they gathered over the world: a sum doubled
+  at tp2). Under a pipeline (:class:`StageGather`) each stage gathers over its data-parallel group and
+  takes the last stage's result: a metric a ``pipeline_eval`` updates (on the last stage only; the other
+  stages hold reset states) and one every stage updates alike (in ``on_train_batch_end``, from the
+  broadcast loss) both count each sample once (before, the latter counted each sample once per stage,
+  and a tensor-parallel pipeline its tp copies).
 
 A ``dist_sync_fn`` holds a process group, which cannot be copied or pickled: a metric deep-copied during
 the run shares it, and a pickled copy gathers over the world, torchmetrics' default.
@@ -36,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -44,7 +50,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_par.mesh import ParallelMesh
 
-__all__ = ["DataGather", "MetricSync", "data_group", "world_decision"]
+__all__ = ["DataGather", "MetricSync", "StageGather", "data_group", "world_decision"]
 
 
 def data_group(group: Any | None, *, dp_group: ProcessGroup | None, dp_size: int, world_size: int) -> Any:
@@ -79,6 +85,51 @@ class DataGather:
         return DataGather, (None,)
 
 
+class StageGather(DataGather):
+    """A torchmetrics ``dist_sync_fn`` under a pipeline: gather over this stage's data-parallel ``group``,
+    then every stage takes the last stage's gathered list (one object broadcast over ``pp_group`` from
+    the global rank ``last``; host copies, at a metric's compute, outside any step)."""
+
+    def __init__(
+        self, group: ProcessGroup | None, *, pp_group: ProcessGroup, last: int, is_last: bool
+    ) -> None:
+        super().__init__(group)
+        self.pp_group, self.last, self.is_last = pp_group, last, is_last
+
+    def __call__(self, result: torch.Tensor, group: Any | None = None) -> list[torch.Tensor]:
+        if group is not None:
+            return gather_all_tensors(result, group=group)
+        pieces = gather_all_tensors(result, group=self.group) if self.group is not None else [result]
+        # the stages' states may differ in shape and dtype (a reset cat state is an empty float tensor)
+        box: list[Any] = [[p.detach().cpu() for p in pieces] if self.is_last else None]
+        dist.broadcast_object_list(box, src=self.last, group=self.pp_group, device=result.device)
+        return [p.to(result.device) for p in box[0]]
+
+    def __reduce__(self) -> tuple[type[DataGather], tuple[None]]:
+        return DataGather, (None,)
+
+
+def _metrics_in(module: nn.Module) -> list[Metric]:
+    """The torchmetrics metrics among ``module``'s submodules and in its modules' plain dict / list /
+    tuple attributes (``self.metrics = {"train": SumMetric()}``), each once."""
+    found: dict[int, Metric] = {}
+    for m in module.modules():
+        if isinstance(m, Metric):
+            found.setdefault(id(m), m)
+        for value in vars(m).values():
+            items = (
+                value.values()
+                if isinstance(value, dict)
+                else value
+                if isinstance(value, list | tuple)
+                else ()
+            )
+            for item in items:
+                if isinstance(item, Metric):
+                    found.setdefault(id(item), item)
+    return list(found.values())
+
+
 class MetricSync:
     """The ``dist_sync_fn`` set on the metrics of one run, and its removal."""
 
@@ -87,20 +138,30 @@ class MetricSync:
 
     def assign(self, module: nn.Module, *, mesh: ParallelMesh, pipelined: bool) -> None:
         """Point the default-syncing metrics inside ``module`` at the data-parallel group, where it is
-        smaller than the world and there is no pipeline (module docstring), after :meth:`restore` of any
-        earlier run."""
+        smaller than the world (module docstring), after :meth:`restore` of any earlier run."""
         self.restore()
-        self.add(list(module.modules()), mesh=mesh, pipelined=pipelined)
+        self.add(_metrics_in(module), mesh=mesh, pipelined=pipelined)
+
+    def rescan(self, module: nn.Module, *, mesh: ParallelMesh, pipelined: bool) -> None:
+        """The same for metrics made inside ``module`` since (in a hook), keeping those set already."""
+        self.add(_metrics_in(module), mesh=mesh, pipelined=pipelined)
 
     def add(self, metrics: Sequence[object], *, mesh: ParallelMesh, pipelined: bool) -> None:
         """The same for ``metrics`` themselves (those of them that are torchmetrics ``Metric`` objects
         syncing over the default group), kept beside the module's until :meth:`restore`."""
-        if pipelined or mesh.dp_size == mesh.layout.world_size:
+        if mesh.dp_size == mesh.layout.world_size:
             return
-        group = mesh.dp_group
+        group = mesh.dp_group if mesh.dp_size > 1 else None
+        last = mesh.layout.rank_of(mesh.coords._replace(pp=mesh.pp_size - 1))
         for metric in metrics:
             if isinstance(metric, Metric) and metric.process_group is None and metric.dist_sync_fn is None:
-                gather = DataGather(group)
+                gather = (
+                    StageGather(
+                        group, pp_group=mesh.pp_group, last=last, is_last=mesh.pp_rank == mesh.pp_size - 1
+                    )
+                    if pipelined
+                    else DataGather(mesh.dp_group)
+                )
                 metric.dist_sync_fn = gather
                 self._set.append((metric, gather))
 

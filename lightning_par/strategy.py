@@ -520,7 +520,6 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         for callback, names in self._patched_callbacks:
             lightning_hooks.restore(callback, names)
         self._patched_callbacks = []
-        self._metric_sync.restore()
         if self._synced_batchnorm and self._layer_sync is not None and self.model is not None:
             self.model = self._layer_sync.revert(self.model)
         self._synced_batchnorm = False
@@ -543,6 +542,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         ``teardown`` for those calls; a later ``fit`` or ``test`` with this strategy builds new ones. A
         process that runs many Trainers (``lightning-par-train -m`` calls this after every job) would
         otherwise slow down with every group left alive (:meth:`ParallelMesh.destroy`)."""
+        self._metric_sync.restore()  # kept past teardown: metrics read in on_fit_end or after fit
         if self._pipeline is not None:
             self._pipeline.tied.destroy()
             self._pipeline = None

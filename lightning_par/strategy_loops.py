@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_par.batch_agreement import BatchAgreement
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
+from lightning_par.data_reduce import MetricSync
 from lightning_par.eval_join import (
     EvalJoin,
     check_every_rank_has_batches,
@@ -86,6 +87,9 @@ class StrategyLoops(ZeroCheckpointIO):
     _pipeline: LightningPipeline | None
     _eval_join: EvalJoin | None = None  # the running evaluation loop's, when its dp ranks' counts differ
     _batches: BatchAgreement | None = None  # the tp / pp ranks' first batches compared (batch_agreement.py)
+    _metric_sync: MetricSync  # torchmetrics over the data-parallel group (data_reduce.py)
+    _loop_runs = 0  # loop runs started (fit, each validation run, test, predict): metric rescans key on it
+    _metric_scan: tuple[Any, ...] | None = None  # the loop run and epoch whose first step rescanned
 
     @override
     def on_train_start(self) -> None:
@@ -93,6 +97,7 @@ class StrategyLoops(ZeroCheckpointIO):
         micro-batches is refused on every rank before the first step (before: at that batch, after most
         of an epoch, on the ranks that had it)."""
         super().on_train_start()
+        self._loop_runs += 1
         pipeline, module = self._pipeline, self.lightning_module
         if pipeline is None or module is None:
             return
@@ -155,11 +160,26 @@ class StrategyLoops(ZeroCheckpointIO):
             )
         return super().process_dataloader(dataloader)
 
+    def _scan_metrics(self, loop: str) -> None:
+        """At the first step of each loop run and training epoch: metrics made since setup (in a hook,
+        ``on_validation_epoch_start`` say, or kept in a dict attribute) sync over the data-parallel group
+        too (before, they gathered over the world: a sum doubled at tp2). Every rank scans at the same
+        step; a scan walks the module once."""
+        module = self.lightning_module
+        if module is None:
+            return
+        key = (loop, self._loop_runs, module.current_epoch if loop == "training" else None)
+        if key == self._metric_scan:
+            return
+        self._metric_scan = key
+        self._metric_sync.rescan(module, mesh=self.mesh, pipelined=self._pipeline is not None)
+
     def _start_eval_loop(self, loop_name: str) -> None:
         """The evaluation loop starting now: its first batch awaited by the tp / pp batch agreement; under
         a pipeline the dp ranks' last batches checked against the micro-batches; the dp ranks' batch
         counts compared (:mod:`lightning_par.eval_join`): at ZeRO-3 uneven counts are joined, under a
         pipeline its dp token mean is left out."""
+        self._loop_runs += 1
         if self._batches is not None:  # the loop's first batch is compared over the tp / pp groups
             self._batches.expect(loop_name)
         self._eval_join = None

@@ -77,6 +77,7 @@ class StrategySteps(StrategyLoops):
             self._buffer_sync.after_forward(synchronising=synchronising)
 
     def _agree(self, loop: str, args: tuple[Any, ...]) -> None:
+        self._scan_metrics(loop)
         if self._batches is not None and args:
             self._batches.check(loop, args[0])
 

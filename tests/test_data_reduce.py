@@ -11,7 +11,12 @@ the same model in one process over all the samples:
   ``SumMetric``, ``CatMetric`` and ``MeanSquaredError`` logged through ``self.log``; a metric deep-copied
   during the run shares its group, a pickled one gathers over the world, and after the run the metrics
   are as they were; ``reduce_boolean_decision`` still takes every rank's vote;
-* Fabric at tp2 x dp2: a ``SumMetric`` inside the module set up, computed after two batches.
+* Fabric at tp2 x dp2: a ``SumMetric`` inside the module set up, computed after two batches;
+* metrics read after the run (Lightning tears the strategy down before ``on_fit_end``, the ``teardown``
+  hooks and the user's code after ``validate``) and metrics made in a hook, kept in a plain dict: before,
+  both gathered over the world and doubled; the ``dist_sync_fn`` now goes with the process groups;
+* pp2 x dp2: a sample count updated in ``on_train_batch_end``, which every stage runs (before, counted
+  once per stage), and one updated in ``pipeline_eval``, on the last stage only.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
+from lightning_par.pipeline import hf_pipeline_layers
 from tests.distributed import run_distributed
 from tests.third_party import LLAMA, llama
 
@@ -54,6 +60,8 @@ class Scored(pl.LightningModule):
         self.total = torchmetrics.SumMetric()
         self.values = torchmetrics.CatMetric()
         self.mse = torchmetrics.MeanSquaredError()
+        self.after = torchmetrics.SumMetric()  # read after validate
+        self.late: dict[str, torchmetrics.Metric] = {}  # made in a hook, in a plain dict
         self.seen: dict[str, Any] = {}
 
     def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
@@ -62,6 +70,8 @@ class Scored(pl.LightningModule):
         self.total.update(losses)
         self.values.update(losses)
         self.mse.update(losses, torch.zeros_like(losses))
+        self.after.update(losses)
+        self.late["sum"].update(losses)
         n = ids.shape[0]
         self.log("samples", float(n), reduce_fx="sum", sync_dist=True, batch_size=n)
         self.log("loss_mean", losses.mean(), sync_dist=True, batch_size=n)
@@ -73,9 +83,13 @@ class Scored(pl.LightningModule):
         self.seen["copy_shares"] = copy.deepcopy(self.total).dist_sync_fn is self.total.dist_sync_fn
         self.seen["pickled"] = pickle.loads(pickle.dumps(self.total)).dist_sync_fn.group
 
+    def on_validation_epoch_start(self) -> None:
+        self.late["sum"] = torchmetrics.SumMetric().to(self.device)
+
     def on_validation_epoch_end(self) -> None:
         self.seen["values"] = self.values.compute()
         self.values.reset()
+        self.seen["late"] = self.late["sum"].compute()
 
 
 def _trainer_runs(rank: int, world: int) -> dict[str, Any]:
@@ -95,14 +109,80 @@ def _trainer_runs(rank: int, world: int) -> dict[str, Any]:
             enable_checkpointing=False,
         )
         (logged,) = trainer.validate(module, loader, verbose=False)
-        out[f"zero{stage}"] = {**logged, **module.seen}
-        out[f"zero{stage}_restored"] = [m.dist_sync_fn for m in (module.total, module.values, module.mse)]
+        out[f"zero{stage}"] = {**logged, **module.seen, "after": module.after.compute()}
         out[f"zero{stage}_votes"] = [
             strategy.reduce_boolean_decision(rank == 0, all=False),
             strategy.reduce_boolean_decision(rank != world - 1, all=True),
             strategy.reduce_boolean_decision(True, all=True),
         ]
+        strategy.destroy_process_groups()
+        metrics = (module.total, module.values, module.mse, module.after, module.late["sum"])
+        out[f"zero{stage}_restored"] = [m.dist_sync_fn for m in metrics]
     out["fabric"] = _fabric_run(rank, world)
+    out["pp"] = _pipelined_run(world)
+    return out
+
+
+class Pipelined(pl.LightningModule):
+    """Under pp2: a sample count in a hook every stage runs, one in ``pipeline_eval`` (the last stage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = llama(seed=0)
+        self._layers: list[nn.Module] = []
+        self.trained = torchmetrics.SumMetric()
+        self.evaluated = torchmetrics.SumMetric()
+        self.seen: dict[str, Any] = {}
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        self._layers = self._layers or hf_pipeline_layers(self.model)
+        return self._layers
+
+    def pipeline_loss(self, logits: Tensor, batch: list[Tensor]) -> Tensor:
+        (ids,) = batch
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:  # Lightning asks for one
+        return self.pipeline_loss(self.model(input_ids=batch[0]).logits, batch)
+
+    def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        self.pipeline_eval(self.model(input_ids=batch[0]).logits, batch)
+
+    def pipeline_eval(self, logits: Tensor, batch: list[Tensor]) -> dict[str, Tensor]:
+        self.evaluated.update(torch.tensor(float(batch[0].shape[0])))
+        return {"n": torch.tensor(float(batch[0].shape[0]))}
+
+    def on_train_batch_end(self, outputs: Any, batch: list[Tensor], batch_idx: int) -> None:
+        self.trained.update(torch.tensor(float(batch[0].shape[0])))
+
+    def on_train_epoch_end(self) -> None:
+        self.seen["trained"] = self.trained.compute()
+
+    def on_validation_epoch_end(self) -> None:
+        self.seen["evaluated"] = self.evaluated.compute()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _pipelined_run(world: int) -> dict[str, Any]:
+    module = Pipelined()
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_epochs=1,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    loader = DataLoader(TensorDataset(_ids()), batch_size=BATCH)
+    trainer.fit(module, loader, loader)
+    out = {**module.seen, "after": module.trained.compute()}
+    strategy.destroy_process_groups()
     return out
 
 
@@ -142,6 +222,13 @@ def test_logged_sums_and_metrics_count_each_sample_once_under_tensor_parallelism
             kept = run["values"].sort().values
             torch.testing.assert_close(kept, losses.sort().values, rtol=1e-5, atol=1e-6)
             assert run["copy_shares"] and run["pickled"] is None, (rank, stage)
-            assert got[f"{stage}_restored"] == [None, None, None], (rank, stage)
+            assert got[f"{stage}_restored"] == [None] * 5, (rank, stage)  # with the groups
             assert got[f"{stage}_votes"] == [True, False, True], (rank, stage)
         torch.testing.assert_close(got["fabric"], losses.sum(), rtol=1e-5, atol=1e-5)
+        for stage in ("zero1", "zero3"):
+            run = got[stage]
+            # read after the run (16.6 before: doubled) and made in a hook (doubled too)
+            torch.testing.assert_close(run["after"], losses.sum(), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(run["late"], losses.sum(), rtol=1e-5, atol=1e-5)
+        # each sample once under pp2 x dp2 (before, the hook's count was 2N: once per stage)
+        assert got["pp"] == {"trained": N, "evaluated": N, "after": N}, (rank, got["pp"])

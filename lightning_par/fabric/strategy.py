@@ -584,8 +584,9 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         ``metric = MeanMetric().to(fabric.device)``) at the data-parallel group, as the module's own are
         at setup: under tensor parallelism the ranks of a tp group hold the same samples, so a metric
         synced over the world counts each of them tp times (a ``SumMetric`` over 8 samples gave 16 at
-        tp2). A metric given its own ``process_group`` or ``dist_sync_fn`` is left alone, and every
-        change is undone at teardown. Call it after ``fabric.setup``; nothing to do without tp."""
+        tp2); under a pipeline they take the last stage's result. A metric given its own
+        ``process_group`` or ``dist_sync_fn`` is left alone, and every change is undone by
+        :meth:`destroy_process_groups`. Call it after ``fabric.setup``; nothing to do without tp or pp."""
         self._metric_sync.add(list(metrics), mesh=self.mesh, pipelined=self._pipeline is not None)
 
     @reads_own_state
@@ -617,7 +618,6 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         if self._pending_hook is not None:
             self._pending_hook.remove()
             self._pending_hook = None
-        self._metric_sync.restore()
         if self.module is not None:  # the norm layers' fp32 wrappers of convert_module, as the Trainer's
             restore_norms(self.module)
         super().teardown()
@@ -628,6 +628,7 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         builds new ones."""
         if isinstance(self.engine, Stage3Engine):  # no forward closes the last step's window of checks
             self.engine.end_read_windows()
+        self._metric_sync.restore()  # kept past teardown, as the groups the metrics gather over
         if self._pipeline is not None:  # the tied-weight groups first: built over the mesh's ranks
             self._pipeline.steps.tied.destroy()
             self._pipeline = None
