@@ -403,8 +403,10 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         self._setup_precision_groups()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-            # the ranks of one model replica (tp, pp) start with one random state: dropout masks alike
-            agree_random_state(groups=(self.mesh.tp_group, self.mesh.pp_group), device=self.root_device)
+        # the ranks of one model replica (tp, pp) start with one random state: dropout masks alike, and
+        # in evaluation runs too (before, fit only: validate / predict sampling with generate(do_sample)
+        # fed the tp ranks different tokens where the ranks were seeded apart)
+        agree_random_state(groups=(self.mesh.tp_group, self.mesh.pp_group), device=self.root_device)
 
     def _compose_options(self) -> ComposeOptions:
         return ComposeOptions(

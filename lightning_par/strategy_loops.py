@@ -239,3 +239,8 @@ class StrategyLoops(ZeroCheckpointIO):
         assert loop is not None and isinstance(self._engine, Stage3Join)
         if join.ends_dataloader(batch_idx, dataloader_idx, last_batch=loop.batch_progress.is_last_batch):
             self._engine.serve_gathers()
+            if dataloader_idx == len(join.counts) - 1:
+                # every rank is past its last batch (serve_gathers returns on all together): the epoch-end
+                # hooks run synced again, a generate() there with synced_gpus (before, joining stayed on
+                # until on_*_end and a rank whose generation ran longer met the other's teardown gather)
+                self._engine.joining = False

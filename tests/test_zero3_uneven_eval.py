@@ -17,6 +17,10 @@ processes, on a Hugging Face Llama:
   the logged metrics equal ``"ddp"``'s;
 * ``fit`` with such uneven validation every epoch: the final weights equal ``"ddp"``'s (training after a
   joined validation is unchanged); equal counts on every rank plan no join;
+* ``validate`` of uneven counts whose ``on_validation_epoch_end`` samples text with ``generate()``, rank
+  0's generation ending at once: each rank's equals ``"ddp"``'s (before, the join stayed on until the
+  loop's end, so ``generate()`` ran unsynced and the longer generation's gathers met the other rank's
+  teardown: gloo aborted on a "collective mismatch");
 * Fabric: a ZeRO-3 evaluation loop of 3 batches on rank 0 and 1 on rank 1 inside
   ``fabric.strategy.join()`` gives the logits of the one-process model on every batch;
 * refused before any batch, the same on every rank: a dataloader that gives one rank no batch, an
@@ -93,6 +97,23 @@ class Generates(pl.LightningModule):
         )
 
 
+class SamplesAtEpochEnd(Counted):
+    """Greedy generation in ``on_validation_epoch_end``, a prompt per rank, ending at ``eos``."""
+
+    def __init__(self, eos: int) -> None:
+        super().__init__()
+        self.eos = eos
+        self.samples: list[Tensor] = []
+
+    def on_validation_epoch_end(self) -> None:
+        assert self.model is not None
+        prompt = PROMPTS[0] if self.global_rank == 0 else PROMPTS[1]
+        out = self.model.generate(
+            prompt, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=self.eos
+        )
+        self.samples.append(out)
+
+
 def _trainer(strategy: Any, **kw: Any) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu",
@@ -126,6 +147,11 @@ def _runs(rank: int, world: int, strategy_fn: Any, eos: int) -> dict[str, Any]:
     out["steps"] = dict(module.steps)
     stream = DataLoader(Stream(BATCH * (3 if rank == 0 else 1)), batch_size=BATCH)
     out["stream"] = trainer.validate(module, stream, verbose=False)
+    sampler = SamplesAtEpochEnd(eos)
+    _trainer(strategy_fn(), use_distributed_sampler=False).validate(
+        sampler, _uneven(rank, (2, 1)), verbose=False
+    )
+    out["epoch_end"] = sampler.samples
     pl.seed_everything(3)
     module = Counted()
     trainer = _trainer(strategy_fn(), use_distributed_sampler=False, max_epochs=2, num_sanity_val_steps=0)
@@ -176,12 +202,14 @@ def test_uneven_evaluation_at_zero3_equals_ddp() -> None:
     ours = run_distributed(_runs, 2, _zero3, eos, init_group=False)
     # rank 0: its first generation stops at once, its second runs 4 tokens; rank 1 has one prompt
     assert [g.shape[1] for g in ddp[0]["generate"]] == [5, 8] and len(ddp[1]["generate"]) == 1
+    assert ddp[0]["epoch_end"][0].shape[1] == 5 and ddp[1]["epoch_end"][0].shape[1] == 8
     for rank, (got, want) in enumerate(zip(ours, ddp, strict=True)):
         assert got["predict"].shape[0] == (5 if rank == 0 else 4)
         torch.testing.assert_close(got["predict"], want["predict"], msg=f"rank {rank} predictions")
         assert len(got["generate"]) == len(want["generate"]), rank
         for g, w in zip(got["generate"], want["generate"], strict=True):
             assert torch.equal(g, w), (rank, g.tolist(), w.tolist())
+        assert [t.tolist() for t in got["epoch_end"]] == [t.tolist() for t in want["epoch_end"]], rank
         assert got["steps"] == want["steps"] == ({0: 3, 1: 1} if rank == 0 else {0: 1, 1: 2}), rank
         for key in ("validate", "stream"):
             assert len(got[key]) == len(want[key]), key
