@@ -37,6 +37,7 @@ from lightning_par import HybridParallelStrategy
 from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
 from lightning_par.pipeline import hf_pipeline_layers
 from tests.distributed import run_distributed
+from tests.fits import cpu_trainer
 from tests.third_party import LLAMA, llama
 
 WORLD, TP, N, BATCH, SEQ = 4, 2, 8, 2, 16
@@ -168,17 +169,7 @@ class Pipelined(pl.LightningModule):
 def _pipelined_run(world: int) -> dict[str, Any]:
     module = Pipelined()
     strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        max_epochs=1,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = cpu_trainer(strategy, devices=world, max_epochs=1, num_sanity_val_steps=0)
     loader = DataLoader(TensorDataset(_ids()), batch_size=BATCH)
     trainer.fit(module, loader, loader)
     out = {**module.seen, "after": module.trained.compute()}

@@ -31,37 +31,38 @@ __all__ = ["check_own", "refuse_derived"]
 _TENSORS = ("weight", "bias")
 
 
-def _derived(module: nn.Module) -> str | None:
-    """The first of ``weight`` / ``bias`` that ``module`` computes instead of holding as a parameter."""
-    for name in _TENSORS:
-        if name not in module._parameters and isinstance(getattr(module, name, None), Tensor):
-            return name
-    return None
-
-
-def _how(module: nn.Module, name: str) -> tuple[str, str]:
-    """(what computes ``module.<name>``, the call that makes it a plain parameter again)."""
+def _computed(module: nn.Module) -> tuple[str, str, str] | None:
+    """The first of ``weight`` / ``bias`` that ``module`` computes instead of holding as a parameter,
+    what computes it, and the call that makes it a plain parameter again; None when it holds both."""
+    name = next(
+        (n for n in _TENSORS if n not in module._parameters and isinstance(getattr(module, n, None), Tensor)),
+        None,
+    )
+    if name is None:
+        return None
+    hooks = list(module._forward_pre_hooks.values())
     if parametrize.is_parametrized(module, name):
-        return (
+        how, fix = (
             "torch.nn.utils.parametrize",
             f"torch.nn.utils.parametrize.remove_parametrizations(module, {name!r})",
         )
-    hooks = list(module._forward_pre_hooks.values())
-    if any(isinstance(h, prune.BasePruningMethod) for h in hooks):
-        return "torch.nn.utils.prune", f"torch.nn.utils.prune.remove(module, {name!r})"
-    if f"{name}_g" in module._parameters:
-        return "torch.nn.utils.weight_norm", "torch.nn.utils.remove_weight_norm(module)"
-    if f"{name}_orig" in module._parameters:
-        return "torch.nn.utils.spectral_norm", "torch.nn.utils.remove_spectral_norm(module)"
-    return "a forward pre-hook", f"register {name!r} as a parameter of the module"
+    elif any(isinstance(h, prune.BasePruningMethod) for h in hooks):
+        how, fix = "torch.nn.utils.prune", f"torch.nn.utils.prune.remove(module, {name!r})"
+    elif f"{name}_g" in module._parameters:
+        how, fix = "torch.nn.utils.weight_norm", "torch.nn.utils.remove_weight_norm(module)"
+    elif f"{name}_orig" in module._parameters:
+        how, fix = "torch.nn.utils.spectral_norm", "torch.nn.utils.remove_spectral_norm(module)"
+    else:
+        how, fix = "a forward pre-hook", f"register {name!r} as a parameter of the module"
+    return name, how, fix
 
 
 def refuse_derived(module: nn.Module, *, name: str) -> None:
     """Refuse converting ``module`` (the plan's ``name``) when its weight or bias is computed."""
-    tensor = _derived(module)
-    if tensor is None:
+    found = _computed(module)
+    if found is None:
         return
-    how, fix = _how(module, tensor)
+    tensor, how, fix = found
     raise ValueError(
         f"tp_plan converts {name or type(module).__name__!r}, whose {tensor} is computed before each"
         f" forward by {how}: tensor parallelism slices a layer's own parameters, so the slice would lose"
@@ -72,10 +73,10 @@ def refuse_derived(module: nn.Module, *, name: str) -> None:
 
 def check_own(layer: nn.Module) -> None:
     """Refuse a tensor-parallel ``layer`` whose weight or bias was reparametrised after the conversion."""
-    tensor = _derived(layer)
-    if tensor is None:
+    found = _computed(layer)
+    if found is None:
         return
-    how, fix = _how(layer, tensor)
+    tensor, how, fix = found
     raise RuntimeError(
         f"A tensor-parallel {type(layer).__name__} had its {tensor} reparametrised by {how} after the"
         " conversion: each rank holds a slice of it, so pruning would rank each slice on its own (a mask"
