@@ -109,6 +109,18 @@ class StageGather(DataGather):
         return DataGather, (None,)
 
 
+def _stage_gather(mesh: ParallelMesh) -> StageGather:
+    """This rank's :class:`StageGather`: its stage's dp group (none to gather over at dp 1) and the global
+    rank of the last stage in its pipeline."""
+    last = mesh.layout.rank_of(mesh.coords._replace(pp=mesh.pp_size - 1))
+    return StageGather(
+        mesh.dp_group if mesh.dp_size > 1 else None,
+        pp_group=mesh.pp_group,
+        last=last,
+        is_last=mesh.pp_rank == mesh.pp_size - 1,
+    )
+
+
 def _metrics_in(module: nn.Module) -> list[Metric]:
     """The torchmetrics metrics among ``module``'s submodules and in its modules' plain dict / list /
     tuple attributes (``self.metrics = {"train": SumMetric()}``), each once."""
@@ -151,17 +163,9 @@ class MetricSync:
         syncing over the default group), kept beside the module's until :meth:`restore`."""
         if mesh.dp_size == mesh.layout.world_size:
             return
-        group = mesh.dp_group if mesh.dp_size > 1 else None
-        last = mesh.layout.rank_of(mesh.coords._replace(pp=mesh.pp_size - 1))
         for metric in metrics:
             if isinstance(metric, Metric) and metric.process_group is None and metric.dist_sync_fn is None:
-                gather = (
-                    StageGather(
-                        group, pp_group=mesh.pp_group, last=last, is_last=mesh.pp_rank == mesh.pp_size - 1
-                    )
-                    if pipelined
-                    else DataGather(mesh.dp_group)
-                )
+                gather = _stage_gather(mesh) if pipelined else DataGather(mesh.dp_group)
                 metric.dist_sync_fn = gather
                 self._set.append((metric, gather))
 
