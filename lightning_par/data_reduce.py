@@ -105,9 +105,6 @@ class StageGather(DataGather):
         dist.broadcast_object_list(box, src=self.last, group=self.pp_group, device=result.device)
         return [p.to(result.device) for p in box[0]]
 
-    def __reduce__(self) -> tuple[type[DataGather], tuple[None]]:
-        return DataGather, (None,)
-
 
 def _stage_gather(mesh: ParallelMesh) -> StageGather:
     """This rank's :class:`StageGather`: its stage's dp group (none to gather over at dp 1) and the global

@@ -250,14 +250,15 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
                 self._launch(unit)  # every rank reduces every unit: collectives must match
         missing = None
         if finish:
-            params = [(n, p) for u in self.units for n, p in zip(u.names, u.params, strict=True)]
+            names = [n for u in self.units for n in u.names]
+            params = [p for u in self.units for p in u.params]
             missing = MissingGradients(
-                [self._touched[id(p)] for _, p in params],
-                names=[n for n, _ in params],
+                [self._touched[id(p)] for p in params],
+                names=names,
                 group=self.group,
                 device=self.device,
                 find_unused_parameters=self.find_unused_parameters,
-                params=[p for _, p in params],
+                params=params,
             )
         while self._inflight:
             self._complete_oldest()
