@@ -78,6 +78,11 @@ class DataGather:
     def __call__(self, result: torch.Tensor, group: Any | None = None) -> list[torch.Tensor]:
         return gather_all_tensors(result, group=group if group is not None else self.group)
 
+    def retire(self) -> None:
+        """Gather as torchmetrics does without a ``dist_sync_fn`` from now on: the group is being
+        destroyed, and a copy of the metric made during the run (which shares this object) keeps it."""
+        self.group = None
+
     def __deepcopy__(self, memo: dict[int, Any]) -> DataGather:
         return self  # a process group cannot be copied; the copy syncs over the same ranks
 
@@ -95,9 +100,14 @@ class StageGather(DataGather):
     ) -> None:
         super().__init__(group)
         self.pp_group, self.last, self.is_last = pp_group, last, is_last
+        self.retired = False
+
+    def retire(self) -> None:
+        super().retire()
+        self.retired = True
 
     def __call__(self, result: torch.Tensor, group: Any | None = None) -> list[torch.Tensor]:
-        if group is not None:
+        if group is not None or self.retired:
             return gather_all_tensors(result, group=group)
         pieces = gather_all_tensors(result, group=self.group) if self.group is not None else [result]
         # the stages' states may differ in shape and dtype (a reset cat state is an empty float tensor)
@@ -167,8 +177,10 @@ class MetricSync:
                 self._set.append((metric, gather))
 
     def restore(self) -> None:
-        """Remove the ``dist_sync_fn`` this object set (one the user set since is kept)."""
+        """Remove the ``dist_sync_fn`` this object set (one the user set since is kept), and retire it
+        (:meth:`DataGather.retire`) for the metric's copies."""
         for metric, gather in self._set:
+            gather.retire()
             if metric.dist_sync_fn is gather:
                 metric.dist_sync_fn = None
         self._set = []

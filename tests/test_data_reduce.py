@@ -91,6 +91,7 @@ class Scored(pl.LightningModule):
         self.seen["values"] = self.values.compute()
         self.values.reset()
         self.seen["late"] = self.late["sum"].compute()
+        self.seen["copy"] = copy.deepcopy(self.total)  # kept by the user past the run
 
 
 def _trainer_runs(rank: int, world: int) -> dict[str, Any]:
@@ -110,6 +111,7 @@ def _trainer_runs(rank: int, world: int) -> dict[str, Any]:
             enable_checkpointing=False,
         )
         (logged,) = trainer.validate(module, loader, verbose=False)
+        kept = module.seen.pop("copy")
         out[f"zero{stage}"] = {**logged, **module.seen, "after": module.after.compute()}
         out[f"zero{stage}_votes"] = [
             strategy.reduce_boolean_decision(rank == 0, all=False),
@@ -119,6 +121,9 @@ def _trainer_runs(rank: int, world: int) -> dict[str, Any]:
         strategy.destroy_process_groups()
         metrics = (module.total, module.values, module.mse, module.after, module.late["sum"])
         out[f"zero{stage}_restored"] = [m.dist_sync_fn for m in metrics]
+        # the copy syncs as a plain metric now, over the world (before, over the destroyed dp group)
+        kept.update(torch.ones(1))
+        out[f"zero{stage}_copy"] = kept.compute()
     out["fabric"] = _fabric_run(rank, world)
     out["pp"] = _pipelined_run(world)
     return out
@@ -214,6 +219,8 @@ def test_logged_sums_and_metrics_count_each_sample_once_under_tensor_parallelism
             torch.testing.assert_close(kept, losses.sort().values, rtol=1e-5, atol=1e-6)
             assert run["copy_shares"] and run["pickled"] is None, (rank, stage)
             assert got[f"{stage}_restored"] == [None] * 5, (rank, stage)  # with the groups
+            # each of the world's 4 ranks added one; the world holds each sample TP times
+            torch.testing.assert_close(got[f"{stage}_copy"], TP * losses.sum() + WORLD, rtol=1e-5, atol=1e-5)
             assert got[f"{stage}_votes"] == [True, False, True], (rank, stage)
         torch.testing.assert_close(got["fabric"], losses.sum(), rtol=1e-5, atol=1e-5)
         for stage in ("zero1", "zero3"):
