@@ -59,16 +59,9 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from lightning_par.pipeline.apply import TiedGradients
+from lightning_par.pipeline.micro_batches import micro_weights, split_batch
 from lightning_par.pipeline.runtime import PipelineRuntime
-from lightning_par.pipeline.steps import (
-    PipelineSteps,
-    StepResult,
-    default_input,
-    layers_of,
-    micro_weights,
-    split_batch,
-    token_mean,
-)
+from lightning_par.pipeline.steps import PipelineSteps, StepResult, default_input, layers_of, token_mean
 from lightning_par.zero.engine import Engine
 
 __all__ = [

@@ -22,7 +22,6 @@ reduction; :meth:`PipelineSteps.end_window` sums tied gradients over their stage
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,26 +36,12 @@ from lightning_par.loss import TokenNormalizer
 from lightning_par.mesh import ParallelMesh
 from lightning_par.pipeline.apply import PipelineSplit, TiedGradients
 from lightning_par.pipeline.metrics import PipelineMetrics
+from lightning_par.pipeline.micro_batches import micro_weights, split_batch
 from lightning_par.pipeline.runtime import PipelineRuntime
-from lightning_par.zero.autograd_state import tensors_in
 from lightning_par.zero.engine import Engine
 
 LossFn = Callable[[Any, Any], Any]  # (last layer's output, micro-batch) -> tensor or mapping
 InputFn = Callable[[Any], Any]  # micro-batch -> what the first layer takes
-
-
-def split_batch(batch: Any, m: int) -> list[Any]:
-    """``m`` micro-batches of ``batch``: every tensor split along dim 0, in equal parts when the size
-    divides by ``m``, else in parts one sample apart (a ragged last batch; see :func:`micro_weights`).
-    Containers keep their type: lists, tuples and named tuples, mappings (``dict`` and others, such as
-    Hugging Face's ``BatchEncoding``, rebuilt from a dict), dataclasses (their init fields); 0-dim tensors
-    and anything else go whole into every micro-batch (before, a ``BatchEncoding`` did too, tensors and
-    all: each micro-batch computed the whole batch, and ``predict`` returned it ``m`` times).
-
-    Refused first (:func:`_check_sizes`): a tensor too small to cut, and tensors of different leading
-    sizes that ``m`` does not divide, whose micro-batches would hold other shares of each."""
-    _check_sizes(batch, m)
-    return _split(batch, m)
 
 
 @contextmanager
@@ -77,80 +62,6 @@ def stage_random_state(device: torch.device) -> Iterator[None]:
             with torch.cuda.device(device):  # this rank's device, the one fork_rng restores
                 torch.cuda.manual_seed(seed)
         yield
-
-
-def _check_sizes(batch: Any, m: int) -> None:
-    sizes = [int(t.shape[0]) for t in tensors_in(batch) if t.dim() > 0]
-    if not sizes:
-        return
-    small, large = min(sizes), max(sizes)
-    if small < m and large >= m:
-        raise ValueError(
-            f"A tensor of the batch has {small} rows along dim 0 among tensors of {large}: every tensor of a"
-            f" batch is cut along dim 0 into num_microbatches={m} micro-batches (a list of per-sample tensors"
-            " element by element). Expand it to the batch size (a broadcast position_ids of shape (1, T)),"
-            " stack or pad per-sample tensors into one, or build it per micro-batch in pipeline_input."
-        )
-    if small < m:
-        raise ValueError(
-            f"A batch of {small} samples cannot fill num_microbatches={m}: use a batch size of at least {m}"
-            " (with drop_last=True if the dataset leaves a smaller last batch), or fewer micro-batches."
-        )
-    if small != large and any(n % m for n in sizes):
-        raise ValueError(
-            f"The batch holds tensors of different leading sizes {sorted(set(sizes))} that"
-            f" num_microbatches={m} does not divide: their micro-batches would hold other shares of each"
-            " (a combined batch of loaders with other batch sizes, a list of per-sample tensors, which is"
-            " cut element by element), and no weight makes every micro-batch mean the batch's. Give every"
-            f" tensor of a batch the same leading size, or sizes divisible by {m} (drop_last=True on each"
-            " loader); stack or pad per-sample tensors into one."
-        )
-
-
-def _split(batch: Any, m: int) -> list[Any]:
-    if isinstance(batch, Tensor):
-        return list(batch.tensor_split(m)) if batch.dim() > 0 else [batch] * m
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple takes its fields by position
-        parts = [_split(b, m) for b in batch]
-        return [type(batch)(*(p[i] for p in parts)) for i in range(m)]
-    if isinstance(batch, (list, tuple)):
-        parts = [_split(b, m) for b in batch]
-        return [type(batch)(p[i] for p in parts) for i in range(m)]
-    if isinstance(batch, Mapping):
-        parts_d = {k: _split(v, m) for k, v in batch.items()}
-        return [_like(batch, {k: v[i] for k, v in parts_d.items()}) for i in range(m)]
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        fields = [f.name for f in dataclasses.fields(batch) if f.init]
-        parts_f = {name: _split(getattr(batch, name), m) for name in fields}
-        return [dataclasses.replace(batch, **{k: v[i] for k, v in parts_f.items()}) for i in range(m)]
-    return [batch] * m
-
-
-def _like(mapping: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
-    """``items`` as a mapping of ``mapping``'s type where that type builds from a dict, else a dict."""
-    if type(mapping) is dict:
-        return items
-    build: Any = type(mapping)
-    try:
-        return build(items)
-    except TypeError:
-        return items
-
-
-def _samples(micro: Any) -> int | None:
-    """The leading size of the first tensor of at least one dimension in a micro-batch (None without)."""
-    return next((int(t.shape[0]) for t in tensors_in(micro) if t.dim() > 0), None)
-
-
-def micro_weights(micro: list[Any]) -> list[float]:
-    """``m n_i / N`` per micro-batch of ``n_i`` of ``N`` samples: the factor that makes the mean of the
-    micro-batch means (what the schedule computes) the mean over the batch's samples; all 1.0 when the
-    micro-batches are equal (any ragged split is then weighted exactly)."""
-    sizes = [_samples(mb) for mb in micro]
-    if any(n is None for n in sizes) or len(set(sizes)) == 1:
-        return [1.0] * len(micro)
-    total = sum(n for n in sizes if n is not None)
-    return [len(micro) * n / total for n in sizes if n is not None]
 
 
 def default_input(micro: Any, *, owner: str, keys: Sequence[str] | None = None) -> Any:

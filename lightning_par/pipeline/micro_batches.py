@@ -1,0 +1,135 @@
+"""Cutting a batch into a pipeline's micro-batches, and the weight of each.
+
+Every tensor of at least one dimension is cut along dim 0 into ``m`` parts, in equal parts when its size
+divides by ``m``, else one sample apart (``torch.tensor_split``: the first ``N mod m`` parts hold one more).
+A list or tuple of plain values (strings, bytes, numbers, ``None``) as long as the batch's tensors is
+per-sample data, as ``default_collate`` makes of a string field, and is cut by the same index ranges, so
+each micro-batch's labels or texts stay beside its rows. :func:`micro_weights` then makes the mean of the
+micro-batch means the batch's mean whatever the split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from lightning_par.zero.autograd_state import tensors_in
+
+_PLAIN = (str, bytes, int, float, complex, bool, type(None))
+
+
+def split_batch(batch: Any, m: int) -> list[Any]:
+    """``m`` micro-batches of ``batch``: every tensor split along dim 0, in equal parts when the size
+    divides by ``m``, else in parts one sample apart (a ragged last batch; see :func:`micro_weights`).
+    Containers keep their type: lists, tuples and named tuples, mappings (``dict`` and others, such as
+    Hugging Face's ``BatchEncoding``, rebuilt from a dict), dataclasses (their init fields). A list or
+    tuple of plain values as long as a tensor of the batch is cut by that tensor's index ranges (before,
+    a collated string field went whole into every micro-batch, and a metric pairing it with a micro-batch's
+    outputs paired other samples' labels, silently); 0-dim tensors and anything else go whole into every
+    micro-batch (before, a ``BatchEncoding`` did too, tensors and all: each micro-batch computed the whole
+    batch, and ``predict`` returned it ``m`` times).
+
+    Refused first (:func:`_check_sizes`): a tensor too small to cut, and tensors of different leading
+    sizes that ``m`` does not divide, whose micro-batches would hold other shares of each."""
+    sizes = _check_sizes(batch, m)
+    return _split(batch, m, samples=frozenset(sizes))
+
+
+def _check_sizes(batch: Any, m: int) -> list[int]:
+    """The leading sizes of the batch's tensors of at least one dimension, after the refusals."""
+    sizes = [int(t.shape[0]) for t in tensors_in(batch) if t.dim() > 0]
+    if not sizes:
+        return sizes
+    small, large = min(sizes), max(sizes)
+    if small < m and large >= m:
+        raise ValueError(
+            f"A tensor of the batch has {small} rows along dim 0 among tensors of {large}: every tensor of a"
+            f" batch is cut along dim 0 into num_microbatches={m} micro-batches (a list of per-sample tensors"
+            " element by element). Expand it to the batch size (a broadcast position_ids of shape (1, T)),"
+            " stack or pad per-sample tensors into one, or build it per micro-batch in pipeline_input."
+        )
+    if small < m:
+        raise ValueError(
+            f"A batch of {small} samples cannot fill num_microbatches={m}: use a batch size of at least {m}"
+            " (with drop_last=True if the dataset leaves a smaller last batch), or fewer micro-batches."
+        )
+    if small != large and any(n % m for n in sizes):
+        raise ValueError(
+            f"The batch holds tensors of different leading sizes {sorted(set(sizes))} that"
+            f" num_microbatches={m} does not divide: their micro-batches would hold other shares of each"
+            " (a combined batch of loaders with other batch sizes, a list of per-sample tensors, which is"
+            " cut element by element), and no weight makes every micro-batch mean the batch's. Give every"
+            f" tensor of a batch the same leading size, or sizes divisible by {m} (drop_last=True on each"
+            " loader); stack or pad per-sample tensors into one."
+        )
+    return sizes
+
+
+def _split(batch: Any, m: int, *, samples: frozenset[int]) -> list[Any]:
+    """``batch`` cut into ``m``; ``samples``: the leading sizes of its tensors (a plain list of one of
+    these lengths is per-sample data)."""
+    if isinstance(batch, Tensor):
+        return list(batch.tensor_split(m)) if batch.dim() > 0 else [batch] * m
+    if isinstance(batch, (list, tuple)) and not _named(batch) and _per_sample(batch, samples):
+        return [type(batch)(batch[r]) for r in _ranges(len(batch), m)]
+    if _named(batch):  # a named tuple takes its fields by position
+        parts = [_split(b, m, samples=samples) for b in batch]
+        return [type(batch)(*(p[i] for p in parts)) for i in range(m)]
+    if isinstance(batch, (list, tuple)):
+        parts = [_split(b, m, samples=samples) for b in batch]
+        return [type(batch)(p[i] for p in parts) for i in range(m)]
+    if isinstance(batch, Mapping):
+        parts_d = {k: _split(v, m, samples=samples) for k, v in batch.items()}
+        return [_like(batch, {k: v[i] for k, v in parts_d.items()}) for i in range(m)]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        fields = [f.name for f in dataclasses.fields(batch) if f.init]
+        parts_f = {name: _split(getattr(batch, name), m, samples=samples) for name in fields}
+        return [dataclasses.replace(batch, **{k: v[i] for k, v in parts_f.items()}) for i in range(m)]
+    return [batch] * m
+
+
+def _named(batch: Any) -> bool:
+    return isinstance(batch, tuple) and hasattr(batch, "_fields")
+
+
+def _per_sample(batch: list[Any] | tuple[Any, ...], samples: frozenset[int]) -> bool:
+    """Whether ``batch`` is a list of plain values, one per sample: as long as a tensor of the batch
+    (a list of another length, a tuple of options, goes whole into every micro-batch)."""
+    return len(batch) in samples and all(isinstance(v, _PLAIN) for v in batch)
+
+
+def _ranges(n: int, m: int) -> list[slice]:
+    """The index ranges ``tensor_split`` cuts ``n`` rows into: the first ``n mod m`` parts one longer."""
+    q, r = divmod(n, m)
+    starts = [i * q + min(i, r) for i in range(m + 1)]
+    return [slice(starts[i], starts[i + 1]) for i in range(m)]
+
+
+def _like(mapping: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """``items`` as a mapping of ``mapping``'s type where that type builds from a dict, else a dict."""
+    if type(mapping) is dict:
+        return items
+    build: Any = type(mapping)
+    try:
+        return build(items)
+    except TypeError:
+        return items
+
+
+def _samples(micro: Any) -> int | None:
+    """The leading size of the first tensor of at least one dimension in a micro-batch (None without)."""
+    return next((int(t.shape[0]) for t in tensors_in(micro) if t.dim() > 0), None)
+
+
+def micro_weights(micro: list[Any]) -> list[float]:
+    """``m n_i / N`` per micro-batch of ``n_i`` of ``N`` samples: the factor that makes the mean of the
+    micro-batch means (what the schedule computes) the mean over the batch's samples; all 1.0 when the
+    micro-batches are equal (any ragged split is then weighted exactly)."""
+    sizes = [_samples(mb) for mb in micro]
+    if any(n is None for n in sizes) or len(set(sizes)) == 1:
+        return [1.0] * len(micro)
+    total = sum(n for n in sizes if n is not None)
+    return [len(micro) * n / total for n in sizes if n is not None]

@@ -1,0 +1,141 @@
+"""Per-sample fields that are not tensors under pipeline parallelism: a string label, which
+``default_collate`` turns into a list of strings, must be cut into micro-batches with the rows it
+belongs to. A pp2 fit whose loss weighs each sample by its label, and a validation accuracy read from
+the labels, equal one process running the module's own steps (before, every micro-batch got the whole
+list: the accuracy paired other samples' labels, 0.28 against 0.22, and the weighted loss failed with a
+bare shape error)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_par import HybridParallelStrategy
+from lightning_par.pipeline.lightning import micro_weights, split_batch
+from tests.distributed import run_distributed
+from tests.fits import cpu_trainer, final_state
+
+# 29 samples in batches of 8: the last batch of 5 is cut into micro-batches of 3 and 2
+N, BATCH = 29, 8
+
+
+class Labelled(Dataset[dict[str, Any]]):
+    def __init__(self) -> None:
+        self.x = torch.randn(N, 8, generator=torch.Generator().manual_seed(3))
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": self.x[i], "label": "pos" if self.x[i, :3].sum() > 0 else "neg"}
+
+
+def _targets(labels: list[str]) -> tuple[Tensor, Tensor]:
+    """Class indices and per-sample weights (positives count twice) read from the strings."""
+    target = torch.tensor([int(label == "pos") for label in labels])
+    return target, 1.0 + target.float()
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    def _loss(self, out: Tensor, labels: list[str]) -> Tensor:
+        target, weight = _targets(labels)  # a size mismatch if the labels were not cut with the rows
+        return (weight * F.cross_entropy(out, target, reduction="none")).mean()
+
+    def _acc(self, out: Tensor, labels: list[str]) -> Tensor:
+        return (out.argmax(-1) == _targets(labels)[0]).float().mean()
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.net)
+
+    def pipeline_input(self, batch: dict[str, Any]) -> Tensor:
+        return batch["x"]
+
+    def pipeline_loss(self, out: Tensor, batch: dict[str, Any]) -> Tensor:
+        return self._loss(out, batch["label"])
+
+    def pipeline_eval(self, out: Tensor, batch: dict[str, Any]) -> dict[str, Tensor]:
+        return {"acc": self._acc(out, batch["label"])}
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        loss = self._loss(self.net(batch["x"]), batch["label"])
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self.log("val_acc", self._acc(self.net(batch["x"]), batch["label"]), batch_size=len(batch["label"]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class Losses(pl.Callback):
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.seen.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def _order() -> list[list[int]]:
+    """The batches of two epochs as Lightning's sampler shuffles them at dp 1 (seed 0), last ones ragged."""
+    batches = []
+    for epoch in range(2):
+        sampler = DistributedSampler(range(N), num_replicas=1, rank=0, shuffle=True)  # type: ignore[arg-type]
+        sampler.set_epoch(epoch)
+        perm = list(sampler)
+        batches += [perm[i : i + BATCH] for i in range(0, N, BATCH)]
+    return batches
+
+
+def _run(world: int) -> dict[str, Any]:
+    strategy: Any = "auto"
+    if world > 1:
+        strategy = HybridParallelStrategy(
+            pipeline_parallel_size=2, num_microbatches=2, partition_method=[2, 1]
+        )
+    losses = Losses()
+    epochs = 2 if world > 1 else 1  # the reference's one epoch replays the two
+    trainer = cpu_trainer(strategy, devices=world, max_epochs=epochs, callbacks=[losses])
+    module = Classifier()
+    if world > 1:
+        trainer.fit(module, DataLoader(Labelled(), batch_size=BATCH))
+    else:
+        trainer.fit(module, DataLoader(Labelled(), batch_sampler=_order()))
+    loader = DataLoader(Labelled(), batch_size=BATCH)
+    (metrics,) = trainer.validate(module, loader, verbose=False)
+    return {"losses": losses.seen, "acc": metrics["val_acc"], "state": final_state(module, strategy)}
+
+
+def _job(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return _run(world)
+
+
+def test_string_labels_are_cut_with_their_rows() -> None:
+    batch = {"x": torch.arange(5), "label": ["a", "b", "c", "d", "e"], "tags": ("train", "eval")}
+    micro = split_batch(batch, 2)
+    assert [mb["label"] for mb in micro] == [["a", "b", "c"], ["d", "e"]]  # tensor_split's ranges
+    assert all(mb["tags"] == ("train", "eval") for mb in micro)  # another length: whole in each
+    assert micro_weights(micro) == [1.2, 0.8]
+    assert [mb[1] for mb in split_batch((torch.zeros(4, 2), (1, 2, None, 4)), 2)] == [(1, 2), (None, 4)]
+
+    ref = _run(1)
+    results = run_distributed(_job, 2, init_group=False, timeout=300)
+    for rank, got in enumerate(results):
+        assert len(got["losses"]) == len(ref["losses"]) == 8, rank
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6), rank
+        assert got["acc"] == pytest.approx(ref["acc"], abs=1e-6), rank
+    assert set(results[0]["state"]) == set(ref["state"])
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(results[0]["state"][key], value, msg=key)
