@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from lightning_par.checkpoint.averages import CHECKPOINT_ENTRY, averaged_state_dict, pieces_from_entries
 from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint, read_dcp_checkpoint
 from lightning_par.checkpoint.full import model_records, torch_optimizer_state, unsharded_params
+from lightning_par.checkpoint.hook_edits import StateEdits
 from lightning_par.checkpoint.optimizer_state import (
     MASTER_KEY,
     Pieces,
@@ -232,15 +233,24 @@ def save_sharded(
     barrier()  # nobody reads path (or saves it again) before the swap is done
 
 
-def check_model(checkpoint: Mapping[str, Any], module: nn.Module, tp: TPInfo, *, strict: bool = True) -> None:
+def check_model(
+    checkpoint: Mapping[str, Any],
+    module: nn.Module,
+    tp: TPInfo,
+    *,
+    strict: bool = True,
+    edits: StateEdits | None = None,
+) -> None:
     """Refuse a checkpoint whose recorded parameters are not the model's, before anything loads (with
-    ``strict=False``, only those of another shape)."""
+    ``strict=False``, only those of another shape); ``edits``: what the checkpoint hooks changed in its
+    ``state_dict`` (:mod:`~lightning_par.checkpoint.hook_edits`), applied to the recorded names first."""
     meta = checkpoint.get(METADATA_KEY)
     current = {n: tuple(s) for n, s in global_shapes(module, tp).items()}
-    if meta and "params" in meta:
-        check_params_match(meta["params"], current, strict=strict)
-        return
     state = checkpoint.get("state_dict")
+    if meta and "params" in meta:
+        recorded = (edits or StateEdits()).shapes(meta["params"], state or {})
+        check_params_match(recorded, current, strict=strict)
+        return
     if isinstance(state, Mapping):
         # a plain Lightning checkpoint ("ddp", a consolidated file): its parameters by their names in the
         # state dict, beside which buffers and extra state live, so only the model's missing parameters
@@ -280,10 +290,14 @@ def load_optimizer_states(
     sharded_path: Path | None,
     tp: TPInfo,
     saved_index: Sequence[int] | None = None,
+    edits: StateEdits | None = None,
 ) -> None:
     """Restore ``optimizers`` (sharded or not) from a checkpoint of either format and any layout, and the
     gradient compressor's state recorded beside them. ``saved_index[i]``: which of the checkpoint's
-    optimizers ``optimizers[i]`` restores (Fabric's state keys; default: the ``i``-th, all of them)."""
+    optimizers ``optimizers[i]`` restores (Fabric's state keys; default: the ``i``-th, all of them).
+    ``edits``: the checkpoint hooks' changes to its ``state_dict`` (renamed parameters keep their state,
+    written ones their moments but not their fp32 masters: :meth:`StateEdits.optimizer_pieces`)."""
+    edits = edits or StateEdits()
     if engine is not None:
         engine.load_comm_state((checkpoint.get(METADATA_KEY) or {}).get(COMM_KEY))
     names = {p: n for n, p in module.named_parameters()}
@@ -306,13 +320,17 @@ def load_optimizer_states(
             sharded_path is None
             and tp["size"] == 1
             and not placeholders
+            and not edits
             and (saved == [] or [saved[j] for j in index if j < len(saved)] == current)
         ):
             for opt, j in zip(optimizers, index, strict=True):
                 if j < len(states):
                     opt.load_state_dict(states[j])
             return
-        sources = _sources(checkpoint, sharded_path, current_of_saved, scalars)
+        sources = [
+            (hyper, edits.optimizer_pieces(pieces))
+            for hyper, pieces in _sources(checkpoint, sharded_path, current_of_saved, scalars)
+        ]
         for opt, j in zip(optimizers, index, strict=True):
             if j < len(sources):
                 hyper, pieces = sources[j]
@@ -321,7 +339,10 @@ def load_optimizer_states(
     meta = checkpoint.get(METADATA_KEY) or {}
     # the optimizer now has state: freeze the bucket order (the checkpoint's, when it is ours)
     engine.freeze_order(meta.get("order") or [])
-    sources = _sources(checkpoint, sharded_path, current_of_saved, scalars)
+    sources = [
+        (hyper, edits.optimizer_pieces(pieces))
+        for hyper, pieces in _sources(checkpoint, sharded_path, current_of_saved, scalars)
+    ]
     if (saved_index is None and len(sources) != len(optimizers)) or any(j >= len(sources) for j in index):
         raise ValueError(
             f"The checkpoint holds {len(sources)} optimizer(s), the model configures {len(optimizers)}."
@@ -333,17 +354,22 @@ def load_optimizer_states(
     engine.masters_changed()  # the compute copy follows the restored fp32 masters
 
 
-def full_state_dict_of(checkpoint: dict[str, Any], sharded_path: Path | None) -> dict[str, Any]:
+def full_state_dict_of(
+    checkpoint: dict[str, Any], sharded_path: Path | None, edits: StateEdits | None = None
+) -> dict[str, Any]:
     """The checkpoint's full ``state_dict``: assembled from ZeRO-3 records if that is how it was saved, and
-    with the fp32 masters of a mixed-precision run in place of its low-precision parameters."""
+    with the fp32 masters of a mixed-precision run in place of its low-precision parameters; the records
+    go through ``edits`` (default: the save hooks' recorded in the metadata), and what the hooks wrote in
+    ``state_dict`` stays over them."""
     state: dict[str, Any] = dict(checkpoint.get("state_dict", {}))
     if sharded_path is None:
         return state
     meta = checkpoint[METADATA_KEY]
-    state.update(read_buffers(sharded_path))
+    edits = edits if edits is not None else StateEdits.from_meta(meta)
+    records = read_buffers(sharded_path)
     model = read_model_records(sharded_path)
     if model is not None:
-        state.update(assemble_state_dict(model, meta))
+        records.update(assemble_state_dict(model, meta))
     masters: Pieces = {}
     for _, pieces in read_optimizer_records(sharded_path):
         for name, parts in pieces.items():
@@ -351,21 +377,24 @@ def full_state_dict_of(checkpoint: dict[str, Any], sharded_path: Path | None) ->
                 (lo, hi, {"param": s[MASTER_KEY]}) for lo, hi, s in parts if MASTER_KEY in s
             )
     if any(masters.values()):
-        state.update(assemble_state_dict(masters, meta, require_all=False))
-    return state
+        records.update(assemble_state_dict(masters, meta, require_all=False))
+    return edits.over(records, state)
 
 
 def load_stage3_params(
-    checkpoint: Mapping[str, Any], engine: Engine, sharded_path: Path | None, tp: TPInfo
+    checkpoint: Mapping[str, Any], engine: Engine, sharded_path: Path | None, tp: TPInfo, edits: StateEdits
 ) -> dict[str, Any]:
     """Fill this rank's parameter shards from a checkpoint of any stage and layout; return the
-    non-parameter entries of its state_dict (buffers), for ``load_state_dict`` of the rest."""
+    non-parameter entries of its state_dict (buffers), for ``load_state_dict`` of the rest. The records
+    go through ``edits``, and the entries the hooks wrote stay over them."""
     pieces = read_model_records(sharded_path) if sharded_path is not None else None
-    state = dict(checkpoint.get("state_dict", {}))
-    if sharded_path is not None:
-        state.update(read_buffers(sharded_path))
+    hook_state = dict(checkpoint.get("state_dict", {}))
+    state = edits.over(read_buffers(sharded_path), hook_state) if sharded_path is not None else hook_state
     if pieces is None:
         pieces = whole_pieces(state)
+    else:
+        pieces = edits.records(pieces)
+        pieces.update(whole_pieces({k: hook_state[k] for k in edits.written}))
     pieces = localize(pieces, global_shapes(engine.module, tp), tp)
 
     def values(name: str, lo: int, hi: int) -> Tensor | None:
@@ -390,14 +419,18 @@ def load_module_state(
     sharded_path: Path | None,
     tp: TPInfo,
     strict: bool,
+    edits: StateEdits | None = None,
 ) -> None:
     """Load a checkpoint's model state (either format, any layout) into ``module`` as ``engine`` holds it:
     ZeRO-3 shards are filled directly; otherwise the full state dict is cut to this rank's tensor-parallel
     pieces (other pipeline stages' layers skipped), loaded, and, where ZeRO 1/2 keeps separate fp32
-    masters, copied into them at full precision (the compute copy alone would be rounded)."""
+    masters, copied into them at full precision (the compute copy alone would be rounded). ``edits``:
+    the checkpoint hooks' changes to its ``state_dict`` (default: the save hooks' alone)."""
+    if edits is None:
+        edits = StateEdits.from_meta(checkpoint.get(METADATA_KEY))
     remote = meta_names(module)  # other pipeline stages' layers: skipped, their owners load them
     if engine is not None and engine.shards_params:
-        rest = load_stage3_params(checkpoint, engine, sharded_path, tp)
+        rest = load_stage3_params(checkpoint, engine, sharded_path, tp, edits)
         rest = {k: v for k, v in rest.items() if k not in remote}
         missing, unexpected = module.load_state_dict(rest, strict=False)
         # buffers, and parameters no unit holds (attached after setup), come through load_state_dict
@@ -409,7 +442,7 @@ def load_module_state(
                 f" unexpected keys: {sorted(unexpected)}."
             )
         return
-    state = full_state_dict_of(dict(checkpoint), sharded_path)
+    state = full_state_dict_of(dict(checkpoint), sharded_path, edits)
     # a model already made tensor-parallel (a second fit in the same process) takes its slices
     state = localize_state_dict(state, module, tp)
     state = {k: v for k, v in state.items() if k not in remote}

@@ -25,6 +25,7 @@ from typing_extensions import override
 from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint, read_dcp_checkpoint
 from lightning_par.checkpoint.fit_state import FitState
 from lightning_par.checkpoint.full import gather_full_optimizer_state, gather_full_state_dict
+from lightning_par.checkpoint.hook_edits import EDITS_KEY, PartialStateDict, StateEdits, StateSnapshot
 from lightning_par.checkpoint.io import (
     _group_names,
     check_model,
@@ -117,12 +118,22 @@ class ZeroCheckpointIO(ParallelStrategy):
         except RuntimeError:  # no process groups yet (a single process)
             return 0
 
+    _saving: StateSnapshot | None = None  # the state dict the save hooks receive (hook_edits.py)
+    _loading: StateSnapshot | None = None  # the loaded one, before the load hooks
+    _load_edits: StateEdits | None = None
+
     @override
-    @reads_own_state
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Replicated models: Lightning's own. Otherwise, with ``save_distributed_checkpoint=False``: the
         full state dict on global rank 0 (``{}`` elsewhere; collective); with distributed checkpoints:
-        the buffers and other non-parameter entries (the parameters are in each rank's file)."""
+        the buffers and other non-parameter entries (the parameters are in each rank's file). Kept as
+        the save hooks receive it, for :meth:`save_checkpoint` to find what they changed."""
+        state = self._module_state_dict()
+        self._saving = StateSnapshot(state)
+        return state
+
+    @reads_own_state
+    def _module_state_dict(self) -> dict[str, Any]:
         if not self._sharded():
             return super().lightning_module_state_dict()
         if not self.save_distributed_checkpoint:
@@ -132,11 +143,12 @@ class ZeroCheckpointIO(ParallelStrategy):
         if not self._model_in_pieces():
             return super().lightning_module_state_dict()
         params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-        return {
+        rest = {
             k: v
             for k, v in module.state_dict().items()
             if k not in params and not (isinstance(v, Tensor) and v.is_meta)
         }
+        return PartialStateDict(rest, elsewhere=frozenset(params))
 
     @reads_own_state
     def consolidated_state_dict(self) -> dict[str, Any]:
@@ -184,6 +196,14 @@ class ZeroCheckpointIO(ParallelStrategy):
         # parameters the model no longer holds (a module replaced after fit) does not stop the save
         with_optimizers = "optimizer_states" in checkpoint
         checkpoint[METADATA_KEY] = self.layout_metadata(with_optimizers=with_optimizers)
+        saving, self._saving = self._saving, None
+        if saving is not None and not self._full_file():
+            # the hooks' changes to state_dict, which the rank files' records would override at the load
+            edits = saving.edits(checkpoint.get("state_dict") or {})
+            if edits:
+                checkpoint[METADATA_KEY][EDITS_KEY] = edits.to_meta()
+        if isinstance(checkpoint.get("state_dict"), PartialStateDict):
+            checkpoint["state_dict"] = dict(checkpoint["state_dict"])  # the file holds plain types
         if with_optimizers:  # beside the optimizer state it belongs with (collective)
             record_comm_state(checkpoint[METADATA_KEY], self._saved_engine())
         if self._full_file():
@@ -257,23 +277,34 @@ class ZeroCheckpointIO(ParallelStrategy):
         elif is_sharded_checkpoint(path):
             checkpoint = read_meta(path)
             self._sharded_source = path
+            state = checkpoint.get("state_dict") or {}
+            elsewhere = frozenset((checkpoint.get(METADATA_KEY) or {}).get("params", {})) - set(state)
+            if elsewhere:  # the parameters are in the rank files' pieces
+                checkpoint["state_dict"] = PartialStateDict(state, elsewhere=elsewhere)
         elif type(self.checkpoint_io) is TorchCheckpointIO and path.is_file():
             # memory-mapped: each rank reads only the slices it keeps, not the whole file into memory
             checkpoint = read_torch_file(path, weights_only=bool(weights_only))
         else:
             refuse_directory(path)  # a folder of checkpoints given for one (before, IsADirectoryError)
             checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        assert self.lightning_module is not None
-        # LightningModule.strict_loading = False: a fine-tune's new head is left out of the load
-        check_model(
-            checkpoint, self.lightning_module, self._tp(), strict=self.lightning_module.strict_loading
-        )
+        # checked against the model in load_model_state_dict, after on_load_checkpoint (which may rename,
+        # drop or replace entries of state_dict) and before anything loads
+        self._loading = StateSnapshot(checkpoint.get("state_dict") or {})
         return checkpoint
 
     @override
     @reads_own_state
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Refuse a checkpoint of other parameters (``strict``: Lightning passes the module's
+        ``strict_loading``; False leaves a fine-tune's new head out), then load it, through the changes
+        the save and load hooks made to its ``state_dict`` (:mod:`~lightning_par.checkpoint.hook_edits`)."""
         assert self.lightning_module is not None
+        state = checkpoint.get("state_dict") or {}
+        saved = StateEdits.from_meta(checkpoint.get(METADATA_KEY))
+        loading, self._loading = self._loading, None
+        edits = (loading.edits(state) if loading is not None else StateEdits()).after(saved, state)
+        self._load_edits = edits
+        check_model(checkpoint, self.lightning_module, self._tp(), strict=strict, edits=edits)
         load_module_state(
             checkpoint,
             self.lightning_module,
@@ -281,6 +312,7 @@ class ZeroCheckpointIO(ParallelStrategy):
             sharded_path=self._sharded_source,
             tp=self._tp(),
             strict=strict,
+            edits=edits,
         )
 
     @override
@@ -294,6 +326,7 @@ class ZeroCheckpointIO(ParallelStrategy):
             optimizers=self.optimizers,
             sharded_path=self._sharded_source,
             tp=self._tp(),
+            edits=self._load_edits,
         )
         _optimizers_to_device(self.optimizers, self.root_device)
 

@@ -1,0 +1,173 @@
+"""The user's checkpoint hooks editing ``checkpoint["state_dict"]``, against Lightning's ``"ddp"``.
+
+``on_save_checkpoint`` writes its own value for the LM head (as a user saving post-processed weights);
+``on_load_checkpoint`` renames the keys of a model whose attribute was renamed since, or zeroes / drops an
+entry. Under ``"ddp"`` what the hook leaves is what is saved and loaded. Before, our checkpoints lost the
+edits, silently: the per-rank records (ZeRO-3, tensor-parallel pieces) and the fp32 masters (ZeRO 1/2 in
+mixed precision) overrode them, and a rename was refused before the hook ran (with
+``strict_loading=False``: the optimizer's moments were dropped, 0.016 off ``"ddp"`` after an epoch).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_par import HybridParallelStrategy
+from tests.distributed import run_distributed
+from tests.fits import final_state
+from tests.third_party import Tokens, llama
+
+HEAD = "model.lm_head.weight"
+
+
+class Hooked(pl.LightningModule):
+    """A tiny Llama under ``attr``, SGD with momentum (state to restore); ``save_edit`` zeroes the head in
+    saved checkpoints, ``load_edit`` is ``"rename"`` (``old.*`` -> ``model.*``), ``"zero"``, ``"drop"``
+    or ``"read"`` (reads a weight's entry)."""
+
+    def __init__(self, *, attr: str = "model", save_edit: bool = False, load_edit: str | None = None) -> None:
+        super().__init__()
+        setattr(self, attr, llama(0))
+        self.head_shape = getattr(self, attr).lm_head.weight.shape  # whole, before any tp slicing
+        self.attr, self.save_edit, self.load_edit = attr, save_edit, load_edit
+        self.strict_loading = load_edit != "drop"
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits = getattr(self, self.attr)(input_ids=x, use_cache=False).logits
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.save_edit:
+            checkpoint["state_dict"][f"{self.attr}.lm_head.weight"] = torch.zeros(self.head_shape)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint["state_dict"]
+        if self.load_edit == "rename":
+            for key in [k for k in state if k.startswith("old.")]:
+                state["model." + key[len("old.") :]] = state.pop(key)
+        elif self.load_edit == "zero":
+            state[HEAD] = torch.zeros_like(state[HEAD])
+        elif self.load_edit == "drop":
+            del state[HEAD]
+        elif self.load_edit == "read":
+            self.read = state["model.model.norm.weight"]
+
+
+def _strategy(name: str) -> Any:
+    if name == "ddp":
+        return "ddp"
+    if name == "tp2":
+        return HybridParallelStrategy(tensor_parallel_size=2, tp_plan="llama")
+    return HybridParallelStrategy(zero_stage=int(name[4]))  # "zero1", "zero1-bf16", "zero3"
+
+
+def _fit(name: str, tmp: str, module: Hooked, *, epochs: int, ckpt: str | None = None) -> dict[str, Tensor]:
+    """Fit ``module`` for ``epochs`` (from ``ckpt``), saving the last checkpoint under ``tmp/name``; the
+    whole final state (rank 0)."""
+    strategy = _strategy(name)
+    dp = 1 if name == "tp2" else 2
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        precision="bf16-mixed" if name.endswith("bf16") else "32-true",
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=os.path.join(tmp, name), save_last=True, save_top_k=0)],
+        default_root_dir=tmp,
+    )
+    trainer.fit(module, DataLoader(Tokens(8), batch_size=4 // dp), ckpt_path=ckpt)
+    return {k: v.float() for k, v in final_state(module, strategy).items()}
+
+
+def _job(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    # the reference: "ddp" saves a file under attribute "old" with the save hook's head, then resumes it
+    # under "model" through the renaming hook for a second epoch
+    _fit("ddp", tmp, Hooked(attr="old", save_edit=True), epochs=1)
+    ddp_file = os.path.join(tmp, "ddp", "last.ckpt")
+    out["ddp"] = _fit("ddp", tmp, Hooked(load_edit="rename"), epochs=2, ckpt=ddp_file)
+    # ZeRO-1 writes a directory whose state_dict holds the parameters: the same save and rename
+    _fit("zero1", tmp, Hooked(attr="old", save_edit=True), epochs=1)
+    own = os.path.join(tmp, "zero1", "last.ckpt")
+    out["zero1"] = _fit("zero1", tmp, Hooked(load_edit="rename"), epochs=2, ckpt=own)
+    # ZeRO-3 and tp2 resume the "ddp" file through the rename (checked after the hook, not before)
+    for name in ("zero3", "tp2"):
+        out[name] = _fit(name, tmp, Hooked(load_edit="rename"), epochs=2, ckpt=ddp_file)
+    # their own directories, in pieces: the save hook's head is what resumes (no training after)
+    for name in ("zero3", "tp2", "zero1-bf16"):
+        _fit(name, tmp, Hooked(save_edit=True), epochs=1)
+        out[f"{name}/saved"] = _fit(name, tmp, Hooked(), epochs=1, ckpt=os.path.join(tmp, name, "last.ckpt"))
+    # ZeRO-1 in bf16-mixed: the load hook's zeroed or dropped head over the fp32 masters
+    bf16 = os.path.join(tmp, "zero1-bf16", "last.ckpt")
+    for edit in ("zero", "drop"):
+        out[f"bf16/{edit}"] = _fit("zero1-bf16", tmp, Hooked(load_edit=edit), epochs=1, ckpt=bf16)
+    # a hook reading a weight of a directory in pieces is told why it is not there
+    try:
+        _fit("zero3", tmp, Hooked(load_edit="read"), epochs=1, ckpt=os.path.join(tmp, "zero3", "last.ckpt"))
+        out["read"] = "no error"
+    except KeyError as error:
+        out["read"] = str(error)
+    return out
+
+
+def test_checkpoint_hooks_edits_of_the_state_dict_are_saved_and_loaded_as_under_ddp(tmp_path: Any) -> None:
+    got = run_distributed(_job, 2, str(tmp_path), init_group=False, timeout=400)[0]
+    ref = got["ddp"]
+    assert set(ref) and all(k.startswith("model.") for k in ref)
+    for name, tol in (("zero1", 0.0), ("zero3", 0.0), ("tp2", 2e-5)):
+        assert set(got[name]) == set(ref), name
+        for key, value in ref.items():
+            torch.testing.assert_close(got[name][key], value, atol=tol, rtol=tol, msg=f"{name} {key}")
+    fresh = llama(0).lm_head.weight.detach()
+    for name in ("zero3", "tp2", "zero1-bf16"):
+        assert torch.equal(got[f"{name}/saved"][HEAD], torch.zeros_like(fresh)), (
+            name
+        )  # the saved trained head before
+    assert torch.equal(got["bf16/zero"][HEAD], torch.zeros_like(fresh))
+    torch.testing.assert_close(got["bf16/drop"][HEAD], fresh)  # kept its own (fresh) value, as "ddp"
+    other = "model.model.norm.weight"
+    assert not torch.equal(got["bf16/drop"][other], llama(0).model.norm.weight), "the rest loaded"
+    assert "per-rank pieces" in got["read"] and "save_distributed_checkpoint=False" in got["read"], got[
+        "read"
+    ]
+
+
+@pytest.mark.parametrize("edit", ["rename", "zero", "drop"])
+def test_hook_edits_are_found_by_identity_and_version(edit: str) -> None:
+    from lightning_par.checkpoint.hook_edits import StateSnapshot
+
+    state = {"old.w": torch.ones(2), "old.b": torch.ones(1), "buf": torch.zeros(1)}
+    snapshot = StateSnapshot(state)
+    if edit == "rename":
+        state = {("new" + k[3:] if k.startswith("old") else k): v for k, v in state.items()}
+        state["buf"].add_(1)  # written in place
+    elif edit == "zero":
+        state["old.w"] = torch.zeros(2)
+    else:
+        del state["old.w"]
+    edits = snapshot.edits(state)
+    if edit == "rename":
+        assert dict(edits.renamed) == {"old.w": "new.w", "old.b": "new.b"} and edits.written == {"buf"}
+        assert edits.records({"old.w": 1, "old.b": 2, "buf": 3}) == {"new.w": 1, "new.b": 2, "buf": 3}
+    elif edit == "zero":
+        assert edits.written == {"old.w"} and not edits.removed and not edits.renamed
+    else:
+        assert edits.removed == {"old.w"} and not edits.written
+        assert edits.to_meta() == {"written": [], "removed": ["old.w"]}
