@@ -142,6 +142,9 @@ def _local_checks() -> dict[str, str]:
     metrics.start(2)
     metrics.add({"tokens": loss}, where="pipeline_eval")  # a metric under a reserved name
     errors["reserved"] = str(metrics._error)
+    metrics.start(2)
+    metrics.add({"loss": loss}, where="pipeline_eval")  # logged as val_loss already
+    errors["loss"] = str(metrics._error)
     return errors
 
 
@@ -213,6 +216,7 @@ def test_token_exact_loss_under_pp_equals_the_global_token_mean(tmp_path: Path) 
         assert "'tokens' as float: it must be the number of valid tokens" in errors["float_tokens"], rank
         assert "'loss' for some micro-batches and 'loss_sum' for others" in errors["mixed"], errors
         assert "'tokens': that name is reserved" in errors["reserved"], errors
+        assert "returned the metric 'loss': the pipeline logs" in errors["loss"], errors
 
     # uneven validation: Lightning's sync_dist mean of every rank's per-batch token means, at the initial
     # weights (before, the per-step dp all-reduce of the token mean could not be matched by the rank with

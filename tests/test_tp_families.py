@@ -196,3 +196,18 @@ def test_llama_plans_fit_gemma_qwen3_and_mixtures_of_experts_as_the_unsharded_mo
         assert "uses ALiBi" in refused["bloom"] and "tensor_parallel_size=1" in refused["bloom"], refused
         assert refused["bloom_unchanged"] == "Linear"
         assert all(got["copy"].values()) and len(got["copy"]) == 6, got["copy"]
+
+
+def test_a_weight_inside_a_head_split_attention_without_head_dim_is_refused_by_name() -> None:
+    from lightning_par.tensor_parallel.family import head_local
+
+    class Attention(nn.Module):  # T5's shape: a relative position table applied inside, no head_dim
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Linear(8, 8)
+            self.relative = nn.Embedding(4, 2)
+
+    with pytest.raises(
+        ValueError, match=r"'attn\.relative\.weight' \(shape \(4, 2\)\).*head_dim \(it has none\)"
+    ):
+        head_local(Attention(), "attn", styled={"q"})

@@ -131,6 +131,12 @@ class PipelineMetrics:
                     " ({'loss_sum': ..., 'tokens': ...} from pipeline_loss); rename the metric."
                 )
                 continue
+            if name == "loss":  # before, Lightning's "You called self.log(val_loss, ...) twice"
+                self._error = self._error or (
+                    f"{where} returned the metric 'loss': the pipeline logs pipeline_loss's loss as"
+                    " train_loss / val_loss / test_loss already; rename the metric."
+                )
+                continue
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 value = torch.tensor(float(value), dtype=torch.float32, device=self.device)
             if not isinstance(value, Tensor) or value.numel() != 1 or not value.is_floating_point():
@@ -142,6 +148,12 @@ class PipelineMetrics:
                 continue
             term = value.detach().float().reshape(()).to(self.device) * (weight / self._m)
             self._sums[name] = self._sums[name] + term if name in self._sums else term
+
+    def forget(self, kind: str) -> None:
+        """The next :meth:`finish` of ``kind`` agrees its metric names anew (one object broadcast): for
+        calls whose metrics may differ each time (Fabric's ``evaluate``: a loop's validation and test
+        calls with other ``metrics_fn``; before, a new name came back as the old one's NaN)."""
+        self._names.pop(kind, None)
 
     def finish(self, kind: str) -> dict[str, Tensor]:
         """The step's metric means on every pipeline rank (collective over the pipeline group); raises

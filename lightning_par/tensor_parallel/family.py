@@ -142,9 +142,10 @@ def head_local(attention: nn.Module, name: str, *, styled: set[str]) -> list[tup
         for pname, p in sub.named_parameters(recurse=False):
             if not (isinstance(head_dim, int) and sub_name and p.dim() == 1 and p.numel() == head_dim):
                 full = ".".join(part for part in (name, sub_name, pname) if part)
+                size = f"head_dim ({head_dim})" if isinstance(head_dim, int) else "head_dim (it has none)"
                 raise ValueError(
                     f"Tensor parallelism splits {name!r} by heads, but {full!r} (shape {tuple(p.shape)}) is"
-                    f" applied inside it and is not a per-head weight of head_dim ({head_dim}) elements: it"
+                    f" applied inside it and is not a per-head weight of {size} elements: it"
                     " would see only this rank's heads. Leave this attention's projections out of the plan:"
                     " pass tp_plan as a dict without their entries (e.g. a shipped plan's, from"
                     " lightning_par.tensor_parallel.plans.PLANS, less its '*.self_attn.*' ones), or train"
