@@ -88,10 +88,19 @@ def _refuse_whole(whole: Callable[[], str | None], own: OwnReads) -> Callable[..
     def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
         why = None if own.active else whole()
         if why is not None:
+            # code that calls state_dict() itself on every rank (litgpt's save_lora_checkpoint) can run
+            # inside the gather as it is
+            gather = (
+                ", enter `with strategy.gathered_params():` on every rank around the call (whole parameters"
+                " inside; code of yours or a library's that calls model.state_dict() runs unchanged)"
+                if "ZeRO-3" in why
+                else ""
+            )
             raise RuntimeError(
                 f"state_dict() of the whole model ({type(module).__name__}) was asked for while its"
                 f" parameters are {why}, so it would not hold the model's weights (torch.save of it, a"
-                " copy for later)." + FIX + ", or save a checkpoint: trainer.save_checkpoint / fabric.save."
+                " copy for later)." + FIX + gather + ", or save a checkpoint: trainer.save_checkpoint /"
+                " fabric.save."
             )
 
     return hook

@@ -219,6 +219,7 @@ def test_litgpt_fabric_loops_equal_the_single_process_run() -> None:
             if name.startswith("zero3"):  # the fabric.save / consolidated reads above were not refused
                 assert "state_dict() of the whole model (GPT)" in r[name]["refused"], r[name]["refused"]
                 assert "consolidated_state_dict()" in r[name]["refused"], r[name]["refused"]
+                assert "with strategy.gathered_params():" in r[name]["refused"], r[name]["refused"]
     # continued from the checkpoint of step 2: the last two steps and the final weights
     tail = {"losses": ref["losses"][2:], "state": ref["state"]}
     _assert_equal(resumed, tail, "zero3 directory -> zero1 one process")

@@ -423,6 +423,19 @@ def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
         hf_model = transformers.LlamaForCausalLM.from_pretrained(hf, use_kernels=False)
     fabric.setup_module(hf_model)
     out["from_pretrained"] = {k: v.clone() for k, v in fabric.strategy.consolidated_state_dict().items()}  # type: ignore[attr-defined]
+    # an init written after the block, before setup (litgpt's model.apply(model._init_weights)), meets
+    # placeholders nothing records: refused at setup (before, lost silently: torch's defaults trained)
+    fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=FabricStrategy(zero_stage=3))
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        late = NanoGPT()
+    nn.init.zeros_(late.head.weight)
+    try:
+        fabric.setup_module(late)
+        out["late"] = None
+    except RuntimeError as error:
+        out["late"] = str(error)
     fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]
     return out
 
@@ -497,6 +510,9 @@ def test_custom_init_under_zero3_trainer_and_fabric(tmp_path: Path) -> None:
     for run in both:
         assert run["kernels"] is not None and "use_kernels=False" in run["kernels"], run["kernels"]
         assert "fabric.load_raw" in run["kernels"], run["kernels"]
+        late = run["late"]
+        assert late is not None and "['head.weight']" in late and "written after the block" in late, late
+        assert "meta_init=False" in late, late
     for key, value in hf_source.state_dict().items():
         torch.testing.assert_close(runs["from_pretrained"][key], value, rtol=0, atol=0, msg=key)
     # ZeRO-3 x tp2: a weight loaded as slices in configure_model() and written after the load is refused

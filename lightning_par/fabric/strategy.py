@@ -47,6 +47,7 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch import nn
 from torch.optim import Optimizer
@@ -343,11 +344,13 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
                 " fabric.load_raw(path, model), or build it with empty_init=False (the whole model on every"
                 " rank first).",
             )
-        return self._on_device()
+        return self._on_device(empty_init=empty_init)
 
     @contextmanager
-    def _on_device(self) -> Generator[None, None, None]:
-        with self.root_device, self.precision.module_init_context():
+    def _on_device(self, *, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # empty_init=True skips the constructors' own initialisation, as Fabric's strategies do, so code
+        # that initialises afterwards (litgpt's reset_parameters) draws what it draws under "ddp"
+        with self.root_device, _EmptyInit(enabled=bool(empty_init)), self.precision.module_init_context():
             yield
 
     @override
@@ -631,6 +634,8 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
         self._metric_sync.restore()  # kept past teardown, as the groups the metrics gather over
         if self._pipeline is not None:  # the tied-weight groups first: built over the mesh's ranks
             self._pipeline.steps.tied.destroy()
+            if self._pipeline.steps.window_ended in self.before_optimizer_step:
+                self.before_optimizer_step.remove(self._pipeline.steps.window_ended)
             self._pipeline = None
         if self._mesh is not None:
             self._mesh.destroy()

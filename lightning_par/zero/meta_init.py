@@ -37,7 +37,14 @@ from torch.distributed import ProcessGroup
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.zero.hf_init import hf_initialisers, others_on_meta, replay
 from lightning_par.zero.meta_loads import MetaLoads
-from lightning_par.zero.meta_replay import forget_writes, pending_writes, replay_writes, writes_after_load
+from lightning_par.zero.meta_replay import (
+    forget_writes,
+    pending_writes,
+    refuse_writes_after_build,
+    replay_writes,
+    stamp_built,
+    writes_after_load,
+)
 from lightning_par.zero.meta_writes import WriteRecorder, inherit_writes, visible_init_functions
 from lightning_par.zero.tp_init import parallel_layers, release_sources, slice_of, sources_in_place
 from lightning_par.zero.units import REMOTE_ATTR, UnitPolicy, plan_units
@@ -126,14 +133,18 @@ def params_on_meta(loads: MetaLoads | None = None) -> Iterator[None]:
     a deep copy of a parameter keeps both."""
     original = nn.Module.register_parameter
     recorder = WriteRecorder(loads.record if loads is not None else None)
+    built: list[nn.Parameter] = []
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         replaced = module._parameters.get(name) if "_parameters" in module.__dict__ else None
         original(module, name, param)
+        if param is not None:
+            built.append(param)  # its placeholder, for the stamp at the block's end
         if param is not None and not param.is_meta:
             meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
             meta.__dict__.update(param.__dict__)  # attributes such as a tensor-parallel mark
             module._parameters[name] = meta
+            built[-1] = meta
             if replaced is not None:  # an assignment of values: recorded as their copy into the parameter
                 recorder.record(torch.Tensor.copy_, (meta, param), {}, meta)
             else:  # created with values: nn.Parameter(torch.ones(d)), nn.Embedding.from_pretrained(vectors)
@@ -156,6 +167,7 @@ def params_on_meta(loads: MetaLoads | None = None) -> Iterator[None]:
             # torch's "copying ... to a meta parameter ..., which is a no-op": not so here (recorded)
             warnings.filterwarnings("ignore", message=r"for .*: copying from a non-meta parameter")
             yield
+        stamp_built(built)  # a write after the block is refused at materialisation (it would be lost)
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
         nn.Parameter.__deepcopy__ = deepcopy  # type: ignore[method-assign]
@@ -501,6 +513,7 @@ def materialize_model(
     values: ValuesFn | None = None,
 ) -> None:
     """Unsharded twin of stage-3 initialisation: unit by unit, the same seeds, the whole model."""
+    refuse_writes_after_build(root)
     plan = [entry for entry in plan_units(root, units).units if entry[2]]
     for _, _, named in plan:
         params = [p for _, p in named]
@@ -517,6 +530,7 @@ def materialize_local(root: nn.Module, *, device: torch.device, values: ValuesFn
     local = [(n, p) for n, p in root.named_parameters() if p.is_meta and not getattr(p, REMOTE_ATTR, False)]
     if not local:
         return 0
+    refuse_writes_after_build(root)
     if values is None:
         raise ValueError(
             "The model has meta-device parameters, which only zero_stage=3 materialises (shard by shard) or"

@@ -9,13 +9,42 @@ from the parameter (``.data[0]``, ``chunk(3)[1]``), its tensors moved to the par
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_par.zero.meta_writes import WRITES_ATTR, WRITTEN, Write, Writes
+
+BUILT_ATTR = "_lightning_par_built_version"  # a meta parameter's in-place version when its block ended
+
+
+def stamp_built(params: Iterable[Tensor]) -> None:
+    """At the end of the block that built them: each meta parameter's in-place version, so a write made
+    after the block (lost: nothing records it) is found at materialisation."""
+    for p in params:
+        if p.is_meta:
+            p.__dict__[BUILT_ATTR] = p._version
+
+
+def refuse_writes_after_build(root: nn.Module) -> None:
+    """Refuse, naming them, meta parameters of ``root`` written in place after their block ended; called
+    before the first is materialised (materialisation itself writes into meta parameters of later units,
+    harmlessly: an initialiser of a module spanning units)."""
+    late = [
+        name
+        for name, p in root.named_parameters(remove_duplicate=False)
+        if p.is_meta and p.__dict__.get(BUILT_ATTR, p._version) != p._version
+    ]
+    if late:
+        raise RuntimeError(
+            f"ZeRO-3 meta init: {late[:6]}{' ...' if len(late) > 6 else ''} were written after the block"
+            " that built the model (between fabric.init_module(empty_init=True) / configure_model() and"
+            " setup, e.g. model.apply(model._init_weights)), while they were meta placeholders: those writes"
+            " would be lost. Make them inside the block (writes there are replayed on the shards at setup),"
+            " or pass meta_init=False to build the model whole on every rank first."
+        )
 
 
 def writes_after_load(param: Tensor | None) -> bool:
@@ -95,3 +124,4 @@ def forget_writes(params: Sequence[Tensor]) -> None:
     """Drop records copied onto real parameters (materialisation copies a meta parameter's attributes)."""
     for p in params:
         p.__dict__.pop(WRITES_ATTR, None)
+        p.__dict__.pop(BUILT_ATTR, None)

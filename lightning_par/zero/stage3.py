@@ -104,6 +104,7 @@ from lightning_par.zero.meta_init import (
     target_device,
     warn_drawn_init,
 )
+from lightning_par.zero.meta_replay import refuse_writes_after_build
 from lightning_par.zero.optimizer_rebuild import stepped_ids
 from lightning_par.zero.stage3_between import BetweenSteps
 from lightning_par.zero.stage3_calls import CrossUnitGuard
@@ -171,6 +172,7 @@ class Stage3Engine(Stage3Reduce):
         # the communication device: the strategy's root device (a model wholly on the meta device has
         # no other to tell), else where the model's real tensors are
         self.device = device if device is not None else target_device(module)
+        refuse_writes_after_build(module)  # lost writes into the meta parameters, before any unit
         # the seed meta parameters were initialised from, the same on every rank: materialize_model of an
         # unsharded twin with it gives the same model. Drawn without advancing the user's generator, so
         # dropout masks and data order after setup are those of DDP and stages 0-2 (before, a model with
