@@ -201,6 +201,8 @@ class StrategySteps(StrategyLoops):
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._token_rescaled = False  # the next window's gradients start anew
+        if self._pipeline is not None:
+            self._pipeline.window_ended()
         if self._engine is not None:  # stages 1/2: all-gather the updated parameters
             # the gradients of the others stay for their steps
             self._engine.after_step(open_window=False, optimizer=optimizer)

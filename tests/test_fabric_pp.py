@@ -31,6 +31,7 @@ are refused with the rule.
 
 from __future__ import annotations
 
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -265,8 +266,9 @@ def _bf16() -> dict[str, Any]:
         return hf_causal_lm_loss(logits, mb["labels"])
 
     losses, dp_rank = [], strategy.mesh.dp_rank
-    for idx in _window_rows(0, dp_rank, DP):
-        result = strategy.pipeline.step(_rows("left", idx), loss_fn=loss_fn, scale=1 / ACCUM)
+    for k, idx in enumerate(_window_rows(0, dp_rank, DP)):
+        with fabric.no_backward_sync(model, enabled=k < ACCUM - 1):  # one token rescale per window
+            result = strategy.pipeline.step(_rows("left", idx), loss_fn=loss_fn, scale=1 / ACCUM)
         assert isinstance(result, dict)
         losses.append(float(result["loss"]))
     strategy.destroy_process_groups()
@@ -298,7 +300,15 @@ def _fp16() -> dict[str, Any]:
     return {"state": state, "scale": scaler.scale}
 
 
-def _refusals() -> list[str]:
+def _top1(logits: Tensor, mb: Any) -> dict[str, Tensor]:
+    return {"top1": (logits[:, :-1].argmax(-1) == mb["labels"][:, 1:]).float().mean()}
+
+
+def _conf(logits: Tensor, mb: Any) -> dict[str, Tensor]:
+    return {"conf": logits[:, :-1].float().softmax(-1).max(-1).values.mean()}
+
+
+def _refusals() -> list[Any]:
     """Setup-time errors under pp2, the same on every rank: a module without its layers, a ZeRO-3 unit
     (the whole decoder) that spans both stages, optimizers whose groups differ across the stages, and
     LBFGS (its step re-runs the loss through a closure)."""
@@ -332,6 +342,32 @@ def _refusals() -> list[str]:
     # LBFGS re-evaluates the loss through a closure: the schedule runs each step's passes once
     with pytest.raises(TypeError) as refused:
         fabric.setup_optimizers(torch.optim.LBFGS(local))
+    messages.append(str(refused.value))
+    # evaluate with another metrics_fn each call (a loop's validation, then its test): each call's names
+    # (before, the second call returned the first's name with NaN)
+    batch = _rows("left", _window_rows(0, strategy.mesh.dp_rank, DP)[0])
+    model.eval()
+    evaluated = [
+        strategy.pipeline.evaluate(
+            batch, loss_fn=lambda o, mb: hf_causal_lm_loss(o, mb["labels"]), metrics_fn=fn
+        )
+        for fn in (_top1, _conf)
+    ]
+    model.train()
+    messages.append(evaluated)  # type: ignore[arg-type]
+    # a training step with gradients off: refused on every rank before any transfer
+    with torch.no_grad(), pytest.raises(RuntimeError) as refused:
+        strategy.pipeline.step(batch, loss_fn=lambda o, mb: hf_causal_lm_loss(o, mb["labels"]))
+    messages.append(str(refused.value))
+    # the token-exact loss over a window of two steps that both synchronise: the second would rescale the
+    # first's gradients again (before: silently, 7.5e-2 off one process after one SGD step)
+    fabric.setup_optimizers(torch.optim.SGD(local, lr=0.1))
+    with pytest.raises(RuntimeError) as refused:
+        for k in range(2):
+            idx = _window_rows(0, strategy.mesh.dp_rank, DP)[k]
+            strategy.pipeline.step(
+                _rows("left", idx), loss_fn=lambda o, mb: hf_causal_lm_loss(o, mb["labels"]), scale=0.5
+            )
     messages.append(str(refused.value))
     strategy.destroy_process_groups()
     return messages
@@ -549,7 +585,18 @@ def test_fabric_pipeline_equals_one_process_on_hugging_face_models() -> None:
     for r in results:
         want = [v for d, v in reference["losses"] if d == r["bf16"]["dp_rank"]][:ACCUM]
         torch.testing.assert_close(torch.tensor(r["bf16"]["losses"]), torch.tensor(want), rtol=2e-2, atol=0)
-        layers, units, groups, lbfgs = r["refusals"]
+        layers, units, groups, lbfgs, evaluated, no_grad, resynced = r["refusals"]
+        assert "called with gradients disabled" in no_grad and "pipeline.evaluate" in no_grad, no_grad
+        rows = _rows("left", _window_rows(0, r["bf16"]["dp_rank"], DP)[0])
+        with torch.no_grad():
+            logits = (
+                build("llama", seed=SEED).eval()(**{k: v for k, v in rows.items() if k != "labels"}).logits
+            )
+        assert [sorted(e) for e in evaluated] == [["loss", "tokens", "top1"], ["conf", "loss", "tokens"]]
+        torch.testing.assert_close(evaluated[0]["top1"], _top1(logits, rows)["top1"])
+        torch.testing.assert_close(evaluated[1]["conf"], _conf(logits, rows)["conf"])
+        assert "a second gradient synchronisation before the optimizer step" in resynced, resynced
+        assert "fabric.no_backward_sync(model)" in resynced, resynced
         assert "optimizers differ across pipeline stages" in groups and "[(1,), (2,)]" in groups, groups
         assert "Pipeline parallelism cannot run torch.optim.lbfgs.LBFGS" in lbfgs and "closure" in lbfgs
         assert "define Sequential.pipeline_layers()" in layers and "hf_pipeline_layers" in layers
@@ -574,3 +621,16 @@ def test_fabric_pipeline_bad_input() -> None:
         HybridParallelStrategy(pipeline_parallel_size=2, pipeline_layers="hf")  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match=r"strategy\.pipeline exists under pipeline_parallel_size > 1"):
         _ = HybridParallelStrategy().pipeline
+    # what loss_fn returns on the last stage: a one-element tensor with a graph, else named (before,
+    # torch's errors deep in the schedule: "'float' object has no attribute 'detach'", an expand error)
+    from lightning_par.pipeline.steps import _trainable_loss
+
+    weight = torch.ones(3, requires_grad=True)
+    assert _trainable_loss((weight * 2).mean().reshape(1), where="loss_fn").shape == ()
+    for bad, got in (
+        (0.5, "returned a float"),
+        (weight * 2, "shape (3,)"),
+        ((weight * 2).mean().detach(), "requires_grad=False"),
+    ):
+        with pytest.raises(TypeError, match=rf"loss_fn must return the micro-batch's loss.*{re.escape(got)}"):
+            _trainable_loss(bad, where="loss_fn")

@@ -48,6 +48,7 @@ from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -87,9 +88,9 @@ def build_fabric_pipeline(
         device=strategy.root_device,
         slack=strategy.pipeline_slack,
     )
-    return FabricPipeline(
-        strategy, PipelineSteps(runtime, tied, dp_group=mesh.dp_group, dp_size=mesh.dp_size)
-    )
+    steps = PipelineSteps(runtime, tied, dp_group=mesh.dp_group, dp_size=mesh.dp_size)
+    strategy.before_optimizer_step.append(steps.window_ended)  # removed at destroy_process_groups
+    return FabricPipeline(strategy, steps)
 
 
 def refuse_direct_call(module: nn.Module) -> RemovableHandle:
@@ -150,6 +151,12 @@ class FabricPipeline:
         """One training step on ``batch``: every micro-batch's forward and backward (module docstring)."""
         strategy = self._strategy
         scaler = strategy.precision.scaler
+        if not torch.is_grad_enabled():  # every rank alike, before any transfer
+            raise RuntimeError(
+                "strategy.pipeline.step(...) trains (forward and backward) and was called with gradients"
+                " disabled (torch.no_grad() / inference_mode()): use strategy.pipeline.evaluate(...) for a"
+                " forward only, or call step outside the no_grad block."
+            )
         self._agree("training", batch)
         strategy.open_window()
         with self._context():
@@ -180,6 +187,7 @@ class FabricPipeline:
     ) -> Tensor | dict[str, Tensor]:
         """Forward only: the batch's loss (and metrics) on every pipeline rank."""
         self._agree("evaluation", batch)
+        self._steps.metrics.forget("eval")  # each call's metrics_fn may return other names
         with self._context():
             result = self._steps.evaluate(
                 batch,

@@ -64,6 +64,25 @@ def stage_random_state(device: torch.device) -> Iterator[None]:
         yield
 
 
+def _trainable_loss(loss: Any, *, where: str) -> Tensor:
+    """``loss`` as a 0-dim tensor, or a ``TypeError`` naming ``where`` and what it must return (before:
+    torch's "'float' object has no attribute 'detach'", an ``expand`` error for a per-token loss,
+    "element 0 of tensors does not require grad" for a detached one). Raised on the last stage; the other
+    stages then stop on the lost connection (NCCL: its timeout), so this rank's error is the one to read."""
+    if isinstance(loss, Tensor) and loss.numel() == 1 and loss.is_floating_point() and loss.requires_grad:
+        return loss.reshape(())
+    got = (
+        f"a tensor of shape {tuple(loss.shape)}, dtype {loss.dtype}, requires_grad={loss.requires_grad}"
+        if isinstance(loss, Tensor)
+        else f"a {type(loss).__name__}"
+    )
+    raise TypeError(
+        f"{where} must return the micro-batch's loss as a one-element floating-point tensor computed from"
+        f" the output (a mean over its samples: reduction='mean', not detached), or a mapping holding it;"
+        f" it returned {got}. (Raised on the last pipeline stage; the others stop on its lost connection.)"
+    )
+
+
 def default_input(micro: Any, *, owner: str, keys: Sequence[str] | None = None) -> Any:
     """What enters the first layer when ``owner`` (where the user would define the input function)
     gives none: for a mapping, ``micro["input_ids"]``, or with ``keys`` (the first layer's
@@ -148,6 +167,7 @@ class PipelineSteps:
         self._token_steps = 0
         self._token_c = 1.0
         self._listening: Engine | None = None
+        self._token_rescaled = False  # a synchronisation rescaled this window's gradients already
         # what the first layer takes from a dict batch by default (its pipeline_input_keys, e.g. the ids,
         # padding mask and positions of hf_pipeline_layers' embedding); only pipeline rank 0 feeds it
         first = runtime.chunks[0] if runtime.s == 0 else None
@@ -184,6 +204,7 @@ class PipelineSteps:
 
         def wrapped(output: Any, i: int) -> Tensor:
             loss, summed = self.metrics.loss_of(loss_fn(output, micro[i]), weight=weights[i], where=names[0])
+            loss = _trainable_loss(loss, where=names[0])
             # a token-loss sum needs no size weight: the sums of a ragged split add up exactly
             return loss * ((1.0 if summed else weights[i]) * factor * loss_scale)
 
@@ -211,8 +232,22 @@ class PipelineSteps:
     def _rescale(self, engine: Engine) -> None:
         if self._token_steps == 0 or self._listening is not engine:  # a window without the token form
             return
+        if self._token_rescaled:
+            # the buffer holds the earlier synchronisation's rescaled gradients beside this one's: a
+            # second factor would scale them again (before: silently, 7.5e-2 off one process in a probe)
+            raise RuntimeError(
+                "The token-exact pipeline loss ({'loss_sum': ..., 'tokens': ...}): a second gradient"
+                " synchronisation before the optimizer step. Run every step of an accumulation window but"
+                " the last inside `with fabric.no_backward_sync(model):` (Lightning's Trainer does so for"
+                " accumulate_grad_batches); the window's token count then normalises its gradients once."
+            )
+        self._token_rescaled = True
         self._token_steps = 0
         engine.scale_grads(self.tokens.grad_scale(loss_scale=self._token_c, dp_size=self.dp_size))
+
+    def window_ended(self) -> None:
+        """At the optimizer step: the next synchronisation starts another window."""
+        self._token_rescaled = False
 
     def end_window(self, engine: Engine) -> None:
         """At the last step of an accumulation window: sum tied gradients over their stages, then reduce
