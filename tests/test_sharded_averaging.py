@@ -523,6 +523,13 @@ def test_fabric_weight_averages_equal_one_process(tmp_path: Path) -> None:
     just before an evaluation inside ``swapped()`` while its copy is slowed down (the swap waits for the
     copy: before, the snapshot could hold the averaged weights as the model's)."""
     ranks = run_distributed(_fabric_loop, WORLD, str(tmp_path), init_group=False, timeout=600)
+    # the ZeRO-2 directory consolidated into fabric.save's one-file layout: the ZeRO-0 file's entries
+    # (before, the Trainer's layout, without the averages)
+    consolidated = consolidate(tmp_path / "zero2")
+    single = torch.load(tmp_path / "zero0", weights_only=False)
+    assert set(consolidated) == set(single)
+    torch.testing.assert_close(consolidated["model"], single["model"])
+    torch.testing.assert_close(consolidated["ema"], single["ema"])  # state_dict and n_averaged
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)

@@ -26,7 +26,7 @@ import torch
 from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint
 from lightning_par.checkpoint.files import fsync_dir
 from lightning_par.checkpoint.io import consolidate
-from lightning_par.checkpoint.sharded import META_FILE, is_sharded_checkpoint
+from lightning_par.checkpoint.sharded import FABRIC_KEYS, META_FILE, is_sharded_checkpoint
 
 PROG = "lightning-par-consolidate"
 # what a weights-only checkpoint lacks (as Lightning's save_weights_only): the schedulers step optimizers
@@ -63,6 +63,11 @@ def consolidated_checkpoint(directory: Path, *, weights_only: bool) -> dict[str,
         what = "does not exist" if not directory.exists() else f"has no {META_FILE}"
         raise CliError(f"{directory} is not a sharded checkpoint directory (it {what}).")
     checkpoint = consolidate(directory)
+    if FABRIC_KEYS in checkpoint:  # fabric.save's layout: the optimizers under their own keys
+        if weights_only:
+            for key in checkpoint[FABRIC_KEYS].get("optimizers", []):
+                checkpoint.pop(key, None)
+        return checkpoint
     if weights_only or not checkpoint.get("optimizer_states"):
         # no states (a weights-only save holds none): without the key Lightning refuses to resume from
         # the file with its "contains only the model" message instead of resuming with fresh optimizers

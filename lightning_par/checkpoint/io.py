@@ -35,6 +35,7 @@ from lightning_par.checkpoint.optimizer_state import (
 )
 from lightning_par.checkpoint.rank_state import meta_names
 from lightning_par.checkpoint.sharded import (
+    FABRIC_KEYS,
     METADATA_KEY,
     _payloads,
     assemble_state_dict,
@@ -491,4 +492,26 @@ def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
     if states or "optimizer_states" in checkpoint:
         checkpoint["optimizer_states"] = states
     checkpoint[METADATA_KEY] = {**meta, "format": "full"}
+    if FABRIC_KEYS in checkpoint:
+        return _fabric_file(checkpoint, source)
     return checkpoint
+
+
+def _fabric_file(checkpoint: dict[str, Any], source: Path) -> dict[str, Any]:
+    """A consolidated ``fabric.save`` directory in the layout ``fabric.save`` writes as one file
+    (``{module key: state dict, optimizer key: torch's state, averages key: {"state_dict", "n_averaged"},
+    ...extras}``), which Fabric's own strategies and litgpt's ``load_checkpoint`` read (before, the
+    Trainer's layout: ``fabric.load`` on one device failed with ``KeyError: 'model'``)."""
+    keys = checkpoint[FABRIC_KEYS]
+    meta = checkpoint[METADATA_KEY]
+    out: dict[str, Any] = dict(checkpoint.get("extras", {}))
+    if keys.get("module") is not None:
+        out[keys["module"]] = checkpoint["state_dict"]
+    out.update(zip(keys.get("optimizers", []), checkpoint.get("optimizer_states", []), strict=False))
+    for key in sorted({k for payload in _payloads(source) for k in payload.get("entries", {})}):
+        entries = read_rank_entries(source, key)  # weight averages (strategy.weight_averages())
+        pieces, buffers = pieces_from_entries(entries, meta["params"])
+        averaged = averaged_state_dict(checkpoint["state_dict"], pieces, buffers, meta)
+        out[key] = {"state_dict": averaged, "n_averaged": entries[0][1]["n_averaged"]}
+    out[FABRIC_KEYS], out[METADATA_KEY] = keys, meta
+    return out

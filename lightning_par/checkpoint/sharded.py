@@ -254,6 +254,7 @@ def _payloads(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 _NO_TP = {"rank": 0, "size": 1, "dims": {}}
 
 
+FABRIC_KEYS = "fabric_keys"  # a fabric.save's: which entries of its state were the module and optimizers
 RANK_ENTRIES_KEY = "lightning_par_rank_entries"  # a checkpoint's per-rank entries from callbacks
 # callables ``hook(checkpoint)`` a callback's on_save_checkpoint leaves for the strategy to run, on every
 # rank, when the checkpoint is written: work (copies, collectives) that a dump never written (a flash

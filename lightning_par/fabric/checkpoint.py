@@ -44,7 +44,13 @@ from lightning_par.checkpoint.io import (
     record_comm_state,
     save_sharded,
 )
-from lightning_par.checkpoint.sharded import METADATA_KEY, is_sharded_checkpoint, read_meta, read_rank_entries
+from lightning_par.checkpoint.sharded import (
+    FABRIC_KEYS,
+    METADATA_KEY,
+    is_sharded_checkpoint,
+    read_meta,
+    read_rank_entries,
+)
 from lightning_par.checkpoint.single_file import read_torch_file
 from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, localize, tp_info
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
@@ -52,7 +58,7 @@ from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 if TYPE_CHECKING:
     from lightning_par.fabric.strategy import HybridParallelStrategy
 
-KEYS = "fabric_keys"  # which entries of the saved state were the module and its optimizers
+KEYS = FABRIC_KEYS  # which entries of the saved state were the module and its optimizers
 
 
 def _split(strategy: HybridParallelStrategy, state: Mapping[str, Any]) -> tuple[str | None, list[str]]:
