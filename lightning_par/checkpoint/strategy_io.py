@@ -328,6 +328,7 @@ class ZeroCheckpointIO(ParallelStrategy):
             tp=self._tp(),
             edits=self._load_edits,
         )
+        self._load_edits = None  # this checkpoint's: not another load's
         _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
