@@ -128,7 +128,9 @@ def test_string_labels_are_cut_with_their_rows() -> None:
     assert [mb["label"] for mb in micro] == [["a", "b", "c"], ["d", "e"]]  # tensor_split's ranges
     assert all(mb["tags"] == ("train", "eval") for mb in micro)  # another length: whole in each
     assert micro_weights(micro) == [1.2, 0.8]
-    assert [mb[1] for mb in split_batch((torch.zeros(4, 2), (1, 2, None, 4)), 2)] == [(1, 2), (None, 4)]
+    assert [mb[1] for mb in split_batch((torch.zeros(4, 2), [1, 2, None, 4]), 2)] == [[1, 2], [None, 4]]
+    # a tuple is a collate's constants, whole in each micro-batch even when as long as the batch
+    assert all(mb["norm"] == (0.5, 2.0) for mb in split_batch({"x": torch.zeros(2), "norm": (0.5, 2.0)}, 2))
 
     ref = _run(1)
     results = run_distributed(_job, 2, init_group=False, timeout=300)

@@ -2,9 +2,10 @@
 
 Every tensor of at least one dimension is cut along dim 0 into ``m`` parts, in equal parts when its size
 divides by ``m``, else one sample apart (``torch.tensor_split``: the first ``N mod m`` parts hold one more).
-A list or tuple of plain values (strings, bytes, numbers, ``None``) as long as the batch's tensors is
-per-sample data, as ``default_collate`` makes of a string field, and is cut by the same index ranges, so
-each micro-batch's labels or texts stay beside its rows. :func:`micro_weights` then makes the mean of the
+A list of plain values (strings, bytes, numbers, ``None``) as long as the batch's tensors is per-sample
+data, as ``default_collate`` makes of a string field, and is cut by the same index ranges, so each
+micro-batch's labels or texts stay beside its rows; a tuple goes whole into each micro-batch (a collate's
+constants, such as ``(mean, std)``, whatever the batch size). :func:`micro_weights` then makes the mean of the
 micro-batch means the batch's mean whatever the split.
 """
 
@@ -25,8 +26,8 @@ def split_batch(batch: Any, m: int) -> list[Any]:
     """``m`` micro-batches of ``batch``: every tensor split along dim 0, in equal parts when the size
     divides by ``m``, else in parts one sample apart (a ragged last batch; see :func:`micro_weights`).
     Containers keep their type: lists, tuples and named tuples, mappings (``dict`` and others, such as
-    Hugging Face's ``BatchEncoding``, rebuilt from a dict), dataclasses (their init fields). A list or
-    tuple of plain values as long as a tensor of the batch is cut by that tensor's index ranges (before,
+    Hugging Face's ``BatchEncoding``, rebuilt from a dict), dataclasses (their init fields). A list of
+    plain values as long as a tensor of the batch is cut by that tensor's index ranges (before,
     a collated string field went whole into every micro-batch, and a metric pairing it with a micro-batch's
     outputs paired other samples' labels, silently); 0-dim tensors and anything else go whole into every
     micro-batch (before, a ``BatchEncoding`` did too, tensors and all: each micro-batch computed the whole
@@ -73,8 +74,8 @@ def _split(batch: Any, m: int, *, samples: frozenset[int]) -> list[Any]:
     these lengths is per-sample data)."""
     if isinstance(batch, Tensor):
         return list(batch.tensor_split(m)) if batch.dim() > 0 else [batch] * m
-    if isinstance(batch, (list, tuple)) and not _named(batch) and _per_sample(batch, samples):
-        return [type(batch)(batch[r]) for r in _ranges(len(batch), m)]
+    if isinstance(batch, list) and _per_sample(batch, samples):
+        return [batch[r] for r in _ranges(len(batch), m)]
     if _named(batch):  # a named tuple takes its fields by position
         parts = [_split(b, m, samples=samples) for b in batch]
         return [type(batch)(*(p[i] for p in parts)) for i in range(m)]
@@ -95,9 +96,9 @@ def _named(batch: Any) -> bool:
     return isinstance(batch, tuple) and hasattr(batch, "_fields")
 
 
-def _per_sample(batch: list[Any] | tuple[Any, ...], samples: frozenset[int]) -> bool:
-    """Whether ``batch`` is a list of plain values, one per sample: as long as a tensor of the batch
-    (a list of another length, a tuple of options, goes whole into every micro-batch)."""
+def _per_sample(batch: list[Any], samples: frozenset[int]) -> bool:
+    """Whether ``batch`` is a list of plain values, one per sample: as long as a tensor of the batch (a
+    list of another length goes whole into every micro-batch)."""
     return len(batch) in samples and all(isinstance(v, _PLAIN) for v in batch)
 
 
