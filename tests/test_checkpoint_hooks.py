@@ -11,6 +11,7 @@ mixed precision) overrode them, and a rename was refused before the hook ran (wi
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -39,7 +40,7 @@ class Hooked(pl.LightningModule):
         setattr(self, attr, llama(0))
         self.head_shape = getattr(self, attr).lm_head.weight.shape  # whole, before any tp slicing
         self.attr, self.save_edit, self.load_edit = attr, save_edit, load_edit
-        self.strict_loading = load_edit != "drop"
+        self.strict_loading = load_edit not in ("drop", "filter", "rename_loose")
 
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         x, y = batch
@@ -55,9 +56,11 @@ class Hooked(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["state_dict"]
-        if self.load_edit == "rename":
+        if self.load_edit in ("rename", "rename_loose"):
             for key in [k for k in state if k.startswith("old.")]:
                 state["model." + key[len("old.") :]] = state.pop(key)
+        elif self.load_edit == "filter":  # a new dict without the head
+            checkpoint["state_dict"] = {k: v for k, v in state.items() if "lm_head" not in k}
         elif self.load_edit == "zero":
             state[HEAD] = torch.zeros_like(state[HEAD])
         elif self.load_edit == "drop":
@@ -118,6 +121,22 @@ def _job(rank: int, world: int, tmp: str) -> dict[str, Any]:
     bf16 = os.path.join(tmp, "zero1-bf16", "last.ckpt")
     for edit in ("zero", "drop"):
         out[f"bf16/{edit}"] = _fit("zero1-bf16", tmp, Hooked(load_edit=edit), epochs=1, ckpt=bf16)
+    # a directory in pieces: its hooks see no parameters, so a rename cannot happen (refused naming why,
+    # strict or not: before, non-strict loaded nothing, silently) and a filter by a new dict leaves them
+    # loading as saved (warned)
+    _fit("zero3", os.path.join(tmp, "old"), Hooked(attr="old"), epochs=1)
+    old = os.path.join(tmp, "old", "zero3", "last.ckpt")
+    for edit in ("rename", "rename_loose"):
+        try:
+            _fit("zero3", tmp, Hooked(load_edit=edit), epochs=1, ckpt=old)
+            out[edit] = "no error"
+        except ValueError as error:
+            out[edit] = str(error)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zero3_dir = os.path.join(tmp, "zero3", "last.ckpt")
+        out["filter"] = _fit("zero3", tmp, Hooked(load_edit="filter"), epochs=1, ckpt=zero3_dir)
+    out["filter_warned"] = [str(w.message) for w in caught if "on_load_checkpoint changed" in str(w.message)]
     # a hook reading a weight of a directory in pieces is told why it is not there
     try:
         _fit("zero3", tmp, Hooked(load_edit="read"), epochs=1, ckpt=os.path.join(tmp, "zero3", "last.ckpt"))
@@ -137,16 +156,21 @@ def test_checkpoint_hooks_edits_of_the_state_dict_are_saved_and_loaded_as_under_
             torch.testing.assert_close(got[name][key], value, atol=tol, rtol=tol, msg=f"{name} {key}")
     fresh = llama(0).lm_head.weight.detach()
     for name in ("zero3", "tp2", "zero1-bf16"):
-        assert torch.equal(got[f"{name}/saved"][HEAD], torch.zeros_like(fresh)), (
-            name
-        )  # the saved trained head before
+        # before: the trained head, from the records
+        assert torch.equal(got[f"{name}/saved"][HEAD], torch.zeros_like(fresh)), name
     assert torch.equal(got["bf16/zero"][HEAD], torch.zeros_like(fresh))
     torch.testing.assert_close(got["bf16/drop"][HEAD], fresh)  # kept its own (fresh) value, as "ddp"
     other = "model.model.norm.weight"
     assert not torch.equal(got["bf16/drop"][other], llama(0).model.norm.weight), "the rest loaded"
-    assert "per-rank pieces" in got["read"] and "save_distributed_checkpoint=False" in got["read"], got[
-        "read"
-    ]
+    assert "on_load_checkpoint sees no parameters here" in got["rename"], got["rename"]
+    assert "None of the checkpoint's" in got["rename_loose"], got["rename_loose"]
+    assert "on_load_checkpoint sees no parameters here" in got["rename_loose"], got["rename_loose"]
+    # the head the save hook wrote was visible and dropped: fresh, as under "ddp"; the rest from the pieces
+    torch.testing.assert_close(got["filter"][HEAD], fresh)
+    assert not torch.equal(got["filter"][other], llama(0).model.norm.weight)
+    assert got["filter_warned"] and "it did not see load from the pieces as saved" in got["filter_warned"][0]
+    read = got["read"]
+    assert "per-rank pieces" in read and "save_distributed_checkpoint=False" in read, read
 
 
 @pytest.mark.parametrize("edit", ["rename", "zero", "drop"])

@@ -22,7 +22,7 @@ and no device read.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -126,7 +126,13 @@ class StateSnapshot:
     its in-place version; :meth:`edits` compares a later state with it."""
 
     def __init__(self, state: Mapping[str, Any]) -> None:
+        self.source = state  # the object the hook receives (a replaced one is another)
         self._entries = {k: (v, _version(v)) for k, v in state.items()}
+
+    def hidden(self, state: Mapping[str, Any], edits: StateEdits) -> bool:
+        """Whether the hook changed (or replaced: a dict rebuilt by a comprehension) a state dict that
+        showed it no parameters (:class:`PartialStateDict`)."""
+        return isinstance(self.source, PartialStateDict) and (state is not self.source or bool(edits))
 
     def edits(self, state: Mapping[str, Any]) -> StateEdits:
         source_of = {id(v): k for k, (v, _) in self._entries.items() if isinstance(v, Tensor)}
@@ -170,3 +176,33 @@ class PartialStateDict(dict[str, Any]):
                 " over the pieces."
             )
         raise KeyError(key)
+
+
+HIDDEN = (
+    "checkpoint['state_dict'] of a checkpoint directory whose parameters are in per-rank pieces (ZeRO-3,"
+    " tensor or pipeline parallelism), which the hook does not see (its buffers and other entries only)"
+)
+FIXES = (
+    "To rename, drop or replace parameters in a hook, save whole files"
+    " (HybridParallelStrategy(save_distributed_checkpoint=False)) or consolidate the directory into one file"
+    " (lightning_par.checkpoint.consolidate) and load that."
+)
+
+
+def hidden_load(*, recorded: Iterable[str], model: Iterable[str]) -> tuple[str, bool]:
+    """After ``on_load_checkpoint`` changed a :class:`PartialStateDict`: the message, and whether to
+    refuse (the recorded parameter names, after the edits it could make, and the model's differ both
+    ways: a rename it could not apply; non-strict, nothing would load under the new names)."""
+    saved, current = set(recorded), set(model)
+    if saved - current and current - saved:
+        missing = sorted(current - saved)[:4]
+        return (
+            f"on_load_checkpoint changed {HIDDEN}, and the checkpoint's parameters do not match the model's"
+            f" (the model's {missing} ... are not in it): a rename the hook could not apply. {FIXES}",
+            True,
+        )
+    return (
+        f"on_load_checkpoint changed {HIDDEN}: the parameters it did not see load from the pieces as"
+        f" saved. {FIXES}",
+        False,
+    )

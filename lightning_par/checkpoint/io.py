@@ -241,16 +241,18 @@ def check_model(
     *,
     strict: bool = True,
     edits: StateEdits | None = None,
+    hint: str = "",
 ) -> None:
     """Refuse a checkpoint whose recorded parameters are not the model's, before anything loads (with
-    ``strict=False``, only those of another shape); ``edits``: what the checkpoint hooks changed in its
-    ``state_dict`` (:mod:`~lightning_par.checkpoint.hook_edits`), applied to the recorded names first."""
+    ``strict=False``, only those of another shape, or none in common); ``edits``: what the checkpoint
+    hooks changed in its ``state_dict`` (:mod:`~lightning_par.checkpoint.hook_edits`), applied to the
+    recorded names first; ``hint`` ends a refusal's message."""
     meta = checkpoint.get(METADATA_KEY)
     current = {n: tuple(s) for n, s in global_shapes(module, tp).items()}
     state = checkpoint.get("state_dict")
     if meta and "params" in meta:
         recorded = (edits or StateEdits()).shapes(meta["params"], state or {})
-        check_params_match(recorded, current, strict=strict)
+        check_params_match(recorded, current, strict=strict, hint=hint)
         return
     if isinstance(state, Mapping):
         # a plain Lightning checkpoint ("ddp", a consolidated file): its parameters by their names in the
@@ -258,7 +260,7 @@ def check_model(
         # and shapes are compared here (before, a model of another size failed later with a bare KeyError,
         # or at ZeRO-3 with a message about the optimizer's param groups)
         saved = {n: tuple(v.shape) for n, v in state.items() if n in current and isinstance(v, Tensor)}
-        check_params_match(saved, current, strict=strict)
+        check_params_match(saved, current, strict=strict, hint=hint)
 
 
 def _sources(

@@ -322,12 +322,21 @@ def assemble_state_dict(
 
 
 def check_params_match(
-    saved: Mapping[str, Any], current: Mapping[str, tuple[int, ...]], *, strict: bool = True
+    saved: Mapping[str, Any], current: Mapping[str, tuple[int, ...]], *, strict: bool = True, hint: str = ""
 ) -> None:
     """Raise a ``ValueError`` naming every parameter that is missing, unexpected or of another shape;
     with ``strict=False`` only shapes are compared, over the names both hold (torch's
-    ``load_state_dict(strict=False)``: a new head, or one dropped, is left out of the load)."""
+    ``load_state_dict(strict=False)``: a new head, or one dropped, is left out of the load), and a
+    checkpoint none of whose parameters the model has, which would load nothing, is refused (every name
+    renamed: another attribute, a ``_orig_mod.`` prefix). ``hint`` ends the message."""
     saved_shapes = {k: tuple(v) for k, v in saved.items()}
+    if not strict and saved_shapes and current and not set(saved_shapes) & set(current):
+        raise ValueError(
+            f"None of the checkpoint's {len(saved_shapes)} parameters is a parameter of the model (the"
+            f" checkpoint's {sorted(saved_shapes)[:3]} ..., the model's {sorted(current)[:3]} ...): with"
+            " strict loading off nothing would load. Rename the keys to the model's (on_load_checkpoint)"
+            " or load it into the model it was saved from." + hint
+        )
     missing = sorted(set(current) - set(saved_shapes)) if strict else []
     unexpected = sorted(set(saved_shapes) - set(current)) if strict else []
     reshaped = sorted(
@@ -352,4 +361,5 @@ def check_params_match(
                 if strict
                 else "."
             )
+            + hint
         )

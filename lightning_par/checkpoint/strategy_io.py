@@ -17,6 +17,7 @@ from typing import Any, cast
 
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch import Tensor
 from torch.optim import Optimizer
@@ -25,7 +26,15 @@ from typing_extensions import override
 from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint, read_dcp_checkpoint
 from lightning_par.checkpoint.fit_state import FitState
 from lightning_par.checkpoint.full import gather_full_optimizer_state, gather_full_state_dict
-from lightning_par.checkpoint.hook_edits import EDITS_KEY, PartialStateDict, StateEdits, StateSnapshot
+from lightning_par.checkpoint.hook_edits import (
+    EDITS_KEY,
+    FIXES,
+    HIDDEN,
+    PartialStateDict,
+    StateEdits,
+    StateSnapshot,
+    hidden_load,
+)
 from lightning_par.checkpoint.io import (
     _group_names,
     check_model,
@@ -199,9 +208,15 @@ class ZeroCheckpointIO(ParallelStrategy):
         saving, self._saving = self._saving, None
         if saving is not None and not self._full_file():
             # the hooks' changes to state_dict, which the rank files' records would override at the load
-            edits = saving.edits(checkpoint.get("state_dict") or {})
+            state = _state_of(checkpoint)
+            edits = saving.edits(state)
             if edits:
                 checkpoint[METADATA_KEY][EDITS_KEY] = edits.to_meta()
+            if state is not saving.source and isinstance(saving.source, PartialStateDict):
+                rank_zero_warn(  # once: every save would say it again
+                    f"on_save_checkpoint replaced {HIDDEN}: the parameters are saved from the model as they"
+                    f" are, with what the new dict holds under their names over them. {FIXES}"
+                )
         if isinstance(checkpoint.get("state_dict"), PartialStateDict):
             checkpoint["state_dict"] = dict(checkpoint["state_dict"])  # the file holds plain types
         if with_optimizers:  # beside the optimizer state it belongs with (collective)
@@ -277,7 +292,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         elif is_sharded_checkpoint(path):
             checkpoint = read_meta(path)
             self._sharded_source = path
-            state = checkpoint.get("state_dict") or {}
+            state = _state_of(checkpoint)
             elsewhere = frozenset((checkpoint.get(METADATA_KEY) or {}).get("params", {})) - set(state)
             if elsewhere:  # the parameters are in the rank files' pieces
                 checkpoint["state_dict"] = PartialStateDict(state, elsewhere=elsewhere)
@@ -289,7 +304,7 @@ class ZeroCheckpointIO(ParallelStrategy):
             checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         # checked against the model in load_model_state_dict, after on_load_checkpoint (which may rename,
         # drop or replace entries of state_dict) and before anything loads
-        self._loading = StateSnapshot(checkpoint.get("state_dict") or {})
+        self._loading = StateSnapshot(_state_of(checkpoint))
         return checkpoint
 
     @override
@@ -299,12 +314,22 @@ class ZeroCheckpointIO(ParallelStrategy):
         ``strict_loading``; False leaves a fine-tune's new head out), then load it, through the changes
         the save and load hooks made to its ``state_dict`` (:mod:`~lightning_par.checkpoint.hook_edits`)."""
         assert self.lightning_module is not None
-        state = checkpoint.get("state_dict") or {}
+        state = _state_of(checkpoint)
         saved = StateEdits.from_meta(checkpoint.get(METADATA_KEY))
         loading, self._loading = self._loading, None
         edits = (loading.edits(state) if loading is not None else StateEdits()).after(saved, state)
         self._load_edits = edits
-        check_model(checkpoint, self.lightning_module, self._tp(), strict=strict, edits=edits)
+        partial = loading is not None and isinstance(loading.source, PartialStateDict)
+        if loading is not None and loading.hidden(state, edits):
+            recorded = edits.shapes((checkpoint.get(METADATA_KEY) or {}).get("params", {}), state)
+            model = [n for n, _ in self.lightning_module.named_parameters(remove_duplicate=False)]
+            message, refuse = hidden_load(recorded=recorded, model=model)
+            if refuse:
+                raise ValueError(message)
+            rank_zero_warn(message)
+        # a refusal of a directory in pieces: its hooks could not have renamed the parameters
+        hint = f" (on_load_checkpoint sees no parameters here: {HIDDEN}. {FIXES})" if partial else ""
+        check_model(checkpoint, self.lightning_module, self._tp(), strict=strict, edits=edits, hint=hint)
         load_module_state(
             checkpoint,
             self.lightning_module,
@@ -339,3 +364,10 @@ class ZeroCheckpointIO(ParallelStrategy):
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+
+
+def _state_of(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The checkpoint's ``state_dict`` itself (an empty one included: the object the hooks receive), or
+    an empty dict without one."""
+    state = checkpoint.get("state_dict")
+    return state if isinstance(state, Mapping) else {}
