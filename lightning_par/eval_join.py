@@ -129,10 +129,18 @@ def plan_eval_join(
         " -1: no length)"
     )
     if pipelined:
+        # Lightning keeps a predict loader's last batch whatever drop_last says, and pads only through a
+        # DistributedSampler of the dp coordinates
+        fix = (
+            "a dataset size that is a multiple of the dp size times the batch size, or"
+            " DataLoader(ds, sampler=DistributedSampler(ds, shuffle=False,"
+            " **trainer.strategy.distributed_sampler_kwargs)), which pads by repeating samples"
+            if loop == "predict"
+            else "a sampler that pads, as DistributedSampler does, or drop_last=True"
+        )
         raise ValueError(
             f"{where}. ZeRO-3 under pipeline parallelism evaluates in lockstep over the dp group: give every"
-            " rank the same number of batches (a sampler that pads, as DistributedSampler does, or"
-            " drop_last=True)."
+            f" rank the same number of batches ({fix})."
         )
     for k, column in enumerate(zip(*table, strict=True)):
         if 0 in column and any(c != 0 for c in column):

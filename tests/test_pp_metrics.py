@@ -98,6 +98,13 @@ class LoaderGPT(MetricGPT):
         return {"loader": output.new_full((), float(kwargs["dataloader_idx"]))}
 
 
+class DictPredictGPT(MetricGPT):
+    """A ``pipeline_predict`` returning what a ``predict_step`` may: a dict (refused, on every rank)."""
+
+    def pipeline_predict(self, output: Tensor, batch: Any) -> Any:
+        return {"tokens": output.argmax(-1)}
+
+
 class BadMetricGPT(MetricGPT):
     def pipeline_eval(self, output: Tensor, batch: Sequence[Tensor]) -> dict[str, Tensor]:
         return {"per_token": output.float().mean(-1)}  # a tensor per token, not a scalar
@@ -166,6 +173,13 @@ def _pp(rank: int, world: int, tmp: str, zero_stage: int, n: int) -> dict[str, A
         ).validate(bad, DataLoader(Tokens(8), batch_size=8), verbose=False)
     except PipelineMetricError as exc:
         error = str(exc)
+    predicted = ""
+    try:  # refused on the last stage, told to the others (before, they died on the lost connection)
+        _trainer(
+            HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), world, tmp, []
+        ).predict(_module(DictPredictGPT), DataLoader(Tokens(8), batch_size=8))
+    except (TypeError, RuntimeError) as exc:
+        predicted = str(exc)
     changed = ""
     try:  # the second step's metrics differ: every rank raises at the next step's end, none waits
         _trainer(HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=4), world, tmp, []).fit(
@@ -179,6 +193,7 @@ def _pp(rank: int, world: int, tmp: str, zero_stage: int, n: int) -> dict[str, A
         "predictions": torch.cat([p.detach() for p in predictions]),  # type: ignore[union-attr]
         "full": {k: v.clone() for k, v in full.items()},
         "error": error,
+        "predicted": predicted,
         "changed": changed,
         "warned": warned,
         "tokens": torch.cat(tokens),  # type: ignore[arg-type]
@@ -229,6 +244,10 @@ def test_pipeline_metrics_predict_and_export_equal_the_single_process_run(
         assert "train step: the metrics changed from ['acc', 'conf'] to" in r["changed"], r["changed"]
         assert "return the same names every step" in r["changed"], r["changed"]
     assert results[0]["train"] == results[1]["train"]  # every rank logs the same numbers
+    refused = "needs pipeline_predict to return a tensor with the micro-batch along dim 0"
+    assert results[1]["predicted"].startswith("predict under pipeline") and refused in results[1]["predicted"]
+    assert results[0]["predicted"].startswith("predict failed on the last pipeline stage (global rank 1)")
+    assert refused in results[0]["predicted"], results[0]["predicted"]
     # a predict_step of the user's own is not run by the schedule: said once (rank 0), not silently
     (warned,) = results[0]["warned"]
     assert "ArgmaxGPT.predict_step is not run under pipeline parallelism" in warned, warned

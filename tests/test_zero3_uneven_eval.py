@@ -191,6 +191,9 @@ def _refusals(rank: int, world: int) -> list[str]:
     with pytest.raises(ValueError) as refused:
         plan_eval_join(table, rank=rank, pipelined=True, loop="test")
     messages.append(str(refused.value))
+    with pytest.raises(ValueError) as refused:  # predict keeps its last batch: drop_last is no fix there
+        plan_eval_join(table, rank=rank, pipelined=True, loop="predict")
+    messages.append(str(refused.value))
     even = eval_count_table([2, 3], group=dist.group.WORLD, device=torch.device("cpu"))
     assert plan_eval_join(even, rank=rank, pipelined=True, loop="test") is None  # equal: nothing to join
     return messages
@@ -222,7 +225,9 @@ def test_uneven_evaluation_at_zero3_equals_ddp() -> None:
 
 
 def test_uneven_evaluation_that_cannot_join_is_refused() -> None:
-    for empty, unsized, iterator, pipelined in run_distributed(_refusals, 2):
+    for empty, unsized, iterator, pipelined, predicted in run_distributed(_refusals, 2):
+        assert "drop_last" not in predicted and "distributed_sampler_kwargs" in predicted, predicted
+        assert "drop_last=True" in pipelined, pipelined
         assert "validation_step(dataloader_iter) takes its own batches" in iterator, iterator
         assert "dp rank 0: 2, dp rank 1: 0" in empty and "at least one batch" in empty, empty
         assert "Dataloader 0 has no length and another follows it" in unsized, unsized

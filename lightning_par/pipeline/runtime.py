@@ -344,28 +344,51 @@ class PipelineRuntime:
         broadcast, so every pipeline rank returns the same tensor (one header, read on the host once per
         call, and one broadcast)."""
         outputs: list[Tensor] = []
+        failed: list[BaseException] = []  # on the last stage: raised on every rank after the schedule
 
         def record(out: Any, i: int) -> None:
+            if failed:
+                return
             what = "the last layer"
-            if transform is not None:
-                out, what = transform(out, i), "pipeline_predict"
-            if not isinstance(out, Tensor) or out.dim() == 0:
-                got = "a 0-dim tensor" if isinstance(out, Tensor) else type(out).__name__
-                raise TypeError(
-                    f"predict under pipeline parallelism needs {what} to return a tensor with the"
-                    f" micro-batch along dim 0 (the micro-batches' results are concatenated), got {got}."
-                )
-            outputs.append(out.detach())
+            try:
+                if transform is not None:
+                    out, what = transform(out, i), "pipeline_predict"
+                if not isinstance(out, Tensor) or out.dim() == 0:
+                    got = "a 0-dim tensor" if isinstance(out, Tensor) else type(out).__name__
+                    raise TypeError(
+                        f"predict under pipeline parallelism needs {what} to return a tensor with the"
+                        f" micro-batch along dim 0 (the micro-batches' results are concatenated), got {got}."
+                    )
+                outputs.append(out.detach())
+            except Exception as error:  # the schedule goes on: the other stages' transfers complete
+                failed.append(error)
 
         self._forward_only(inputs, record)
         src = self._peer(self.last % self.p)
-        result = torch.cat(outputs).contiguous() if outputs else None
-        header = (
-            encode(Spec.of(result), device=self.device)
-            if result is not None
-            else torch.zeros(HEADER, dtype=torch.int64, device=self.device)
-        )
+        on_last = bool(outputs or failed)
+        result = None
+        shapes = sorted({f"{tuple(o.shape[1:])} {o.dtype}" for o in outputs})
+        if len(shapes) > 1 and not failed:
+            failed.append(
+                TypeError(
+                    "predict under pipeline parallelism concatenates the micro-batches' results along dim 0:"
+                    f" they must agree in their other dimensions and dtype, got {shapes}."
+                )
+            )
+        result = torch.cat(outputs).contiguous() if outputs and not failed else None
+        if failed:  # every rank raises, not only the last stage (the others would wait for the result)
+            header = torch.full((HEADER,), -1, dtype=torch.int64, device=self.device)
+        elif result is not None:
+            header = encode(Spec.of(result), device=self.device)
+        else:
+            header = torch.zeros(HEADER, dtype=torch.int64, device=self.device)
         dist.broadcast(header, src=src, group=self.group)
+        if bool(failed) if on_last else int(header[0]) == -1:  # a verdict: read on the host
+            box: list[Any] = [f"{type(failed[0]).__name__}: {failed[0]}" if failed else None]
+            dist.broadcast_object_list(box, src=src, group=self.group, device=self.device)
+            if failed:
+                raise failed[0]
+            raise RuntimeError(f"predict failed on the last pipeline stage (global rank {src}): {box[0]}")
         if result is None:
             ((shape, dtype),) = decode(header).parts
             result = torch.empty(shape, dtype=dtype, device=self.device)
