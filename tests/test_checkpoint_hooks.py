@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
@@ -35,12 +35,22 @@ class Hooked(pl.LightningModule):
     saved checkpoints, ``load_edit`` is ``"rename"`` (``old.*`` -> ``model.*``), ``"zero"``, ``"drop"``
     or ``"read"`` (reads a weight's entry)."""
 
-    def __init__(self, *, attr: str = "model", save_edit: bool = False, load_edit: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        attr: str = "model",
+        save_edit: bool = False,
+        load_edit: str | None = None,
+        new_head: bool = False,
+    ) -> None:
         super().__init__()
         setattr(self, attr, llama(0))
         self.head_shape = getattr(self, attr).lm_head.weight.shape  # whole, before any tp slicing
+        if new_head:  # a fine-tune's own head in place of the saved one (not trained here)
+            getattr(self, attr).lm_head = nn.Identity()
+            self.cls = nn.Linear(4, 4)
         self.attr, self.save_edit, self.load_edit = attr, save_edit, load_edit
-        self.strict_loading = load_edit not in ("drop", "filter", "rename_loose")
+        self.strict_loading = load_edit not in ("drop", "filter", "rename_loose", "extra")
 
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         x, y = batch
@@ -59,6 +69,8 @@ class Hooked(pl.LightningModule):
         if self.load_edit in ("rename", "rename_loose"):
             for key in [k for k in state if k.startswith("old.")]:
                 state["model." + key[len("old.") :]] = state.pop(key)
+        elif self.load_edit == "extra":  # an entry of its own, in place
+            state["extra"] = torch.zeros(1)
         elif self.load_edit == "filter":  # a new dict without the head
             checkpoint["state_dict"] = {k: v for k, v in state.items() if "lm_head" not in k}
         elif self.load_edit == "zero":
@@ -136,7 +148,11 @@ def _job(rank: int, world: int, tmp: str) -> dict[str, Any]:
         warnings.simplefilter("always")
         zero3_dir = os.path.join(tmp, "zero3", "last.ckpt")
         out["filter"] = _fit("zero3", tmp, Hooked(load_edit="filter"), epochs=1, ckpt=zero3_dir)
-    out["filter_warned"] = [str(w.message) for w in caught if "on_load_checkpoint changed" in str(w.message)]
+    out["filter_warned"] = [str(w.message) for w in caught if "on_load_checkpoint replaced" in str(w.message)]
+    # a non-strict fine-tune with a new head and a hook adding an entry: the body loads (before the
+    # review, refused as a rename the hook could not apply)
+    fine_tune = Hooked(load_edit="extra", new_head=True)
+    out["fine_tune"] = _fit("zero3", tmp, fine_tune, epochs=1, ckpt=zero3_dir)
     # a hook reading a weight of a directory in pieces is told why it is not there
     try:
         _fit("zero3", tmp, Hooked(load_edit="read"), epochs=1, ckpt=os.path.join(tmp, "zero3", "last.ckpt"))
@@ -169,6 +185,10 @@ def test_checkpoint_hooks_edits_of_the_state_dict_are_saved_and_loaded_as_under_
     torch.testing.assert_close(got["filter"][HEAD], fresh)
     assert not torch.equal(got["filter"][other], llama(0).model.norm.weight)
     assert got["filter_warned"] and "it did not see load from the pieces as saved" in got["filter_warned"][0]
+    body = {k: v for k, v in got["zero3/saved"].items() if k != HEAD}
+    assert set(got["fine_tune"]) == set(body) | {"cls.weight", "cls.bias"}
+    for key, value in body.items():
+        torch.testing.assert_close(got["fine_tune"][key], value, rtol=0, atol=0, msg=key)
     read = got["read"]
     assert "per-rank pieces" in read and "save_distributed_checkpoint=False" in read, read
 

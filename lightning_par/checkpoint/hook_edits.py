@@ -22,7 +22,7 @@ and no device read.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -129,10 +129,10 @@ class StateSnapshot:
         self.source = state  # the object the hook receives (a replaced one is another)
         self._entries = {k: (v, _version(v)) for k, v in state.items()}
 
-    def hidden(self, state: Mapping[str, Any], edits: StateEdits) -> bool:
-        """Whether the hook changed (or replaced: a dict rebuilt by a comprehension) a state dict that
-        showed it no parameters (:class:`PartialStateDict`)."""
-        return isinstance(self.source, PartialStateDict) and (state is not self.source or bool(edits))
+    def hidden(self, state: Mapping[str, Any]) -> bool:
+        """Whether the hook replaced (a dict rebuilt by a comprehension) a state dict that showed it no
+        parameters (:class:`PartialStateDict`); edits in place need no word (what it wrote is loaded)."""
+        return isinstance(self.source, PartialStateDict) and state is not self.source
 
     def edits(self, state: Mapping[str, Any]) -> StateEdits:
         source_of = {id(v): k for k, (v, _) in self._entries.items() if isinstance(v, Tensor)}
@@ -189,20 +189,12 @@ FIXES = (
 )
 
 
-def hidden_load(*, recorded: Iterable[str], model: Iterable[str]) -> tuple[str, bool]:
-    """After ``on_load_checkpoint`` changed a :class:`PartialStateDict`: the message, and whether to
-    refuse (the recorded parameter names, after the edits it could make, and the model's differ both
-    ways: a rename it could not apply; non-strict, nothing would load under the new names)."""
-    saved, current = set(recorded), set(model)
-    if saved - current and current - saved:
-        missing = sorted(current - saved)[:4]
-        return (
-            f"on_load_checkpoint changed {HIDDEN}, and the checkpoint's parameters do not match the model's"
-            f" (the model's {missing} ... are not in it): a rename the hook could not apply. {FIXES}",
-            True,
-        )
+def hidden_load_message() -> str:
+    """What to say when ``on_load_checkpoint`` replaced a :class:`PartialStateDict` by another dict (a
+    comprehension that filters or renames keys): the parameters it did not see load as saved, where a
+    filter may have meant to drop some. A changed name that leaves the model without its parameters is
+    refused by the load's check, with the reason."""
     return (
-        f"on_load_checkpoint changed {HIDDEN}: the parameters it did not see load from the pieces as"
-        f" saved. {FIXES}",
-        False,
+        f"on_load_checkpoint replaced {HIDDEN}: the parameters it did not see load from the pieces as saved."
+        f" {FIXES}"
     )

@@ -33,7 +33,7 @@ from lightning_par.checkpoint.hook_edits import (
     PartialStateDict,
     StateEdits,
     StateSnapshot,
-    hidden_load,
+    hidden_load_message,
 )
 from lightning_par.checkpoint.io import (
     _group_names,
@@ -320,13 +320,8 @@ class ZeroCheckpointIO(ParallelStrategy):
         edits = (loading.edits(state) if loading is not None else StateEdits()).after(saved, state)
         self._load_edits = edits
         partial = loading is not None and isinstance(loading.source, PartialStateDict)
-        if loading is not None and loading.hidden(state, edits):
-            recorded = edits.shapes((checkpoint.get(METADATA_KEY) or {}).get("params", {}), state)
-            model = [n for n, _ in self.lightning_module.named_parameters(remove_duplicate=False)]
-            message, refuse = hidden_load(recorded=recorded, model=model)
-            if refuse:
-                raise ValueError(message)
-            rank_zero_warn(message)
+        if loading is not None and loading.hidden(state):
+            rank_zero_warn(hidden_load_message())
         # a refusal of a directory in pieces: its hooks could not have renamed the parameters
         hint = f" (on_load_checkpoint sees no parameters here: {HIDDEN}. {FIXES})" if partial else ""
         check_model(checkpoint, self.lightning_module, self._tp(), strict=strict, edits=edits, hint=hint)
