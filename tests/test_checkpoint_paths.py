@@ -89,6 +89,29 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
     )
     out["deeper_z1"] = _refused(HybridParallelStrategy(zero_stage=1), saved, num_hidden_layers=3)
     out["wider_z2"] = _refused(HybridParallelStrategy(zero_stage=2), saved, intermediate_size=96)
+    # ZeRO-3 writes a directory; a single file saved later under its name (save_distributed_checkpoint=False
+    # in the same dirpath) is swapped in (before, fsspec moved it inside the directory: lost, silently)
+    sharded = HybridParallelStrategy(zero_stage=3, meta_init=False)
+    first = _fit(sharded, steps=2)
+    target, link = tmp / "last.ckpt", tmp / "link.ckpt"
+    first.trainer.save_checkpoint(target)
+    single = HybridParallelStrategy(zero_stage=3, meta_init=False, save_distributed_checkpoint=False)
+    _fit(single, steps=4).trainer.save_checkpoint(target)
+    single.destroy_process_groups()
+    out["file_over_dir"] = target.is_file() and torch.load(target, weights_only=False)["global_step"]
+    # a link to a checkpoint directory (ModelCheckpoint(save_last="link")) is removed, not its target's tree
+    first.trainer.save_checkpoint(tmp / "dir.ckpt")
+    if rank == 0:
+        link.symlink_to(tmp / "dir.ckpt")
+    torch.distributed.barrier()
+    sharded.remove_checkpoint(link)
+    torch.distributed.barrier()
+    out["link"] = (link.is_symlink(), (tmp / "dir.ckpt" / "meta.pt").is_file())
+    # a directory cannot go to another fsspec filesystem (before, a local folder named "memory:")
+    with pytest.raises(ValueError) as remote:
+        first.trainer.save_checkpoint("memory://bucket/run.ckpt")
+    out["remote"] = (str(remote.value), Path("memory:").exists())
+    sharded.destroy_process_groups()
     # Fabric, the folder
     strategy = FabricHybridParallelStrategy(zero_stage=2)
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
@@ -123,6 +146,10 @@ def test_checkpoint_paths_and_files_that_do_not_fit_are_named(tmp_path: Path) ->
     assert (
         "different shapes" in r["wider_z2"] and "model.model.layers.0.mlp.down_proj.weight" in r["wider_z2"]
     )
+    assert r["file_over_dir"] == 4 and r["link"] == (False, True), (r["file_over_dir"], r["link"])
+    message, local_folder = r["remote"]
+    assert "go to a local or mounted path only" in message and "save_distributed_checkpoint=False" in message
+    assert not local_folder
     # the command line refuses the folder before any process starts
     (tmp_path / "runs").mkdir()
     with pytest.raises(ConfigError) as info:

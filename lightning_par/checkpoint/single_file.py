@@ -8,19 +8,23 @@ a file torch cannot map (a legacy, pre-zip ``torch.save``) is read without it, w
 told the user to re-save a file that may not be a checkpoint at all. :func:`refuse_directory` names a
 directory that holds no checkpoint of a known kind, and the checkpoints it does hold, where the loaders
 said only ``IsADirectoryError`` (a run pointed at its ``checkpoints/`` folder instead of a file in it).
+:func:`local_path` reads a checkpoint path as a local one (``file://`` stripped), or None for another
+fsspec protocol; :func:`write_over_directory` writes a single file where a checkpoint directory is.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 
 from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint
-from lightning_par.checkpoint.sharded import META_FILE, is_sharded_checkpoint
+from lightning_par.checkpoint.sharded import META_FILE, is_sharded_checkpoint, swap_into_place
 
-__all__ = ["read_torch_file", "refuse_directory"]
+__all__ = ["local_path", "read_torch_file", "refuse_directory", "sharded_path", "write_over_directory"]
 
 _LISTED = 5  # checkpoints named in the message
 
@@ -54,3 +58,38 @@ def read_torch_file(path: Path, *, weights_only: bool) -> Any:
             raise
     # a legacy (non-zip) torch file: read whole, as Lightning's own loader does
     return torch.load(path, map_location="cpu", weights_only=weights_only)
+
+
+def local_path(filepath: Any) -> Path | None:
+    """``filepath`` as a local path (a ``file://`` URL stripped), or None for another fsspec protocol
+    (``s3://``, ``memory://``), which only a single file reaches (through fsspec)."""
+    text = str(filepath)
+    if text.startswith("file://"):
+        return Path(text[len("file://") :])
+    return Path(text) if _is_local_file_protocol(text) else None
+
+
+def sharded_path(filepath: Any) -> Path:
+    """The local path of a checkpoint directory, or a ``ValueError`` naming the fixes for a remote URL
+    (before, pathlib turned ``s3://b/x`` into a local folder ``s3:/b/x``, silently)."""
+    path = local_path(filepath)
+    if path is None:
+        raise ValueError(
+            f"{filepath}: checkpoints written per rank (a directory: ZeRO 1-3, tensor or pipeline"
+            " parallelism) go to a local or mounted path only. Save to one (a mounted bucket), or save one"
+            " file through fsspec: HybridParallelStrategy(save_distributed_checkpoint=False)."
+        )
+    return path
+
+
+def write_over_directory(filepath: Any, write: Callable[[Any], None]) -> None:
+    """``write(path)`` of a single-file checkpoint at ``filepath``; where a checkpoint directory (or a link
+    to one) is there, into a sibling file swapped in for it (before, fsspec's move put the file inside
+    the directory and changed the directory's mode, and the save was lost without a word)."""
+    path = local_path(filepath)
+    if path is None or not path.is_dir():
+        write(filepath)
+        return
+    staging = path.with_name(path.name + ".file-partial")
+    write(staging)
+    swap_into_place(staging, path=path)

@@ -9,7 +9,6 @@ Lightning overrides so the strategy module stays about composition.
 
 from __future__ import annotations
 
-import shutil
 from abc import abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +23,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint, read_dcp_checkpoint
+from lightning_par.checkpoint.files import remove_path
 from lightning_par.checkpoint.fit_state import FitState
 from lightning_par.checkpoint.full import gather_full_optimizer_state, gather_full_state_dict
 from lightning_par.checkpoint.hook_edits import (
@@ -53,7 +53,13 @@ from lightning_par.checkpoint.sharded import (
     read_meta,
     read_rank_entries,
 )
-from lightning_par.checkpoint.single_file import read_torch_file, refuse_directory
+from lightning_par.checkpoint.single_file import (
+    local_path,
+    read_torch_file,
+    refuse_directory,
+    sharded_path,
+    write_over_directory,
+)
 from lightning_par.checkpoint.tp_reshard import TPInfo, tp_info
 from lightning_par.mesh import MeshLayout, ParallelMesh
 from lightning_par.zero.engine import Engine, reads_own_state
@@ -224,12 +230,16 @@ class ZeroCheckpointIO(ParallelStrategy):
         if self._full_file():
             # one ordinary Lightning file: the state dict and optimizer states are already full (rank 0)
             checkpoint[METADATA_KEY]["format"] = "full"
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            if self.is_global_zero:  # the only writer
+                write_over_directory(
+                    filepath,
+                    lambda to: super(ZeroCheckpointIO, self).save_checkpoint(checkpoint, to, storage_options),
+                )
             return
         if storage_options is not None:
             raise TypeError("storage_options is not supported for sharded (ZeRO 1-3) checkpoints.")
         # an older checkpoint under the same name (a directory or a single file) is replaced atomically
-        path = Path(self.broadcast(str(filepath)))
+        path = sharded_path(self.broadcast(str(filepath)))
         payload = rank_payload(
             self.lightning_module,
             self._saved_engine(),
@@ -285,9 +295,12 @@ class ZeroCheckpointIO(ParallelStrategy):
     @override
     @reads_own_state
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
+        text = self.broadcast(str(checkpoint_path))
+        path = local_path(text)
         self._sharded_source = None
-        if is_dcp_checkpoint(path):  # Lightning's FSDPStrategy / ModelParallelStrategy wrote it
+        if path is None:  # another fsspec protocol: a single file (directories are local only)
+            checkpoint = self.checkpoint_io.load_checkpoint(text, weights_only=weights_only)
+        elif is_dcp_checkpoint(path):  # Lightning's FSDPStrategy / ModelParallelStrategy wrote it
             checkpoint = read_dcp_checkpoint(path)
         elif is_sharded_checkpoint(path):
             checkpoint = read_meta(path)
@@ -353,12 +366,11 @@ class ZeroCheckpointIO(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+        path = local_path(filepath)
+        if path is None:
+            super().remove_checkpoint(filepath)  # a single file on another fsspec filesystem
+        elif self.is_global_zero:
+            remove_path(path)  # a link (save_last="link"): the link, not its target's tree
 
 
 def _state_of(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
