@@ -17,7 +17,9 @@ afterwards what it changed (:class:`StateEdits`), and the load applies the recor
 
 A save records its hooks' edits in the checkpoint's metadata (renames as removed and written), so the
 load of a directory applies them too. Identity and in-place versions are compared, never values: no copy
-and no device read.
+and no device read. Where the parameters are in pieces the hooks get a :class:`PartialStateDict` (buffers
+and other entries; reading a parameter's entry names the fixes), and a load hook that replaces it by
+another dict is warned that the parameters it did not see load as saved.
 """
 
 from __future__ import annotations
