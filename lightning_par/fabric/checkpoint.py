@@ -334,14 +334,10 @@ def load(
     if source is not None and module_key is not None:
         unloaded = []
     if unloaded:
-        whole = consolidate(path) if source is not None else None
+        # a directory consolidates into fabric.save's own layout: the entries under their keys
+        whole = consolidate(path) if source is not None else raw
         for k in unloaded:
-            if whole is None:
-                rest[k] = raw[k]
-            elif k == keys.get("module"):
-                rest[k] = whole["state_dict"]
-            else:
-                rest[k] = whole["optimizer_states"][saved_optimizers.index(k)]
+            rest[k] = whole[k]
     return rest
 
 
