@@ -111,9 +111,10 @@ def encode(spec: Spec, *, device: torch.device) -> Tensor:
     return torch.tensor(values + [0] * (HEADER - len(values)), dtype=torch.int64, device=device)
 
 
-def decode(header: Tensor) -> Spec:
-    """The structure from a header (a host read: only in steps that learn shapes, and in predict)."""
-    values = header.tolist()
+def decode(header: Tensor | list[int]) -> Spec:
+    """The structure from a header (a host read: only in steps that learn shapes, and in predict), or
+    from its values read already."""
+    values = header.tolist() if isinstance(header, Tensor) else header
     parts = []
     for k in range(values[1]):
         ndim, dtype, *sizes = values[2 + k * _PART : 2 + (k + 1) * _PART]

@@ -383,14 +383,16 @@ class PipelineRuntime:
         else:
             header = torch.zeros(HEADER, dtype=torch.int64, device=self.device)
         dist.broadcast(header, src=src, group=self.group)
-        if bool(failed) if on_last else int(header[0]) == -1:  # a verdict: read on the host
+        values = None if on_last else header.tolist()  # the result's shape, or a failure: one host read
+        if failed or (values is not None and values[0] == -1):
             box: list[Any] = [f"{type(failed[0]).__name__}: {failed[0]}" if failed else None]
             dist.broadcast_object_list(box, src=src, group=self.group, device=self.device)
             if failed:
                 raise failed[0]
             raise RuntimeError(f"predict failed on the last pipeline stage (global rank {src}): {box[0]}")
         if result is None:
-            ((shape, dtype),) = decode(header).parts
+            assert values is not None
+            ((shape, dtype),) = decode(values).parts
             result = torch.empty(shape, dtype=dtype, device=self.device)
         dist.broadcast(result, src=src, group=self.group)
         return result
