@@ -131,11 +131,6 @@ class StateSnapshot:
         self.source = state  # the object the hook receives (a replaced one is another)
         self._entries = {k: (v, _version(v)) for k, v in state.items()}
 
-    def hidden(self, state: Mapping[str, Any]) -> bool:
-        """Whether the hook replaced (a dict rebuilt by a comprehension) a state dict that showed it no
-        parameters (:class:`PartialStateDict`); edits in place need no word (what it wrote is loaded)."""
-        return isinstance(self.source, PartialStateDict) and state is not self.source
-
     def edits(self, state: Mapping[str, Any]) -> StateEdits:
         source_of = {id(v): k for k, (v, _) in self._entries.items() if isinstance(v, Tensor)}
         written: set[str] = set()
@@ -191,12 +186,10 @@ FIXES = (
 )
 
 
-def hidden_load_message() -> str:
-    """What to say when ``on_load_checkpoint`` replaced a :class:`PartialStateDict` by another dict (a
-    comprehension that filters or renames keys): the parameters it did not see load as saved, where a
-    filter may have meant to drop some. A changed name that leaves the model without its parameters is
-    refused by the load's check, with the reason."""
-    return (
-        f"on_load_checkpoint replaced {HIDDEN}: the parameters it did not see load from the pieces as saved."
-        f" {FIXES}"
-    )
+# on_load_checkpoint replaced a PartialStateDict by another dict (a comprehension that filters or renames
+# keys): the parameters it did not see load as saved, where a filter may have meant to drop some; a changed
+# name that leaves the model without its parameters is refused by the load's check, with the reason
+HIDDEN_LOAD = (
+    f"on_load_checkpoint replaced {HIDDEN}: the parameters it did not see load from the pieces as saved."
+    f" {FIXES}"
+)

@@ -30,10 +30,10 @@ from lightning_par.checkpoint.hook_edits import (
     EDITS_KEY,
     FIXES,
     HIDDEN,
+    HIDDEN_LOAD,
     PartialStateDict,
     StateEdits,
     StateSnapshot,
-    hidden_load_message,
 )
 from lightning_par.checkpoint.io import (
     _group_names,
@@ -333,8 +333,8 @@ class ZeroCheckpointIO(ParallelStrategy):
         edits = (loading.edits(state) if loading is not None else StateEdits()).after(saved, state)
         self._load_edits = edits
         partial = loading is not None and isinstance(loading.source, PartialStateDict)
-        if loading is not None and loading.hidden(state):
-            rank_zero_warn(hidden_load_message())
+        if partial and loading is not None and state is not loading.source:  # a dict rebuilt by the hook
+            rank_zero_warn(HIDDEN_LOAD)
         # a refusal of a directory in pieces: its hooks could not have renamed the parameters
         hint = f" (on_load_checkpoint sees no parameters here: {HIDDEN}. {FIXES})" if partial else ""
         check_model(checkpoint, self.lightning_module, self._tp(), strict=strict, edits=edits, hint=hint)
