@@ -48,30 +48,27 @@ from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.init import _EmptyInit
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_par.batch_agreement import BatchAgreement
-from lightning_par.build import ZeroOptions, build_engine, set_precision_groups
+from lightning_par.build import ZeroOptions, build_engine
 from lightning_par.data_reduce import MetricSync
-from lightning_par.device_checks import check_optimizer_kernels, resolve_backend
+from lightning_par.device_checks import resolve_backend
 from lightning_par.fabric import checkpoint as fabric_checkpoint
+from lightning_par.fabric.optimizers import FabricOptimizers
 from lightning_par.fabric.pipeline import FabricPipeline, build_fabric_pipeline, refuse_direct_call
 from lightning_par.fabric.precision import to_parallel_precision
 from lightning_par.fabric.setup import (
     Replaced,
-    complete_stage_groups,
     compose_module,
-    follow_replaced,
     refuse_forward_before_optimizers,
 )
 from lightning_par.fabric.steps import FabricSteps
 from lightning_par.grad_reads import GradReads
 from lightning_par.mesh import ParallelMesh
-from lightning_par.optimizer_checks import check_layout_optimizers
 from lightning_par.owned_hooks import for_owner
 from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
 from lightning_par.precision import ParallelPrecision, cast_frozen, restore_norms
@@ -103,7 +100,7 @@ class _EngineSyncControl(_BackwardSyncControl):
         return engine.no_sync() if enabled and engine is not None else nullcontext()
 
 
-class HybridParallelStrategy(FabricSteps, DDPStrategy):
+class HybridParallelStrategy(FabricSteps, FabricOptimizers, DDPStrategy):
     """ZeRO stages 0-3 with ``ParallelPrecision`` for Lightning Fabric (see the module docstring).
 
     Args:
@@ -466,92 +463,6 @@ class HybridParallelStrategy(FabricSteps, DDPStrategy):
                 f" here pipeline_parallel_size={self.pipeline_parallel_size} and no pipeline is set up."
             )
         return self._pipeline
-
-    @property
-    def optimizers(self) -> list[Optimizer]:
-        """The set-up optimizers, rebuilt over this rank's shards (those handed over by
-        ``setup_optimizers`` are sharded now if they were not yet)."""
-        self.flush_optimizers()
-        return self._optimizers
-
-    @override
-    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """``fabric.setup_optimizers(opt_a, opt_b)`` calls this once per optimizer, so each is only
-        recorded here: ZeRO 1-3 shard all of them together (one layout over every optimizer's parameters)
-        at their first use, :meth:`flush_optimizers` (before, the second call was refused)."""
-        self._check_optimizers([optimizer])
-        self._pending.append(optimizer)
-        if self._before_optimizers is not None:  # the first forward sets them up: nothing to refuse
-            self._before_optimizers.remove()
-            self._before_optimizers = None
-        if self._pending_hook is None and self.module is not None:
-            # eager inside a compiled model (Fabric compiles the set-up module again): traced, the
-            # sharding of the optimizers switched AdamW to capturable=True, whose step fails on a CPU
-            flush = torch.compiler.disable(for_owner(self.module, lambda *_: self.flush_optimizers()))
-            self._pending_hook = self.module.register_forward_pre_hook(flush, prepend=True)
-        return optimizer
-
-    def flush_optimizers(self) -> None:
-        """Set up the optimizers ``setup_optimizers`` handed over, if any (every rank, at the same point
-        of the loop: the first forward, pipeline call, checkpoint or read of :attr:`optimizers`)."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        if self._pending_hook is not None:
-            self._pending_hook.remove()
-            self._pending_hook = None
-        self._setup_optimizers(pending, checked=True)
-
-    def _check_optimizers(self, optimizers: list[Optimizer]) -> None:
-        """What can be refused before the optimizers are sharded (at once, also for those
-        ``setup_optimizers`` hands over one by one): no module set up, optimizers set up already, meta
-        parameters; then, pointed at what tensor or pipeline parallelism replaced (under a pipeline, their
-        groups completed with the other stages' placeholders), the layout's optimizer rules."""
-        if self.engine is None:
-            raise RuntimeError("Set up the module first: fabric.setup(model, optimizer) or setup_module().")
-        if self._optimizers:
-            raise ValueError(
-                "The optimizers of this module are already set up (and sharded at their first use): pass"
-                " all of them in one fabric.setup(model, *optimizers) or setup_optimizers(*optimizers)"
-                " call, or several setup_optimizers calls before the model's first forward."
-            )
-        if any(p.is_meta for opt in optimizers for g in opt.param_groups for p in g["params"]):
-            raise ValueError(
-                "An optimizer holds meta-device parameters: with fabric.init_module(empty_init=True) the"
-                " ZeRO-3 engine replaces them by their materialised shards, so create the optimizer after"
-                " model = fabric.setup_module(model), from model.parameters(), then call"
-                " fabric.setup_optimizers(optimizer)."
-            )
-        names = {id(p): n for n, p in self.module.named_parameters()} if self.module is not None else None
-        follow_replaced(self._replaced, optimizers)
-        # the parameters to be trained, named after what tensor parallelism put in the module
-        held = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
-        self.precision.check_trainable(((names or {}).get(id(p), "<not in the module>"), p) for p in held)
-        if self._pipeline is not None:  # collective over the stages: every rank, one optimizer at a time
-            assert self.module is not None
-            complete_stage_groups(optimizers, self.module, pp_group=self.mesh.pp_group)
-        check_layout_optimizers(
-            optimizers,
-            pipeline=self._pipeline is not None,
-            allow_untested=self.allow_untested_optimizer,
-            names=names,
-        )
-        check_optimizer_kernels(optimizers, device=self.root_device)
-
-    def _setup_optimizers(self, optimizers: list[Optimizer], *, checked: bool = False) -> None:
-        """Shard ``optimizers`` (``checked``: :meth:`_check_optimizers` passed them already, and pointed
-        them at the placeholders of other stages, which it would now take for meta parameters)."""
-        if not checked:
-            self._check_optimizers(optimizers)
-        self._replaced = {}
-        assert self.engine is not None  # _check_optimizers
-        self.engine.shard_optimizers(optimizers)
-        if self._before_optimizers is not None:
-            self._before_optimizers.remove()
-            self._before_optimizers = None
-        _optimizers_to_device(optimizers, self.root_device)
-        self._optimizers = list(optimizers)
-        set_precision_groups(self.precision, self.mesh, zero_stage=self.zero_stage)
 
     # ------------------------------------------------------------------ checkpoints
     @override
