@@ -68,7 +68,8 @@ release after the collective. Nothing in a step synchronises the device with the
 
 This module holds construction and the forward/gather hooks; the bases hold the gradient hooks, the
 reduction queue and the window's end (:mod:`~lightning_par.zero.stage3_reduce`), the optimizer sharding
-(:mod:`~lightning_par.zero.stage3_optim`) and checkpoint access (:mod:`~lightning_par.zero.stage3_state`).
+(:mod:`~lightning_par.zero.stage3_optim`), checkpoint access (:mod:`~lightning_par.zero.stage3_state`) and
+the windows of refused reads outside the steps (:class:`~lightning_par.zero.stage3_between.ReadWindows`).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ from lightning_par.zero.meta_init import (
 )
 from lightning_par.zero.meta_replay import refuse_writes_after_build
 from lightning_par.zero.optimizer_rebuild import stepped_ids
-from lightning_par.zero.stage3_between import BetweenSteps
+from lightning_par.zero.stage3_between import BetweenSteps, ReadWindows
 from lightning_par.zero.stage3_calls import CrossUnitGuard
 from lightning_par.zero.stage3_join import mark_hf_models, unmark_hf_models
 from lightning_par.zero.stage3_load import load_into_shards
@@ -117,7 +118,7 @@ from lightning_par.zero.unit import Unit, build_unit
 from lightning_par.zero.units import UnitPolicy, plan_units
 
 
-class Stage3Engine(Stage3Reduce):
+class Stage3Engine(Stage3Reduce, ReadWindows):
     """Shards ``module``'s parameters over ``group`` in units (see the module docstring)."""
 
     def __init__(
@@ -430,47 +431,6 @@ class Stage3Engine(Stage3Reduce):
                 self.release_graph_hold()
             if self.root is not None and not torch.is_grad_enabled():
                 self._free(self.root)
-
-    @contextmanager
-    def reads_refused(self, where: str) -> Iterator[None]:
-        """Inside, a read of a parameter whose unit is not gathered raises (``where`` says where, in the
-        message): for user hooks the strategy runs while the parameters are placeholders, such as
-        ``on_save_checkpoint`` (:mod:`lightning_par.zero.stage3_between`)."""
-        guard = BetweenSteps(self.units, self.own_reads, where=where)
-        guard.start()
-        try:
-            yield
-        finally:
-            guard.stop()
-
-    def refuse_reads_until_step(self, where: str) -> None:
-        """From now until the next step starts (the next forward of a unit, or a step context), a read of
-        a parameter whose unit is not gathered raises (``where`` in the message): a Fabric loop's code
-        between ``fabric.setup`` and its first step, where an init after sharding (torchtitan's
-        ``init_weights()``) or a weight read would meet the placeholders
-        (:mod:`lightning_par.zero.stage3_between`)."""
-        if self._before_first is None:
-            self._before_first = BetweenSteps(self.units, self.own_reads, where=where)
-            self._before_first.start()
-
-    def refuse_reads_between_steps(self, where: str) -> None:
-        """From an optimizer step of a Fabric loop to the model's next forward, a read of a parameter
-        whose unit is not gathered raises (``where`` in the message), as
-        :meth:`refuse_reads_until_step` does before the first step. The window closes at the next
-        forward of any unit, so the forward and backward of a step run without the check."""
-        if self._fabric_between is None:
-            self._fabric_between = BetweenSteps(self.units, self.own_reads, where=where)
-        self._fabric_between.start()
-
-    def end_read_windows(self) -> None:
-        """A step starts (a step context, a pipeline step, a unit's forward) or a Fabric run is done (its
-        last ``optimizer.step`` opened a window no forward closes): the windows of refused reads outside
-        the steps end, the one before the first step for good."""
-        guard, self._before_first = self._before_first, None
-        if guard is not None:
-            guard.stop()
-        if self._fabric_between is not None:
-            self._fabric_between.stop()
 
     def after_step(self, *, open_window: bool = True, optimizer: Optimizer | None = None) -> None:
         """After an optimizer update (the shards are updated in place; gathers read them next time), and

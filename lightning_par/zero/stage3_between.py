@@ -37,7 +37,8 @@ the others put back in their order (:func:`~lightning_par.torch_modes.leave_mode
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from torch.overrides import TorchFunctionMode
@@ -47,7 +48,7 @@ from lightning_par.torch_modes import CheckedCalls, leave_mode
 from lightning_par.zero.stage3_calls import param_owners, params_read
 from lightning_par.zero.unit import Unit
 
-__all__ = ["BetweenSteps"]
+__all__ = ["BetweenSteps", "ReadWindows"]
 
 
 class BetweenSteps:
@@ -99,3 +100,54 @@ class BetweenSteps:
                     " masters), or do the work inside training_step."
                     + ("" if self._where else " (Checked between the first two training steps only.)")
                 )
+
+
+class ReadWindows:
+    """Mixin of :class:`~lightning_par.zero.stage3.Stage3Engine`: the windows, besides the one after the
+    first training step, in which a read of a parameter whose unit is not gathered is refused."""
+
+    units: list[Unit]
+    own_reads: OwnReads
+    _before_first: BetweenSteps | None  # refuse_reads_until_step's window
+    _fabric_between: BetweenSteps | None  # refuse_reads_between_steps' window
+
+    @contextmanager
+    def reads_refused(self, where: str) -> Iterator[None]:
+        """Inside, a read of a parameter whose unit is not gathered raises (``where`` says where, in the
+        message): for user hooks the strategy runs while the parameters are placeholders, such as
+        ``on_save_checkpoint`` (:mod:`lightning_par.zero.stage3_between`)."""
+        guard = BetweenSteps(self.units, self.own_reads, where=where)
+        guard.start()
+        try:
+            yield
+        finally:
+            guard.stop()
+
+    def refuse_reads_until_step(self, where: str) -> None:
+        """From now until the next step starts (the next forward of a unit, or a step context), a read of
+        a parameter whose unit is not gathered raises (``where`` in the message): a Fabric loop's code
+        between ``fabric.setup`` and its first step, where an init after sharding (torchtitan's
+        ``init_weights()``) or a weight read would meet the placeholders
+        (:mod:`lightning_par.zero.stage3_between`)."""
+        if self._before_first is None:
+            self._before_first = BetweenSteps(self.units, self.own_reads, where=where)
+            self._before_first.start()
+
+    def refuse_reads_between_steps(self, where: str) -> None:
+        """From an optimizer step of a Fabric loop to the model's next forward, a read of a parameter
+        whose unit is not gathered raises (``where`` in the message), as
+        :meth:`refuse_reads_until_step` does before the first step. The window closes at the next
+        forward of any unit, so the forward and backward of a step run without the check."""
+        if self._fabric_between is None:
+            self._fabric_between = BetweenSteps(self.units, self.own_reads, where=where)
+        self._fabric_between.start()
+
+    def end_read_windows(self) -> None:
+        """A step starts (a step context, a pipeline step, a unit's forward) or a Fabric run is done (its
+        last ``optimizer.step`` opened a window no forward closes): the windows of refused reads outside
+        the steps end, the one before the first step for good."""
+        guard, self._before_first = self._before_first, None
+        if guard is not None:
+            guard.stop()
+        if self._fabric_between is not None:
+            self._fabric_between.stop()
