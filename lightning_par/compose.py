@@ -24,6 +24,7 @@ from lightning_par.activation_checkpointing import apply_activation_checkpointin
 from lightning_par.pipeline.apply import PipelineSplit, apply_pipeline, warn_frozen_beside
 from lightning_par.pipeline.partition import Cut
 from lightning_par.pipeline.pieces import Piece
+from lightning_par.pipeline.split_guard import guard_split_model
 from lightning_par.state_guard import guard_state_dicts
 from lightning_par.tensor_parallel import apply_tensor_parallel
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
@@ -153,6 +154,8 @@ def compose(
             groups=cut_groups,
         )
         warn_frozen_beside(module, built)
+        # the model's own forward and a submodule's save would meet other stages' placeholders: refused
+        guard_split_model(module, pp_rank=pp_rank)
     if options.activation_checkpointing is not False:
         policy = None if options.activation_checkpointing is True else options.activation_checkpointing
         composition.checkpointed = apply_activation_checkpointing(module, policy=policy)

@@ -143,7 +143,13 @@ def _pipelined(rank: int, world: int, schedule: str, tmp: str) -> dict[str, Any]
     _trainer(strategy, 2, tmp, [losses], EPOCHS).fit(module, DataLoader(Pairs(), batch_size=BATCH))
     return {
         "losses": losses.losses,
-        "state": {k: v for k, v in module.model.state_dict().items() if not v.is_meta},
+        # this stage's entries, from the LightningModule's own traversal (a submodule's state_dict() under a
+        # pipeline is refused: it would hold the other stages' placeholders)
+        "state": {
+            k.removeprefix("model."): v
+            for k, v in module.state_dict().items()
+            if k.startswith("model.") and not v.is_meta
+        },
     }
 
 

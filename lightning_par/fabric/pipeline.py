@@ -100,7 +100,8 @@ def refuse_direct_call(module: nn.Module) -> RemovableHandle:
     def refuse(_module: nn.Module, _args: Any) -> None:
         raise RuntimeError(f"The model cannot be called directly: {_RULE}.")
 
-    return module.register_forward_pre_hook(refuse)
+    # first: the split model's own refusal (pipeline/split_guard.py) names less of Fabric's calls
+    return module.register_forward_pre_hook(refuse, prepend=True)
 
 
 def refuse_backward() -> None:

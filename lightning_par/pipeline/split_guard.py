@@ -1,0 +1,95 @@
+"""Refuse whole-model calls and saves of a model split into pipeline stages.
+
+Why
+---
+After :func:`~lightning_par.pipeline.apply.apply_pipeline` each rank holds its own stage's layers; the
+parameters of the other stages' layers are meta-device placeholders. The pipeline runs the stage's layers
+one by one and never calls the modules that contain them (the LightningModule, a Hugging Face model's
+``forward`` or ``generate``), but a user's code does: ``self.model.generate(...)`` in
+``on_validation_epoch_end`` failed deep inside the model with torch's "Tensor on device meta is not on the
+expected device cpu", and ``pl_module.model.save_pretrained(dir)`` or ``torch.save(model.state_dict())``
+wrote the placeholders (an incomplete file, silently, or "Cannot copy out of meta tensor" after writing the
+config).
+
+How
+---
+:func:`guard_split_model` puts two hooks on each module of ``root`` whose subtree holds a placeholder:
+
+* a forward pre-hook that refuses the call, naming the module, a placeholder and the fixes;
+* a ``state_dict`` pre-hook (through :func:`~lightning_par.state_guard.guard_state_dicts`, on the modules
+  holding placeholders directly) that refuses a traversal started below ``root``; the strategies' own
+  traversals start at ``root`` (checkpoints, ``consolidated_state_dict()``) and pass.
+
+Both look again at each call whether the module still holds a placeholder, so a copy whose placeholders
+were replaced by whole weights (``load_state_dict(..., assign=True)`` of the consolidated state) runs and
+saves. The hooks stay with the model, as the split itself does: it is not undone after ``fit``. The
+pipeline's own calls (its chunks of this stage's layers) never reach a hooked module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_par.state_guard import guard_state_dicts
+from lightning_par.zero.units import REMOTE_ATTR
+
+__all__ = ["guard_split_model"]
+
+_FIXES = (
+    "The pipeline runs the model: the Trainer's fit / validate / test / predict through pipeline_loss,"
+    " pipeline_eval and pipeline_predict, a Fabric loop through fabric.strategy.pipeline.step / evaluate /"
+    " predict. For generation or any other whole-model call, call strategy.consolidated_state_dict() on"
+    " every rank (collective; the full state lands on rank 0) and load it into an unsplit copy of the model"
+    " (e.g. model.save_pretrained(dir, state_dict=...) on rank 0, then from_pretrained)."
+)
+
+
+def _remote_name(module: nn.Module, *, recurse: bool) -> str | None:
+    """The name of one placeholder ``module`` holds (directly or, with ``recurse``, below), or None."""
+    for name, p in module.named_parameters(recurse=recurse):
+        if getattr(p, REMOTE_ATTR, False):
+            return name
+    for name, b in module.named_buffers(recurse=recurse):
+        if getattr(b, REMOTE_ATTR, False):
+            return name
+    return None
+
+
+def guard_split_model(root: nn.Module, *, pp_rank: int) -> list[RemovableHandle]:
+    """Hook the modules of ``root`` that hold other stages' placeholders (see the module docstring);
+    ``pp_rank``: this rank's pipeline stage, for the message."""
+    handles: list[RemovableHandle] = []
+    seen: set[int] = set()
+    for name, module in root.named_modules():
+        if id(module) in seen or _remote_name(module, recurse=True) is None:
+            continue
+        seen.add(id(module))
+        handles.append(module.register_forward_pre_hook(_refuse_call(name or type(module).__name__, pp_rank)))
+    handles += guard_state_dicts(
+        root,
+        holds=lambda m: _remote_name(m, recurse=False) is not None,
+        reason=lambda m: (
+            "meta-device placeholders of layers that live on other pipeline stages (each rank holds its own"
+            " stage's layers)"
+            if _remote_name(m, recurse=False) is not None
+            else None
+        ),
+    )
+    return handles
+
+
+def _refuse_call(name: str, pp_rank: int) -> Any:
+    def hook(module: nn.Module, _args: Any) -> None:
+        remote = _remote_name(module, recurse=True)
+        if remote is not None:
+            raise RuntimeError(
+                f"{name!r} ({type(module).__name__}) was called on pipeline stage {pp_rank}, which holds"
+                f" only its own stage's layers: {remote!r} and the other layers of other stages are"
+                " meta-device placeholders here, so the call would fail in torch or compute nothing"
+                f" useful (a forward, generate(), a summary's example input). {_FIXES}"
+            )
+
+    return hook

@@ -1,0 +1,137 @@
+"""A model split into pipeline stages refuses whole-model calls and saves by name, and Lightning's
+``ModelSummary`` (on by default) no longer runs the split model's forward on ``example_input_array``.
+
+Before: a pp2 fit with an example input (what ``partition_method="profile"`` needs) and the Trainer's
+default summary failed at fit start with torch's "Tensor on device meta is not on the expected device cpu";
+after the fit, ``model.generate(...)`` failed the same way, ``model.save_pretrained(dir)`` raised "Cannot
+copy out of meta tensor" and ``torch.save(model.state_dict())`` wrote the other stages' placeholders,
+silently. The test fits a Hugging Face Llama at pp2 with the profiled cut and the summary on, compares its
+weights with a one-process loop over the same batches, checks the refusals, and that the documented way
+out (``consolidated_state_dict()`` into an unsplit model; or a copy whose placeholders were replaced by
+``load_state_dict(assign=True)``) generates the one-process model's tokens."""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_par import HybridParallelStrategy
+from lightning_par.pipeline import hf_pipeline_layers
+from tests.distributed import run_distributed
+from tests.third_party import Tokens, llama, replay_order
+
+N, BATCH, STEPS, LR = 8, 4, 2, 0.1
+PROMPT = torch.tensor([[1, 2, 3]])
+
+
+class SplitLlama(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = llama(0)
+        self._layers: list[Any] = []
+        self.example_input_array = torch.tensor([[1, 2, 3, 4]])
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.model(input_ids=ids).logits
+
+    def pipeline_layers(self) -> list[Any]:
+        if not self._layers:
+            self._layers = hf_pipeline_layers(self.model)
+        return self._layers
+
+    def pipeline_loss(self, out: Tensor, batch: Any) -> Tensor:
+        return F.cross_entropy(out.flatten(0, 1), batch[1].flatten())
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:  # not run under the pipeline
+        raise AssertionError("training_step runs under pipeline parallelism")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def _error(call: Any) -> str:
+    try:
+        call()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def _generate(model: torch.nn.Module) -> list[int]:
+    return model.generate(PROMPT, max_new_tokens=3, do_sample=False, pad_token_id=0)[0].tolist()  # type: ignore[operator]
+
+
+def _job(rank: int, world: int, root: str) -> dict[str, Any]:
+    pl.seed_everything(0)
+    module = SplitLlama()
+    example = module.example_input_array
+    strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, partition_method="profile")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False,  # the model summary stays on (default)
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(Tokens(N), batch_size=BATCH))
+    out: dict[str, Any] = {
+        "example_back": module.example_input_array is example,
+        "generate": _error(lambda: _generate(module.model)),
+        "forward": _error(lambda: module(PROMPT)),
+        "save_pretrained": _error(lambda: module.model.save_pretrained(f"{root}/r{rank}")),
+        "state_dict": _error(lambda: module.model.state_dict()),
+    }
+    state = strategy.consolidated_state_dict()  # collective: the documented way out
+    strategy.destroy_process_groups()
+    if rank == 0:
+        weights = {k[len("model.") :]: v for k, v in state.items()}
+        out["weights"] = weights
+        fresh = llama(0)
+        fresh.load_state_dict(weights)
+        out["fresh_tokens"] = _generate(fresh)
+        # a copy of the split model whose placeholders were replaced runs and saves
+        whole = copy.deepcopy(module.model)
+        whole.load_state_dict(weights, assign=True)
+        out["copy_tokens"] = _generate(whole)
+        out["copy_saved"] = sorted(whole.state_dict()) == sorted(weights)
+    return out
+
+
+def _reference() -> tuple[dict[str, Tensor], list[int]]:
+    """One process, the model's own forward over the batches Lightning's sampler gave the pp ranks."""
+    model = llama(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    data = Tokens(N)
+    for indices in replay_order(N, dp=1, micro=BATCH, epochs=1, seed=0)[:STEPS]:
+        ids = torch.stack([data[i][0] for i in indices])
+        labels = torch.stack([data[i][1] for i in indices])
+        loss = F.cross_entropy(model(input_ids=ids).logits.flatten(0, 1), labels.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, _generate(model)
+
+
+def test_split_model_refuses_whole_calls_and_summary_runs() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        results = run_distributed(_job, 2, root, init_group=False, timeout=300)
+    weights, tokens = _reference()
+    for rank, out in enumerate(results):
+        assert out["example_back"], f"rank {rank}: example_input_array not put back after fit"
+        for what in ("generate", "forward"):
+            assert f"called on pipeline stage {rank}" in out[what], (what, out[what])
+            assert "consolidated_state_dict()" in out[what], out[what]
+        for what in ("save_pretrained", "state_dict"):
+            assert "placeholders of layers that live on other pipeline stages" in out[what], out[what]
+            assert "consolidated_state_dict()" in out[what], out[what]
+    first = results[0]
+    assert sorted(first["weights"]) == sorted(weights)
+    for name, value in weights.items():
+        torch.testing.assert_close(first["weights"][name], value, msg=lambda m, n=name: f"{n}: {m}")
+    assert first["fresh_tokens"] == tokens
+    assert first["copy_tokens"] == tokens
+    assert first["copy_saved"]
