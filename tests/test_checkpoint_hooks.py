@@ -39,7 +39,7 @@ class Hooked(pl.LightningModule):
         self,
         *,
         attr: str = "model",
-        save_edit: bool = False,
+        save_edit: bool | str = False,
         load_edit: str | None = None,
         new_head: bool = False,
     ) -> None:
@@ -61,8 +61,11 @@ class Hooked(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.save_edit:
-            checkpoint["state_dict"][f"{self.attr}.lm_head.weight"] = torch.zeros(self.head_shape)
+        state = checkpoint["state_dict"]
+        if self.save_edit == "scale":  # reads the entry, on every rank as under "ddp"
+            state[HEAD] = state[HEAD] * 0.5
+        elif self.save_edit:
+            state[f"{self.attr}.lm_head.weight"] = torch.zeros(self.head_shape)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["state_dict"]
@@ -84,8 +87,10 @@ class Hooked(pl.LightningModule):
 def _strategy(name: str) -> Any:
     if name == "ddp":
         return "ddp"
-    if name == "tp2":
-        return HybridParallelStrategy(tensor_parallel_size=2, tp_plan="llama")
+    if name.startswith("tp2"):  # "tp2-file": whole files, gathered on rank 0
+        return HybridParallelStrategy(
+            tensor_parallel_size=2, tp_plan="llama", save_distributed_checkpoint=name == "tp2"
+        )
     return HybridParallelStrategy(zero_stage=int(name[4]))  # "zero1", "zero1-bf16", "zero3"
 
 
@@ -93,7 +98,7 @@ def _fit(name: str, tmp: str, module: Hooked, *, epochs: int, ckpt: str | None =
     """Fit ``module`` for ``epochs`` (from ``ckpt``), saving the last checkpoint under ``tmp/name``; the
     whole final state (rank 0)."""
     strategy = _strategy(name)
-    dp = 1 if name == "tp2" else 2
+    dp = 1 if name.startswith("tp2") else 2
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -153,6 +158,12 @@ def _job(rank: int, world: int, tmp: str) -> dict[str, Any]:
     # review, refused as a rename the hook could not apply)
     fine_tune = Hooked(load_edit="extra", new_head=True)
     out["fine_tune"] = _fit("zero3", tmp, fine_tune, epochs=1, ckpt=zero3_dir)
+    # whole files gathered on rank 0: the other rank's save hook reads and rescales the head's entry too
+    # (before, it got {} there: KeyError on rank 1, rank 0 went on alone)
+    for name in ("ddp", "tp2-file"):
+        _fit(name, os.path.join(tmp, "scale"), Hooked(save_edit="scale"), epochs=1)
+        saved = torch.load(os.path.join(tmp, "scale", name, "last.ckpt"), weights_only=False)
+        out[f"scale/{name}"] = saved["state_dict"]
     # a hook reading a weight of a directory in pieces is told why it is not there
     try:
         _fit("zero3", tmp, Hooked(load_edit="read"), epochs=1, ckpt=os.path.join(tmp, "zero3", "last.ckpt"))
@@ -191,6 +202,26 @@ def test_checkpoint_hooks_edits_of_the_state_dict_are_saved_and_loaded_as_under_
         torch.testing.assert_close(got["fine_tune"][key], value, rtol=0, atol=0, msg=key)
     read = got["read"]
     assert "per-rank pieces" in read and "save_distributed_checkpoint=False" in read, read
+    scaled, ref_scaled = got["scale/tp2-file"], got["scale/ddp"]
+    assert set(scaled) == set(ref_scaled)
+    for key, value in ref_scaled.items():
+        torch.testing.assert_close(scaled[key].float(), value.float(), atol=2e-5, rtol=2e-5, msg=key)
+
+
+@pytest.mark.parametrize("edit", ["read", "del", "pop"])
+def test_partial_state_dict_names_the_fix_for_parameters(edit: str) -> None:
+    """A hook reading or removing a parameter's entry of a directory in pieces (before: del and pop
+    raised a bare KeyError); a key that is no parameter's stays a plain KeyError."""
+    from lightning_par.checkpoint.hook_edits import PartialStateDict
+
+    state = PartialStateDict({"buf": torch.zeros(1)}, elsewhere=frozenset({HEAD}))
+    act = {"read": lambda k: state[k], "del": lambda k: state.__delitem__(k), "pop": state.pop}[edit]
+    with pytest.raises(KeyError, match="per-rank pieces"):
+        act(HEAD)
+    with pytest.raises(KeyError) as other:
+        act("nothing")
+    assert "per-rank pieces" not in str(other.value)
+    assert state.pop(HEAD, None) is None and state.pop("buf") is not None and not state
 
 
 @pytest.mark.parametrize("edit", ["rename", "zero", "drop"])

@@ -19,15 +19,20 @@ A save records its hooks' edits in the checkpoint's metadata (renames as removed
 load of a directory applies them too. Identity and in-place versions are compared, never values: no copy
 and no device read. Where the parameters are in pieces the hooks get a :class:`PartialStateDict` (buffers
 and other entries; reading a parameter's entry names the fixes), and a load hook that replaces it by
-another dict is warned that the parameters it did not see load as saved.
+another dict is warned that the parameters it did not see load as saved. With whole files
+(``save_distributed_checkpoint=False``) the state is gathered on global rank 0, the only writer; the other
+ranks' hooks get :func:`rank_zero_view`'s meta tensors of the same names, shapes and dtypes, so a hook
+that reads, rescales, removes or renames entries runs on every rank as under ``"ddp"`` (before, a plain
+``{}`` there: ``KeyError`` on rank 1 while rank 0 went on alone).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
+import torch
 from torch import Tensor
 
 from lightning_par.checkpoint.optimizer_state import MASTER_KEY, Piece
@@ -154,25 +159,40 @@ class StateSnapshot:
 class PartialStateDict(dict[str, Any]):
     """The ``state_dict`` of a checkpoint directory whose parameters are in per-rank pieces (ZeRO-3,
     tensor or pipeline parallelism), as the hooks see it: buffers and other entries only. Reading a
-    parameter's entry raises a ``KeyError`` that says so and names the fix (before, a bare one). A plain
-    ``dict`` in the written file."""
+    parameter's entry, or removing it (``del``, ``pop`` without a default), raises a ``KeyError`` that says
+    so and names the fix (before, a bare one). A plain ``dict`` in the written file."""
 
     def __init__(self, state: Mapping[str, Any], *, elsewhere: frozenset[str]) -> None:
         super().__init__(state)
         self.elsewhere = elsewhere
 
-    def __missing__(self, key: str) -> Any:
+    def _absent(self, key: str) -> KeyError:
         if key in self.elsewhere:
-            raise KeyError(
+            return KeyError(
                 f"checkpoint['state_dict'] has no {key!r}: this checkpoint is a directory whose parameters"
                 " are in per-rank pieces (ZeRO-3, tensor or pipeline parallelism), so the checkpoint hooks"
-                " see its buffers and other entries only. To read or change weights in on_save_checkpoint /"
-                " on_load_checkpoint, save whole files (HybridParallelStrategy(save_distributed_checkpoint="
-                "False)), or consolidate the directory into one file (lightning_par.checkpoint.consolidate)"
-                " and load that; an entry a save hook writes under a parameter's name is saved and loaded"
-                " over the pieces."
+                " see its buffers and other entries only. To read, change or remove weights in"
+                " on_save_checkpoint / on_load_checkpoint, save whole files"
+                " (HybridParallelStrategy(save_distributed_checkpoint=False)), or consolidate the directory"
+                " into one file (lightning_par.checkpoint.consolidate) and load that; an entry a save hook"
+                " writes under a parameter's name is saved and loaded over the pieces."
             )
-        raise KeyError(key)
+        return KeyError(key)
+
+    def __missing__(self, key: str) -> Any:
+        raise self._absent(key)
+
+    def __delitem__(self, key: str) -> None:  # `del sd[name]` of a parameter: said as a read is
+        if key not in self:
+            raise self._absent(key)
+        super().__delitem__(key)
+
+    _NO_DEFAULT: Any = object()
+
+    def pop(self, key: str, default: Any = _NO_DEFAULT) -> Any:
+        if key not in self and default is PartialStateDict._NO_DEFAULT:
+            raise self._absent(key)
+        return super().pop(key) if key in self else default
 
 
 HIDDEN = (
@@ -193,3 +213,32 @@ HIDDEN_LOAD = (
     f"on_load_checkpoint replaced {HIDDEN}: the parameters it did not see load from the pieces as saved."
     f" {FIXES}"
 )
+
+
+class _Shape(NamedTuple):
+    """A tensor entry's description, broadcast from rank 0 by :func:`rank_zero_view`."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def rank_zero_view(
+    state: dict[str, Any], *, is_global_zero: bool, broadcast: Callable[[Any], Any]
+) -> dict[str, Any]:
+    """``state`` (the whole state dict, on global rank 0; ``{}`` elsewhere) as the save hooks get it: on
+    rank 0 itself, elsewhere the same keys with meta tensors of the same shapes and dtypes (other values
+    as they are), from one object ``broadcast`` (collective, every rank; the names and shapes only). What
+    a hook writes into a meta entry is not saved: rank 0 writes the file. A hook that reads values on the
+    host (``.item()``) must do so on rank 0 (torch refuses it on meta tensors)."""
+    described = (
+        {k: _Shape(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else v for k, v in state.items()}
+        if is_global_zero
+        else None
+    )
+    described = broadcast(described)
+    if is_global_zero:
+        return state
+    return {
+        k: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, _Shape) else v
+        for k, v in described.items()
+    }

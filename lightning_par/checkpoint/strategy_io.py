@@ -34,6 +34,7 @@ from lightning_par.checkpoint.hook_edits import (
     PartialStateDict,
     StateEdits,
     StateSnapshot,
+    rank_zero_view,
 )
 from lightning_par.checkpoint.io import (
     _group_names,
@@ -140,7 +141,8 @@ class ZeroCheckpointIO(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Replicated models: Lightning's own. Otherwise, with ``save_distributed_checkpoint=False``: the
-        full state dict on global rank 0 (``{}`` elsewhere; collective); with distributed checkpoints:
+        full state dict on global rank 0, its entries as meta tensors elsewhere (collective:
+        :func:`~lightning_par.checkpoint.hook_edits.rank_zero_view`); with distributed checkpoints:
         the buffers and other non-parameter entries (the parameters are in each rank's file). Kept as
         the save hooks receive it, for :meth:`save_checkpoint` to find what they changed."""
         state = self._module_state_dict()
@@ -151,8 +153,10 @@ class ZeroCheckpointIO(ParallelStrategy):
     def _module_state_dict(self) -> dict[str, Any]:
         if not self._sharded():
             return super().lightning_module_state_dict()
-        if not self.save_distributed_checkpoint:
-            return self.consolidated_state_dict()
+        if not self.save_distributed_checkpoint:  # rank 0 writes; the other ranks' hooks see its shapes
+            return rank_zero_view(
+                self.consolidated_state_dict(), is_global_zero=self.is_global_zero, broadcast=self.broadcast
+            )
         assert self.lightning_module is not None
         module = self.lightning_module
         if not self._model_in_pieces():
