@@ -76,6 +76,26 @@ def avg_fn_rule(avg_fn: AvgFn) -> Callable[[list[Tensor], list[Tensor], int], No
     return update
 
 
+MultiAvgFn = Callable[[list[Tensor], list[Tensor], Tensor], None]  # torch's multi_avg_fn, in place
+
+
+def multi_avg_fn_rule(multi_avg_fn: MultiAvgFn) -> Callable[[list[Tensor], list[Tensor], int], None]:
+    """A torch-style ``multi_avg_fn(averages, currents, n_averaged)`` (``get_ema_multi_avg_fn()``), which
+    updates the averages in place: called once per (device, dtype) group, with ``n`` as a tensor on that
+    device, as torch's ``AveragedModel`` calls it."""
+
+    def update(averages: list[Tensor], currents: list[Tensor], n: int) -> None:
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
+        for a, w in zip(averages, currents, strict=True):
+            pair = groups.setdefault((a.device, a.dtype), ([], []))
+            pair[0].append(a)
+            pair[1].append(w)
+        for (device, _), (avgs, ws) in groups.items():
+            multi_avg_fn(avgs, ws, torch.full((), n, dtype=torch.int64, device=device))
+
+    return update
+
+
 class WeightAverages:
     """The averages of one module's weights under one engine (see the module docstring). Every method is
     called by every rank of the dp ``group`` at the same point (a relayout's move is collective)."""

@@ -337,11 +337,15 @@ def _check_averaging(
         return
     name = type(averaging[0]).__name__
     reason = None
+    statistics_epoch = ""  # the refusal is of SWA's BatchNorm epoch at ZeRO 1/2, with advice of its own
+    works = (
+        " Lightning's callback works with zero_stage 0, 1 or 2 in precision='32-true' without tensor or"
+        " pipeline parallelism."
+    )
     advice = (
         "Use lightning_par.callbacks.ShardedEMA (for EMAWeightAveraging) or ShardedWeightAveraging (for"
-        " WeightAveraging / SWA with an avg_fn): the same contract at every layout, each rank averaging the"
-        " fp32 values it holds. Lightning's callback works with zero_stage 0, 1 or 2 in precision='32-true'"
-        " without tensor or pipeline parallelism."
+        " WeightAveraging, with its avg_fn or multi_avg_fn): the same contract at every layout, each rank"
+        " averaging the fp32 values it holds." + works
     )
     module = getattr(trainer, "lightning_module", None)
     swa_statistics_epoch = (
@@ -362,7 +366,7 @@ def _check_averaging(
             " the averaged weights would not reach"
         )
     elif zero_stage in (1, 2) and swa_statistics_epoch:
-        name = "StochasticWeightAveraging"
+        name = statistics_epoch = "StochasticWeightAveraging"
         reason = (
             "on a model with BatchNorm it ends with an extra epoch that skips backward and zero_grad but"
             " still calls optimizer.step(), which under 'ddp' re-applies the last step's gradients (and"
@@ -370,5 +374,15 @@ def _check_averaging(
             " changes nothing and the final weights would differ from 'ddp'"
         )
         advice = "Use zero_stage=0 (which matches 'ddp'), or EMAWeightAveraging / WeightAveraging."
+    if name == "StochasticWeightAveraging" and reason is not None and not statistics_epoch:
+        # SWA is more than an average: say what the replacement leaves to the user
+        advice = (
+            "Use lightning_par.callbacks.ShardedWeightAveraging (without avg_fn: SWA's equal-weight"
+            " average, each rank averaging the fp32 values it holds), subclassed with should_update(step_idx"
+            "=None, epoch_idx=None) returning epoch_idx is not None and epoch_idx >= your swa_epoch_start;"
+            " for swa_lrs, torch.optim.swa_utils.SWALR as the scheduler in configure_optimizers; it does not"
+            " run SWA's extra epoch that recomputes the BatchNorm statistics (use_buffers=True averages"
+            " them instead)." + works
+        )
     if reason is not None:
         raise ValueError(f"{name} cannot be used with this layout: {reason}. {advice}")

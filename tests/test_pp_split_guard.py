@@ -72,7 +72,9 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
     pl.seed_everything(0)
     module = SplitLlama()
     example = module.example_input_array
-    strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, partition_method="profile")
+    strategy = HybridParallelStrategy(
+        pipeline_parallel_size=2, num_microbatches=2, partition_method="profile"
+    )
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False,  # the model summary stays on (default)

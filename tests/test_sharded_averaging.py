@@ -44,14 +44,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.fabric import Fabric
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, WeightAveraging
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.averaging import WeightAverages, ema_rule
-from lightning_par.callbacks import FlashCheckpoint, ShardedEMA
+from lightning_par.callbacks import FlashCheckpoint, ShardedEMA, ShardedWeightAveraging
 from lightning_par.checkpoint import consolidate
 from lightning_par.fabric import FlashSnapshots
 from lightning_par.fabric import HybridParallelStrategy as FabricHybridParallelStrategy
@@ -332,13 +333,27 @@ class Llama(pl.LightningModule):
 
 
 def _llama_fit(
-    strategy: Any, devices: int, *, epochs: int = 1, save: str | None = None, resume: str | None = None
+    strategy: Any,
+    devices: int,
+    *,
+    epochs: int = 1,
+    save: str | None = None,
+    resume: str | None = None,
+    multi: bool = False,
 ) -> State:
-    """``epochs`` epochs of 4 AdamW steps with the EMA callback; ``save``: a ``ModelCheckpoint`` there at
-    the epoch's end (inside fit: the averages are in it); ``resume``: ``fit(ckpt_path=resume)``."""
+    """``epochs`` epochs of 4 AdamW steps with the EMA callback (``multi``: the weight-averaging callback
+    with torch's in-place ``get_ema_multi_avg_fn``); ``save``: a ``ModelCheckpoint`` there at the epoch's
+    end (inside fit: the averages are in it); ``resume``: ``fit(ckpt_path=resume)``."""
     module = Llama()
     ours = isinstance(strategy, HybridParallelStrategy)
     callbacks: list[pl.Callback] = [ShardedEMA(decay=DECAY) if ours else EMAWeightAveraging(decay=DECAY)]
+    if multi:
+        multi_avg_fn = get_ema_multi_avg_fn(DECAY)
+        callbacks = [
+            ShardedWeightAveraging(multi_avg_fn=multi_avg_fn)
+            if ours
+            else WeightAveraging(multi_avg_fn=multi_avg_fn)
+        ]
     if save is not None:
         callbacks.append(ModelCheckpoint(dirpath=save, filename="first"))
     trainer = pl.Trainer(
@@ -366,6 +381,7 @@ def _tp_runs(rank: int, world: int, root: str) -> dict[str, State]:
     out = {"one": _llama_fit(strategy(), world), "two": _llama_fit(strategy(), world, epochs=2)}
     _llama_fit(strategy(), world, save=root)
     out["resumed"] = _llama_fit(strategy(), world, epochs=2, resume=str(Path(root) / "first.ckpt"))
+    out["multi"] = _llama_fit(strategy(), world, multi=True)
     return out
 
 
@@ -380,6 +396,8 @@ def test_sharded_ema_under_tensor_parallelism_equals_one_process(tmp_path: Path)
     reference = _llama_fit("auto", 1)
     _assert_floats_equal(ranks[0]["one"], reference, "tp 2")
     _assert_floats_equal(ranks[0]["resumed"], ranks[0]["two"], "tp 2 resumed")
+    # torch's in-place multi-tensor form, as Lightning's WeightAveraging takes it (before: a TypeError)
+    _assert_floats_equal(ranks[0]["multi"], _llama_fit("auto", 1, multi=True), "tp 2 multi_avg_fn")
     plain = Llama()
     assert not torch.allclose(reference["model.lm_head.weight"], plain.model.lm_head.weight)
     assert not torch.allclose(ranks[0]["two"]["model.lm_head.weight"], reference["model.lm_head.weight"])

@@ -26,10 +26,12 @@ from torch import Tensor
 
 from lightning_par.averaging import (
     AvgFn,
+    MultiAvgFn,
     WeightAverages,
     avg_fn_rule,
     ema_rule,
     full_pieces,
+    multi_avg_fn_rule,
     snapshot_pieces,
     swa_rule,
 )
@@ -47,12 +49,25 @@ from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, localize,
 
 class ShardedWeightAveraging(Callback):
     """Lightning's ``WeightAveraging`` for every layout (module docstring). ``avg_fn`` is torch's
-    per-tensor ``avg_fn(average, current, n_averaged)`` (``torch.optim.swa_utils.get_ema_avg_fn()``); None
-    averages with equal weights (SWA). ``use_buffers`` averages the floating-point buffers too (BatchNorm
-    statistics); other buffers keep the model's values. Override :meth:`should_update` to choose when."""
+    per-tensor ``avg_fn(average, current, n_averaged)`` (``torch.optim.swa_utils.get_ema_avg_fn()``), or
+    ``multi_avg_fn`` its in-place form over lists (``get_ema_multi_avg_fn()``), as Lightning's callback
+    passes them to ``AveragedModel``; neither averages with equal weights (SWA). ``use_buffers`` averages
+    the floating-point buffers too (BatchNorm statistics); other buffers keep the model's values.
+    Override :meth:`should_update` to choose when. The averages live beside what each rank holds (its
+    shards, slices or stage, on the model's device): Lightning's ``device=`` has no counterpart."""
 
-    def __init__(self, *, avg_fn: AvgFn | None = None, use_buffers: bool = True) -> None:
-        self._rule = avg_fn_rule(avg_fn) if avg_fn is not None else swa_rule
+    def __init__(
+        self, *, avg_fn: AvgFn | None = None, multi_avg_fn: MultiAvgFn | None = None, use_buffers: bool = True
+    ) -> None:
+        if avg_fn is not None and multi_avg_fn is not None:
+            raise ValueError("Give avg_fn or multi_avg_fn, not both (torch's AveragedModel takes one).")
+        self._rule = (
+            avg_fn_rule(avg_fn)
+            if avg_fn is not None
+            else multi_avg_fn_rule(multi_avg_fn)
+            if multi_avg_fn is not None
+            else swa_rule
+        )
         self._use_buffers = use_buffers
         self._averages: WeightAverages | None = None
         self._fitting = False
