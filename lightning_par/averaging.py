@@ -96,6 +96,24 @@ def multi_avg_fn_rule(multi_avg_fn: MultiAvgFn) -> Callable[[list[Tensor], list[
     return update
 
 
+def averaging_rule(
+    *, decay: float | None = None, avg_fn: AvgFn | None = None, multi_avg_fn: MultiAvgFn | None = None
+) -> Callable[[list[Tensor], list[Tensor], int], None]:
+    """The update of at most one of: an EMA with ``decay``, torch's per-tensor ``avg_fn``, its in-place
+    list form ``multi_avg_fn``; none gives the equal-weight mean (SWA)."""
+    options = (("decay", decay), ("avg_fn", avg_fn), ("multi_avg_fn", multi_avg_fn))
+    given = [name for name, value in options if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"Give one of decay, avg_fn and multi_avg_fn, not {' and '.join(given)}.")
+    if decay is not None:
+        return ema_rule(decay)
+    if avg_fn is not None:
+        return avg_fn_rule(avg_fn)
+    if multi_avg_fn is not None:
+        return multi_avg_fn_rule(multi_avg_fn)
+    return swa_rule
+
+
 class WeightAverages:
     """The averages of one module's weights under one engine (see the module docstring). Every method is
     called by every rank of the dp ``group`` at the same point (a relayout's move is collective)."""

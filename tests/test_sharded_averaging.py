@@ -606,3 +606,40 @@ def test_sharded_ema_under_pipeline_parallelism_equals_one_process(tmp_path: Pat
     _assert_floats_equal(state, reference, "pp 2")
     counters = [v.item() for k, v in state.items() if k.endswith("num_batches_tracked")]
     assert counters and set(counters) == {N // (BATCH // M)}  # every micro-batch counted
+
+
+def test_averaging_rule_forms_equal_torchs_averaged_model() -> None:
+    """``multi_avg_fn`` (grouped by device and dtype, as torch's ``AveragedModel`` calls it) and ``avg_fn``
+    equal ``AveragedModel`` over four updates of a model with fp32 and bf16 parameters; two forms at once
+    are refused by name."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
+
+    from lightning_par.averaging import averaging_rule
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2).to(torch.bfloat16))
+    for kind in ("multi", "avg_fn", "swa"):
+        options: dict[str, Any] = {
+            "multi": {"multi_avg_fn": get_ema_multi_avg_fn(0.6)},
+            "avg_fn": {"avg_fn": get_ema_avg_fn(0.6)},
+            "swa": {},
+        }[kind]
+        reference = AveragedModel(model, use_buffers=False, **options)
+        rule = averaging_rule(**options)
+        averages = [p.detach().clone() for p in model.parameters()]
+        for n in range(4):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p))
+            reference.update_parameters(model)
+            currents = [p.detach() for p in model.parameters()]
+            if n == 0:
+                averages = [c.clone() for c in currents]
+            else:
+                rule(averages, currents, n)
+        for ours, theirs in zip(averages, reference.module.parameters(), strict=True):
+            # SWA: torch's lerp weight is a tensor, ours a float: one ulp apart at most
+            exact = {"rtol": 0.0, "atol": 0.0} if kind != "swa" else {}
+            torch.testing.assert_close(ours, theirs.detach(), **exact, msg=lambda m, k=kind: f"{k}: {m}")
+    with pytest.raises(ValueError, match="not decay and multi_avg_fn"):
+        averaging_rule(decay=0.9, multi_avg_fn=get_ema_multi_avg_fn(0.9))

@@ -28,12 +28,10 @@ from lightning_par.averaging import (
     AvgFn,
     MultiAvgFn,
     WeightAverages,
-    avg_fn_rule,
+    averaging_rule,
     ema_rule,
     full_pieces,
-    multi_avg_fn_rule,
     snapshot_pieces,
-    swa_rule,
 )
 from lightning_par.checkpoint.averages import (
     CHECKPOINT_ENTRY,
@@ -59,15 +57,7 @@ class ShardedWeightAveraging(Callback):
     def __init__(
         self, *, avg_fn: AvgFn | None = None, multi_avg_fn: MultiAvgFn | None = None, use_buffers: bool = True
     ) -> None:
-        if avg_fn is not None and multi_avg_fn is not None:
-            raise ValueError("Give avg_fn or multi_avg_fn, not both (torch's AveragedModel takes one).")
-        self._rule = (
-            avg_fn_rule(avg_fn)
-            if avg_fn is not None
-            else multi_avg_fn_rule(multi_avg_fn)
-            if multi_avg_fn is not None
-            else swa_rule
-        )
+        self._rule = averaging_rule(avg_fn=avg_fn, multi_avg_fn=multi_avg_fn)
         self._use_buffers = use_buffers
         self._averages: WeightAverages | None = None
         self._fitting = False

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_par.averaging import AvgFn, WeightAverages, avg_fn_rule, ema_rule, swa_rule
+from lightning_par.averaging import AvgFn, MultiAvgFn, WeightAverages, averaging_rule
 from lightning_par.checkpoint.tp_reshard import tp_info
 from lightning_par.fabric.pipeline import refuse_backward
 from lightning_par.grad_reads import GradReads
@@ -191,22 +191,24 @@ class FabricSteps:
         return engine.gathered(writeback=writeback) if engine is not None else nullcontext()
 
     def weight_averages(
-        self, *, decay: float | None = None, avg_fn: AvgFn | None = None, use_buffers: bool = True
+        self,
+        *,
+        decay: float | None = None,
+        avg_fn: AvgFn | None = None,
+        multi_avg_fn: MultiAvgFn | None = None,
+        use_buffers: bool = True,
     ) -> WeightAverages:
         """An average of the set-up model's weights kept as this strategy keeps them (each rank its fp32
         master fragments at ZeRO 1-3, its slices and stage under TP / PP: see
-        :mod:`lightning_par.averaging`): an EMA with ``decay``, else torch's ``avg_fn(average, current,
-        n_averaged)``, else the equal-weight mean (SWA). In the loop, on every rank: ``averages.update()``
-        after ``optimizer.step()``, ``with averages.swapped():`` to evaluate on the averaged weights,
-        ``averages.copy_to_targets()`` to keep them. Call after ``fabric.setup(model, optimizer)``."""
+        :mod:`lightning_par.averaging`): an EMA with ``decay``, or torch's ``avg_fn(average, current,
+        n_averaged)`` or its in-place list form ``multi_avg_fn``, else the equal-weight mean (SWA). In
+        the loop, on every rank: ``averages.update()`` after ``optimizer.step()``, ``with
+        averages.swapped():`` to evaluate on the averaged weights, ``averages.copy_to_targets()`` to keep
+        them. Call after ``fabric.setup(model, optimizer)``."""
         engine = self.engine
         if engine is None:
             raise RuntimeError("weight_averages(): call it after fabric.setup(model, optimizer).")
-        if decay is not None and avg_fn is not None:
-            raise ValueError("weight_averages(): give decay (an EMA) or avg_fn, not both.")
-        rule = (
-            ema_rule(decay) if decay is not None else avg_fn_rule(avg_fn) if avg_fn is not None else swa_rule
-        )
+        rule = averaging_rule(decay=decay, avg_fn=avg_fn, multi_avg_fn=multi_avg_fn)
         return WeightAverages(
             engine.module,
             engine,
