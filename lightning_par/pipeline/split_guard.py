@@ -61,13 +61,20 @@ def _remote_name(module: nn.Module, *, recurse: bool) -> str | None:
 def guard_split_model(root: nn.Module, *, pp_rank: int) -> list[RemovableHandle]:
     """Hook the modules of ``root`` that hold other stages' placeholders (see the module docstring);
     ``pp_rank``: this rank's pipeline stage, for the message."""
+    tensors = [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]
+    # the modules above a placeholder, by name: every prefix of its dotted name ("" is root)
+    above = {""}
+    for name, t in tensors:
+        if getattr(t, REMOTE_ATTR, False):
+            parts = name.split(".")[:-1]
+            above.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     handles: list[RemovableHandle] = []
-    seen: set[int] = set()
-    for name, module in root.named_modules():
-        if id(module) in seen or _remote_name(module, recurse=True) is None:
-            continue
-        seen.add(id(module))
-        handles.append(module.register_forward_pre_hook(_refuse_call(name or type(module).__name__, pp_rank)))
+    hooked: set[int] = set()  # a module under two names (shared) is hooked once
+    for name, module in root.named_modules(remove_duplicate=False):
+        if name in above and id(module) not in hooked and _remote_name(module, recurse=True) is not None:
+            hooked.add(id(module))
+            refuse = _refuse_call(name or type(module).__name__, pp_rank)
+            handles.append(module.register_forward_pre_hook(refuse))
     handles += guard_state_dicts(
         root,
         holds=lambda m: _remote_name(m, recurse=False) is not None,
@@ -87,7 +94,7 @@ def _refuse_call(name: str, pp_rank: int) -> Any:
         if remote is not None:
             raise RuntimeError(
                 f"{name!r} ({type(module).__name__}) was called on pipeline stage {pp_rank}, which holds"
-                f" only its own stage's layers: {remote!r} and the other layers of other stages are"
+                f" only its own stage's layers: the other stages' layers in it ({remote!r} among them) are"
                 " meta-device placeholders here, so the call would fail in torch or compute nothing"
                 f" useful (a forward, generate(), a summary's example input). {_FIXES}"
             )
