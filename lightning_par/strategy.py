@@ -398,8 +398,8 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             self._engine.shard_optimizers(self.optimizers)
             self._guard_hooks()
         self._guard_placeholder_reads()  # evaluation runs (validate, test) at ZeRO-3 too
-        if fitting:  # the summary at fit start would run the split model's forward
-            self.hide_example_input(trainer)
+        if fitting and self._pipeline is not None:  # the summary would run the split model's forward
+            self._patched_callbacks += lightning_hooks.guard_summaries(trainer)
         if self.model is not None:
             cast_frozen(self.model, self._frozen_dtype())
         self._setup_precision_groups()
@@ -524,7 +524,6 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         for callback, names in self._patched_callbacks:
             lightning_hooks.restore(callback, names)
         self._patched_callbacks = []
-        self.show_example_input()
         if self._synced_batchnorm and self._layer_sync is not None and self.model is not None:
             self.model = self._layer_sync.revert(self.model)
         self._synced_batchnorm = False

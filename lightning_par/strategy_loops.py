@@ -9,13 +9,6 @@ ZeRO-3, data-parallel ranks whose evaluation batch counts differ (joined, :mod:`
 or refused with the fix), and a dataloader that gives some rank no batch. After each evaluation step of
 an uneven loop, a rank whose batches are over serves the others' gathers.
 
-Under a pipeline no rank can run the LightningModule's ``forward`` (each holds its own stage's layers:
-:mod:`lightning_par.pipeline.split_guard` refuses the call), yet Lightning's ``ModelSummary`` (on by default)
-runs it on ``example_input_array`` at fit start, and a logger's ``log_graph`` traces it there too: a fit
-with an example input (which ``partition_method="profile"`` needs) failed before its first step. From the
-strategy's setup until the first loop starts, the example input is hidden (``None``), so the summary lists
-the layers and their sizes without input and output shapes, as for a model without one; it is put back
-at the loop's start, or at teardown.
 """
 
 from __future__ import annotations
@@ -25,7 +18,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.data import has_len
-from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelSummary
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
@@ -99,33 +92,12 @@ class StrategyLoops(ZeroCheckpointIO):
     _loop_runs = 0  # loop runs started (fit, each validation run, test, predict): metric rescans key on it
     _metric_scan: tuple[Any, ...] | None = None  # the loop run and epoch whose first step rescanned
 
-    _hidden_example: tuple[pl.LightningModule, Any] | None = None  # what hide_example_input took
-
-    def hide_example_input(self, trainer: pl.Trainer) -> None:
-        """Under a pipeline, with a ``ModelSummary`` callback that would run the module's ``forward``: hide
-        ``example_input_array`` until the first loop starts (see the module docstring)."""
-        module = self.lightning_module
-        example = getattr(module, "example_input_array", None)
-        if self._pipeline is None or module is None or example is None:
-            return
-        summaries = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]  # type: ignore[attr-defined]
-        if any(getattr(c, "_max_depth", 1) for c in summaries) or trainer.loggers:
-            self._hidden_example = (module, example)
-            module.example_input_array = None
-
-    def show_example_input(self) -> None:
-        """Put back the example input :meth:`hide_example_input` took, if any."""
-        hidden, self._hidden_example = self._hidden_example, None
-        if hidden is not None and hidden[0].example_input_array is None:  # unless the user set another
-            hidden[0].example_input_array = hidden[1]
-
     @override
     def on_train_start(self) -> None:
         """Under a pipeline: a training dataloader whose last batch on some dp rank cannot fill the
         micro-batches is refused on every rank before the first step (before: at that batch, after most
         of an epoch, on the ranks that had it)."""
         super().on_train_start()
-        self.show_example_input()
         self._loop_runs += 1
         pipeline, module = self._pipeline, self.lightning_module
         if pipeline is None or module is None:
@@ -141,7 +113,6 @@ class StrategyLoops(ZeroCheckpointIO):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        self.show_example_input()  # the sanity check's loop starts first
         self._start_eval_loop("validation")
 
     @override

@@ -62,7 +62,10 @@ class Hooked(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["state_dict"]
-        if self.save_edit == "scale":  # reads the entry, on every rank as under "ddp"
+        if self.save_edit == "scale":  # reads entries, on every rank as under "ddp"
+            if not all(bool(torch.isfinite(v).all()) for v in state.values()):
+                raise ValueError("refusing to save non-finite weights")
+            checkpoint["state_dict"] = state = {k: v.detach().cpu() for k, v in state.items()}
             state[HEAD] = state[HEAD] * 0.5
         elif self.save_edit:
             state[f"{self.attr}.lm_head.weight"] = torch.zeros(self.head_shape)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import tempfile
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -37,6 +38,13 @@ class SplitLlama(pl.LightningModule):
         self.model = llama(0)
         self._layers: list[Any] = []
         self.example_input_array = torch.tensor([[1, 2, 3, 4]])
+        self.seen: dict[str, Any] = {}
+
+    def on_fit_start(self) -> None:  # the user's own hooks see the example input (the summary does not)
+        self.seen["on_fit_start"] = self.example_input_array
+
+    def on_train_start(self) -> None:
+        self.seen["on_train_start"] = self.example_input_array
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.model(input_ids=ids).logits
@@ -54,6 +62,20 @@ class SplitLlama(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+class PropertyLlama(SplitLlama):
+    """The example input as a read-only property (nanoGPT-style modules compute it from their config)."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        self.model = llama(0)
+        self._layers = []
+        self.seen = {}
+
+    @property  # type: ignore[override]
+    def example_input_array(self) -> Tensor:
+        return torch.tensor([[1, 2, 3, 4]])
 
 
 def _error(call: Any) -> str:
@@ -82,6 +104,7 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
     trainer.fit(module, DataLoader(Tokens(N), batch_size=BATCH))
     out: dict[str, Any] = {
         "example_back": module.example_input_array is example,
+        "hooks_saw": {hook: value is example for hook, value in module.seen.items()},
         "generate": _error(lambda: _generate(module.model)),
         "forward": _error(lambda: module(PROMPT)),
         "save_pretrained": _error(lambda: module.model.save_pretrained(f"{root}/r{rank}")),
@@ -89,6 +112,18 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
     }
     state = strategy.consolidated_state_dict()  # collective: the documented way out
     strategy.destroy_process_groups()
+    # a read-only example property cannot be hidden: the summary is skipped, with a warning, and the fit runs
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other = pl.Trainer(
+            accelerator="cpu", devices=world, max_steps=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, strategy=HybridParallelStrategy(
+                pipeline_parallel_size=2, num_microbatches=2, partition_method="profile"
+            ),
+        )  # fmt: skip
+        other.fit(PropertyLlama(), DataLoader(Tokens(N), batch_size=BATCH))
+        other.strategy.destroy_process_groups()  # type: ignore[attr-defined]
+    out["property_warned"] = any("model summary is skipped" in str(w.message) for w in caught)
     if rank == 0:
         weights = {k[len("model.") :]: v for k, v in state.items()}
         out["weights"] = weights
@@ -124,6 +159,7 @@ def test_split_model_refuses_whole_calls_and_summary_runs() -> None:
     weights, tokens = _reference()
     for rank, out in enumerate(results):
         assert out["example_back"], f"rank {rank}: example_input_array not put back after fit"
+        assert out["hooks_saw"] == {"on_fit_start": True, "on_train_start": True}, out["hooks_saw"]
         for what in ("generate", "forward"):
             assert f"called on pipeline stage {rank}" in out[what], (what, out[what])
             assert "consolidated_state_dict()" in out[what], out[what]
@@ -131,6 +167,7 @@ def test_split_model_refuses_whole_calls_and_summary_runs() -> None:
             assert "placeholders of layers that live on other pipeline stages" in out[what], out[what]
             assert "consolidated_state_dict()" in out[what], out[what]
     first = results[0]
+    assert first["property_warned"]
     assert sorted(first["weights"]) == sorted(weights)
     for name, value in weights.items():
         torch.testing.assert_close(first["weights"][name], value, msg=lambda m, n=name: f"{n}: {m}")

@@ -21,7 +21,7 @@ and no device read. Where the parameters are in pieces the hooks get a :class:`P
 and other entries; reading a parameter's entry names the fixes), and a load hook that replaces it by
 another dict is warned that the parameters it did not see load as saved. With whole files
 (``save_distributed_checkpoint=False``) the state is gathered on global rank 0, the only writer; the other
-ranks' hooks get :func:`rank_zero_view`'s meta tensors of the same names, shapes and dtypes, so a hook
+ranks' hooks get :func:`rank_zero_view`'s zeros of the same names, shapes and dtypes, so a hook
 that reads, rescales, removes or renames entries runs on every rank as under ``"ddp"`` (before, a plain
 ``{}`` there: ``KeyError`` on rank 1 while rank 0 went on alone).
 """
@@ -226,10 +226,10 @@ def rank_zero_view(
     state: dict[str, Any], *, is_global_zero: bool, broadcast: Callable[[Any], Any]
 ) -> dict[str, Any]:
     """``state`` (the whole state dict, on global rank 0; ``{}`` elsewhere) as the save hooks get it: on
-    rank 0 itself, elsewhere the same keys with meta tensors of the same shapes and dtypes (other values
-    as they are), from one object ``broadcast`` (collective, every rank; the names and shapes only). What
-    a hook writes into a meta entry is not saved: rank 0 writes the file. A hook that reads values on the
-    host (``.item()``) must do so on rank 0 (torch refuses it on meta tensors)."""
+    rank 0 itself, elsewhere the same keys with host tensors of the same shapes and dtypes holding zeros
+    (one element each, expanded: no memory), other values as they are, from one object ``broadcast``
+    (collective, every rank; the names and shapes only). A hook runs there as on rank 0 (copies, ``.cpu()``,
+    a finiteness check, ``.item()``), on zeros; what it writes is not saved, rank 0 writes the file."""
     described = (
         {k: _Shape(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else v for k, v in state.items()}
         if is_global_zero
@@ -239,6 +239,6 @@ def rank_zero_view(
     if is_global_zero:
         return state
     return {
-        k: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, _Shape) else v
+        k: torch.zeros((), dtype=v.dtype).expand(v.shape) if isinstance(v, _Shape) else v
         for k, v in described.items()
     }

@@ -141,7 +141,7 @@ class ZeroCheckpointIO(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Replicated models: Lightning's own. Otherwise, with ``save_distributed_checkpoint=False``: the
-        full state dict on global rank 0, its entries as meta tensors elsewhere (collective:
+        full state dict on global rank 0, its entries as zeros of their shapes elsewhere (collective:
         :func:`~lightning_par.checkpoint.hook_edits.rank_zero_view`); with distributed checkpoints:
         the buffers and other non-parameter entries (the parameters are in each rank's file). Kept as
         the save hooks receive it, for :meth:`save_checkpoint` to find what they changed."""
