@@ -12,29 +12,25 @@ class's own methods show through again and nothing outlives the run.
 * :func:`guard_placeholder_reads`: at ZeRO-3 the module's and user callbacks' ``on_save_checkpoint`` and
   fit- and epoch-level hooks run while the parameters are placeholders (NaN); a read of them there is
   refused with the fix instead of computing or saving NaN.
-* :func:`guard_summaries`: under a pipeline no rank can run the LightningModule's ``forward`` (each holds
-  its own stage's layers), yet Lightning's ``ModelSummary`` (on by default) runs it on
-  ``example_input_array`` at fit start, and a logger's ``log_graph`` traces it: the summary callbacks'
-  ``on_fit_start`` runs with the example input hidden, and graph logging is skipped with a warning.
+* :func:`lightning_par.summaries.guard_summaries` does the same for Lightning's model summary callbacks.
 * :func:`uncount_step`: takes a skipped step off Lightning's optimizer-step count (``global_step``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, ModelSummary
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_par.zero.engine import ShardedState
 
-_GUARDED = "_lightning_par_guarded"
+GUARDED = "_lightning_par_guarded"  # marks a hook set here or in summaries.py
 
 
 def guard_schedulers(
@@ -43,14 +39,14 @@ def guard_schedulers(
     """Wrap ``module.lr_scheduler_step`` so that a scheduler for which ``step_schedulers(scheduler)``
     (its interval is ``"step"``) does not advance when ``skipped()``."""
     inner = module.lr_scheduler_step
-    if getattr(inner, _GUARDED, False):
+    if getattr(inner, GUARDED, False):
         return []
 
     def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
         if not (step_schedulers(scheduler) and skipped()):
             inner(scheduler, metric)
 
-    setattr(lr_scheduler_step, _GUARDED, True)
+    setattr(lr_scheduler_step, GUARDED, True)
     module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
     return ["lr_scheduler_step"]
 
@@ -118,80 +114,17 @@ def guard_placeholder_reads(
     names = []
     for hook in PLACEHOLDER_HOOKS:
         inner = getattr(obj, hook)
-        if getattr(inner, _GUARDED, False) or not is_overridden(hook, obj, base):
+        if getattr(inner, GUARDED, False) or not is_overridden(hook, obj, base):
             continue
 
         def guarded(*args: Any, _inner: Callable[..., Any] = inner, _hook: str = hook, **kwargs: Any) -> Any:
             with refused(_hook):
                 return _inner(*args, **kwargs)
 
-        setattr(guarded, _GUARDED, True)
+        setattr(guarded, GUARDED, True)
         setattr(obj, hook, guarded)
         names.append(hook)
     return names
-
-
-@contextmanager
-def _example_hidden(module: pl.LightningModule) -> Iterator[bool]:
-    """``module.example_input_array`` set to None inside (put back after); False where it cannot be set (a
-    read-only property of the user's), with a warning."""
-    example = module.example_input_array
-    if example is None:
-        yield True
-        return
-    try:
-        module.example_input_array = None
-    except AttributeError:  # a property without a setter
-        rank_zero_warn(
-            "Pipeline parallelism: the model summary is skipped. It would run the LightningModule's forward"
-            " on example_input_array, which no pipeline stage can (each holds its own stage's layers), and"
-            " this module's example_input_array is a read-only property, which cannot be hidden from it."
-            " Give the property a setter (or set self.example_input_array in __init__) to get the summary."
-        )
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        module.example_input_array = example
-
-
-def guard_summaries(trainer: pl.Trainer) -> list[tuple[Any, list[str]]]:
-    """Under a pipeline: each ``ModelSummary`` callback's ``on_fit_start`` runs with the example input
-    hidden (the summary lists the layers without input and output shapes, as for a model without one), and
-    a logger that would trace the model's graph (``log_graph=True``) skips it with a warning; the user's own
-    hooks see the example input throughout. The (object, names) set, for :func:`restore`."""
-    patched: list[tuple[Any, list[str]]] = []
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if not isinstance(callback, ModelSummary) or getattr(callback.on_fit_start, _GUARDED, False):
-            continue
-
-        def on_fit_start(
-            trainer: pl.Trainer,
-            module: pl.LightningModule,
-            _inner: Callable[..., Any] = callback.on_fit_start,
-        ) -> None:
-            with _example_hidden(module) as hidden:
-                if hidden:
-                    _inner(trainer, module)
-
-        setattr(on_fit_start, _GUARDED, True)
-        callback.on_fit_start = on_fit_start  # type: ignore[method-assign,assignment]
-        patched.append((callback, ["on_fit_start"]))
-    for logger in trainer.loggers:
-        if not getattr(logger, "_log_graph", False) or getattr(logger.log_graph, _GUARDED, False):
-            continue
-
-        def log_graph(model: Any, input_array: Any = None) -> None:
-            rank_zero_warn(
-                "Pipeline parallelism: the logger's log_graph is skipped: tracing the model's graph runs its"
-                " forward, which no pipeline stage can (each holds its own stage's layers)."
-            )
-
-        setattr(log_graph, _GUARDED, True)
-        logger.log_graph = log_graph  # type: ignore[method-assign]
-        patched.append((logger, ["log_graph"]))
-    return patched
 
 
 def uncount_step(module: pl.LightningModule) -> None:

@@ -54,6 +54,7 @@ from lightning_par.strategy_options import (
 )
 from lightning_par.strategy_precision import StrategyPrecision
 from lightning_par.strategy_steps import StrategySteps
+from lightning_par.summaries import guard_summaries
 from lightning_par.zero.buffers import BufferSync
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
 from lightning_par.zero.engine import Engine, ReduceChoice
@@ -398,8 +399,11 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             self._engine.shard_optimizers(self.optimizers)
             self._guard_hooks()
         self._guard_placeholder_reads()  # evaluation runs (validate, test) at ZeRO-3 too
-        if fitting and self._pipeline is not None:  # the summary would run the split model's forward
-            self._patched_callbacks += lightning_hooks.guard_summaries(trainer)
+        if fitting and (self._pipeline is not None or self.tensor_parallel_size > 1):
+            # the summary would run the split model's forward, or count this rank's slices
+            self._patched_callbacks += guard_summaries(
+                trainer, pipelined=self._pipeline is not None, tp_size=self.tensor_parallel_size
+            )
         if self.model is not None:
             cast_frozen(self.model, self._frozen_dtype())
         self._setup_precision_groups()
