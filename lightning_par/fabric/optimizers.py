@@ -11,29 +11,24 @@ from typing import TYPE_CHECKING
 
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_par.build import set_precision_groups
 from lightning_par.device_checks import check_optimizer_kernels
+from lightning_par.fabric.mixin import FabricMixin
 from lightning_par.fabric.setup import Replaced, complete_stage_groups, follow_replaced
 from lightning_par.optimizer_checks import check_layout_optimizers
 from lightning_par.owned_hooks import for_owner
 
 if TYPE_CHECKING:
-    from lightning_par.fabric.pipeline import FabricPipeline
-    from lightning_par.mesh import ParallelMesh
-    from lightning_par.precision import ParallelPrecision
-    from lightning_par.zero.engine import Engine
+    pass
 
 
-class FabricOptimizers:
+class FabricOptimizers(FabricMixin):
     """Mixin of :class:`lightning_par.fabric.HybridParallelStrategy`, before Fabric's ``Strategy`` in its
     bases so ``setup_optimizer`` overrides Fabric's (see the module docstring)."""
 
-    engine: Engine | None
-    module: nn.Module | None
     zero_stage: int
     allow_untested_optimizer: bool
     _optimizers: list[Optimizer]
@@ -41,18 +36,6 @@ class FabricOptimizers:
     _pending_hook: RemovableHandle | None  # the module's pre-hook that shards them at its first forward
     _before_optimizers: RemovableHandle | None  # refuse_forward_before_optimizers
     _replaced: Replaced  # parameters tensor / pipeline parallelism replaced, by their old identity
-    _pipeline: FabricPipeline | None
-
-    if TYPE_CHECKING:
-
-        @property
-        def precision(self) -> ParallelPrecision: ...
-
-        @property
-        def mesh(self) -> ParallelMesh: ...
-
-        @property
-        def root_device(self) -> torch.device: ...
 
     @property
     def optimizers(self) -> list[Optimizer]:

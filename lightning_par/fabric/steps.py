@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,30 +22,22 @@ from torch.optim import Optimizer
 
 from lightning_par.averaging import AvgFn, MultiAvgFn, WeightAverages, averaging_rule
 from lightning_par.checkpoint.tp_reshard import tp_info
+from lightning_par.fabric.mixin import FabricMixin
 from lightning_par.fabric.pipeline import refuse_backward
 from lightning_par.grad_reads import GradReads
 from lightning_par.tensor_parallel.replicas import mismatch_message, replicated_grad_mismatch
 from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.stage3_join import Stage3Join
 
-if TYPE_CHECKING:
-    from lightning_par.fabric.pipeline import FabricPipeline
-    from lightning_par.mesh import ParallelMesh
-    from lightning_par.precision import ParallelPrecision
-    from lightning_par.zero.engine import Engine
 
-
-class FabricSteps:
+class FabricSteps(FabricMixin):
     """Mixin of :class:`lightning_par.fabric.HybridParallelStrategy`, first in its bases so these methods
     override Fabric's ``Strategy`` ones (see the module docstring)."""
 
-    engine: Engine | None
-    module: nn.Module | None
     # called first in every optimizer step: e.g. FlashSnapshots' fence, so a snapshot copy still reading
     # the weights finishes before they change (registered and removed by their owners)
     before_optimizer_step: list[Callable[[], None]]
     _found_inf: dict[int, bool]  # this window's fp16 verdict per optimizer, once its gradients are unscaled
-    _pipeline: FabricPipeline | None  # under pipeline parallelism: its steps run every backward
     _grad_reads: GradReads | None = None  # the first optimizer step's param.grad watch (grad_reads.py)
 
     def open_window(self) -> None:
@@ -56,17 +48,6 @@ class FabricSteps:
             self.engine.open_window()
 
     _check_tp_replicas = False  # the first optimizer step compares the tp replicas' gradients (stage 0)
-
-    if TYPE_CHECKING:
-
-        @property
-        def precision(self) -> ParallelPrecision: ...
-
-        @property
-        def mesh(self) -> ParallelMesh: ...
-
-        @property
-        def root_device(self) -> torch.device: ...
 
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         if self._pipeline is not None:
