@@ -7,8 +7,6 @@ checkpoint, a read of ``strategy.optimizers``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch.optim import Optimizer
@@ -20,9 +18,6 @@ from lightning_par.fabric.mixin import FabricMixin
 from lightning_par.fabric.setup import Replaced, complete_stage_groups, follow_replaced
 from lightning_par.optimizer_checks import check_layout_optimizers
 from lightning_par.owned_hooks import for_owner
-
-if TYPE_CHECKING:
-    pass
 
 
 class FabricOptimizers(FabricMixin):
