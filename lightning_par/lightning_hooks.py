@@ -12,6 +12,8 @@ class's own methods show through again and nothing outlives the run.
 * :func:`guard_placeholder_reads`: at ZeRO-3 the module's and user callbacks' ``on_save_checkpoint`` and
   fit- and epoch-level hooks run while the parameters are placeholders (NaN); a read of them there is
   refused with the fix instead of computing or saving NaN.
+* :func:`explain_zero_views`: with whole-file checkpoints a rank other than 0 hands the save hooks
+  expanded zeros in place of rank 0's gathered state; an in-place write into one is explained.
 * :func:`lightning_par.summaries.guard_summaries` does the same for Lightning's model summary callbacks.
 * :func:`uncount_step`: takes a skipped step off Lightning's optimizer-step count (``global_step``).
 """
@@ -47,7 +49,7 @@ def guard_schedulers(
             inner(scheduler, metric)
 
     setattr(lr_scheduler_step, GUARDED, True)
-    module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
+    install(module, "lr_scheduler_step", lr_scheduler_step)
     return ["lr_scheduler_step"]
 
 
@@ -77,8 +79,8 @@ def guard_toggling(
             p.requires_grad = requires_grad
         module._param_requires_grad_state = {}
 
-    module.toggle_optimizer = toggle_optimizer  # type: ignore[method-assign]
-    module.untoggle_optimizer = untoggle_optimizer  # type: ignore[method-assign]
+    install(module, "toggle_optimizer", toggle_optimizer)
+    install(module, "untoggle_optimizer", untoggle_optimizer)
     return ["toggle_optimizer", "untoggle_optimizer"]
 
 
@@ -122,9 +124,33 @@ def guard_placeholder_reads(
                 return _inner(*args, **kwargs)
 
         setattr(guarded, GUARDED, True)
-        setattr(obj, hook, guarded)
+        install(obj, hook, guarded)
         names.append(hook)
     return names
+
+
+def explain_zero_views(obj: pl.LightningModule | Callback, *, why: str) -> list[str]:
+    """Wrap ``obj``'s own ``on_save_checkpoint`` (a LightningModule's, or a callback's from outside
+    Lightning and this package) so that torch's "single memory location" error, an in-place write into
+    one of the expanded zeros a rank other than 0 gets with whole-file checkpoints
+    (:func:`lightning_par.checkpoint.hook_edits.rank_zero_view`), is raised again with ``why``."""
+    base = pl.LightningModule if isinstance(obj, pl.LightningModule) else Callback
+    if base is Callback and type(obj).__module__.startswith(_TRUSTED_CALLBACKS):
+        return []
+    if not is_overridden("on_save_checkpoint", obj, base):
+        return []
+    inner = obj.on_save_checkpoint
+
+    def on_save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return inner(*args, **kwargs)
+        except RuntimeError as error:
+            if "single memory location" not in str(error):
+                raise
+            raise RuntimeError(f"{why} (torch: {error})") from error
+
+    install(obj, "on_save_checkpoint", on_save_checkpoint)
+    return ["on_save_checkpoint"]
 
 
 def uncount_step(module: pl.LightningModule) -> None:
@@ -138,8 +164,26 @@ def uncount_step(module: pl.LightningModule) -> None:
     step.current.completed -= 1
 
 
+_PREVIOUS = "_lightning_par_previous"  # on a wrapper: the instance attribute it shadowed, if any
+_ABSENT = object()
+
+
+def install(obj: Any, name: str, wrapper: Callable[..., Any]) -> None:
+    """Set ``wrapper`` as ``obj``'s instance attribute ``name`` for one run, remembering the instance
+    attribute it shadows (the user's own, set on the object), which :func:`restore` puts back."""
+    setattr(wrapper, _PREVIOUS, vars(obj).get(name, _ABSENT))
+    setattr(obj, name, wrapper)
+
+
 def restore(obj: Any, names: Sequence[str]) -> None:
-    """Undo the ``guard_*`` functions: delete the instance attributes they set."""
+    """Undo the ``guard_*`` functions: each instance attribute they set goes, and one of the user's it
+    shadowed comes back (before, it was deleted with the wrapper)."""
     for name in names:
-        if name in vars(obj):
+        current = vars(obj).get(name)
+        if current is None:
+            continue
+        previous = getattr(current, _PREVIOUS, _ABSENT)
+        if previous is _ABSENT:
             delattr(obj, name)
+        else:
+            setattr(obj, name, previous)

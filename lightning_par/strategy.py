@@ -399,10 +399,15 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             self._engine.shard_optimizers(self.optimizers)
             self._guard_hooks()
         self._guard_placeholder_reads()  # evaluation runs (validate, test) at ZeRO-3 too
-        if fitting and (self._pipeline is not None or self.tensor_parallel_size > 1):
-            # the summary would run the split model's forward, or count this rank's slices
+        if fitting:
+            self._explain_zero_views()
+        if self._pipeline is not None or (fitting and self.tensor_parallel_size > 1):
+            # the summary or a graph logger would run the split model's forward, or count this rank's slices
             self._patched_callbacks += guard_summaries(
-                trainer, pipelined=self._pipeline is not None, tp_size=self.tensor_parallel_size
+                trainer,
+                pipelined=self._pipeline is not None,
+                tp_size=self.tensor_parallel_size,
+                fitting=fitting,
             )
         if self.model is not None:
             cast_frozen(self.model, self._frozen_dtype())

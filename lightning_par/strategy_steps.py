@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par import lightning_hooks
+from lightning_par.checkpoint.hook_edits import ZERO_VIEWS
 from lightning_par.grad_norm import param_grad_norms
 from lightning_par.grad_reads import GradReads
 from lightning_par.loss import TokenNormalizer
@@ -272,6 +273,18 @@ class StrategySteps(StrategyLoops):
             names = lightning_hooks.guard_placeholder_reads(
                 callback, refused=lambda hook: engine.reads_refused(f"in a callback's {hook}")
             )
+            if names:
+                self._patched_callbacks.append((callback, names))
+
+    def _explain_zero_views(self) -> None:
+        """With whole-file checkpoints, on the ranks other than 0: the save hooks' in-place writes into the
+        expanded zeros they get there are explained (``lightning_hooks.explain_zero_views``)."""
+        module = self.lightning_module
+        if module is None or self.is_global_zero or self.save_distributed_checkpoint or not self._sharded():
+            return
+        self._patched += lightning_hooks.explain_zero_views(module, why=ZERO_VIEWS)
+        for callback in module.trainer.callbacks:  # type: ignore[attr-defined]
+            names = lightning_hooks.explain_zero_views(callback, why=ZERO_VIEWS)
             if names:
                 self._patched_callbacks.append((callback, names))
 

@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_par.lightning_hooks import GUARDED
+from lightning_par.lightning_hooks import GUARDED, install
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 
 __all__ = ["guard_summaries"]
@@ -89,15 +89,18 @@ def _example_hidden(module: pl.LightningModule) -> Iterator[bool]:
         module.example_input_array = example
 
 
-def guard_summaries(trainer: pl.Trainer, *, pipelined: bool, tp_size: int) -> list[tuple[Any, list[str]]]:
+def guard_summaries(
+    trainer: pl.Trainer, *, pipelined: bool, tp_size: int, fitting: bool
+) -> list[tuple[Any, list[str]]]:
     """For this run: under a pipeline (``pipelined``) each ``ModelSummary`` callback's ``on_fit_start``
     runs with the example input hidden (the summary lists the layers without input and output shapes, as
     for a model without one) and a logger that would trace the model's graph (``log_graph=True``) skips
     it with a warning; under tensor parallelism (``tp_size > 1``) the summaries count each slice at its
-    full size. The user's own hooks see the example input throughout. The (object, names) set, for
-    :func:`~lightning_par.lightning_hooks.restore`."""
+    full size. The summary runs at fit start only (``fitting``); Lightning logs the graph at the start of
+    every trainer function (``validate``, ``test``, ``predict`` too). The user's own hooks see the example
+    input throughout. The (object, names) set, for :func:`~lightning_par.lightning_hooks.restore`."""
     patched: list[tuple[Any, list[str]]] = []
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+    for callback in trainer.callbacks if fitting else []:  # type: ignore[attr-defined]
         if not isinstance(callback, ModelSummary) or getattr(callback.on_fit_start, GUARDED, False):
             continue
         names = []
@@ -108,7 +111,7 @@ def guard_summaries(trainer: pl.Trainer, *, pipelined: bool, tp_size: int) -> li
             ) -> Summary:
                 return _FullSizeSummary(module, max_depth=_depth, tp_size=tp_size)
 
-            callback._summary = summary  # type: ignore[method-assign,assignment]
+            install(callback, "_summary", summary)
             names.append("_summary")
         if pipelined:
 
@@ -122,7 +125,7 @@ def guard_summaries(trainer: pl.Trainer, *, pipelined: bool, tp_size: int) -> li
                         _inner(trainer, module)
 
             setattr(on_fit_start, GUARDED, True)
-            callback.on_fit_start = on_fit_start  # type: ignore[method-assign,assignment]
+            install(callback, "on_fit_start", on_fit_start)
             names.append("on_fit_start")
         if names:
             patched.append((callback, names))
@@ -137,6 +140,6 @@ def guard_summaries(trainer: pl.Trainer, *, pipelined: bool, tp_size: int) -> li
             )
 
         setattr(log_graph, GUARDED, True)
-        logger.log_graph = log_graph  # type: ignore[method-assign]
+        install(logger, "log_graph", log_graph)
         patched.append((logger, ["log_graph"]))
     return patched

@@ -249,3 +249,39 @@ def test_hook_edits_are_found_by_identity_and_version(edit: str) -> None:
     else:
         assert edits.removed == {"old.w"} and not edits.written
         assert edits.to_meta() == {"written": [], "removed": ["old.w"]}
+
+
+def test_in_place_writes_into_the_other_ranks_zeros_are_explained() -> None:
+    """With whole files a rank other than 0 hands the save hooks expanded zeros (rank_zero_view); a hook
+    writing in place into one, or into its ``.cpu()`` (the same view), is told why and what to do (before:
+    torch's bare "single memory location" error on that rank alone). The wrapper goes at restore."""
+    from lightning_par import lightning_hooks
+    from lightning_par.checkpoint.hook_edits import ZERO_VIEWS, rank_zero_view
+
+    class InPlace(pl.LightningModule):
+        def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            copy = {k: v.detach().cpu() for k, v in checkpoint["state_dict"].items()}
+            copy[HEAD].mul_(0.5)
+
+    whole = {HEAD: torch.ones(3, 2), "b": torch.ones(2)}
+    # rank 1's view: rank 0 broadcasts the shapes and dtypes
+    seen = rank_zero_view({}, is_global_zero=False, broadcast=lambda _: _described(whole))
+    assert {k: (v.shape, float(v.sum())) for k, v in seen.items()} == {
+        HEAD: (torch.Size([3, 2]), 0.0),
+        "b": (torch.Size([2]), 0.0),
+    }
+    module = InPlace()
+    names = lightning_hooks.explain_zero_views(module, why=ZERO_VIEWS)
+    with pytest.raises(RuntimeError, match="clone first"):
+        module.on_save_checkpoint({"state_dict": seen})
+    lightning_hooks.restore(module, names)
+    assert "on_save_checkpoint" not in vars(module)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        module.on_save_checkpoint({"state_dict": seen})
+
+
+def _described(state: dict[str, Tensor]) -> dict[str, Any]:
+    """What rank 0 broadcasts in rank_zero_view: each tensor's shape and dtype."""
+    from lightning_par.checkpoint.hook_edits import _Shape
+
+    return {k: _Shape(tuple(v.shape), v.dtype) for k, v in state.items()}

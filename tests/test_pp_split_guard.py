@@ -20,6 +20,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -60,6 +63,9 @@ class SplitLlama(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:  # not run under the pipeline
         raise AssertionError("training_step runs under pipeline parallelism")
 
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:  # not run under the pipeline
+        raise AssertionError("validation_step runs under pipeline parallelism")
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=LR)
 
@@ -76,6 +82,19 @@ class PropertyLlama(SplitLlama):
     @property  # type: ignore[override]
     def example_input_array(self) -> Tensor:
         return torch.tensor([[1, 2, 3, 4]])
+
+
+class GraphLogger(CSVLogger):
+    """What ``TensorBoardLogger(log_graph=True)`` does at the start of every trainer function: trace the
+    module's forward on its example input (tensorboard is not a test dependency)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self._log_graph = True
+
+    @rank_zero_only
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        model(model.example_input_array if input_array is None else input_array)
 
 
 def _error(call: Any) -> str:
@@ -97,14 +116,27 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
     strategy = HybridParallelStrategy(
         pipeline_parallel_size=2, num_microbatches=2, partition_method="profile"
     )
+    # the user's own instance attribute on the summary callback survives the run (before, deleted)
+    summary, calls = ModelSummary(), []
+    inner = summary.on_fit_start
+    summary.on_fit_start = lambda *a: (calls.append(1), inner(*a))  # type: ignore[method-assign,assignment,func-returns-value]
+    mine = summary.on_fit_start
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False,  # the model summary stays on (default)
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=GraphLogger(root),
+        enable_checkpointing=False, enable_progress_bar=False, callbacks=[summary],
     )  # fmt: skip
     trainer.fit(module, DataLoader(Tokens(N), batch_size=BATCH))
+    # the graph logger at validate too (Lightning logs the graph at every trainer function's start)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validated = trainer.validate(module, DataLoader(Tokens(N), batch_size=BATCH), verbose=False)
+    graph_skipped = any("log_graph is skipped" in str(w.message) for w in caught)
     out: dict[str, Any] = {
         "example_back": module.example_input_array is example,
         "hooks_saw": {hook: value is example for hook, value in module.seen.items()},
+        "user_hook": (vars(summary).get("on_fit_start") is mine, len(calls)),
+        "validated": validated[0]["val_loss"],
+        "graph_skipped": graph_skipped,
         "generate": _error(lambda: _generate(module.model)),
         "forward": _error(lambda: module(PROMPT)),
         "save_pretrained": _error(lambda: module.model.save_pretrained(f"{root}/r{rank}")),
@@ -160,6 +192,8 @@ def test_split_model_refuses_whole_calls_and_summary_runs() -> None:
     for rank, out in enumerate(results):
         assert out["example_back"], f"rank {rank}: example_input_array not put back after fit"
         assert out["hooks_saw"] == {"on_fit_start": True, "on_train_start": True}, out["hooks_saw"]
+        assert out["user_hook"] == (True, 1), out["user_hook"]
+        assert out["validated"] == results[0]["validated"]
         for what in ("generate", "forward"):
             assert f"called on pipeline stage {rank}" in out[what], (what, out[what])
             assert "consolidated_state_dict()" in out[what], out[what]
@@ -167,7 +201,7 @@ def test_split_model_refuses_whole_calls_and_summary_runs() -> None:
             assert "placeholders of layers that live on other pipeline stages" in out[what], out[what]
             assert "consolidated_state_dict()" in out[what], out[what]
     first = results[0]
-    assert first["property_warned"]
+    assert first["property_warned"] and first["graph_skipped"]  # warned on rank 0
     assert sorted(first["weights"]) == sorted(weights)
     for name, value in weights.items():
         torch.testing.assert_close(first["weights"][name], value, msg=lambda m, n=name: f"{n}: {m}")

@@ -242,3 +242,13 @@ def rank_zero_view(
         k: torch.zeros((), dtype=v.dtype).expand(v.shape) if isinstance(v, _Shape) else v
         for k, v in described.items()
     }
+
+
+ZERO_VIEWS = (
+    "on_save_checkpoint wrote in place into an entry of checkpoint['state_dict'] on a rank other than 0: with"
+    " save_distributed_checkpoint=False the whole state is gathered on global rank 0, which writes the file,"
+    " and the other ranks' hooks see its entries as zeros expanded to their shapes (no memory; .cpu() and"
+    " .detach() return the same view), which take no in-place write. Assign a new value"
+    " (sd[k] = sd[k] * 0.5) or clone first (sd[k].clone().mul_(0.5)); what a hook does on the other ranks is"
+    " not saved"
+)
