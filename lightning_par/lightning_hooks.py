@@ -1,8 +1,9 @@
 """LightningModule hooks the Trainer strategy adapts for one run, and the loop bookkeeping it corrects.
 
 Each ``guard_*`` function sets an instance attribute on the user's LightningModule (or callback),
-shadowing the class's method, and returns the names it set; the strategy deletes them at teardown, so the
-class's own methods show through again and nothing outlives the run.
+shadowing the class's method, through :func:`install`, and returns the names it set; the strategy removes
+them at teardown (:func:`restore`), so the class's own methods, or an instance attribute of the user's
+that a wrapper shadowed, show through again and nothing outlives the run.
 
 * :func:`guard_schedulers`: with fp16 loss scaling a skipped step is not a step, so per-step LR
   schedulers must not advance on it (Lightning steps them through ``lr_scheduler_step``).
@@ -14,7 +15,8 @@ class's own methods show through again and nothing outlives the run.
   refused with the fix instead of computing or saving NaN.
 * :func:`explain_zero_views`: with whole-file checkpoints a rank other than 0 hands the save hooks
   expanded zeros in place of rank 0's gathered state; an in-place write into one is explained.
-* :func:`lightning_par.summaries.guard_summaries` does the same for Lightning's model summary callbacks.
+* :func:`lightning_par.summaries.guard_summaries` sets such attributes on Lightning's model summary
+  callbacks and graph-logging loggers.
 * :func:`uncount_step`: takes a skipped step off Lightning's optimizer-step count (``global_step``).
 """
 
