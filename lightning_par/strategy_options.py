@@ -337,7 +337,7 @@ def _check_averaging(
         return
     name = type(averaging[0]).__name__
     reason = None
-    statistics_epoch = ""  # the refusal is of SWA's BatchNorm epoch at ZeRO 1/2, with advice of its own
+    statistics_epoch = False  # the refusal is of SWA's BatchNorm epoch at ZeRO 1/2, with advice of its own
     works = (
         " Lightning's callback works with zero_stage 0, 1 or 2 in precision='32-true' without tensor or"
         " pipeline parallelism."
@@ -366,7 +366,7 @@ def _check_averaging(
             " the averaged weights would not reach"
         )
     elif zero_stage in (1, 2) and swa_statistics_epoch:
-        name = statistics_epoch = "StochasticWeightAveraging"
+        name, statistics_epoch = "StochasticWeightAveraging", True
         reason = (
             "on a model with BatchNorm it ends with an extra epoch that skips backward and zero_grad but"
             " still calls optimizer.step(), which under 'ddp' re-applies the last step's gradients (and"
