@@ -29,6 +29,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
@@ -59,7 +60,21 @@ def guard_toggling(
     module: pl.LightningModule, *, sharded: ShardedState, optimizers: Sequence[Optimizer]
 ) -> list[str]:
     """Make ``toggle_optimizer``/``untoggle_optimizer`` act on the module parameters each optimizer was
-    given (``sharded.group_params``), not on the fragments it now holds."""
+    given (``sharded.group_params``), not on the fragments it now holds. A module's own override of either
+    is not called (Lightning's base version, which an override calls through ``super()``, would walk the
+    fragments): warned, naming what to do instead."""
+    overridden = [
+        name
+        for name in ("toggle_optimizer", "untoggle_optimizer")
+        if name in vars(module) or is_overridden(name, module, pl.LightningModule)
+    ]
+    if overridden:
+        rank_zero_warn(
+            f"ZeRO stages 1-3 replace {' and '.join(overridden)} for this run: the optimizers hold shards of"
+            " the parameters, so lightning_par toggles the module's parameters each optimizer was given, and"
+            " your override is not called. Do what it adds (logging, freezing other modules) in"
+            " training_step around the toggle, or use zero_stage=0."
+        )
     owned: dict[int, list[nn.Parameter]] = {
         id(opt): [p for group in sharded.group_params(k) for p in group] for k, opt in enumerate(optimizers)
     }
@@ -182,9 +197,9 @@ def restore(obj: Any, names: Sequence[str]) -> None:
     shadowed comes back (before, it was deleted with the wrapper)."""
     for name in names:
         current = vars(obj).get(name)
-        if current is None:
+        if current is None or not hasattr(current, _PREVIOUS):  # the user replaced the wrapper: theirs stays
             continue
-        previous = getattr(current, _PREVIOUS, _ABSENT)
+        previous = getattr(current, _PREVIOUS)
         if previous is _ABSENT:
             delattr(obj, name)
         else:

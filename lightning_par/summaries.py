@@ -29,10 +29,14 @@ from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_par.lightning_hooks import GUARDED, install
+from lightning_par.lightning_hooks import install
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 
 __all__ = ["guard_summaries"]
+
+# marks the wrappers set here (not lightning_hooks' GUARDED, which the ZeRO-3 placeholder guard sets on a
+# user's ModelSummary subclass first: checking that one left such a subclass without these fixes)
+_SUMMARY = "_lightning_par_summary"
 
 
 class _FullSizeSummary(Summary):
@@ -101,7 +105,7 @@ def guard_summaries(
     input throughout. The (object, names) set, for :func:`~lightning_par.lightning_hooks.restore`."""
     patched: list[tuple[Any, list[str]]] = []
     for callback in trainer.callbacks if fitting else []:  # type: ignore[attr-defined]
-        if not isinstance(callback, ModelSummary) or getattr(callback.on_fit_start, GUARDED, False):
+        if not isinstance(callback, ModelSummary) or getattr(callback.on_fit_start, _SUMMARY, False):
             continue
         names = []
         if tp_size > 1:
@@ -124,13 +128,13 @@ def guard_summaries(
                     if hidden:
                         _inner(trainer, module)
 
-            setattr(on_fit_start, GUARDED, True)
+            setattr(on_fit_start, _SUMMARY, True)
             install(callback, "on_fit_start", on_fit_start)
             names.append("on_fit_start")
         if names:
             patched.append((callback, names))
     for logger in trainer.loggers if pipelined else []:
-        if not getattr(logger, "_log_graph", False) or getattr(logger.log_graph, GUARDED, False):
+        if not getattr(logger, "_log_graph", False) or getattr(logger.log_graph, _SUMMARY, False):
             continue
 
         def log_graph(model: Any, input_array: Any = None) -> None:
@@ -139,7 +143,7 @@ def guard_summaries(
                 " forward, which no pipeline stage can (each holds its own stage's layers)."
             )
 
-        setattr(log_graph, GUARDED, True)
+        setattr(log_graph, _SUMMARY, True)
         install(logger, "log_graph", log_graph)
         patched.append((logger, ["log_graph"]))
     return patched

@@ -2,7 +2,8 @@
 
 Before, a Llama at tp2 was summarised as 11.4 K parameters (0.046 MB) where the model has 22.7 K: each
 sharded parameter is this rank's slice. The test fits the Llama (its embedding frozen, so the trainable
-count differs from the total) at tp2 with a ``ModelSummary`` subclass that records what it would print,
+count differs from the total) at tp2, with ZeRO 0 and 3, with a ``ModelSummary`` subclass that records
+what it would print,
 against Lightning's summary of the same model in one process; after the fit the callback is as it was."""
 
 from __future__ import annotations
@@ -60,23 +61,31 @@ class Recording(ModelSummary):
 
 def _job(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    recording = Recording()
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=world, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, callbacks=[recording],
-        strategy=HybridParallelStrategy(tensor_parallel_size=2, tp_plan="llama"),
-    )  # fmt: skip
-    trainer.fit(FrozenEmbeddingLlama(), DataLoader(Tokens(4), batch_size=2))
-    trainer.strategy.destroy_process_groups()  # type: ignore[attr-defined]
-    return {**recording.seen, "restored": "_summary" not in vars(recording)}
+    out = {}
+    # at ZeRO-3 the placeholder-read guard wraps a user's summary subclass first (before, that wrapper hid
+    # it from the summary fix: 11.4 K printed)
+    for stage in (0, 3):
+        recording = Recording()
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=world, max_steps=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, callbacks=[recording],
+            strategy=HybridParallelStrategy(
+                tensor_parallel_size=2, tp_plan="llama", zero_stage=stage, meta_init=False
+            ),
+        )  # fmt: skip
+        trainer.fit(FrozenEmbeddingLlama(), DataLoader(Tokens(4), batch_size=2))
+        trainer.strategy.destroy_process_groups()  # type: ignore[attr-defined]
+        out[stage] = {**recording.seen, "restored": not ({"_summary", "on_fit_start"} & set(vars(recording)))}
+    return out
 
 
 def test_summary_counts_the_whole_model_under_tensor_parallelism() -> None:
     ranks = run_distributed(_job, 2, init_group=False, timeout=300)
     reference = summarize(FrozenEmbeddingLlama(), max_depth=2)
-    seen = ranks[0]
-    assert seen["total"] == reference.total_parameters
-    assert seen["trainable"] == reference.trainable_parameters < reference.total_parameters
-    assert seen["size"] == reference.model_size
-    assert seen["rows"] == dict(reference._get_summary_data())["Params"]
-    assert all(r["restored"] for r in ranks)
+    for stage in (0, 3):
+        seen = ranks[0][stage]
+        assert seen["total"] == reference.total_parameters, stage
+        assert seen["trainable"] == reference.trainable_parameters < reference.total_parameters, stage
+        assert seen["size"] == reference.model_size, stage
+        assert seen["rows"] == dict(reference._get_summary_data())["Params"], stage
+        assert all(r[stage]["restored"] for r in ranks), stage
