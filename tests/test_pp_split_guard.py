@@ -18,6 +18,7 @@ import warnings
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelSummary
@@ -170,8 +171,9 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
-def _reference() -> tuple[dict[str, Tensor], list[int]]:
-    """One process, the model's own forward over the batches Lightning's sampler gave the pp ranks."""
+def _reference() -> tuple[dict[str, Tensor], list[int], float]:
+    """One process, the model's own forward over the batches Lightning's sampler gave the pp ranks; the
+    trained weights, their greedy tokens and the validation loss (the mean of equal batches' means)."""
     model = llama(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     data = Tokens(N)
@@ -182,18 +184,21 @@ def _reference() -> tuple[dict[str, Tensor], list[int]]:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, _generate(model)
+    with torch.no_grad():
+        ids, labels = (torch.stack(t) for t in zip(*(data[i] for i in range(N)), strict=True))
+        val_loss = float(F.cross_entropy(model(input_ids=ids).logits.flatten(0, 1), labels.flatten()))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, _generate(model), val_loss
 
 
 def test_split_model_refuses_whole_calls_and_summary_runs() -> None:
     with tempfile.TemporaryDirectory() as root:
         results = run_distributed(_job, 2, root, init_group=False, timeout=300)
-    weights, tokens = _reference()
+    weights, tokens, val_loss = _reference()
     for rank, out in enumerate(results):
         assert out["example_back"], f"rank {rank}: example_input_array not put back after fit"
         assert out["hooks_saw"] == {"on_fit_start": True, "on_train_start": True}, out["hooks_saw"]
         assert out["user_hook"] == (True, 1), out["user_hook"]
-        assert out["validated"] == results[0]["validated"]
+        assert out["validated"] == pytest.approx(val_loss, rel=1e-5), (out["validated"], val_loss)
         for what in ("generate", "forward"):
             assert f"called on pipeline stage {rank}" in out[what], (what, out[what])
             assert "consolidated_state_dict()" in out[what], out[what]
