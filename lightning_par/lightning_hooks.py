@@ -120,6 +120,15 @@ PLACEHOLDER_HOOKS = (
 _TRUSTED_CALLBACKS = ("lightning.", "pytorch_lightning.", "lightning_par.")
 
 
+def _users_hook(obj: pl.LightningModule | Callback, hook: str) -> bool:
+    """Whether ``hook`` is the user's own: overridden by a LightningModule, or by a callback from outside
+    Lightning and this package."""
+    base = pl.LightningModule if isinstance(obj, pl.LightningModule) else Callback
+    if base is Callback and type(obj).__module__.startswith(_TRUSTED_CALLBACKS):
+        return False
+    return is_overridden(hook, obj, base)
+
+
 def guard_placeholder_reads(
     obj: pl.LightningModule | Callback, *, refused: Callable[[str], AbstractContextManager[None]]
 ) -> list[str]:
@@ -127,13 +136,10 @@ def guard_placeholder_reads(
     from outside Lightning and this package) inside ``refused(hook name)`` (ZeRO-3: a read of a
     placeholder parameter raises there instead of computing or saving NaN); the names set, for
     :func:`restore`."""
-    base = pl.LightningModule if isinstance(obj, pl.LightningModule) else Callback
-    if base is Callback and type(obj).__module__.startswith(_TRUSTED_CALLBACKS):
-        return []
     names = []
     for hook in PLACEHOLDER_HOOKS:
         inner = getattr(obj, hook)
-        if getattr(inner, GUARDED, False) or not is_overridden(hook, obj, base):
+        if getattr(inner, GUARDED, False) or not _users_hook(obj, hook):
             continue
 
         def guarded(*args: Any, _inner: Callable[..., Any] = inner, _hook: str = hook, **kwargs: Any) -> Any:
@@ -151,10 +157,7 @@ def explain_zero_views(obj: pl.LightningModule | Callback, *, why: str) -> list[
     Lightning and this package) so that torch's "single memory location" error, an in-place write into
     one of the expanded zeros a rank other than 0 gets with whole-file checkpoints
     (:func:`lightning_par.checkpoint.hook_edits.rank_zero_view`), is raised again with ``why``."""
-    base = pl.LightningModule if isinstance(obj, pl.LightningModule) else Callback
-    if base is Callback and type(obj).__module__.startswith(_TRUSTED_CALLBACKS):
-        return []
-    if not is_overridden("on_save_checkpoint", obj, base):
+    if not _users_hook(obj, "on_save_checkpoint"):
         return []
     inner = obj.on_save_checkpoint
 
