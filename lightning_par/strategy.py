@@ -59,10 +59,10 @@ from lightning_par.zero.buffers import BufferSync
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
 from lightning_par.zero.engine import Engine, ReduceChoice
 from lightning_par.zero.grad_sync import GradSyncPolicy
+from lightning_par.zero.init_seeds import agree_seed
 from lightning_par.zero.meta_buffers import materialize_buffers
 from lightning_par.zero.meta_init import (
     ValuesFn,
-    agree_seed,
     materialize_local,
     meta_build,
     move_real_tensors,

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_par.zero.hf_init import Initialiser, hf_initialisers, replay
-from lightning_par.zero.meta_init import module_seed, own_rng
+from lightning_par.zero.init_seeds import module_seed, own_rng
 from lightning_par.zero.units import REMOTE_ATTR
 
 

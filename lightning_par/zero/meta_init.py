@@ -4,7 +4,7 @@ A model built on the meta device has shapes but no storage. Each unit in turn ge
 filled from pretrained weights where a source has them, otherwise initialised as on a real device (its
 modules' own ``reset_parameters()``, then, inside a Hugging Face model, that model's ``_init_weights``:
 :mod:`lightning_par.zero.hf_init`), is sliced into shards, and is released, so no rank ever holds more
-than one unit in full. Each initialiser runs under its own seed, :func:`module_seed` of the run's seed
+than one unit in full. Each initialiser runs under its own seed, :func:`~lightning_par.zero.init_seeds.module_seed` of the run's seed
 and the module's path: a module's initial values depend on nothing else, not on the unit it falls in,
 the pipeline stage that holds it or the world size, so every rank that holds a copy draws the same
 values and any layout starts from the same model. A tensor-parallel layer is initialised as the
@@ -23,19 +23,17 @@ on the meta device, buffers on the CPU, because buffers are small and often comp
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.zero.hf_init import hf_initialisers, others_on_meta, replay
+from lightning_par.zero.init_seeds import module_seed, own_rng
 from lightning_par.zero.meta_loads import MetaLoads
 from lightning_par.zero.meta_replay import (
     forget_writes,
@@ -46,51 +44,12 @@ from lightning_par.zero.meta_replay import (
     writes_after_load,
 )
 from lightning_par.zero.meta_writes import WriteRecorder, inherit_writes, visible_init_functions
+from lightning_par.zero.peft_init import reset_lora
 from lightning_par.zero.tp_init import parallel_layers, release_sources, slice_of, sources_in_place
 from lightning_par.zero.units import REMOTE_ATTR, UnitPolicy, plan_units
 
 # A parameter's values from a pretrained source (None: not in the source, initialise it).
 ValuesFn = Callable[[str], Tensor | None]
-
-
-def module_seed(seed: int, path: str) -> int:
-    """The seed the initialisers of the module at ``path`` (its name in the model) run under: a 32-bit
-    hash of the run's ``seed`` and the path (see the module docstring). 32 bits, because torch's CPU
-    generator keeps only the low 32 bits of a seed: a seed with the run's part above them would give
-    every run the same model. ``torch.compile``'s ``_orig_mod`` steps are left out of the path: compiling a
-    submodule (in ``configure_model``) does not change the model drawn."""
-    path = ".".join(part for part in path.split(".") if part != "_orig_mod")
-    digest = hashlib.blake2b(f"{seed}:{path}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little")
-
-
-def warn_drawn_init(params: Sequence[nn.Parameter], *, seed: int, group: ProcessGroup) -> None:
-    """Say once (on the group's first rank) that ZeRO-3 draws the initial values of meta ``params`` from
-    ``seed`` by module path, so they differ from what a non-sharded run draws from the caller's generator
-    (the same for every stage-3 layout with that seed); nothing is said when none is drawn."""
-    drawn = [p for p in params if p.is_meta and not getattr(p, REMOTE_ATTR, False)]
-    if not drawn or dist.get_rank(group) != 0:
-        return
-    warnings.warn(
-        f"ZeRO-3 meta init draws the initial values of {len(drawn)} parameters from seed {seed}, per module"
-        " path (every stage-3 layout with this seed gets the same model), not from your global random"
-        ' generator: they differ from the model a non-sharded run ("ddp", ZeRO 0-2, meta_init=False)'
-        " draws after the same seed_everything(). For the same initial weights pass meta_init=False, or load"
-        " them (pretrained=..., fabric.load_raw).",
-        stacklevel=2,
-    )
-
-
-def agree_seed(value: int, *, groups: Sequence[ProcessGroup], device: torch.device) -> int:
-    """``value`` of the first rank of the mesh, on every rank: broadcast from the first rank of each of
-    ``groups`` in turn (groups spanning the mesh's dimensions: data, tensor and pipeline parallel). The
-    seed meta parameters are drawn from must be one: tensor-parallel peers draw the same full matrices and
-    replicated parameters, pipeline stages the same copies of tied ones. One host read, at setup."""
-    seed = torch.tensor([value], device=device)
-    for group in groups:
-        if dist.get_world_size(group) > 1:
-            dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
-    return int(seed.item())
 
 
 def target_device(module: nn.Module, *, default: torch.device | None = None) -> torch.device:
@@ -386,7 +345,7 @@ def _materialize(
         initialised = {id(fresh[pid]) for pid in todo}
         # then a Hugging Face model's post_init()
         replay(hf_calls, initialised, reseed=lambda path: reseed(module_seed(seed, path)))
-        _reset_lora(root, initialised, reseed=lambda path: reseed(module_seed(seed, path)))
+        reset_lora(root, initialised, reseed=lambda path: reseed(module_seed(seed, path)))
         # then what the user's code did after them
         initial = [entry for entry in pending if id(entry[1]) not in loaded]
         replay_writes(initial, fresh, reseed=lambda name: reseed(module_seed(seed, name)))
@@ -400,29 +359,6 @@ def _materialize(
         with own_rng(device) as reseed:
             replay_writes(after_load, fresh, reseed=lambda name: reseed(module_seed(seed, name)))
     return fresh
-
-
-@contextmanager
-def own_rng(device: torch.device) -> Iterator[Callable[[int], None]]:
-    """Within: a function that seeds the CPU's random state and ``device``'s; both states are restored
-    after, so the user's random streams (dropout, data order) go on as if nothing had been drawn."""
-    backend = torch.get_device_module(device.type) if device.type not in ("cpu", "meta") else None
-    index = 0
-    if backend is not None:
-        index = device.index if device.index is not None else backend.current_device()
-
-    def seed(value: int) -> None:
-        torch.random.default_generator.manual_seed(value)
-        if backend is not None:
-            with backend.device(index):
-                backend.manual_seed(value)
-
-    if backend is None:
-        with torch.random.fork_rng(devices=[]):
-            yield seed
-    else:
-        with torch.random.fork_rng(devices=[index], device_type=device.type):
-            yield seed
 
 
 def _check_set(initialised: Sequence[tuple[str, Tensor]]) -> None:
@@ -440,68 +376,6 @@ def _check_set(initialised: Sequence[tuple[str, Tensor]]) -> None:
             " or create the model on a real device (meta_init=False; needed where the init reads other"
             " weights, as PEFT's DoRA magnitudes do)."
         )
-
-
-def _peft_configs(root: nn.Module) -> dict[str, Any]:
-    """Each PEFT adapter's config by name, from the PEFT models and tuners inside ``root``."""
-    found: dict[str, Any] = {}
-    for m in root.modules():
-        configs = getattr(m, "peft_config", None)
-        if isinstance(configs, dict):
-            for adapter, config in configs.items():
-                found.setdefault(str(adapter), config)
-    return found
-
-
-# PEFT's initialisations of an adapter that read the base layer's weights or data (PiSSA, CorDA, OLoRA,
-# MiCA, LoftQ, orthogonal, LoRA-GA): not there on the meta device
-_BASE_READING = ("pissa", "corda", "olora", "mica", "loftq", "orthogonal", "lora_ga")
-
-
-def _reset_lora(root: nn.Module, initialised: set[int], *, reseed: Callable[[str], None]) -> None:
-    """PEFT LoRA layers whose adapter weights were just initialised, as PEFT's ``update_layer`` does for
-    the adapter's ``init_lora_weights`` (each adapter after ``reseed`` with the path of its ``lora_A``
-    layer): ``True`` (and EVA's start) A as nn.Linear and B zero (``"gaussian"``'s A is the recorded
-    write, replayed after); ``False`` both layers' own nn.Linear init (before: B zeroed, A drawn by the
-    enclosing model's ``_init_weights``); an init that reads the base weights is refused (before: PiSSA
-    silently became the default)."""
-    configs = _peft_configs(root)
-    for name, m in root.named_modules():
-        reset = getattr(m, "reset_lora_parameters", None)
-        lora_a, lora_b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
-        if not callable(reset) or not isinstance(lora_a, nn.ModuleDict):
-            continue
-        prefix = f"{name}." if name else ""
-        for adapter, layer in lora_a.items():
-            fresh = [  # the adapter's layers initialised in this unit
-                (f"{prefix}{kind}.{adapter}", own)
-                for kind, own in (("lora_A", layer), ("lora_B", _get(lora_b, adapter)))
-                if own is not None and any(id(p) in initialised for p in own.parameters())
-            ]
-            if not fresh:
-                continue
-            init = getattr(configs.get(adapter), "init_lora_weights", True)
-            if isinstance(init, str) and init.lower().startswith(_BASE_READING):
-                raise ValueError(
-                    f"PEFT adapter {adapter!r} of {name or '<root>'!r} is initialised with"
-                    f" init_lora_weights={init!r}, which reads the base layer's weights (or data); built on"
-                    " the meta device (ZeRO-3's meta init) they are not there, so the adapter would start"
-                    " from another init. Build the model with meta_init=False, or load the adapter's"
-                    " weights (pretrained=, or load_state_dict in configure_model())."
-                )
-            if init is False:  # each layer's own nn.Linear init (not the enclosing model's _init_weights)
-                for path, own in fresh:
-                    if callable(getattr(own, "reset_parameters", None)):
-                        reseed(path)
-                        own.reset_parameters()  # type: ignore[operator]
-                continue
-            if fresh[0][1] is layer:
-                reseed(f"{prefix}lora_A.{adapter}")
-                reset(adapter, True)
-
-
-def _get(layers: Any, key: str) -> nn.Module | None:
-    return layers[key] if isinstance(layers, nn.ModuleDict) and key in layers else None
 
 
 def materialize_model(

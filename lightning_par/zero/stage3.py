@@ -97,13 +97,12 @@ from lightning_par.zero.autograd_state import (
 )
 from lightning_par.zero.broadcast import broadcast_module_states
 from lightning_par.zero.grad_buckets import ReduceOp
+from lightning_par.zero.init_seeds import agree_seed, warn_drawn_init
 from lightning_par.zero.layout import Fragment
 from lightning_par.zero.meta_init import (
     ValuesFn,
-    agree_seed,
     materialize_unit,
     target_device,
-    warn_drawn_init,
 )
 from lightning_par.zero.meta_replay import refuse_writes_after_build
 from lightning_par.zero.optimizer_rebuild import stepped_ids

@@ -9,7 +9,7 @@ keeps that layer as its source (``SOURCE_ATTR``, :mod:`lightning_par.tensor_para
 initialised. The initialisers then run on the model the user built, with full-size storage, and
 :func:`slice_of` takes each rank's part of the result: the rank's row block (dim 0), column block
 (dim 1), or the whole tensor for a replicated parameter (a row-parallel bias). Every tp rank draws the
-same full values (:func:`lightning_par.zero.meta_init.module_seed`), so the slices are parts of one matrix
+same full values (:func:`lightning_par.zero.init_seeds.module_seed`), so the slices are parts of one matrix
 and equal the unsharded model's init, sliced. A rank holds the unit's parallel layers in full for the
 duration, as ZeRO-3 holds every unit in full while it initialises it.
 """
