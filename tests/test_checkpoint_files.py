@@ -30,7 +30,8 @@ from torch.utils.data import DataLoader
 from lightning_par import HybridParallelStrategy
 from lightning_par.checkpoint import consolidate_cli, sharded
 from lightning_par.checkpoint import io as checkpoint_io
-from lightning_par.checkpoint.io import consolidate, save_sharded
+from lightning_par.checkpoint.export import consolidate
+from lightning_par.checkpoint.io import save_sharded
 from lightning_par.checkpoint.sharded import (
     COMPLETE_FILE,
     META_FILE,

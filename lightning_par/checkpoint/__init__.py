@@ -1,6 +1,6 @@
 """Sharded checkpoints with layout metadata, resharding on load, and consolidation for export."""
 
-from lightning_par.checkpoint.io import consolidate
+from lightning_par.checkpoint.export import consolidate
 from lightning_par.checkpoint.sharded import (
     METADATA_KEY,
     check_params_match,

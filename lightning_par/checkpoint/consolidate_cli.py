@@ -1,7 +1,7 @@
 """``lightning-par-consolidate DIR OUT.ckpt``: one ordinary Lightning checkpoint file from a sharded one
 (ours, or the ``torch.distributed.checkpoint`` directory of Lightning's FSDP strategies).
 
-The output is :func:`lightning_par.checkpoint.io.consolidate` written with ``torch.save``: full
+The output is :func:`lightning_par.checkpoint.export.consolidate` written with ``torch.save``: full
 ``state_dict`` (ZeRO-3 and tensor-parallel pieces assembled), ``hyper_parameters`` from ``meta.pt`` (so
 ``LightningModule.load_from_checkpoint(OUT)`` works), loops and callbacks, and the optimizer states in
 torch's own format unless ``--weights-only``. It is written atomically (temp file in OUT's directory,
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint
+from lightning_par.checkpoint.export import consolidate
 from lightning_par.checkpoint.files import fsync_dir
-from lightning_par.checkpoint.io import consolidate
 from lightning_par.checkpoint.sharded import FABRIC_KEYS, META_FILE, is_sharded_checkpoint
 
 PROG = "lightning-par-consolidate"

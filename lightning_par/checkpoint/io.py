@@ -9,44 +9,29 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_par.checkpoint.averages import CHECKPOINT_ENTRY, averaged_state_dict, pieces_from_entries
-from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint, read_dcp_checkpoint
-from lightning_par.checkpoint.full import model_records, torch_optimizer_state, unsharded_params
+from lightning_par.checkpoint.full import model_records
 from lightning_par.checkpoint.hook_edits import StateEdits
 from lightning_par.checkpoint.optimizer_state import (
-    MASTER_KEY,
     Pieces,
-    cut,
     fragment_pieces,
     group_hyperparams,
     load_fragments,
     load_unsharded,
     pieces_from_state_dict,
-    whole_pieces,
 )
-from lightning_par.checkpoint.rank_state import meta_names
 from lightning_par.checkpoint.sharded import (
-    FABRIC_KEYS,
     METADATA_KEY,
-    _payloads,
-    assemble_state_dict,
     check_params_match,
     mark_complete,
     prepare_staging,
-    read_meta,
-    read_model_records,
     read_optimizer_records,
-    read_rank_entries,
-    resolve_checkpoint_dir,
     staging_dir,
     swap_into_place,
     write_meta,
@@ -56,7 +41,6 @@ from lightning_par.checkpoint.tp_reshard import (
     TPInfo,
     global_shapes,
     localize,
-    localize_state_dict,
 )
 from lightning_par.compose import COMPOSITION_ATTR
 from lightning_par.zero.engine import Engine
@@ -180,21 +164,6 @@ def rank_payload(
         payload["model"] = share["params"]
         payload["buffers"] = share["extras"]
     return payload
-
-
-def read_buffers(path: Path) -> dict[str, Any]:
-    """The buffers (and other non-parameter entries) the ranks of a sharded checkpoint wrote."""
-    out: dict[str, Any] = {}
-    for payload in _payloads(path):
-        for k, v in payload.get("buffers", {}).items():
-            out.setdefault(k, v)
-    return out
-
-
-def _value(tensor: Tensor, lo: int, hi: int) -> Tensor:
-    """Elements ``[lo, hi)`` of a parameter given whole, or a fragment given as its own 1-D view."""
-    flat = tensor.detach().reshape(-1)
-    return (flat if flat.numel() == hi - lo else flat[lo:hi]).cpu().clone()
 
 
 def save_sharded(
@@ -355,165 +324,3 @@ def load_optimizer_states(
         hyper, pieces = sources[j]
         load_fragments(opt, localize(pieces, shapes, tp), hyper, table, master_key=sharded.master_key)
     engine.masters_changed()  # the compute copy follows the restored fp32 masters
-
-
-def full_state_dict_of(
-    checkpoint: dict[str, Any], sharded_path: Path | None, edits: StateEdits | None = None
-) -> dict[str, Any]:
-    """The checkpoint's full ``state_dict``: assembled from ZeRO-3 records if that is how it was saved, and
-    with the fp32 masters of a mixed-precision run in place of its low-precision parameters; the records
-    go through ``edits`` (default: the save hooks' recorded in the metadata), and what the hooks wrote in
-    ``state_dict`` stays over them."""
-    state: dict[str, Any] = dict(checkpoint.get("state_dict", {}))
-    if sharded_path is None:
-        return state
-    meta = checkpoint[METADATA_KEY]
-    edits = edits if edits is not None else StateEdits.from_meta(meta)
-    records = read_buffers(sharded_path)
-    model = read_model_records(sharded_path)
-    if model is not None:
-        records.update(assemble_state_dict(model, meta))
-    masters: Pieces = {}
-    for _, pieces in read_optimizer_records(sharded_path):
-        for name, parts in pieces.items():
-            masters.setdefault(name, []).extend(
-                (lo, hi, {"param": s[MASTER_KEY]}) for lo, hi, s in parts if MASTER_KEY in s
-            )
-    if any(masters.values()):
-        records.update(assemble_state_dict(masters, meta, require_all=False))
-    return edits.over(records, state)
-
-
-def load_stage3_params(
-    checkpoint: Mapping[str, Any], engine: Engine, sharded_path: Path | None, tp: TPInfo, edits: StateEdits
-) -> dict[str, Any]:
-    """Fill this rank's parameter shards from a checkpoint of any stage and layout; return the
-    non-parameter entries of its state_dict (buffers), for ``load_state_dict`` of the rest. The records
-    go through ``edits``, and the entries the hooks wrote stay over them."""
-    pieces = read_model_records(sharded_path) if sharded_path is not None else None
-    hook_state = dict(checkpoint.get("state_dict", {}))
-    state = edits.over(read_buffers(sharded_path), hook_state) if sharded_path is not None else hook_state
-    if pieces is None:
-        pieces = whole_pieces(state)
-    else:
-        pieces = edits.records(pieces)
-        pieces.update(whole_pieces({k: hook_state[k] for k in edits.written}))
-    pieces = localize(pieces, global_shapes(engine.module, tp), tp)
-
-    def values(name: str, lo: int, hi: int) -> Tensor | None:
-        piece = cut(pieces.get(name, []), lo, hi)
-        return None if piece is None else piece["param"]
-
-    engine.load_param_shards(values)
-    params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
-    rest = {k: v for k, v in state.items() if k not in params}
-    for name, p in unsharded_params(engine.module, engine):  # attached after setup: loaded whole
-        piece = cut(pieces.get(name, []), 0, p.numel())
-        if piece is not None:
-            rest[name] = piece["param"].reshape(p.shape)
-    return rest
-
-
-def load_module_state(
-    checkpoint: Mapping[str, Any],
-    module: nn.Module,
-    engine: Engine | None,
-    *,
-    sharded_path: Path | None,
-    tp: TPInfo,
-    strict: bool,
-    edits: StateEdits | None = None,
-) -> None:
-    """Load a checkpoint's model state (either format, any layout) into ``module`` as ``engine`` holds it:
-    ZeRO-3 shards are filled directly; otherwise the full state dict is cut to this rank's tensor-parallel
-    pieces (other pipeline stages' layers skipped), loaded, and, where ZeRO 1/2 keeps separate fp32
-    masters, copied into them at full precision (the compute copy alone would be rounded). ``edits``:
-    the checkpoint hooks' changes to its ``state_dict`` (default: the save hooks' alone)."""
-    if edits is None:
-        edits = StateEdits.from_meta(checkpoint.get(METADATA_KEY))
-    remote = meta_names(module)  # other pipeline stages' layers: skipped, their owners load them
-    if engine is not None and engine.shards_params:
-        rest = load_stage3_params(checkpoint, engine, sharded_path, tp, edits)
-        rest = {k: v for k, v in rest.items() if k not in remote}
-        missing, unexpected = module.load_state_dict(rest, strict=False)
-        # buffers, and parameters no unit holds (attached after setup), come through load_state_dict
-        whole = {n for n, b in module.named_buffers() if not b.is_meta}
-        whole |= {n for n, _ in unsharded_params(module, engine)}
-        if strict and (set(missing) & whole or unexpected):
-            raise KeyError(
-                f"Buffers or whole parameters missing from the checkpoint: {sorted(set(missing) & whole)};"
-                f" unexpected keys: {sorted(unexpected)}."
-            )
-        return
-    state = full_state_dict_of(dict(checkpoint), sharded_path, edits)
-    # a model already made tensor-parallel (a second fit in the same process) takes its slices
-    state = localize_state_dict(state, module, tp)
-    state = {k: v for k, v in state.items() if k not in remote}
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k not in remote]
-    if strict and (missing or unexpected):
-        raise KeyError(
-            f"The checkpoint's state_dict lacks {missing[:8]} and has unexpected {unexpected[:8]}."
-        )
-    sharded = engine.sharded_state if engine is not None else None
-    if engine is not None and sharded is not None and sharded.master_key is not None:
-        with torch.no_grad():
-            for name, lo, hi, master in sharded.fragment_table():
-                if isinstance(state.get(name), Tensor):
-                    master.copy_(state[name].detach().reshape(-1)[lo:hi])
-        engine.masters_changed()  # the compute copy follows the masters on every rank
-
-
-def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A single-file Lightning checkpoint from a sharded directory, for export or for tools that expect
-    one file (``LightningModule.load_from_checkpoint``): the full ``state_dict`` (trainable parameters at
-    their fp32 master values, frozen ones, buffers) and the full ``optimizer_states`` in torch's own
-    format. Reads rank files one at a time (mmap). A ``torch.distributed.checkpoint`` directory of
-    Lightning's FSDP strategies is read whole (:mod:`lightning_par.checkpoint.dcp_import`)."""
-    if is_dcp_checkpoint(path):
-        converted = read_dcp_checkpoint(path)
-        converted[METADATA_KEY]["format"] = "full"
-        return converted
-    source = resolve_checkpoint_dir(path)
-    checkpoint = read_meta(source)
-    meta = checkpoint[METADATA_KEY]
-    checkpoint["state_dict"] = full_state_dict_of(checkpoint, source)
-    averages = read_rank_entries(source, CHECKPOINT_ENTRY)
-    if averages:  # Lightning's WeightAveraging layout: the averaged model is the state_dict
-        pieces, buffers = pieces_from_entries(averages, meta["params"])
-        current = checkpoint["state_dict"]
-        checkpoint["state_dict"] = averaged_state_dict(current, pieces, buffers, meta)
-        checkpoint["current_model_state"] = current
-    elif "averaging_state" in checkpoint:
-        # saved after fit, when the model holds the averages: Lightning's layout has them twice
-        checkpoint["current_model_state"] = checkpoint["state_dict"]
-    states = [
-        torch_optimizer_state(hyper, pieces, meta["params"])
-        for hyper, pieces in read_optimizer_records(source)
-    ]
-    if states or "optimizer_states" in checkpoint:
-        checkpoint["optimizer_states"] = states
-    checkpoint[METADATA_KEY] = {**meta, "format": "full"}
-    if FABRIC_KEYS in checkpoint:
-        return _fabric_file(checkpoint, source)
-    return checkpoint
-
-
-def _fabric_file(checkpoint: dict[str, Any], source: Path) -> dict[str, Any]:
-    """A consolidated ``fabric.save`` directory in the layout ``fabric.save`` writes as one file
-    (``{module key: state dict, optimizer key: torch's state, averages key: {"state_dict", "n_averaged"},
-    ...extras}``), which Fabric's own strategies and litgpt's ``load_checkpoint`` read (before, the
-    Trainer's layout: ``fabric.load`` on one device failed with ``KeyError: 'model'``)."""
-    keys = checkpoint[FABRIC_KEYS]
-    meta = checkpoint[METADATA_KEY]
-    out: dict[str, Any] = dict(checkpoint.get("extras", {}))
-    if keys.get("module") is not None:
-        out[keys["module"]] = checkpoint["state_dict"]
-    out.update(zip(keys.get("optimizers", []), checkpoint.get("optimizer_states", []), strict=False))
-    for key in sorted({k for payload in _payloads(source) for k in payload.get("entries", {})}):
-        entries = read_rank_entries(source, key)  # weight averages (strategy.weight_averages())
-        pieces, buffers = pieces_from_entries(entries, meta["params"])
-        averaged = averaged_state_dict(checkpoint["state_dict"], pieces, buffers, meta)
-        out[key] = {"state_dict": averaged, "n_averaged": entries[0][1]["n_averaged"]}
-    out[FABRIC_KEYS], out[METADATA_KEY] = keys, meta
-    return out

@@ -40,12 +40,12 @@ from lightning_par.checkpoint.io import (
     _group_names,
     check_model,
     layout_metadata,
-    load_module_state,
     load_optimizer_states,
     rank_payload,
     record_comm_state,
     save_sharded,
 )
+from lightning_par.checkpoint.model_state import load_module_state
 from lightning_par.checkpoint.sharded import (
     METADATA_KEY,
     RANK_ENTRIES_KEY,

@@ -32,18 +32,18 @@ from torch.optim import Optimizer
 from lightning_par.averaging import WeightAverages, full_pieces
 from lightning_par.checkpoint.averages import gather_averaged_state, pieces_from_entries, rank_entry
 from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint, read_dcp_entries, torch_optimizer_states
+from lightning_par.checkpoint.export import consolidate
 from lightning_par.checkpoint.full import gather_full_optimizer_state, gather_full_state_dict
 from lightning_par.checkpoint.io import (
     _group_names,
     check_model,
-    consolidate,
     layout_metadata,
-    load_module_state,
     load_optimizer_states,
     rank_payload,
     record_comm_state,
     save_sharded,
 )
+from lightning_par.checkpoint.model_state import load_module_state
 from lightning_par.checkpoint.sharded import (
     FABRIC_KEYS,
     METADATA_KEY,

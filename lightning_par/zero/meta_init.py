@@ -4,10 +4,11 @@ A model built on the meta device has shapes but no storage. Each unit in turn ge
 filled from pretrained weights where a source has them, otherwise initialised as on a real device (its
 modules' own ``reset_parameters()``, then, inside a Hugging Face model, that model's ``_init_weights``:
 :mod:`lightning_par.zero.hf_init`), is sliced into shards, and is released, so no rank ever holds more
-than one unit in full. Each initialiser runs under its own seed, :func:`~lightning_par.zero.init_seeds.module_seed` of the run's seed
-and the module's path: a module's initial values depend on nothing else, not on the unit it falls in,
-the pipeline stage that holds it or the world size, so every rank that holds a copy draws the same
-values and any layout starts from the same model. A tensor-parallel layer is initialised as the
+than one unit in full. Each initialiser runs under its own seed
+(:func:`~lightning_par.zero.init_seeds.module_seed` of the run's seed and the module's path): a
+module's initial values depend on nothing else, not on the unit it falls in, the pipeline stage that
+holds it or the world size, so every rank that holds a copy draws the same values and any layout starts
+from the same model. A tensor-parallel layer is initialised as the
 full-size layer it replaced, then sliced (:mod:`lightning_par.zero.tp_init`), so its slices are parts of
 one matrix.
 Trainable and frozen parameters are materialised alike. PEFT LoRA layers (modules with
