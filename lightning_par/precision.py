@@ -57,8 +57,6 @@ import torch
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.amp import MixedPrecision
-from lightning.pytorch.plugins.precision.double import DoublePrecision
-from lightning.pytorch.plugins.precision.half import HalfPrecision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -67,6 +65,7 @@ from typing_extensions import override
 
 from lightning_par.grad_norm import clip_grad_norm_
 from lightning_par.loss_scaler import DynamicLossScaler
+from lightning_par.module_dtypes import compute_in_fp32, is_norm
 from lightning_par.pipeline.apply import NORM_SKIP_ATTR
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 
@@ -78,7 +77,6 @@ FrozenDtype = Literal["auto", "compute"]
 ReduceDtype = Literal["fp32", "bf16", "fp16"]
 PRECISION_MODES = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
 
 
 class ParallelPrecision(Precision):
@@ -259,8 +257,8 @@ class ParallelPrecision(Precision):
             and (self.master_weights or self.precision == "bf16-true")
         ):
             for m in module.modules():
-                if isinstance(m, _NORMS) or type(m).__name__.lower().endswith("rmsnorm"):
-                    _compute_in_fp32(m)
+                if is_norm(m):
+                    compute_in_fp32(m)
         return module
 
     @override
@@ -434,106 +432,3 @@ def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
         yield
     finally:
         torch.set_default_dtype(default)
-
-
-def _compute_in_fp32(module: nn.Module) -> None:
-    """Run ``module``'s forward on fp32 copies of its inputs and parameters, cast back on the way out.
-
-    The copies are made by a differentiable cast and put in the module's parameter slots for the call: the
-    graph keeps the copies and the gradients flow back through the cast to the parameters. (Swapping
-    ``p.data`` for the call instead left the graph holding the parameters themselves, whose storage was
-    16-bit again by the backward: BatchNorm's and GroupNorm's backward refused it, "mixed dtype".)"""
-    if _FP32_ATTR in module.__dict__:
-        return
-    previous = module.__dict__.get("forward")  # an instance forward of its own (kept for the restore)
-    inner = module.forward
-    slots = module._parameters
-
-    def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        if x.dtype == torch.float32 and all(p is None or p.dtype == torch.float32 for p in slots.values()):
-            return inner(x, *args, **kwargs)
-        saved = dict(slots)
-        with torch.autocast(x.device.type, enabled=False):
-            try:
-                for name, p in saved.items():
-                    if p is not None and p.is_floating_point():
-                        slots[name] = p.float()  # type: ignore[assignment]
-                out = inner(x.float(), *args, **kwargs)
-            finally:
-                slots.update(saved)
-        return out.to(x.dtype)
-
-    module.forward = forward
-    setattr(module, _FP32_ATTR, (previous,))
-
-
-_FP32_ATTR = "_lightning_par_fp32"  # on a module _compute_in_fp32 changed: (its own instance forward,)
-
-
-def restore_norms(module: nn.Module) -> None:
-    """Undo :func:`_compute_in_fp32` in ``module`` (the strategy's teardown): each norm layer's forward is
-    its class's again (or the instance forward it had), so the model after ``fit`` is the user's as it
-    was (before, the wrapper stayed: ``torch.save(model)`` failed, "Can't pickle local object")."""
-    for m in module.modules():
-        saved = m.__dict__.pop(_FP32_ATTR, None)
-        if saved is None:
-            continue
-        (previous,) = saved
-        if previous is None:
-            m.__dict__.pop("forward", None)
-        else:
-            m.forward = previous
-
-
-def cast_frozen(module: nn.Module, dtype: torch.dtype | None) -> None:
-    """Frozen floating parameters (the engine casts the trainable ones) are stored in ``dtype`` (None:
-    left as they are; see ``ParallelPrecision.frozen_storage_dtype``)."""
-    if dtype is None:
-        return
-    for p in module.parameters():
-        if not p.requires_grad and p.is_floating_point() and not p.is_meta:
-            p.data = p.data.to(dtype)
-
-
-def scaler_options(plugin: Any) -> dict[str, Any] | None:
-    """The loss-scale settings of a Lightning / Fabric ``MixedPrecision("16-mixed")``'s own GradScaler
-    (``init_scale``, growth, backoff, interval), for ours; None without one. Before, a user's
-    ``GradScaler(init_scale=128, growth_interval=1)`` was replaced by the defaults, silently."""
-    scaler = getattr(plugin, "scaler", None)
-    if scaler is None or not scaler.is_enabled():
-        return None
-    return {
-        "init_scale": float(scaler.get_scale()),
-        "growth_factor": float(scaler.get_growth_factor()),
-        "backoff_factor": float(scaler.get_backoff_factor()),
-        "growth_interval": int(scaler.get_growth_interval()),
-    }
-
-
-def convert_precision_plugin(plugin: Precision | None, *, zero_stage: int) -> Precision | None:
-    """Map Lightning's precision plugins onto ours (the way Lightning's FSDP strategy enforces its own).
-
-    At every stage, Lightning's ``"32-true"``, ``"64-true"``, ``"bf16-mixed"``, ``"16-mixed"`` and
-    ``"bf16-true"`` become the matching ``ParallelPrecision`` (masters or not follow the stage: see the
-    module docstring), so the clip norm and the fp16 verdict are global whatever the layout. Any other
-    plugin (``"16-true"``, third-party ones) is kept at stage 0, where every rank holds whole gradients,
-    and the strategy refuses it at setup under tensor or pipeline parallelism, where its norm would be a
-    rank's local one; at stages 1-3 it is refused here with its name.
-    """
-    if plugin is None or isinstance(plugin, ParallelPrecision):
-        return plugin
-    if type(plugin) is Precision:  # Lightning's "32-true"
-        return ParallelPrecision("32-true")
-    if type(plugin) is MixedPrecision and plugin.precision in ("bf16-mixed", "16-mixed"):
-        return ParallelPrecision(plugin.precision, loss_scale=scaler_options(plugin))
-    if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
-        return ParallelPrecision("bf16-true")
-    if type(plugin) is DoublePrecision:
-        return ParallelPrecision("64-true")
-    if zero_stage == 0:
-        return plugin
-    raise ValueError(
-        f"{type(plugin).__name__}({getattr(plugin, 'precision', '?')!r}) cannot be used with ZeRO stage"
-        f" {zero_stage}: lightning_par's ParallelPrecision supports {PRECISION_MODES} there (fp32 masters in"
-        " the shards, global-norm clipping); pass one of those precision strings or a ParallelPrecision."
-    )

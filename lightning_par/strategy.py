@@ -37,11 +37,12 @@ from lightning_par.device_checks import check_optimizer_kernels
 from lightning_par.grad_reads import GradReads
 from lightning_par.loss import TokenNormalizer
 from lightning_par.memory import MemoryReport, measure_memory
+from lightning_par.module_dtypes import cast_frozen, restore_norms
 from lightning_par.optimizer_checks import check_layout_optimizers
 from lightning_par.pipeline.lightning import LightningPipeline, pipeline_layers_of
 from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
 from lightning_par.pipeline.steps import pipeline_parts
-from lightning_par.precision import ParallelPrecision, cast_frozen, restore_norms
+from lightning_par.precision import ParallelPrecision
 from lightning_par.random_state import agree_random_state
 from lightning_par.strategy_env import MeshStrategy
 from lightning_par.strategy_options import (

@@ -3,7 +3,7 @@
 :class:`StrategyPrecision` is a base of the strategy; it holds no state of its own beyond Lightning's
 ``_precision_plugin``. Whatever plugin the ``Trainer`` passes is converted to
 :class:`~lightning_par.precision.ParallelPrecision` where the ZeRO stage needs it
-(:func:`~lightning_par.precision.convert_precision_plugin`); at setup its stage-dependent defaults are
+(:func:`~lightning_par.precision_plugins.convert_precision_plugin`); at setup its stage-dependent defaults are
 resolved, a foreign plugin is refused where it would decide per rank, the engine's (compute, reduction)
 dtypes are read from it, and it is given the mesh groups over which clip norms and fp16 overflow
 verdicts must agree.
@@ -19,7 +19,8 @@ from typing_extensions import override
 
 from lightning_par.build import set_precision_groups
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
-from lightning_par.precision import ParallelPrecision, convert_precision_plugin
+from lightning_par.precision import ParallelPrecision
+from lightning_par.precision_plugins import convert_precision_plugin
 
 
 class StrategyPrecision(ZeroCheckpointIO):

@@ -170,7 +170,7 @@ def test_bf16_mixed_edits_after_fit_reach_exports_and_the_model_pickles(tmp_path
     the export and the checkpoint are what it holds (an in-place edit, a ``gathered_params(writeback=True)``
     write included). Before: both returned the end-of-fit masters, the write inside ``gathered_params`` was
     applied to those masters and left the parameters bf16, and ``torch.save(model)`` failed ("Can't pickle
-    local object '_compute_in_fp32.<locals>.forward'": the norm layers' fp32 wrapper outlived the fit)."""
+    local object 'compute_in_fp32.<locals>.forward'": the norm layers' fp32 wrapper outlived the fit)."""
     for name in ("ddp", "zero1", "zero2"):
         results = run_distributed(_mixed_job, 2, str(tmp_path), name, init_group=False, timeout=300)
         for r in results:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 
-from lightning_par.precision import PRECISION_MODES, ParallelPrecision, scaler_options
+from lightning_par.precision import PRECISION_MODES, ParallelPrecision
+from lightning_par.precision_plugins import scaler_options
 
 
 def to_parallel_precision(plugin: Precision) -> ParallelPrecision:

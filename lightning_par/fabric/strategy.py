@@ -69,9 +69,10 @@ from lightning_par.fabric.setup import (
 from lightning_par.fabric.steps import FabricSteps
 from lightning_par.grad_reads import GradReads
 from lightning_par.mesh import ParallelMesh
+from lightning_par.module_dtypes import cast_frozen, restore_norms
 from lightning_par.owned_hooks import for_owner
 from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
-from lightning_par.precision import ParallelPrecision, cast_frozen, restore_norms
+from lightning_par.precision import ParallelPrecision
 from lightning_par.random_state import agree_random_state
 from lightning_par.rendezvous import launch_store
 from lightning_par.strategy_options import (
