@@ -205,6 +205,23 @@ def test_parameters_no_initialiser_sets_are_refused() -> None:
         materialize_model(plain, seed=0, device=torch.device("cpu"))  # outside a Hugging Face model
 
 
+def test_parametrization_originals_a_model_init_writes_are_explained() -> None:
+    """Wav2Vec2's own ``_init_weights`` writes its positional conv's computed weight, which a weight_norm
+    parametrization turns into ``original0/1`` on a real device only: the refusal says so and leads with
+    ``meta_init=False`` (before, the generic advice to give the module a ``reset_parameters()``)."""
+    tiny = dict(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(2, 2), conv_kernel=(3, 3), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, vocab_size=12,
+    )  # fmt: skip
+    build = partial(hf_model, "Wav2Vec2ForCTC", "Wav2Vec2Config", **tiny)
+    with pytest.raises(
+        ValueError,
+        match=r"parametrizations\.weight\.original0.*originals of a torch parametrization.*meta_init=False",
+    ):
+        _materialized(build)
+
+
 # --------------------------------------------------------------------- buffers of models built on meta
 def _buffer_builds() -> dict[str, Any]:
     """Models with buffers of every kind: rotary frequencies (Hugging Face decoders, litgpt's rope cache),

@@ -369,6 +369,16 @@ def _check_set(initialised: Sequence[tuple[str, Tensor]]) -> None:
         return
     unset = torch.stack([p.isnan().any() for _, p in floating]).tolist()
     names = [name for (name, _), bad in zip(floating, unset, strict=True) if bad]
+    if any(".parametrizations." in name for name in names):
+        # the model's init writes the computed weight (Wav2Vec2's positional conv under weight_norm), which
+        # a parametrization turns into its originals on a real device; on the meta device nothing reaches them
+        raise ValueError(
+            f"Parameters {names} are the originals of a torch parametrization (weight_norm, spectral_norm"
+            " and the like), which a model's initialiser sets by writing the computed weight; built on the"
+            " meta device (ZeRO-3's meta init) that write never reaches them. Pass meta_init=False to the"
+            " strategy (configure_model() then builds the model on the real device and each rank keeps its"
+            " shard), or load them (pretrained=...)."
+        )
     if names:
         raise ValueError(
             f"Parameters {names} were left unset by their modules' initialisers (reset_parameters(), or"
