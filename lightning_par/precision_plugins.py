@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.fabric.plugins import precision as fabric_plugins
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.amp import MixedPrecision
 from lightning.pytorch.plugins.precision.double import DoublePrecision
@@ -28,6 +29,23 @@ def scaler_options(plugin: Any) -> dict[str, Any] | None:
     }
 
 
+def equivalent_precision(plugin: Any) -> ParallelPrecision | None:
+    """The ``ParallelPrecision`` matching one of Lightning's or Fabric's own plugins (their exact classes:
+    ``Precision`` is ``"32-true"``, ``MixedPrecision`` ``"bf16-mixed"`` / ``"16-mixed"`` with its scaler's
+    settings, ``HalfPrecision("bf16-true")``, ``DoublePrecision``); None for any other (a subclass, a
+    third-party plugin, ``"16-true"``)."""
+    kind, mode = type(plugin), getattr(plugin, "precision", None)
+    if kind in (Precision, fabric_plugins.Precision):
+        return ParallelPrecision("32-true")
+    if kind in (MixedPrecision, fabric_plugins.MixedPrecision) and mode in ("bf16-mixed", "16-mixed"):
+        return ParallelPrecision(mode, loss_scale=scaler_options(plugin))
+    if kind in (HalfPrecision, fabric_plugins.HalfPrecision) and mode == "bf16-true":
+        return ParallelPrecision("bf16-true")
+    if kind in (DoublePrecision, fabric_plugins.DoublePrecision):
+        return ParallelPrecision("64-true")
+    return None
+
+
 def convert_precision_plugin(plugin: Precision | None, *, zero_stage: int) -> Precision | None:
     """Map Lightning's precision plugins onto ours (the way Lightning's FSDP strategy enforces its own).
 
@@ -40,14 +58,8 @@ def convert_precision_plugin(plugin: Precision | None, *, zero_stage: int) -> Pr
     """
     if plugin is None or isinstance(plugin, ParallelPrecision):
         return plugin
-    if type(plugin) is Precision:  # Lightning's "32-true"
-        return ParallelPrecision("32-true")
-    if type(plugin) is MixedPrecision and plugin.precision in ("bf16-mixed", "16-mixed"):
-        return ParallelPrecision(plugin.precision, loss_scale=scaler_options(plugin))
-    if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
-        return ParallelPrecision("bf16-true")
-    if type(plugin) is DoublePrecision:
-        return ParallelPrecision("64-true")
+    if (ours := equivalent_precision(plugin)) is not None:
+        return ours
     if zero_stage == 0:
         return plugin
     raise ValueError(

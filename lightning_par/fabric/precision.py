@@ -8,24 +8,18 @@ same mapping the Trainer strategy applies to Lightning's plugins). ``ParallelPre
 
 from __future__ import annotations
 
-from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.plugins.precision import Precision
 
 from lightning_par.precision import PRECISION_MODES, ParallelPrecision
-from lightning_par.precision_plugins import scaler_options
+from lightning_par.precision_plugins import equivalent_precision
 
 
 def to_parallel_precision(plugin: Precision) -> ParallelPrecision:
     """``plugin`` as a ``ParallelPrecision``; a plugin with no equivalent is refused with its name."""
     if isinstance(plugin, ParallelPrecision):
         return plugin
-    if type(plugin) is Precision:  # Fabric's "32-true"
-        return ParallelPrecision("32-true")
-    if type(plugin) is MixedPrecision and plugin.precision in ("bf16-mixed", "16-mixed"):
-        return ParallelPrecision(plugin.precision, loss_scale=scaler_options(plugin))
-    if type(plugin) is HalfPrecision and plugin.precision == "bf16-true":
-        return ParallelPrecision("bf16-true")
-    if type(plugin) is DoublePrecision:
-        return ParallelPrecision("64-true")
+    if (ours := equivalent_precision(plugin)) is not None:
+        return ours
     raise ValueError(
         f"{type(plugin).__name__}({getattr(plugin, 'precision', '?')!r}) cannot be used with lightning_par's"
         f" Fabric strategy: it supports precision {PRECISION_MODES} (fp32 masters in the shards, global-norm"
