@@ -43,14 +43,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_par.mesh import ParallelMesh
 
-__all__ = ["DataGather", "MetricSync", "StageGather", "data_group", "world_decision"]
+__all__ = ["DataGather", "MetricSync", "StageGather", "data_group", "gather_stacked", "world_decision"]
 
 
 def data_group(group: Any | None, *, dp_group: ProcessGroup | None, dp_size: int, world_size: int) -> Any:
@@ -66,6 +66,42 @@ def world_decision(decision: bool, *, all: bool, world_size: int, device: torch.
     votes = torch.tensor(int(decision), device=device)
     votes = _sync_ddp_if_available(votes, None, reduce_op="sum")
     return bool(votes == world_size) if all else bool(votes)
+
+
+def gather_stacked(tensor: Tensor, *, group: Any | None, sync_grads: bool) -> Tensor:
+    """Every rank's ``tensor`` of ``group`` (None: the world), stacked: shape ``(group size, *shape)``, as
+    Lightning's ``all_gather`` returns. With ``sync_grads`` the result is differentiable: the gradient of
+    a rank's input is the sum over the group's ranks of the gradient each computed for that rank's slot
+    (what torch's ``torch.distributed.nn.all_gather`` gives). Ours, because torch's backward on a Gloo (or
+    a mixed ``"cpu:gloo,cuda:nccl"``) group scatters from the group-local index as if it were a global
+    rank: any group not made of ranks ``0..n-1``, such as the data-parallel groups under tensor
+    parallelism, failed in the first backward ("Global rank 0 is not part of group")."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    group = group if group is not None else dist.group.WORLD
+    if not sync_grads:
+        with torch.no_grad():
+            return _GroupGather.apply(tensor, group)
+    return _GroupGather.apply(tensor, group)
+
+
+class _GroupGather(torch.autograd.Function):
+    """All-gather into a stacked tensor; backward: all-reduce (sum) of the stacked gradient, this rank's
+    slot taken. Created on ``tensor``'s device: NCCL and Gloo alike."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, group: Any) -> Tensor:
+        tensor = tensor.contiguous()
+        pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, tensor, group=group)
+        ctx.group, ctx.index = group, dist.get_rank(group)
+        return torch.stack(pieces)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        total = grad.contiguous().clone()  # the gradient autograd hands in is not ours to write
+        dist.all_reduce(total, group=ctx.group)
+        return total[ctx.index], None
 
 
 class DataGather:

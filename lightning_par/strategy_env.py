@@ -35,7 +35,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
-from lightning_par.data_reduce import data_group, world_decision
+from lightning_par.data_reduce import data_group, gather_stacked, world_decision
 from lightning_par.device_checks import resolve_backend
 from lightning_par.mesh import MeshLayout, ParallelMesh
 from lightning_par.rendezvous import launch_store
@@ -227,6 +227,12 @@ class MeshStrategy(ZeroCheckpointIO):
         if isinstance(tensor, Tensor):  # over the samples: tp / pp copies count once (data_reduce)
             return _sync_ddp_if_available(tensor, self._data_group(group), reduce_op=reduce_op)
         return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        # over the group the caller names (the world by default, as Lightning documents), differentiable
+        # over any group (torch's own gather fails in backward on a Gloo group not made of ranks 0..n-1)
+        return gather_stacked(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

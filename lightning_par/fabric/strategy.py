@@ -48,14 +48,14 @@ from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.init import _EmptyInit
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_par.batch_agreement import BatchAgreement
 from lightning_par.build import ZeroOptions, build_engine
-from lightning_par.data_reduce import MetricSync
+from lightning_par.data_reduce import MetricSync, gather_stacked
 from lightning_par.device_checks import resolve_backend
 from lightning_par.fabric import checkpoint as fabric_checkpoint
 from lightning_par.fabric.optimizers import FabricOptimizers
@@ -493,6 +493,11 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, DDPStrategy):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         return fabric_checkpoint.load(self, Path(self.broadcast(str(path))), state, strict=strict)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        # differentiable over any group (lightning_par.data_reduce.gather_stacked)
+        return gather_stacked(tensor, group=group, sync_grads=sync_grads)
 
     def sync_metrics(self, *metrics: Any) -> None:
         """Point torchmetrics objects kept outside the set-up module (Fabric's usual
