@@ -1,6 +1,8 @@
 """Dtype changes the precision plugin makes to a user's module, and their undoing at teardown: norm layers
-computing in fp32 where their parameters are 16-bit (:func:`compute_in_fp32`, undone by
-:func:`restore_norms`), frozen parameters stored in the plugin's frozen dtype (:func:`cast_frozen`)."""
+computing in fp32 where their parameters are 16-bit (:func:`compute_in_fp32`), spectral normalisation's
+power iteration in fp32 beside its fp32 ``u`` / ``v`` buffers (:func:`spectral_norms_in_fp32`), both
+undone by :func:`restore_norms`; frozen parameters stored in the plugin's frozen dtype
+(:func:`cast_frozen`)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.spectral_norm import SpectralNorm
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
 
@@ -52,11 +56,53 @@ def compute_in_fp32(module: nn.Module) -> None:
 _FP32_ATTR = "_lightning_par_fp32"  # on a module compute_in_fp32 changed: (its own instance forward,)
 
 
+def spectral_norms_in_fp32(module: nn.Module) -> None:
+    """Run every spectral normalisation in ``module`` in fp32, both of torch's forms: the parametrization
+    (``parametrizations.spectral_norm``: its ``_SpectralNorm`` module through :func:`compute_in_fp32`) and
+    the hook (``utils.spectral_norm``: its pre-hook replaced by :class:`_Fp32SpectralNorm`). Its power
+    iteration multiplies the weight by the ``u`` / ``v`` buffers, which stay fp32 while the engine makes
+    the weight a 16-bit compute copy; torch's ``mv`` refuses the mix outside autocast (CPU autocast does not
+    cover it): "addmv input tensors must have the same dtype". In fp32, as under ``"ddp"``'s mixed
+    precision, whose parameters stay fp32."""
+    for m in module.modules():
+        if isinstance(m, _SpectralNorm):
+            compute_in_fp32(m)
+        for key, hook in list(m._forward_pre_hooks.items()):
+            if type(hook) is SpectralNorm:
+                m._forward_pre_hooks[key] = _Fp32SpectralNorm(hook)
+
+
+class _Fp32SpectralNorm(SpectralNorm):
+    """torch's spectral-norm pre-hook, computing the normalised weight from an fp32 (differentiable) cast
+    of ``<name>_orig`` and handing the module the weight in ``<name>_orig``'s dtype. A ``SpectralNorm``
+    with the hook's settings, so ``remove_spectral_norm`` still finds it."""
+
+    def __init__(self, inner: SpectralNorm) -> None:
+        self.__dict__.update(inner.__dict__)
+        self.inner = inner
+
+    def __call__(self, module: nn.Module, inputs: Any) -> None:
+        slots, key = module._parameters, self.name + "_orig"
+        original = slots[key]
+        if original is None or original.dtype == torch.float32:
+            return self.inner(module, inputs)
+        try:
+            slots[key] = original.float()  # type: ignore[assignment]
+            self.inner(module, inputs)
+        finally:
+            slots[key] = original
+        setattr(module, self.name, getattr(module, self.name).to(original.dtype))
+        return None
+
+
 def restore_norms(module: nn.Module) -> None:
     """Undo :func:`compute_in_fp32` in ``module`` (the strategy's teardown): each norm layer's forward is
     its class's again (or the instance forward it had), so the model after ``fit`` is the user's as it
     was (before, the wrapper stayed: ``torch.save(model)`` failed, "Can't pickle local object")."""
     for m in module.modules():
+        for key, hook in list(m._forward_pre_hooks.items()):
+            if isinstance(hook, _Fp32SpectralNorm):
+                m._forward_pre_hooks[key] = hook.inner
         saved = m.__dict__.pop(_FP32_ATTR, None)
         if saved is None:
             continue

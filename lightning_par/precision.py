@@ -65,7 +65,7 @@ from typing_extensions import override
 
 from lightning_par.grad_norm import clip_grad_norm_
 from lightning_par.loss_scaler import DynamicLossScaler
-from lightning_par.module_dtypes import compute_in_fp32, is_norm
+from lightning_par.module_dtypes import compute_in_fp32, is_norm, spectral_norms_in_fp32
 from lightning_par.pipeline.apply import NORM_SKIP_ATTR
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 
@@ -259,6 +259,8 @@ class ParallelPrecision(Precision):
             for m in module.modules():
                 if is_norm(m):
                     compute_in_fp32(m)
+        if self.low_precision and self.master_weights:
+            spectral_norms_in_fp32(module)  # not a choice: 16-bit weights and fp32 u / v do not multiply
         return module
 
     @override
