@@ -23,8 +23,9 @@ import logging
 import time
 from collections.abc import Collection, Mapping
 from datetime import timedelta
+from pathlib import PurePath
 
-__all__ = ["launcher_overrides", "launcher_run_name"]
+__all__ = ["first_attempt_dir", "launcher_overrides", "launcher_run_name"]
 
 log = logging.getLogger(__name__)
 
@@ -100,3 +101,30 @@ def launcher_overrides(env: Mapping[str, str], given: Collection[str]) -> list[s
     if rank != "0" and "hydra.output_subdir" not in given:
         out.append("hydra.output_subdir=null")
     return out
+
+
+def first_attempt_dir(run_dir: str, env: Mapping[str, str]) -> bool:
+    """Whether ``run_dir`` (resolved) is the one :func:`launcher_overrides` names for the first attempt of
+    a torchrun or srun launch: its name is this launch's (``torchrun-<run id>``, rank 0's timestamp without
+    one, ``slurm-<job>[.<step>]``). Such a directory is new unless its name is stable across launches (a
+    one-node torchrun draws a new run id for every launch, ``--rdzv-id`` or not, unless given
+    ``--rdzv-endpoint`` or ``--master-port``), so ``ckpt_path=last`` is checked against the task's other
+    runs as for a directory Hydra made. A restarted attempt (torchrun's ``TORCHELASTIC_RESTART_COUNT``, a
+    requeued job's ``SLURM_RESTART_COUNT``) keeps its launch's directory: it resumes what it holds or
+    starts afresh."""
+    name = PurePath(run_dir).name
+    if "TORCHELASTIC_RUN_ID" in env:
+        run_id = env["TORCHELASTIC_RUN_ID"]
+        ours = name == f"torchrun-{run_id}" if run_id != "none" else _is_stamp(name)
+        return ours and env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if _under_slurm(env):
+        return name == _slurm_name(env) and env.get("SLURM_RESTART_COUNT", "0") == "0"
+    return False
+
+
+def _is_stamp(name: str) -> bool:
+    try:
+        time.strptime(name, _STAMP)
+    except ValueError:
+        return False
+    return True

@@ -50,7 +50,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_par.resume_path import check_ckpt_path
-from lightning_par.run_dirs import launcher_overrides
+from lightning_par.run_dirs import first_attempt_dir, launcher_overrides
 from lightning_par.sweep import record_stopped_job
 
 __all__ = ["ConfigError", "TrainingRun", "build", "find_config_dir", "main", "train"]
@@ -222,14 +222,17 @@ def _check_trainer_keys(cfg: DictConfig) -> None:
 
 def _check_ckpt_path(cfg: DictConfig) -> None:
     """``ckpt_path`` checked before any process starts (:mod:`lightning_par.resume_path`). ``last`` is
-    compared with the task's other runs only where Hydra made the run directory for this command: not in
-    a sweep (its jobs are siblings of each other), nor where ``hydra.run.dir`` was given (by the user, or
-    by :mod:`lightning_par.run_dirs` for torchrun and srun: a restarted attempt that failed before its
-    first checkpoint starts afresh, as Lightning does)."""
+    compared with the task's other runs only where the run directory is new to this command: one Hydra
+    made, or one :mod:`lightning_par.run_dirs` named for the first attempt of a torchrun or srun launch
+    (before, a one-node torchrun, which names a new directory at every launch, started from scratch with
+    Lightning's warning). Not in a sweep (its jobs are siblings of each other), nor where the user gave
+    ``hydra.run.dir``, nor in a restarted attempt: one that failed before its first checkpoint starts
+    afresh, as Lightning does."""
     made = HydraConfig.initialized() and HydraConfig.get().mode != RunMode.MULTIRUN
     if made:
         given = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.hydra}
-        made = "hydra.run.dir" not in given
+        launched = first_attempt_dir(str(HydraConfig.get().runtime.output_dir), os.environ)
+        made = "hydra.run.dir" not in given or launched
     paths = cfg.get("paths")
     checkpoint_dir = run_dir = None
     if made and paths is not None and "checkpoint_dir" in paths and "output_dir" in paths:

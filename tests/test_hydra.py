@@ -391,9 +391,14 @@ def test_console_script_trains_into_one_run_directory(smoke_run: SmokeRun) -> No
 
 
 def run_main(
-    args: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    args: list[str],
+    cwd: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    env: dict[str, str] | None = None,
 ) -> Finished:
-    """``lightning-par-train <args>`` in this process (each new process would re-import torch/Lightning).
+    """``lightning-par-train <args>`` in this process (each new process would re-import torch/Lightning),
+    with the launcher variables ``env`` (torchrun's, say) set for the call.
 
     Only for runs that stop before training. Hydra's logging setup is switched off so that no handler
     outlives the test, and Hydra's global state is restored afterwards.
@@ -402,6 +407,8 @@ def run_main(
     monkeypatch.setattr(sys, "argv", [PROG, *args, "hydra/job_logging=none", "hydra/hydra_logging=none"])
     for name in LAUNCH_VARIABLES:
         monkeypatch.delenv(name, raising=False)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
     state = Singleton.get_state()
     try:
         with pytest.raises(SystemExit) as exited:
@@ -455,6 +462,16 @@ def test_resume_without_the_run_directory_names_the_earlier_run(
     given = tmp_path / "outputs" / "smoke" / "given"
     args = ["experiment=smoke", "ckpt_path=last", f"hydra.run.dir={given}", "trainer.devices=0"]
     run = run_main(args, tmp_path, monkeypatch, capfd)
+    assert run.returncode == 2 and run.stderr.startswith(f"{PROG}: trainer: "), run
+    # a one-node torchrun names a new directory at each launch (torch draws a new run id, --rdzv-id or
+    # not): its first attempt is compared with the earlier runs too (before, it trained from scratch with
+    # Lightning's warning); a restarted attempt keeps its launch's directory
+    torchrun = {"TORCHELASTIC_RUN_ID": "0b5e-new-launch", "RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}
+    args = ["experiment=smoke", "ckpt_path=last", "trainer.devices=0"]
+    run = run_main(args, tmp_path, monkeypatch, capfd, env=torchrun)
+    assert run.returncode == 2, run
+    assert f"hydra.run.dir='{newest}' ckpt_path=last" in run.stderr, run
+    run = run_main(args, tmp_path, monkeypatch, capfd, env={**torchrun, "TORCHELASTIC_RESTART_COUNT": "1"})
     assert run.returncode == 2 and run.stderr.startswith(f"{PROG}: trainer: "), run
 
 

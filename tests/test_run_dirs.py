@@ -17,7 +17,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from lightning_par.run_dirs import launcher_overrides
+from lightning_par.run_dirs import first_attempt_dir, launcher_overrides
 
 STAMP = re.compile(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d")
 
@@ -83,3 +83,22 @@ def test_named_runs_slurm_tasks_and_plain_commands(caplog: pytest.LogCaptureFixt
     assert launcher_overrides({**slurm, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, ()) == []
     assert launcher_overrides({**slurm, "SLURM_JOB_NAME": "bash", "SLURM_PROCID": "1"}, ()) == []
     assert launcher_overrides({"LOCAL_RANK": "1"}, ()) == []
+
+
+def test_first_attempts_of_a_launch_are_told_from_restarts_and_given_directories() -> None:
+    """``ckpt_path=last`` is checked against the task's earlier runs in a directory new to the command: the
+    one a torchrun or srun launch names for its first attempt (a one-node torchrun draws a new run id at
+    every launch); a restart, or a directory of another name (the user's ``hydra.run.dir``), is not."""
+    torchrun = {"TORCHELASTIC_RUN_ID": "4f1c", "RANK": "1", "TORCHELASTIC_RESTART_COUNT": "0"}
+    assert first_attempt_dir("/w/outputs/train/torchrun-4f1c", torchrun)
+    assert not first_attempt_dir(
+        "/w/outputs/train/torchrun-4f1c", {**torchrun, "TORCHELASTIC_RESTART_COUNT": "2"}
+    )
+    assert not first_attempt_dir("/w/outputs/train/mine", torchrun)
+    unnamed = {**torchrun, "TORCHELASTIC_RUN_ID": "none"}
+    assert first_attempt_dir("/w/outputs/train/2026-12-06_20-50-00", unnamed)
+    assert not first_attempt_dir("/w/outputs/train/mine", unnamed)
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_NAME": "train"}
+    assert first_attempt_dir("/w/outputs/train/slurm-77.0", slurm)
+    assert not first_attempt_dir("/w/outputs/train/slurm-77.0", {**slurm, "SLURM_RESTART_COUNT": "1"})
+    assert not first_attempt_dir("/w/outputs/train/2026-12-06_20-50-00", {})  # a plain command: Hydra's own
