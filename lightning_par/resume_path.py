@@ -116,8 +116,9 @@ def _check_last(*, checkpoint_dir: Path, run_dir: Path, task_name: str | None) -
         return
     newest, its_run = max(earlier, key=lambda pair: pair[0].stat().st_mtime)
     raise ValueError(
-        f"ckpt_path=last finds no last checkpoint in this run's {str(checkpoint_dir)!r}: Hydra made a new"
-        " run directory for this command, so the run would start from scratch. The newest earlier run of"
+        f"ckpt_path=last finds no last checkpoint in this run's {str(checkpoint_dir)!r}: the command got a"
+        " new run directory (Hydra's, or a torchrun / srun launch's), so the run would start from scratch."
+        " The newest earlier run of"
         f" this task with one is {str(its_run)!r}: resume it with hydra.run.dir='{its_run}' ckpt_path=last"
         f" (or ckpt_path='{newest}'); to start anew, drop ckpt_path=last."
     )

@@ -5,8 +5,9 @@ per process from its clock (ranks starting a second apart get two folders). :fun
 gives every rank of one launch the same ``hydra.run.dir`` / ``hydra.sweep.dir`` and keeps ranks > 0 from
 writing a ``.hydra`` record of their own. The name is:
 
-* torchrun with ``--rdzv-id`` (or ``--standalone``, which draws one): ``torchrun-<id>``, the same across
-  restarts, so a restarted job finds its folder again;
+* torchrun with a run id (``--rdzv-id``; ``--standalone`` and a one-node launch without
+  ``--rdzv-endpoint`` / ``--master-port`` get a new one from torch at every launch): ``torchrun-<id>``,
+  the same across restarts, so a restarted job finds its folder again;
 * torchrun without one (its run id is then the literal ``none`` for every job, which put separate jobs
   into one folder, each overwriting the other's ``metrics.json`` and checkpoints): a timestamp that rank 0
   writes into the launcher's store (``TORCHELASTIC_USE_AGENT_STORE``: the agent's store lives as long
