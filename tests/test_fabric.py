@@ -35,8 +35,9 @@ from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import HalfPrecision
 
 import lightning_par  # noqa: F401  (registers "zero0".."zero3" with Fabric)
-from lightning_par.checkpoint import consolidate
+from lightning_par.checkpoint import consolidate, consolidate_cli
 from lightning_par.checkpoint.full import gather_full_state_dict
+from lightning_par.checkpoint.sharded import FABRIC_KEYS
 from lightning_par.checkpoint.tp_reshard import tp_info
 from lightning_par.fabric import HybridParallelStrategy
 from lightning_par.fabric.precision import to_parallel_precision
@@ -209,7 +210,7 @@ def _assert_equal(run: dict[str, Any], ref: dict[str, Any], what: str) -> None:
         torch.testing.assert_close(run["state"][name], value, msg=lambda m, n=name: f"{what}: {n}\n{m}")
 
 
-def test_litgpt_fabric_loops_equal_the_single_process_run() -> None:
+def test_litgpt_fabric_loops_equal_the_single_process_run(capsys: pytest.CaptureFixture[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ref = _reference(tmp)
         results = run_distributed(_two_ranks, WORLD, tmp, init_group=False, timeout=400)
@@ -220,6 +221,15 @@ def test_litgpt_fabric_loops_equal_the_single_process_run() -> None:
         consolidated = consolidate(Path(tmp) / "sharded")
         assert set(consolidated) == set(torch.load(Path(tmp) / "full.pt", weights_only=False))
         torch.save(consolidated, Path(tmp) / "consolidated.pt")
+        # the command line's report counts what it wrote (before: "0 parameters in 0 tensors, 0 optimizer
+        # state(s)" for fabric.save's layout)
+        assert consolidate_cli.main([str(Path(tmp) / "sharded"), str(Path(tmp) / "cli.pt")]) == 0
+        written = torch.load(Path(tmp) / "cli.pt", weights_only=False)
+        keys = written[FABRIC_KEYS]
+        module = {(v.data_ptr(), v.numel()): v.numel() for v in written[keys["module"]].values()}
+        report = capsys.readouterr().out
+        assert f"{sum(module.values()):,} parameters in {len(module)} tensors" in report, report
+        assert f"{len(keys['optimizers'])} optimizer state(s)" in report and keys["optimizers"], report
         resumed_plain = run_distributed(
             _resume, 1, str(Path(tmp) / "consolidated.pt"), True, init_group=False
         )[0]

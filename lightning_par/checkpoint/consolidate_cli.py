@@ -124,6 +124,21 @@ def _count_parameters(state_dict: dict[str, Any]) -> tuple[int, int]:
     return len(seen), elements
 
 
+def _contents(checkpoint: dict[str, Any]) -> tuple[int, int, int]:
+    """(tensors, elements, optimizer states) of a consolidated file: the Trainer's layout
+    (``state_dict``, ``optimizer_states``) or ``fabric.save``'s (the module and optimizers under the keys
+    it recorded; before, a Fabric file was reported as "0 parameters in 0 tensors")."""
+    keys = checkpoint.get(FABRIC_KEYS)
+    if keys is None:
+        return (
+            *_count_parameters(checkpoint.get("state_dict", {})),
+            len(checkpoint.get("optimizer_states", [])),
+        )
+    module = checkpoint.get(keys["module"], {}) if keys.get("module") is not None else {}
+    optimizers = sum(key in checkpoint for key in keys.get("optimizers", []))
+    return (*_count_parameters(module), optimizers)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``lightning-par-consolidate``; returns the exit status."""
     args = _parser().parse_args(argv)
@@ -134,8 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CliError, ValueError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    tensors, elements = _count_parameters(checkpoint.get("state_dict", {}))
-    optimizers = len(checkpoint.get("optimizer_states", []))
+    tensors, elements, optimizers = _contents(checkpoint)
     print(
         f"wrote {args.output}: {elements:,} parameters in {tensors} tensors, {optimizers} optimizer"
         f" state(s), {nbytes:,} bytes"
