@@ -374,6 +374,9 @@ def test_consolidate_cli(trained: dict[str, Any], tmp_path: Path, capsys: pytest
         f"lightning-par-consolidate: error: {tmp_path / 'nowhere'} is not a sharded checkpoint directory"
         " (it does not exist).\n"
     )
+    # a folder of checkpoints (a run's checkpoints/): the message lists them, as for ckpt_path
+    assert consolidate_cli.main([str(out.parent), str(tmp_path / "x.ckpt")]) == 2
+    assert "is a directory, not a checkpoint" in (err := capsys.readouterr().err) and "model.ckpt" in err, err
     before = out.stat()
     assert consolidate_cli.main([str(manual), str(out)]) == 2
     exists = f"lightning-par-consolidate: error: {out} exists; pass --force to overwrite it.\n"

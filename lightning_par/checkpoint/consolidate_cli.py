@@ -27,6 +27,7 @@ from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint
 from lightning_par.checkpoint.export import consolidate
 from lightning_par.checkpoint.files import fsync_dir
 from lightning_par.checkpoint.sharded import FABRIC_KEYS, META_FILE, is_sharded_checkpoint
+from lightning_par.checkpoint.single_file import refuse_directory
 
 PROG = "lightning-par-consolidate"
 # what a weights-only checkpoint lacks (as Lightning's save_weights_only): the schedulers step optimizers
@@ -59,6 +60,7 @@ def consolidated_checkpoint(directory: Path, *, weights_only: bool) -> dict[str,
         CliError: ``directory`` is not a sharded checkpoint.
         ValueError: it is incomplete or one of its files is damaged (the message names the file).
     """
+    refuse_directory(directory)  # a folder of checkpoints: the message lists them
     if not (is_sharded_checkpoint(directory) or is_dcp_checkpoint(directory)):
         what = "does not exist" if not directory.exists() else f"has no {META_FILE}"
         raise CliError(f"{directory} is not a sharded checkpoint directory (it {what}).")
