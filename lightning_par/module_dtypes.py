@@ -6,6 +6,10 @@ undone by :func:`restore_norms`; frozen parameters stored in the plugin's frozen
 
 from __future__ import annotations
 
+import re
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -13,47 +17,78 @@ from torch import Tensor, nn
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
-_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+# torch layers whose op CPU autocast leaves alone, mixing the weight with the inputs' dtype
+_UNCAST = (nn.Bilinear, nn.EmbeddingBag)
 
 
 def is_norm(module: nn.Module) -> bool:
-    """A norm layer whose statistics want fp32: torch's LayerNorm, GroupNorm and BatchNorm, and any module
-    whose class name ends in ``RMSNorm`` (Hugging Face's, litgpt's and torch's own)."""
-    return isinstance(module, _NORMS) or type(module).__name__.lower().endswith("rmsnorm")
+    """A norm layer whose statistics want fp32: torch's LayerNorm, GroupNorm, BatchNorm and InstanceNorm,
+    and any module whose class name ends in ``RMSNorm`` or ``LayerNorm`` (Hugging Face's, litgpt's and
+    torch's own RMS norms; ConvNeXt's channels-first ``ConvNextLayerNorm``, which upcasts its input) and
+    holds no submodules (an adaptive norm computing its scale with linear layers would feed them fp32
+    inputs outside autocast)."""
+    name = type(module).__name__.lower()
+    named = name.endswith(("rmsnorm", "layernorm")) and next(module.children(), None) is None
+    return isinstance(module, _NORMS) or named
 
 
 def compute_in_fp32(module: nn.Module) -> None:
-    """Run ``module``'s forward on fp32 copies of its inputs and parameters, cast back on the way out.
+    """Run ``module``'s forward on fp32 copies of its floating inputs and parameters; the output goes back
+    to the first floating input's dtype (kept fp32 without one, as an integer-indexed ``EmbeddingBag``).
 
     The copies are made by a differentiable cast and put in the module's parameter slots for the call: the
     graph keeps the copies and the gradients flow back through the cast to the parameters. (Swapping
     ``p.data`` for the call instead left the graph holding the parameters themselves, whose storage was
-    16-bit again by the backward: BatchNorm's and GroupNorm's backward refused it, "mixed dtype".)"""
+    16-bit again by the backward: BatchNorm's and GroupNorm's backward refused it, "mixed dtype".) The
+    wrapper is a method bound to ``module``, reading everything from it when called, so a deep copy of the
+    model (an EMA) computes with its own parameters (before, a closure over the original: the copy's norm
+    layers ran the live model's weights, silently)."""
     if _FP32_ATTR in module.__dict__:
         return
     previous = module.__dict__.get("forward")  # an instance forward of its own (kept for the restore)
-    inner = module.forward
-    slots = module._parameters
-
-    def forward(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        if x.dtype == torch.float32 and all(p is None or p.dtype == torch.float32 for p in slots.values()):
-            return inner(x, *args, **kwargs)
-        saved = dict(slots)
-        with torch.autocast(x.device.type, enabled=False):
-            try:
-                for name, p in saved.items():
-                    if p is not None and p.is_floating_point():
-                        slots[name] = p.float()  # type: ignore[assignment]
-                out = inner(x.float(), *args, **kwargs)
-            finally:
-                slots.update(saved)
-        return out.to(x.dtype)
-
-    module.forward = forward
     setattr(module, _FP32_ATTR, (previous,))
+    module.forward = types.MethodType(_fp32_forward, module)
+
+
+def _fp32_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    (previous,) = self.__dict__[_FP32_ATTR]
+    inner = previous if previous is not None else types.MethodType(type(self).forward, self)
+    slots = self._parameters
+    floats = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.is_floating_point()]
+    if all(t.dtype == torch.float32 for t in floats) and all(
+        p is None or not p.is_floating_point() or p.dtype == torch.float32 for p in slots.values()
+    ):
+        return inner(*args, **kwargs)
+    wide = [t.float() if isinstance(t, Tensor) and t.is_floating_point() else t for t in args]
+    wide_kw = {
+        k: v.float() if isinstance(v, Tensor) and v.is_floating_point() else v for k, v in kwargs.items()
+    }
+    saved = dict(slots)
+    device = next((t.device for t in (*floats, *saved.values()) if t is not None), torch.device("cpu"))
+    with torch.autocast(device.type, enabled=False):
+        try:
+            for name, p in saved.items():
+                if p is not None and p.is_floating_point():
+                    slots[name] = p.float()  # type: ignore[assignment]
+            out = inner(*wide, **wide_kw)
+        finally:
+            slots.update(saved)
+    return out.to(floats[0].dtype) if floats and isinstance(out, Tensor) else out
 
 
 _FP32_ATTR = "_lightning_par_fp32"  # on a module compute_in_fp32 changed: (its own instance forward,)
+
+
+def autocast_gaps_in_fp32(module: nn.Module) -> None:
+    """Run in fp32 the parts of ``module`` that would mix a 16-bit weight with fp32 tensors outside
+    autocast's reach: torch's ``Bilinear`` and ``EmbeddingBag`` (fp32 ``per_sample_weights``), through
+    :func:`compute_in_fp32` (before, "All tensors must have the same dtype" where ``"ddp"`` trains), and
+    spectral normalisation (:func:`spectral_norms_in_fp32`)."""
+    for m in module.modules():
+        if isinstance(m, _UNCAST):
+            compute_in_fp32(m)
+    spectral_norms_in_fp32(module)
 
 
 def spectral_norms_in_fp32(module: nn.Module) -> None:
@@ -113,6 +148,20 @@ def restore_norms(module: nn.Module) -> None:
             m.forward = previous
 
 
+def cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    """``"bf16-true"`` with fp32 masters: floating buffers in ``dtype``, as Lightning's ``HalfPrecision``
+    leaves them (the engine casts only the parameters; before, a float mask or running mean stayed fp32 and
+    met the bf16 weights: "expected m1 and m2 to have the same dtype"). Those of norm layers computing in
+    fp32 (:func:`compute_in_fp32`) stay fp32, their statistics' precision; meta buffers are left to be
+    built."""
+    for m in module.modules():
+        if _FP32_ATTR in m.__dict__:
+            continue
+        for name, buffer in m._buffers.items():
+            if buffer is not None and buffer.is_floating_point() and not buffer.is_meta:
+                m._buffers[name] = buffer.to(dtype)
+
+
 def cast_frozen(module: nn.Module, dtype: torch.dtype | None) -> None:
     """Frozen floating parameters (the engine casts the trainable ones) are stored in ``dtype`` (None:
     left as they are; see ``ParallelPrecision.frozen_storage_dtype``)."""
@@ -121,3 +170,38 @@ def cast_frozen(module: nn.Module, dtype: torch.dtype | None) -> None:
     for p in module.parameters():
         if not p.requires_grad and p.is_floating_point() and not p.is_meta:
             p.data = p.data.to(dtype)
+
+
+# torch's words for two operands of different floating dtypes (CPU and CUDA kernels, autograd)
+_DTYPE_CLASH = re.compile(
+    r"same dtype|same scalar type|same type as tensor|expected scalar type|mixed dtype|expected dtype"
+    r"|should have same dtype|must have the same dtype"
+)
+
+
+@contextmanager
+def explained_dtype_errors(*, enabled: bool, dtype: torch.dtype) -> Iterator[None]:
+    """Inside (a step's forward), a ``RuntimeError`` in torch's words for operands of two dtypes is raised
+    again saying why it happens here and what fixes it: with fp32 masters in the ZeRO shards the parameters
+    a module computes with are ``dtype`` copies, where Lightning's ``"ddp"`` keeps fp32 parameters under
+    autocast, so an op autocast leaves alone (on the CPU ``mv``, ``lerp``, ``index_add_``, ``tensordot``,
+    ``cross``, a custom norm's ``F.layer_norm`` of an upcast input, ...) meets a 16-bit weight and an fp32
+    tensor (before, torch's message alone)."""
+    if not enabled:
+        yield
+        return
+    try:
+        yield
+    except RuntimeError as error:
+        if not _DTYPE_CLASH.search(str(error)) or "lightning_par" in str(error):
+            raise
+        name = str(dtype).removeprefix("torch.")
+        raise RuntimeError(
+            f"{error}\n(lightning_par: at ZeRO stages 1-3 with fp32 master weights the parameters a module"
+            f" computes with are {name} copies (the fp32 masters stay in the shards), where Lightning's"
+            " 'ddp' keeps fp32 parameters under autocast: an op autocast does not cast met a 16-bit weight"
+            " and an fp32 tensor. Cast in the layer (the input to the weight's dtype, or the weight"
+            " .float()), or keep fp32 parameters under autocast as 'ddp' does:"
+            " plugins=[ParallelPrecision('bf16-mixed', master_weights=False)], at the memory of unsharded"
+            " fp32 parameters and gradients.)"
+        ) from error

@@ -65,7 +65,13 @@ from typing_extensions import override
 
 from lightning_par.grad_norm import clip_grad_norm_
 from lightning_par.loss_scaler import DynamicLossScaler
-from lightning_par.module_dtypes import compute_in_fp32, is_norm, spectral_norms_in_fp32
+from lightning_par.module_dtypes import (
+    autocast_gaps_in_fp32,
+    cast_buffers,
+    compute_in_fp32,
+    explained_dtype_errors,
+    is_norm,
+)
 from lightning_par.pipeline.apply import NORM_SKIP_ATTR
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 
@@ -260,7 +266,9 @@ class ParallelPrecision(Precision):
                 if is_norm(m):
                     compute_in_fp32(m)
         if self.low_precision and self.master_weights:
-            spectral_norms_in_fp32(module)  # not a choice: 16-bit weights and fp32 u / v do not multiply
+            autocast_gaps_in_fp32(module)  # not a choice: there a 16-bit weight meets fp32 tensors
+        if self.precision == "bf16-true" and self.master_weights:
+            cast_buffers(module, self.compute_dtype)  # as HalfPrecision's module.to(bf16) casts them
         return module
 
     @override
@@ -276,6 +284,12 @@ class ParallelPrecision(Precision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
+        # with masters, a dtype clash between a 16-bit weight and an fp32 tensor is explained (module_dtypes)
+        with explained_dtype_errors(enabled=self.uses_masters, dtype=self.compute_dtype), self._dtypes():
+            yield
+
+    @contextmanager
+    def _dtypes(self) -> Generator[None, None, None]:
         if self.precision in ("bf16-mixed", "16-mixed"):
             # no weight-cast cache, as Lightning's MixedPrecision: a step that updates the weights and
             # runs forward again inside one training_step (manual optimization's inner loop, a GAN's two

@@ -1,0 +1,158 @@
+"""Layers whose weights meet fp32 tensors outside autocast, in 16-bit precision at ZeRO 1-3 (2 Gloo ranks).
+
+With fp32 masters in the shards the parameters a module computes with are bf16 copies, where Lightning's
+``"ddp"`` keeps fp32 parameters under autocast (``"bf16-mixed"``) or casts the whole module, buffers
+included (``"bf16-true"``). Ops that CPU autocast does not cast then met a bf16 weight and an fp32 tensor,
+and the first step failed where ``"ddp"`` trains:
+
+* torch's ``nn.Bilinear`` ("All tensors must have the same dtype"), ``nn.EmbeddingBag`` with fp32
+  ``per_sample_weights``, ``nn.InstanceNorm1d(affine=True)`` of an fp32 input ("mixed dtype (CPU)"), and a
+  leaf norm of the user's whose name ends in ``LayerNorm`` (ConvNeXt's kind: ``F.layer_norm`` of an
+  upcast input): now computed in fp32 (``lightning_par.module_dtypes``);
+* ``"bf16-true"``: float buffers stayed fp32 at ZeRO 1-3 (``"ddp"`` makes them bf16), so a masked weight
+  ``W * mask`` failed; now they are cast as Lightning's ``HalfPrecision`` casts them;
+* any other such op of the user's (``torch.lerp`` with an fp32 weight, ``index_add_`` into an fp32
+  buffer, ...) is explained: the error names the cause and ``master_weights=False``.
+
+And a deep copy of a model whose norms compute in fp32 (an EMA made during the fit) ran the original's
+weights, silently (the wrapper was a closure over the original module); now the copy computes with its own.
+Reference: ``"ddp"`` at the same precision, within bf16 rounding (``"ddp"`` computes with fp32 weights).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_par import HybridParallelStrategy
+from lightning_par.module_dtypes import compute_in_fp32, explained_dtype_errors, restore_norms
+from tests.distributed import run_distributed
+from tests.fits import cpu_trainer, final_state
+
+STEPS, N = 3, 32
+
+
+class ChannelsLayerNorm(nn.Module):
+    """A user's norm in ConvNeXt's style: the statistics of an upcast input, the weight applied as is."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(width)), nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x.float(), x.shape[-1:], self.weight, self.bias)
+
+
+class Zoo(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bilinear = nn.Bilinear(8, 8, 8)
+        self.bag = nn.EmbeddingBag(16, 8, mode="sum")
+        self.inorm = nn.InstanceNorm1d(8, affine=True)
+        self.norm = ChannelsLayerNorm(8)
+        self.head = nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, idx, w, z, y = batch
+        h = self.bilinear(x, x) + self.bag(idx, per_sample_weights=w) + self.inorm(z).mean(-1)
+        return F.mse_loss(self.head(self.norm(h)).float(), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Masked(pl.LightningModule):
+    """A weight times a fixed float mask buffer (pruning, structured sparsity)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.register_buffer("mask", (torch.rand(8, 8) > 0.3).float())
+        self.mask_dtypes: list[torch.dtype] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, *_, y = batch
+        self.mask_dtypes.append(self.mask.dtype)
+        return F.mse_loss((x @ (self.weight * self.mask).t()).sum(-1, keepdim=True).float(), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(
+        torch.randn(N, 8, generator=g),
+        torch.randint(0, 16, (N, 3), generator=g),
+        torch.rand(N, 3, generator=g),
+        torch.randn(N, 8, 4, generator=g),
+        torch.randn(N, 1, generator=g),
+    )
+
+
+def _fits(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for module_class, precision in ((Zoo, "bf16-mixed"), (Masked, "bf16-true")):
+        for name in ("ddp", "zero1", "zero3"):
+            strategy: Any = "ddp" if name == "ddp" else HybridParallelStrategy(zero_stage=int(name[-1]))
+            module = module_class()
+            trainer = cpu_trainer(strategy, devices=world, max_steps=STEPS, precision=precision)
+            trainer.fit(module, DataLoader(_data(), batch_size=4))
+            state = {k: v.float() for k, v in final_state(module, strategy).items()}
+            out[f"{module_class.__name__}/{name}"] = {
+                "state": state,
+                "masks": getattr(module, "mask_dtypes", []),
+            }
+    return out
+
+
+def test_layers_outside_autocast_train_at_zero_1_and_3_as_ddp() -> None:
+    results = run_distributed(_fits, 2, init_group=False, timeout=300)[0]
+    for model, atol in (("Zoo", 5e-3), ("Masked", 2e-2)):
+        ddp = results[f"{model}/ddp"]["state"]
+        for stage in ("zero1", "zero3"):
+            state = results[f"{model}/{stage}"]["state"]
+            assert state.keys() == ddp.keys()
+            for key, value in ddp.items():
+                torch.testing.assert_close(
+                    state[key], value, rtol=2e-2, atol=atol, msg=f"{model} {stage} {key}"
+                )
+    # the buffer in the parameters' dtype inside the step, as "ddp"'s bf16-true makes it
+    for name in ("ddp", "zero1", "zero3"):
+        assert set(results[f"Masked/{name}"]["masks"]) == {torch.bfloat16}, name
+
+
+def test_a_deep_copy_of_a_norm_computing_in_fp32_uses_its_own_weights() -> None:
+    norm = nn.LayerNorm(8)
+    norm.to(torch.bfloat16)  # the engine's compute copies
+    compute_in_fp32(norm)
+    ema = copy.deepcopy(norm)
+    with torch.no_grad():
+        ema.bias.add_(5.0)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(ema(x).mean(), torch.tensor(5.0), atol=1e-2, rtol=0)  # before: about 0
+    torch.testing.assert_close(norm(x).mean(), torch.tensor(0.0), atol=1e-2, rtol=0)
+    restore_norms(ema)
+    assert "forward" not in ema.__dict__
+
+
+def test_other_dtype_clashes_are_explained() -> None:
+    a, b = torch.randn(4, dtype=torch.bfloat16), torch.randn(4, dtype=torch.bfloat16)
+    explained = pytest.raises(RuntimeError, match=r"bfloat16 copies.*master_weights=False")
+    with explained as caught, explained_dtype_errors(enabled=True, dtype=torch.bfloat16):
+        torch.lerp(a, b, torch.rand(4))
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    # without masters: torch's own message
+    with pytest.raises(RuntimeError) as plain, explained_dtype_errors(enabled=False, dtype=torch.bfloat16):
+        torch.lerp(a, b, torch.rand(4))
+    assert "lightning_par" not in str(plain.value)
