@@ -22,6 +22,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import nn
@@ -522,6 +523,8 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             if self.unshard_on_teardown and not self._interrupted():
                 self._engine.unshard_all()
                 self._note_master_dtype()
+            elif self.unshard_on_teardown:
+                self._warn_left_as_held()
             # hooks go; the engine stays so trainer.save_checkpoint() after fit still sees the shards
             # (the next setup() builds a new one)
             self._engine.remove()
@@ -543,6 +546,24 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
             super().teardown()
         else:
             self._teardown_with_meta(module)
+
+    def _warn_left_as_held(self) -> None:
+        """After a fit an exception stopped, say what the model holds where it is not the user's model: the
+        ZeRO-3 placeholders, or the 16-bit compute copies of the masters (a retry on the same module object
+        would start from them, silently rounded)."""
+        assert self._engine is not None
+        plugin = self.precision_plugin
+        if self._engine.shards_params:
+            held = "ZeRO-3's NaN placeholders (each rank's shard is in the engine)"
+        elif isinstance(plugin, ParallelPrecision) and plugin.uses_masters:
+            held = f"the {plugin.compute_dtype} compute copies (the fp32 masters are in the shards)"
+        else:
+            return
+        rank_zero_warn(
+            f"The fit stopped with an exception, so the model's parameters were not gathered back (the other"
+            f" ranks may not join): they hold {held}. Before fitting again, rebuild the model or load a"
+            " checkpoint into it; the last checkpoint written holds the trained weights."
+        )
 
     def _interrupted(self) -> bool:
         """Whether the Trainer is tearing down after an exception (Lightning marks it interrupted first)."""

@@ -22,6 +22,7 @@ Reference: ``"ddp"`` at the same precision, within bf16 rounding (``"ddp"`` comp
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -156,3 +157,39 @@ def test_other_dtype_clashes_are_explained() -> None:
     with pytest.raises(RuntimeError) as plain, explained_dtype_errors(enabled=False, dtype=torch.bfloat16):
         torch.lerp(a, b, torch.rand(4))
     assert "lightning_par" not in str(plain.value)
+
+
+class Failing(Zoo):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if batch_idx == 1:
+            raise ValueError("the user's bug")
+        return super().training_step(batch, batch_idx)
+
+
+def _failed_fits(rank: int, world: int) -> dict[str, list[str]]:
+    torch.set_num_threads(1)
+    said = {}
+    for stage, precision in ((1, "bf16-mixed"), (3, "32-true")):
+        strategy = HybridParallelStrategy(zero_stage=stage)
+        trainer = cpu_trainer(strategy, devices=world, max_steps=STEPS, precision=precision)
+        module = Failing()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(ValueError, match="the user's bug"):
+                trainer.fit(module, DataLoader(_data(), batch_size=4))
+        strategy.destroy_process_groups()
+        said[f"zero{stage}"] = [str(w.message) for w in caught if "were not gathered back" in str(w.message)]
+        said[f"zero{stage}-dtype"] = [str(module.head.weight.dtype)]
+    return said
+
+
+def test_a_fit_stopped_by_an_exception_says_what_the_model_holds() -> None:
+    """After an exception the strategy does not gather the weights back (the other ranks may not join):
+    the model holds the bf16 compute copies (ZeRO 1-2 with masters) or ZeRO-3's placeholders, which a retry
+    on the same object would start from, silently; rank 0 now says so and how to start again."""
+    said = run_distributed(_failed_fits, 2, init_group=False, timeout=300)[0]
+    assert said["zero1-dtype"] == ["torch.bfloat16"]  # what a retry would have started from
+    (zero1,) = said["zero1"]
+    assert "torch.bfloat16 compute copies" in zero1 and "rebuild the model or load a checkpoint" in zero1
+    (zero3,) = said["zero3"]
+    assert "ZeRO-3's NaN placeholders" in zero3
