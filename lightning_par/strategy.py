@@ -560,7 +560,7 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         else:
             return
         rank_zero_warn(
-            f"The fit stopped with an exception, so the model's parameters were not gathered back (the other"
+            f"The run stopped with an exception, so the model's parameters were not gathered back (the other"
             f" ranks may not join): they hold {held}. Before fitting again, rebuild the model or load a"
             " checkpoint into it; the last checkpoint written holds the trained weights."
         )
