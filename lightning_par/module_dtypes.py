@@ -6,6 +6,7 @@ undone by :func:`restore_norms`; frozen parameters stored in the plugin's frozen
 
 from __future__ import annotations
 
+import functools
 import re
 import types
 from collections.abc import Iterator
@@ -41,14 +42,20 @@ def compute_in_fp32(module: nn.Module) -> None:
     graph keeps the copies and the gradients flow back through the cast to the parameters. (Swapping
     ``p.data`` for the call instead left the graph holding the parameters themselves, whose storage was
     16-bit again by the backward: BatchNorm's and GroupNorm's backward refused it, "mixed dtype".) The
-    wrapper is a method bound to ``module``, reading everything from it when called, so a deep copy of the
-    model (an EMA) computes with its own parameters (before, a closure over the original: the copy's norm
-    layers ran the live model's weights, silently)."""
+    wrapper is a module-level function partially applied to ``module``, reading everything from it when
+    called, so a deep copy of the model (an EMA) computes with its own parameters (before, a closure over
+    the original: the copy's norm layers ran the live model's weights, silently), and a pickled copy loads
+    (a bound method of another name would not). The module's floating buffers (a norm's running
+    statistics) are kept in fp32, the dtype it computes in (under ``"bf16-true"`` without masters the
+    module was cast whole: BatchNorm then failed, "expected scalar type Float but found BFloat16")."""
     if _FP32_ATTR in module.__dict__:
         return
     previous = module.__dict__.get("forward")  # an instance forward of its own (kept for the restore)
     setattr(module, _FP32_ATTR, (previous,))
-    module.forward = types.MethodType(_fp32_forward, module)
+    module.forward = functools.partial(_fp32_forward, module)
+    for name, buffer in module._buffers.items():
+        if buffer is not None and buffer.is_floating_point() and not buffer.is_meta:
+            module._buffers[name] = buffer.float()
 
 
 def _fp32_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -180,28 +187,35 @@ _DTYPE_CLASH = re.compile(
 
 
 @contextmanager
-def explained_dtype_errors(*, enabled: bool, dtype: torch.dtype) -> Iterator[None]:
-    """Inside (a step's forward), a ``RuntimeError`` in torch's words for operands of two dtypes is raised
-    again saying why it happens here and what fixes it: with fp32 masters in the ZeRO shards the parameters
-    a module computes with are ``dtype`` copies, where Lightning's ``"ddp"`` keeps fp32 parameters under
-    autocast, so an op autocast leaves alone (on the CPU ``mv``, ``lerp``, ``index_add_``, ``tensordot``,
-    ``cross``, a custom norm's ``F.layer_norm`` of an upcast input, ...) meets a 16-bit weight and an fp32
-    tensor (before, torch's message alone)."""
+def explained_dtype_errors(*, enabled: bool, dtype: torch.dtype, precision: str) -> Iterator[None]:
+    """Inside (a step's forward under a mixed precision with fp32 masters), a ``RuntimeError`` in torch's
+    words for operands of two dtypes gets a note saying what may cause it here and what fixes it: the
+    parameters a module computes with are ``dtype`` copies, where Lightning's ``"ddp"`` keeps fp32
+    parameters under autocast, so an op autocast leaves alone (on the CPU ``mv``, ``lerp``, ``index_add_``,
+    ``tensordot``, ``cross``, a custom norm's ``F.layer_norm`` of an upcast input, ...) may meet a 16-bit
+    weight and an fp32 tensor (before, torch's message alone). The exception is the same object, of the
+    same type, with its traceback: a note (Python 3.11+; before that, the message is left as it is)."""
     if not enabled:
         yield
         return
     try:
         yield
     except RuntimeError as error:
-        if not _DTYPE_CLASH.search(str(error)) or "lightning_par" in str(error):
+        add_note = getattr(error, "add_note", None)
+        noted = any(note.startswith(_NOTE) for note in getattr(error, "__notes__", ()))
+        if add_note is None or noted or not _DTYPE_CLASH.search(str(error)):
             raise
         name = str(dtype).removeprefix("torch.")
-        raise RuntimeError(
-            f"{error}\n(lightning_par: at ZeRO stages 1-3 with fp32 master weights the parameters a module"
-            f" computes with are {name} copies (the fp32 masters stay in the shards), where Lightning's"
-            " 'ddp' keeps fp32 parameters under autocast: an op autocast does not cast met a 16-bit weight"
-            " and an fp32 tensor. Cast in the layer (the input to the weight's dtype, or the weight"
-            " .float()), or keep fp32 parameters under autocast as 'ddp' does:"
-            " plugins=[ParallelPrecision('bf16-mixed', master_weights=False)], at the memory of unsharded"
-            " fp32 parameters and gradients.)"
-        ) from error
+        add_note(
+            f"{_NOTE}: if one of the operands is a module's weight: at ZeRO stages 1-3 with fp32 master"
+            f" weights the parameters a module computes with are {name} copies (the masters stay in the"
+            " shards), where Lightning's 'ddp' keeps fp32 parameters under autocast, and this op is one"
+            " autocast does not cast. Cast in the layer (the other operand to the weight's dtype, or the"
+            " weight .float()), or keep fp32 parameters under autocast as 'ddp' does:"
+            f" plugins=[ParallelPrecision({precision!r}, master_weights=False)], at the memory of unsharded"
+            " fp32 parameters and gradients."
+        )
+        raise
+
+
+_NOTE = "lightning_par"

@@ -284,8 +284,11 @@ class ParallelPrecision(Precision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        # with masters, a dtype clash between a 16-bit weight and an fp32 tensor is explained (module_dtypes)
-        with explained_dtype_errors(enabled=self.uses_masters, dtype=self.compute_dtype), self._dtypes():
+        # with masters under autocast, a dtype clash that may be a 16-bit weight meeting an fp32 tensor
+        # gets a note (module_dtypes); bf16-true casts the whole computation as "ddp" does
+        mixed = self.uses_masters and self.precision in ("bf16-mixed", "16-mixed")
+        notes = explained_dtype_errors(enabled=mixed, dtype=self.compute_dtype, precision=self.precision)
+        with notes, self._dtypes():
             yield
 
     @contextmanager

@@ -22,6 +22,7 @@ Reference: ``"ddp"`` at the same precision, within bf16 rounding (``"ddp"`` comp
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 from typing import Any
 
@@ -148,15 +149,45 @@ def test_a_deep_copy_of_a_norm_computing_in_fp32_uses_its_own_weights() -> None:
 
 
 def test_other_dtype_clashes_are_explained() -> None:
+    """A note on torch's own exception (same object and type, traceback kept), naming the cause that may
+    apply and the fixes, with the run's precision; once, however many contexts it crosses."""
     a, b = torch.randn(4, dtype=torch.bfloat16), torch.randn(4, dtype=torch.bfloat16)
-    explained = pytest.raises(RuntimeError, match=r"bfloat16 copies.*master_weights=False")
-    with explained as caught, explained_dtype_errors(enabled=True, dtype=torch.bfloat16):
+
+    def notes() -> Any:
+        return explained_dtype_errors(enabled=True, dtype=torch.bfloat16, precision="16-mixed")
+
+    with pytest.raises(RuntimeError) as caught, notes(), notes():
         torch.lerp(a, b, torch.rand(4))
-    assert isinstance(caught.value.__cause__, RuntimeError)
-    # without masters: torch's own message
-    with pytest.raises(RuntimeError) as plain, explained_dtype_errors(enabled=False, dtype=torch.bfloat16):
+    assert type(caught.value) is RuntimeError and caught.value.__cause__ is None
+    (note,) = caught.value.__notes__
+    assert "bfloat16 copies" in note and "ParallelPrecision('16-mixed', master_weights=False)" in note, note
+
+    class ConfigError(RuntimeError):  # a user's own error keeps its type
+        pass
+
+    with pytest.raises(ConfigError), notes():
+        raise ConfigError("expected dtype float32 in my config")
+    plain = explained_dtype_errors(enabled=False, dtype=torch.bfloat16, precision="bf16-mixed")
+    with pytest.raises(RuntimeError) as untouched, plain:  # without masters: torch's own message
         torch.lerp(a, b, torch.rand(4))
-    assert "lightning_par" not in str(plain.value)
+    assert not getattr(untouched.value, "__notes__", None)
+
+
+def test_a_wrapped_norm_pickles_and_keeps_fp32_statistics() -> None:
+    """A pickled model (``torch.save(self.net)`` in a hook during the fit) loads and computes as the
+    original; a BatchNorm whose module was cast whole (``"bf16-true"`` without masters: evaluation at
+    ZeRO 1-2, ZeRO-0) keeps its running statistics in fp32, the dtype it computes in (before, "expected
+    scalar type Float but found BFloat16")."""
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.LayerNorm(4)).to(torch.bfloat16)
+    for m in (net[1], net[2]):
+        compute_in_fp32(m)
+    assert net[1].running_mean.dtype == torch.float32
+    x = torch.randn(8, 4, dtype=torch.bfloat16)
+    out = net(x)
+    loaded = pickle.loads(pickle.dumps(net))
+    net.eval(), loaded.eval()
+    torch.testing.assert_close(loaded(x), net(x), rtol=0, atol=0)
+    assert out.dtype == torch.bfloat16
 
 
 class Failing(Zoo):
