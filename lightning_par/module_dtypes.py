@@ -53,9 +53,14 @@ def compute_in_fp32(module: nn.Module) -> None:
     previous = module.__dict__.get("forward")  # an instance forward of its own (kept for the restore)
     setattr(module, _FP32_ATTR, (previous,))
     module.forward = functools.partial(_fp32_forward, module)
+    _cast_own_buffers(module, torch.float32)
+
+
+def _cast_own_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    """``module``'s own floating buffers (not its children's) in ``dtype``; meta ones are left to be built."""
     for name, buffer in module._buffers.items():
         if buffer is not None and buffer.is_floating_point() and not buffer.is_meta:
-            module._buffers[name] = buffer.float()
+            module._buffers[name] = buffer.to(dtype)
 
 
 def _fp32_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -162,11 +167,8 @@ def cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
     fp32 (:func:`compute_in_fp32`) stay fp32, their statistics' precision; meta buffers are left to be
     built."""
     for m in module.modules():
-        if _FP32_ATTR in m.__dict__:
-            continue
-        for name, buffer in m._buffers.items():
-            if buffer is not None and buffer.is_floating_point() and not buffer.is_meta:
-                m._buffers[name] = buffer.to(dtype)
+        if _FP32_ATTR not in m.__dict__:
+            _cast_own_buffers(m, dtype)
 
 
 def cast_frozen(module: nn.Module, dtype: torch.dtype | None) -> None:

@@ -162,8 +162,8 @@ def test_other_dtype_clashes_are_explained() -> None:
     (note,) = caught.value.__notes__
     assert "bfloat16 copies" in note and "ParallelPrecision('16-mixed', master_weights=False)" in note, note
 
-    class ConfigError(RuntimeError):  # a user's own error keeps its type
-        pass
+    class ConfigError(RuntimeError):
+        """A user's own error: it keeps its type."""
 
     with pytest.raises(ConfigError), notes():
         raise ConfigError("expected dtype float32 in my config")
