@@ -2,19 +2,20 @@
 
 The strategy is thin on purpose. Its bases launch processes, initialise ``torch.distributed`` and build
 one :class:`~lightning_par.mesh.ParallelMesh` (:mod:`lightning_par.strategy_env`), dispatch each step
-(:mod:`lightning_par.strategy_steps`) and wire the precision plugin (:mod:`lightning_par.strategy_precision`);
-here the mechanisms are applied in the documented order (``docs/architecture.md``): tensor parallel,
-pipeline split, activation checkpointing (:func:`lightning_par.compose.compose`, once per model),
-pretrained weights, ZeRO over the dp group, precision, optimizer. Every mechanism lives in its own module
-and can be used without a ``Trainer``. Nothing of the user's LightningModule is replaced for longer than a
-run: the hooks wrapped for a run (:mod:`lightning_par.lightning_hooks`) are restored at teardown.
+(:mod:`lightning_par.strategy_steps`), wire the precision plugin (:mod:`lightning_par.strategy_precision`),
+build the ZeRO engine (:mod:`lightning_par.strategy_engine`) and end a run
+(:mod:`lightning_par.strategy_teardown`); here the mechanisms are applied in the documented order
+(``docs/architecture.md``): tensor parallel, pipeline split, activation checkpointing
+(:func:`lightning_par.compose.compose`, once per model), pretrained weights, ZeRO over the dp group,
+precision, optimizer. Every mechanism lives in its own module and can be used without a ``Trainer``.
+Nothing of the user's LightningModule is replaced for longer than a run: the hooks wrapped for a run
+(:mod:`lightning_par.lightning_hooks`) are restored at teardown.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,30 +23,24 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
-from lightning_par import lightning_hooks
 from lightning_par.batch_agreement import BatchAgreement
-from lightning_par.build import ZeroOptions, build_engine
 from lightning_par.checkpoint.load_pretrained import PretrainedPlan, PretrainedSource, load_pretrained_once
-from lightning_par.compose import ComposeOptions, compose
+from lightning_par.compose import compose
 from lightning_par.data_reduce import MetricSync
 from lightning_par.device_checks import check_optimizer_kernels
-from lightning_par.grad_reads import GradReads
 from lightning_par.loss import TokenNormalizer
-from lightning_par.memory import MemoryReport, measure_memory
-from lightning_par.module_dtypes import cast_frozen, restore_norms
+from lightning_par.module_dtypes import cast_frozen
 from lightning_par.optimizer_checks import check_layout_optimizers
 from lightning_par.pipeline.lightning import LightningPipeline, pipeline_layers_of
 from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
 from lightning_par.pipeline.steps import pipeline_parts
-from lightning_par.precision import ParallelPrecision
 from lightning_par.random_state import agree_random_state
-from lightning_par.strategy_env import MeshStrategy
+from lightning_par.strategy_engine import StrategyEngine
 from lightning_par.strategy_options import (
     PipelineSchedule,
     StartMethod,
@@ -54,21 +49,14 @@ from lightning_par.strategy_options import (
     check_fit_setup,
     check_options,
 )
-from lightning_par.strategy_precision import StrategyPrecision
-from lightning_par.strategy_steps import StrategySteps
+from lightning_par.strategy_teardown import StrategyTeardown
 from lightning_par.summaries import guard_summaries
 from lightning_par.zero.buffers import BufferSync
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
 from lightning_par.zero.engine import Engine, ReduceChoice
 from lightning_par.zero.grad_sync import GradSyncPolicy
 from lightning_par.zero.init_seeds import agree_seed
-from lightning_par.zero.meta_buffers import materialize_buffers
-from lightning_par.zero.meta_init import (
-    ValuesFn,
-    materialize_local,
-    meta_build,
-    move_real_tensors,
-)
+from lightning_par.zero.meta_init import materialize_local
 from lightning_par.zero.meta_loads import MetaLoads
 from lightning_par.zero.units import UnitPolicy, check_pipeline_units
 
@@ -79,7 +67,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
+class HybridParallelStrategy(StrategyTeardown, StrategyEngine):
     """Data, ZeRO, tensor and pipeline parallelism for the Lightning ``Trainer``.
 
     Args:
@@ -420,170 +408,6 @@ class HybridParallelStrategy(StrategySteps, StrategyPrecision, MeshStrategy):
         # in evaluation runs too (before, fit only: validate / predict sampling with generate(do_sample)
         # fed the tp ranks different tokens where the ranks were seeded apart)
         agree_random_state(groups=(self.mesh.tp_group, self.mesh.pp_group), device=self.root_device)
-
-    def _compose_options(self) -> ComposeOptions:
-        return ComposeOptions(
-            tensor_parallel_size=self.tensor_parallel_size,
-            tp_plan=self.tp_plan,
-            sequence_parallel=self.sequence_parallel,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            virtual_stages=self.virtual_stages,
-            partition_method=self.partition_method,
-            activation_checkpointing=self.activation_checkpointing,
-        )
-
-    def _build_engine(self, fitting: bool, values: ValuesFn | None) -> None:
-        """Step 6 of the composition: ZeRO over the dp group (stage 3 for evaluation too)."""
-        assert self.model is not None
-        plugin = self.precision_plugin
-        if fitting and isinstance(plugin, ParallelPrecision):
-            plugin.check_trainable(self.model.named_parameters())
-        compute, reduce = self._dtypes()
-        # an evaluation run after a fit (test, validate: one or several) keeps the fit's engine for its
-        # optimizer state, which Lightning keeps and checkpoints (checkpoint/fit_state.py)
-        fit = self._engine if self._engine is not None and self._engine.sharded_state is not None else None
-        fit = fit if fit is not None else self._fit_engine
-        self._fit_engine = fit if not fitting and self.optimizers else None
-        self._engine = engine = build_engine(
-            self.model,
-            options=ZeroOptions.of(self),
-            group=self.mesh.dp_group,
-            device=self.root_device,
-            compute_dtype=compute,
-            grad_dtype=reduce,
-            frozen_dtype=self._frozen_dtype(),
-            fitting=fitting,
-            values=values,
-            pipelined=self.pipeline_parallel_size > 1,
-            seed_groups=(self.mesh.tp_group, self.mesh.pp_group),
-        )
-        # param.grad is None at ZeRO 1-3: reads that find nothing are refused in the first optimizer step
-        self._grad_reads = GradReads.for_engine(
-            self.model,
-            engine if fitting else None,
-            zero_stage=self.zero_stage,
-            pipelined=self.pipeline_parallel_size > 1,
-            find_unused_parameters=self.find_unused_parameters,
-        )
-        plugin = self.precision_plugin
-        if isinstance(plugin, ParallelPrecision):  # the watch ends before the optimizer's own update
-            plugin.before_update = self._end_grad_reads if self._grad_reads is not None else None
-            plugin.on_skip = self._engine.step_skipped if self._engine is not None else None
-        # at stage 0 user code sees param.grad: the tp replicas' gradients are compared at the first step
-        self._check_tp_replicas = fitting and self.tensor_parallel_size > 1 and self.zero_stage == 0
-
-    @override
-    def model_to_device(self) -> None:
-        """Real parameters and buffers move to this rank's device; meta parameters (meta init, other
-        pipeline stages) stay where they are, to be materialised by the engine or pretrained weights.
-        Meta buffers (a model built under ``torch.device("meta")``) are computed here, on the device."""
-        assert self.model is not None
-        move_real_tensors(self.model, self.root_device)
-        materialize_buffers(self.model, device=self.root_device)
-
-    @contextmanager
-    @override
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        """With ``meta_init`` at stage 3, or with pretrained weights to load, ``configure_model()`` builds
-        the parameters on the meta device (buffers stay real): no rank ever holds the initialised model."""
-        if not (self.meta_init and (self.zero_stage == 3 or self.pretrained is not None)):
-            yield
-            return
-        # weights the user's code loads there (load_state_dict, PEFT's from_pretrained) would land in meta
-        # tensors: recorded, and loaded into the shards at setup (lightning_par.zero.meta_loads); so are
-        # the model's own init writes, replayed when each unit gets storage (lightning_par.zero.meta_writes)
-        loads = MetaLoads()
-        fixes = (
-            "build the model from its config and pass the weights as HybridParallelStrategy(pretrained=PATH)"
-            " (read into each rank's shards), or load them with load_state_dict (applied to the shards at"
-            " setup), or set meta_init=False (the whole model is built on every rank first)."
-        )
-        with meta_build("configure_model()", fixes, loads):
-            yield
-        self._meta_loads = loads
-
-    def memory_report(self) -> MemoryReport:
-        """Bytes of parameters, gradients, optimizer state, buffers and communication buffers on this rank."""
-        assert self.lightning_module is not None
-        return measure_memory(self.lightning_module, self._engine, self.optimizers)
-
-    # ------------------------------------------------------------------ teardown
-    @override
-    def teardown(self) -> None:
-        if self._grad_reads is not None:
-            self._grad_reads.end(quiet=True)
-            self._grad_reads = None
-        plugin = self.precision_plugin
-        if isinstance(plugin, ParallelPrecision):
-            plugin.before_update = plugin.on_skip = None
-        if self._engine is not None:
-            # leave a usable, whole model behind, at master precision; not after an exception, which may
-            # have stopped this rank alone (a failed restore): its peers would never join the gathers and
-            # the error would wait in them instead of surfacing
-            if self.unshard_on_teardown and not self._interrupted():
-                self._engine.unshard_all()
-                self._note_master_dtype()
-            elif self.unshard_on_teardown:
-                self._warn_left_as_held()
-            # hooks go; the engine stays so trainer.save_checkpoint() after fit still sees the shards
-            # (the next setup() builds a new one)
-            self._engine.remove()
-        self._token_normalizer = None
-        self._token_calls, self._token_rescaled = 0, False
-        if self.lightning_module is not None:
-            restore_norms(self.lightning_module)  # the norm layers' fp32 wrappers of convert_module
-            lightning_hooks.restore(self.lightning_module, self._patched)  # the class's own methods again
-        self._patched = []
-        for callback, names in self._patched_callbacks:
-            lightning_hooks.restore(callback, names)
-        self._patched_callbacks = []
-        if self._synced_batchnorm and self._layer_sync is not None and self.model is not None:
-            self.model = self._layer_sync.revert(self.model)
-        self._synced_batchnorm = False
-        self._buffer_sync = BufferSync(nn.Module(), group=None, enabled=False)  # type: ignore[arg-type]
-        module = self.lightning_module
-        if module is None or not any(p.is_meta for p in module.parameters()):
-            super().teardown()
-        else:
-            self._teardown_with_meta(module)
-
-    def _warn_left_as_held(self) -> None:
-        """After a fit an exception stopped, say what the model holds where it is not the user's model: the
-        ZeRO-3 placeholders, or the 16-bit compute copies of the masters (a retry on the same module object
-        would start from them, silently rounded)."""
-        assert self._engine is not None
-        plugin = self.precision_plugin
-        if self._engine.shards_params:
-            held = "ZeRO-3's NaN placeholders (each rank's shard is in the engine)"
-        elif isinstance(plugin, ParallelPrecision) and plugin.uses_masters:
-            held = f"the {plugin.compute_dtype} compute copies (the fp32 masters are in the shards)"
-        else:
-            return
-        rank_zero_warn(
-            f"The run stopped with an exception, so the model's parameters were not gathered back (the other"
-            f" ranks may not join): they hold {held}. Before fitting again, rebuild the model or load a"
-            " checkpoint into it; the last checkpoint written holds the trained weights."
-        )
-
-    def _interrupted(self) -> bool:
-        """Whether the Trainer is tearing down after an exception (Lightning marks it interrupted first)."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        return trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-
-    def destroy_process_groups(self) -> None:
-        """Destroy the process groups this strategy created (its mesh, the pipeline's tied-weight groups)
-        when done with it: after ``fit`` and anything that needs them afterwards
-        (``consolidated_state_dict()``, ``trainer.save_checkpoint``), on every rank. They are kept past
-        ``teardown`` for those calls; a later ``fit`` or ``test`` with this strategy builds new ones. A
-        process that runs many Trainers (``lightning-par-train -m`` calls this after every job) would
-        otherwise slow down with every group left alive (:meth:`ParallelMesh.destroy`)."""
-        self._metric_sync.restore()  # kept past teardown: metrics read in on_fit_end or after fit
-        if self._pipeline is not None:
-            self._pipeline.tied.destroy()
-            self._pipeline = None
-        if self._mesh is not None:
-            self._mesh.destroy()
-            self._mesh = None
 
     @classmethod
     @override

@@ -1,5 +1,5 @@
-"""What the Fabric strategy's mixins (:mod:`.steps`, :mod:`.optimizers`) read of the strategy, declared
-once for the type checker; nothing here exists at run time but the class."""
+"""What the Fabric strategy's mixins (:mod:`.steps`, :mod:`.optimizers`, :mod:`.processes`, :mod:`.session`)
+read of the strategy, declared once for the type checker; nothing here exists at run time but the class."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from lightning.fabric.plugins.precision import Precision
+
     from lightning_par.fabric.pipeline import FabricPipeline
     from lightning_par.mesh import ParallelMesh
     from lightning_par.precision import ParallelPrecision
@@ -26,6 +28,9 @@ class FabricMixin:
 
         @property
         def precision(self) -> ParallelPrecision: ...
+
+        @precision.setter
+        def precision(self, precision: Precision | None) -> None: ...
 
         @property
         def mesh(self) -> ParallelMesh: ...

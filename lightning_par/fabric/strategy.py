@@ -4,7 +4,9 @@
 ``Fabric(strategy=HybridParallelStrategy(zero_stage=3), precision="bf16-mixed")`` or, after
 ``import lightning_par``, ``Fabric(strategy="zero2")``. The mechanisms are the ones the Trainer strategy
 composes (``lightning_par.zero``, ``lightning_par.precision``, ``lightning_par.checkpoint``); this class
-only maps Fabric's calls onto them:
+only maps Fabric's calls onto them (with its bases: :mod:`.processes` for the process group, mesh and
+precision plugin, :mod:`.session` for checkpoints, gathers and teardown, :mod:`.steps` and
+:mod:`.optimizers`):
 
 * ``fabric.setup(model, optimizer)`` / ``setup_module`` + ``setup_optimizers``: the ZeRO engine over the
   data-parallel group, the optimizers rebuilt over this rank's shards (their ``fused``/``foreach``
@@ -37,30 +39,25 @@ import copy
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.init import _EmptyInit
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_par.batch_agreement import BatchAgreement
 from lightning_par.build import ZeroOptions, build_engine
-from lightning_par.data_reduce import MetricSync, gather_stacked
-from lightning_par.device_checks import resolve_backend
-from lightning_par.fabric import checkpoint as fabric_checkpoint
+from lightning_par.data_reduce import MetricSync
 from lightning_par.fabric.optimizers import FabricOptimizers
 from lightning_par.fabric.pipeline import FabricPipeline, build_fabric_pipeline, refuse_direct_call
-from lightning_par.fabric.precision import to_parallel_precision
+from lightning_par.fabric.session import FabricSession
 from lightning_par.fabric.setup import (
     Replaced,
     compose_module,
@@ -69,12 +66,10 @@ from lightning_par.fabric.setup import (
 from lightning_par.fabric.steps import FabricSteps
 from lightning_par.grad_reads import GradReads
 from lightning_par.mesh import ParallelMesh
-from lightning_par.module_dtypes import cast_frozen, restore_norms
+from lightning_par.module_dtypes import cast_frozen
 from lightning_par.owned_hooks import for_owner
 from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
-from lightning_par.precision import ParallelPrecision
 from lightning_par.random_state import agree_random_state
-from lightning_par.rendezvous import launch_store
 from lightning_par.strategy_options import (
     PipelineSchedule,
     as_unit_policy,
@@ -82,7 +77,7 @@ from lightning_par.strategy_options import (
     check_options,
 )
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
-from lightning_par.zero.engine import Engine, reads_own_state
+from lightning_par.zero.engine import Engine
 from lightning_par.zero.meta_buffers import materialize_buffers
 from lightning_par.zero.meta_init import meta_build, move_real_tensors
 from lightning_par.zero.stage3 import Stage3Engine
@@ -101,7 +96,7 @@ class _EngineSyncControl(_BackwardSyncControl):
         return engine.no_sync() if enabled and engine is not None else nullcontext()
 
 
-class HybridParallelStrategy(FabricSteps, FabricOptimizers, DDPStrategy):
+class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
     """ZeRO stages 0-3 with ``ParallelPrecision`` for Lightning Fabric (see the module docstring).
 
     Args:
@@ -277,60 +272,6 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, DDPStrategy):
             return new
         return self
 
-    # ------------------------------------------------------------------ precision and processes
-    @property
-    def precision(self) -> ParallelPrecision:
-        if self._precision is None:  # before Fabric's connector hands over the chosen plugin
-            self._precision = ParallelPrecision("32-true")
-        assert isinstance(self._precision, ParallelPrecision)
-        return self._precision
-
-    @precision.setter
-    def precision(self, precision: Precision | None) -> None:
-        self._precision = to_parallel_precision(precision) if precision is not None else None
-
-    @override
-    def _setup_distributed(self) -> None:
-        # Lightning's DDP initialisation, with a store of this attempt under torchrun (see
-        # lightning_par.rendezvous: a restart never reads the dead attempt's keys)
-        self._set_world_ranks()
-        assert self.cluster_environment is not None and self._process_group_backend is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        if not torch.distributed.is_initialized():
-            timeout = self._timeout or timedelta(minutes=30)
-            self._launch_store = launch_store(self.cluster_environment, timeout=timeout)
-            if self._launch_store is not None:
-                kwargs["store"] = self._launch_store
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-
-    @override
-    def setup_environment(self) -> None:
-        # checked before any process group exists; DDPStrategy then uses the resolved name
-        self._process_group_backend = resolve_backend(self._process_group_backend, self.root_device)
-        super().setup_environment()
-        if self._mesh is None:
-            self._mesh = ParallelMesh(
-                tensor_parallel_size=self.tensor_parallel_size,
-                pipeline_parallel_size=self.pipeline_parallel_size,
-                timeout=self._timeout,
-            )
-        self.precision.configure(zero_stage=self.zero_stage, device=self.root_device)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Data is split over the data-parallel ranks only: the ranks of a tensor-parallel group compute
-        on the same samples."""
-        return {"num_replicas": self.mesh.dp_size, "rank": self.mesh.dp_rank}
-
-    @property
-    def mesh(self) -> ParallelMesh:
-        if self._mesh is None:
-            raise RuntimeError("The parallel mesh exists only after fabric.launch().")
-        return self._mesh
-
     # ------------------------------------------------------------------ setup
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[None]:
@@ -464,99 +405,6 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, DDPStrategy):
                 f" here pipeline_parallel_size={self.pipeline_parallel_size} and no pipeline is set up."
             )
         return self._pipeline
-
-    # ------------------------------------------------------------------ checkpoints
-    @override
-    @reads_own_state
-    def save_checkpoint(
-        self,
-        path: str | Path,
-        state: dict[str, nn.Module | Optimizer | Any],
-        storage_options: Any | None = None,
-        filter: dict[str, Any] | None = None,
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError("storage_options is not supported by lightning_par's Fabric strategy.")
-        target = Path(self.broadcast(str(path)))
-        if filter is not None:  # litgpt's LoRA save: one file with the entries the filter keeps
-            fabric_checkpoint.save_filtered(self, target, state, filter)
-            return
-        fabric_checkpoint.save(self, target, state)
-
-    @override
-    @reads_own_state
-    def load_checkpoint(
-        self,
-        path: str | Path,
-        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        return fabric_checkpoint.load(self, Path(self.broadcast(str(path))), state, strict=strict)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        # differentiable over any group (lightning_par.data_reduce.gather_stacked)
-        return gather_stacked(tensor, group=group, sync_grads=sync_grads)
-
-    def sync_metrics(self, *metrics: Any) -> None:
-        """Point torchmetrics objects kept outside the set-up module (Fabric's usual
-        ``metric = MeanMetric().to(fabric.device)``) at the data-parallel group, as the module's own are
-        at setup: under tensor parallelism the ranks of a tp group hold the same samples, so a metric
-        synced over the world counts each of them tp times (a ``SumMetric`` over 8 samples gave 16 at
-        tp2); under a pipeline they take the last stage's result. A metric given its own
-        ``process_group`` or ``dist_sync_fn`` is left alone, and every change is undone by
-        :meth:`destroy_process_groups`. Call it after ``fabric.setup``; nothing to do without tp or pp."""
-        self._metric_sync.add(list(metrics), mesh=self.mesh, pipelined=self._pipeline is not None)
-
-    @reads_own_state
-    def consolidated_state_dict(self) -> dict[str, Any]:
-        """The full model state dict (every stage's, tp slice's and shard's parameters, trainable ones at
-        master precision, and the buffers) on global rank 0, ``{}`` elsewhere; collective (see
-        :mod:`lightning_par.checkpoint.full`)."""
-        return fabric_checkpoint.consolidated(self)
-
-    @override
-    def teardown(self) -> None:
-        self._torn_down = True
-        if self._grad_reads is not None:
-            self._grad_reads.end(quiet=True)
-            self._grad_reads = None
-        if self.engine is not None:
-            if self.unshard_on_teardown:
-                # a usable, whole model afterwards, as at the end of a Trainer fit (before, a ZeRO-3 model
-                # was left with NaN placeholders and no hooks: it computed and pickled NaN without a word,
-                # and stages 1/2 in mixed precision left their 16-bit compute copies)
-                self.engine.unshard_all()
-            self.engine.remove()
-        if self._refusal is not None:
-            self._refusal.remove()
-            self._refusal = None
-        if self._first_forward is not None:
-            self._first_forward.remove()
-            self._first_forward = None
-        if self._pending_hook is not None:
-            self._pending_hook.remove()
-            self._pending_hook = None
-        if self.module is not None:  # the norm layers' fp32 wrappers of convert_module, as the Trainer's
-            restore_norms(self.module)
-        super().teardown()
-
-    def destroy_process_groups(self) -> None:
-        """Destroy this strategy's mesh groups when done with it, on every rank (a process that runs one
-        Fabric loop after another; see :meth:`lightning_par.mesh.ParallelMesh.destroy`). A later launch
-        builds new ones."""
-        if isinstance(self.engine, Stage3Engine):  # no forward closes the last step's window of checks
-            self.engine.end_read_windows()
-        self._metric_sync.restore()  # kept past teardown, as the groups the metrics gather over
-        if self._pipeline is not None:  # the tied-weight groups first: built over the mesh's ranks
-            self._pipeline.steps.tied.destroy()
-            if self._pipeline.steps.window_ended in self.before_optimizer_step:
-                self.before_optimizer_step.remove(self._pipeline.steps.window_ended)
-            self._pipeline = None
-        if self._mesh is not None:
-            self._mesh.destroy()
-            self._mesh = None
 
     @classmethod
     @override
