@@ -19,6 +19,7 @@ import inspect
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 from torch.optim import Optimizer
 
 CUDA_DEFAULT_BACKEND = "cpu:gloo,cuda:nccl"
@@ -97,3 +98,23 @@ def check_optimizer_kernels(optimizers: Sequence[Optimizer], *, device: torch.de
                 f"Optimizer {k} ({name}) was given fused=True, and fused kernels do not exist for"
                 f" {device.type!r} devices; drop fused=True or use foreach=True."
             )
+
+
+def refuse_sync_batchnorm_on_cpu(
+    module: nn.Module, *, device: torch.device, converting: bool, fix: str
+) -> None:
+    """Refuse to train ``nn.SyncBatchNorm`` layers on CPU before anything is built: torch's SyncBatchNorm
+    synchronises in training on accelerators only, so the first training forward would fail after
+    setup and the sanity check had run (torch's DDP refuses them at construction, so Lightning's and
+    Fabric's ``"ddp"`` fail at setup). ``converting``: the BatchNorm layers are about to be converted
+    (``Trainer(sync_batchnorm=True)``). Evaluation runs are not checked: there SyncBatchNorm normalises
+    with its running statistics, as BatchNorm does."""
+    if device.type != "cpu":
+        return
+    kinds = nn.modules.batchnorm._BatchNorm if converting else nn.SyncBatchNorm
+    name = next((n or "<root>" for n, m in module.named_modules() if isinstance(m, kinds)), None)
+    if name is not None:
+        raise ValueError(
+            f"SyncBatchNorm trains on GPUs only (torch's SyncBatchNorm refuses CPU tensors in training), and"
+            f" this run is on CPU ({name!r} would be one): {fix}"
+        )

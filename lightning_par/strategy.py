@@ -32,7 +32,7 @@ from lightning_par.batch_agreement import BatchAgreement
 from lightning_par.checkpoint.load_pretrained import PretrainedPlan, PretrainedSource, load_pretrained_once
 from lightning_par.compose import compose
 from lightning_par.data_reduce import MetricSync
-from lightning_par.device_checks import check_optimizer_kernels
+from lightning_par.device_checks import check_optimizer_kernels, refuse_sync_batchnorm_on_cpu
 from lightning_par.loss import TokenNormalizer
 from lightning_par.module_dtypes import cast_frozen
 from lightning_par.optimizer_checks import check_layout_optimizers
@@ -303,6 +303,13 @@ class HybridParallelStrategy(StrategyTeardown, StrategyEngine):
                 f"configure_model() loaded values into {len(meta_loaded)} parameters (e.g."
                 f" {next(iter(meta_loaded))!r}) and pretrained= names weights too: give the weights one way,"
                 " either pretrained=PATH or the load in configure_model()."
+            )
+        if fitting:
+            refuse_sync_batchnorm_on_cpu(
+                self.model,
+                device=self.root_device,
+                converting=self._layer_sync is not None,
+                fix="drop Trainer(sync_batchnorm=True) and any convert_sync_batchnorm() call for CPU runs.",
             )
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)

@@ -2,22 +2,26 @@
 every checkpoint and kept equal as DDP keeps them. Saved at ZeRO-2 and ZeRO-3 on 2 ranks, resumed at the
 other stage on 4 ranks, it continues exactly as Lightning's own ``"ddp"`` does with the same save and
 resume: weights and every rank's running statistics equal. ``sync_batchnorm=True`` converts over the
-data-parallel group and reverts after the run."""
+data-parallel group and reverts after the run; on CPU, where torch's SyncBatchNorm cannot train, the fit is
+refused at setup, as ``"ddp"`` refuses it."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.fabric import Fabric
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_par import HybridParallelStrategy
+from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
 from tests.distributed import run_distributed
 
 SEED, GLOBAL_BATCH, N = 11, 8, 32
@@ -135,25 +139,47 @@ class SyncBNProbe(pl.Callback):
 def _sync_batchnorm(world: int, tmp: str) -> dict[str, Any]:
     """``sync_batchnorm=True`` (fitting only, as Lightning's DDP): the layers synchronise over the
     data-parallel group (not the world, which would include tensor- and pipeline-parallel ranks) and are
-    plain BatchNorm again after the run. Torch's SyncBatchNorm runs its synchronising forward on GPUs only,
-    so on CPU the run is stopped before it."""
+    plain BatchNorm again after the run. Torch's SyncBatchNorm runs its synchronising forward on GPUs only:
+    on CPU the fit is refused at setup, as ``"ddp"`` refuses it (before, the layers were converted, the
+    sanity check ran and the first training forward failed in torch); the conversion itself is checked
+    with that refusal lifted, the run stopped before its first forward."""
     out: dict[str, Any] = {}
+
+    def trainer(strategy: str, callbacks: list[pl.Callback]) -> pl.Trainer:
+        return pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=strategy,
+            sync_batchnorm=True,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+            default_root_dir=tmp,
+        )
+
+    for strategy in ("ddp", "zero2"):
+        pl.seed_everything(SEED)
+        module = ResNetModule()
+        before = {k: v.clone() for k, v in module.state_dict().items()}
+        with pytest.raises(ValueError, match="SyncBatchNorm") as refused:
+            trainer(strategy, []).fit(module, _loaders(world)[0])
+        out[f"{strategy}_refused"] = str(refused.value)
+        out[f"{strategy}_untouched"] = all(torch.equal(module.state_dict()[k], v) for k, v in before.items())
+        out[f"{strategy}_plain"] = not any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules())
+    # a Fabric loop with layers the user converted: refused at setup, as Fabric's "ddp" refuses them
+    for name, fabric_strategy in (("fabric_ddp", "ddp"), ("fabric_zero2", FabricStrategy(zero_stage=2))):
+        fabric = Fabric(accelerator="cpu", devices=world, strategy=fabric_strategy)
+        fabric.launch()
+        with pytest.raises(ValueError, match="SyncBatchNorm") as refused:
+            fabric.setup(torch.nn.SyncBatchNorm.convert_sync_batchnorm(ResNetModule().net))
+        out[f"{name}_refused"] = str(refused.value)
     pl.seed_everything(SEED)
     module, probe = ResNetModule(), SyncBNProbe()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy="zero2",
-        sync_batchnorm=True,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[probe],
-        default_root_dir=tmp,
-    )
-    with pytest.raises(_Stop):
-        trainer.fit(module, _loaders(world)[0])
-    dp_group = trainer.strategy.mesh.dp_group  # type: ignore[attr-defined]
+    run = trainer("zero2", [probe])
+    with mock.patch("lightning_par.strategy.refuse_sync_batchnorm_on_cpu"), pytest.raises(_Stop):
+        run.fit(module, _loaders(world)[0])
+    dp_group = run.strategy.mesh.dp_group  # type: ignore[attr-defined]
     out["same_group"] = bool(probe.groups) and all(g is dp_group for g in probe.groups)
     out["reverted"] = not any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules())
     return out
@@ -183,6 +209,13 @@ def test_batchnorm_resnet_save_resume_across_stage_and_dp_like_ddp(tmp_path: Pat
     for r in saved_ranks:
         sync = r["sync_batchnorm"]
         assert sync["same_group"] and sync["reverted"], sync
+        assert (
+            "SyncBatchNorm trains on GPUs only" in sync["zero2_refused"]
+            and "sync_batchnorm" in sync["zero2_refused"]
+        )
+        assert "SyncBatchNorm trains on GPUs only" in sync["fabric_zero2_refused"], sync
+        for strategy in ("ddp", "zero2"):  # refused before any step, the model left as it was
+            assert sync[f"{strategy}_untouched"] and sync[f"{strategy}_plain"], sync
     ref = saved["ddp"]
     # every rank's own buffers as DDP leaves them (rank 0's broadcast at the first forward of each
     # window, then the rank's own updates): a rank that never synced, or synced at other times, differs

@@ -55,6 +55,7 @@ from typing_extensions import override
 from lightning_par.batch_agreement import BatchAgreement
 from lightning_par.build import ZeroOptions, build_engine
 from lightning_par.data_reduce import MetricSync
+from lightning_par.device_checks import refuse_sync_batchnorm_on_cpu
 from lightning_par.fabric.optimizers import FabricOptimizers
 from lightning_par.fabric.pipeline import FabricPipeline, build_fabric_pipeline, refuse_direct_call
 from lightning_par.fabric.session import FabricSession
@@ -323,6 +324,12 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
                 " checkpoints follow that module); wrap several networks in one nn.Module. To evaluate a"
                 " saved checkpoint, fabric.load it into the model already set up." + after
             )
+        refuse_sync_batchnorm_on_cpu(  # as Fabric's "ddp", whose DDP wrapper refuses them at setup
+            module,
+            device=self.root_device,
+            converting=False,
+            fix="leave the BatchNorm layers unconverted on CPU.",
+        )
         self.module_to_device(module)
         # the model-changing steps (tensor parallel, pipeline split, activation checkpointing), once per
         # model, as the Trainer strategy applies them
