@@ -169,6 +169,7 @@ class GradSync(GradBuckets):
         self._relayout_listeners: list[Callable[[], None]] = []
         self._attachers: list[Callable[[], None]] = []
         self._sync_listeners: list[Callable[[], None]] = []
+        self._grad_listeners: list[Callable[[], None]] = []
         # Free communication buffers, keyed by capacity (a full bucket, or one rank's slice of it). Every
         # pooled buffer has the largest bucket's size, so the pool never holds more buffers than were
         # in flight at once, whatever the mix of bucket sizes.
@@ -214,6 +215,8 @@ class GradSync(GradBuckets):
             Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _on_grad_ready(self, param: Tensor) -> None:
+        for listener in self._grad_listeners:  # cheap after the pass's first gradient (see on_gradient)
+            listener()
         slot = self._slot_of[id(param)]
         self._queue_finalize()
         if self._ready_in_backward[slot]:
@@ -406,6 +409,12 @@ class GradSync(GradBuckets):
     def on_relayout(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` after the layout (parameter order) changes."""
         self._relayout_listeners.append(listener)
+
+    def on_gradient(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` as each parameter's gradient arrives, before it is folded or reduced, in any
+        backward pass: the one the strategy runs and one user code starts itself (``loss.backward()`` in
+        manual optimization, ``torch.autograd.backward(params, grads)``)."""
+        self._grad_listeners.append(listener)
 
     def on_reduced(self, attach: Callable[[], None]) -> None:
         """Call ``attach()`` when a window's gradients are reduced, before any :meth:`on_synchronized`

@@ -30,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_par.collectives import all_gather_flat
 from lightning_par.zero.grad_sync import GradSync
+from lightning_par.zero.grad_writes import refuse_written_grads
 from lightning_par.zero.layout import FlatLayout, Fragment
 from lightning_par.zero.optimizer_rebuild import (
     inherit_param_attrs,
@@ -74,6 +75,10 @@ class ShardedOptimizer:
         self._window_params: set[int] = set()  # ids of the parameters with gradients in this window
         sync.on_relayout(self._relayout)
         sync.on_reduced(self._attach_grads)
+        # a backward after an update starts a new window, whoever started it: the front doors open it
+        # before their backward; a pass user code starts itself (loss.backward() in manual optimization)
+        # would otherwise add its reduced gradients to the stepped window's
+        sync.on_gradient(self.open_window)
         self._relayout()
         # the compute parameters equal the masters (cast) but for the user's writes since the last
         # refresh; False between an update of the masters and the refresh that follows it
@@ -223,7 +228,9 @@ class ShardedOptimizer:
             self._grad_copy.mul_(factor)
 
     def _before_update(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        """torch's step pre-hook of every rebuilt optimizer: the masters take the user's writes first."""
+        """torch's step pre-hook of every rebuilt optimizer: gradients written into ``param.grad`` are
+        refused (:mod:`lightning_par.zero.grad_writes`); the masters take the user's writes first."""
+        refuse_written_grads(self.sync.params, names=self._names, engine_buffer=self.sync.buffer)
         self.absorb_param_writes()
         self._params_current = False
 

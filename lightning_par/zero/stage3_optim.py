@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from lightning_par.zero.grad_writes import refuse_written_grads
 from lightning_par.zero.optimizer_rebuild import (
     inherit_param_attrs,
     optimizer_group_params,
@@ -77,8 +78,13 @@ class Stage3Optim(Stage3State):
         for opt, groups in zip(self.optimizers, self._group_params, strict=True):
             # its guards (groups added later, torch's state dicts) go with the engine's other hooks
             self._handles += rebuild_optimizer(opt, groups, masters, names=ids)
-            # writes to parameters gathered now (a root kept through a manual-optimization step) first
-            self._handles.append(opt.register_step_pre_hook(lambda *_: self.absorb_gathered_writes()))
+            # gradients written into param.grad refused; writes to parameters gathered now (a root kept
+            # through a manual-optimization step) first
+            self._handles.append(opt.register_step_pre_hook(lambda *_: self._before_update(trainable, ids)))
+
+    def _before_update(self, trainable: list[nn.Parameter], names: dict[int, str]) -> None:
+        refuse_written_grads(trainable, names=names)
+        self.absorb_gathered_writes()
 
     def _attach_grads(self) -> None:
         """Point each master fragment's ``.grad`` at its slice of its unit's gradient shard, or of one

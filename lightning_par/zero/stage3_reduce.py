@@ -76,6 +76,7 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
     _pool: dict[int, list[Tensor]]
     _touched: dict[int, bool]
     _sync_listeners: list[Callable[[], None]]
+    open_window: Callable[[], None]  # the engine's (Stage3Engine.open_window)
     _pass_grads: bool = False  # a parameter got a gradient in the running backward pass
     _graph_hold: bool = False  # a pass built a graph over the gathered weights: no unit is freed
 
@@ -148,6 +149,8 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
             Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _on_grad(self, param: Tensor) -> None:
+        # a backward after an update starts a new window, whoever started it (see ShardedOptimizer)
+        self.open_window()
         self._queue_callback()
         self._pass_grads = True
         unit, slot = self._unit_of[id(param)]

@@ -1,0 +1,151 @@
+"""Gradients that reach the optimizer other than through the strategy's backward, in manual optimization.
+
+* ``loss.backward()`` instead of ``self.manual_backward(loss)``, and a backward started at the parameters
+  themselves (``torch.autograd.backward(params, grad_tensors=grads)``, the form DP-SGD's clipped
+  per-sample gradients take): the next window opens at the pass's first gradient, so each step applies its
+  own window. Before, ZeRO 1-3 added the reduced gradients of every earlier step (weights 0.09-0.3 away
+  from ``"ddp"`` after three SGD steps, silently). The reference is ``"ddp"`` with ``manual_backward``, the
+  gradient averaged over the ranks (Lightning's ``"ddp"`` itself does not synchronise a raw
+  ``loss.backward()`` in manual optimization).
+* ``p.grad = g`` written by hand: stage 0 steps with it as ``"ddp"`` does; ZeRO 1-3, whose optimizer steps
+  the engine's reduced shards, refuse it before the update (before, ignored without a word), in the
+  Trainer and in a Fabric loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric import Fabric
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
+from tests.distributed import run_distributed
+from tests.fits import cpu_trainer
+
+WRITTEN = "were written into param.grad, which the optimizer does not read at ZeRO stages 1-3"
+
+
+class Manual(pl.LightningModule):
+    """Three SGD steps of ``mean(net(x)^2)``; ``mode`` says how the gradient reaches the optimizer."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.mode = mode
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        opt = self.optimizers()
+        assert isinstance(opt, pl.core.optimizer.LightningOptimizer)
+        loss = self.net(batch[0]).pow(2).mean()
+        opt.zero_grad()
+        if self.mode == "no_backward":  # a step whose loss was skipped (at ZeRO 1/2 the forward pointed
+            pass  # param.grad at the engine's buffer: its own views are not written gradients)
+        elif self.mode == "manual_backward":
+            self.manual_backward(loss)
+        elif self.mode == "raw":
+            loss.backward()
+        else:  # the gradient made by hand, averaged over the ranks as DDP would
+            params = list(self.parameters())
+            grads = [g.clone() for g in torch.autograd.grad(loss, params)]
+            for g in grads:
+                torch.distributed.all_reduce(g)
+                g /= torch.distributed.get_world_size()
+            if self.mode == "leaf_backward":
+                torch.autograd.backward(params, grad_tensors=grads)
+            else:
+                for p, g in zip(params, grads, strict=True):
+                    p.grad = g
+        opt.step()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _data() -> DataLoader[Any]:
+    return DataLoader(
+        TensorDataset(torch.randn(24, 4, generator=torch.Generator().manual_seed(1))), batch_size=3
+    )
+
+
+def _fit(strategy: str, mode: str, world: int) -> dict[str, Tensor] | str:
+    module = Manual(mode)
+    trainer = cpu_trainer(strategy, devices=world, max_steps=3)
+    try:
+        trainer.fit(module, _data())
+    except RuntimeError as err:
+        if WRITTEN not in str(err):
+            raise
+        return str(err)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+RUNS = [
+    ("ddp", "manual_backward"),
+    ("ddp", "write"),
+    ("zero0", "raw"),
+    ("zero1", "raw"),
+    ("zero2", "raw"),
+    ("zero3", "raw"),
+    ("zero2", "leaf_backward"),
+    ("zero3", "leaf_backward"),
+    ("zero0", "write"),
+    ("zero1", "write"),
+    ("zero3", "write"),
+    ("ddp", "no_backward"),
+    ("zero1", "no_backward"),
+]
+
+
+def _job(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {f"{s}/{m}": _fit(s, m, world) for s, m in RUNS}
+    # a Fabric loop at ZeRO-2 that writes param.grad: refused at optimizer.step(), nothing updated
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=FabricStrategy(zero_stage=2))
+    fabric.launch()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=WRITTEN):
+        opt.step()
+    out["fabric_untouched"] = all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    return out
+
+
+def test_gradients_from_user_backwards_and_writes_in_manual_optimization() -> None:
+    for rank, out in enumerate(run_distributed(_job, 2, init_group=False, timeout=600)):
+        ref = out["ddp/manual_backward"]
+        assert isinstance(ref, dict)
+        # the written gradient is the loss's gradient averaged over the ranks: ddp steps with it alike
+        for key in ("ddp/write", "zero0/raw", "zero1/raw", "zero2/raw", "zero3/raw"):
+            got = out[key]
+            assert isinstance(got, dict), (rank, key, got)
+            for name, value in ref.items():
+                torch.testing.assert_close(got[name], value, msg=f"rank {rank} {key}: {name}")
+        for key in ("zero2/leaf_backward", "zero3/leaf_backward", "zero0/write"):
+            got = out[key]
+            assert isinstance(got, dict), (rank, key, got)
+            for name, value in out["ddp/write"].items():
+                torch.testing.assert_close(got[name], value, msg=f"rank {rank} {key}: {name}")
+        got, initial = out["zero1/no_backward"], Manual("no_backward").state_dict()
+        assert isinstance(got, dict), got
+        for name, value in out["ddp/no_backward"].items():
+            torch.testing.assert_close(value, initial[name], rtol=0, atol=0)  # no gradient, no update
+            torch.testing.assert_close(got[name], value, rtol=0, atol=0)
+        for key in ("zero1/write", "zero3/write"):
+            message = out[key]
+            assert (
+                isinstance(message, str)
+                and "'net.0.bias', 'net.0.weight', 'net.2.bias' and 1 more" in message
+                and "zero_stage=0" in message
+            ), message
+        assert out["fabric_untouched"]
