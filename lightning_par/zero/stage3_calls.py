@@ -27,6 +27,14 @@ a torch function mode (:meth:`CrossUnitGuard.reads`) also looks at the arguments
 and tensor method: a parameter of a non-root unit that is not gathered, outside its unit's forward, is
 refused the same way, as is code outside any forward that reads such a parameter (a weight penalty in
 ``training_step``: before, NaN). Metadata (shapes, ``.data``, ``.grad``, data pointers) is not a read.
+
+A torch function mode on the stack makes ``torch.overrides.has_torch_function`` true for every tensor, so
+torch's own transformer modules (``nn.TransformerEncoder``, ``nn.TransformerEncoderLayer``,
+``nn.MultiheadAttention``) leave their inference fast paths while it is entered: the first evaluation
+batch of each loop gave other outputs than ``"ddp"`` (a padded encoder's nested-tensor path returns zeros
+at the padding; without it, 2.6 there). Their forwards run with the mode left (:func:`fast_path_modules`)
+where every parameter they read is gathered whenever they run: no unit's module lies inside them, but
+for an encoder's own layers, which it calls (and so gathers), with no unit inside those.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_par.owned_hooks import for_owner
-from lightning_par.torch_modes import CheckedCalls
+from lightning_par.torch_modes import CheckedCalls, leave_mode
 from lightning_par.zero.unit import Unit
 
 __all__ = ["NOT_READS", "CrossUnitGuard", "param_owners", "params_read"]
@@ -99,6 +107,9 @@ class CrossUnitGuard:
         # id(parameter) -> (non-root unit, name)
         self._owners = {k: owner for k, owner in param_owners(units).items() if owner[0] is not root}
         self._entered: set[Unit] = set()  # units whose forward has started
+        self._mode: CheckedCalls | None = None  # the reads mode of the running step
+        self._fast_depth = 0  # fast-path module forwards running (module docstring)
+        self._left = False  # the mode was left for them
         eager = torch.compiler.disable  # Python state a compiled graph would not replay
         for unit in units:
             if unit is root:
@@ -115,6 +126,24 @@ class CrossUnitGuard:
                     where = f"{unit.name}.{name}" if unit.name else name
                     hook = eager(for_owner(m, partial(self._check, unit, where)))
                     self._handles.append(m.register_forward_pre_hook(hook))
+        for m in fast_path_modules(units, root):
+            self._handles.append(m.register_forward_pre_hook(eager(for_owner(m, self._leave_reads))))
+            self._handles.append(
+                m.register_forward_hook(eager(for_owner(m, self._enter_reads)), always_call=True)
+            )
+
+    def _leave_reads(self, module: nn.Module, args: Any) -> None:
+        self._fast_depth += 1
+        if self._fast_depth == 1 and self._mode is not None and _on_stack(self._mode):
+            leave_mode(self._mode)
+            self._left = True
+
+    def _enter_reads(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._fast_depth -= 1
+        if self._fast_depth == 0 and self._left:
+            self._left = False
+            assert self._mode is not None
+            self._mode.__enter__()
 
     def _enter(self, unit: Unit, module: nn.Module, args: Any) -> None:
         self._running.append(unit)
@@ -140,7 +169,8 @@ class CrossUnitGuard:
     def reads(self) -> TorchFunctionMode:
         """The mode that refuses reads of a sharded unit's parameters (module docstring); entered by the
         engine around its first step."""
-        return CheckedCalls(self._check_read)
+        self._mode = CheckedCalls(self._check_read)
+        return self._mode
 
     def _check_read(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         for unit, name in params_read(func, args, kwargs, self._owners):
@@ -173,6 +203,42 @@ class CrossUnitGuard:
             handle.remove()
         self._handles = []
         self._running = []  # (the reads mode, if still entered, keeps _entered until the step ends)
+
+
+# torch modules whose forward has an inference fast path that a torch function mode on the stack disables
+FAST_PATH_MODULES = (nn.TransformerEncoder, nn.TransformerEncoderLayer, nn.MultiheadAttention)
+
+
+def fast_path_modules(units: Sequence[Unit], root: Unit | None) -> list[nn.Module]:
+    """The fast-path modules (:data:`FAST_PATH_MODULES`) whose forward reads only parameters gathered
+    while it runs: no non-root unit's module lies strictly inside them, except an encoder's own layers
+    (it calls them), with none inside those. The outermost such modules only: the mode stays left for
+    everything they run."""
+    unit_modules = {id(u.module) for u in units if u is not root}
+
+    def units_inside(module: nn.Module) -> list[nn.Module]:
+        return [m for m in module.modules() if m is not module and id(m) in unit_modules]
+
+    def fits(module: nn.Module) -> bool:
+        allowed = (
+            {id(layer) for layer in module.layers} if isinstance(module, nn.TransformerEncoder) else set()
+        )
+        inside = units_inside(module)
+        return all(id(m) in allowed and not units_inside(m) for m in inside)
+
+    chosen: list[nn.Module] = []
+    for unit in units:
+        for m in unit.module.modules():
+            if isinstance(m, FAST_PATH_MODULES) and fits(m) and all(m is not c for c in chosen):
+                chosen.append(m)
+    # only the outermost ones: a layer inside a chosen encoder runs with the mode already left
+    inner = {id(c) for m in chosen for c in m.modules() if c is not m}
+    return [m for m in chosen if id(m) not in inner]
+
+
+def _on_stack(mode: TorchFunctionMode) -> bool:
+    stack = [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+    return any(m is mode for m in stack)
 
 
 def param_owners(units: Sequence[Unit]) -> dict[int, tuple[Unit, str]]:
