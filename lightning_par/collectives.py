@@ -49,3 +49,12 @@ def low_precision_mean(
         return dist.all_reduce(send, group=group, async_op=True), send
     out = torch.empty(flat.numel() // world, dtype=dtype, device=flat.device)
     return reduce_scatter_flat(out, send, group=group, async_op=True), out
+
+
+def comm_device(group: ProcessGroup | None) -> torch.device:
+    """Where tensors for collectives on ``group`` live when nothing else says: this process's CUDA device
+    under NCCL (which moves CUDA tensors only; a CPU tensor on one rank and CUDA on another would go to
+    different backends of a ``"cpu:gloo,cuda:nccl"`` group and never meet), else the CPU."""
+    if group is not None and dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

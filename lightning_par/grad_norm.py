@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_par.collectives import comm_device
+
 
 def group_size(group: ProcessGroup | None) -> int:
     """The ranks of ``group``; ``None`` is the default group, of 1 rank where none was initialised (the
@@ -69,12 +71,13 @@ def global_grad_norm(
 ) -> Tensor:
     """The p-norm of all gradient elements held by the ranks of ``groups`` (see the module docstring), a
     ``dtype`` scalar on ``device`` (the communication device; default: the first gradient's, else the
-    CPU)."""
+    first group's communication device, :func:`~lightning_par.collectives.comm_device`: a rank without
+    gradients must reduce where the others do)."""
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}.")
     if device is None:
         first = next((g for g in (*grads, *(t for ts, _ in replicated for t in ts))), None)
-        device = first.device if first is not None else torch.device("cpu")
+        device = first.device if first is not None else comm_device(groups[0] if groups else None)
     total = _local_sum(grads, norm_type, device, dtype)
     is_inf = math.isinf(norm_type)
     for tensors, group in replicated:

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_par.collectives import comm_device
+
 
 def token_loss_sum(logits: Tensor, targets: Tensor, *, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
     """``(Σ_t l_t, n)``: the summed cross-entropy over valid tokens and their count (targets equal to
@@ -48,7 +50,7 @@ class TokenNormalizer:
 
     def __init__(self, *, group: ProcessGroup | None, device: torch.device | None = None) -> None:
         self.group = group
-        self.device = device if device is not None else torch.device("cpu")
+        self.device = device if device is not None else comm_device(group)  # where the count is reduced
         self._count: Tensor | None = None
         self._host_count = 0  # counts given as Python ints
 

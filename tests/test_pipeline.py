@@ -165,6 +165,13 @@ def test_partition_balances_and_names_impossible_cuts() -> None:
     assert costs[0] == 64 * 32 + 16 * 32 and costs[-1] == 2 * 32  # the tied head table counted once
     profiled = layer_costs(model.layers(), "profile", sample=torch.randint(0, 64, (2, 16)))
     assert len(profiled) == 4 and all(c > 0 for c in profiled)
+    # the sample follows the layers to their device and floating dtype (an example_input_array made in
+    # __init__ stays fp32 on the CPU while the strategy moved and cast the model: "bf16-true" failed)
+    layers = [nn.Linear(8, 8).to(torch.bfloat16) for _ in range(2)]
+    seen: list[torch.dtype] = []
+    layers[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0].dtype))
+    assert len(layer_costs(layers, "profile", sample=torch.randn(4, 8))) == 2
+    assert seen == [torch.bfloat16] * 4  # a warm-up run and three timed ones
     with pytest.raises(ValueError, match="Cannot cut 2 layers into 3 pipeline pieces"):
         partition([1, 1], 3)
 

@@ -39,12 +39,17 @@ def broadcast_object(obj: T, *, src: int = 0) -> T:
     return result
 
 
-def all_reduce(values: list[float], *, op: str, device: torch.device) -> list[float]:
-    """Element-wise ``"sum"``, ``"min"`` or ``"max"`` of ``values`` over all ranks (one collective)."""
+def all_reduce(values: list[float] | torch.Tensor, *, op: str, device: torch.device) -> list[float]:
+    """Element-wise ``"sum"``, ``"min"`` or ``"max"`` of ``values`` over all ranks (one collective), read
+    back to the host once. A tensor already on ``device`` is reduced as it is (no host round trip first,
+    which on a GPU would be a second sync)."""
     ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
     if op not in ops:
         raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}.")
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if isinstance(values, torch.Tensor):
+        t = values.to(device=device, dtype=torch.float64).flatten()
+    else:
+        t = torch.tensor(values, dtype=torch.float64, device=device)
     if initialized():
         dist.all_reduce(t, op=ops[op])
-    return [float(v) for v in t.cpu()]
+    return [float(v) for v in t.tolist()]

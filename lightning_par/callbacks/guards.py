@@ -3,7 +3,8 @@ rolled back).
 
 ``StragglerDetector`` times each rank's *forward* (batch start to backward: no collectives there under
 data parallelism and ZeRO 0-2, so it measures the rank's own speed; a whole step is equalised by the
-gradient collectives) and its whole step. Every ``every_n_steps`` steps one gather brings all ranks'
+gradient collectives) and its whole step, on the host clock, or on a GPU with CUDA events read at each
+check (the host only launches the kernels). Every ``every_n_steps`` steps one gather brings all ranks'
 means to every rank, and ranks slower than ``slow_factor`` x the median are logged with host and figure.
 
 ``LossGuard`` keeps every micro-batch's loss and judges them before the optimizer step with *one*
@@ -63,25 +64,47 @@ class StragglerDetector(Callback):
         self._reset()
 
     def _reset(self) -> None:
-        self._forward = 0.0
-        self._step = 0.0
-        self._count = 0
-        self._start = 0.0
+        # (start, end) marks of each forward and each step since the last check: host clock readings,
+        # or on a GPU events on the current stream, read only at the check (one wait per check)
+        self._forwards: list[tuple[Any, Any]] = []
+        self._steps: list[tuple[Any, Any]] = []
+        self._start: Any = 0.0
         self._last_check = -1
+
+    @staticmethod
+    def _mark(trainer: pl.Trainer) -> Any:
+        """Now, on the clock the rank's work runs on: a GPU runs its kernels after the host has launched
+        them, so a host clock there would time the launches, not the device's forward (a throttled GPU
+        would not show)."""
+        if trainer.strategy.root_device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def _seconds(marks: list[tuple[Any, Any]]) -> float:
+        total = 0.0
+        for start, end in marks:
+            if isinstance(end, float):
+                total += end - start
+            else:
+                end.synchronize()  # done already but for the last one: the check's one wait
+                total += start.elapsed_time(end) / 1000.0
+        return total
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._start = time.perf_counter()
+        self._start = self._mark(trainer)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        self._forward += time.perf_counter() - self._start
+        self._forwards.append((self._start, self._mark(trainer)))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._step += time.perf_counter() - self._start
-        self._count += 1
+        self._steps.append((self._start, self._mark(trainer)))
         step = trainer.global_step
         if (
             trainer.fit_loop.epoch_loop._should_accumulate()
@@ -91,8 +114,9 @@ class StragglerDetector(Callback):
             return
         last = self._last_check
         self._last_check = step
-        mine = (self._forward / self._count, self._step / self._count, _dist.HOST)
-        self._forward, self._step, self._count = 0.0, 0.0, 0
+        count = len(self._steps)
+        mine = (self._seconds(self._forwards) / count, self._seconds(self._steps) / count, _dist.HOST)
+        self._forwards, self._steps = [], []
         if last < 0:
             return  # the first window includes start-up costs: measure from here on
         ranks: list[dict[str, Any]] = [
@@ -195,7 +219,7 @@ class LossGuard(Callback):
         self._pending = []
         finite = torch.isfinite(losses)
         local = torch.cat([torch.where(finite, losses, torch.zeros_like(losses)), (~finite).double()])
-        totals = _dist.all_reduce(local.tolist(), op="sum", device=trainer.strategy.root_device)
+        totals = _dist.all_reduce(local, op="sum", device=trainer.strategy.root_device)  # the one host read
         k = len(losses)
         # Lightning hands backward the loss divided by the accumulation steps: judge the micro-batch's own
         scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1

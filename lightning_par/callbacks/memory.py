@@ -219,5 +219,6 @@ def _pin(buffer: Tensor) -> bool:
     """Register the buffer with CUDA so device-to-host copies into it run at pinned speed."""
     if not torch.cuda.is_available() or buffer.numel() == 0:
         return False
-    result = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    portable = 1  # cudaHostRegisterPortable: pinned for every CUDA context, whichever thread registers it
+    result = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), portable)
     return int(result) == 0 if not isinstance(result, tuple) else int(result[0]) == 0

@@ -81,7 +81,13 @@ class SnapshotWriter:
         self._mode: SnapshotCopy = copy
         self._pin = device.type == "cuda"  # page-locked buffers for device-to-host copies
         self._cuda_stream: Any = torch.cuda.Stream(device=device) if self._pin else None
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-copy")
+        # the copy thread works on this rank's GPU: a thread starts on device 0 (as torch's pin-memory
+        # thread, it sets its device first), where it would pin the buffers under device 0's context and
+        # make one there for every local rank
+        setup: dict[str, Any] = (
+            {"initializer": torch.cuda.set_device, "initargs": (device,)} if self._pin else {}
+        )
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-copy", **setup)
         self._copy: Future[None] | None = None
         self._prealloc: Future[None] | None = None
         self._stats = stats

@@ -164,19 +164,37 @@ def compute_costs(layers: Sequence[nn.Module]) -> list[float]:
     return costs
 
 
-def profile_costs(layers: Sequence[nn.Module], sample: Tensor, *, repeats: int = 2) -> list[float]:
-    """Forward + backward seconds per layer on ``sample`` (the first layer's input), median of repeats."""
+def profile_costs(layers: Sequence[nn.Module], sample: Tensor, *, repeats: int = 3) -> list[float]:
+    """Forward + backward seconds per layer on ``sample`` (the first layer's input): the median of
+    ``repeats`` runs after one warm-up run (allocations, kernel selection), which is not counted.
+
+    The sample goes to the layers' device first, a floating one in their floating dtype: a Lightning
+    ``example_input_array`` stays where ``__init__`` made it (the CPU), and the strategies move the model
+    before they cut it, so a CUDA model met CPU ids (and a ``"bf16-true"`` one fp32 inputs). On CUDA each
+    timing waits for the device before the clock is read both times: kernels run asynchronously, and a
+    host clock alone would count their launches."""
+    params = [p for layer in layers for p in layer.parameters() if not p.is_meta]
+    device = params[0].device if params else sample.device
+    floating = next((p.dtype for p in params if p.is_floating_point()), None)
+    x = sample.to(device)
+    if x.is_floating_point() and floating is not None:
+        x = x.to(floating)
+    wait = torch.cuda.synchronize if device.type == "cuda" else None
     costs = []
-    x = sample
     for layer in layers:
         times = []
         out = x
-        for _ in range(repeats):
+        for run in range(repeats + 1):
             inp = x.detach().requires_grad_(x.is_floating_point())
+            if wait is not None:
+                wait(device)
             start = time.perf_counter()
             out = layer(inp)
             out.float().sum().backward()
-            times.append(time.perf_counter() - start)
+            if wait is not None:
+                wait(device)
+            if run > 0:  # the first run warms the layer up
+                times.append(time.perf_counter() - start)
         layer.zero_grad(set_to_none=True)
         costs.append(sorted(times)[len(times) // 2])
         x = out.detach()
@@ -196,7 +214,9 @@ def layer_costs(
         return compute_costs(layers)
     if sample is None:
         raise ValueError("partition method 'profile' needs a sample input for the first layer.")
-    with torch.random.fork_rng(devices=[]):
+    # the layers' random draws (dropout) leave the run's generators as they were, the device's too
+    device = next((p.device for layer in layers for p in layer.parameters() if not p.is_meta), sample.device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
         return profile_costs(layers, sample)
 
 

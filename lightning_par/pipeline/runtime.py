@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lightning_par.collectives import comm_device
 from lightning_par.pipeline.mail import (
     HEADER,
     Layout,
@@ -417,6 +418,4 @@ class PipelineRuntime:
 
 def _comm_device(chunks: nn.Module, group: ProcessGroup) -> torch.device:
     # a chunk without real tensors still talks over CUDA under NCCL
-    nccl = "nccl" in str(dist.get_backend(group))
-    fallback = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    return target_device(chunks, default=fallback)
+    return target_device(chunks, default=comm_device(group))
