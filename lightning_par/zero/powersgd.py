@@ -147,6 +147,7 @@ class PowerSGDState:
         self._error: dict[nn.Parameter, Tensor] = {}
         self._q: dict[nn.Parameter, Tensor] = {}  # the last Q of each matrix (views of a plan's q_flat)
         self._random = torch.Generator().manual_seed(seed)
+        self._device_random: dict[torch.device, torch.Generator] = {}  # see _redraw
 
     # ------------------------------------------------------------------ plan
     def bind(self, module: nn.Module) -> None:
@@ -225,7 +226,7 @@ class PowerSGDState:
             works.append(dist.all_reduce(packed, op=dist.ReduceOp.AVG, group=self.group, async_op=True))
         if not self.warm_start:
             for m in plan.matrices:
-                m.q.copy_(torch.randn(m.q.shape, generator=self._random, dtype=torch.float32))
+                self._redraw(m.q)
         for m in plan.matrices:
             matrix = m.grad
             if self.error_feedback:
@@ -266,8 +267,20 @@ class PowerSGDState:
         for error in self._error.values():
             error.zero_()
         for q in self._q.values():
-            q.copy_(torch.randn(q.shape, generator=self._random, dtype=torch.float32))
+            self._redraw(q)
         self.iteration = max(0, self.iteration - 1)
+
+    def _redraw(self, q: Tensor) -> None:
+        """Fill ``q`` with fresh N(0, 1) values, the same on every rank (the ranks draw in step, from
+        generators seeded alike): on the CPU from the seeded host generator, as torch's hook draws; on a
+        GPU from a device generator, since a host draw copied in would wait for the device once per matrix
+        and step."""
+        if q.device.type == "cpu":
+            q.copy_(torch.randn(q.shape, generator=self._random, dtype=torch.float32))
+            return
+        if q.device not in self._device_random:
+            self._device_random[q.device] = torch.Generator(device=q.device).manual_seed(self.seed)
+        q.normal_(generator=self._device_random[q.device])
 
     # ------------------------------------------------------------------ state
     def state_dict(self, names: Mapping[nn.Parameter, str], *, average: bool = False) -> dict[str, Any]:
