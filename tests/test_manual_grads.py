@@ -7,6 +7,9 @@
   from ``"ddp"`` after three SGD steps, silently). The reference is ``"ddp"`` with ``manual_backward``, the
   gradient averaged over the ranks (Lightning's ``"ddp"`` itself does not synchronise a raw
   ``loss.backward()`` in manual optimization).
+* Gradients ``zero_grad()`` dropped between two backwards without a step (a batch skipped after its
+  backward, a backward in ``on_train_batch_end`` for gradient statistics): ZeRO 1-3 added them to the next
+  update (0.03-0.11 off ``"ddp"``); now dropped from the shards at the next pass's first gradient.
 * ``p.grad = g`` written by hand: stage 0 steps with it as ``"ddp"`` does; ZeRO 1-3, whose optimizer steps
   the engine's reduced shards, refuse it before the update (before, ignored without a word), in the
   Trainer and in a Fabric loop.
@@ -49,6 +52,15 @@ class Manual(pl.LightningModule):
             pass  # param.grad at the engine's buffer: its own views are not written gradients)
         elif self.mode == "manual_backward":
             self.manual_backward(loss)
+        elif self.mode == "zero_between":  # a backward dropped by zero_grad(), then the one that steps
+            self.manual_backward(self.net(batch[0]).sum())
+            opt.zero_grad()
+            self.manual_backward(loss)
+        elif self.mode == "skip_batch":  # a batch judged bad after its backward: zeroed, not stepped
+            self.manual_backward(loss)
+            if batch_idx == 1:
+                opt.zero_grad()
+                return
         elif self.mode == "raw":
             loss.backward()
         else:  # the gradient made by hand, averaged over the ranks as DDP would
@@ -68,6 +80,28 @@ class Manual(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class StrayBackward(pl.LightningModule):
+    """Automatic optimization with a backward outside the training step after each step (gradient
+    statistics read in ``on_train_batch_end``), dropped with ``zero_grad()`` as DDP users do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def on_train_batch_end(self, outputs: Any, batch: list[Tensor], batch_idx: int) -> None:
+        self.net(batch[0]).sum().backward()
+        self.zero_grad()
+        for opt in self.trainer.optimizers:
+            opt.zero_grad()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 def _data() -> DataLoader[Any]:
     return DataLoader(
         TensorDataset(torch.randn(24, 4, generator=torch.Generator().manual_seed(1))), batch_size=3
@@ -75,7 +109,7 @@ def _data() -> DataLoader[Any]:
 
 
 def _fit(strategy: str, mode: str, world: int) -> dict[str, Tensor] | str:
-    module = Manual(mode)
+    module: pl.LightningModule = StrayBackward() if mode == "stray_backward" else Manual(mode)
     trainer = cpu_trainer(strategy, devices=world, max_steps=3)
     try:
         trainer.fit(module, _data())
@@ -100,6 +134,17 @@ RUNS = [
     ("zero3", "write"),
     ("ddp", "no_backward"),
     ("zero1", "no_backward"),
+]
+# gradients zero_grad() dropped between backwards, without a step: each against "ddp" in the same mode
+DROPPED = [
+    ("zero_between", "zero1"),
+    ("zero_between", "zero3"),
+    ("skip_batch", "zero2"),
+    ("stray_backward", "zero1"),
+    ("stray_backward", "zero3"),
+]
+RUNS += [("ddp", mode) for mode in ("zero_between", "skip_batch", "stray_backward")] + [
+    (s, m) for m, s in DROPPED
 ]
 
 
@@ -136,6 +181,11 @@ def test_gradients_from_user_backwards_and_writes_in_manual_optimization() -> No
             assert isinstance(got, dict), (rank, key, got)
             for name, value in out["ddp/write"].items():
                 torch.testing.assert_close(got[name], value, msg=f"rank {rank} {key}: {name}")
+        for mode, strategy in DROPPED:
+            got, want = out[f"{strategy}/{mode}"], out[f"ddp/{mode}"]
+            assert isinstance(got, dict) and isinstance(want, dict), (got, want)
+            for name, value in want.items():
+                torch.testing.assert_close(got[name], value, msg=f"rank {rank} {strategy}/{mode}: {name}")
         got, initial = out["zero1/no_backward"], Manual("no_backward").state_dict()
         assert isinstance(got, dict), got
         for name, value in out["ddp/no_backward"].items():

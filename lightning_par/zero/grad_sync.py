@@ -169,7 +169,8 @@ class GradSync(GradBuckets):
         self._relayout_listeners: list[Callable[[], None]] = []
         self._attachers: list[Callable[[], None]] = []
         self._sync_listeners: list[Callable[[], None]] = []
-        self._grad_listeners: list[Callable[[], None]] = []
+        self._pass_listeners: list[Callable[[], None]] = []
+        self._pass_started = False  # a gradient of the running backward pass has arrived
         # Free communication buffers, keyed by capacity (a full bucket, or one rank's slice of it). Every
         # pooled buffer has the largest bucket's size, so the pool never holds more buffers than were
         # in flight at once, whatever the mix of bucket sizes.
@@ -215,8 +216,10 @@ class GradSync(GradBuckets):
             Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _on_grad_ready(self, param: Tensor) -> None:
-        for listener in self._grad_listeners:  # cheap after the pass's first gradient (see on_gradient)
-            listener()
+        if not self._pass_started:  # the pass's first gradient (see on_pass_start)
+            self._pass_started = True
+            for listener in self._pass_listeners:
+                listener()
         slot = self._slot_of[id(param)]
         self._queue_finalize()
         if self._ready_in_backward[slot]:
@@ -263,6 +266,7 @@ class GradSync(GradBuckets):
                 self._finish_window(missing)
         finally:
             self._reset_backward_state()
+            self._pass_started = False
 
     def flush(self) -> None:
         """End the accumulation window now, outside any backward pass: reduce what the window's backwards
@@ -410,11 +414,12 @@ class GradSync(GradBuckets):
         """Call ``listener()`` after the layout (parameter order) changes."""
         self._relayout_listeners.append(listener)
 
-    def on_gradient(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` as each parameter's gradient arrives, before it is folded or reduced, in any
-        backward pass: the one the strategy runs and one user code starts itself (``loss.backward()`` in
-        manual optimization, ``torch.autograd.backward(params, grads)``)."""
-        self._grad_listeners.append(listener)
+    def on_pass_start(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` when the first gradient of a backward pass arrives, before anything of the
+        pass is folded or reduced, in any pass: the one the strategy runs and one user code starts itself
+        (``loss.backward()`` in manual optimization or a callback, ``torch.autograd.backward(params,
+        grads)``, a validation step's backward)."""
+        self._pass_listeners.append(listener)
 
     def on_reduced(self, attach: Callable[[], None]) -> None:
         """Call ``attach()`` when a window's gradients are reduced, before any :meth:`on_synchronized`

@@ -75,10 +75,7 @@ class ShardedOptimizer:
         self._window_params: set[int] = set()  # ids of the parameters with gradients in this window
         sync.on_relayout(self._relayout)
         sync.on_reduced(self._attach_grads)
-        # a backward after an update starts a new window, whoever started it: the front doors open it
-        # before their backward; a pass user code starts itself (loss.backward() in manual optimization)
-        # would otherwise add its reduced gradients to the stepped window's
-        sync.on_gradient(self.open_window)
+        sync.on_pass_start(self._before_pass)
         self._relayout()
         # the compute parameters equal the masters (cast) but for the user's writes since the last
         # refresh; False between an update of the masters and the refresh that follows it
@@ -273,6 +270,28 @@ class ShardedOptimizer:
             self.open_window()
 
     _window_done = False  # an update has used this window's gradients
+
+    def _before_pass(self) -> None:
+        """The first gradient of a backward pass, whoever started it (the front doors open the window
+        before their own backward; a pass user code starts, ``loss.backward()`` in manual optimization or
+        a callback, added its reduced gradients to the stepped window's): after an update the window
+        opens (:meth:`open_window`); otherwise the gradients ``zero_grad()`` dropped since they were
+        attached leave the shard. Before, a backward, ``zero_grad()``, another backward and a step (a
+        skipped batch, a backward in a callback or a validation step between steps) stepped with both
+        backwards' gradients, where DDP steps with the last one's."""
+        if self._window_done:
+            self.open_window()
+            return
+        params = self.sync.params
+        grad_shard = self.sync.grad_shard
+        assert grad_shard is not None
+        zeroed: set[int] = set()
+        with torch.no_grad():
+            for (master, _, slot), f in zip(self._master_slots, self.fragments, strict=True):
+                if master.grad is None and id(params[slot]) in self._window_params:
+                    grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
+                    zeroed.add(id(params[slot]))
+        self._window_params -= zeroed
 
     def open_window(self) -> None:
         """After an update: drop the window's gradients (the masters' and the reduced gradient shard);

@@ -264,6 +264,8 @@ class Stage3Engine(Stage3Hooks):
         if self.root is not None:
             self._pre_forward(self.root)
         self._in_step += 1
+        if self._guard_through_backward:  # the first training step had no backward
+            self._end_guard()
         guard = self._cross_guard  # the first step: reads of sharded parameters are watched too
         reads = mode_entered(guard.reads() if guard is not None else None)
         training = torch.is_grad_enabled()
@@ -277,7 +279,7 @@ class Stage3Engine(Stage3Hooks):
             # the guard watches until the first training step has ended (a fit's sanity-check validation
             # runs first, and code of training_step alone would go unwatched), or one step when evaluating
             if guard is not None and (training or not self.optimizers):
-                self._end_guard()
+                self._end_guard_after(training=training)
                 if training and self._between is not None:  # until the next step: hooks, callbacks
                     self._between.start()
             if not training:  # an evaluation step's create_graph pass has no backward to come
@@ -305,6 +307,23 @@ class Stage3Engine(Stage3Hooks):
             self._wait(self.root)
 
     _window_done = False  # an update has used this window's gradients
+
+    def _before_pass(self) -> None:
+        """The first gradient of a backward pass: after an update the window opens; otherwise the
+        gradients ``zero_grad()`` dropped since they were attached leave the units' shards (see
+        ``ShardedOptimizer._before_pass`` in :mod:`lightning_par.zero.sharded_optimizer`)."""
+        if self._window_done:
+            self.open_window()
+            return
+        zeroed: set[int] = set()
+        with torch.no_grad():
+            for unit, f, master in self._masters:
+                param = id(unit.params[f.slot])
+                if master.grad is None and param in self._window_params:
+                    assert unit.grad_shard is not None
+                    unit.grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
+                    zeroed.add(param)
+        self._window_params -= zeroed
 
     def open_window(self) -> None:
         """After an update: drop the window's gradients (the masters' and every unit's gradient shard);

@@ -14,10 +14,12 @@ During the engine's first forward (train or eval), a forward pre-hook sits on ev
 non-root unit's parameters directly (the unit's own module excluded: calling it gathers the unit), and
 the units' forwards are tracked as they run. A call while its unit's forward is not running and its
 parameters are not gathered raises ``RuntimeError`` naming the module, its unit and the calling unit,
-with the fix. The guard is removed when the engine's first training step ends (a fit's sanity-check
-validation steps come before it; an engine that only evaluates: its first step; Fabric, outside the
-Trainer's steps: when the root's first forward ends), so later steps pay nothing; a call that appears
-only in a later step is not caught. The root unit needs no guard: it is gathered for the whole
+with the fix. The guard is removed when the engine's first training step's backward ends (a fit's
+sanity-check validation steps come before it; an engine that only evaluates: its first step; Fabric,
+outside the Trainer's steps: the backward of the root's first forward), so later steps pay nothing; a call
+that appears only in a later step is not caught. In backward the call checks catch a custom autograd
+Function that recomputes part of a unit by calling its submodules (reversible layers): the unit is
+sharded there, and the run trained to NaN. The root unit needs no guard: it is gathered for the whole
 step, and outside a step its modules borrow it (``Stage3Engine._borrow_root``).
 
 A unit's parameters may also be *read* without their module being called: ``nn.MultiheadAttention``
@@ -50,6 +52,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_par.owned_hooks import for_owner
 from lightning_par.torch_modes import CheckedCalls, leave_mode
+from lightning_par.zero.autograd_state import in_backward
 from lightning_par.zero.unit import Unit
 
 __all__ = ["NOT_READS", "CrossUnitGuard", "param_owners", "params_read"]
@@ -156,6 +159,15 @@ class CrossUnitGuard:
     def _check(self, unit: Unit, name: str, module: nn.Module, args: Any) -> None:
         if unit in self._running or unit.state == "gathered":
             return
+        if in_backward():
+            raise RuntimeError(
+                f"ZeRO-3: {name!r}, a module of unit {unit.name!r}, was called in a backward pass outside"
+                " that unit's forward and backward, where its parameters are NaN placeholders: a custom"
+                " autograd Function recomputing part of a layer in its backward (reversible layers, as"
+                " Reformer's and RevNets') calls it. Make every module such a backward calls a unit of its"
+                f" own: zero3_units=[...] naming their classes ({type(module).__name__!r} here, and its"
+                " siblings the backward calls), or use zero_stage 0-2."
+            )
         caller = f" from the forward of unit {self._running[-1].name!r}" if self._running else ""
         raise RuntimeError(
             f"ZeRO-3: {name!r}, a module of unit {unit.name!r}, was called{caller} outside that unit's"

@@ -173,8 +173,8 @@ class Stage3Hooks(Stage3Reduce, ReadWindows):
         if unit is self.root:
             if self._order:
                 self._recording = False  # the first full forward has been seen
-                if not self._in_step:  # outside the Trainer's steps (Fabric): the guard ends with it
-                    self._end_guard()
+                if not self._in_step:  # outside the Trainer's steps (Fabric): the guard ends with it,
+                    self._end_guard_after(training=torch.is_grad_enabled())  # or with its backward
             if not torch.is_grad_enabled():
                 self._free(unit)
             return output
@@ -193,8 +193,19 @@ class Stage3Hooks(Stage3Reduce, ReadWindows):
                 self._gather(previous)
 
     def _end_guard(self) -> None:
-        """The cross-unit guard's end: the first training step's (:meth:`forward_context`), or, outside
-        the Trainer's steps, the root's first forward's."""
+        """The cross-unit guard's end: after the first training step's backward, the first evaluation
+        step (:meth:`forward_context`), or, outside the Trainer's steps, the root's first forward."""
+        self._guard_through_backward = False
         if self._cross_guard is not None:
             self._cross_guard.remove()
             self._cross_guard = None
+
+    def _end_guard_after(self, *, training: bool) -> None:
+        """The first forward is over. After a training one its call checks stay for the backward that
+        follows and end with it (``_finalize_backward``; at the next step if none comes): a custom
+        autograd Function calling a unit's submodules in its backward (reversible layers: Reformer,
+        RevNets) computed with NaN placeholders there, and trained to NaN without a word."""
+        if training:
+            self._guard_through_backward = True
+        else:
+            self._end_guard()

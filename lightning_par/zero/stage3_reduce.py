@@ -76,7 +76,9 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
     _pool: dict[int, list[Tensor]]
     _touched: dict[int, bool]
     _sync_listeners: list[Callable[[], None]]
-    open_window: Callable[[], None]  # the engine's (Stage3Engine.open_window)
+    _before_pass: Callable[[], None]  # the engine's (Stage3Engine._before_pass)
+    _end_guard: Callable[[], None]  # Stage3Hooks': the cross-unit guard's end
+    _guard_through_backward: bool = False  # the guard lasts until this backward ends (Stage3Hooks)
     _pass_grads: bool = False  # a parameter got a gradient in the running backward pass
     _graph_hold: bool = False  # a pass built a graph over the gathered weights: no unit is freed
 
@@ -149,8 +151,8 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
             Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _on_grad(self, param: Tensor) -> None:
-        # a backward after an update starts a new window, whoever started it (see ShardedOptimizer)
-        self.open_window()
+        if not self._pass_grads:  # the pass's first gradient: see ShardedOptimizer._before_pass
+            self._before_pass()
         self._queue_callback()
         self._pass_grads = True
         unit, slot = self._unit_of[id(param)]
@@ -230,6 +232,8 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
 
     def _finalize_backward(self) -> None:
         self._callback_queued = False
+        if self._guard_through_backward:  # the first training step's backward is over
+            self._end_guard()
         self._recording = False
         if self.defer_reduction:  # the window goes on: flush() reduces
             if self.reshard_after_forward:
