@@ -172,6 +172,14 @@ def test_partition_balances_and_names_impossible_cuts() -> None:
     layers[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0].dtype))
     assert len(layer_costs(layers, "profile", sample=torch.randn(4, 8))) == 2
     assert seen == [torch.bfloat16] * 4  # a warm-up run and three timed ones
+    # a frozen embedding of ids first (a fine-tune) is timed forward only (before: "element 0 of tensors
+    # does not require grad"), and BatchNorm's running statistics are put back after the runs
+    embedding = nn.Embedding(64, 8).requires_grad_(False)
+    norm = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    before = {k: v.clone() for k, v in norm.state_dict().items()}
+    assert len(layer_costs([embedding, norm], "profile", sample=torch.randint(0, 64, (4,)))) == 2
+    for key, value in norm.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0, msg=key)
     with pytest.raises(ValueError, match="Cannot cut 2 layers into 3 pipeline pieces"):
         partition([1, 1], 3)
 

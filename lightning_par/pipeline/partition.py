@@ -172,7 +172,9 @@ def profile_costs(layers: Sequence[nn.Module], sample: Tensor, *, repeats: int =
     ``example_input_array`` stays where ``__init__`` made it (the CPU), and the strategies move the model
     before they cut it, so a CUDA model met CPU ids (and a ``"bf16-true"`` one fp32 inputs). On CUDA each
     timing waits for the device before the clock is read both times: kernels run asynchronously, and a
-    host clock alone would count their launches."""
+    host clock alone would count their launches. The layers' buffers are put back afterwards (BatchNorm's
+    running statistics moved towards the sample, and its count by every run); a layer whose output needs
+    no gradient (a frozen embedding of ids) is timed forward only."""
     params = [p for layer in layers for p in layer.parameters() if not p.is_meta]
     device = params[0].device if params else sample.device
     floating = next((p.dtype for p in params if p.is_floating_point()), None)
@@ -182,6 +184,7 @@ def profile_costs(layers: Sequence[nn.Module], sample: Tensor, *, repeats: int =
     wait = torch.cuda.synchronize if device.type == "cuda" else None
     costs = []
     for layer in layers:
+        kept = [(b, b.detach().clone()) for b in layer.buffers() if not b.is_meta]
         times = []
         out = x
         for run in range(repeats + 1):
@@ -190,12 +193,16 @@ def profile_costs(layers: Sequence[nn.Module], sample: Tensor, *, repeats: int =
                 wait(device)
             start = time.perf_counter()
             out = layer(inp)
-            out.float().sum().backward()
+            if out.requires_grad:
+                out.float().sum().backward()
             if wait is not None:
                 wait(device)
             if run > 0:  # the first run warms the layer up
                 times.append(time.perf_counter() - start)
         layer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)
         costs.append(sorted(times)[len(times) // 2])
         x = out.detach()
     return costs
