@@ -14,7 +14,6 @@ Nothing of the user's LightningModule is replaced for longer than a run: the hoo
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,8 +62,6 @@ from lightning_par.zero.units import UnitPolicy, check_pipeline_units
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.accelerators import Accelerator
-
-log = logging.getLogger(__name__)
 
 
 class HybridParallelStrategy(StrategyTeardown, StrategyEngine):

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Check", "CheckedCalls", "leave_mode", "mode_entered"]
+__all__ = ["Check", "CheckedCalls", "leave_mode", "mode_entered", "on_stack"]
 
 Check = Callable[[Callable[..., Any], Sequence[Any], dict[str, Any]], None]
 
@@ -67,3 +67,9 @@ def leave_mode(mode: TorchFunctionMode) -> None:
         above.append(top)
     for other in reversed(above):
         torch._C._push_on_torch_function_stack(other)
+
+
+def on_stack(mode: TorchFunctionMode) -> bool:
+    """Whether ``mode`` is on torch's function-mode stack now (anywhere in it)."""
+    depth = torch._C._len_torch_function_stack()
+    return any(torch._C._get_function_stack_at(i) is mode for i in range(depth))

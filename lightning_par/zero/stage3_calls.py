@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_par.owned_hooks import for_owner
-from lightning_par.torch_modes import CheckedCalls, leave_mode
+from lightning_par.torch_modes import CheckedCalls, leave_mode, on_stack
 from lightning_par.zero.autograd_state import in_backward
 from lightning_par.zero.unit import Unit
 
@@ -137,7 +137,7 @@ class CrossUnitGuard:
 
     def _leave_reads(self, module: nn.Module, args: Any) -> None:
         self._fast_depth += 1
-        if self._fast_depth == 1 and self._mode is not None and _on_stack(self._mode):
+        if self._fast_depth == 1 and self._mode is not None and on_stack(self._mode):
             leave_mode(self._mode)
             self._left = True
 
@@ -238,19 +238,13 @@ def fast_path_modules(units: Sequence[Unit], root: Unit | None) -> list[nn.Modul
         inside = units_inside(module)
         return all(id(m) in allowed and not units_inside(m) for m in inside)
 
-    chosen: list[nn.Module] = []
-    for unit in units:
-        for m in unit.module.modules():
-            if isinstance(m, FAST_PATH_MODULES) and fits(m) and all(m is not c for c in chosen):
-                chosen.append(m)
+    candidates = {
+        id(m): m for unit in units for m in unit.module.modules() if isinstance(m, FAST_PATH_MODULES)
+    }
+    chosen = [m for m in candidates.values() if fits(m)]
     # only the outermost ones: a layer inside a chosen encoder runs with the mode already left
     inner = {id(c) for m in chosen for c in m.modules() if c is not m}
     return [m for m in chosen if id(m) not in inner]
-
-
-def _on_stack(mode: TorchFunctionMode) -> bool:
-    stack = [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
-    return any(m is mode for m in stack)
 
 
 def param_owners(units: Sequence[Unit]) -> dict[int, tuple[Unit, str]]:
