@@ -60,8 +60,10 @@ def _batches(part: int, parts: int) -> Batches:
     return [(x.chunk(parts)[part], y.chunk(parts)[part]) for x, y in data]
 
 
-def _engine(model: nn.Module, group: Any, stage: int, hook: str | None, **kw: Any) -> Any:
-    fields = {"start_iter": 2} if hook == "powersgd" else None
+def _engine(
+    model: nn.Module, group: Any, stage: int, hook: str | None, *, warm_start: bool = True, **kw: Any
+) -> Any:
+    fields = {"start_iter": 2, "warm_start": warm_start} if hook == "powersgd" else None
     c = resolve_comm_hook(hook, fields, group=group, powersgd_rank=2)  # type: ignore[arg-type]
     if stage == 3:
         return Stage3Engine(model, group=group, comm_dtype=c.dtype, **kw)
@@ -103,14 +105,15 @@ def _copy(tree: Any) -> Any:
     return torch.load(buf, weights_only=False)
 
 
-def _snapshots(rank: int, world: int, single: Any) -> dict[str, Any]:
-    """Three steps, a snapshot, three more; the snapshot resumed on the same layout, and by one process."""
+def _snapshots(rank: int, world: int, single: Any, *, warm_start: bool = True) -> dict[str, Any]:
+    """Three steps, a snapshot, three more; the snapshot resumed on the same layout, and by one process.
+    Without ``warm_start`` every step draws ``Q`` afresh: the generator's state is in the snapshot."""
     out: dict[str, Any] = {}
     data = _batches(rank, world)
 
     def fresh(group: Any) -> tuple[nn.Module, Any, torch.optim.Optimizer]:
         model = _model()
-        engine = _engine(model, group, 1, "powersgd")
+        engine = _engine(model, group, 1, "powersgd", warm_start=warm_start)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         engine.shard_optimizers([opt])
         return model, engine, opt
@@ -167,6 +170,7 @@ def _engine_runs(rank: int, world: int) -> dict[str, Any]:
         opt.step()
     out["ddp_fp16"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     out.update(_snapshots(rank, world, one))
+    out["cold"] = _snapshots(rank, world, one, warm_start=False)
     out["embedding_plan"] = _embedding_plan(dist.group.WORLD)
     return out
 
@@ -212,6 +216,9 @@ def test_compression_equals_its_unsharded_twin_and_resumes_from_snapshots() -> N
     for n, v in r["uninterrupted"].items():
         assert torch.equal(r["same_layout"][n], v), f"snapshot, same layout: {n}"
         torch.testing.assert_close(r["one_process"][n], v, rtol=1e-5, atol=1e-6, msg=f"dp 2 -> 1: {n}")
+    for n, v in r["cold"]["uninterrupted"].items():  # warm_start=False: Q drawn every step
+        assert torch.equal(r["cold"]["same_layout"][n], v), f"snapshot without warm start: {n}"
+    assert _max_diff(r["cold"]["uninterrupted"], r["uninterrupted"]) > 1e-5
     for n, v in r["s1"].items():
         assert torch.equal(results[1]["s1"][n], v), "ranks hold the same weights"
     # embedding tables (row-sparse gradients) go uncompressed unless asked for

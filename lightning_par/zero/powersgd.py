@@ -148,6 +148,7 @@ class PowerSGDState:
         self._q: dict[nn.Parameter, Tensor] = {}  # the last Q of each matrix (views of a plan's q_flat)
         self._random = torch.Generator().manual_seed(seed)
         self._device_random: dict[torch.device, torch.Generator] = {}  # see _redraw
+        self._device_resume: dict[str, Tensor] = {}  # a checkpoint's device generator states, by type
 
     # ------------------------------------------------------------------ plan
     def bind(self, module: nn.Module) -> None:
@@ -279,14 +280,20 @@ class PowerSGDState:
             q.copy_(torch.randn(q.shape, generator=self._random, dtype=torch.float32))
             return
         if q.device not in self._device_random:
-            self._device_random[q.device] = torch.Generator(device=q.device).manual_seed(self.seed)
+            generator = torch.Generator(device=q.device).manual_seed(self.seed)
+            resumed = self._device_resume.get(q.device.type)
+            if resumed is not None:
+                generator.set_state(resumed)
+            self._device_random[q.device] = generator
         q.normal_(generator=self._device_random[q.device])
 
     # ------------------------------------------------------------------ state
     def state_dict(self, names: Mapping[nn.Parameter, str], *, average: bool = False) -> dict[str, Any]:
-        """The state by parameter name: ``iteration``, ``rank``, ``q`` (shared by all ranks) and
+        """The state by parameter name: ``iteration``, ``rank``, ``q`` (shared by all ranks),
         ``error`` (this rank's residuals, or with ``average=True`` their mean over the group: one
-        all-reduce, collective; what any data-parallel size resumes from). Live tensors unless averaged."""
+        all-reduce, collective; what any data-parallel size resumes from) and ``random``, the states of
+        the generators that draw ``Q`` (alike on every rank), so that a resumed run without
+        ``warm_start`` draws what the uninterrupted one would have. Live tensors unless averaged."""
         error = {names[p]: e for p, e in self._error.items() if p in names}
         if average and self.world > 1 and error:
             flat = torch.cat([e.reshape(-1) for e in error.values()])
@@ -302,6 +309,10 @@ class PowerSGDState:
             "rank": self.rank,
             "q": {names[p]: q for p, q in self._q.items() if p in names},
             "error": error,
+            "random": {
+                "host": self._random.get_state(),
+                **{device.type: g.get_state() for device, g in self._device_random.items()},
+            },
         }
 
     def load_state_dict(self, state: Mapping[str, Any], params: Mapping[str, nn.Parameter]) -> None:
@@ -310,6 +321,11 @@ class PowerSGDState:
         if state.get("kind") != "powersgd":
             raise ValueError(f"Not a PowerSGD state: kind {state.get('kind')!r}.")
         self.iteration = int(state["iteration"])
+        random = dict(state.get("random", {}))  # absent from checkpoints of older versions: the seed
+        if "host" in random:
+            self._random.set_state(random.pop("host"))
+        self._device_resume = random
+        self._device_random = {}
         self._plans = {}  # rebuilt, warm-starting from the restored Q, at the next compressed step
         dropped = []
         self._error, self._q = {}, {}
