@@ -25,8 +25,9 @@ stages' placeholders among them: in the Trainer once ``on_before_optimizer_step`
 run, from ``ParallelPrecision.before_update``; also at teardown), so later steps pay nothing; a read
 that first happens in a later step is not caught. Reads before the window's backward
 (``on_before_backward``, where DDP finds None too) and reads that find a gradient pass. With
-``find_unused_parameters`` the front doors leave the watch off (an unused parameter's gradient is None
-under DDP as well). The engine's own work in backward is not seen: torch runs autograd's nodes and hooks
+``find_unused_parameters`` a read of a parameter no rank used in the window passes (its gradient is None
+under DDP as well); every other read is refused as without it (before, the watch was off there, and a
+clip of ``self.parameters()`` clipped nothing, silently). The engine's own work in backward is not seen: torch runs autograd's nodes and hooks
 outside the mode; its reads in forward hooks (``GradSync.prepare_window``) run with torch functions
 disabled.
 
@@ -61,9 +62,16 @@ class GradReads:
     first refused read and raise it from :meth:`end` instead of from inside the read (Fabric, below)."""
 
     def __init__(
-        self, module: nn.Module, *, zero_stage: int, pipelined: bool = False, defer: bool = False
+        self,
+        module: nn.Module,
+        *,
+        zero_stage: int,
+        pipelined: bool = False,
+        defer: bool = False,
+        unused: Callable[[], frozenset[int]] | None = None,
     ) -> None:
         self._names = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
+        self._unused = unused  # ids of the parameters no rank used in the window (find_unused_parameters)
         self.zero_stage = zero_stage
         self.pipelined = pipelined
         self.defer = defer
@@ -84,11 +92,12 @@ class GradReads:
         defer: bool = False,
     ) -> GradReads | None:
         """The watch a front door keeps for ``module``'s engine (its ``landed`` listener registered), or None
-        where there is nothing to watch: stage 0 without a pipeline (``param.grad`` holds the gradient),
-        ``find_unused_parameters`` (None is an answer under DDP too)."""
-        if engine is None or (zero_stage < 1 and not pipelined) or find_unused_parameters:
+        where there is nothing to watch: stage 0 without a pipeline (``param.grad`` holds the gradient).
+        With ``find_unused_parameters`` the parameters no rank used pass (None under DDP too)."""
+        if engine is None or (zero_stage < 1 and not pipelined):
             return None
-        reads = cls(module, zero_stage=zero_stage, pipelined=pipelined, defer=defer)
+        unused = (lambda: engine.unused_param_ids) if find_unused_parameters else None
+        reads = cls(module, zero_stage=zero_stage, pipelined=pipelined, defer=defer, unused=unused)
         engine.on_synchronized(reads.landed)
         return reads
 
@@ -138,6 +147,8 @@ class GradReads:
             )
         elif self.zero_stage < 1:  # this stage's own parameter without a gradient: None under DDP too
             return
+        elif self._unused is not None and id(param) in self._unused():
+            return  # no rank used it in the window: None under DDP too
         else:
             message = (
                 f"ZeRO-{self.zero_stage}: {name}.grad was read after the backward and is None: at ZeRO"

@@ -101,17 +101,35 @@ class Piped(Clipped):
             assert all(p.grad is not None for p in self.parameters() if not p.is_meta)
 
 
+class Spare(Clipped):
+    """``Clipped`` with a layer no rank uses, for ``find_unused_parameters=True``: its ``grad`` is None
+    under DDP too, so reading it passes, while reads of the used layers' are still refused."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__(mode)
+        self.spare = nn.Linear(2, 2)
+        self.spare_reads: list[bool] = []
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        super().on_before_optimizer_step(optimizer)
+        self.spare_reads.append(self.spare.weight.grad is None)
+
+
 PIPED = dict(pipeline_parallel_size=2, num_microbatches=2, partition_method=[2, 1])
 
 
-def _fit(strategy: Any, mode: str, accumulate: int = 1) -> dict[str, Any]:
+def _fit(strategy: Any, mode: str, accumulate: int = 1, spare: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
-    module = (Piped if strategy_piped(strategy) else Clipped)(mode)
+    module = (Spare if spare else Piped if strategy_piped(strategy) else Clipped)(mode)
     trainer = cpu_trainer(strategy, max_epochs=1, accumulate_grad_batches=accumulate)
     refused = fit_refused(trainer, module, strategy)
     if refused is not None:
         return {"error": refused, "modes": torch._C._len_torch_function_stack()}
-    return {"state": final_state(module, strategy), "modes": module.modes}
+    return {
+        "state": final_state(module, strategy),
+        "modes": module.modes,
+        "spare_reads": getattr(module, "spare_reads", None),
+    }
 
 
 def strategy_piped(strategy: Any) -> bool:
@@ -170,6 +188,15 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
         out[f"zero{stage}/torch_clip/refused"] = _fit(HybridParallelStrategy(zero_stage=stage), "torch_clip")
         out[f"zero{stage}/builtin"] = _fit(HybridParallelStrategy(zero_stage=stage), "builtin", accumulate=2)
     out["zero2/log_norms/refused"] = _fit(HybridParallelStrategy(zero_stage=2), "log_norms")
+    # find_unused_parameters: reads of used parameters refused as without it (before: not watched, and
+    # the clip clipped nothing), reads of a parameter no rank used pass
+    for stage in (1, 3):
+        unused = HybridParallelStrategy(zero_stage=stage, find_unused_parameters=True)
+        out[f"zero{stage}/unused/torch_clip/refused"] = _fit(unused, "torch_clip", spare=True)
+    out["ddp/unused/spare"] = _fit(DDPStrategy(find_unused_parameters=True), "builtin", 2, spare=True)
+    out["zero2/unused/spare"] = _fit(
+        HybridParallelStrategy(zero_stage=2, find_unused_parameters=True), "builtin", 2, spare=True
+    )
     return out
 
 
@@ -211,11 +238,15 @@ def test_grad_reads_that_find_nothing_are_refused_and_the_rest_equals_ddp() -> N
     for key, reference in (
         ("zero0/torch_clip", "ddp/torch_clip"),
         *((f"zero{s}/builtin", "ddp/builtin") for s in (1, 2, 3)),
+        ("zero2/unused/spare", "ddp/unused/spare"),
     ):
         expected = out[reference]["state"]
+        assert expected.keys() == out[key]["state"].keys(), key
         for name, value in expected.items():
             torch.testing.assert_close(out[key]["state"][name], value, msg=f"{key}: {name}")
-            assert not torch.equal(value, initial[name]), (key, name)
+            if not name.startswith("spare."):
+                assert not torch.equal(value, initial[name]), (key, name)
+    assert out["zero2/unused/spare"]["spare_reads"] == out["ddp/unused/spare"]["spare_reads"] == [True] * 4
 
     # the Fabric loop with fabric.clip_gradients against one process on both ranks' samples
     torch.manual_seed(0)

@@ -138,6 +138,13 @@ class ZeroEngine:
     def sync_enabled(self) -> bool:
         return self.sync.sync_enabled
 
+    @property
+    def unused_param_ids(self) -> frozenset[int]:
+        """Ids of the parameters no rank used in the last synchronised window (``find_unused_parameters``:
+        their ``grad`` stays None, as under DDP)."""
+        params = self.sync.params
+        return frozenset(id(params[i]) for i in self.sync.unused)
+
     def freeze_order(self, names: Sequence[str]) -> None:
         """Fix the bucket order (a checkpoint's, if it names the same parameters) before loading state. An
         order the sharded optimizers already hold state in stays (a checkpoint restored inside the same
@@ -272,6 +279,8 @@ class Engine(Protocol):
     def grad_view(self, param: nn.Parameter) -> Tensor | None: ...
     @property
     def sync_enabled(self) -> bool: ...
+    @property
+    def unused_param_ids(self) -> frozenset[int]: ...
     def freeze_order(self, names: Sequence[str]) -> None: ...
     def after_step(self, *, open_window: bool = True, optimizer: Optimizer | None = None) -> None: ...
     def open_window(self) -> None: ...

@@ -39,6 +39,7 @@ class Stage3State:
     _whole: bool = False  # unshard_all() left the model whole (after fit): the shards are history
     _masters: list[tuple[Unit, Fragment, Tensor]]
     _pool_bytes: int
+    unused: frozenset[int]
 
     def absorb_gathered_writes(self) -> None:
         """In-place writes to the units gathered now go into the shards (:meth:`Unit.absorb_writes`):
@@ -74,6 +75,12 @@ class Stage3State:
         after setup (an EMA copy made in ``on_fit_start``) is not among them: it is whole on every rank,
         and checkpoints take it whole."""
         return frozenset(id(p) for u in self.units for part in u.parts for p in part.params)
+
+    @property
+    def unused_param_ids(self) -> frozenset[int]:
+        """Ids of the parameters no rank used in the last synchronised window (``find_unused_parameters``:
+        their ``grad`` stays None, as under DDP)."""
+        return self.unused
 
     def param_shards(self) -> list[tuple[str, int, int, Tensor]]:
         """The engine protocol's name for :meth:`shard_table`."""
