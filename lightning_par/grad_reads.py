@@ -27,9 +27,9 @@ that first happens in a later step is not caught. Reads before the window's back
 (``on_before_backward``, where DDP finds None too) and reads that find a gradient pass. With
 ``find_unused_parameters`` a read of a parameter no rank used in the window passes (its gradient is None
 under DDP as well); every other read is refused as without it (before, the watch was off there, and a
-clip of ``self.parameters()`` clipped nothing, silently). The engine's own work in backward is not seen: torch runs autograd's nodes and hooks
-outside the mode; its reads in forward hooks (``GradSync.prepare_window``) run with torch functions
-disabled.
+clip of ``self.parameters()`` clipped nothing, silently). The engine's own work in backward is not
+seen: torch runs autograd's nodes and hooks outside the mode; its reads in forward hooks
+(``GradSync.prepare_window``) run with torch functions disabled.
 
 Where the error is raised: the Trainer raises at the read itself (its traceback points at the user's
 line); torch puts a mode back on its stack after its handler raises, and the strategy's teardown, which
