@@ -35,6 +35,7 @@ from lightning_par.device_checks import check_optimizer_kernels, refuse_sync_bat
 from lightning_par.loss import TokenNormalizer
 from lightning_par.module_dtypes import cast_frozen
 from lightning_par.optimizer_checks import check_layout_optimizers
+from lightning_par.peft_checks import refuse_grad_reading_adapters
 from lightning_par.pipeline.lightning import LightningPipeline, pipeline_layers_of
 from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
 from lightning_par.pipeline.steps import pipeline_parts
@@ -302,6 +303,7 @@ class HybridParallelStrategy(StrategyTeardown, StrategyEngine):
                 " either pretrained=PATH or the load in configure_model()."
             )
         if fitting:
+            refuse_grad_reading_adapters(self.model, zero_stage=self.zero_stage)
             refuse_sync_batchnorm_on_cpu(
                 self.model,
                 device=self.root_device,

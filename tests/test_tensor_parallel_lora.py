@@ -250,6 +250,17 @@ def _refusals(rank: int, world: int, singles: list[Any]) -> str:
         model = peft.get_peft_model(llama(0), config)
         with pytest.raises(ValueError, match=r"PEFT's peft\.tuners\..*plain LoRA .* tensor_parallel_size=1"):
             apply_tensor_parallel(model, group=WORLD, plan="llama")
+    # prefix tuning: virtual keys and values of every head, refused by name, the model left unchanged
+    # (before, a size mismatch inside transformers' cache); prompt tuning prepends embeddings and passes
+    model = peft.get_peft_model(
+        llama(0), peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    )
+    with pytest.raises(ValueError, match=r"prefix tuning \['default'\] under tensor parallelism.*size=1"):
+        apply_tensor_parallel(model, group=WORLD, plan="llama")
+    assert not any(hasattr(p, TP_DIM_ATTR) for p in model.parameters()), "refused: left unchanged"
+    prompt = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    model = peft.get_peft_model(llama(0), prompt)
+    assert apply_tensor_parallel(model, group=WORLD, plan="llama")
     merged = hf_llama()
     merged.merge_adapter()
     with pytest.raises(ValueError, match=r"self_attn\.q_proj'.*merged into the base weight"):

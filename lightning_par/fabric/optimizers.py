@@ -18,6 +18,7 @@ from lightning_par.fabric.mixin import FabricMixin
 from lightning_par.fabric.setup import Replaced, complete_stage_groups, follow_replaced
 from lightning_par.optimizer_checks import check_layout_optimizers
 from lightning_par.owned_hooks import for_owner
+from lightning_par.peft_checks import refuse_grad_reading_adapters
 
 
 class FabricOptimizers(FabricMixin):
@@ -73,6 +74,8 @@ class FabricOptimizers(FabricMixin):
         groups completed with the other stages' placeholders), the layout's optimizer rules."""
         if self.engine is None:
             raise RuntimeError("Set up the module first: fabric.setup(model, optimizer) or setup_module().")
+        if self.module is not None:  # training: the optimizers come
+            refuse_grad_reading_adapters(self.module, zero_stage=self.zero_stage)
         if self._optimizers:
             raise ValueError(
                 "The optimizers of this module are already set up (and sharded at their first use): pass"

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from lightning_par.peft_checks import refuse_prefix_tuning
 from lightning_par.tensor_parallel.family import (
     check_alibi,
     check_forward,
@@ -75,6 +76,7 @@ def apply_tensor_parallel(
     """
     resolved = resolve_plan(plan, sequence_parallel=sequence_parallel)
     t = dist.get_world_size(group)
+    refuse_prefix_tuning(module, tp_size=t)
     done = getattr(module, TP_STATE_ATTR, None)
     if isinstance(done, dict):
         if (done["resolved"], done["size"], done["sequence_parallel"]) == (resolved, t, sequence_parallel):
@@ -270,7 +272,8 @@ def _check_kind(old: nn.Module, name: str, style: str) -> None:
                 " adapter with tensor_parallel_size=1 (ZeRO shards it), or use LoraConfig."
             )
         raise ValueError(
-            f"tp_plan style {style!r} needs an nn.Linear, but {name!r} is {type(old).__name__}." + hint
+            f"tp_plan style {style!r} needs an nn.Linear, but {name!r} is {where}.{type(old).__qualname__}."
+            + hint
         )
     if style == "vocab" and not isinstance(old, nn.Embedding):
         raise ValueError(

@@ -8,17 +8,7 @@ from typing import Any
 
 from torch import nn
 
-
-def _peft_configs(root: nn.Module) -> dict[str, Any]:
-    """Each PEFT adapter's config by name, from the PEFT models and tuners inside ``root``."""
-    found: dict[str, Any] = {}
-    for m in root.modules():
-        configs = getattr(m, "peft_config", None)
-        if isinstance(configs, dict):
-            for adapter, config in configs.items():
-                found.setdefault(str(adapter), config)
-    return found
-
+from lightning_par.peft_checks import peft_configs
 
 # PEFT's initialisations of an adapter that read the base layer's weights or data (PiSSA, CorDA, OLoRA,
 # MiCA, LoftQ, orthogonal, LoRA-GA): not there on the meta device
@@ -32,7 +22,7 @@ def reset_lora(root: nn.Module, initialised: set[int], *, reseed: Callable[[str]
     write, replayed after); ``False`` both layers' own nn.Linear init (before: B zeroed, A drawn by the
     enclosing model's ``_init_weights``); an init that reads the base weights is refused (before: PiSSA
     silently became the default)."""
-    configs = _peft_configs(root)
+    configs = peft_configs(root)
     for name, m in root.named_modules():
         reset = getattr(m, "reset_lora_parameters", None)
         lora_a, lora_b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
