@@ -16,6 +16,7 @@ import errno
 import os
 import re
 import shutil
+import signal
 import warnings
 from collections import namedtuple
 from pathlib import Path
@@ -309,13 +310,18 @@ def test_a_finished_run_leaves_its_newest_snapshot_on_disk(tmp_path: Path) -> No
     """A run that ends cleanly frees its shared memory, so its newest snapshot (step 6; only step 4 was a
     persist step) is flushed to disk first: running it again with more steps continues from step 6."""
     dirpath, shm = tmp_path / "ckpt", tmp_path / "shm"
+    handler = signal.getsignal(signal.SIGTERM)
     _fit(6, [FlashCheckpoint(dirpath, every_n_steps=2, persist_every_n_steps=4, shm_dir=shm)])
     assert sorted(h["step"] for h in DiskStore(dirpath, rank=0).headers()) == [4, 6]
-    assert not list(shm.rglob("slot*.bin")), "a finished run keeps no shared memory"
+    assert not list(shm.rglob("*/*")), "a finished run keeps no shared memory, nor an empty job folder"
+    # the process's SIGTERM handler is the one from before the fit (before, the finished Trainer's,
+    # nesting one more per fit: every Trainer stayed alive and SIGTERM no longer ended the process)
+    assert signal.getsignal(signal.SIGTERM) == handler
     again = FlashCheckpoint(dirpath, every_n_steps=2, persist_every_n_steps=4, shm_dir=shm)
     _fit(8, [again])
     assert again.resumed is not None and again.resumed["step"] == 6, again.resumed
     assert all(s.startswith("disk") for s in again.resumed["sources"])
+    assert signal.getsignal(signal.SIGTERM) == handler
 
 
 def test_snapshots_close_accumulation_windows_only(tmp_path: Path) -> None:

@@ -295,7 +295,11 @@ class FlashCheckpoint(Callback):
         if isinstance(strategy, HybridParallelStrategy) and self.store.fence in strategy.before_state_write:
             strategy.before_state_write.remove(self.store.fence)
         if self._saved_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._saved_sigterm)
+            # only while ours is installed: Lightning's teardown, which runs before the callbacks', puts
+            # its original handler back itself, and the one saved here is then the finished Trainer's
+            # (putting it back kept every Trainer alive and left the process deaf to SIGTERM)
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, self._saved_sigterm)
             self._saved_sigterm = None
         try:
             self.store.close(failed=self._failed, flush=self.flush_on_exit)

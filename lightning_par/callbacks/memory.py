@@ -213,6 +213,9 @@ class MemoryStore:
                 p.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self.directory.rmdir()
+            # the job's folder too, once its last rank on this node is gone (an empty folder per run
+            # piled up in shared memory before)
+            self.directory.parent.rmdir()
 
 
 def _pin(buffer: Tensor) -> bool:
