@@ -27,6 +27,8 @@ from lightning_par.module_dtypes import restore_norms
 from lightning_par.zero.engine import reads_own_state
 from lightning_par.zero.stage3 import Stage3Engine
 
+SETUP_ATTR = "_lightning_par_fabric_setup"  # set on a module a strategy has set up, until its teardown
+
 if TYPE_CHECKING:
     from lightning_par.fabric.strategy import HybridParallelStrategy
 
@@ -123,6 +125,12 @@ class FabricSession(FabricProcesses):
             self._pending_hook = None
         if self.module is not None:  # the norm layers' fp32 wrappers of convert_module, as the Trainer's
             restore_norms(self.module)
+            # set up again by another Fabric (a notebook's next cell), as Fabric's "ddp" allows; not a
+            # model split over pipeline stages, of which this rank keeps its own stage only
+            if self._pipeline is None:
+                self.module.__dict__.pop(SETUP_ATTR, None)
+            else:
+                setattr(self.module, SETUP_ATTR, "pipeline")
         super().teardown()
 
     def destroy_process_groups(self) -> None:

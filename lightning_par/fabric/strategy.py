@@ -58,7 +58,7 @@ from lightning_par.data_reduce import MetricSync
 from lightning_par.device_checks import refuse_sync_batchnorm_on_cpu
 from lightning_par.fabric.optimizers import FabricOptimizers
 from lightning_par.fabric.pipeline import FabricPipeline, build_fabric_pipeline, refuse_direct_call
-from lightning_par.fabric.session import FabricSession
+from lightning_par.fabric.session import SETUP_ATTR, FabricSession
 from lightning_par.fabric.setup import (
     Replaced,
     compose_module,
@@ -83,8 +83,6 @@ from lightning_par.zero.meta_buffers import materialize_buffers
 from lightning_par.zero.meta_init import meta_build, move_real_tensors
 from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.units import UnitPolicy
-
-SETUP_ATTR = "_lightning_par_fabric_setup"  # set on a module this strategy has set up
 
 
 class _EngineSyncControl(_BackwardSyncControl):
@@ -396,7 +394,14 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
 
     @staticmethod
     def _refuse_second_setup(module: nn.Module) -> None:
-        if getattr(module, SETUP_ATTR, False):
+        mark = getattr(module, SETUP_ATTR, False)
+        if mark == "pipeline":
+            raise ValueError(
+                "This module was split over pipeline stages by an earlier lightning_par Fabric strategy,"
+                " now torn down (this rank keeps its stage's layers only): build a fresh model for another"
+                " Fabric, loading the weights the first one saved (fabric.save / consolidated_state_dict())."
+            )
+        if mark:
             raise ValueError(
                 "This module was already set up by lightning_par's Fabric strategy: call fabric.setup() (or"
                 " setup_module()) once per module and keep the returned object."
