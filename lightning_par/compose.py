@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -73,6 +74,7 @@ class Composition:
     tensor_parallel: dict[str, str] = field(default_factory=dict)
     pipeline: PipelineSplit | None = None
     checkpointed: list[str] = field(default_factory=list)
+    tp_group: ProcessGroup | None = None  # the group the tensor-parallel layers communicate over
 
 
 def compose(
@@ -105,6 +107,15 @@ def compose(
                 f" ({_describe(done.key)}); now asked for {_describe(key)}. {rewrote} the model in place:"
                 " build a fresh model for another layout."
             )
+        if done.tp_group is not None and not _registered(done.tp_group):
+            # the layers hold the group they were built with (in hooks and autograd functions too)
+            raise ValueError(
+                "The model's tensor-parallel layers communicate over the process group of the strategy that"
+                " converted them, destroyed since (destroy_process_groups()), so they can no longer run."
+                " Build a fresh model for this run (load the weights the first one saved, e.g. its"
+                " consolidated_state_dict() or checkpoint), or keep the first strategy's groups alive while"
+                " the converted model is in use."
+            )
         return done
     composition = Composition(key=key)
     if options.tensor_parallel_size > 1:
@@ -116,6 +127,7 @@ def compose(
                 " LightningModule, or the module given to fabric.setup) a tp_plan attribute."
             )
         assert tp_group is not None
+        composition.tp_group = tp_group
         composition.tensor_parallel = apply_tensor_parallel(
             module, group=tp_group, plan=plan, sequence_parallel=options.sequence_parallel
         )
@@ -165,6 +177,15 @@ def compose(
         # another one next (before, a tensor-parallel fit after it was refused as "already parallelised")
         setattr(module, COMPOSITION_ATTR, composition)
     return composition
+
+
+def _registered(group: ProcessGroup) -> bool:
+    """Whether ``group`` is still a live process group of this process (not destroyed)."""
+    try:
+        dist.get_rank(group)  # its size is kept on a destroyed group's object; its ranks are not
+    except (ValueError, RuntimeError):
+        return False
+    return True
 
 
 def _describe(key: tuple[Any, ...]) -> str:

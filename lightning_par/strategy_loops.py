@@ -38,6 +38,7 @@ from lightning_par.eval_join import (
     refuse_short_last_batches,
 )
 from lightning_par.pipeline.lightning import LightningPipeline
+from lightning_par.zero.leftovers import refuse_left_placeholders
 from lightning_par.zero.stage3_join import Stage3Join
 
 
@@ -92,12 +93,21 @@ class StrategyLoops(ZeroCheckpointIO):
     _loop_runs = 0  # loop runs started (fit, each validation run, test, predict): metric rescans key on it
     _metric_scan: tuple[Any, ...] | None = None  # the loop run and epoch whose first step rescanned
 
+    def _refuse_placeholders(self) -> None:
+        """The first loop of a run starts: parameters that were ZeRO-3 placeholders at setup and that no
+        checkpoint loaded into since would train or evaluate on NaN (:mod:`lightning_par.zero.leftovers`)."""
+        names, self._left_placeholders = self._left_placeholders, ()
+        module = self.lightning_module
+        if names and module is not None:
+            refuse_left_placeholders(list(names), total=sum(1 for _ in module.parameters()))
+
     @override
     def on_train_start(self) -> None:
         """Under a pipeline: a training dataloader whose last batch on some dp rank cannot fill the
         micro-batches is refused on every rank before the first step (before: at that batch, after most
         of an epoch, on the ranks that had it)."""
         super().on_train_start()
+        self._refuse_placeholders()
         self._loop_runs += 1
         pipeline, module = self._pipeline, self.lightning_module
         if pipeline is None or module is None:
@@ -113,16 +123,19 @@ class StrategyLoops(ZeroCheckpointIO):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
+        self._refuse_placeholders()
         self._start_eval_loop("validation")
 
     @override
     def on_test_start(self) -> None:
         super().on_test_start()
+        self._refuse_placeholders()
         self._start_eval_loop("test")
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
+        self._refuse_placeholders()
         self._start_eval_loop("predict")
         module = self.lightning_module
         if module is not None and self._pipeline is not None and _predict_step_unserved(module):

@@ -86,8 +86,9 @@ class StrategyTeardown(StrategySteps, StrategyPrecision, MeshStrategy):
             return
         rank_zero_warn(
             f"The run stopped with an exception, so the model's parameters were not gathered back (the other"
-            f" ranks may not join): they hold {held}. Before fitting again, rebuild the model or load a"
-            " checkpoint into it; the last checkpoint written holds the trained weights."
+            f" ranks may not join): they hold {held}. Before fitting again, resume from a checkpoint"
+            " (trainer.fit(model, ckpt_path=...): the last one written holds the trained weights) or rebuild"
+            " the model."
         )
 
     def _interrupted(self) -> bool:

@@ -191,18 +191,35 @@ def test_a_wrapped_norm_pickles_and_keeps_fp32_statistics() -> None:
 
 
 class Failing(Zoo):
+    fail = True
+
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        if batch_idx == 1:
+        if self.fail and batch_idx == 1:
             raise ValueError("the user's bug")
         return super().training_step(batch, batch_idx)
 
 
-def _failed_fits(rank: int, world: int) -> dict[str, list[str]]:
+class SaveFirst(pl.Callback):
+    """``trainer.save_checkpoint(path)`` after the first batch."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 1:
+            trainer.save_checkpoint(self.path)
+
+
+def _failed_fits(rank: int, world: int, tmp: str) -> dict[str, Any]:
     torch.set_num_threads(1)
-    said = {}
+    said: dict[str, Any] = {}
+    ckpt = f"{tmp}/first.ckpt"
+    units = [nn.Linear, nn.Bilinear]  # units apart from the root, which stays gathered inside a step
     for stage, precision in ((1, "bf16-mixed"), (3, "32-true")):
-        strategy = HybridParallelStrategy(zero_stage=stage)
-        trainer = cpu_trainer(strategy, devices=world, max_steps=STEPS, precision=precision)
+        strategy = HybridParallelStrategy(zero_stage=stage, zero3_units=units if stage == 3 else None)
+        trainer = cpu_trainer(
+            strategy, devices=world, max_steps=STEPS, precision=precision, callbacks=[SaveFirst(ckpt)]
+        )
         module = Failing()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -211,16 +228,44 @@ def _failed_fits(rank: int, world: int) -> dict[str, list[str]]:
         strategy.destroy_process_groups()
         said[f"zero{stage}"] = [str(w.message) for w in caught if "were not gathered back" in str(w.message)]
         said[f"zero{stage}-dtype"] = [str(module.head.weight.dtype)]
+    # a retry on the placeholders: refused, unless a checkpoint is loaded into them (then equal to a fresh
+    # model resumed from it); before, it trained and evaluated on NaN, silently
+    module.fail = False
+
+    def retry(model: Failing, resume: str | None) -> Any:
+        strategy = HybridParallelStrategy(zero_stage=3, zero3_units=units)
+        trainer = cpu_trainer(strategy, devices=world, max_steps=STEPS)
+        try:
+            trainer.fit(model, DataLoader(_data(), batch_size=4), ckpt_path=resume)
+        except ValueError as error:
+            strategy.destroy_process_groups()
+            return str(error)
+        return final_state(model, strategy)
+
+    said["left"] = sorted(n for n, p in module.named_parameters() if torch.isnan(p).any())
+    said["retry"] = retry(module, None)
+    said["resumed"] = retry(module, ckpt)
+    fresh = Failing()
+    fresh.fail = False
+    said["fresh"] = retry(fresh, ckpt)
     return said
 
 
-def test_a_fit_stopped_by_an_exception_says_what_the_model_holds() -> None:
+def test_a_fit_stopped_by_an_exception_says_what_the_model_holds(tmp_path: Any) -> None:
     """After an exception the strategy does not gather the weights back (the other ranks may not join):
     the model holds the bf16 compute copies (ZeRO 1-2 with masters) or ZeRO-3's placeholders, which a retry
     on the same object would start from, silently; rank 0 now says so and how to start again."""
-    said = run_distributed(_failed_fits, 2, init_group=False, timeout=300)[0]
+    said = run_distributed(_failed_fits, 2, str(tmp_path), init_group=False, timeout=300)[0]
     assert said["zero1-dtype"] == ["torch.bfloat16"]  # what a retry would have started from
     (zero1,) = said["zero1"]
-    assert "torch.bfloat16 compute copies" in zero1 and "rebuild the model or load a checkpoint" in zero1
+    assert "torch.bfloat16 compute copies" in zero1 and "resume from a checkpoint" in zero1
     (zero3,) = said["zero3"]
     assert "ZeRO-3's NaN placeholders" in zero3
+    assert said["left"] == ["bilinear.bias", "bilinear.weight", "head.bias", "head.weight"]
+    assert "4 of the model's 9 parameters" in said["retry"], said["retry"]
+    assert "hold ZeRO-3's placeholders" in said["retry"] and "ckpt_path" in said["retry"], said["retry"]
+    assert isinstance(said["resumed"], dict) and isinstance(said["fresh"], dict), said
+    assert said["resumed"].keys() == said["fresh"].keys()
+    for name, value in said["fresh"].items():
+        assert torch.isfinite(value).all(), name
+        torch.testing.assert_close(said["resumed"][name], value, msg=name)

@@ -168,6 +168,12 @@ class FlashCheckpoint(Callback):
         if self._found is not None:
             self._ignore_ckpt_path(trainer)
 
+    @property
+    def restores_at_fit_start(self) -> bool:
+        """Whether this fit resumes from a snapshot found at setup (read by the strategy: a model that an
+        interrupted run left holding placeholders is then overwritten, not refused)."""
+        return self._found is not None
+
     def _ignore_ckpt_path(self, trainer: pl.Trainer) -> None:
         """A snapshot wins over ``fit(ckpt_path=...)``: Lightning's loading of that path is skipped."""
         connector = trainer._checkpoint_connector

@@ -73,6 +73,7 @@ class ZeroCheckpointIO(ParallelStrategy):
     _engine: Engine | None = None
     _fit_engine: Engine | None = None  # the last fit's, kept through evaluation runs (fit_state.py)
     _sharded_source: Path | None = None
+    _left_placeholders: tuple[str, ...] = ()  # ZeRO-3 placeholders an interrupted run left (setup)
 
     @property
     def engine(self) -> Engine | None:
@@ -331,6 +332,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         ``strict_loading``; False leaves a fine-tune's new head out), then load it, through the changes
         the save and load hooks made to its ``state_dict`` (:mod:`~lightning_par.checkpoint.hook_edits`)."""
         assert self.lightning_module is not None
+        self._left_placeholders = ()  # written from the checkpoint (StrategyLoops._refuse_placeholders)
         state = _state_of(checkpoint)
         saved = StateEdits.from_meta(checkpoint.get(METADATA_KEY))
         loading, self._loading = self._loading, None
