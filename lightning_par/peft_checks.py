@@ -46,7 +46,9 @@ def refuse_grad_reading_adapters(module: nn.Module, *, zero_stage: int) -> None:
     """Raise ``ValueError`` if ``module`` holds a PEFT AdaLoRA adapter and ``zero_stage`` is 1-3."""
     if zero_stage < 1:
         return
-    adalora = _adapters_of(module, "ADALORA")
+    # only adapters that train: a frozen one (PeftModel.from_pretrained's default) allocates nothing
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    adalora = [a for a in _adapters_of(module, "ADALORA") if any(f"lora_E.{a}" in n for n in trainable)]
     if adalora:
         raise ValueError(
             f"PEFT AdaLoRA adapter(s) {adalora} at ZeRO stage {zero_stage}: AdaLoRA's"

@@ -10,6 +10,9 @@
 * Gradients ``zero_grad()`` dropped between two backwards without a step (a batch skipped after its
   backward, a backward in ``on_train_batch_end`` for gradient statistics): ZeRO 1-3 added them to the next
   update (0.03-0.11 off ``"ddp"``); now dropped from the shards at the next pass's first gradient.
+* A Fabric loop that drops an accumulation window with ``optimizer.zero_grad()`` after backwards under
+  ``no_backward_sync`` (one or two optimizers): ZeRO 1-3 stepped with the dropped micro-batches too (0.48
+  off a probe's ``"ddp"``); now each non-final pass marks the masters, and the ``zero_grad()`` drops them.
 * ``p.grad = g`` written by hand: stage 0 steps with it as ``"ddp"`` does; ZeRO 1-3, whose optimizer steps
   the engine's reduced shards, refuse it before the update (before, ignored without a word), in the
   Trainer and in a Fabric loop.
@@ -148,9 +151,40 @@ RUNS += [("ddp", mode) for mode in ("zero_between", "skip_batch", "stray_backwar
 ]
 
 
+def _fabric_skips(world: int, rank: int, strategy: Any, *, two: bool) -> dict[str, Tensor]:
+    """A Fabric loop accumulating 3 micro-batches per step under ``no_backward_sync``, whose second window
+    is dropped by ``optimizer.zero_grad()`` after its second micro-batch (a skipped window: DDP steps with
+    the third micro-batch alone). ``two``: two optimizers, one per layer, only the first zeroed."""
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    groups = [model[0].parameters(), model[2].parameters()] if two else [model.parameters()]
+    model, *opts = fabric.setup(model, *(torch.optim.Adam(g, lr=1e-2) for g in groups))
+    g = torch.Generator().manual_seed(5 + rank)
+    for window in range(3):
+        for micro in range(3):
+            with fabric.no_backward_sync(model, enabled=micro < 2):
+                fabric.backward(model(torch.randn(3, 4, generator=g)).square().mean())
+            if window == 1 and micro == 1:
+                opts[0].zero_grad()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    state = fabric.strategy.consolidated_state_dict() if isinstance(strategy, FabricStrategy) else None
+    if isinstance(strategy, FabricStrategy):
+        fabric.strategy.destroy_process_groups()
+    return state if state is not None else {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def _job(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {f"{s}/{m}": _fit(s, m, world) for s, m in RUNS}
+    for two in (False, True):
+        out[f"fabric_skip/ddp/{two}"] = _fabric_skips(world, rank, "ddp", two=two)
+        for stage in (1, 2, 3) if not two else (2, 3):
+            strategy = FabricStrategy(zero_stage=stage)
+            out[f"fabric_skip/zero{stage}/{two}"] = _fabric_skips(world, rank, strategy, two=two)
     # a Fabric loop at ZeRO-2 that writes param.grad: refused at optimizer.step(), nothing updated
     fabric = Fabric(accelerator="cpu", devices=world, strategy=FabricStrategy(zero_stage=2))
     fabric.launch()
@@ -186,6 +220,16 @@ def test_gradients_from_user_backwards_and_writes_in_manual_optimization() -> No
             assert isinstance(got, dict) and isinstance(want, dict), (got, want)
             for name, value in want.items():
                 torch.testing.assert_close(got[name], value, msg=f"rank {rank} {strategy}/{mode}: {name}")
+        # a window zero_grad() dropped after non-synchronising backwards: as Fabric's "ddp" (before, ZeRO
+        # 1-3 stepped with the dropped micro-batches too)
+        for key, want in out.items():
+            if key.startswith("fabric_skip/ddp/"):
+                two = key.rsplit("/", 1)[1]
+                for stage in (1, 2, 3) if two == "False" else (2, 3):
+                    got = out[f"fabric_skip/zero{stage}/{two}"]
+                    if rank == 0:  # the consolidated state lands on rank 0
+                        for name, value in want.items():
+                            torch.testing.assert_close(got[name], value, msg=f"{key} zero{stage}: {name}")
         got, initial = out["zero1/no_backward"], Manual("no_backward").state_dict()
         assert isinstance(got, dict), got
         for name, value in out["ddp/no_backward"].items():

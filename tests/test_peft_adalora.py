@@ -1,7 +1,8 @@
 """PEFT AdaLoRA, whose ``update_and_allocate`` reads ``param.grad`` after each optimizer step, on 2 Gloo
 ranks: at ZeRO-0 it equals Lightning's ``"ddp"`` (the losses, the pruned rank patterns and the final
 weights); at ZeRO 1-3, where ``param.grad`` is None, it is refused at setup, in the Trainer and in Fabric,
-naming the fix (before: PEFT's ``TypeError`` on ``Parameter * None`` after the first step)."""
+naming the fix (before: PEFT's ``TypeError`` on ``Parameter * None`` after the first step); a frozen
+AdaLoRA adapter under a trained head is not refused (equal to ``"ddp"`` at ZeRO-1)."""
 
 from __future__ import annotations
 
@@ -61,9 +62,23 @@ class AdaLlama(LoraLlama):
         return DataLoader(Tokens(WORLD * STEPS * 2), batch_size=2)
 
 
-def _fit(strategy: Any) -> dict[str, Any]:
+class FrozenAda(AdaLlama):
+    """A frozen AdaLoRA adapter (``PeftModel.from_pretrained``'s default) under a trained LM head: nothing
+    allocates ranks, so every layout trains it."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        assert self.model is not None
+        for name, p in self.model.named_parameters():
+            p.requires_grad = "lm_head" in name
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        pass
+
+
+def _fit(strategy: Any, frozen: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
-    module = AdaLlama()
+    module = FrozenAda() if frozen else AdaLlama()
     trainer = cpu_trainer(strategy, devices=WORLD, max_steps=STEPS)
     try:
         trainer.fit(module)
@@ -96,6 +111,8 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
         "zero1": _fit(HybridParallelStrategy(zero_stage=1)),
         "zero3": _fit(HybridParallelStrategy(zero_stage=3, meta_init=False)),
         "fabric": _fabric(rank),
+        "frozen/ddp": _fit(DDPStrategy(), frozen=True),
+        "frozen/zero1": _fit(HybridParallelStrategy(zero_stage=1), frozen=True),
     }
 
 
@@ -108,6 +125,10 @@ def test_adalora_equals_ddp_at_zero0_and_is_refused_at_zero_1_to_3() -> None:
     assert zero0["state"].keys() == ddp["state"].keys()
     for name, value in ddp["state"].items():
         torch.testing.assert_close(zero0["state"][name], value, msg=name)
+    frozen = out["frozen/zero1"]
+    assert "error" not in frozen, frozen
+    for name, value in out["frozen/ddp"]["state"].items():
+        torch.testing.assert_close(frozen["state"][name], value, msg=f"frozen: {name}")
     for key, stage in (("zero1", 1), ("zero3", 3), ("fabric", 2)):
         message = out[key] if key == "fabric" else out[key].get("error", "")
         assert f"AdaLoRA adapter(s) ['default'] at ZeRO stage {stage}" in message, (key, message)

@@ -170,6 +170,8 @@ class GradSync(GradBuckets):
         self._attachers: list[Callable[[], None]] = []
         self._sync_listeners: list[Callable[[], None]] = []
         self._pass_listeners: list[Callable[[], None]] = []
+        self._pass_end_listeners: list[Callable[[], None]] = []  # after a non-final pass (on_pass_end)
+        self._before_listeners: list[Callable[[], None]] = []  # before accumulation (before_accumulate)
         self._pass_started = False  # a gradient of the running backward pass has arrived
         # Free communication buffers, keyed by capacity (a full bucket, or one rank's slice of it). Every
         # pooled buffer has the largest bucket's size, so the pool never holds more buffers than were
@@ -208,7 +210,12 @@ class GradSync(GradBuckets):
         checkpoint (``use_reentrant=True``) each region's backward is a nested pass of its own, whose end
         comes before the earlier layers' gradients."""
         if root.requires_grad:
-            root.register_hook(self._queue_finalize)
+            root.register_hook(self._on_root_grad)
+
+    def _on_root_grad(self, grad: Tensor) -> None:
+        for listener in self._before_listeners:  # the pass starts: nothing has accumulated yet
+            listener()
+        self._queue_finalize()
 
     def _queue_finalize(self, grad: Tensor | None = None) -> None:
         if not self._callback_queued:
@@ -264,6 +271,9 @@ class GradSync(GradBuckets):
                 self._complete_oldest()
             if self._sync:
                 self._finish_window(missing)
+            else:
+                for listener in self._pass_end_listeners:
+                    listener()
         finally:
             self._reset_backward_state()
             self._pass_started = False
@@ -355,6 +365,8 @@ class GradSync(GradBuckets):
         Lightning's default): gradients someone keeps on purpose are left alone."""
         if torch.is_grad_enabled():
             self._follow_trainable()
+            for listener in self._before_listeners:
+                listener()
         if self.buffer is None or not torch.is_grad_enabled() or not self._params:
             return  # (no parameters: a frozen module, or a pipeline stage of frozen layers)
         if self.buffer.dtype != self._params[0].dtype:
@@ -420,6 +432,31 @@ class GradSync(GradBuckets):
         (``loss.backward()`` in manual optimization or a callback, ``torch.autograd.backward(params,
         grads)``, a validation step's backward)."""
         self._pass_listeners.append(listener)
+
+    def on_pass_end(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` at the end of each non-final pass of a window (:meth:`no_sync`)."""
+        self._pass_end_listeners.append(listener)
+
+    def before_accumulate(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` before gradients may accumulate: before each training forward, and when a
+        backward the strategy runs starts (:meth:`watch_backward`), before any gradient of it."""
+        self._before_listeners.append(listener)
+
+    @property
+    def touched(self) -> list[bool]:
+        """Per parameter (layout order): whether the window's passes so far gave it a gradient."""
+        return list(self._touched)
+
+    @torch.no_grad()
+    def drop_local(self, slots: Sequence[int]) -> None:
+        """Forget what the window accumulated locally for the parameters at ``slots`` (``"boundary"``: their
+        views of the full buffer zeroed; ``optimizer.zero_grad()`` inside a window, as DDP's drops
+        ``param.grad``); the next gradient of each starts afresh."""
+        if self.buffer is None:
+            return
+        for slot in slots:
+            self._views[slot].zero_()
+            self._touched[slot] = False
 
     def on_reduced(self, attach: Callable[[], None]) -> None:
         """Call ``attach()`` when a window's gradients are reduced, before any :meth:`on_synchronized`

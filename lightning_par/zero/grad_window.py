@@ -41,6 +41,8 @@ class GradWindow:
     _grad_copy: Tensor | None
     _window_params: set[int]
     _stepped_in_window: set[int]
+    _slot_owners: list[int]  # per parameter (layout order): its optimizer's id, -1 for none
+    _seen_everywhere: set[int]  # ids of the optimizers with a fragment on every rank (_drop_zeroed)
 
     def _attach_grads(self) -> None:
         """Point each master fragment's ``.grad`` at its slice of the reduced gradient shard, or of one
@@ -73,6 +75,49 @@ class GradWindow:
         if self._grad_copy is not None:
             self._grad_copy.mul_(factor)
 
+    def _mark_window(self) -> None:
+        """The end of a non-final pass (``no_sync``): each fragment a pass of the window gave a gradient
+        points its ``.grad`` at its slice of the gradient shard (what the window reduced so far at
+        ``grad_sync="every"``, zeros at ``"boundary"``), so that a ``zero_grad()`` before the window ends
+        shows as None, as at a window's end (:meth:`_before_pass`, :meth:`_drop_zeroed`). Before, a
+        backward under ``no_backward_sync`` that the loop then dropped with ``optimizer.zero_grad()`` (a
+        skipped micro-batch) was still in the update. Not where the shard's dtype is not the masters'."""
+        grad_shard = self.sync.grad_shard
+        dtype = (self.master_flat if self.master_flat is not None else self.param_flat).dtype
+        if grad_shard is None or grad_shard.dtype != dtype:
+            return
+        touched, params, window = self.sync.touched, self.sync.params, self._window_params
+        for (master, _, slot), view in zip(self._master_slots, self._grad_views, strict=True):
+            if touched[slot]:
+                master.grad = view
+                window.add(id(params[slot]))
+
+    def _drop_zeroed(self) -> None:
+        """Before gradients accumulate (a forward, the start of a backward): at ``grad_sync="boundary"``
+        the window's gradients are still whole in each rank's local buffer, so an optimizer whose marked
+        fragments (:meth:`_mark_window`) ``zero_grad()`` set to None since has its parameters' local
+        gradients dropped, on every rank alike (every rank calls ``zero_grad()``; an optimizer counts only
+        where it has a fragment on every rank, so that all ranks see it)."""
+        if self.sync.buffer is None or self._window_done or not self._window_params:
+            return
+        params, window = self.sync.params, self._window_params
+        gone: dict[int, bool] = {}
+        for (master, _, slot), owner in zip(self._master_slots, self._owners, strict=True):
+            if id(params[slot]) in window and owner in self._seen_everywhere:
+                gone[owner] = gone.get(owner, True) and master.grad is None
+        dropped = {owner for owner, none in gone.items() if none}
+        if not dropped:
+            return
+        slots = [slot for slot, owner in enumerate(self._slot_owners) if owner in dropped]
+        self.sync.drop_local(slots)
+        grad_shard = self.sync.grad_shard
+        assert grad_shard is not None
+        with torch.no_grad():  # and what earlier windows' ends reduced of them, as _before_pass does
+            for f, owner in zip(self.fragments, self._owners, strict=True):
+                if owner in dropped:
+                    grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
+        self._window_params -= {id(params[slot]) for slot in slots}
+
     _window_done = False  # an update has used this window's gradients
 
     def _before_pass(self) -> None:
@@ -86,6 +131,7 @@ class GradWindow:
         if self._window_done:
             self.open_window()
             return
+        self._drop_zeroed()  # a backward the strategy did not start: its first gradient is in already
         params = self.sync.params
         grad_shard = self.sync.grad_shard
         assert grad_shard is not None

@@ -321,9 +321,18 @@ class PowerSGDState:
         if state.get("kind") != "powersgd":
             raise ValueError(f"Not a PowerSGD state: kind {state.get('kind')!r}.")
         self.iteration = int(state["iteration"])
-        random = dict(state.get("random", {}))  # absent from checkpoints of older versions: the seed
+        random = dict(state.get("random", {}))
         if "host" in random:
             self._random.set_state(random.pop("host"))
+        else:  # a checkpoint of an older version: Q is drawn from the seed again
+            self._random.manual_seed(self.seed)
+            if not self.warm_start:
+                warnings.warn(
+                    "PowerSGD: the checkpoint holds no state of the generators that draw Q (written by an"
+                    " older version): with warm_start=False the resumed run draws Q from the seed again,"
+                    " so it does not continue exactly as the interrupted one would have.",
+                    stacklevel=2,
+                )
         self._device_resume = random
         self._device_random = {}
         self._plans = {}  # rebuilt, warm-starting from the restored Q, at the next compressed step

@@ -78,6 +78,8 @@ class ShardedOptimizer(GradWindow):
         sync.on_relayout(self._relayout)
         sync.on_reduced(self._attach_grads)
         sync.on_pass_start(self._before_pass)
+        sync.on_pass_end(self._mark_window)
+        sync.before_accumulate(self._drop_zeroed)
         self._relayout()
         # the compute parameters equal the masters (cast) but for the user's writes since the last
         # refresh; False between an update of the masters and the refresh that follows it
@@ -171,6 +173,10 @@ class ShardedOptimizer(GradWindow):
         # the optimizer (its id) each fragment's parameter belongs to, for open_window
         owner_of = optimizer_of(self.optimizers, self._group_params)
         self._owners = [owner_of.get(id(params[f.slot]), 0) for f in self.fragments]
+        self._slot_owners = [owner_of.get(id(p), -1) for p in params]
+        self._seen_everywhere = {id(opt) for opt in self.optimizers}
+        for rank in range(sync.world):
+            self._seen_everywhere &= {owner_of.get(id(params[f.slot]), -1) for f in layout.fragments(rank)}
 
     @torch.no_grad()
     def _carry_masters(self, old: FlatLayout, old_masters: Tensor) -> None:

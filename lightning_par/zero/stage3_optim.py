@@ -39,6 +39,7 @@ class Stage3Optim(Stage3State):
     _grad_views: list[Tensor | None]
     _handles: list[RemovableHandle]
     unused: frozenset[int]
+    _touched: dict[int, bool]
 
     # ------------------------------------------------------------------ optimizer
     def shard_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
@@ -108,6 +109,19 @@ class Stage3Optim(Stage3State):
                     copies[id(unit)] = unit.grad_shard.to(master.dtype)
                 master.grad = copies[id(unit)][f.shard_lo : f.shard_lo + f.numel]
         self._grad_copies = list(copies.values())
+
+    def _mark_window(self) -> None:
+        """The end of a non-final pass (``no_sync``): each master fragment whose parameter the window's
+        passes gave a gradient points its ``.grad`` at its slice of its unit's gradient shard (what the
+        window reduced so far), so that a ``zero_grad()`` before the window ends shows as None and the
+        next pass's start drops it (``_before_pass``; see ``GradWindow._mark_window``). Not where the
+        shard's dtype is not the masters'."""
+        window = self._window_params
+        for (unit, f, master), view in zip(self._masters, self._grad_views, strict=True):
+            param = id(unit.params[f.slot])
+            if view is not None and self._touched[param]:
+                master.grad = view
+                window.add(param)
 
     def group_params(self, index: int) -> list[list[nn.Parameter]]:
         return self._group_params[index]

@@ -276,6 +276,8 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
         self._free_units()  # inside a step (manual optimization) the root stays gathered
         if missing is not None:
             self._finish_window(missing)
+        else:
+            self._mark_window()
 
     def _finish_window(self, missing: MissingGradients) -> None:
         params = [p for u in self.units for p in u.params]
