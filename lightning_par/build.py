@@ -165,6 +165,7 @@ def build_engine(
         comm_hook_state=compression.state,
         comm_dtype=compression.dtype,
         device=device,
+        marks_passes=not pipelined,
     )
 
 

@@ -66,6 +66,10 @@ class ZeroEngine:
     master_dtype: torch.dtype | None = None
     compute_dtype: torch.dtype | None = None
     allow_untested_optimizer: bool = False
+    # non-synchronising passes mark the optimizers' gradients, so that a zero_grad() inside a window drops
+    # it (GradWindow._mark_window); not under a pipeline, whose schedule runs a window's micro-batches
+    # inside Lightning's training_step, before Lightning zeroes the gradients of that new window
+    marks_passes: bool = True
     sharded: ShardedOptimizer | None = field(default=None)
     # whole parameters below stage 3: state dicts are never refused, this only satisfies the protocol
     own_reads: OwnReads = field(default_factory=OwnReads)
@@ -86,6 +90,7 @@ class ZeroEngine:
             master_dtype=self.master_dtype,
             compute_dtype=self.compute_dtype,
             allow_untested_optimizer=self.allow_untested_optimizer,
+            marks_passes=self.marks_passes,
         )
 
     def after_step(self, *, open_window: bool = True, optimizer: Optimizer | None = None) -> None:
@@ -336,6 +341,7 @@ def apply_zero(
     comm_hook_state: object = None,
     comm_dtype: torch.dtype | None = None,
     device: torch.device | None = None,
+    marks_passes: bool = True,
 ) -> ZeroEngine:
     """Install ZeRO ``stage`` (0, 1 or 2) on ``module`` over ``group``; see the module docstring.
 
@@ -345,7 +351,8 @@ def apply_zero(
     replaces each bucket's all-reduce (:mod:`lightning_par.zero.comm_hooks`); with a hook, ``"auto"``
     picks the all-reduce and the window is reduced at its boundary. ``comm_dtype`` (fp16/bf16) runs every
     gradient reduction in that dtype instead. ``device``: the communication device, for a module with
-    nothing to train on this rank (a pipeline stage whose layers are all frozen).
+    nothing to train on this rank (a pipeline stage whose layers are all frozen). ``marks_passes``: see
+    :attr:`ZeroEngine.marks_passes` (False under a pipeline).
     """
     if isinstance(stage, bool) or stage not in (0, 1, 2):
         raise ValueError(f"apply_zero handles stages 0, 1 and 2, got {stage!r}.")
@@ -389,6 +396,7 @@ def apply_zero(
         master_dtype=master_dtype,
         compute_dtype=compute_dtype,
         allow_untested_optimizer=allow_untested_optimizer,
+        marks_passes=marks_passes,
     )
 
 

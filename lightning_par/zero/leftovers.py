@@ -1,4 +1,5 @@
-"""A model that still holds ZeRO-3's placeholders from a run an exception stopped, refused at setup.
+"""A model that still holds ZeRO-3's placeholders from a run an exception stopped (or that kept it
+sharded, ``unshard_on_teardown=False``), refused before a new run computes with them.
 
 When a fit fails, the ZeRO-3 engine cannot gather the parameters back (the other ranks may not join), so
 the module keeps its placeholders: tensors of the parameters' shapes expanded from one NaN (or zero)
@@ -13,6 +14,7 @@ or a ``FlashCheckpoint`` snapshot found at setup): the engine then wrote each ra
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 
 def placeholder_names(module: nn.Module) -> list[str]:
@@ -20,7 +22,7 @@ def placeholder_names(module: nn.Module) -> list[str]:
     return [
         name
         for name, p in module.named_parameters()
-        if not p.is_meta and p.dim() > 0 and all(s == 0 for s in p.stride())
+        if not is_lazy(p) and not p.is_meta and p.dim() > 0 and all(s == 0 for s in p.stride())
     ]
 
 
@@ -30,9 +32,9 @@ def refuse_left_placeholders(names: list[str], *, total: int) -> None:
         raise ValueError(
             f"{len(names)} of the model's {total} parameters (e.g. {names[:3]}) hold ZeRO-3's placeholders:"
             " an earlier run on this model stopped with an exception before the parameters could be gathered"
-            " back, and nothing loads into them now. Resume from a checkpoint (trainer.fit(model,"
-            " ckpt_path=...): the last one written holds the trained weights), or rebuild the model,"
-            " before fitting or evaluating it again."
+            " back (or kept them sharded: unshard_on_teardown=False), and nothing loads into them now."
+            " Resume from a checkpoint (trainer.fit(model, ckpt_path=...): the last one written holds the"
+            " trained weights), or rebuild the model, before fitting or evaluating it again."
         )
 
 

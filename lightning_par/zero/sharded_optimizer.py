@@ -60,6 +60,7 @@ class ShardedOptimizer(GradWindow):
         master_dtype: torch.dtype | None = None,
         compute_dtype: torch.dtype | None = None,
         allow_untested_optimizer: bool = False,
+        marks_passes: bool = True,
     ) -> None:
         if not sync.shard:
             raise ValueError("ShardedOptimizer needs a sharded GradSync (shard=True).")
@@ -78,8 +79,9 @@ class ShardedOptimizer(GradWindow):
         sync.on_relayout(self._relayout)
         sync.on_reduced(self._attach_grads)
         sync.on_pass_start(self._before_pass)
-        sync.on_pass_end(self._mark_window)
-        sync.before_accumulate(self._drop_zeroed)
+        if marks_passes:  # see ZeroEngine.marks_passes
+            sync.on_pass_end(self._mark_window)
+            sync.before_accumulate(self._drop_zeroed)
         self._relayout()
         # the compute parameters equal the masters (cast) but for the user's writes since the last
         # refresh; False between an update of the masters and the refresh that follows it
