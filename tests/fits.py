@@ -48,3 +48,15 @@ def fit_refused(trainer: pl.Trainer, module: pl.LightningModule, strategy: Any) 
             strategy.destroy_process_groups()
         return str(error)
     return None
+
+
+def fabric_setup_refused(fabric: Any, model: nn.Module, optimizer: Any) -> str | None:
+    """``fabric.setup(model, optimizer)`` with our Fabric strategy: the message of the ``ValueError`` it
+    raised, or None when the setup went through; the strategy's process groups destroyed either way."""
+    try:
+        fabric.setup(model, optimizer)
+    except ValueError as error:
+        return str(error)
+    finally:
+        fabric.strategy.destroy_process_groups()
+    return None

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from lightning_par.fabric import HybridParallelStrategy
 from tests.distributed import run_distributed
+from tests.fits import fabric_setup_refused
 
 WORLD, ROUNDS, STEPS = 2, 3, 2
 
@@ -53,13 +54,7 @@ def _piped_twice(rank: int) -> str:
     fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]
     fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy())
     fabric.launch()
-    try:
-        fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    except ValueError as error:
-        return str(error)
-    finally:
-        fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]
-    return "not refused"
+    return fabric_setup_refused(fabric, model, torch.optim.SGD(model.parameters(), lr=0.1)) or "not refused"
 
 
 def _runs(rank: int, world: int) -> dict[str, Any]:
