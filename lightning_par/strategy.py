@@ -56,7 +56,7 @@ from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check
 from lightning_par.zero.engine import Engine, ReduceChoice
 from lightning_par.zero.grad_sync import GradSyncPolicy
 from lightning_par.zero.init_seeds import agree_seed
-from lightning_par.zero.leftovers import placeholder_names
+from lightning_par.zero.leftovers import placeholder_names, refuse_left_placeholders
 from lightning_par.zero.meta_init import materialize_local
 from lightning_par.zero.meta_loads import MetaLoads
 from lightning_par.zero.units import UnitPolicy, check_pipeline_units
@@ -306,7 +306,11 @@ class HybridParallelStrategy(StrategyTeardown, StrategyEngine):
         # parameters an interrupted run left as ZeRO-3 placeholders: refused when the first loop starts,
         # unless a checkpoint loads into them first (Lightning's load comes after setup)
         flash = any(getattr(cb, "restores_at_fit_start", False) for cb in getattr(trainer, "callbacks", []))
-        self._left_placeholders = () if flash else tuple(placeholder_names(self.model))
+        left = placeholder_names(self.model)
+        if left and self._engine is not None and self._engine.shards_params:
+            # this strategy's last run kept them sharded: refused before a new engine replaces its shards
+            refuse_left_placeholders(left, total=sum(1 for _ in self.model.parameters()), kept=True)
+        self._left_placeholders = () if flash else tuple(left)
         if fitting:
             refuse_grad_reading_adapters(self.model, zero_stage=self.zero_stage)
             refuse_sync_batchnorm_on_cpu(

@@ -10,6 +10,7 @@ instead. The process groups outlive ``teardown`` for ``consolidated_state_dict()
 
 from __future__ import annotations
 
+import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.trainer.states import TrainerStatus
 from torch import nn
@@ -81,7 +82,19 @@ class StrategyTeardown(StrategySteps, StrategyPrecision, MeshStrategy):
         if self._engine.shards_params:
             held = "ZeRO-3's NaN placeholders (each rank's shard is in the engine)"
         elif isinstance(plugin, ParallelPrecision) and plugin.uses_masters:
-            held = f"the {plugin.compute_dtype} compute copies (the fp32 masters are in the shards)"
+            # back in the masters' dtype, as a finished fit leaves them (a local cast, no gather): a
+            # resume then loads fp32 values into fp32 parameters (before, the next run took the 16-bit
+            # copies for the model's own dtype and trained in it, or failed on mixed dtypes)
+            master = torch.float32  # ParallelPrecision's masters
+            module = self.lightning_module
+            if module is not None:
+                for p in module.parameters():
+                    if p.requires_grad and p.dtype == plugin.compute_dtype:
+                        p.data = p.data.to(master)
+            held = (
+                f"the {plugin.compute_dtype} compute copies' values, cast back to {master} (rounded: the"
+                " exact masters are in the shards)"
+            )
         else:
             return
         rank_zero_warn(

@@ -248,6 +248,41 @@ def _failed_fits(rank: int, world: int, tmp: str) -> dict[str, Any]:
     fresh = Failing()
     fresh.fail = False
     said["fresh"] = retry(fresh, ckpt)
+    # a checkpoint that writes only some of them (a fine-tune saving its head, strict_loading=False): the
+    # rest are still refused (before, they trained on NaN)
+    again = Failing()
+    strategy = HybridParallelStrategy(zero_stage=3, zero3_units=units, save_distributed_checkpoint=False)
+    with pytest.raises(ValueError, match="the user's bug"):
+        cpu_trainer(strategy, devices=world, max_steps=STEPS, callbacks=[SaveFirst(ckpt + ".whole")]).fit(
+            again, DataLoader(_data(), batch_size=4)
+        )
+    strategy.destroy_process_groups()
+    if rank == 0:
+        whole = torch.load(ckpt + ".whole", weights_only=False)
+        whole["state_dict"] = {k: v for k, v in whole["state_dict"].items() if k.startswith("head.")}
+        torch.save(whole, ckpt + ".head")
+    torch.distributed.barrier()
+    again.fail, again.strict_loading = False, False
+    said["partial"] = retry(again, ckpt + ".head")
+    # kept sharded after a fit (unshard_on_teardown=False): another run on the same strategy is refused
+    # before its engine replaces the fit's shards, which stay readable (before: NaN, and the shards lost)
+    kept = Failing()
+    kept.fail = False
+    strategy = HybridParallelStrategy(zero_stage=3, zero3_units=units, unshard_on_teardown=False)
+    trainer = cpu_trainer(strategy, devices=world, max_steps=STEPS)
+    trainer.fit(kept, DataLoader(_data(), batch_size=4))
+    before = strategy.consolidated_state_dict()
+    try:
+        trainer.fit(kept, DataLoader(_data(), batch_size=4))
+        said["kept"] = "not refused"
+    except ValueError as error:
+        said["kept"] = str(error)
+    after = strategy.consolidated_state_dict()
+    said["kept_intact"] = before.keys() == after.keys() and all(
+        torch.equal(v, after[k]) for k, v in before.items()
+    )
+    said["kept_finite"] = all(bool(torch.isfinite(v).all()) for v in before.values())
+    strategy.destroy_process_groups()
     return said
 
 
@@ -256,13 +291,21 @@ def test_a_fit_stopped_by_an_exception_says_what_the_model_holds(tmp_path: Any) 
     the model holds the bf16 compute copies (ZeRO 1-2 with masters) or ZeRO-3's placeholders, which a retry
     on the same object would start from, silently; rank 0 now says so and how to start again."""
     said = run_distributed(_failed_fits, 2, str(tmp_path), init_group=False, timeout=300)[0]
-    assert said["zero1-dtype"] == ["torch.bfloat16"]  # what a retry would have started from
+    # the bf16 copies' values, back in fp32 as a finished fit leaves them (before: bf16, which a retry took
+    # for the model's own dtype)
+    assert said["zero1-dtype"] == ["torch.float32"]
     (zero1,) = said["zero1"]
-    assert "torch.bfloat16 compute copies" in zero1 and "resume from a checkpoint" in zero1
+    assert "torch.bfloat16 compute copies' values, cast back to torch.float32" in zero1
+    assert "resume from a checkpoint" in zero1
     (zero3,) = said["zero3"]
     assert "ZeRO-3's NaN placeholders" in zero3
     assert said["left"] == ["bilinear.bias", "bilinear.weight", "head.bias", "head.weight"]
     assert "4 of the model's 9 parameters" in said["retry"], said["retry"]
+    assert "2 of the model's 9 parameters (e.g. ['bilinear.weight', 'bilinear.bias'])" in said["partial"], (
+        said
+    )
+    assert "this strategy's last run left the model sharded" in said["kept"], said["kept"]
+    assert said["kept_intact"] and said["kept_finite"]
     assert "hold ZeRO-3's placeholders" in said["retry"] and "ckpt_path" in said["retry"], said["retry"]
     assert isinstance(said["resumed"], dict) and isinstance(said["fresh"], dict), said
     assert said["resumed"].keys() == said["fresh"].keys()

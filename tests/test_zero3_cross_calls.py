@@ -119,23 +119,25 @@ class Encoder(pl.LightningModule):
 class Penalised(Shared):
     """The blocks without the cross-call, and an L1 penalty on every weight computed in training_step."""
 
-    def __init__(self) -> None:
+    def __init__(self, through_data: bool = False) -> None:
         super().__init__()
         object.__setattr__(self.blocks[2], "peer", None)
+        self.through_data = through_data  # read as p.data: a plain tensor on the placeholder's storage
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = super().training_step(batch, batch_idx)
-        return loss + 1e-3 * sum(p.abs().sum() for p in self.parameters())
+        weights = [p.data if self.through_data else p for p in self.parameters()]
+        return loss + 1e-3 * sum(w.abs().sum() for w in weights)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         return super().training_step(batch, batch_idx)  # no penalty: the sanity check passes
 
 
-def _penalised() -> dict[str, Any]:
+def _penalised(through_data: bool = False) -> dict[str, Any]:
     strategy = HybridParallelStrategy(zero_stage=3)
     trainer = _trainer(strategy)
     with pytest.raises(RuntimeError) as info:  # after the sanity check's validation steps
-        trainer.fit(Penalised(), _data(), val_dataloaders=_data())
+        trainer.fit(Penalised(through_data), _data(), val_dataloaders=_data())
     strategy.destroy_process_groups()
     return {"message": str(info.value), "steps": trainer.global_step}
 
@@ -170,6 +172,8 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
         "encoder_linear": _encoder([nn.Linear]),
         "encoder_mha": _encoder([nn.MultiheadAttention]),
         "penalty": _penalised(),
+        # through p.data (before: NaN penalties and weights, silently)
+        "penalty_data": _penalised(through_data=True),
     }
 
 
@@ -198,10 +202,11 @@ def test_cross_unit_calls_are_refused_and_the_fix_equals_ddp() -> None:
         " 'encoder.layers.0.self_attn.out_proj' was read by 'multi_head_attention_forward'"
     ) in refused["message"]
     assert "nn.MultiheadAttention" in refused["message"]
-    penalty = ranks[0]["penalty"]
-    assert penalty["steps"] == 0
-    assert "parameter 'blocks.0.fc.weight' of unit 'blocks.0' was read by 'abs'" in penalty["message"]
-    assert "after its module's forward" in penalty["message"] and "weight_decay" in penalty["message"]
+    for key in ("penalty", "penalty_data"):
+        penalty = ranks[0][key]
+        assert penalty["steps"] == 0
+        assert "parameter 'blocks.0.fc.weight' of unit 'blocks.0' was read by 'abs'" in penalty["message"]
+        assert "after its module's forward" in penalty["message"] and "weight_decay" in penalty["message"]
     reference, ours = ranks[0]["encoder_ddp"]["state"], ranks[0]["encoder_mha"]["state"]
     assert ours.keys() == reference.keys()
     for key, value in reference.items():

@@ -332,8 +332,11 @@ class ZeroCheckpointIO(ParallelStrategy):
         ``strict_loading``; False leaves a fine-tune's new head out), then load it, through the changes
         the save and load hooks made to its ``state_dict`` (:mod:`~lightning_par.checkpoint.hook_edits`)."""
         assert self.lightning_module is not None
-        self._left_placeholders = ()  # written from the checkpoint (StrategyLoops._refuse_placeholders)
         state = _state_of(checkpoint)
+        # placeholders the checkpoint writes are loaded; the rest stay refused (a partial checkpoint of a
+        # fine-tune's head, strict_loading=False): see StrategyLoops._refuse_placeholders
+        written = set(state) | set(getattr(state, "elsewhere", ()))
+        self._left_placeholders = tuple(n for n in self._left_placeholders if n not in written)
         saved = StateEdits.from_meta(checkpoint.get(METADATA_KEY))
         loading, self._loading = self._loading, None
         edits = (loading.edits(state) if loading is not None else StateEdits()).after(saved, state)

@@ -46,7 +46,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
@@ -55,7 +55,7 @@ from lightning_par.torch_modes import CheckedCalls, leave_mode, on_stack
 from lightning_par.zero.autograd_state import in_backward
 from lightning_par.zero.unit import Unit
 
-__all__ = ["NOT_READS", "CrossUnitGuard", "param_owners", "params_read"]
+__all__ = ["NOT_READS", "CrossUnitGuard", "param_owners", "params_read", "placeholder_owners"]
 
 # what a torch function may do with a sharded parameter without reading its values: property access
 # (.data, .grad, .shape, ._version: getset descriptors), metadata, new tensors shaped like it, and hook
@@ -109,6 +109,8 @@ class CrossUnitGuard:
         self._handles: list[RemovableHandle] = []
         # id(parameter) -> (non-root unit, name)
         self._owners = {k: owner for k, owner in param_owners(units).items() if owner[0] is not root}
+        # placeholder storage -> (non-root unit, name): reads through param.data or .detach() views
+        self._storages = {k: o for k, o in placeholder_owners(units).items() if o[0] is not root}
         self._entered: set[Unit] = set()  # units whose forward has started
         self._mode: CheckedCalls | None = None  # the reads mode of the running step
         self._fast_depth = 0  # fast-path module forwards running (module docstring)
@@ -185,7 +187,7 @@ class CrossUnitGuard:
         return self._mode
 
     def _check_read(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        for unit, name in params_read(func, args, kwargs, self._owners):
+        for unit, name in params_read(func, args, kwargs, self._owners, storages=self._storages):
             if unit.state == "gathered" or unit in self._running:
                 continue
             caller = f" in the forward of unit {self._running[-1].name!r}" if self._running else ""
@@ -257,15 +259,39 @@ def param_owners(units: Sequence[Unit]) -> dict[int, tuple[Unit, str]]:
     }
 
 
+def placeholder_owners(units: Sequence[Unit]) -> dict[int, tuple[Unit, str]]:
+    """``placeholder storage address -> (its unit, its parameter's name)``: a tensor on one of them is a
+    sharded parameter's ``.data`` (or a view of it), which holds NaN; a gathered parameter's storage is
+    another."""
+    return {
+        ph.untyped_storage().data_ptr(): (unit, name)
+        for unit in units
+        for part in unit.parts
+        for name, ph in zip(part.names, part.placeholders, strict=True)
+    }
+
+
 def params_read(
-    func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], owners: dict[int, tuple[Unit, str]]
+    func: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    owners: dict[int, tuple[Unit, str]],
+    *,
+    storages: dict[int, tuple[Unit, str]] | None = None,
 ) -> Iterator[tuple[Unit, str]]:
     """``(unit, name)`` of each parameter in ``owners`` that a torch call reads: its arguments, one level
-    into lists and tuples; none for a call that does not read values (:data:`NOT_READS`)."""
+    into lists and tuples; none for a call that does not read values (:data:`NOT_READS`). With
+    ``storages`` (:func:`placeholder_owners`) also plain tensors on a placeholder's storage: a read through
+    ``param.data``, which is no Parameter (before, such a read computed with NaN, silently)."""
     if getattr(func, "__name__", "") in NOT_READS:
         return
     for value in (*args, *kwargs.values()):
         for item in value if isinstance(value, (list, tuple)) else (value,):
-            owner = owners.get(id(item)) if isinstance(item, nn.Parameter) else None
+            if isinstance(item, nn.Parameter):
+                owner = owners.get(id(item))
+            elif storages and isinstance(item, Tensor) and item.layout == torch.strided and not item.is_meta:
+                owner = storages.get(item.untyped_storage().data_ptr())
+            else:
+                owner = None
             if owner is not None:
                 yield owner

@@ -114,7 +114,9 @@ class Unit:
                     raise RuntimeError(
                         f"ZeRO-3: parameter {name!r} was replaced or modified outside a forward pass while it"
                         " was sharded, so the change would be lost. Change parameters inside forward, in an"
-                        " optimizer step, or through load_state_dict / the strategy's checkpoint loading."
+                        " optimizer step, through load_state_dict / the strategy's checkpoint loading, or"
+                        " between steps inside `with trainer.strategy.gathered_params(writeback=True):` on"
+                        " every rank (fabric.strategy.gathered_params in Fabric)."
                     )
 
     def gather(self, group: ProcessGroup) -> None:
