@@ -307,9 +307,10 @@ class HybridParallelStrategy(StrategyTeardown, StrategyEngine):
         # unless a checkpoint loads into them first (Lightning's load comes after setup)
         flash = any(getattr(cb, "restores_at_fit_start", False) for cb in getattr(trainer, "callbacks", []))
         left = placeholder_names(self.model)
-        if left and self._engine is not None and self._engine.shards_params:
-            # this strategy's last run kept them sharded: refused before a new engine replaces its shards
+        if left and self._kept_sharded and self._engine is not None and self._engine.shards_params:
+            # this strategy's last fit kept them sharded: refused before a new engine replaces its shards
             refuse_left_placeholders(left, total=sum(1 for _ in self.model.parameters()), kept=True)
+        self._kept_sharded = False
         self._left_placeholders = () if flash else tuple(left)
         if fitting:
             refuse_grad_reading_adapters(self.model, zero_stage=self.zero_stage)

@@ -31,6 +31,7 @@ class StrategyTeardown(StrategySteps, StrategyPrecision, MeshStrategy):
 
     # set by HybridParallelStrategy.__init__ and setup()
     unshard_on_teardown: bool
+    _kept_sharded = False  # the last fit ended with the model sharded (unshard_on_teardown=False)
     _synced_batchnorm: bool
     _metric_sync: MetricSync
 
@@ -51,6 +52,8 @@ class StrategyTeardown(StrategySteps, StrategyPrecision, MeshStrategy):
                 self._note_master_dtype()
             elif self.unshard_on_teardown:
                 self._warn_left_as_held()
+            # kept sharded on purpose: the next run on this strategy would replace the shards (setup)
+            self._kept_sharded = not self.unshard_on_teardown and not self._interrupted()
             # hooks go; the engine stays so trainer.save_checkpoint() after fit still sees the shards
             # (the next setup() builds a new one)
             self._engine.remove()
@@ -91,6 +94,7 @@ class StrategyTeardown(StrategySteps, StrategyPrecision, MeshStrategy):
                 for p in module.parameters():
                     if p.requires_grad and p.dtype == plugin.compute_dtype:
                         p.data = p.data.to(master)
+                self._note_master_dtype()  # self.dtype as a finished fit leaves it
             held = (
                 f"the {plugin.compute_dtype} compute copies' values, cast back to {master} (rounded: the"
                 " exact masters are in the shards)"

@@ -252,10 +252,9 @@ def _failed_fits(rank: int, world: int, tmp: str) -> dict[str, Any]:
     # rest are still refused (before, they trained on NaN)
     again = Failing()
     strategy = HybridParallelStrategy(zero_stage=3, zero3_units=units, save_distributed_checkpoint=False)
+    failed = cpu_trainer(strategy, devices=world, max_steps=STEPS, callbacks=[SaveFirst(ckpt + ".whole")])
     with pytest.raises(ValueError, match="the user's bug"):
-        cpu_trainer(strategy, devices=world, max_steps=STEPS, callbacks=[SaveFirst(ckpt + ".whole")]).fit(
-            again, DataLoader(_data(), batch_size=4)
-        )
+        failed.fit(again, DataLoader(_data(), batch_size=4))
     strategy.destroy_process_groups()
     if rank == 0:
         whole = torch.load(ckpt + ".whole", weights_only=False)
@@ -264,6 +263,13 @@ def _failed_fits(rank: int, world: int, tmp: str) -> dict[str, Any]:
     torch.distributed.barrier()
     again.fail, again.strict_loading = False, False
     said["partial"] = retry(again, ckpt + ".head")
+    again.strict_loading = True
+    try:
+        failed.fit(again, DataLoader(_data(), batch_size=4), ckpt_path=ckpt + ".whole")
+        said["same_trainer"] = final_state(again, strategy)
+    except ValueError as error:
+        strategy.destroy_process_groups()
+        said["same_trainer"] = str(error)
     # kept sharded after a fit (unshard_on_teardown=False): another run on the same strategy is refused
     # before its engine replaces the fit's shards, which stay readable (before: NaN, and the shards lost)
     kept = Failing()
@@ -304,7 +310,11 @@ def test_a_fit_stopped_by_an_exception_says_what_the_model_holds(tmp_path: Any) 
     assert "2 of the model's 9 parameters (e.g. ['bilinear.weight', 'bilinear.bias'])" in said["partial"], (
         said
     )
-    assert "this strategy's last run left the model sharded" in said["kept"], said["kept"]
+    assert "this strategy's last fit kept the model sharded" in said["kept"], said["kept"]
+    # the same Trainer resumed after its exception, as the warning advises: as a fresh model resumed
+    assert isinstance(said["same_trainer"], dict), said["same_trainer"]
+    for name, value in said["fresh"].items():
+        torch.testing.assert_close(said["same_trainer"][name], value, msg=f"same trainer: {name}")
     assert said["kept_intact"] and said["kept_finite"]
     assert "hold ZeRO-3's placeholders" in said["retry"] and "ckpt_path" in said["retry"], said["retry"]
     assert isinstance(said["resumed"], dict) and isinstance(said["fresh"], dict), said

@@ -32,11 +32,11 @@ def refuse_left_placeholders(names: list[str], *, total: int, kept: bool = False
     if names and kept:
         raise ValueError(
             f"{len(names)} of the model's {total} parameters (e.g. {names[:3]}) hold ZeRO-3's placeholders:"
-            " this strategy's last run left the model sharded (unshard_on_teardown=False, or it stopped"
-            " with an exception), and its weights are in that run's shards, which a new run here would"
-            " replace. Read them first with trainer.strategy.consolidated_state_dict() (or"
-            " trainer.save_checkpoint) and run on a model built from them, or keep"
-            " unshard_on_teardown=True to evaluate after fit. Nothing was changed."
+            " this strategy's last fit kept the model sharded (unshard_on_teardown=False), and its weights"
+            " are in that fit's shards, which a new run here would replace. Read them first with"
+            " trainer.strategy.consolidated_state_dict() (or trainer.save_checkpoint) and run on a model"
+            " built from them, or fit with unshard_on_teardown=True (the default) to evaluate after the"
+            " fit. Nothing was changed."
         )
     if names:
         raise ValueError(

@@ -271,6 +271,18 @@ def placeholder_owners(units: Sequence[Unit]) -> dict[int, tuple[Unit, str]]:
     }
 
 
+def _storage_address(tensor: Tensor) -> int | None:
+    """Where ``tensor``'s storage starts; None for tensors without one of their own (functorch's batched
+    and gradient-tracking wrappers under ``torch.vmap`` / ``torch.func``, wrapper subclasses) and inside
+    a compiled region, which does not trace storage access (a placeholder read there is not seen)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def params_read(
     func: Callable[..., Any],
     args: Sequence[Any],
@@ -290,7 +302,8 @@ def params_read(
             if isinstance(item, nn.Parameter):
                 owner = owners.get(id(item))
             elif storages and isinstance(item, Tensor) and item.layout == torch.strided and not item.is_meta:
-                owner = storages.get(item.untyped_storage().data_ptr())
+                address = _storage_address(item)
+                owner = storages.get(address) if address is not None else None
             else:
                 owner = None
             if owner is not None:
