@@ -45,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_par.state_guard import OwnReads
 from lightning_par.torch_modes import CheckedCalls, leave_mode
-from lightning_par.zero.stage3_calls import param_owners, params_read, placeholder_owners
+from lightning_par.zero.stage3_calls import param_owners, params_read
 from lightning_par.zero.unit import Unit
 
 __all__ = ["BetweenSteps", "ReadWindows"]
@@ -56,7 +56,6 @@ class BetweenSteps:
 
     def __init__(self, units: Sequence[Unit], own_reads: OwnReads, *, where: str | None = None) -> None:
         self._owners = param_owners(units)
-        self._storages = placeholder_owners(units)  # reads through param.data (stage3_calls.params_read)
         self._own_reads = own_reads
         # where the reads are refused, for the message (default: the window after the first step)
         self._where = where
@@ -81,7 +80,9 @@ class BetweenSteps:
     def _check_read(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         if self._own_reads.active or self._refused:
             return
-        for unit, param in params_read(func, args, kwargs, self._owners, storages=self._storages):
+        # parameters only, not plain tensors on a placeholder's storage (stage3_calls.params_read): a
+        # deepcopy of the model clones param.data, and its copy is refused at its first use with the fix
+        for unit, param in params_read(func, args, kwargs, self._owners):
             if unit.state != "gathered":
                 name = getattr(func, "__name__", "")
                 # torch restores the mode after this raise: inert from here until stop() takes it off
