@@ -272,8 +272,8 @@ def _check_kind(old: nn.Module, name: str, style: str) -> None:
                 " adapter with tensor_parallel_size=1 (ZeRO shards it), or use LoraConfig."
             )
         raise ValueError(
-            f"tp_plan style {style!r} needs an nn.Linear, but {name!r} is {where}.{type(old).__qualname__}."
-            + hint
+            f"tp_plan style {style!r} needs an nn.Linear, but {name!r} is {type(old).__name__}"
+            f" ({where}.{type(old).__qualname__})." + hint
         )
     if style == "vocab" and not isinstance(old, nn.Embedding):
         raise ValueError(
