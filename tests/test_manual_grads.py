@@ -171,10 +171,46 @@ def _fabric_skips(world: int, rank: int, strategy: Any, *, two: bool) -> dict[st
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    state = fabric.strategy.consolidated_state_dict() if isinstance(strategy, FabricStrategy) else None
-    if isinstance(strategy, FabricStrategy):
-        fabric.strategy.destroy_process_groups()
-    return state if state is not None else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _final(fabric, model)
+
+
+def _final(fabric: Fabric, model: nn.Module) -> dict[str, Tensor]:
+    """The trained weights (ours: consolidated on rank 0), our groups destroyed for the next run."""
+    if not isinstance(fabric.strategy, FabricStrategy):
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = fabric.strategy.consolidated_state_dict()
+    fabric.strategy.destroy_process_groups()
+    return state
+
+
+class TwoBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor, *, use_b: bool) -> Tensor:
+        return self.a(x) + self.b(x).tanh() if use_b else self.a(x)
+
+
+def _fabric_branch(world: int, rank: int, strategy: Any) -> dict[str, Tensor]:
+    """Two windows of 3 micro-batches at ``grad_sync="every"`` (ZeRO-2's default) where one rank's first
+    micro-batch skips branch ``b`` (rank 0 in the first window, rank 1 in the second) and the others use
+    it: after that pass the rank's shard of ``b`` (if it holds one) has the other ranks' reduced
+    gradients while its own ``b``'s gradient was never set; the next pass must keep them, as DDP does."""
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    module = TwoBranches()
+    model, opt = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.5))
+    g = torch.Generator().manual_seed(5 + rank)
+    for window in range(2):
+        for micro in range(3):
+            with fabric.no_backward_sync(model, enabled=micro < 2):
+                x = torch.randn(3, 4, generator=g)
+                fabric.backward(model(x, use_b=micro > 0 or rank != window).square().mean())
+        opt.step()
+        opt.zero_grad()
+    return _final(fabric, model)
 
 
 def _job(rank: int, world: int) -> dict[str, Any]:
@@ -185,6 +221,9 @@ def _job(rank: int, world: int) -> dict[str, Any]:
         for stage in (1, 2, 3) if not two else (2, 3):
             strategy = FabricStrategy(zero_stage=stage)
             out[f"fabric_skip/zero{stage}/{two}"] = _fabric_skips(world, rank, strategy, two=two)
+    out["fabric_branch/ddp"] = _fabric_branch(world, rank, "ddp")
+    for stage in (2, 3):
+        out[f"fabric_branch/zero{stage}"] = _fabric_branch(world, rank, FabricStrategy(zero_stage=stage))
     # a Fabric loop at ZeRO-2 that writes param.grad: refused at optimizer.step(), nothing updated
     fabric = Fabric(accelerator="cpu", devices=world, strategy=FabricStrategy(zero_stage=2))
     fabric.launch()
@@ -230,6 +269,12 @@ def test_gradients_from_user_backwards_and_writes_in_manual_optimization() -> No
                     if rank == 0:  # the consolidated state lands on rank 0
                         for name, value in want.items():
                             torch.testing.assert_close(got[name], value, msg=f"{key} zero{stage}: {name}")
+        # a branch one rank skipped in a non-final pass: its reduced gradients stay in the window
+        for stage in (2, 3):
+            if rank == 0:
+                for name, value in out["fabric_branch/ddp"].items():
+                    got = out[f"fabric_branch/zero{stage}"][name]
+                    torch.testing.assert_close(got, value, msg=f"branch zero{stage}: {name}")
         got, initial = out["zero1/no_backward"], Manual("no_backward").state_dict()
         assert isinstance(got, dict), got
         for name, value in out["ddp/no_backward"].items():

@@ -19,6 +19,8 @@ update uses. Per master fragment ``f`` of parameter ``p`` on this rank:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
@@ -108,15 +110,9 @@ class GradWindow:
         dropped = {owner for owner, none in gone.items() if none}
         if not dropped:
             return
-        slots = [slot for slot, owner in enumerate(self._slot_owners) if owner in dropped]
-        self.sync.drop_local(slots)
-        grad_shard = self.sync.grad_shard
-        assert grad_shard is not None
-        with torch.no_grad():  # and what earlier windows' ends reduced of them, as _before_pass does
-            for f, owner in zip(self.fragments, self._owners, strict=True):
-                if owner in dropped:
-                    grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
-        self._window_params -= {id(params[slot]) for slot in slots}
+        self.sync.drop_local([s for s, owner in enumerate(self._slot_owners) if owner in dropped])
+        # and what earlier windows' ends reduced of them, as _before_pass does
+        self._leave_shard(lambda master, slot, owner: owner in dropped)
 
     _window_done = False  # an update has used this window's gradients
 
@@ -132,16 +128,10 @@ class GradWindow:
             self.open_window()
             return
         self._drop_zeroed()  # a backward the strategy did not start: its first gradient is in already
-        params = self.sync.params
-        grad_shard = self.sync.grad_shard
-        assert grad_shard is not None
-        zeroed: set[int] = set()
-        with torch.no_grad():
-            for (master, _, slot), f in zip(self._master_slots, self.fragments, strict=True):
-                if master.grad is None and id(params[slot]) in self._window_params:
-                    grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
-                    zeroed.add(id(params[slot]))
-        self._window_params -= zeroed
+        # only inside the window: at grad_sync="every" a fragment this rank did not touch in a
+        # non-final pass may hold other ranks' reduced gradients already, with its .grad None
+        window, params = self._window_params, self.sync.params
+        self._leave_shard(lambda master, slot, owner: master.grad is None and id(params[slot]) in window)
 
     def open_window(self) -> None:
         """After an update: drop the window's gradients (the masters' and the reduced gradient shard);
@@ -161,17 +151,21 @@ class GradWindow:
             self.sync.zero_grad_shard()
             self._window_params = set()
             return
+        # dropped when its optimizer stepped or the user zeroed it (zero_grad(): grad None)
+        self._leave_shard(lambda master, slot, owner: owner in stepped or master.grad is None)
+
+    @torch.no_grad()
+    def _leave_shard(self, drop: Callable[[Tensor, int, int], bool]) -> None:
+        """Take the fragments ``drop(master, slot, owner)`` selects (``slot``: the parameter's index in
+        the layout, ``owner``: its optimizer's id) out of the window: their masters' ``.grad`` becomes
+        None, their slices of the reduced gradient shard zeros, their parameters leave ``_window_params``."""
         grad_shard, params = self.sync.grad_shard, self.sync.params
         assert grad_shard is not None
-        with torch.no_grad():
-            for (master, _, slot), f, owner in zip(
-                self._master_slots, self.fragments, self._owners, strict=True
-            ):
-                # dropped when its optimizer stepped or the user zeroed it (zero_grad(): grad None)
-                if owner in stepped or master.grad is None:
-                    master.grad = None
-                    grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
-                    self._window_params.discard(id(params[slot]))
+        for (master, _, slot), f, owner in zip(self._master_slots, self.fragments, self._owners, strict=True):
+            if drop(master, slot, owner):
+                master.grad = None
+                grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
+                self._window_params.discard(id(params[slot]))
 
 
 __all__ = ["GradWindow"]
