@@ -33,7 +33,10 @@ the same verdict: a clear error naming them, or (``find_unused_parameters=True``
 rank used keep ``grad=None`` while partially used ones are averaged with zeros. Never a hang.
 
 The layout, the buffers and the reductions in flight are :class:`~lightning_par.zero.grad_buckets.GradBuckets`
-(the base class); :mod:`lightning_par.zero.broadcast` holds the module-state broadcast.
+the layout's order (learnt in the first backward, adopted from a checkpoint, extended by parameters made
+trainable) :class:`~lightning_par.zero.grad_order.GradOrder`, and the window's events others listen to
+:class:`~lightning_par.zero.sync_events.SyncEvents` (the base classes);
+:mod:`lightning_par.zero.broadcast` holds the module-state broadcast.
 
 Limits: one backward per pass (accumulate with :meth:`no_sync`). Reentrant activation checkpointing
 (``use_reentrant=True``) runs each region's backward as a nested pass: the front doors hand the loss to
@@ -45,7 +48,7 @@ unsharded, the buckets are rebuilt with them before the next training forward; s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -58,9 +61,11 @@ from torch.utils.hooks import RemovableHandle
 from lightning_par.owned_hooks import for_owner
 from lightning_par.zero.broadcast import broadcast_module_states, broadcast_tensors
 from lightning_par.zero.comm_hooks import CommHook
-from lightning_par.zero.grad_buckets import GradBuckets, GradSyncPolicy, ReduceOp, bucket_numel_for
+from lightning_par.zero.grad_buckets import GradSyncPolicy, ReduceOp, bucket_numel_for
+from lightning_par.zero.grad_order import GradOrder
 from lightning_par.zero.layout import FlatLayout
-from lightning_par.zero.trainable import TrainableSet, name_list, refuse_unmanaged
+from lightning_par.zero.sync_events import SyncEvents
+from lightning_par.zero.trainable import TrainableSet
 from lightning_par.zero.unused import MissingGradients, UnusedParametersError
 
 __all__ = [
@@ -74,7 +79,7 @@ __all__ = [
 ]
 
 
-class GradSync(GradBuckets):
+class GradSync(GradOrder, SyncEvents):
     """Reduces the gradients of ``named_params`` over ``group`` during backward (see module docstring).
 
     Args:
@@ -166,12 +171,7 @@ class GradSync(GradBuckets):
         self._order_pending = rebuild_order
         self._ready_order: list[int] = []
         self._callback_queued = False
-        self._relayout_listeners: list[Callable[[], None]] = []
-        self._attachers: list[Callable[[], None]] = []
-        self._sync_listeners: list[Callable[[], None]] = []
-        self._pass_listeners: list[Callable[[], None]] = []
-        self._pass_end_listeners: list[Callable[[], None]] = []  # after a non-final pass (on_pass_end)
-        self._before_listeners: list[Callable[[], None]] = []  # before accumulation (before_accumulate)
+        SyncEvents.__init__(self)
         self._pass_started = False  # a gradient of the running backward pass has arrived
         # Free communication buffers, keyed by capacity (a full bucket, or one rank's slice of it). Every
         # pooled buffer has the largest bucket's size, so the pool never holds more buffers than were
@@ -190,19 +190,6 @@ class GradSync(GradBuckets):
         self._trainable = TrainableSet(named_params, managed=self._params)
         self._build(list(range(len(self._params))))
 
-    # ------------------------------------------------------------------ layout
-    def set_order(self, names: Sequence[str]) -> None:
-        """Adopt a parameter order (e.g. a checkpoint's) and stop the first-backward rebuild."""
-        index = {n: i for i, n in enumerate(self._names)}
-        if sorted(names) != sorted(self._names):
-            raise ValueError("set_order: the names are not this engine's parameters.")
-        self._order_pending = False
-        order = [index[n] for n in names]
-        if order != list(range(len(order))):
-            self._build(order)
-            for listener in self._relayout_listeners:
-                listener()
-
     # ------------------------------------------------------------------ hooks
     def watch_backward(self, root: Tensor) -> None:
         """Run the end-of-backward work when the backward pass started from ``root`` ends. Without this,
@@ -213,8 +200,7 @@ class GradSync(GradBuckets):
             root.register_hook(self._on_root_grad)
 
     def _on_root_grad(self, grad: Tensor) -> None:
-        for listener in self._before_listeners:  # the pass starts: nothing has accumulated yet
-            listener()
+        self._emit(self._before_listeners)  # the pass starts: nothing has accumulated yet
         self._queue_finalize()
 
     def _queue_finalize(self, grad: Tensor | None = None) -> None:
@@ -225,8 +211,7 @@ class GradSync(GradBuckets):
     def _on_grad_ready(self, param: Tensor) -> None:
         if not self._pass_started:  # the pass's first gradient (see on_pass_start)
             self._pass_started = True
-            for listener in self._pass_listeners:
-                listener()
+            self._emit(self._pass_listeners)
         slot = self._slot_of[id(param)]
         self._queue_finalize()
         if self._ready_in_backward[slot]:
@@ -272,8 +257,7 @@ class GradSync(GradBuckets):
             if self._sync:
                 self._finish_window(missing)
             else:
-                for listener in self._pass_end_listeners:
-                    listener()
+                self._emit(self._pass_end_listeners)
         finally:
             self._reset_backward_state()
             self._pass_started = False
@@ -329,33 +313,8 @@ class GradSync(GradBuckets):
                 view = self._views[i]
                 p.grad = view if p.dtype == self.dtype else view.to(p.dtype)
                 self._reduced_in_window.add(id(p))
-        for attach in self._attachers:
-            attach()
-        for listener in self._sync_listeners:
-            listener()
-
-    def _rebuild_from_ready_order(self) -> None:
-        self._order_pending = False
-        seen = set(self._ready_order)
-        order = self._ready_order + [i for i in range(len(self._params)) if i not in seen]
-        self._ready_order = []
-        if self.world > 1:
-            # Autograd's order is deterministic for one graph, but a data-dependent graph could differ per
-            # rank; the layout must be identical everywhere, so rank 0's order wins.
-            agreed = torch.tensor(order, dtype=torch.int64, device=self.device)
-            dist.broadcast(agreed, src=dist.get_global_rank(self.group, 0), group=self.group)
-            order = agreed.tolist()
-        ready = [self._ready_in_backward[i] for i in order]
-        touched = [self._touched[i] for i in order]
-        if order != list(range(len(self._params))):
-            self._build(order)
-            for listener in self._relayout_listeners:
-                listener()
-        self._touched = touched
-        for slot, was_ready in enumerate(ready):
-            # replay this pass's hooks on the new layout (transient buckets are filled at launch)
-            if was_ready:
-                self._pending[self.layout.slots[slot].bucket] -= 1
+        self._emit(self._attachers)
+        self._emit(self._sync_listeners)
 
     # ------------------------------------------------------------------ public
     def prepare_window(self) -> None:
@@ -365,8 +324,7 @@ class GradSync(GradBuckets):
         Lightning's default): gradients someone keeps on purpose are left alone."""
         if torch.is_grad_enabled():
             self._follow_trainable()
-            for listener in self._before_listeners:
-                listener()
+            self._emit(self._before_listeners)
         if self.buffer is None or not torch.is_grad_enabled() or not self._params:
             return  # (no parameters: a frozen module, or a pipeline stage of frozen layers)
         if self.buffer.dtype != self._params[0].dtype:
@@ -379,33 +337,6 @@ class GradSync(GradBuckets):
         self._reduced_in_window = set()
         for p, view in zip(self._params, self._views, strict=True):
             p.grad = view
-
-    def _follow_trainable(self) -> None:
-        """Stage 0: take in the parameters made trainable since the last step (appended after the others;
-        the order is learnt again in the next backward). Stages 1/2 refuse them
-        (:mod:`lightning_par.zero.trainable`)."""
-        new = self._trainable.unmanaged()
-        if not new:
-            return
-        names = [n for n, _ in new]
-        if self.shard:
-            refuse_unmanaged(names, stages="1/2")
-        if any(self._touched) or self._callback_queued:
-            raise RuntimeError(
-                f"requires_grad was set inside a gradient accumulation window on {name_list(names)}: set it"
-                " between optimizer steps, e.g. in on_train_epoch_start."
-            )
-        for handle in self._grad_hooks:
-            handle.remove()
-        self._names += [n for n, _ in reversed(new)]  # reversed: the order gradients likely arrive in
-        self._params += [p for _, p in reversed(new)]
-        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
-        self._trainable.manage(self._params)
-        self.buffer, self._touched = None, [False] * len(self._params)  # the window is empty: no carry
-        self._order_pending, self._ready_order = self._rebuild_order, []
-        self._build(list(range(len(self._params))))
-        for listener in self._relayout_listeners:
-            listener()
 
     def attach_to(self, module: nn.Module) -> None:
         """Call :meth:`prepare_window` before every forward of ``module`` (eagerly, also when a compiled
@@ -422,26 +353,6 @@ class GradSync(GradBuckets):
         finally:
             self._sync = previous
 
-    def on_relayout(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` after the layout (parameter order) changes."""
-        self._relayout_listeners.append(listener)
-
-    def on_pass_start(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` when the first gradient of a backward pass arrives, before anything of the
-        pass is folded or reduced, in any pass: the one the strategy runs and one user code starts itself
-        (``loss.backward()`` in manual optimization or a callback, ``torch.autograd.backward(params,
-        grads)``, a validation step's backward)."""
-        self._pass_listeners.append(listener)
-
-    def on_pass_end(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` at the end of each non-final pass of a window (:meth:`no_sync`)."""
-        self._pass_end_listeners.append(listener)
-
-    def before_accumulate(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` before gradients may accumulate: before each training forward, and when a
-        backward the strategy runs starts (:meth:`watch_backward`), before any gradient of it."""
-        self._before_listeners.append(listener)
-
     @property
     def touched(self) -> list[bool]:
         """Per parameter (layout order): whether the window's passes so far gave it a gradient."""
@@ -457,16 +368,6 @@ class GradSync(GradBuckets):
         for slot in slots:
             self._views[slot].zero_()
             self._touched[slot] = False
-
-    def on_reduced(self, attach: Callable[[], None]) -> None:
-        """Call ``attach()`` when a window's gradients are reduced, before any :meth:`on_synchronized`
-        listener: it hands them to whoever reads them (the sharded optimizer's masters)."""
-        self._attachers.append(attach)
-
-    def on_synchronized(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` when the final backward of a window has reduced all gradients and they have
-        been attached (``param.grad``, then the :meth:`on_reduced` attachers)."""
-        self._sync_listeners.append(listener)
 
     @property
     def hook_state(self) -> object:
