@@ -31,6 +31,13 @@ clip of ``self.parameters()`` clipped nothing, silently). The engine's own work 
 seen: torch runs autograd's nodes and hooks outside the mode; its reads in forward hooks
 (``GradSync.prepare_window``) run with torch functions disabled.
 
+The optimizer's own parameters are this rank's fragments at ZeRO 1-3, whose ``.grad`` is its shard of
+the reduced gradient: element-wise changes of it are exact, but a norm of it is this rank's part only.
+``clip_grad_norm_`` over ``optimizer.param_groups`` clipped each rank by its own factor, silently (a
+probe: 1.4e-3 off ``"ddp"`` after 8 steps); in the first step a norm (``torch.norm``, ``Tensor.norm``,
+``torch.linalg``'s, the foreach kernel) taken of one of those gradients is refused alike. The strategies'
+own clipping and ``grad_norm`` take the norms of detached views (other tensor objects), which pass.
+
 Where the error is raised: the Trainer raises at the read itself (its traceback points at the user's
 line); torch puts a mode back on its stack after its handler raises, and the strategy's teardown, which
 Lightning runs on every failure, takes it off. A Fabric loop has no such teardown, so Fabric's watch
@@ -44,7 +51,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_par.torch_modes import CheckedCalls, leave_mode
@@ -55,6 +62,11 @@ if TYPE_CHECKING:
 __all__ = ["GradReads"]
 
 _GRAD = torch._C.TensorBase.__dict__["grad"]  # the getset descriptor behind ``tensor.grad``
+# the torch functions (their __name__) that take a norm: torch.norm / Tensor.norm, torch.linalg's, and the
+# foreach kernel torch.nn.utils.clip_grad_norm_ uses
+_NORMS = frozenset(
+    {"norm", "linalg_norm", "linalg_vector_norm", "linalg_matrix_norm", "frobenius_norm", "_foreach_norm"}
+)
 
 
 class GradReads:
@@ -69,8 +81,11 @@ class GradReads:
         pipelined: bool = False,
         defer: bool = False,
         unused: Callable[[], frozenset[int]] | None = None,
+        stepped: Callable[[], list[Tensor]] | None = None,
     ) -> None:
         self._names = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
+        self._stepped = stepped  # the tensors the optimizers step (this rank's fragments at ZeRO 1-3)
+        self._shard_grads: set[int] = set()  # ids of their gradients once the window landed
         self._unused = unused  # ids of the parameters no rank used in the window (find_unused_parameters)
         self.zero_stage = zero_stage
         self.pipelined = pipelined
@@ -97,7 +112,14 @@ class GradReads:
         if engine is None or (zero_stage < 1 and not pipelined):
             return None
         unused = (lambda: engine.unused_param_ids) if find_unused_parameters else None
-        reads = cls(module, zero_stage=zero_stage, pipelined=pipelined, defer=defer, unused=unused)
+
+        def stepped() -> list[Tensor]:
+            state = engine.sharded_state
+            return state.stepped_tensors() if state is not None else []
+
+        reads = cls(
+            module, zero_stage=zero_stage, pipelined=pipelined, defer=defer, unused=unused, stepped=stepped
+        )
         engine.on_synchronized(reads.landed)
         return reads
 
@@ -112,6 +134,9 @@ class GradReads:
 
     def landed(self) -> None:
         self._landed = True
+        if self._stepped is not None and self.zero_stage >= 1:
+            grads = (t.grad for t in self._stepped())
+            self._shard_grads = {id(g) for g in grads if g is not None}
 
     def end(self, *, quiet: bool = False) -> None:
         """Leave the watch for good; with ``defer``, raise the first refused read now (unless ``quiet``:
@@ -128,6 +153,20 @@ class GradReads:
         getter = getattr(func, "__self__", None) is _GRAD and getattr(func, "__name__", "") == "__get__"
         if getter and args and args[0].grad is None:  # the handler runs outside the mode: no recursion
             self._check(args[0])
+        elif self._shard_grads and getattr(func, "__name__", "") in _NORMS:
+            tensors = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else (arg,))]
+            if any(id(t) in self._shard_grads for t in tensors):
+                self._refuse(
+                    f"ZeRO-{self.zero_stage}: a norm of the optimizer's gradients was taken on this rank:"
+                    " at ZeRO stages 1-3 the optimizer's parameters are this rank's fragments of the"
+                    " flattened parameters, so the norm of their gradients"
+                    " (torch.nn.utils.clip_grad_norm_ over optimizer.param_groups) is this rank's part only,"
+                    " and each rank would clip by its own factor, silently. Clip with"
+                    " Trainer(gradient_clip_val=...) or self.clip_gradients(optimizer, ...)"
+                    " (fabric.clip_gradients in Fabric): the global norm over the shards; read the norms"
+                    " with trainer.strategy.grad_norm(self); or use zero_stage=0. Element-wise changes of"
+                    " those gradients are fine. (Checked in the first optimizer step only.)"
+                )
 
     def _check(self, param: Any) -> None:
         name = self._names.get(id(param))
@@ -160,6 +199,11 @@ class GradReads:
                 " zero_stage=0, where param.grad holds the averaged gradient. (Checked in the first"
                 " optimizer step only.)"
             )
+        self._refuse(message)
+
+    def _refuse(self, message: str) -> None:
+        if not self._landed or self._ended or self._refused is not None:
+            return
         if self.defer:
             self._refused = message
             return

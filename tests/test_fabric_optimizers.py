@@ -22,6 +22,7 @@ probe where a silent difference from Fabric's ``"ddp"`` showed:
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,23 @@ def _groups(rank: int, stage: int) -> dict[str, Any]:
     opt.zero_grad()
     moved = (_weights(strategy, net)["0.weight"] - before["0.weight"]).abs().max().item()
     held = {"same": opt.param_groups[0] is group, "moved": moved}
+    # the optimizer's state looked up by a module parameter: at ZeRO 1-3 keyed by this rank's fragments,
+    # where a lookup found a fresh empty dict (a reset of a layer's moments changed nothing, silently)
+    lookups: dict[str, str | None] = {}
+    weight = net.module[0].weight
+    for how, look in (("item", lambda: opt.state[weight]), ("in", lambda: weight in opt.state)):
+        try:
+            look()
+            lookups[how] = None
+        except RuntimeError as error:
+            lookups[how] = str(error)
+    lookups["get"] = None if stage == 0 else "skipped"
+    if stage:
+        try:
+            opt.state.get(weight)
+        except RuntimeError as error:
+            lookups["get"] = str(error)
+    lookups["copied"] = str(type(copy.deepcopy(opt.state)).__name__)  # torch's plain mapping
     try:  # a weight read between steps, outside gathered_params: placeholders at ZeRO-3
         float(net.module[0].weight.sum())
         between = None
@@ -182,6 +200,7 @@ def _groups(rank: int, stage: int) -> dict[str, Any]:
     left = torch._C._len_torch_function_stack()
     return {
         "held": held,
+        "lookups": lookups,
         "added": added,
         "formats": formats,
         "between": between,
@@ -214,6 +233,14 @@ def test_optimizer_objects_under_zero_in_fabric(tmp_path: Path) -> None:
                 assert "between optimizer.step() and the model's next forward" in got["between"], got
             else:
                 assert got["between"] is None, (rank, stage, got["between"])
+            lookups = got["lookups"]
+            assert lookups.pop("copied") == "defaultdict", lookups
+            for how, message in lookups.items():
+                if stage == 0:
+                    assert message is None, (how, message)
+                else:
+                    assert message.startswith("optimizer.state['0.weight'] at ZeRO 1-3"), (how, message)
+                    assert "zero_stage=0" in message and "checkpoint" in message, message
             if stage == 0:
                 assert isinstance(got["added"], float) and got["added"] > 0, (rank, got["added"])
                 assert formats["state_dict"] is None, formats  # torch's own format: the whole state

@@ -66,8 +66,15 @@ class Clipped(pl.LightningModule):
         _ = [p.grad for p in self.parameters()]  # None at the first micro-batch, as under DDP
 
     def configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        stepped = [p for group in optimizer.param_groups for p in group["params"]]
         if self.mode == "torch_clip":
             torch.nn.utils.clip_grad_norm_(self.parameters(), 0.1)
+        elif self.mode == "opt_clip":  # the optimizer's own parameters: this rank's fragments at ZeRO 1-3
+            torch.nn.utils.clip_grad_norm_(stepped, 0.1)
+        elif self.mode == "opt_scale":  # element-wise: exact on fragments
+            for p in stepped:
+                p.grad.mul_(0.5)
+            self.clip_gradients(optimizer, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
         else:
             self.clip_gradients(optimizer, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
 
@@ -158,6 +165,9 @@ def _fabric(rank: int, clip: str, piped: bool = False) -> dict[str, Any]:
                 fabric.backward(F.mse_loss(model(x[mine]), y[mine]))
             if clip == "torch":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            elif clip == "optimizer":  # refused at optimizer.step(), before any update
+                stepped = [p for group in optimizer.param_groups for p in group["params"]]
+                torch.nn.utils.clip_grad_norm_(stepped, 0.1)
             else:
                 fabric.clip_gradients(model, optimizer, max_norm=0.1)
             optimizer.step()
@@ -175,6 +185,7 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         "fabric/torch": _fabric(rank, "torch"),
         "fabric/fabric": _fabric(rank, "fabric"),
+        "fabric/optimizer": _fabric(rank, "optimizer"),
         "fabric_pp/torch": _fabric(rank, "torch", piped=True),
         "fabric_pp/fabric": _fabric(rank, "fabric", piped=True),
         "pp/torch_clip/refused": _fit(HybridParallelStrategy(**PIPED), "torch_clip"),
@@ -184,6 +195,12 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
         "zero0/torch_clip": _fit(HybridParallelStrategy(zero_stage=0), "torch_clip"),
         "ddp/builtin": _fit(DDPStrategy(), "builtin", accumulate=2),
     }
+    # a norm of the optimizer's parameters' gradients: refused at ZeRO 1-3 (before: each rank clipped its
+    # fragments by its own norm, silently); element-wise changes of them equal "ddp"'s
+    for stage in (1, 3):
+        out[f"zero{stage}/opt_clip/norm_refused"] = _fit(HybridParallelStrategy(zero_stage=stage), "opt_clip")
+    out["ddp/opt_scale"] = _fit(DDPStrategy(), "opt_scale")
+    out["zero2/opt_scale"] = _fit(HybridParallelStrategy(zero_stage=2), "opt_scale")
     for stage in (1, 2, 3):
         out[f"zero{stage}/torch_clip/refused"] = _fit(HybridParallelStrategy(zero_stage=stage), "torch_clip")
         out[f"zero{stage}/builtin"] = _fit(HybridParallelStrategy(zero_stage=stage), "builtin", accumulate=2)
@@ -212,6 +229,12 @@ def test_grad_reads_that_find_nothing_are_refused_and_the_rest_equals_ddp() -> N
                 assert message.startswith(expected), (r, key, message)
                 assert "another pipeline stage" in message and "gradient_clip_val" in message, (r, key)
                 assert result["modes"] == 0, (r, key, result)
+            elif key.endswith("norm_refused") or key == "fabric/optimizer":
+                message = result.get("error", "")
+                stage = key[4] if key.startswith("zero") else "2"
+                assert f"ZeRO-{stage}: a norm of the optimizer's gradients was taken" in message, (r, key)
+                assert "gradient_clip_val" in message and "Element-wise" in message, (r, key, message)
+                assert result["modes"] == 0, (r, key, result)
             elif key.endswith("refused") or key == "fabric/torch":
                 stage, name = (key[4], "net.0.weight") if key.startswith("zero") else ("2", "0.weight")
                 message = result.get("error", "")
@@ -238,6 +261,7 @@ def test_grad_reads_that_find_nothing_are_refused_and_the_rest_equals_ddp() -> N
     for key, reference in (
         ("zero0/torch_clip", "ddp/torch_clip"),
         *((f"zero{s}/builtin", "ddp/builtin") for s in (1, 2, 3)),
+        ("zero2/opt_scale", "ddp/opt_scale"),
         ("zero2/unused/spare", "ddp/unused/spare"),
     ):
         expected = out[reference]["state"]

@@ -79,6 +79,7 @@ from lightning_par.strategy_options import (
 )
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
 from lightning_par.zero.engine import Engine
+from lightning_par.zero.leftovers import placeholder_names
 from lightning_par.zero.meta_buffers import materialize_buffers
 from lightning_par.zero.meta_init import meta_build, move_real_tensors
 from lightning_par.zero.stage3 import Stage3Engine
@@ -402,9 +403,17 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
                 " Fabric, loading the weights the first one saved (fabric.save / consolidated_state_dict())."
             )
         if mark:
+            left = placeholder_names(module)
             raise ValueError(
                 "This module was already set up by lightning_par's Fabric strategy: call fabric.setup() (or"
                 " setup_module()) once per module and keep the returned object."
+                + (
+                    f" It still holds ZeRO-3's placeholders in {len(left)} parameters (e.g. {left[:3]}): an"
+                    " earlier loop on it stopped before they were gathered back. Build the model again and"
+                    " fabric.load the last checkpoint into it."
+                    if left
+                    else ""
+                )
             )
 
     @property

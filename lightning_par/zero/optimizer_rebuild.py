@@ -3,13 +3,15 @@
 :func:`optimizer_group_params` checks which module parameters each group holds; :func:`rebuild_optimizer`
 refills the user's optimizer object, its class, hyper-parameters and group dicts kept, over the master
 fragments of those parameters, and returns hooks that guard it: a group added later
-(``add_param_group``: its parameters are not in the shards, they would never train) and torch's own
-``state_dict()`` / ``load_state_dict()`` (this rank's fragments only) are refused, naming the fix.
+(``add_param_group``: its parameters are not in the shards, they would never train), torch's own
+``state_dict()`` / ``load_state_dict()`` (this rank's fragments only) and ``optimizer.state`` looked up by a
+module parameter (:class:`ShardedState`) are refused, naming the fix.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_par.optimizer_checks import check_shardable
 
 __all__ = [
+    "ShardedState",
     "inherit_param_attrs",
     "optimizer_group_params",
     "rebuild_optimizer",
@@ -101,7 +104,7 @@ def rebuild_optimizer(
     for group, built in zip(opt.param_groups, fresh.param_groups, strict=True):
         group.clear()
         group.update(built)
-    opt.state = fresh.state
+    opt.state = ShardedState(fresh.state, names=names)
     expected = len(opt.param_groups)
 
     def before_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
@@ -115,6 +118,45 @@ def rebuild_optimizer(
         opt.register_state_dict_pre_hook(lambda optimizer: refuse_state_dict(load=False)),
         opt.register_load_state_dict_pre_hook(before_load),
     ]
+
+
+class ShardedState(defaultdict[Any, Any]):
+    """``optimizer.state`` of a rebuilt optimizer: keyed by the master fragments, as torch's optimizers
+    keep it, and refusing a lookup by one of the module's parameters (``names``: their names by id), which
+    has no entry here. Before, ``opt.state[p]`` (a ``defaultdict``) handed back a new empty dict, so a
+    user's reset of a layer's moments (a re-initialised head, ReLoRA) changed nothing and a read found
+    nothing, without a word; ``p in opt.state`` and ``opt.state.get(p)`` are refused alike."""
+
+    def __init__(self, state: Mapping[Any, Any], *, names: Mapping[int, str]) -> None:
+        super().__init__(dict, state)
+        self._names = names
+
+    def _refuse(self, key: Any) -> None:
+        name = self._names.get(id(key))
+        if name is None:
+            return
+        raise RuntimeError(
+            f"optimizer.state[{name!r}] at ZeRO 1-3: the optimizer steps this rank's fragments of the"
+            " flattened parameters, and its state is keyed by them, not by the module's parameters, so"
+            " nothing there belongs to this parameter (a read would find nothing, a write would change"
+            " nothing). To read or reset a parameter's optimizer state, use zero_stage=0; to inspect it,"
+            " save a checkpoint (trainer.save_checkpoint / fabric.save), which holds it per parameter."
+        )
+
+    def __missing__(self, key: Any) -> Any:
+        self._refuse(key)
+        return super().__missing__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self._refuse(key)
+        return super().__contains__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._refuse(key)
+        return super().get(key, default)
+
+    def __reduce__(self) -> Any:  # a copy is torch's plain state mapping, without the guard
+        return (defaultdict, (dict,), None, None, iter(self.items()))
 
 
 def refuse_state_dict(*, load: bool) -> None:

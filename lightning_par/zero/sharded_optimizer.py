@@ -364,6 +364,10 @@ class ShardedOptimizer(GradWindow):
             for f, (master, _, _) in zip(self.fragments, self._master_slots, strict=True)
         ]
 
+    def stepped_tensors(self) -> list[Tensor]:
+        """The tensors the rebuilt optimizers step (this rank's master fragments), as they are."""
+        return [master for master, _, _ in getattr(self, "_master_slots", [])]
+
     def remove(self) -> None:
         """Detach the optimizers' step pre-hooks (the rebuilt groups stay)."""
         for handle in self._step_hooks + self._group_guards:

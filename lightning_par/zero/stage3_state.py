@@ -57,6 +57,10 @@ class Stage3State:
             return [(unit.names[f.slot], f.param_lo, f.param_hi, view) for unit, f, view in self._masters]
         return [row for u in self.units if u.train is not None for row in u.train.fragments(self.rank)]
 
+    def stepped_tensors(self) -> list[Tensor]:
+        """The tensors the rebuilt optimizers step (this rank's fragment views; none before they are)."""
+        return [view for _, _, view in self._masters]
+
     @property
     def shards_params(self) -> bool:
         """Parameters live as shards, until :meth:`unshard_all` (after fit) leaves the model whole on every
