@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_par.checkpoint.optimizer_state import Pieces, cut, whole_pieces
-from lightning_par.zero.engine import Engine
+from lightning_par.zero.engine_api import Engine
 
 AvgFn = Callable[[Tensor, Tensor, Tensor], Tensor]  # torch's avg_fn: (average, current, n) -> new average
 Key = tuple[str, int, int]

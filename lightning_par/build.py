@@ -21,7 +21,8 @@ from torch.distributed import ProcessGroup
 from lightning_par.mesh import ParallelMesh
 from lightning_par.precision import ParallelPrecision
 from lightning_par.zero.comm_hooks import GATHER_DTYPES, CommHook, GatherDtype, HookName, resolve_comm_hook
-from lightning_par.zero.engine import Engine, ReduceChoice, apply_zero, resolve_reduce_op
+from lightning_par.zero.engine import ReduceChoice, apply_zero, resolve_reduce_op
+from lightning_par.zero.engine_api import Engine
 from lightning_par.zero.grad_sync import GradSyncPolicy, broadcast_module_states
 from lightning_par.zero.meta_init import ValuesFn
 from lightning_par.zero.stage3 import Stage3Engine

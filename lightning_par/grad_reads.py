@@ -57,7 +57,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_par.torch_modes import CheckedCalls, leave_mode
 
 if TYPE_CHECKING:
-    from lightning_par.zero.engine import Engine
+    from lightning_par.zero.engine_api import Engine
 
 __all__ = ["GradReads"]
 

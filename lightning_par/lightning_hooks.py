@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_par.zero.engine import ShardedState
+from lightning_par.zero.engine_api import ShardedState
 
 GUARDED = "_lightning_par_guarded"  # marks a hook set here or in summaries.py
 

@@ -47,7 +47,8 @@ from typing import Literal, TypedDict
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_par.zero.engine import Engine, default_grad_sync
+from lightning_par.zero.engine import default_grad_sync
+from lightning_par.zero.engine_api import Engine
 from lightning_par.zero.grad_sync import bucket_numel_for
 from lightning_par.zero.layout import FlatLayout
 from lightning_par.zero.units import plan_units

@@ -53,7 +53,8 @@ from lightning_par.strategy_teardown import StrategyTeardown
 from lightning_par.summaries import guard_summaries
 from lightning_par.zero.buffers import BufferSync
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
-from lightning_par.zero.engine import Engine, ReduceChoice
+from lightning_par.zero.engine import ReduceChoice
+from lightning_par.zero.engine_api import Engine
 from lightning_par.zero.grad_sync import GradSyncPolicy
 from lightning_par.zero.init_seeds import agree_seed
 from lightning_par.zero.leftovers import placeholder_names, refuse_left_placeholders

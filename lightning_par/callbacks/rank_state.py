@@ -47,7 +47,7 @@ from lightning_par.callbacks.resume import Found
 from lightning_par.checkpoint import rank_state as core
 from lightning_par.checkpoint.sharded import RANK_ENTRIES_KEY, SNAPSHOT_AVERAGES_KEY, WRITE_HOOKS_KEY
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
-from lightning_par.zero.engine import Engine
+from lightning_par.zero.engine_api import Engine
 
 
 def check_supported(strategy: Any) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_par.zero.engine import Engine
+from lightning_par.zero.engine_api import Engine
 
 __all__ = ["FitState"]
 

@@ -39,7 +39,7 @@ from lightning_par.checkpoint.optimizer_state import (
     group_hyperparams,
 )
 from lightning_par.checkpoint.tp_reshard import Record, TPInfo, global_shapes, globalize
-from lightning_par.zero.engine import Engine, own_state_reads
+from lightning_par.zero.engine_api import Engine, own_state_reads
 
 
 def _numel(shape: Sequence[int]) -> int:

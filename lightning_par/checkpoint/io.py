@@ -43,7 +43,7 @@ from lightning_par.checkpoint.tp_reshard import (
     localize,
 )
 from lightning_par.compose import COMPOSITION_ATTR
-from lightning_par.zero.engine import Engine
+from lightning_par.zero.engine_api import Engine
 
 
 def layout_metadata(

@@ -24,7 +24,7 @@ from lightning_par.checkpoint.sharded import (
     read_optimizer_records,
 )
 from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, localize, localize_state_dict
-from lightning_par.zero.engine import Engine
+from lightning_par.zero.engine_api import Engine
 
 
 def read_buffers(path: Path) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """One rank's model and optimizer state for same-layout snapshots: the engine side, without Lightning.
 
 Both front doors snapshot through these functions (the Trainer's ``FlashCheckpoint`` and Fabric's
-``FlashSnapshots``); they only use the engine protocol (:class:`lightning_par.zero.engine.Engine`), so the
+``FlashSnapshots``); they only use the engine protocol (:class:`lightning_par.zero.engine_api.Engine`), so the
 same code serves stages 0-3 and no engine class is named here.
 
 A rank's share is two trees:
@@ -43,7 +43,7 @@ from lightning_par.checkpoint.optimizer_state import (
     pieces_from_records,
     pieces_from_state_dict,
 )
-from lightning_par.zero.engine import Engine, own_state_reads
+from lightning_par.zero.engine_api import Engine, own_state_reads
 from lightning_par.zero.powersgd import merge_states
 
 

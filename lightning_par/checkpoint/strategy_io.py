@@ -63,7 +63,7 @@ from lightning_par.checkpoint.single_file import (
 )
 from lightning_par.checkpoint.tp_reshard import TPInfo, tp_info
 from lightning_par.mesh import MeshLayout, ParallelMesh
-from lightning_par.zero.engine import Engine, reads_own_state
+from lightning_par.zero.engine_api import Engine, reads_own_state
 
 
 class ZeroCheckpointIO(ParallelStrategy):

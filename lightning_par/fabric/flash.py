@@ -58,7 +58,7 @@ from lightning_par.callbacks.writer import SnapshotCopy
 from lightning_par.checkpoint import rank_state
 from lightning_par.fabric.checkpoint import is_stateful, layout
 from lightning_par.fabric.strategy import HybridParallelStrategy
-from lightning_par.zero.engine import Engine
+from lightning_par.zero.engine_api import Engine
 
 _OWNER = "FlashSnapshots"
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from lightning_par.fabric.pipeline import FabricPipeline
     from lightning_par.mesh import ParallelMesh
     from lightning_par.precision import ParallelPrecision
-    from lightning_par.zero.engine import Engine
+    from lightning_par.zero.engine_api import Engine
 
 
 class FabricMixin:

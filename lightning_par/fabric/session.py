@@ -24,7 +24,7 @@ from lightning_par.fabric import checkpoint as fabric_checkpoint
 from lightning_par.fabric.processes import FabricProcesses
 from lightning_par.grad_reads import GradReads
 from lightning_par.module_dtypes import restore_norms
-from lightning_par.zero.engine import reads_own_state
+from lightning_par.zero.engine_api import reads_own_state
 from lightning_par.zero.stage3 import Stage3Engine
 
 SETUP_ATTR = "_lightning_par_fabric_setup"  # set on a module a strategy has set up, until its teardown

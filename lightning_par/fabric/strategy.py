@@ -78,7 +78,7 @@ from lightning_par.strategy_options import (
     check_options,
 )
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
-from lightning_par.zero.engine import Engine
+from lightning_par.zero.engine_api import Engine
 from lightning_par.zero.leftovers import placeholder_names
 from lightning_par.zero.meta_buffers import materialize_buffers
 from lightning_par.zero.meta_init import meta_build, move_real_tensors

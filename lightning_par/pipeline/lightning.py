@@ -62,7 +62,7 @@ from lightning_par.pipeline.apply import TiedGradients
 from lightning_par.pipeline.micro_batches import micro_weights, split_batch
 from lightning_par.pipeline.runtime import PipelineRuntime
 from lightning_par.pipeline.steps import PipelineSteps, StepResult, default_input, layers_of, token_mean
-from lightning_par.zero.engine import Engine
+from lightning_par.zero.engine_api import Engine
 
 __all__ = [
     "LightningPipeline",

@@ -38,7 +38,7 @@ from lightning_par.pipeline.apply import PipelineSplit, TiedGradients
 from lightning_par.pipeline.metrics import PipelineMetrics
 from lightning_par.pipeline.micro_batches import micro_weights, split_batch
 from lightning_par.pipeline.runtime import PipelineRuntime
-from lightning_par.zero.engine import Engine
+from lightning_par.zero.engine_api import Engine
 
 LossFn = Callable[[Any, Any], Any]  # (last layer's output, micro-batch) -> tensor or mapping
 InputFn = Callable[[Any], Any]  # micro-batch -> what the first layer takes
