@@ -374,6 +374,11 @@ def _fail(message: str) -> NoReturn:
 
 def _task(cfg: DictConfig) -> float:
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    # Python warnings through logging, so each run's train.log keeps them beside its metrics (a sweep's
+    # jobs share one stderr; before, a job's log did not say that ZeRO-3 drew its initial weights apart
+    # from the other stages'), shown on the console as before; for this run only (a sweep's jobs, a
+    # caller's process)
+    logging.captureWarnings(True)
     try:
         return train(cfg)
     except ConfigError as exc:
@@ -387,6 +392,8 @@ def _task(cfg: DictConfig) -> float:
         if multirun and _processes() > 1:
             _stop_sweep(exc)
         raise
+    finally:
+        logging.captureWarnings(False)
 
 
 def _processes() -> int:

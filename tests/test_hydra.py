@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import os
 import re
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,6 +253,29 @@ def test_layout_checked_before_any_process_starts(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         _check_layout(HybridParallelStrategy(tensor_parallel_size=2), pl.LightningModule(), world_size=2)
     assert info.value.group == "strategy" and "needs a plan: set strategy.tp_plan" in info.value.message
+
+
+def test_warnings_reach_the_run_log_for_the_run_only(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A warning raised during a run goes through logging (Hydra writes it to the run's train.log; before,
+    a sweep job's log missed ZeRO-3's "meta init draws the initial values" warning, on the shared
+    stderr only), and Python's warning display is the caller's again after the run."""
+    import lightning_par.train as entry
+
+    def run(cfg: DictConfig) -> float:
+        warnings.warn("drawn apart from the other stages", UserWarning, stacklevel=1)
+        return 1.5
+
+    monkeypatch.setattr(entry, "train", run)
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="py.warnings"):
+        warnings.simplefilter("always")
+        before = warnings.showwarning
+        assert entry._task(OmegaConf.create({})) == 1.5
+        after = warnings.showwarning
+    logged = [r.getMessage() for r in caplog.records if r.name == "py.warnings"]
+    assert len(logged) == 1 and "drawn apart from the other stages" in logged[0], logged
+    assert after is before
 
 
 def test_bad_value_names_its_group(tmp_path: Path) -> None:
