@@ -28,7 +28,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_par.batch_agreement import BatchAgreement
-from lightning_par.checkpoint.load_pretrained import PretrainedPlan, PretrainedSource, load_pretrained_once
+from lightning_par.checkpoint.load_pretrained import PretrainedPlan, PretrainedSource
 from lightning_par.compose import compose
 from lightning_par.data_reduce import MetricSync
 from lightning_par.device_checks import check_optimizer_kernels, refuse_sync_batchnorm_on_cpu
@@ -38,7 +38,6 @@ from lightning_par.optimizer_checks import check_layout_optimizers
 from lightning_par.peft_checks import refuse_grad_reading_adapters
 from lightning_par.pipeline.lightning import LightningPipeline, pipeline_layers_of
 from lightning_par.pipeline.partition import Cut, PartitionMethod, as_cut
-from lightning_par.pipeline.steps import pipeline_parts
 from lightning_par.random_state import agree_random_state
 from lightning_par.strategy_engine import StrategyEngine
 from lightning_par.strategy_options import (
@@ -56,11 +55,9 @@ from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check
 from lightning_par.zero.engine import ReduceChoice
 from lightning_par.zero.engine_api import Engine
 from lightning_par.zero.grad_sync import GradSyncPolicy
-from lightning_par.zero.init_seeds import agree_seed
 from lightning_par.zero.leftovers import placeholder_names, refuse_left_placeholders
-from lightning_par.zero.meta_init import materialize_local
 from lightning_par.zero.meta_loads import MetaLoads
-from lightning_par.zero.units import UnitPolicy, check_pipeline_units
+from lightning_par.zero.units import UnitPolicy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -343,49 +340,8 @@ class HybridParallelStrategy(StrategyTeardown, StrategyEngine):
             cut_groups=(self.mesh.pp_group, self.mesh.dp_group, self.mesh.tp_group),
         )
         if composition.pipeline is not None:
-            assert self.num_microbatches is not None
-            if self.zero_stage == 3:  # before any collective: every rank refuses alike
-                layers, pieces = pipeline_layers_of(module), composition.pipeline.pieces
-                pp = self.pipeline_parallel_size
-                check_pipeline_units(self.model, self.zero3_units, layers=layers, pieces=pieces, pp_size=pp)
-            if self._pipeline is not None:  # a second setup (fit, then test): its tie groups go first
-                self._pipeline.tied.destroy()
-            runtime, tied = pipeline_parts(
-                module,
-                composition.pipeline,
-                mesh=self.mesh,
-                schedule=self.pipeline_schedule,
-                num_microbatches=self.num_microbatches,
-                device=self.root_device,
-                slack=self.pipeline_slack,
-            )
-            mesh = self.mesh
-            self._pipeline = LightningPipeline(
-                module, runtime, tied, dp_group=mesh.dp_group, dp_size=mesh.dp_size
-            )
-        plan: PretrainedPlan | None = None
-        if self.pretrained is not None or meta_loaded:
-            plan = load_pretrained_once(
-                self.model,
-                self.pretrained if self.pretrained is not None else meta_loaded,
-                tp_rank=self.mesh.tp_rank,
-                tp_size=self.tensor_parallel_size,
-                strict=self.pretrained_strict and self.pretrained is not None,
-                partial=self.pretrained is None,  # configure_model() loaded some: the rest is initialised
-            )
-        try:
-            values = plan.value if plan is not None else None
-            if self.zero_stage != 3:  # stage 3 materialises unit by unit, into its shards
-                seed = 0
-                if values is not None:  # parameters the file lacks are drawn alike on every rank
-                    mesh = self.mesh
-                    groups = (mesh.dp_group, mesh.tp_group, mesh.pp_group)
-                    seed = agree_seed(torch.initial_seed() % 2**31, groups=groups, device=self.root_device)
-                materialize_local(self.model, device=self.root_device, values=values, seed=seed)
-            self._build_engine(fitting, values)
-        finally:
-            if plan is not None:  # the weights are in the model or its shards now
-                plan.close()
+            self._build_pipeline(module, composition.pipeline)
+        self._materialize(fitting, meta_loaded)
         self._buffer_sync = BufferSync(
             self.model, group=self.mesh.dp_group, enabled=self.broadcast_buffers and fitting
         )

@@ -2,8 +2,9 @@
 engine, and how ``configure_model()`` builds on the meta device.
 
 :class:`StrategyEngine` is a base of the strategy and holds no state of its own: the options it reads are
-the strategy's constructor arguments, kept as attributes of the same names. ``_build_engine`` is step 6 of
-the composition (``docs/architecture.md``): ZeRO over the data-parallel group, for evaluation runs too
+the strategy's constructor arguments, kept as attributes of the same names. ``_build_engine`` is step 7 of
+the composition (``docs/architecture.md``), after ``_build_pipeline`` (the runtime of step 5's split) and
+``_materialize`` (step 6, the weights into the model below stage 3): ZeRO over the data-parallel group, for evaluation runs too
 (stage 3 shards there as well); an evaluation run after a fit keeps the fit's engine for its optimizer
 state. ``model_sharded_context`` is Lightning's hook around ``configure_model()``: with ``meta_init`` at
 stage 3, or with ``pretrained`` weights, parameters are built on the meta device and what user code
@@ -15,22 +16,30 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager
 
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_par.build import ZeroOptions, build_engine
-from lightning_par.checkpoint.load_pretrained import PretrainedSource
+from lightning_par.checkpoint.load_pretrained import PretrainedPlan, PretrainedSource, load_pretrained_once
 from lightning_par.compose import ComposeOptions
 from lightning_par.grad_reads import GradReads
 from lightning_par.memory import MemoryReport, measure_memory
+from lightning_par.pipeline.apply import PipelineSplit
+from lightning_par.pipeline.lightning import LightningPipeline, pipeline_layers_of
 from lightning_par.pipeline.partition import Cut
+from lightning_par.pipeline.steps import pipeline_parts
 from lightning_par.precision import ParallelPrecision
 from lightning_par.strategy_env import MeshStrategy
+from lightning_par.strategy_options import PipelineSchedule
 from lightning_par.strategy_precision import StrategyPrecision
 from lightning_par.strategy_steps import StrategySteps
+from lightning_par.zero.init_seeds import agree_seed
 from lightning_par.zero.meta_buffers import materialize_buffers
-from lightning_par.zero.meta_init import ValuesFn, meta_build, move_real_tensors
+from lightning_par.zero.meta_init import ValuesFn, materialize_local, meta_build, move_real_tensors
 from lightning_par.zero.meta_loads import MetaLoads
-from lightning_par.zero.units import UnitPolicy
+from lightning_par.zero.units import UnitPolicy, check_pipeline_units
 
 
 class StrategyEngine(StrategySteps, StrategyPrecision, MeshStrategy):
@@ -46,6 +55,11 @@ class StrategyEngine(StrategySteps, StrategyPrecision, MeshStrategy):
     virtual_stages: int
     partition_method: Cut
     activation_checkpointing: bool | UnitPolicy
+    zero3_units: UnitPolicy
+    pipeline_schedule: PipelineSchedule
+    num_microbatches: int | None
+    pipeline_slack: int
+    pretrained_strict: bool
 
     def _compose_options(self) -> ComposeOptions:
         return ComposeOptions(
@@ -58,8 +72,62 @@ class StrategyEngine(StrategySteps, StrategyPrecision, MeshStrategy):
             activation_checkpointing=self.activation_checkpointing,
         )
 
+    def _build_pipeline(self, module: pl.LightningModule, split: PipelineSplit) -> None:
+        """Step 5 of the composition, its pipeline split: the runtime over this rank's stage of ``split`` (at ZeRO-3
+        the unit policy is checked against the cut first, before any collective: every rank refuses
+        alike); a second setup (fit, then test) destroys the previous pipeline's tie groups first."""
+        assert self.num_microbatches is not None and self.model is not None
+        if self.zero_stage == 3:
+            layers, pp = pipeline_layers_of(module), self.pipeline_parallel_size
+            check_pipeline_units(self.model, self.zero3_units, layers=layers, pieces=split.pieces, pp_size=pp)
+        if self._pipeline is not None:
+            self._pipeline.tied.destroy()
+        runtime, tied = pipeline_parts(
+            module,
+            split,
+            mesh=self.mesh,
+            schedule=self.pipeline_schedule,
+            num_microbatches=self.num_microbatches,
+            device=self.root_device,
+            slack=self.pipeline_slack,
+        )
+        mesh = self.mesh
+        self._pipeline = LightningPipeline(
+            module, runtime, tied, dp_group=mesh.dp_group, dp_size=mesh.dp_size
+        )
+
+    def _materialize(self, fitting: bool, meta_loaded: dict[str, Tensor]) -> None:
+        """Step 6 of the composition: the weights (``pretrained=``, or what ``configure_model()`` loaded into meta
+        parameters: ``meta_loaded``, by name) into the model below stage 3 (stage 3 materialises unit by
+        unit, into its shards), then the engine; parameters the source lacks are drawn alike on every
+        rank."""
+        assert self.model is not None
+        plan: PretrainedPlan | None = None
+        if self.pretrained is not None or meta_loaded:
+            plan = load_pretrained_once(
+                self.model,
+                self.pretrained if self.pretrained is not None else meta_loaded,
+                tp_rank=self.mesh.tp_rank,
+                tp_size=self.tensor_parallel_size,
+                strict=self.pretrained_strict and self.pretrained is not None,
+                partial=self.pretrained is None,  # configure_model() loaded some: the rest is initialised
+            )
+        try:
+            values = plan.value if plan is not None else None
+            if self.zero_stage != 3:
+                seed = 0
+                if values is not None:
+                    mesh = self.mesh
+                    groups = (mesh.dp_group, mesh.tp_group, mesh.pp_group)
+                    seed = agree_seed(torch.initial_seed() % 2**31, groups=groups, device=self.root_device)
+                materialize_local(self.model, device=self.root_device, values=values, seed=seed)
+            self._build_engine(fitting, values)
+        finally:
+            if plan is not None:  # the weights are in the model or its shards now
+                plan.close()
+
     def _build_engine(self, fitting: bool, values: ValuesFn | None) -> None:
-        """Step 6 of the composition: ZeRO over the dp group (stage 3 for evaluation too)."""
+        """Step 7 of the composition: ZeRO over the dp group (stage 3 for evaluation too)."""
         assert self.model is not None
         plugin = self.precision_plugin
         if fitting and isinstance(plugin, ParallelPrecision):
