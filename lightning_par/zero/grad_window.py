@@ -112,7 +112,7 @@ class GradWindow:
             return
         self.sync.drop_local([s for s, owner in enumerate(self._slot_owners) if owner in dropped])
         # and what earlier windows' ends reduced of them, as _before_pass does
-        self._leave_shard(lambda master, slot, owner: owner in dropped)
+        self._leave_shard(lambda master, param, owner: owner in dropped)
 
     _window_done = False  # an update has used this window's gradients
 
@@ -130,8 +130,8 @@ class GradWindow:
         self._drop_zeroed()  # a backward the strategy did not start: its first gradient is in already
         # only inside the window: at grad_sync="every" a fragment this rank did not touch in a
         # non-final pass may hold other ranks' reduced gradients already, with its .grad None
-        window, params = self._window_params, self.sync.params
-        self._leave_shard(lambda master, slot, owner: master.grad is None and id(params[slot]) in window)
+        window = self._window_params
+        self._leave_shard(lambda master, param, owner: master.grad is None and param in window)
 
     def open_window(self) -> None:
         """After an update: drop the window's gradients (the masters' and the reduced gradient shard);
@@ -152,20 +152,21 @@ class GradWindow:
             self._window_params = set()
             return
         # dropped when its optimizer stepped or the user zeroed it (zero_grad(): grad None)
-        self._leave_shard(lambda master, slot, owner: owner in stepped or master.grad is None)
+        self._leave_shard(lambda master, param, owner: owner in stepped or master.grad is None)
 
     @torch.no_grad()
     def _leave_shard(self, drop: Callable[[Tensor, int, int], bool]) -> None:
-        """Take the fragments ``drop(master, slot, owner)`` selects (``slot``: the parameter's index in
-        the layout, ``owner``: its optimizer's id) out of the window: their masters' ``.grad`` becomes
+        """Take the fragments ``drop(master, param, owner)`` selects (``param``: the id of the fragment's
+        parameter, ``owner``: its optimizer's id) out of the window: their masters' ``.grad`` becomes
         None, their slices of the reduced gradient shard zeros, their parameters leave ``_window_params``."""
         grad_shard, params = self.sync.grad_shard, self.sync.params
         assert grad_shard is not None
         for (master, _, slot), f, owner in zip(self._master_slots, self.fragments, self._owners, strict=True):
-            if drop(master, slot, owner):
+            param = id(params[slot])
+            if drop(master, param, owner):
                 master.grad = None
                 grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
-                self._window_params.discard(id(params[slot]))
+                self._window_params.discard(param)
 
 
 __all__ = ["GradWindow"]

@@ -306,50 +306,6 @@ class Stage3Engine(Stage3Hooks):
             self._free(self.root)  # an optimizer step inside training_step: gather the updated shards
             self._wait(self.root)
 
-    _window_done = False  # an update has used this window's gradients
-
-    def _before_pass(self) -> None:
-        """The first gradient of a backward pass: after an update the window opens; otherwise the
-        gradients ``zero_grad()`` dropped since they were attached leave the units' shards (see
-        ``ShardedOptimizer._before_pass`` in :mod:`lightning_par.zero.sharded_optimizer`)."""
-        if self._window_done:
-            self.open_window()
-            return
-        zeroed: set[int] = set()
-        with torch.no_grad():
-            for unit, f, master in self._masters:
-                param = id(unit.params[f.slot])
-                if master.grad is None and param in self._window_params:
-                    assert unit.grad_shard is not None
-                    unit.grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
-                    zeroed.add(param)
-        self._window_params -= zeroed
-
-    def open_window(self) -> None:
-        """After an update: drop the window's gradients (the masters' and every unit's gradient shard);
-        nothing before one (a later backward of the same window)."""
-        if not self._window_done:
-            return
-        self._window_done = False
-        stepped, self._stepped_in_window = self._stepped_in_window, set()
-        self._grad_copies = []
-        if all(id(opt) in stepped for opt in self.optimizers):
-            for _, _, master in self._masters:
-                master.grad = None
-            for unit in self.units:
-                if unit.grad_shard is not None:
-                    unit.grad_shard.zero_()
-            self._window_params = set()
-            return
-        # another optimizer's parameters keep their gradients until it steps (see ShardedOptimizer)
-        with torch.no_grad():
-            for (unit, f, master), owner in zip(self._masters, self._master_owners, strict=True):
-                if owner in stepped or master.grad is None:  # stepped, or zeroed by the user
-                    master.grad = None
-                    self._window_params.discard(id(unit.params[f.slot]))
-                    assert unit.grad_shard is not None
-                    unit.grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
-
     def masters_changed(self) -> None:
         """The shards were written from outside: the shard is what forward gathers (masters are the shard
         or cast from it at every step), but a unit gathered now (a root kept between manual-optimization

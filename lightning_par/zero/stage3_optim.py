@@ -9,11 +9,14 @@ an optimizer step updates exactly what the next gather reads (frozen parameters 
 state). After a window's final backward the reduced gradient shard is attached to the masters: a view
 when the dtypes agree, else a copy in the master's dtype, and ``None`` for parameters no rank used.
 :meth:`~Stage3Optim.scale_grads` multiplies wherever the optimizer reads: the shards, and the copies.
+The accumulation window (which gradients an update uses, what ``zero_grad()`` drops) follows
+:mod:`lightning_par.zero.grad_window`'s contract: :meth:`~Stage3Optim._mark_window`,
+:meth:`~Stage3Optim._before_pass`, :meth:`~Stage3Optim.open_window`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +43,9 @@ class Stage3Optim(Stage3State):
     _handles: list[RemovableHandle]
     unused: frozenset[int]
     _touched: dict[int, bool]
+    _master_owners: list[int]  # per master fragment, its optimizer's id
+    _stepped_in_window: set[int]  # ids of the optimizers that stepped since the window opened
+    _window_params: set[int]  # ids of the parameters with gradients in this window
 
     # ------------------------------------------------------------------ optimizer
     def shard_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
@@ -122,6 +128,51 @@ class Stage3Optim(Stage3State):
             if view is not None and self._touched[param]:
                 master.grad = view
                 window.add(param)
+
+    _window_done = False  # an update has used this window's gradients
+
+    def _before_pass(self) -> None:
+        """The first gradient of a backward pass: after an update the window opens; otherwise the
+        gradients ``zero_grad()`` dropped since they were attached leave the units' shards (see
+        ``GradWindow._before_pass`` in :mod:`lightning_par.zero.grad_window`)."""
+        if self._window_done:
+            self.open_window()
+            return
+        window = self._window_params
+        self._leave_shard(lambda master, param, owner: master.grad is None and param in window)
+
+    def open_window(self) -> None:
+        """After an update: drop the window's gradients (the masters' and every unit's gradient shard);
+        nothing before one (a later backward of the same window). Another optimizer's parameters keep
+        theirs until it steps (see ``GradWindow.open_window``)."""
+        if not self._window_done:
+            return
+        self._window_done = False
+        stepped, self._stepped_in_window = self._stepped_in_window, set()
+        self._grad_copies = []
+        if all(id(opt) in stepped for opt in self.optimizers):
+            for _, _, master in self._masters:
+                master.grad = None
+            for unit in self.units:
+                if unit.grad_shard is not None:
+                    unit.grad_shard.zero_()
+            self._window_params = set()
+            return
+        # stepped, or zeroed by the user (zero_grad(): grad None)
+        self._leave_shard(lambda master, param, owner: owner in stepped or master.grad is None)
+
+    @torch.no_grad()
+    def _leave_shard(self, drop: Callable[[Tensor, int, int], bool]) -> None:
+        """Take the master fragments ``drop(master, param, owner)`` selects (``param``: the id of the
+        fragment's parameter, ``owner``: its optimizer's id) out of the window: their ``.grad`` becomes
+        None, their slices of their units' gradient shards zeros, their parameters leave the window."""
+        for (unit, f, master), owner in zip(self._masters, self._master_owners, strict=True):
+            param = id(unit.params[f.slot])
+            if drop(master, param, owner):
+                master.grad = None
+                assert unit.grad_shard is not None
+                unit.grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
+                self._window_params.discard(param)
 
     def group_params(self, index: int) -> list[list[nn.Parameter]]:
         return self._group_params[index]

@@ -76,7 +76,7 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
     _pool: dict[int, list[Tensor]]
     _touched: dict[int, bool]
     _sync_listeners: list[Callable[[], None]]
-    _before_pass: Callable[[], None]  # the engine's (Stage3Engine._before_pass)
+    _before_pass: Callable[[], None]  # the engine's (Stage3Optim._before_pass)
     _end_guard: Callable[[], None]  # Stage3Hooks': the cross-unit guard's end
     _guard_through_backward: bool = False  # the guard lasts until this backward ends (Stage3Hooks)
     _pass_grads: bool = False  # a parameter got a gradient in the running backward pass
@@ -151,7 +151,7 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
             Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _on_grad(self, param: Tensor) -> None:
-        if not self._pass_grads:  # the pass's first gradient: see ShardedOptimizer._before_pass
+        if not self._pass_grads:  # the pass's first gradient: see GradWindow._before_pass
             self._before_pass()
         self._queue_callback()
         self._pass_grads = True
