@@ -43,15 +43,22 @@ from typing import Any, NoReturn
 import hydra
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_par.resume_path import check_ckpt_path
-from lightning_par.run_dirs import first_attempt_dir, launcher_overrides
+from lightning_par.run_dirs import launcher_overrides
 from lightning_par.sweep import record_stopped_job
+from lightning_par.train_checks import (
+    ConfigError,
+    check_ckpt_override,
+    check_layout,
+    check_sweep_world,
+    check_trainer_keys,
+    describe,
+    one_line,
+)
 
 __all__ = ["ConfigError", "TrainingRun", "build", "find_config_dir", "main", "train"]
 
@@ -66,15 +73,6 @@ _INSTALLED_CONF = "share/lightning_par/conf"
 # Set by rank 0 during a sweep (`-m`) so the processes Lightning starts for ranks > 0, which inherit the
 # environment, write into rank 0's sweep directory instead of a new timestamped one (see main()).
 SWEEP_DIR_ENV = "LIGHTNING_PAR_SWEEP_DIR"
-
-
-class ConfigError(Exception):
-    """A config group's node could not be turned into an object; ``group`` names the culprit."""
-
-    def __init__(self, group: str, message: str) -> None:
-        super().__init__(f"{group}: {message}")
-        self.group = group
-        self.message = message
 
 
 @dataclass
@@ -120,23 +118,6 @@ def find_config_dir() -> Path:
     )
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
-def _describe(exc: BaseException) -> str:
-    """A one-line description of why instantiation failed, without Hydra's wrapper text."""
-    # Hydra wraps constructor errors as InstantiationException("Error in call to target ...") raised
-    # from the original exception; the original is what the user can act on.
-    root: BaseException = exc
-    while isinstance(root, InstantiationException) and root.__cause__ is not None:
-        root = root.__cause__
-    message = _one_line(str(root))
-    if isinstance(root, InstantiationException | ValueError | NotImplementedError) or not message:
-        return message or type(root).__name__
-    return f"{type(root).__name__}: {message}"
-
-
 def instantiate_group(group: str, node: Any, **kwargs: Any) -> Any:
     """``hydra.utils.instantiate(node, **kwargs)``, turning any failure into :class:`ConfigError`.
 
@@ -148,7 +129,7 @@ def instantiate_group(group: str, node: Any, **kwargs: Any) -> Any:
     try:
         return hydra.utils.instantiate(node, **kwargs)
     except Exception as exc:
-        raise ConfigError(group, _describe(exc)) from exc
+        raise ConfigError(group, describe(exc)) from exc
 
 
 def instantiate_named(group: str, node: DictConfig | None) -> list[Any]:
@@ -170,9 +151,9 @@ def build(cfg: DictConfig) -> TrainingRun:
             unknown ``_target_``, missing interpolation) or, as ``trainer``, a Trainer that refuses its
             arguments (e.g. ``trainer.devices=0``).
     """
-    _check_trainer_keys(cfg)
-    _check_ckpt_path(cfg)
-    _check_sweep_world(cfg.trainer)
+    check_trainer_keys(cfg)
+    check_ckpt_override(cfg)
+    check_sweep_world(cfg.trainer)
     datamodule = instantiate_group("data", cfg.data)
     model = instantiate_group("model", cfg.model)
     strategy = instantiate_group("strategy", cfg.strategy)
@@ -197,97 +178,9 @@ def build(cfg: DictConfig) -> TrainingRun:
             precision=cfg.precision,
         )
     except Exception as exc:
-        raise ConfigError("trainer", _describe(exc)) from exc
-    _check_layout(strategy, model, world_size=trainer.world_size)
+        raise ConfigError("trainer", describe(exc)) from exc
+    check_layout(strategy, model, world_size=trainer.world_size)
     return TrainingRun(datamodule=datamodule, model=model, trainer=trainer)
-
-
-# Trainer arguments that build() passes itself, from their own config groups: set under trainer they would
-# be overridden silently (Hydra suggests `+trainer.precision=...` when `trainer.precision=...` fails)
-_GROUP_KEYS = {
-    "precision": "precision=bf16-mixed (a file of conf/precision)",
-    "strategy": "strategy=zero2, or strategy.<option>=... (conf/strategy)",
-    "logger": "logger=csv or logger=none (conf/logger)",
-    "callbacks": "callbacks=none, or +callbacks.<name>={_target_: ...} (conf/callbacks)",
-}
-
-
-def _check_trainer_keys(cfg: DictConfig) -> None:
-    for key, fix in _GROUP_KEYS.items():
-        if key in cfg.trainer:
-            raise ConfigError(
-                "trainer", f"trainer.{key} is not read: {key} is a config group of its own; use {fix}."
-            )
-
-
-def _check_ckpt_path(cfg: DictConfig) -> None:
-    """``ckpt_path`` checked before any process starts (:mod:`lightning_par.resume_path`). ``last`` is
-    compared with the task's other runs only where the run directory is new to this command: one Hydra
-    made, or one :mod:`lightning_par.run_dirs` named for the first attempt of a torchrun or srun launch
-    (before, a one-node torchrun, which names a new directory at every launch, started from scratch with
-    Lightning's warning). Not in a sweep (its jobs are siblings of each other), nor where the user gave
-    ``hydra.run.dir``, nor in a restarted attempt: one that failed before its first checkpoint starts
-    afresh, as Lightning does."""
-    made = HydraConfig.initialized() and HydraConfig.get().mode != RunMode.MULTIRUN
-    if made:
-        given = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.hydra}
-        launched = first_attempt_dir(str(HydraConfig.get().runtime.output_dir), os.environ)
-        made = "hydra.run.dir" not in given or launched
-    paths = cfg.get("paths")
-    checkpoint_dir = run_dir = None
-    if made and paths is not None and "checkpoint_dir" in paths and "output_dir" in paths:
-        checkpoint_dir, run_dir = Path(str(paths.checkpoint_dir)), Path(str(paths.output_dir))
-    try:
-        check_ckpt_path(
-            cfg.get("ckpt_path"),
-            checkpoint_dir=checkpoint_dir,
-            run_dir=run_dir,
-            task_name=str(cfg.get("task_name")) if cfg.get("task_name") is not None else None,
-        )
-    except ValueError as exc:
-        raise ConfigError("ckpt_path", str(exc)) from None
-
-
-def _check_sweep_world(trainer: DictConfig) -> None:
-    """The jobs of a sweep run in the processes its first job started (Lightning starts ranks > 0 once, and
-    each re-runs the sweep in lockstep): a job asking for another process count is refused. Before, it
-    reused the first job's processes silently (a 2-process job ran in 1) or failed on rank 1 alone."""
-    import torch.distributed as dist
-
-    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
-    if not dist.is_available() or not dist.is_initialized() or not isinstance(devices, int):
-        return
-    if not isinstance(nodes, int) or devices * nodes == dist.get_world_size():
-        return
-    world, asked = dist.get_world_size(), devices * nodes
-    raise ConfigError(
-        "trainer",
-        f"this sweep's processes were started for {world} ranks by its first job, and this job asks for"
-        f" {asked} (trainer.devices={devices}, trainer.num_nodes={nodes}): give every job of a sweep the"
-        " same trainer.devices and trainer.num_nodes, or run one sweep per process count.",
-    )
-
-
-def _check_layout(strategy: Any, model: pl.LightningModule, *, world_size: int) -> None:
-    """The strategy's layout against the Trainer's process count and the model, before any process is
-    started (the strategy itself finds these only at setup, on every rank, with tracebacks)."""
-    from lightning_par.mesh import MeshLayout
-    from lightning_par.strategy import HybridParallelStrategy
-    from lightning_par.tensor_parallel import PLANS
-
-    if not isinstance(strategy, HybridParallelStrategy):
-        return
-    tp, pp = strategy.tensor_parallel_size, strategy.pipeline_parallel_size
-    try:
-        MeshLayout(world_size=world_size, tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    except ValueError as exc:
-        raise ConfigError("strategy", _describe(exc)) from exc
-    if tp > 1 and strategy.tp_plan is None and getattr(model, "tp_plan", None) is None:
-        raise ConfigError(
-            "strategy",
-            f"tensor_parallel_size={tp} needs a plan: set strategy.tp_plan (one of"
-            f" {', '.join(sorted(PLANS))}) or give the model a tp_plan attribute.",
-        )
 
 
 def _write_metrics(path: Path, trainer: pl.Trainer, wall_time_s: float) -> dict[str, float]:
@@ -368,7 +261,7 @@ def train(cfg: DictConfig) -> float:
 
 
 def _fail(message: str) -> NoReturn:
-    print(f"{PROG}: {_one_line(message)}", file=sys.stderr)
+    print(f"{PROG}: {one_line(message)}", file=sys.stderr)
     sys.exit(EXIT_CONFIG_ERROR)
 
 
@@ -385,7 +278,7 @@ def _task(cfg: DictConfig) -> float:
         if multirun:
             # in a sweep the job fails, is reported in the sweep summary, and the next job runs (config
             # errors are raised on every rank alike, before any collective)
-            print(f"{PROG}: {_one_line(str(exc))}", file=sys.stderr)
+            print(f"{PROG}: {one_line(str(exc))}", file=sys.stderr)
             raise
         _fail(str(exc))
     except Exception as exc:
@@ -413,7 +306,7 @@ def _stop_sweep(exc: BaseException) -> NoReturn:
     rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
     traceback.print_exception(exc, file=sys.stderr)
     print(
-        f"{PROG}: rank {rank}: the job failed ({type(exc).__name__}: {_one_line(str(exc))}). A sweep over"
+        f"{PROG}: rank {rank}: the job failed ({type(exc).__name__}: {one_line(str(exc))}). A sweep over"
         " several processes stops at a job's runtime failure, since its ranks cannot continue in step;"
         " fix it and sweep the remaining values again.",
         file=sys.stderr,

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.fabric import HybridParallelStrategy as FabricHybridParallelStrategy
-from lightning_par.train import ConfigError, _check_ckpt_path
+from lightning_par.train_checks import ConfigError, check_ckpt_override
 from tests.distributed import run_distributed
 from tests.fits import cpu_trainer, final_state
 from tests.third_party import LLAMA, Tokens, hf_model
@@ -153,5 +153,5 @@ def test_checkpoint_paths_and_files_that_do_not_fit_are_named(tmp_path: Path) ->
     # the command line refuses the folder before any process starts
     (tmp_path / "runs").mkdir()
     with pytest.raises(ConfigError) as info:
-        _check_ckpt_path(OmegaConf.create({"ckpt_path": str(tmp_path / "runs")}))
+        check_ckpt_override(OmegaConf.create({"ckpt_path": str(tmp_path / "runs")}))
     assert info.value.group == "ckpt_path" and "is a directory, not a checkpoint" in info.value.message

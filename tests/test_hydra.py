@@ -46,13 +46,12 @@ from lightning_par.train import (
     SWEEP_DIR_ENV,
     ConfigError,
     TrainingRun,
-    _check_layout,
-    _check_sweep_world,
     build,
     find_config_dir,
     instantiate_named,
     main,
 )
+from lightning_par.train_checks import check_layout, check_sweep_world
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -251,7 +250,7 @@ def test_layout_checked_before_any_process_starts(tmp_path: Path) -> None:
     run = build(compose_config(tmp_path, "strategy=hybrid", "strategy.tensor_parallel_size=2"))
     assert run.model.tp_plan == "gpt" and run.trainer.strategy.tensor_parallel_size == 2  # type: ignore[attr-defined]
     with pytest.raises(ConfigError) as info:
-        _check_layout(HybridParallelStrategy(tensor_parallel_size=2), pl.LightningModule(), world_size=2)
+        check_layout(HybridParallelStrategy(tensor_parallel_size=2), pl.LightningModule(), world_size=2)
     assert info.value.group == "strategy" and "needs a plan: set strategy.tp_plan" in info.value.message
 
 
@@ -307,9 +306,9 @@ def test_silent_overrides_and_late_errors_are_refused_at_build(tmp_path: Path) -
     )  # the group a sweep's first job left
     try:
         with pytest.raises(ConfigError) as info:
-            _check_sweep_world(OmegaConf.create({"devices": 2, "num_nodes": 1}))
+            check_sweep_world(OmegaConf.create({"devices": 2, "num_nodes": 1}))
         assert "started for 1 ranks by its first job, and this job asks for 2" in info.value.message
-        _check_sweep_world(OmegaConf.create({"devices": 1, "num_nodes": 1}))  # the same count: fine
+        check_sweep_world(OmegaConf.create({"devices": 1, "num_nodes": 1}))  # the same count: fine
     finally:
         torch.distributed.destroy_process_group()
 
