@@ -2,13 +2,13 @@
 engine, and how ``configure_model()`` builds on the meta device.
 
 :class:`StrategyEngine` is a base of the strategy and holds no state of its own: the options it reads are
-the strategy's constructor arguments, kept as attributes of the same names. ``_build_engine`` is step 7 of
-the composition (``docs/architecture.md``), after ``_build_pipeline`` (the runtime of step 5's split) and
-``_materialize`` (step 6, the weights into the model below stage 3): ZeRO over the data-parallel group, for evaluation runs too
-(stage 3 shards there as well); an evaluation run after a fit keeps the fit's engine for its optimizer
-state. ``model_sharded_context`` is Lightning's hook around ``configure_model()``: with ``meta_init`` at
-stage 3, or with ``pretrained`` weights, parameters are built on the meta device and what user code
-loads into them is recorded, to be applied to the shards at setup.
+the strategy's constructor arguments, kept as attributes of the same names. ``_build_engine`` is step 7
+of the composition (``docs/architecture.md``), after ``_build_pipeline`` (the runtime of step 5's split)
+and ``_materialize`` (step 6, the weights into the model below stage 3): ZeRO over the data-parallel
+group, for evaluation runs too (stage 3 shards there as well); an evaluation run after a fit keeps the
+fit's engine for its optimizer state. ``model_sharded_context`` is Lightning's hook around
+``configure_model()``: with ``meta_init`` at stage 3, or with ``pretrained`` weights, parameters are built
+on the meta device and what user code loads into them is recorded, to be applied to the shards at setup.
 """
 
 from __future__ import annotations
@@ -73,9 +73,10 @@ class StrategyEngine(StrategySteps, StrategyPrecision, MeshStrategy):
         )
 
     def _build_pipeline(self, module: pl.LightningModule, split: PipelineSplit) -> None:
-        """Step 5 of the composition, its pipeline split: the runtime over this rank's stage of ``split`` (at ZeRO-3
-        the unit policy is checked against the cut first, before any collective: every rank refuses
-        alike); a second setup (fit, then test) destroys the previous pipeline's tie groups first."""
+        """Step 5 of the composition, its pipeline split: the runtime over this rank's stage of ``split``
+        (at ZeRO-3 the unit policy is checked against the cut first, before any collective: every rank
+        refuses alike); a second setup (fit, then test) destroys the previous pipeline's tie groups
+        first."""
         assert self.num_microbatches is not None and self.model is not None
         if self.zero_stage == 3:
             layers, pp = pipeline_layers_of(module), self.pipeline_parallel_size
@@ -97,10 +98,10 @@ class StrategyEngine(StrategySteps, StrategyPrecision, MeshStrategy):
         )
 
     def _materialize(self, fitting: bool, meta_loaded: dict[str, Tensor]) -> None:
-        """Step 6 of the composition: the weights (``pretrained=``, or what ``configure_model()`` loaded into meta
-        parameters: ``meta_loaded``, by name) into the model below stage 3 (stage 3 materialises unit by
-        unit, into its shards), then the engine; parameters the source lacks are drawn alike on every
-        rank."""
+        """Step 6 of the composition: the weights (``pretrained=``, or what ``configure_model()`` loaded
+        into meta parameters: ``meta_loaded``, by name) into the model below stage 3 (stage 3
+        materialises unit by unit, into its shards), then the engine; parameters the source lacks are
+        drawn alike on every rank."""
         assert self.model is not None
         plan: PretrainedPlan | None = None
         if self.pretrained is not None or meta_loaded:

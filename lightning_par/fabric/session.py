@@ -25,12 +25,37 @@ from lightning_par.fabric.processes import FabricProcesses
 from lightning_par.grad_reads import GradReads
 from lightning_par.module_dtypes import restore_norms
 from lightning_par.zero.engine_api import reads_own_state
+from lightning_par.zero.leftovers import placeholder_names
 from lightning_par.zero.stage3 import Stage3Engine
 
 SETUP_ATTR = "_lightning_par_fabric_setup"  # set on a module a strategy has set up, until its teardown
 
 if TYPE_CHECKING:
     from lightning_par.fabric.strategy import HybridParallelStrategy
+
+
+def refuse_second_setup(module: nn.Module) -> None:
+    """A module an earlier strategy set up and did not tear down (``SETUP_ATTR``), refused naming the fix."""
+    mark = getattr(module, SETUP_ATTR, False)
+    if mark == "pipeline":
+        raise ValueError(
+            "This module was split over pipeline stages by an earlier lightning_par Fabric strategy,"
+            " now torn down (this rank keeps its stage's layers only): build a fresh model for another"
+            " Fabric, loading the weights the first one saved (fabric.save / consolidated_state_dict())."
+        )
+    if mark:
+        left = placeholder_names(module)
+        raise ValueError(
+            "This module was already set up by lightning_par's Fabric strategy: call fabric.setup() (or"
+            " setup_module()) once per module and keep the returned object."
+            + (
+                f" It still holds ZeRO-3's placeholders in {len(left)} parameters (e.g. {left[:3]}): an"
+                " earlier loop on it stopped before they were gathered back. Build the model again and"
+                " fabric.load the last checkpoint into it."
+                if left
+                else ""
+            )
+        )
 
 
 class FabricSession(FabricProcesses):

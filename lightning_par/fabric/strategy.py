@@ -58,7 +58,7 @@ from lightning_par.data_reduce import MetricSync
 from lightning_par.device_checks import refuse_sync_batchnorm_on_cpu
 from lightning_par.fabric.optimizers import FabricOptimizers
 from lightning_par.fabric.pipeline import FabricPipeline, build_fabric_pipeline, refuse_direct_call
-from lightning_par.fabric.session import SETUP_ATTR, FabricSession
+from lightning_par.fabric.session import SETUP_ATTR, FabricSession, refuse_second_setup
 from lightning_par.fabric.setup import (
     Replaced,
     compose_module,
@@ -79,7 +79,6 @@ from lightning_par.strategy_options import (
 )
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
 from lightning_par.zero.engine_api import Engine
-from lightning_par.zero.leftovers import placeholder_names
 from lightning_par.zero.meta_buffers import materialize_buffers
 from lightning_par.zero.meta_init import meta_build, move_real_tensors
 from lightning_par.zero.stage3 import Stage3Engine
@@ -296,7 +295,7 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
     def module_to_device(self, module: nn.Module) -> None:
         """Real tensors move to the root device; meta parameters wait for the engine (stage 3); meta
         buffers (a model built under ``torch.device("meta")``) are computed on the device."""
-        self._refuse_second_setup(module)  # Fabric moves a module before it sets it up
+        refuse_second_setup(module)  # Fabric moves a module before it sets it up
         move_real_tensors(module, self.root_device)
         materialize_buffers(module, device=self.root_device)
 
@@ -310,7 +309,7 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]
-        self._refuse_second_setup(module)
+        refuse_second_setup(module)
         if self.module is not None:
             after = (
                 " This strategy was torn down (fabric.strategy.teardown()): for another model, create a new"
@@ -392,29 +391,6 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
             handle.remove()
         if self.batches is not None:
             self.batches.check("forward", (args, kwargs))
-
-    @staticmethod
-    def _refuse_second_setup(module: nn.Module) -> None:
-        mark = getattr(module, SETUP_ATTR, False)
-        if mark == "pipeline":
-            raise ValueError(
-                "This module was split over pipeline stages by an earlier lightning_par Fabric strategy,"
-                " now torn down (this rank keeps its stage's layers only): build a fresh model for another"
-                " Fabric, loading the weights the first one saved (fabric.save / consolidated_state_dict())."
-            )
-        if mark:
-            left = placeholder_names(module)
-            raise ValueError(
-                "This module was already set up by lightning_par's Fabric strategy: call fabric.setup() (or"
-                " setup_module()) once per module and keep the returned object."
-                + (
-                    f" It still holds ZeRO-3's placeholders in {len(left)} parameters (e.g. {left[:3]}): an"
-                    " earlier loop on it stopped before they were gathered back. Build the model again and"
-                    " fabric.load the last checkpoint into it."
-                    if left
-                    else ""
-                )
-            )
 
     @property
     def pipeline(self) -> FabricPipeline:
