@@ -164,7 +164,8 @@ class GradReads:
                     " and each rank would clip by its own factor, silently. Clip with"
                     " Trainer(gradient_clip_val=...) or self.clip_gradients(optimizer, ...)"
                     " (fabric.clip_gradients in Fabric): the global norm over the shards; read the norms"
-                    " with trainer.strategy.grad_norm(self); or use zero_stage=0. Element-wise changes of"
+                    " with trainer.strategy.grad_norm(self)"
+                    " (fabric.strategy.grad_norm(model)); or use zero_stage=0. Element-wise changes of"
                     " those gradients are fine. (Checked in the first optimizer step only.)"
                 )
 
@@ -181,7 +182,8 @@ class GradReads:
                 " different factor, and Lightning's grad_norm(self, ...) would report this stage's norm as"
                 " the total. Clip with Trainer(gradient_clip_val=...) or self.clip_gradients(optimizer, ...)"
                 " (fabric.clip_gradients in Fabric): the global norm over every stage; read the norms with"
-                " trainer.strategy.grad_norm(self) on every rank. (Checked in the first optimizer step"
+                " trainer.strategy.grad_norm(self)"
+                " (fabric.strategy.grad_norm(model)) on every rank. (Checked in the first optimizer step"
                 " only.)"
             )
         elif self.zero_stage < 1:  # this stage's own parameter without a gradient: None under DDP too
@@ -195,7 +197,8 @@ class GradReads:
                 " them (torch.nn.utils.clip_grad_norm_(self.parameters(), ...)) or logs them (Lightning's"
                 " grad_norm(self, ...)) would do nothing, silently. Clip with Trainer(gradient_clip_val=...)"
                 " or self.clip_gradients(optimizer, ...) (fabric.clip_gradients in Fabric): the global norm"
-                " over the shards; read the norms with trainer.strategy.grad_norm(self); or use"
+                " over the shards; read the norms with trainer.strategy.grad_norm(self)"
+                " (fabric.strategy.grad_norm(model)); or use"
                 " zero_stage=0, where param.grad holds the averaged gradient. (Checked in the first"
                 " optimizer step only.)"
             )

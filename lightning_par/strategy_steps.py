@@ -18,22 +18,19 @@ from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par import lightning_hooks
 from lightning_par.checkpoint.hook_edits import ZERO_VIEWS
-from lightning_par.grad_norm import param_grad_norms
 from lightning_par.grad_reads import GradReads
+from lightning_par.layout_norms import layout_grad_norms
 from lightning_par.loss import TokenNormalizer
-from lightning_par.pipeline.apply import NORM_SKIP_ATTR
 from lightning_par.pipeline.lightning import LightningPipeline
 from lightning_par.pipeline.runtime import StepStats
 from lightning_par.precision import ParallelPrecision
 from lightning_par.strategy_loops import StrategyLoops, loader_idx
-from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.tensor_parallel.replicas import mismatch_message, replicated_grad_mismatch
 from lightning_par.zero.buffers import BufferSync
 from lightning_par.zero.stage3 import Stage3Engine
@@ -296,54 +293,20 @@ class StrategySteps(StrategyLoops):
         each parameter's gradient p-norm under the same keys (``grad_2.0_norm/<name>`` and
         ``grad_2.0_norm_total``), for the gradients the optimizer is about to apply, equal on every rank.
 
-        Lightning's function reads ``param.grad`` of this rank, which at ZeRO 1-3 is None (the gradients
-        live in this rank's shards: it returns ``{}``), under tensor parallelism is this rank's slice, and
-        under pipeline parallelism exists for this stage's parameters only. Here each element is counted
-        once: ZeRO pieces summed over the dp group, tensor-parallel slices over the tp group (replicated
-        parameters on tp rank 0 only), stages over the pp group (a weight tied across stages on its first
-        stage), so every rank must call it (up to three small all-reduces and one host read).
-        ``module`` defaults to the LightningModule; names are relative to it, as Lightning's."""
-        from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
-
-        p = float(norm_type)
-        if p <= 0:
-            raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type!r}.")
+        Lightning's function reads ``param.grad`` of this rank, which at ZeRO 1-3 is None; here each
+        element is counted once over the layout (:mod:`lightning_par.layout_norms`), so every rank must
+        call it. ``module`` defaults to the LightningModule; names are relative to it, as Lightning's."""
         root = self.lightning_module
         assert root is not None, "grad_norm() needs the strategy set up (call it from a hook)"
-        module = module if module is not None else root
-        engine = self._engine
-        sharded = engine.sharded_state if engine is not None else None
-        mesh = self.mesh
-        if sharded is None and mesh.tp_size == 1 and mesh.pp_size == 1:
-            # every param.grad is the whole, averaged gradient (ZeRO-0 over data parallelism)
-            return dict(lightning_grad_norm(module, p, group_separator))
-        prefix = next((n + "." for n, m in root.named_modules() if m is module), None)
-        if prefix is None:
-            raise ValueError("grad_norm(module): the module is not part of the LightningModule.")
-        prefix = "" if prefix == "." else prefix
-        names = [n for n, q in root.named_parameters() if q.requires_grad and n.startswith(prefix)]
-        # (name, gradient piece, the tensor carrying the parallelism marks)
-        held: list[tuple[str, Tensor | None, Tensor]]
-        if sharded is None:  # whole gradients, alike on every dp rank (other stages' placeholders: none)
-            held = [(n, q.grad, q) for n, q in root.named_parameters() if not q.is_meta]
-        else:  # this rank's dp fragments
-            held = [(n, master.grad, master) for n, _, _, master in sharded.fragment_table()]
-        pieces = [
-            (name, grad)
-            for name, grad, marks in held
-            if grad is not None
-            and name.startswith(prefix)
-            and not getattr(marks, NORM_SKIP_ATTR, False)
-            and (mesh.tp_rank == 0 or hasattr(marks, TP_DIM_ATTR))
-        ]
-        groups = [mesh.tp_group, mesh.pp_group, *([mesh.dp_group] if sharded is not None else [])]
-        norms = param_grad_norms(pieces, names, groups=groups, norm_type=p, device=self.root_device)
-        out: dict[str, Tensor | float] = {
-            f"grad_{p}_norm{group_separator}{n[len(prefix) :]}": v for n, v in norms.items()
-        }
-        if norms:
-            out[f"grad_{p}_norm_total"] = torch.stack(list(norms.values())).norm(p)
-        return out
+        return layout_grad_norms(
+            root,
+            module,
+            engine=self._engine,
+            mesh=self.mesh,
+            device=self.root_device,
+            norm_type=norm_type,
+            group_separator=group_separator,
+        )
 
     # ------------------------------------------------------------------ token normalisation
     def token_normalized(self, loss_sum: Tensor, n_tokens: int | Tensor) -> Tensor:

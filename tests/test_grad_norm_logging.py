@@ -27,11 +27,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.fabric import Fabric
 from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_par import HybridParallelStrategy
+from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
 from lightning_par.pipeline import hf_pipeline_layers
 from tests.distributed import run_distributed
 from tests.third_party import GPT2, Tokens, hf_model
@@ -142,6 +144,36 @@ def _blocks(dp: int, dp_rank: int) -> list[list[int]]:
     return [[k * 8 * dp + dp_rank * 8 + j for j in range(8)] for k in range(STEPS)]
 
 
+class Forward(Net):
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+def _fabric(rank: int, strategy: Any) -> list[dict[str, float]]:
+    """A Fabric loop logging the norms between ``fabric.backward`` and ``optimizer.step()``: the strategy's
+    ``grad_norm`` (of the whole model and of one submodule, through Fabric's wrapper), Lightning's
+    ``grad_norm`` under Fabric's ``"ddp"``."""
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+    fabric.launch()
+    module = Forward()
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(3))
+    records = []
+    for step in range(STEPS):
+        rows = slice(step * 16 + rank * 8, step * 16 + rank * 8 + 8)
+        fabric.backward(F.mse_loss(model(x[rows]), x[rows].sum(1, keepdim=True).sin()))
+        if isinstance(strategy, FabricStrategy):
+            norms = {**fabric.strategy.grad_norm(model), **fabric.strategy.grad_norm(module.net[4], 1.0)}
+        else:
+            norms = {**grad_norm(model.module, 2.0), **grad_norm(model.module.net[4], 1.0)}
+        records.append({k: float(v) for k, v in norms.items()})
+        optimizer.step()
+        optimizer.zero_grad()
+    if isinstance(strategy, FabricStrategy):
+        strategy.destroy_process_groups()
+    return records
+
+
 def _runs(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     hp = HybridParallelStrategy
@@ -150,6 +182,9 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
         "s1": _fit(hp(zero_stage=1)),
         "s2": _fit(hp(zero_stage=2)),
         "s3": _fit(hp(zero_stage=3, meta_init=False)),
+        "fabric_ddp": _fabric(rank, "ddp"),
+        "fabric_s2": _fabric(rank, FabricStrategy(zero_stage=2)),
+        "fabric_s3": _fabric(rank, FabricStrategy(zero_stage=3, meta_init=False)),
     }
 
 
@@ -162,6 +197,12 @@ def test_grad_norm_from_shards_equals_lightning_grad_norm_under_ddp() -> None:
     )
     assert not any("net.2." in k for k in ddp[0]), "the frozen layer has an entry"
     for r, out in enumerate(ranks):
+        # Fabric: the strategy's grad_norm (before, the Trainer's only) equals Lightning's under "ddp"
+        assert (
+            "grad_1.0_norm/weight" in out["fabric_ddp"][0] and "grad_2.0_norm_total" in out["fabric_ddp"][0]
+        )
+        for key in ("fabric_s2", "fabric_s3"):
+            _assert_records(out[key], out["fabric_ddp"], f"{r} {key}")
         for key in ("s1", "s2", "s3"):
             assert len(out[key]) == STEPS, (r, key)
             for step, (ours, theirs) in enumerate(zip(out[key], out["ddp"], strict=True)):

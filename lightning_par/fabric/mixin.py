@@ -10,6 +10,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins.precision import Precision
+    from torch.optim import Optimizer
 
     from lightning_par.fabric.pipeline import FabricPipeline
     from lightning_par.mesh import ParallelMesh
@@ -37,3 +38,6 @@ class FabricMixin:
 
         @property
         def root_device(self) -> torch.device: ...
+
+        @property
+        def optimizers(self) -> list[Optimizer]: ...

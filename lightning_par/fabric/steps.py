@@ -25,6 +25,7 @@ from lightning_par.checkpoint.tp_reshard import tp_info
 from lightning_par.fabric.mixin import FabricMixin
 from lightning_par.fabric.pipeline import refuse_backward
 from lightning_par.grad_reads import GradReads
+from lightning_par.layout_norms import layout_grad_norms
 from lightning_par.tensor_parallel.replicas import mismatch_message, replicated_grad_mismatch
 from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.stage3_join import Stage3Join
@@ -101,6 +102,31 @@ class FabricSteps(FabricMixin):
                 " error_if_nonfinite=False to clip anyway."
             )
         return norm
+
+    def grad_norm(
+        self, module: nn.Module | None = None, norm_type: float | str = 2.0, group_separator: str = "/"
+    ) -> dict[str, Tensor | float]:
+        """Lightning's ``grad_norm(module, norm_type)`` for this layout, between ``fabric.backward`` and
+        ``optimizer.step()``: each parameter's gradient norm under Lightning's keys, for the gradients the
+        optimizers are about to apply, equal on every rank (:mod:`lightning_par.layout_norms`: every rank
+        must call it). Under ``"16-mixed"`` the optimizers' gradients are unscaled first (once per
+        window, as ``fabric.clip_gradients`` does). ``module``: the set-up model (default) or one of its
+        submodules, Fabric's wrapper or the module itself; names are relative to it."""
+        root = self.module
+        if root is None:
+            raise RuntimeError("grad_norm() needs a model set up: call fabric.setup(model, ...) first.")
+        target = getattr(module, "_forward_module", module)  # Fabric's wrapper: the module inside
+        for optimizer in self.optimizers:
+            self._unscaled(optimizer)
+        return layout_grad_norms(
+            root,
+            target,
+            engine=self.engine,
+            mesh=self.mesh,
+            device=self.root_device,
+            norm_type=norm_type,
+            group_separator=group_separator,
+        )
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
         """Clip every gradient element to ``[-clip_val, clip_val]`` after this step's fp16 unscale (the
