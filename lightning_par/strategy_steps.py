@@ -250,6 +250,8 @@ class StrategySteps(StrategyLoops):
                 ),
             )
         sharded = self._engine.sharded_state
+        if sharded is not None:
+            self._patched += lightning_hooks.guard_validation_zero_grad(module, optimizers=self.optimizers)
         if sharded is not None and not module.automatic_optimization:
             self._patched += lightning_hooks.guard_toggling(
                 module, sharded=sharded, optimizers=self.optimizers
