@@ -71,7 +71,12 @@ class StrategySteps(StrategyLoops):
         with engine.forward_context() if engine is not None and gather else nullcontext():
             self._buffer_sync.before_forward()
             yield
-            synchronising = training and (engine is None or engine.sync_enabled)
+            # manual optimization: Lightning's "ddp" turns DDP's gradient sync off after each training
+            # step's forward (manual_backward prepares it itself), so DDP syncs buffers before the very
+            # first forward only, and each rank keeps its own statistics after it; as here
+            module = self.lightning_module
+            manual = module is not None and not module.automatic_optimization
+            synchronising = training and not manual and (engine is None or engine.sync_enabled)
             self._buffer_sync.after_forward(synchronising=synchronising)
 
     def _agree(self, loop: str, args: tuple[Any, ...]) -> None:

@@ -131,7 +131,29 @@ class HandAccumulated(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def _hand_accumulated(strategy: str) -> dict[str, Tensor]:
+class ManualNorm(HandAccumulated):
+    """Manual optimization, one step per batch, through a BatchNorm layer: each rank's running statistics
+    as Lightning's ``"ddp"`` leaves them (it syncs buffers before the first forward only, in manual
+    optimization; before, ZeRO 0-3 broadcast rank 0's after every step: rank 1's 0.2 off)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        opt = self.optimizers()
+        assert isinstance(opt, pl.core.optimizer.LightningOptimizer)
+        self.manual_backward(self.net(batch[0] + self.global_rank).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+
+
+def _hand_accumulated(strategy: str, norm: bool = False) -> dict[str, Tensor]:
+    if norm:  # this rank's own state: the buffers may differ per rank
+        module: pl.LightningModule = ManualNorm()
+        cpu_trainer(strategy, devices=2, max_epochs=1, limit_val_batches=0).fit(module, _data())
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
     module = HandAccumulated()
     trainer = cpu_trainer(strategy, devices=2, max_epochs=1, val_check_interval=2, limit_val_batches=1)
     trainer.fit(module, _data(), _data())
@@ -256,6 +278,8 @@ def _job(rank: int, world: int) -> dict[str, Any]:
             out[f"fabric_skip/zero{stage}/{two}"] = _fabric_skips(world, rank, strategy, two=two)
     for strategy in ("ddp", "zero1", "zero3"):
         out[f"hand_accumulated/{strategy}"] = _hand_accumulated(strategy)
+    for strategy in ("ddp", "zero0", "zero2"):
+        out[f"manual_norm/{strategy}"] = _hand_accumulated(strategy, norm=True)
     out["fabric_branch/ddp"] = _fabric_branch(world, rank, "ddp")
     for stage in (2, 3):
         out[f"fabric_branch/zero{stage}"] = _fabric_branch(world, rank, FabricStrategy(zero_stage=stage))
@@ -309,6 +333,12 @@ def test_gradients_from_user_backwards_and_writes_in_manual_optimization() -> No
             for name, value in out["hand_accumulated/ddp"].items():
                 got = out[f"hand_accumulated/{strategy}"][name]
                 torch.testing.assert_close(got, value, msg=f"rank {rank} hand-accumulated {strategy}: {name}")
+        # manual optimization through BatchNorm: each rank's statistics as "ddp" leaves them
+        want = out["manual_norm/ddp"]
+        for strategy in ("zero0", "zero2"):
+            for name, value in want.items():
+                got = out[f"manual_norm/{strategy}"][name]
+                torch.testing.assert_close(got, value, msg=f"rank {rank} manual norm {strategy}: {name}")
         # a branch one rank skipped in a non-final pass: its reduced gradients stay in the window
         for stage in (2, 3):
             if rank == 0:

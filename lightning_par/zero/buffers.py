@@ -3,7 +3,9 @@
 Buffers (BatchNorm running statistics, step counters) are not reduced like gradients: each rank updates
 its own in forward. DDP with ``broadcast_buffers=True`` overwrites every rank's buffers with the first
 rank's before a forward, when the previous forward was a synchronising training forward (gradients
-enabled and not inside ``no_sync``); the very first forward syncs too. :class:`BufferSync` reproduces
+enabled and not inside ``no_sync``); the very first forward syncs too. (Lightning's ``"ddp"`` in manual
+optimization turns the gradient sync off after each training step's forward, so only that first forward
+syncs there: the front door then reports no forward as synchronising.) :class:`BufferSync` reproduces
 that rule exactly, so a model with BatchNorm trained by our strategy ends with the buffers Lightning's
 ``"ddp"`` gives it: once per optimizer step (at the first forward of the next accumulation window), not
 after evaluation forwards, and never in a run that only validates or tests.
