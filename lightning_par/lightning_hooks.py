@@ -12,6 +12,7 @@ that a wrapper shadowed, show through again and nothing outlives the run.
   this rank's fragments; the guarded version freezes the module's parameters, as with ``"ddp"``.
 * :func:`guard_validation_zero_grad`: at ZeRO 1-3 Lightning's ``module.zero_grad()`` before a validation
   loop reaches the optimizers' windows too, as it reaches ``param.grad`` under DDP.
+* :func:`lend_no_sync`: ``trainer.model.no_sync()`` (DDP's wrapper method) on the LightningModule.
 * :func:`guard_placeholder_reads`: at ZeRO-3 the module's and user callbacks' ``on_save_checkpoint`` and
   fit- and epoch-level hooks run while the parameters are placeholders (NaN); a read of them there is
   refused with the fix instead of computing or saving NaN.
@@ -123,6 +124,23 @@ def guard_validation_zero_grad(module: pl.LightningModule, *, optimizers: Sequen
 
     install(module, name, on_validation_model_zero_grad)
     return [name]
+
+
+def lend_no_sync(
+    module: pl.LightningModule, *, no_sync: Callable[[], AbstractContextManager[None]]
+) -> list[str]:
+    """``trainer.model.no_sync()``, DDP's idiom for accumulating by hand in manual optimization, where
+    ``trainer.model`` is the LightningModule itself under this strategy (before: ``AttributeError``):
+    ``module.no_sync`` for the run is the strategy's ``block_backward_sync``. Not where the module has a
+    ``no_sync`` of its own."""
+    if hasattr(module, "no_sync"):
+        return []
+
+    def module_no_sync() -> AbstractContextManager[None]:
+        return no_sync()
+
+    install(module, "no_sync", module_no_sync)
+    return ["no_sync"]
 
 
 # hooks Lightning runs outside any step while ZeRO-3's parameters are placeholders, at most once per

@@ -254,6 +254,8 @@ class StrategySteps(StrategyLoops):
                     c.scheduler is s and c.interval == "step" for c in self.lr_scheduler_configs
                 ),
             )
+        if self._pipeline is None:
+            self._patched += lightning_hooks.lend_no_sync(module, no_sync=self.block_backward_sync)
         sharded = self._engine.sharded_state
         if sharded is not None:
             self._patched += lightning_hooks.guard_validation_zero_grad(module, optimizers=self.optimizers)

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -110,17 +111,20 @@ class HandAccumulated(pl.LightningModule):
     (inside the first window): Lightning's default ``on_validation_model_zero_grad`` drops the window's
     first micro-batches under DDP; ZeRO 1-3 stepped with them too (0.016-0.05 off in a probe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, no_sync: bool = False) -> None:
         super().__init__()
         self.automatic_optimization = False
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.use_no_sync = no_sync  # DDP's idiom: trainer.model.no_sync() around the non-final backwards
 
     def training_step(self, batch: list[Tensor], batch_idx: int) -> None:
         opt = self.optimizers()
         assert isinstance(opt, pl.core.optimizer.LightningOptimizer)
-        self.manual_backward(self.net(batch[0]).pow(2).mean() / 3)
-        if (batch_idx + 1) % 3 == 0:
+        final = (batch_idx + 1) % 3 == 0
+        with self.trainer.model.no_sync() if self.use_no_sync and not final else nullcontext():
+            self.manual_backward(self.net(batch[0]).pow(2).mean() / 3)
+        if final:
             opt.step()
             opt.zero_grad()
 
@@ -149,12 +153,12 @@ class ManualNorm(HandAccumulated):
         opt.zero_grad()
 
 
-def _hand_accumulated(strategy: str, norm: bool = False) -> dict[str, Tensor]:
+def _hand_accumulated(strategy: str, norm: bool = False, no_sync: bool = False) -> dict[str, Tensor]:
     if norm:  # this rank's own state: the buffers may differ per rank
         module: pl.LightningModule = ManualNorm()
         cpu_trainer(strategy, devices=2, max_epochs=1, limit_val_batches=0).fit(module, _data())
         return {k: v.detach().clone() for k, v in module.state_dict().items()}
-    module = HandAccumulated()
+    module = HandAccumulated(no_sync)
     trainer = cpu_trainer(strategy, devices=2, max_epochs=1, val_check_interval=2, limit_val_batches=1)
     trainer.fit(module, _data(), _data())
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -278,6 +282,8 @@ def _job(rank: int, world: int) -> dict[str, Any]:
             out[f"fabric_skip/zero{stage}/{two}"] = _fabric_skips(world, rank, strategy, two=two)
     for strategy in ("ddp", "zero1", "zero3"):
         out[f"hand_accumulated/{strategy}"] = _hand_accumulated(strategy)
+    for strategy in ("ddp", "zero2"):
+        out[f"no_sync/{strategy}"] = _hand_accumulated(strategy, no_sync=True)
     for strategy in ("ddp", "zero0", "zero2"):
         out[f"manual_norm/{strategy}"] = _hand_accumulated(strategy, norm=True)
     out["fabric_branch/ddp"] = _fabric_branch(world, rank, "ddp")
@@ -333,6 +339,9 @@ def test_gradients_from_user_backwards_and_writes_in_manual_optimization() -> No
             for name, value in out["hand_accumulated/ddp"].items():
                 got = out[f"hand_accumulated/{strategy}"][name]
                 torch.testing.assert_close(got, value, msg=f"rank {rank} hand-accumulated {strategy}: {name}")
+        # trainer.model.no_sync() (before, AttributeError: trainer.model is the LightningModule here)
+        for name, value in out["no_sync/ddp"].items():
+            torch.testing.assert_close(out["no_sync/zero2"][name], value, msg=f"rank {rank} no_sync: {name}")
         # manual optimization through BatchNorm: each rank's statistics as "ddp" leaves them
         want = out["manual_norm/ddp"]
         for strategy in ("zero0", "zero2"):
