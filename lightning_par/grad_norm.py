@@ -52,8 +52,10 @@ def _local_sum(
     is_inf = math.isinf(norm_type)
     total = torch.zeros((), dtype=dtype, device=device)
     for (_, grad_dtype), tensors in by_device_dtype(grads).items():
-        # each tensor's norm in at least its own precision (the kernel refuses a narrowing dtype)
-        norms = torch._foreach_norm(tensors, norm_type, dtype=torch.promote_types(grad_dtype, dtype))
+        # each tensor's norm in at least its own precision (the kernel refuses a narrowing dtype); this
+        # rank's part of a global norm, which the first step's watch of local norms must not refuse
+        with torch._C.DisableTorchFunction():
+            norms = torch._foreach_norm(tensors, norm_type, dtype=torch.promote_types(grad_dtype, dtype))
         stacked = torch.stack(norms).to(device=device, dtype=dtype)
         part = stacked.max() if is_inf else stacked.pow(norm_type).sum()
         total = torch.maximum(total, part) if is_inf else total + part
@@ -137,7 +139,9 @@ def param_grad_norms(
     if rows:
         # one norm per piece, then one scatter into the per-name vector (no per-piece scalar updates)
         slots = torch.tensor([i for i, _ in rows], dtype=torch.int64, device=device)
-        values = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for _, g in rows]).to(device)
+        with torch._C.DisableTorchFunction():  # parts of global norms (see _local_sum)
+            values = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for _, g in rows])
+        values = values.to(device)
         if is_inf:
             acc[0].scatter_reduce_(0, slots, values, reduce="amax")
         else:

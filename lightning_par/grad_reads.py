@@ -35,8 +35,10 @@ The optimizer's own parameters are this rank's fragments at ZeRO 1-3, whose ``.g
 the reduced gradient: element-wise changes of it are exact, but a norm of it is this rank's part only.
 ``clip_grad_norm_`` over ``optimizer.param_groups`` clipped each rank by its own factor, silently (a
 probe: 1.4e-3 off ``"ddp"`` after 8 steps); in the first step a norm (``torch.norm``, ``Tensor.norm``,
-``torch.linalg``'s, the foreach kernel) taken of one of those gradients is refused alike. The strategies'
-own clipping and ``grad_norm`` take the norms of detached views (other tensor objects), which pass.
+``torch.linalg``'s, the foreach kernel) or a dot product taken of one of those gradients, or of a view
+of their storage (``.data``, ``.detach()``, ``.flatten()``), is refused alike. Not seen: norms built by
+hand from new tensors (``g.pow(2).sum()``, a ``torch.cat`` of the gradients). The strategies' own
+clipping and ``grad_norm`` take their local parts with torch functions disabled.
 
 Where the error is raised: the Trainer raises at the read itself (its traceback points at the user's
 line); torch puts a mode back on its stack after its handler raises, and the strategy's teardown, which
@@ -66,7 +68,18 @@ _GRAD = torch._C.TensorBase.__dict__["grad"]  # the getset descriptor behind ``t
 # foreach kernel torch.nn.utils.clip_grad_norm_ uses
 _NORMS = frozenset(
     {"norm", "linalg_norm", "linalg_vector_norm", "linalg_matrix_norm", "frobenius_norm", "_foreach_norm"}
+    | {"dot", "vdot", "inner"}  # a squared norm as a dot product
 )
+
+
+def _storage(tensor: Tensor) -> int:
+    """The address of ``tensor``'s storage: the same for the gradient, its ``.data`` and ``.detach()``;
+    0 for a tensor without one (sparse, functorch's wrappers, meta), which matches no gradient."""
+    with torch._C.DisableTorchFunction():
+        try:
+            return int(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # torch's error for tensors without a storage
+            return 0
 
 
 class GradReads:
@@ -85,7 +98,7 @@ class GradReads:
     ) -> None:
         self._names = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
         self._stepped = stepped  # the tensors the optimizers step (this rank's fragments at ZeRO 1-3)
-        self._shard_grads: set[int] = set()  # ids of their gradients once the window landed
+        self._shard_grads: set[int] = set()  # their gradients' storages once the window landed
         self._unused = unused  # ids of the parameters no rank used in the window (find_unused_parameters)
         self.zero_stage = zero_stage
         self.pipelined = pipelined
@@ -136,7 +149,7 @@ class GradReads:
         self._landed = True
         if self._stepped is not None and self.zero_stage >= 1:
             grads = (t.grad for t in self._stepped())
-            self._shard_grads = {id(g) for g in grads if g is not None}
+            self._shard_grads = {_storage(g) for g in grads if g is not None} - {0}
 
     def end(self, *, quiet: bool = False) -> None:
         """Leave the watch for good; with ``defer``, raise the first refused read now (unless ``quiet``:
@@ -155,7 +168,7 @@ class GradReads:
             self._check(args[0])
         elif self._shard_grads and getattr(func, "__name__", "") in _NORMS:
             tensors = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else (arg,))]
-            if any(id(t) in self._shard_grads for t in tensors):
+            if any(isinstance(t, Tensor) and _storage(t) in self._shard_grads for t in tensors):
                 self._refuse(
                     f"ZeRO-{self.zero_stage}: a norm of the optimizer's gradients was taken on this rank:"
                     " at ZeRO stages 1-3 the optimizer's parameters are this rank's fragments of the"

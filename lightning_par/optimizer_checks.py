@@ -47,17 +47,25 @@ _WHOLE_TENSOR: dict[type[Optimizer], str] = {
 if hasattr(torch.optim, "Muon"):
     _WHOLE_TENSOR[torch.optim.Muon] = "it orthogonalises each whole weight matrix"
 
-# The same, recognised by a class name (any class in the optimizer's MRO, lower-cased) for the optimizers
-# of other packages that allow_untested_optimizer would let through: transformers' Adafactor, apex's and
-# timm's LAMB / LARS, Shampoo, SOAP, GaLore, NovoGrad, Adam-mini.
-_WHOLE_TENSOR_NAMES: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile("adafactor"), "it factors each matrix's second moment into row and column statistics"),
-    (re.compile(r"lamb(?!da)|lars"), "its trust ratio divides each whole parameter's norm by its update's"),
-    (re.compile("novograd"), "it keeps one second moment per whole layer (the norm of its gradient)"),
-    (re.compile("shampoo|soap"), "it preconditions each whole weight matrix with its row and column factors"),
-    (re.compile("galore"), "it projects each whole weight matrix's gradient onto a low-rank subspace"),
-    (re.compile("muon"), "it orthogonalises each whole weight matrix"),
-    (re.compile("adam_?mini"), "it shares one second moment per block of whole parameters"),
+# The same, recognised by a class name (the whole lower-cased name of any class in the optimizer's MRO)
+# for the optimizers of other packages that allow_untested_optimizer would let through.
+_WHOLE_TENSOR_NAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), reason)
+    for pattern, reason in (
+        (r".*adafactor.*", "it factors each matrix's second moment into row and column statistics"),
+        (r"came(\d+bit)?|sm3", "its second moments are factored or shared over a whole tensor's covers"),
+        (r"(fused|paged)?(lamb|lars)(\d+bit)?|larc", "its trust ratio divides whole parameters' norms"),
+        (r".*novograd.*", "it keeps one second moment per whole layer (the norm of its gradient)"),
+        (r".*shampoo.*|soap(\d+bit)?|kron|psgd.*", "it preconditions each whole weight matrix"),
+        (r"galore.*", "it projects each whole weight matrix's gradient onto a low-rank subspace"),
+        (r".*muon.*", "it orthogonalises each whole weight matrix"),
+        (r"adam_?mini", "it shares one second moment per block of whole parameters"),
+        (r"prodigy.*|dadapt.*", "its step size comes from dot products over every parameter, whole"),
+        (
+            r"adamp|sgdp|stableadamw|fromage|nero|mars|ranger21",
+            "its update uses whole tensors' norms or means",
+        ),
+    )
 )
 
 _ZERO = "ZeRO stages 1-3"
@@ -79,7 +87,7 @@ def _whole_tensor_reason(optimizer: Optimizer) -> str | None:
             return reason
     for cls in type(optimizer).__mro__:
         for pattern, reason in _WHOLE_TENSOR_NAMES:
-            if pattern.search(cls.__name__.lower()):
+            if pattern.fullmatch(cls.__name__.lower()):
                 return reason
     if _needs_closure(optimizer):
         return "its step() requires a closure (it re-evaluates the loss on the whole model)"
@@ -95,9 +103,10 @@ def check_shardable(
     With ``allow_untested`` (DeepSpeed's ``zero_allow_untested_optimizer``), optimizers outside
     :data:`ELEMENTWISE_OPTIMIZERS` are accepted on the user's word that their update is element-wise (a
     user's own Lion, or an optimizer from another package); those known to need whole tensors (LBFGS,
-    Adafactor, SparseAdam, Muon, other packages' optimizers whose class name says Adafactor, LAMB, LARS,
-    NovoGrad, Shampoo, SOAP, GaLore or Adam-mini, or any whose ``step()`` requires a closure) are refused
-    even then."""
+    Adafactor, SparseAdam, Muon, other packages' optimizers whose class name is one of those of
+    :data:`_WHOLE_TENSOR_NAMES` (Adafactor, CAME, SM3, LAMB, LARS, NovoGrad, Shampoo, SOAP, Kron, GaLore,
+    Adam-mini, Prodigy, D-Adaptation, AdamP, StableAdamW, ...), or any whose ``step()`` requires a closure)
+    are refused even then."""
     name = _name(optimizer)
     reason = _whole_tensor_reason(optimizer)
     if reason is not None:

@@ -34,6 +34,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -269,8 +270,9 @@ def _task(cfg: DictConfig) -> float:
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     # Python warnings through logging, so each run's train.log keeps them beside its metrics (a sweep's
     # jobs share one stderr; before, a job's log did not say that ZeRO-3 drew its initial weights apart
-    # from the other stages'), shown on the console as before; for this run only (a sweep's jobs, a
-    # caller's process)
+    # from the other stages'), on the console through Hydra's handler (stdout, as its other lines); for
+    # this run only, unless the caller's process captured them already
+    captured = getattr(warnings.showwarning, "__module__", None) == "logging"
     logging.captureWarnings(True)
     try:
         return train(cfg)
@@ -286,7 +288,7 @@ def _task(cfg: DictConfig) -> float:
             _stop_sweep(exc)
         raise
     finally:
-        logging.captureWarnings(False)
+        logging.captureWarnings(captured)
 
 
 def _processes() -> int:

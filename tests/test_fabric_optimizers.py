@@ -173,7 +173,8 @@ def _groups(rank: int, stage: int) -> dict[str, Any]:
             opt.state.get(weight)
         except RuntimeError as error:
             lookups["get"] = str(error)
-    lookups["copied"] = str(type(copy.deepcopy(opt.state)).__name__)  # torch's plain mapping
+    copies = (copy.deepcopy(opt.state), copy.copy(opt.state), opt.state.copy())  # torch's plain mapping
+    lookups["copied"] = ",".join(type(c).__name__ for c in copies)
     try:  # a weight read between steps, outside gathered_params: placeholders at ZeRO-3
         float(net.module[0].weight.sum())
         between = None
@@ -234,7 +235,7 @@ def test_optimizer_objects_under_zero_in_fabric(tmp_path: Path) -> None:
             else:
                 assert got["between"] is None, (rank, stage, got["between"])
             lookups = got["lookups"]
-            assert lookups.pop("copied") == "defaultdict", lookups
+            assert lookups.pop("copied") == "defaultdict,defaultdict,defaultdict", lookups
             for how, message in lookups.items():
                 if stage == 0:
                     assert message is None, (how, message)

@@ -71,6 +71,14 @@ class Clipped(pl.LightningModule):
             torch.nn.utils.clip_grad_norm_(self.parameters(), 0.1)
         elif self.mode == "opt_clip":  # the optimizer's own parameters: this rank's fragments at ZeRO 1-3
             torch.nn.utils.clip_grad_norm_(stepped, 0.1)
+        elif self.mode == "data_clip":  # the classic hand-written form, through .data
+            total = sum(float(p.grad.data.norm()) ** 2 for p in stepped) ** 0.5
+            for p in stepped:
+                p.grad.data.mul_(min(1.0, 0.1 / total))
+        elif self.mode == "dot_clip":  # a squared norm as a dot product of flattened views
+            total = sum(torch.vdot(p.grad.flatten(), p.grad.flatten()) for p in stepped) ** 0.5
+            for p in stepped:
+                p.grad.mul_(torch.clamp(0.1 / total, max=1.0))
         elif self.mode == "opt_scale":  # element-wise: exact on fragments
             for p in stepped:
                 p.grad.mul_(0.5)
@@ -199,6 +207,8 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
     # fragments by its own norm, silently); element-wise changes of them equal "ddp"'s
     for stage in (1, 3):
         out[f"zero{stage}/opt_clip/norm_refused"] = _fit(HybridParallelStrategy(zero_stage=stage), "opt_clip")
+    out["zero2/data_clip/norm_refused"] = _fit(HybridParallelStrategy(zero_stage=2), "data_clip")
+    out["zero3/dot_clip/norm_refused"] = _fit(HybridParallelStrategy(zero_stage=3), "dot_clip")
     out["ddp/opt_scale"] = _fit(DDPStrategy(), "opt_scale")
     out["zero2/opt_scale"] = _fit(HybridParallelStrategy(zero_stage=2), "opt_scale")
     for stage in (1, 2, 3):

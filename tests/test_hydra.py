@@ -272,9 +272,14 @@ def test_warnings_reach_the_run_log_for_the_run_only(
         before = warnings.showwarning
         assert entry._task(OmegaConf.create({})) == 1.5
         after = warnings.showwarning
+        logging.captureWarnings(True)  # a caller that captures warnings itself keeps capturing
+        entry._task(OmegaConf.create({}))
+        kept = warnings.showwarning
+        logging.captureWarnings(False)
     logged = [r.getMessage() for r in caplog.records if r.name == "py.warnings"]
-    assert len(logged) == 1 and "drawn apart from the other stages" in logged[0], logged
+    assert len(logged) == 2 and "drawn apart from the other stages" in logged[0], logged
     assert after is before
+    assert getattr(kept, "__module__", None) == "logging", kept
 
 
 def test_bad_value_names_its_group(tmp_path: Path) -> None:

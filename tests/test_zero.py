@@ -203,15 +203,23 @@ def test_unshardable_optimizer_is_named() -> None:
     class FusedLAMB(torch.optim.SGD):  # the shape of apex's / timm's: an element-wise base class
         pass
 
-    class LambdaLion(torch.optim.SGD):  # a name that only looks like one: element-wise, accepted
+    class LambdaLion(torch.optim.SGD):  # names that only look like one: element-wise, accepted
+        pass
+
+    class Scalars(torch.optim.SGD):
+        pass
+
+    class Prodigy(torch.optim.SGD):  # the step size from dot products over every parameter
         pass
 
     for opt, reason in (
         (Adafactor([p], lr=1e-3, relative_step=False), "row and column statistics"),
         (FusedLAMB([p], lr=0.1), "trust ratio"),
+        (Prodigy([p], lr=0.1), "dot products"),
     ):
         with pytest.raises(TypeError, match=f"{type(opt).__name__}: .*{reason}.*does not change that"):
             check_shardable(opt, allow_untested=True)
     check_shardable(LambdaLion([p], lr=0.1), allow_untested=True)
+    check_shardable(Scalars([p], lr=0.1), allow_untested=True)
     with pytest.raises(ValueError, match="handles stages 0, 1 and 2, got 5"):
         apply_zero(nn.Linear(2, 2), group=None, stage=5)  # type: ignore[arg-type]

@@ -155,7 +155,13 @@ class ShardedState(defaultdict[Any, Any]):
         self._refuse(key)
         return super().get(key, default)
 
-    def __reduce__(self) -> Any:  # a copy is torch's plain state mapping, without the guard
+    # a copy (copy.copy, .copy(), deepcopy, pickle) is torch's plain state mapping, without the guard
+    def copy(self) -> defaultdict[Any, Any]:  # type: ignore[override]  # not Self: the plain mapping
+        return defaultdict(dict, self)
+
+    __copy__ = copy  # type: ignore[assignment]
+
+    def __reduce__(self) -> Any:
         return (defaultdict, (dict,), None, None, iter(self.items()))
 
 
