@@ -10,8 +10,8 @@ that a wrapper shadowed, show through again and nothing outlives the run.
 * :func:`guard_toggling`: manual optimization at ZeRO 1-3. Lightning's ``toggle_optimizer`` freezes the
   other optimizers' parameters by walking ``optimizer.param_groups``, which the engine has replaced by
   this rank's fragments; the guarded version freezes the module's parameters, as with ``"ddp"``.
-* :func:`guard_validation_zero_grad`: at ZeRO 1-3 Lightning's ``module.zero_grad()`` before a validation
-  loop reaches the optimizers' windows too, as it reaches ``param.grad`` under DDP.
+* :func:`guard_module_zero_grad`: at ZeRO 1-3 the LightningModule's ``zero_grad()`` (the user's, and
+  Lightning's before a validation loop) reaches the optimizers' windows too, as ``param.grad`` under DDP.
 * :func:`lend_no_sync`: ``trainer.model.no_sync()`` (DDP's wrapper method) on the LightningModule.
 * :func:`guard_placeholder_reads`: at ZeRO-3 the module's and user callbacks' ``on_save_checkpoint`` and
   fit- and epoch-level hooks run while the parameters are placeholders (NaN); a read of them there is
@@ -104,26 +104,27 @@ def guard_toggling(
     return ["toggle_optimizer", "untoggle_optimizer"]
 
 
-def guard_validation_zero_grad(module: pl.LightningModule, *, optimizers: Sequence[Optimizer]) -> list[str]:
-    """Lightning's default ``on_validation_model_zero_grad`` is ``module.zero_grad()``, which the loop
-    runs before a validation loop outside an accumulation window, in manual optimization before every
-    one: under DDP it drops what an open window holds (micro-batches a manual loop accumulated by hand
-    before a mid-window validation). At ZeRO 1-3 those gradients live in the engine's shards, which
-    ``module.zero_grad()`` does not reach: they went into the next step (a probe: 0.016-0.05 off
-    ``"ddp"``). The guarded default also zeroes ``optimizers`` (``zero_grad(set_to_none=True)``), whose
-    dropped fragments the engine takes out of the window at the next pass. A user's override stays."""
-    name = "on_validation_model_zero_grad"
-    if name in vars(module) or is_overridden(name, module, pl.LightningModule):
+def guard_module_zero_grad(module: pl.LightningModule, *, optimizers: Sequence[Optimizer]) -> list[str]:
+    """``module.zero_grad()`` also zeroes ``optimizers`` for the run (with the same ``set_to_none``). Under
+    DDP it drops what an open accumulation window holds; at ZeRO 1-3 those gradients live in the engine's
+    shards, which the module's ``param.grad`` do not reach, so they went into the next step: a batch
+    skipped with ``self.zero_grad()`` after its backward, and Lightning's own default
+    ``on_validation_model_zero_grad`` (``self.zero_grad()`` before a validation loop, in manual
+    optimization before every one: a window accumulated by hand across a mid-window validation was 0.016-
+    0.05 off ``"ddp"`` in a probe). The optimizers' dropped fragments leave the window at the next pass.
+    A submodule's ``zero_grad()`` is not seen."""
+    if "zero_grad" in vars(module):
         return []
-    inner = module.on_validation_model_zero_grad
+    inner = module.zero_grad
 
-    def on_validation_model_zero_grad() -> None:
-        inner()
+    def zero_grad(*args: Any, **kwargs: Any) -> None:
+        inner(*args, **kwargs)
+        set_to_none = bool(kwargs.get("set_to_none", args[0] if args else True))
         for optimizer in optimizers:
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=set_to_none)
 
-    install(module, name, on_validation_model_zero_grad)
-    return [name]
+    install(module, "zero_grad", zero_grad)
+    return ["zero_grad"]
 
 
 def lend_no_sync(

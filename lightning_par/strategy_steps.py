@@ -257,8 +257,8 @@ class StrategySteps(StrategyLoops):
         if self._pipeline is None:
             self._patched += lightning_hooks.lend_no_sync(module, no_sync=self.block_backward_sync)
         sharded = self._engine.sharded_state
-        if sharded is not None:
-            self._patched += lightning_hooks.guard_validation_zero_grad(module, optimizers=self.optimizers)
+        if sharded is not None and self._pipeline is None:  # (a pipeline zeroes both at its windows)
+            self._patched += lightning_hooks.guard_module_zero_grad(module, optimizers=self.optimizers)
         if sharded is not None and not module.automatic_optimization:
             self._patched += lightning_hooks.guard_toggling(
                 module, sharded=sharded, optimizers=self.optimizers

@@ -60,10 +60,10 @@ class Manual(pl.LightningModule):
             self.manual_backward(self.net(batch[0]).sum())
             opt.zero_grad()
             self.manual_backward(loss)
-        elif self.mode == "skip_batch":  # a batch judged bad after its backward: zeroed, not stepped
-            self.manual_backward(loss)
+        elif self.mode in ("skip_batch", "skip_module"):  # a batch judged bad after its backward: zeroed,
+            self.manual_backward(loss)  # not stepped (by the optimizer, or by the module's zero_grad())
             if batch_idx == 1:
-                opt.zero_grad()
+                opt.zero_grad() if self.mode == "skip_batch" else self.zero_grad()
                 return
         elif self.mode == "raw":
             loss.backward()
@@ -202,10 +202,12 @@ DROPPED = [
     ("zero_between", "zero1"),
     ("zero_between", "zero3"),
     ("skip_batch", "zero2"),
+    ("skip_module", "zero1"),
+    ("skip_module", "zero3"),
     ("stray_backward", "zero1"),
     ("stray_backward", "zero3"),
 ]
-RUNS += [("ddp", mode) for mode in ("zero_between", "skip_batch", "stray_backward")] + [
+RUNS += [("ddp", mode) for mode in ("zero_between", "skip_batch", "skip_module", "stray_backward")] + [
     (s, m) for m, s in DROPPED
 ]
 
