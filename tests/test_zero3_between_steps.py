@@ -107,6 +107,23 @@ class LogsNorm(WithEma):
             self.log("w_norm", self.model[0].weight.norm())
 
 
+class ThroughData(WithEma):
+    """The same EMA written through ``p.data`` (the classic form), or a dead-unit restart writing rows of
+    a weight through ``p.data[rows] = v``: before, NaN (the EMA, then the model) or a lost write."""
+
+    def __init__(self, *, write: bool) -> None:
+        super().__init__(recipe=False)
+        self.write = write
+
+    @torch.no_grad()
+    def on_train_batch_end(self, *args: Any) -> None:
+        weight = self.model[0].weight
+        if self.write:
+            weight.data[[0, 3]] = 0.5
+        else:
+            self.ema.get_buffer("0_weight").mul_(0.9).add_(weight.data, alpha=0.1)
+
+
 def _fit(
     make: Callable[[], pl.LightningModule], strategy: Any, precision: str, ckpt_dir: Path | None = None
 ) -> Any:
@@ -143,6 +160,12 @@ def _runs(rank: int, world: int, tmp: Path) -> dict[str, Any]:
     out: dict[str, Any] = {
         "refused_ema": _fit(ema, HybridParallelStrategy(**zero3), "32-true"),
         "refused_norm": _fit(norm, HybridParallelStrategy(**zero3), "32-true"),
+        "refused_data_ema": _fit(
+            partial(ThroughData, write=False), HybridParallelStrategy(**zero3), "32-true"
+        ),
+        "refused_data_write": _fit(
+            partial(ThroughData, write=True), HybridParallelStrategy(**zero3), "32-true"
+        ),
         "norm/ddp": _fit(norm, DDPStrategy(), "32-true"),
         "norm/zero3": _fit(fixed_norm, HybridParallelStrategy(**zero3), "32-true"),
     }
@@ -157,10 +180,15 @@ def _runs(rank: int, world: int, tmp: Path) -> dict[str, Any]:
 def test_reads_between_steps_are_refused_and_the_recipe_equals_ddp(tmp_path: Path) -> None:
     ranks = run_distributed(_runs, WORLD, tmp_path, init_group=False, timeout=300)
     for r, out in enumerate(ranks):
-        for key, read in (("refused_ema", "'sub'"), ("refused_norm", "'norm'")):
+        for key, read in (
+            ("refused_ema", "read by 'sub'"),
+            ("refused_norm", "read by 'norm'"),
+            ("refused_data_ema", "read by 'add_'"),
+            ("refused_data_write", "written by '__setitem__'"),
+        ):
             message = out[key].get("error", "")
             assert "parameter 'model.0.weight' of unit '<root>'" in message, (r, key, out[key])
-            assert f"was read by {read} between training steps" in message, (r, key, message)
+            assert f"was {read} between training steps" in message, (r, key, message)
             assert "gathered_params(writeback=True)" in message, (r, key, message)
             assert out[key]["modes"] == 0, (r, key, out[key])  # the guard's mode left with the failed fit
         for key, result in out.items():

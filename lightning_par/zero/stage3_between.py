@@ -28,7 +28,10 @@ written-to tensor refers to a single memory location", a weight read computed Na
 strategies' own reads (checkpoints, exports,
 snapshots: :class:`~lightning_par.state_guard.OwnReads`) and everything inside
 :meth:`gathered_params` pass; so does metadata (shapes, ``.data``, ``.grad``: the same exemptions as the
-first-step guard, :data:`~lightning_par.zero.stage3_calls.NOT_READS`).
+first-step guard, :data:`~lightning_par.zero.stage3_calls.NOT_READS`). Tensors on a placeholder's
+storage count as the parameter (``p.data`` read by an EMA's ``add_``, written by ``p.data[rows] = v``:
+before, NaN or a lost write, silently), but for the ``clone(memory_format=torch.preserve_format)`` of a
+``copy.deepcopy`` of the model, whose copy is refused at its first use instead.
 
 The mode lives on torch's thread-local function-mode stack; if user code entered a mode of its own
 after it and is still inside it when the window ends, the modes above are lifted, this one removed and
@@ -41,11 +44,12 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch.overrides import TorchFunctionMode
 
 from lightning_par.state_guard import OwnReads
 from lightning_par.torch_modes import CheckedCalls, leave_mode
-from lightning_par.zero.stage3_calls import param_owners, params_read
+from lightning_par.zero.stage3_calls import param_owners, params_read, placeholder_owners
 from lightning_par.zero.unit import Unit
 
 __all__ = ["BetweenSteps", "ReadWindows"]
@@ -56,6 +60,9 @@ class BetweenSteps:
 
     def __init__(self, units: Sequence[Unit], own_reads: OwnReads, *, where: str | None = None) -> None:
         self._owners = param_owners(units)
+        # placeholder storages: reads and writes through param.data (an EMA's add_(p.data), a dead-code
+        # restart's p.data[rows] = v: before, NaN or lost, silently)
+        self._storages = placeholder_owners(units)
         self._own_reads = own_reads
         # where the reads are refused, for the message (default: the window after the first step)
         self._where = where
@@ -80,11 +87,19 @@ class BetweenSteps:
     def _check_read(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         if self._own_reads.active or self._refused:
             return
-        # parameters only, not plain tensors on a placeholder's storage (stage3_calls.params_read): a
-        # deepcopy of the model clones param.data, and its copy is refused at its first use with the fix
-        for unit, param in params_read(func, args, kwargs, self._owners):
+        # a deepcopy of the model clones param.data with preserve_format: passed, its copy is refused at
+        # its first use with the fix (PlaceholderCopies)
+        if getattr(func, "__name__", "") == "clone" and kwargs.get("memory_format") is torch.preserve_format:
+            return
+        for unit, param in params_read(func, args, kwargs, self._owners, storages=self._storages):
             if unit.state != "gathered":
                 name = getattr(func, "__name__", "")
+                in_place = name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
+                target = args[0] if args else None  # an in-place method's self is what it writes
+                written = in_place and any(
+                    params_read(func, (target,), {}, self._owners, storages=self._storages)
+                )
+                verb = "written" if written else "read"
                 # torch restores the mode after this raise: inert from here until stop() takes it off
                 self._refused = True
                 where = self._where or (
@@ -92,7 +107,7 @@ class BetweenSteps:
                     " on_train_batch_end or on_before_optimizer_step)"
                 )
                 raise RuntimeError(
-                    f"ZeRO-3: parameter {param!r} of unit {unit.name or '<root>'!r} was read by"
+                    f"ZeRO-3: parameter {param!r} of unit {unit.name or '<root>'!r} was {verb} by"
                     f" {name or func!r} {where}, where ZeRO-3's parameters are"
                     " placeholders (NaN), so this would compute NaN, silently. Enter"
                     " `with trainer.strategy.gathered_params():` (`fabric.strategy.gathered_params()` in"
