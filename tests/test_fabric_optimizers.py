@@ -23,6 +23,7 @@ probe where a silent difference from Fabric's ``"ddp"`` showed:
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -197,11 +198,21 @@ def _groups(rank: int, stage: int) -> dict[str, Any]:
             formats[call] = None
         except (RuntimeError, ValueError) as error:
             formats[call] = str(error)
+    # a write inside gathered_params() without writeback: dropped at ZeRO-3, now with a warning (before,
+    # silently; a read-only use, _weights above, warns nothing), kept where the parameters are whole
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _weights(strategy, net)
+        with strategy.gathered_params():
+            net.module[2].weight.data.clamp_(-1e-3, 1e-3)
+        clamped = _weights(strategy, net)["2.weight"].abs().max().item()
+    dropped = [str(w.message) for w in caught if "without writeback=True" in str(w.message)]
     strategy.destroy_process_groups()  # also closes the window the last step opened
     left = torch._C._len_torch_function_stack()
     return {
         "held": held,
         "lookups": lookups,
+        "dropped": (dropped, clamped),
         "added": added,
         "formats": formats,
         "between": between,
@@ -234,6 +245,9 @@ def test_optimizer_objects_under_zero_in_fabric(tmp_path: Path) -> None:
                 assert "between optimizer.step() and the model's next forward" in got["between"], got
             else:
                 assert got["between"] is None, (rank, stage, got["between"])
+            dropped, clamped = got["dropped"]
+            assert len(dropped) == (1 if stage == 3 else 0), (stage, dropped)
+            assert (clamped > 2e-3) == (stage == 3), (stage, clamped)  # ZeRO-3: the write is gone
             lookups = got["lookups"]
             assert lookups.pop("copied") == "defaultdict,defaultdict,defaultdict", lookups
             for how, message in lookups.items():

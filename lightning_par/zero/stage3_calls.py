@@ -208,8 +208,9 @@ class CrossUnitGuard:
                 " parameters (zero3_units=[...] naming the reading module, e.g. nn.MultiheadAttention or"
                 " the transformer layer; parameters outside every unit stay whole for the step); for a"
                 " weight penalty, the optimizer's weight_decay; to read weights outside a forward"
-                " (logging their norms), strategy.gathered_params() entered by every rank; or use"
-                " zero_stage 0-2."
+                " (logging their norms), strategy.gathered_params() entered by every rank, and"
+                " gathered_params(writeback=True) to write them (a clamp, an EMA: without it the writes"
+                " are dropped); or use zero_stage 0-2."
             )
 
     def remove(self) -> None:

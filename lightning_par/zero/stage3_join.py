@@ -45,6 +45,7 @@ runs alone.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -100,10 +101,20 @@ class Stage3Join:
         # no synced generate() inside: a rank generating alone must not wait for the others' forwards
         unmark_hf_models(self._hf_marked)
         before = {id(p) for p in self.module.parameters()}
+        held = None if writeback else _fingerprint(self.module)
         try:
             yield
             if writeback:
                 self._keep_writes()
+            elif held is not None and not _same(held, _fingerprint(self.module)):
+                # a local verdict (a write on one rank only is one too): a warning, so no rank waits
+                warnings.warn(
+                    "Parameters were written inside gathered_params() without writeback=True (a clamp,"
+                    " an EMA or a re-initialisation of the weights): those writes are dropped at its exit,"
+                    " the shards keep the values from before. Enter gathered_params(writeback=True) on every"
+                    " rank to keep them.",
+                    stacklevel=3,
+                )
             elif before - {id(p) for p in self.module.parameters()}:
                 # (a module added inside, as an EMA copy assigned to the model, loses nothing)
                 raise RuntimeError(
@@ -204,3 +215,29 @@ def unmark_hf_models(marked: list[nn.Module]) -> None:
 def mark_hf_models_again(marked: list[nn.Module]) -> None:
     for m in marked:
         setattr(m, HF_SHARDED_ATTR, True)
+
+
+def _fingerprint(module: nn.Module) -> list[torch.Tensor]:
+    """Per parameter of ``module`` (gathered), its 2-norm in at least fp32, one fused kernel per dtype
+    and device: what an in-place write inside :meth:`Stage3Join.gathered` changes (a clamp, a renorm, an
+    EMA step, a re-initialisation); the engine's own read, which no watch of the user's reads sees."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in module.parameters():
+        if p.numel() and not p.is_meta:
+            groups.setdefault((p.device, p.dtype), []).append(p.detach())
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        return [
+            torch.stack(torch._foreach_norm(ts, 2.0, dtype=torch.promote_types(dtype, torch.float32)))
+            for (_, dtype), ts in groups.items()
+        ]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """The fingerprints agree (host reads: a verdict for the user's code outside any step); NaN norms
+    (a model already NaN) tell nothing and pass."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x.shape != y.shape or not (torch.equal(x, y) or bool(torch.isnan(x).any())):
+            return False
+    return True
