@@ -11,6 +11,7 @@ module parameter (:class:`ShardedState`) are refused, naming the fix.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "refuse_added_groups",
     "refuse_state_dict",
     "stepped_ids",
+    "warn_post_hooks",
 ]
 
 
@@ -163,6 +165,26 @@ class ShardedState(defaultdict[Any, Any]):
 
     def __reduce__(self) -> Any:
         return (defaultdict, (dict,), None, None, iter(self.items()))
+
+
+def warn_post_hooks(optimizers: Sequence[Optimizer]) -> None:
+    """ZeRO 1/2: the user's step post-hooks (``register_step_post_hook``, and torch's global ones) run
+    inside ``optimizer.step()``, before the engine gathers the updated parameters: there every rank's
+    parameters hold its own updated slice and the other ranks' values from before the update. An
+    element-wise write (a clamp) is exact; one that reads other elements (a renorm, a standardisation,
+    an EMA) computes from stale values (a probe: 4e-3 off ``"ddp"`` after 4 steps). Warned at setup."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    hooked = [type(opt).__name__ for opt in optimizers if opt._optimizer_step_post_hooks]
+    if hooked or _global_optimizer_post_hooks:
+        warnings.warn(
+            f"ZeRO 1/2: step post-hooks on {', '.join(hooked) or 'every optimizer (global)'} run before the"
+            " updated parameters are gathered: inside them each rank's parameters hold the other ranks'"
+            " slices from before the update, so a write that reads other elements (a renorm, a"
+            " standardisation, an EMA) computes from stale values. Do such writes after optimizer.step()"
+            " (on_train_batch_end, or an optimizer_step override after super()), or use zero_stage=0.",
+            stacklevel=3,
+        )
 
 
 def refuse_state_dict(*, load: bool) -> None:

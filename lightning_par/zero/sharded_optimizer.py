@@ -39,6 +39,7 @@ from lightning_par.zero.optimizer_rebuild import (
     optimizer_of,
     rebuild_optimizer,
     stepped_ids,
+    warn_post_hooks,
 )
 from lightning_par.zero.writeback import refuse_unequal_writes
 
@@ -86,6 +87,7 @@ class ShardedOptimizer(GradWindow):
         # the compute parameters equal the masters (cast) but for the user's writes since the last
         # refresh; False between an update of the masters and the refresh that follows it
         self._params_current = True
+        warn_post_hooks(self.optimizers)
         self._step_hooks = [opt.register_step_pre_hook(self._before_update) for opt in self.optimizers]
         # after the update, not before: Lightning runs the closure (forward, backward, the first
         # backward's relayout) inside optimizer.step()
