@@ -210,8 +210,9 @@ class GradReads:
                 " them (torch.nn.utils.clip_grad_norm_(self.parameters(), ...)) or logs them (Lightning's"
                 " grad_norm(self, ...)) would do nothing, silently. Clip with Trainer(gradient_clip_val=...)"
                 " or self.clip_gradients(optimizer, ...) (fabric.clip_gradients in Fabric): the global norm"
-                " over the shards; read the norms with trainer.strategy.grad_norm(self)"
-                " (fabric.strategy.grad_norm(model)); or use"
+                " over the shards (gradient_clip_algorithm='value' for a clip by value, or"
+                " clip_grad_value_ over optimizer.param_groups, this rank's fragments); read the norms"
+                " with trainer.strategy.grad_norm(self) (fabric.strategy.grad_norm(model)); or use"
                 " zero_stage=0, where param.grad holds the averaged gradient. (Checked in the first"
                 " optimizer step only.)"
             )
