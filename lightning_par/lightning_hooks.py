@@ -25,11 +25,14 @@ that a wrapper shadowed, show through again and nothing outlives the run.
 
 from __future__ import annotations
 
+import types
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -112,18 +115,26 @@ def guard_module_zero_grad(module: pl.LightningModule, *, optimizers: Sequence[O
     ``on_validation_model_zero_grad`` (``self.zero_grad()`` before a validation loop, in manual
     optimization before every one: a window accumulated by hand across a mid-window validation was 0.016-
     0.05 off ``"ddp"`` in a probe). The optimizers' dropped fragments leave the window at the next pass.
-    A submodule's ``zero_grad()`` is not seen."""
+    The module's own walk over its ``param.grad`` (None at ZeRO 1-3) is not a read the first step's
+    watch should refuse. Installed as a method bound to ``module``: a ``copy.deepcopy`` of it made during
+    the run gets one bound to the copy, which acts as the class's ``zero_grad`` alone. A submodule's
+    ``zero_grad()`` is not seen."""
     if "zero_grad" in vars(module):
         return []
-    inner = module.zero_grad
+    owner = weakref.ref(module)
 
-    def zero_grad(*args: Any, **kwargs: Any) -> None:
-        inner(*args, **kwargs)
+    def zero_grad(self: pl.LightningModule, *args: Any, **kwargs: Any) -> None:
+        inner = type(self).zero_grad
+        if self is not owner():  # a copy made during the run: its own gradients only
+            inner(self, *args, **kwargs)
+            return
+        with torch._C.DisableTorchFunction():
+            inner(self, *args, **kwargs)
         set_to_none = bool(kwargs.get("set_to_none", args[0] if args else True))
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
-    install(module, "zero_grad", zero_grad)
+    install(module, "zero_grad", types.MethodType(zero_grad, module))
     return ["zero_grad"]
 
 
@@ -234,7 +245,8 @@ _ABSENT = object()
 def install(obj: Any, name: str, wrapper: Callable[..., Any]) -> None:
     """Set ``wrapper`` as ``obj``'s instance attribute ``name`` for one run, remembering the instance
     attribute it shadows (the user's own, set on the object), which :func:`restore` puts back."""
-    setattr(wrapper, _PREVIOUS, vars(obj).get(name, _ABSENT))
+    # (a bound method keeps its attributes on its function)
+    setattr(getattr(wrapper, "__func__", wrapper), _PREVIOUS, vars(obj).get(name, _ABSENT))
     setattr(obj, name, wrapper)
 
 

@@ -211,7 +211,17 @@ def _groups(rank: int, stage: int) -> dict[str, Any]:
         with strategy.gathered_params():
             net.module[2].weight.data.clamp_(-1e-3, 1e-3)
         clamped = _weights(strategy, net)["2.weight"].abs().max().item()
+        with strategy.gathered_params():  # a module added inside (an EMA copy): nothing was written
+            net.module.copy = copy.deepcopy(net.module[0])
     dropped = [str(w.message) for w in caught if "without writeback=True" in str(w.message)]
+    del net.module.copy
+    replaced = None
+    if stage == 3:  # a module replaced inside (PEFT's merge_and_unload()): refused at the exit
+        try:
+            with strategy.gathered_params():
+                net.module[2] = nn.Linear(8, 1)
+        except RuntimeError as error:
+            replaced = str(error)
     strategy.destroy_process_groups()  # also closes the window the last step opened
     left = torch._C._len_torch_function_stack()
     return {
@@ -219,6 +229,7 @@ def _groups(rank: int, stage: int) -> dict[str, Any]:
         "lookups": lookups,
         "dropped": (dropped, clamped),
         "post_hooks": post_hooks,
+        "replaced": replaced,
         "added": added,
         "formats": formats,
         "between": between,
@@ -252,6 +263,8 @@ def test_optimizer_objects_under_zero_in_fabric(tmp_path: Path) -> None:
             else:
                 assert got["between"] is None, (rank, stage, got["between"])
             assert len(got["post_hooks"]) == (1 if stage in (1, 2) else 0), (stage, got["post_hooks"])
+            if stage == 3:
+                assert "parameters changed inside gathered_params()" in (got["replaced"] or ""), got
             dropped, clamped = got["dropped"]
             assert len(dropped) == (1 if stage == 3 else 0), (stage, dropped)
             assert (clamped > 2e-3) == (stage == 3), (stage, clamped)  # ZeRO-3: the write is gone

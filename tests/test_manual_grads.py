@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 from typing import Any
 
@@ -60,10 +61,10 @@ class Manual(pl.LightningModule):
             self.manual_backward(self.net(batch[0]).sum())
             opt.zero_grad()
             self.manual_backward(loss)
-        elif self.mode in ("skip_batch", "skip_module"):  # a batch judged bad after its backward: zeroed,
-            self.manual_backward(loss)  # not stepped (by the optimizer, or by the module's zero_grad())
-            if batch_idx == 1:
-                opt.zero_grad() if self.mode == "skip_batch" else self.zero_grad()
+        elif self.mode in ("skip_batch", "skip_module", "skip_first"):  # a batch judged bad after its
+            self.manual_backward(loss)  # backward: zeroed, not stepped (by the optimizer, or the module)
+            if batch_idx == (0 if self.mode == "skip_first" else 1):
+                opt.zero_grad() if self.mode == "skip_batch" else self.zero_grad()  # (first step: no read)
                 return
         elif self.mode == "raw":
             loss.backward()
@@ -153,6 +154,32 @@ class ManualNorm(HandAccumulated):
         opt.zero_grad()
 
 
+class CopyMidWindow(pl.Callback):
+    """A keep-best / EMA callback deep-copying the module mid-window and zeroing the copy: the copy's
+    zero_grad() is its own (before, ZeRO 1-3's copy called the original's, dropping its window)."""
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == 2:  # the first micro-batch of the second window is in
+            self.copy = copy.deepcopy(module)
+            self.copy.zero_grad()
+
+
+class Accumulated(StrayBackward):
+    def on_train_batch_end(self, outputs: Any, batch: list[Tensor], batch_idx: int) -> None:
+        pass
+
+
+def _copied_mid_window(strategy: str) -> dict[str, Tensor]:
+    module = Accumulated()
+    trainer = cpu_trainer(strategy, devices=2, max_steps=3, accumulate_grad_batches=2)
+    trainer.callbacks.append(CopyMidWindow())
+    trainer.fit(module, _data())
+    assert "zero_grad" not in vars(module)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
 def _hand_accumulated(strategy: str, norm: bool = False, no_sync: bool = False) -> dict[str, Tensor]:
     if norm:  # this rank's own state: the buffers may differ per rank
         module: pl.LightningModule = ManualNorm()
@@ -204,12 +231,13 @@ DROPPED = [
     ("skip_batch", "zero2"),
     ("skip_module", "zero1"),
     ("skip_module", "zero3"),
+    ("skip_first", "zero2"),
     ("stray_backward", "zero1"),
     ("stray_backward", "zero3"),
 ]
-RUNS += [("ddp", mode) for mode in ("zero_between", "skip_batch", "skip_module", "stray_backward")] + [
-    (s, m) for m, s in DROPPED
-]
+RUNS += [
+    ("ddp", mode) for mode in ("zero_between", "skip_batch", "skip_module", "skip_first", "stray_backward")
+] + [(s, m) for m, s in DROPPED]
 
 
 def _fabric_skips(world: int, rank: int, strategy: Any, *, two: bool) -> dict[str, Tensor]:
@@ -285,6 +313,8 @@ def _job(rank: int, world: int) -> dict[str, Any]:
     for strategy in ("ddp", "zero1", "zero3"):
         out[f"hand_accumulated/{strategy}"] = _hand_accumulated(strategy)
     for strategy in ("ddp", "zero2"):
+        out[f"copied/{strategy}"] = _copied_mid_window(strategy)
+    for strategy in ("ddp", "zero2"):
         out[f"no_sync/{strategy}"] = _hand_accumulated(strategy, no_sync=True)
     for strategy in ("ddp", "zero0", "zero2"):
         out[f"manual_norm/{strategy}"] = _hand_accumulated(strategy, norm=True)
@@ -341,6 +371,9 @@ def test_gradients_from_user_backwards_and_writes_in_manual_optimization() -> No
             for name, value in out["hand_accumulated/ddp"].items():
                 got = out[f"hand_accumulated/{strategy}"][name]
                 torch.testing.assert_close(got, value, msg=f"rank {rank} hand-accumulated {strategy}: {name}")
+        # a deepcopy made mid-window and zeroed: the original's window stays, as under "ddp"
+        for name, value in out["copied/ddp"].items():
+            torch.testing.assert_close(out["copied/zero2"][name], value, msg=f"rank {rank} copied: {name}")
         # trainer.model.no_sync() (before, AttributeError: trainer.model is the LightningModule here)
         for name, value in out["no_sync/ddp"].items():
             torch.testing.assert_close(out["no_sync/zero2"][name], value, msg=f"rank {rank} no_sync: {name}")

@@ -100,21 +100,13 @@ class Stage3Join:
         self._holding = True
         # no synced generate() inside: a rank generating alone must not wait for the others' forwards
         unmark_hf_models(self._hf_marked)
-        before = {id(p) for p in self.module.parameters()}
-        held = None if writeback else _fingerprint(self.module)
+        params = list(self.module.parameters())
+        before = {id(p) for p in params}
+        held = None if writeback else _fingerprint(params)
         try:
             yield
             if writeback:
                 self._keep_writes()
-            elif held is not None and not _same(held, _fingerprint(self.module)):
-                # a local verdict (a write on one rank only is one too): a warning, so no rank waits
-                warnings.warn(
-                    "Parameters were written inside gathered_params() without writeback=True (a clamp,"
-                    " an EMA or a re-initialisation of the weights): those writes are dropped at its exit,"
-                    " the shards keep the values from before. Enter gathered_params(writeback=True) on every"
-                    " rank to keep them.",
-                    stacklevel=3,
-                )
             elif before - {id(p) for p in self.module.parameters()}:
                 # (a module added inside, as an EMA copy assigned to the model, loses nothing)
                 raise RuntimeError(
@@ -122,6 +114,16 @@ class Stage3Join:
                     " as PEFT's merge_and_unload() does), whose writes are dropped at the exit without"
                     " writeback: the merged weights are gone while the adapters are too. Enter"
                     " gathered_params(writeback=True) (every rank) to keep what is written inside."
+                )
+            elif held is not None and not _same(held, _fingerprint(params)):
+                # the parameters there at the entry (a module added inside, an EMA copy, is its own); a
+                # local verdict (a write on one rank only is one too): a warning, so no rank waits
+                warnings.warn(
+                    "Parameters were written inside gathered_params() without writeback=True (a clamp,"
+                    " an EMA or a re-initialisation of the weights): those writes are dropped at its exit,"
+                    " the shards keep the values from before. Enter gathered_params(writeback=True) on every"
+                    " rank to keep them.",
+                    stacklevel=3,
                 )
         finally:
             self._holding = False
@@ -217,12 +219,12 @@ def mark_hf_models_again(marked: list[nn.Module]) -> None:
         setattr(m, HF_SHARDED_ATTR, True)
 
 
-def _fingerprint(module: nn.Module) -> list[torch.Tensor]:
-    """Per parameter of ``module`` (gathered), its 2-norm in at least fp32, one fused kernel per dtype
-    and device: what an in-place write inside :meth:`Stage3Join.gathered` changes (a clamp, a renorm, an
-    EMA step, a re-initialisation); the engine's own read, which no watch of the user's reads sees."""
+def _fingerprint(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """Per parameter (gathered), its 2-norm in at least fp32, one fused kernel per dtype and device: what
+    an in-place write inside :meth:`Stage3Join.gathered` changes (a clamp, a renorm, an EMA step, a
+    re-initialisation); the engine's own read, which no watch of the user's reads sees."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in module.parameters():
+    for p in params:
         if p.numel() and not p.is_meta:
             groups.setdefault((p.device, p.dtype), []).append(p.detach())
     with torch._C.DisableTorchFunction(), torch.no_grad():
