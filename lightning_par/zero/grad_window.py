@@ -19,7 +19,7 @@ update uses. Per master fragment ``f`` of parameter ``p`` on this rank:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -27,6 +27,25 @@ from torch.optim import Optimizer
 
 from lightning_par.zero.grad_sync import GradSync
 from lightning_par.zero.layout import Fragment
+
+# drop(master fragment, id of its parameter, id of its optimizer): whether it leaves the window
+Drop = Callable[[Tensor, int, int], bool]
+
+
+@torch.no_grad()
+def leave_window(
+    fragments: Iterable[tuple[Tensor, int, int, Tensor | None, int, int]], drop: Drop, window: set[int]
+) -> None:
+    """For each ``(master, param, owner, grad_shard, lo, numel)`` that ``drop(master, param, owner)``
+    selects: the master's ``.grad`` becomes None, its slice ``grad_shard[lo : lo + numel]`` of the
+    reduced gradient shard zeros, and its parameter (``param``, an id) leaves ``window``. Shared by the
+    windows of stages 1/2 (:class:`GradWindow`) and 3 (``Stage3Optim``)."""
+    for master, param, owner, grad_shard, lo, numel in fragments:
+        if drop(master, param, owner):
+            master.grad = None
+            assert grad_shard is not None
+            grad_shard[lo : lo + numel].zero_()
+            window.discard(param)
 
 
 class GradWindow:
@@ -154,19 +173,12 @@ class GradWindow:
         # dropped when its optimizer stepped or the user zeroed it (zero_grad(): grad None)
         self._leave_shard(lambda master, param, owner: owner in stepped or master.grad is None)
 
-    @torch.no_grad()
-    def _leave_shard(self, drop: Callable[[Tensor, int, int], bool]) -> None:
-        """Take the fragments ``drop(master, param, owner)`` selects (``param``: the id of the fragment's
-        parameter, ``owner``: its optimizer's id) out of the window: their masters' ``.grad`` becomes
-        None, their slices of the reduced gradient shard zeros, their parameters leave ``_window_params``."""
+    def _leave_shard(self, drop: Drop) -> None:
+        """Take the fragments ``drop`` selects out of the window (:func:`leave_window`)."""
         grad_shard, params = self.sync.grad_shard, self.sync.params
-        assert grad_shard is not None
-        for (master, _, slot), f, owner in zip(self._master_slots, self.fragments, self._owners, strict=True):
-            param = id(params[slot])
-            if drop(master, param, owner):
-                master.grad = None
-                grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
-                self._window_params.discard(param)
+        fragments = zip(self._master_slots, self.fragments, self._owners, strict=True)
+        entries = ((m, id(params[s]), o, grad_shard, f.shard_lo, f.numel) for (m, _, s), f, o in fragments)
+        leave_window(entries, drop, self._window_params)
 
 
-__all__ = ["GradWindow"]
+__all__ = ["Drop", "GradWindow", "leave_window"]

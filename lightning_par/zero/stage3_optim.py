@@ -16,13 +16,14 @@ The accumulation window (which gradients an update uses, what ``zero_grad()`` dr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from lightning_par.zero.grad_window import Drop, leave_window
 from lightning_par.zero.grad_writes import refuse_written_grads
 from lightning_par.zero.optimizer_rebuild import (
     inherit_param_attrs,
@@ -161,18 +162,14 @@ class Stage3Optim(Stage3State):
         # stepped, or zeroed by the user (zero_grad(): grad None)
         self._leave_shard(lambda master, param, owner: owner in stepped or master.grad is None)
 
-    @torch.no_grad()
-    def _leave_shard(self, drop: Callable[[Tensor, int, int], bool]) -> None:
-        """Take the master fragments ``drop(master, param, owner)`` selects (``param``: the id of the
-        fragment's parameter, ``owner``: its optimizer's id) out of the window: their ``.grad`` becomes
-        None, their slices of their units' gradient shards zeros, their parameters leave the window."""
-        for (unit, f, master), owner in zip(self._masters, self._master_owners, strict=True):
-            param = id(unit.params[f.slot])
-            if drop(master, param, owner):
-                master.grad = None
-                assert unit.grad_shard is not None
-                unit.grad_shard[f.shard_lo : f.shard_lo + f.numel].zero_()
-                self._window_params.discard(param)
+    def _leave_shard(self, drop: Drop) -> None:
+        """Take the master fragments ``drop`` selects out of the window (``leave_window``, as stages
+        1/2), each from its own unit's gradient shard."""
+        fragments = zip(self._masters, self._master_owners, strict=True)
+        entries = (
+            (m, id(u.params[f.slot]), o, u.grad_shard, f.shard_lo, f.numel) for (u, f, m), o in fragments
+        )
+        leave_window(entries, drop, self._window_params)
 
     def group_params(self, index: int) -> list[list[nn.Parameter]]:
         return self._group_params[index]
