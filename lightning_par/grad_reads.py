@@ -146,6 +146,8 @@ class GradReads:
             self._mode.__enter__()
 
     def landed(self) -> None:
+        if self._ended:  # every later window's end: nothing to collect (the engine keeps this listener)
+            return
         self._landed = True
         if self._stepped is not None and self.zero_stage >= 1:
             grads = (t.grad for t in self._stepped())
