@@ -168,7 +168,7 @@ class CopyMidWindow(pl.Callback):
 
 class Accumulated(StrayBackward):
     def on_train_batch_end(self, outputs: Any, batch: list[Tensor], batch_idx: int) -> None:
-        pass
+        """No stray backward here: only the copy a callback makes (``CopyMidWindow``)."""
 
 
 def _copied_mid_window(strategy: str) -> dict[str, Tensor]:

@@ -200,17 +200,17 @@ def test_unshardable_optimizer_is_named() -> None:
     # user's word too (before, transformers' Adafactor trained 2.7e-2 off "ddp" at ZeRO-1, silently)
     from transformers.optimization import Adafactor
 
-    class FusedLAMB(torch.optim.SGD):  # the shape of apex's / timm's: an element-wise base class
-        pass
+    class FusedLAMB(torch.optim.SGD):
+        """The shape of apex's / timm's: a whole-tensor update on an element-wise base class's name."""
 
-    class LambdaLion(torch.optim.SGD):  # names that only look like one: element-wise, accepted
-        pass
+    class LambdaLion(torch.optim.SGD):
+        """A name that only looks like one: element-wise, accepted."""
 
     class Scalars(torch.optim.SGD):
-        pass
+        """Another ("lars" inside a word): accepted."""
 
-    class Prodigy(torch.optim.SGD):  # the step size from dot products over every parameter
-        pass
+    class Prodigy(torch.optim.SGD):
+        """Its step size comes from dot products over every parameter: refused."""
 
     for opt, reason in (
         (Adafactor([p], lr=1e-3, relative_step=False), "row and column statistics"),
