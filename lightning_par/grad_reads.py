@@ -56,7 +56,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_par.torch_modes import CheckedCalls, leave_mode
+from lightning_par.torch_modes import CheckedCalls, leave_mode, storage_address
 
 if TYPE_CHECKING:
     from lightning_par.zero.engine_api import Engine
@@ -70,16 +70,6 @@ _NORMS = frozenset(
     {"norm", "linalg_norm", "linalg_vector_norm", "linalg_matrix_norm", "frobenius_norm", "_foreach_norm"}
     | {"dot", "vdot", "inner"}  # a squared norm as a dot product
 )
-
-
-def _storage(tensor: Tensor) -> int:
-    """The address of ``tensor``'s storage: the same for the gradient, its ``.data`` and ``.detach()``;
-    0 for a tensor without one (sparse, functorch's wrappers, meta), which matches no gradient."""
-    with torch._C.DisableTorchFunction():
-        try:
-            return int(tensor.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):  # torch's error for tensors without a storage
-            return 0
 
 
 class GradReads:
@@ -98,7 +88,7 @@ class GradReads:
     ) -> None:
         self._names = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
         self._stepped = stepped  # the tensors the optimizers step (this rank's fragments at ZeRO 1-3)
-        self._shard_grads: set[int] = set()  # their gradients' storages once the window landed
+        self._shard_grads: set[int | None] = set()  # their gradients' storages once the window landed
         self._unused = unused  # ids of the parameters no rank used in the window (find_unused_parameters)
         self.zero_stage = zero_stage
         self.pipelined = pipelined
@@ -151,7 +141,7 @@ class GradReads:
         self._landed = True
         if self._stepped is not None and self.zero_stage >= 1:
             grads = (t.grad for t in self._stepped())
-            self._shard_grads = {_storage(g) for g in grads if g is not None} - {0}
+            self._shard_grads = {storage_address(g) for g in grads if g is not None} - {None, 0}
 
     def end(self, *, quiet: bool = False) -> None:
         """Leave the watch for good; with ``defer``, raise the first refused read now (unless ``quiet``:
@@ -170,7 +160,7 @@ class GradReads:
             self._check(args[0])
         elif self._shard_grads and getattr(func, "__name__", "") in _NORMS:
             tensors = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else (arg,))]
-            if any(isinstance(t, Tensor) and _storage(t) in self._shard_grads for t in tensors):
+            if any(isinstance(t, Tensor) and storage_address(t) in self._shard_grads for t in tensors):
                 self._refuse(
                     f"ZeRO-{self.zero_stage}: a norm of the optimizer's gradients was taken on this rank:"
                     " at ZeRO stages 1-3 the optimizer's parameters are this rank's fragments of the"

@@ -1,6 +1,7 @@
 """Torch function modes for the first-step watches (a ZeRO-3 parameter read where it is a placeholder, a
 ``param.grad`` read that finds nothing at ZeRO 1-3): a mode that checks every torch call before running
-it, and leaving torch's thread-local mode stack wherever the mode sits on it.
+it, and leaving torch's thread-local mode stack wherever the mode sits on it; and the storage address
+the watches match views by (``p.data``, ``.detach()`` of a watched tensor share it).
 
 A mode watches only while it is on the stack of the thread that entered it (the main thread: Lightning's
 hooks, a Fabric loop); torch runs autograd's nodes and hooks outside it.
@@ -13,9 +14,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Check", "CheckedCalls", "leave_mode", "mode_entered", "on_stack"]
+__all__ = ["Check", "CheckedCalls", "leave_mode", "mode_entered", "on_stack", "storage_address"]
 
 Check = Callable[[Callable[..., Any], Sequence[Any], dict[str, Any]], None]
 
@@ -73,3 +75,15 @@ def on_stack(mode: TorchFunctionMode) -> bool:
     """Whether ``mode`` is on torch's function-mode stack now (anywhere in it)."""
     depth = torch._C._len_torch_function_stack()
     return any(torch._C._get_function_stack_at(i) is mode for i in range(depth))
+
+
+def storage_address(tensor: Tensor) -> int | None:
+    """Where ``tensor``'s storage starts; None for tensors without one of their own (functorch's batched
+    and gradient-tracking wrappers under ``torch.vmap`` / ``torch.func``, wrapper subclasses) and inside
+    a compiled region, which does not trace storage access (a placeholder read there is not seen)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None

@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_par.owned_hooks import for_owner
-from lightning_par.torch_modes import CheckedCalls, leave_mode, on_stack
+from lightning_par.torch_modes import CheckedCalls, leave_mode, on_stack, storage_address
 from lightning_par.zero.autograd_state import in_backward
 from lightning_par.zero.unit import Unit
 
@@ -272,18 +272,6 @@ def placeholder_owners(units: Sequence[Unit]) -> dict[int, tuple[Unit, str]]:
     }
 
 
-def _storage_address(tensor: Tensor) -> int | None:
-    """Where ``tensor``'s storage starts; None for tensors without one of their own (functorch's batched
-    and gradient-tracking wrappers under ``torch.vmap`` / ``torch.func``, wrapper subclasses) and inside
-    a compiled region, which does not trace storage access (a placeholder read there is not seen)."""
-    if torch.compiler.is_compiling():
-        return None
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
 def params_read(
     func: Callable[..., Any],
     args: Sequence[Any],
@@ -303,7 +291,7 @@ def params_read(
             if isinstance(item, nn.Parameter):
                 owner = owners.get(id(item))
             elif storages and isinstance(item, Tensor) and item.layout == torch.strided and not item.is_meta:
-                address = _storage_address(item)
+                address = storage_address(item)
                 owner = storages.get(address) if address is not None else None
             else:
                 owner = None
