@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from lightning_par.grad_norm import by_device_dtype
 from lightning_par.zero.unit import Unit
 from lightning_par.zero.writeback import refuse_unequal_writes
 
@@ -223,10 +224,7 @@ def _fingerprint(params: list[nn.Parameter]) -> list[torch.Tensor]:
     """Per parameter (gathered), its 2-norm in at least fp32, one fused kernel per dtype and device: what
     an in-place write inside :meth:`Stage3Join.gathered` changes (a clamp, a renorm, an EMA step, a
     re-initialisation); the engine's own read, which no watch of the user's reads sees."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in params:
-        if p.numel() and not p.is_meta:
-            groups.setdefault((p.device, p.dtype), []).append(p.detach())
+    groups = by_device_dtype(p for p in params if not p.is_meta)
     with torch._C.DisableTorchFunction(), torch.no_grad():
         return [
             torch.stack(torch._foreach_norm(ts, 2.0, dtype=torch.promote_types(dtype, torch.float32)))
