@@ -35,7 +35,8 @@ from benchmarks.gpu_check_correctness import (
 )
 from lightning_par import HybridParallelStrategy
 from lightning_par.callbacks import NodeHealthCheck
-from lightning_par.zero.meta_init import materialize_model, params_on_meta
+from lightning_par.zero.meta_build import params_on_meta
+from lightning_par.zero.meta_init import materialize_model
 
 
 class MetaProbe(pl.Callback):

@@ -37,7 +37,8 @@ from lightning_par.strategy_precision import StrategyPrecision
 from lightning_par.strategy_steps import StrategySteps
 from lightning_par.zero.init_seeds import agree_seed
 from lightning_par.zero.meta_buffers import materialize_buffers
-from lightning_par.zero.meta_init import ValuesFn, materialize_local, meta_build, move_real_tensors
+from lightning_par.zero.meta_build import meta_build, move_real_tensors
+from lightning_par.zero.meta_init import ValuesFn, materialize_local
 from lightning_par.zero.meta_loads import MetaLoads
 from lightning_par.zero.units import UnitPolicy, check_pipeline_units
 

@@ -46,7 +46,8 @@ from torch import nn
 from lightning_par.fabric import HybridParallelStrategy
 from lightning_par.tensor_parallel import SOURCE_ATTR
 from lightning_par.zero.meta_buffers import materialize_buffers
-from lightning_par.zero.meta_init import materialize_model, params_on_meta
+from lightning_par.zero.meta_build import params_on_meta
+from lightning_par.zero.meta_init import materialize_model
 from tests.distributed import run_distributed
 from tests.test_batchnorm import ResNetModule
 from tests.test_fabric_tp import STEPS, _adamw, _loop

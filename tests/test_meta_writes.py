@@ -38,7 +38,8 @@ from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
-from lightning_par.zero.meta_init import materialize_model, params_on_meta
+from lightning_par.zero.meta_build import params_on_meta
+from lightning_par.zero.meta_init import materialize_model
 from lightning_par.zero.meta_loads import MetaLoads
 from lightning_par.zero.meta_writes import WRITES_ATTR
 from tests.distributed import run_distributed

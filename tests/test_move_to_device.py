@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
-from lightning_par.zero.meta_init import move_real_tensors
+from lightning_par.zero.meta_build import move_real_tensors
 
 
 class Recorder(nn.Module):

@@ -48,7 +48,7 @@ from transformers import (
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.pipeline import hf_pipeline_layers
-from lightning_par.pipeline.hf import mask_call
+from lightning_par.pipeline.hf_masks import mask_call
 from tests.distributed import run_distributed
 from tests.probes import COMPILED_CALLS, counting_backend
 from tests.test_pp_trainer import GLOBAL, SEED, N, _reference, _trainer

@@ -28,7 +28,8 @@ from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.models import GPTModule
-from lightning_par.zero.meta_init import materialize_model, params_on_meta
+from lightning_par.zero.meta_build import params_on_meta
+from lightning_par.zero.meta_init import materialize_model
 from lightning_par.zero.units import check_pipeline_units
 from tests.distributed import run_distributed
 from tests.test_pp_trainer import GLOBAL, KW, SGDGPT, N, _module, _reference, _trainer

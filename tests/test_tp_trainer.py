@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_par import HybridParallelStrategy
 from lightning_par.models import GPTModule
-from lightning_par.zero.meta_init import materialize_model, params_on_meta
+from lightning_par.zero.meta_build import params_on_meta
+from lightning_par.zero.meta_init import materialize_model
 from tests.distributed import run_distributed
 from tests.test_strategy import LossRecorder, Tokens
 from tests.test_tensor_parallel import gather_full

@@ -14,7 +14,8 @@ from torch.utils.checkpoint import checkpoint
 from lightning_par.grad_norm import clip_grad_norm_
 from lightning_par.models.gpt import GPT, Block, GPTConfig
 from lightning_par.models.lit_gpt import warmup_cosine
-from lightning_par.zero.meta_init import materialize_model, params_on_meta
+from lightning_par.zero.meta_build import params_on_meta
+from lightning_par.zero.meta_init import materialize_model
 from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.units import plan_units
 from tests.distributed import run_distributed

@@ -47,13 +47,13 @@ from pathlib import Path
 from typing import Any, get_args
 
 import torch
-import torch.distributed as dist
 
 from lightning_par.callbacks import _dist, snapshot
 from lightning_par.callbacks.disk import DiskStore
 from lightning_par.callbacks.memory import MemoryStore, NoRoom
 from lightning_par.callbacks.persister import Persister
 from lightning_par.callbacks.replica import Replicator
+from lightning_par.callbacks.replica_open import open_replicator
 from lightning_par.callbacks.resume import Found, check_fingerprint, find_snapshot
 from lightning_par.callbacks.writer import SnapshotCopy, SnapshotWriter
 
@@ -137,7 +137,6 @@ class FlashStore:
         self._persister: Persister | None = None
         self._writer: SnapshotWriter | None = None
         self._replicator: Replicator | None = None
-        self._replica_group: Any = None
         self._lineage = ("", 0.0)
         self._last_step = -1
         self._open = False
@@ -192,7 +191,20 @@ class FlashStore:
         key = hashlib.sha1(str(dirpath).encode()).hexdigest()[:16]
         self._staging = dirpath / ".staging" / f"rank{rank:05d}"
         self._root = self.shm_dir / "lightning_par_flash" / key
-        replicator = self._open_replicator(node) if self.replicas and world_size > 1 else None
+        replicator = (
+            open_replicator(
+                root=self._root,
+                owner=self.owner,
+                node=node,
+                rank=rank,
+                world_size=world_size,
+                replicas=self.replicas,
+                slots=self.memory_slots,
+                timeout_s=max(60.0, self.flush_timeout_s),
+            )
+            if self.replicas and world_size > 1
+            else None
+        )
         try:
             self._memory = MemoryStore(self._root / f"rank{rank:05d}", slots=self.memory_slots)
             self._memories.append(self._memory)
@@ -220,36 +232,6 @@ class FlashStore:
             replica_done=(lambda h, t: replicator.wait_released(header=h, timeout=t)) if replicator else None,
         )
         self._open = True
-
-    def _open_replicator(self, node: int) -> Replicator | None:
-        """The peer replicas of this rank (collective: the node map, a Gloo group of their own). Fewer
-        other nodes than ``replicas`` (a misconfiguration, or an elastic job that lost nodes) get what
-        there is, with a warning: failing would stop the survivors."""
-        assert self._root is not None
-        node_of = _dist.gather_objects(node)
-        nodes = len(set(node_of))
-        replicas = min(self.replicas, nodes - 1)
-        if replicas < self.replicas:
-            message = (
-                f"{self.owner}: replicas={self.replicas} needs {self.replicas + 1} nodes (each copy goes to"
-                f" another node), but the job runs on {nodes}; keeping {replicas} replica(s). Pass"
-                f" replicas <= {nodes - 1} to silence this."
-            )
-            log.warning(message)
-            warnings.warn(message, stacklevel=3)
-        if replicas == 0:
-            return None
-        self._replica_group = dist.new_group(backend="gloo")  # replica traffic never meets training's
-        return Replicator(
-            root=self._root,
-            rank=self.rank,
-            world_size=self.world_size,
-            node_of=node_of,
-            replicas=replicas,
-            slots=self.memory_slots,
-            group=self._replica_group,
-            timeout_s=max(60.0, self.flush_timeout_s),
-        )
 
     def _active_memory(self) -> MemoryStore:
         assert self._memory is not None

@@ -43,8 +43,8 @@ from lightning_par.checkpoint.optimizer_state import (
     pieces_from_records,
     pieces_from_state_dict,
 )
+from lightning_par.zero.compressor_state import merge_states
 from lightning_par.zero.engine_api import Engine, own_state_reads
-from lightning_par.zero.powersgd import merge_states
 
 
 def meta_names(module: nn.Module) -> set[str]:

@@ -20,7 +20,7 @@ into the shards: each rank copies only its slices, from a memory-mapped file.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 KEYS = FABRIC_KEYS  # which entries of the saved state were the module and its optimizers
 
 
-def _split(strategy: HybridParallelStrategy, state: Mapping[str, Any]) -> tuple[str | None, list[str]]:
+def split_state(strategy: HybridParallelStrategy, state: Mapping[str, Any]) -> tuple[str | None, list[str]]:
     """The key of the module and the keys of its optimizers in ``state`` (checked to be the ones this
     strategy set up). Other modules (an EMA copy, a teacher, a torchmetrics metric) are entries like a
     scheduler: their ``state_dict()`` is saved and loaded whole, as Fabric's own strategies do; one that
@@ -133,7 +133,7 @@ def _extras(state: Mapping[str, Any], skip: set[str]) -> dict[str, Any]:
 
 def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any]) -> None:
     """Write ``state`` to ``path`` (collective; see the module docstring for the format)."""
-    module_key, opt_keys = _split(strategy, state)
+    module_key, opt_keys = split_state(strategy, state)
     module, engine = strategy.module, strategy.engine
     if module is None or engine is None:
         raise RuntimeError("fabric.save needs the module set up first (fabric.setup).")
@@ -207,38 +207,6 @@ def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any])
     strategy.barrier()
 
 
-def save_filtered(
-    strategy: HybridParallelStrategy,
-    path: Path,
-    state: Mapping[str, Any],
-    keep: Mapping[str, Callable[[str, Any], bool]],
-) -> None:
-    """``fabric.save(path, state, filter={key: keep(name, value)})``, as Fabric's strategies do it for a
-    module: one torch file on rank 0 whose module entry is the whole state dict's entries ``keep``
-    accepts (litgpt saves its LoRA weights so); other entries as they are. Collective (the module's
-    state is consolidated); filters are for the module's entry only, optimizers cannot be filtered."""
-    module_key, opt_keys = _split(strategy, state)
-    wrong = [k for k in keep if k != module_key]
-    if wrong or opt_keys:
-        raise TypeError(
-            f"fabric.save(..., filter=...) with lightning_par's Fabric strategy filters the model's entry"
-            f" only and saves no optimizer (asked: filter keys {sorted(keep)}, optimizers {opt_keys});"
-            " save the optimizers with a second fabric.save without filter."
-        )
-    whole = consolidated(strategy) if module_key is not None else {}
-    if strategy.is_global_zero:
-        content: dict[str, Any] = {}
-        for k, v in state.items():
-            if k == module_key:
-                kept = keep.get(k)
-                content[k] = {n: t for n, t in whole.items() if kept is None or kept(n, t)}
-            else:
-                content[k] = v.state_dict() if is_stateful(v) else v
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(content, path)
-    strategy.barrier()
-
-
 def load(
     strategy: HybridParallelStrategy,
     path: Path,
@@ -293,7 +261,7 @@ def load(
         if dcp:  # optimizer state keyed by parameter name: torch's format, the names kept beside it
             present = [k for k in keys["optimizers"] if k in raw]
             checkpoint["optimizer_states"], checkpoint[METADATA_KEY] = torch_optimizer_states(raw, present)
-    module_key, opt_keys = _split(strategy, state)
+    module_key, opt_keys = split_state(strategy, state)
     module = strategy.module
     # each optimizer restores the saved one of its key, as Fabric's own strategies do (before: by
     # position, so two optimizers listed in another order swapped their state, silently); checked

@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_par.data_reduce import MetricSync, gather_stacked
 from lightning_par.fabric import checkpoint as fabric_checkpoint
+from lightning_par.fabric.checkpoint_filtered import save_filtered
 from lightning_par.fabric.processes import FabricProcesses
 from lightning_par.grad_reads import GradReads
 from lightning_par.module_dtypes import restore_norms
@@ -89,7 +90,7 @@ class FabricSession(FabricProcesses):
             raise TypeError("storage_options is not supported by lightning_par's Fabric strategy.")
         target = Path(self.broadcast(str(path)))
         if filter is not None:  # litgpt's LoRA save: one file with the entries the filter keeps
-            fabric_checkpoint.save_filtered(self._strategy, target, state, filter)
+            save_filtered(self._strategy, target, state, filter)
             return
         fabric_checkpoint.save(self._strategy, target, state)
 

@@ -12,9 +12,12 @@ optimizer built from this stage's parameters alone numbers its state as one buil
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+from lightning.fabric.utilities.init import _EmptyInit
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
@@ -23,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_par.compose import ComposeOptions, Composition, compose
 from lightning_par.pipeline.steps import layers_of
 from lightning_par.precision import ParallelPrecision
+from lightning_par.zero.meta_build import meta_build
 
 if TYPE_CHECKING:
     from lightning_par.fabric.strategy import HybridParallelStrategy
@@ -139,3 +143,28 @@ def refuse_forward_before_optimizers(
         )
 
     return module.register_forward_pre_hook(refuse)
+
+
+def init_context(
+    strategy: HybridParallelStrategy, *, empty_init: bool | None
+) -> AbstractContextManager[None]:
+    """``fabric.init_module(empty_init)``'s context: at stage 3 with ``meta_init`` and ``empty_init=True``
+    parameters on the meta device (buffers stay real; the shards are materialised at setup), otherwise
+    the root device, with the constructors' own initialisation skipped for ``empty_init=True`` as
+    Fabric's strategies do (so code that initialises afterwards, litgpt's ``reset_parameters``, draws
+    what it draws under ``"ddp"``), in the precision's init dtype."""
+    if empty_init and strategy.meta_init and strategy.zero_stage == 3:
+        return meta_build(
+            "fabric.init_module(empty_init=True)",
+            "build the model from its config and load the weights inside the same block with"
+            " model.load_state_dict(...) (applied to the shards at setup), or after fabric.setup with"
+            " fabric.load_raw(path, model), or build it with empty_init=False (the whole model on every"
+            " rank first).",
+        )
+    return _on_device(strategy, empty_init=bool(empty_init))
+
+
+@contextmanager
+def _on_device(strategy: HybridParallelStrategy, *, empty_init: bool) -> Iterator[None]:
+    with strategy.root_device, _EmptyInit(enabled=empty_init), strategy.precision.module_init_context():
+        yield

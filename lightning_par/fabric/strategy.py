@@ -36,8 +36,8 @@ precision plugin, :mod:`.session` for checkpoints, gathers and teardown, :mod:`.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -46,7 +46,6 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.init import _EmptyInit
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
@@ -62,6 +61,7 @@ from lightning_par.fabric.session import SETUP_ATTR, FabricSession, refuse_secon
 from lightning_par.fabric.setup import (
     Replaced,
     compose_module,
+    init_context,
     refuse_forward_before_optimizers,
 )
 from lightning_par.fabric.steps import FabricSteps
@@ -80,7 +80,7 @@ from lightning_par.strategy_options import (
 from lightning_par.zero.comm_hooks import CommHook, GatherDtype, HookName, check_comm_hook
 from lightning_par.zero.engine_api import Engine
 from lightning_par.zero.meta_buffers import materialize_buffers
-from lightning_par.zero.meta_init import meta_build, move_real_tensors
+from lightning_par.zero.meta_build import move_real_tensors
 from lightning_par.zero.stage3 import Stage3Engine
 from lightning_par.zero.units import UnitPolicy
 
@@ -274,22 +274,7 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
     # ------------------------------------------------------------------ setup
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[None]:
-        if empty_init and self.meta_init and self.zero_stage == 3:  # buffers stay real; shards materialised
-            return meta_build(
-                "fabric.init_module(empty_init=True)",
-                "build the model from its config and load the weights inside the same block with"
-                " model.load_state_dict(...) (applied to the shards at setup), or after fabric.setup with"
-                " fabric.load_raw(path, model), or build it with empty_init=False (the whole model on every"
-                " rank first).",
-            )
-        return self._on_device(empty_init=empty_init)
-
-    @contextmanager
-    def _on_device(self, *, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # empty_init=True skips the constructors' own initialisation, as Fabric's strategies do, so code
-        # that initialises afterwards (litgpt's reset_parameters) draws what it draws under "ddp"
-        with self.root_device, _EmptyInit(enabled=bool(empty_init)), self.precision.module_init_context():
-            yield
+        return init_context(self, empty_init=empty_init)
 
     @override
     def module_to_device(self, module: nn.Module) -> None:

@@ -76,9 +76,10 @@ from lightning_par.pipeline.p2p import (
     plan,
     stage_of,
 )
+from lightning_par.pipeline.predict_share import share_outputs
 from lightning_par.pipeline.schedule import SPLIT_BACKWARD, Action, build_schedule
 from lightning_par.pipeline.weight_grad import GradOf, WeightGradSplit
-from lightning_par.zero.meta_init import target_device
+from lightning_par.zero.meta_build import target_device
 
 
 @dataclass
@@ -365,38 +366,9 @@ class PipelineRuntime:
                 failed.append(error)
 
         self._forward_only(inputs, record)
-        src = self._peer(self.last % self.p)
-        on_last = bool(outputs or failed)
-        result = None
-        shapes = sorted({f"{tuple(o.shape[1:])} {o.dtype}" for o in outputs})
-        if len(shapes) > 1 and not failed:
-            failed.append(
-                TypeError(
-                    "predict under pipeline parallelism concatenates the micro-batches' results along dim 0:"
-                    f" they must agree in their other dimensions and dtype, got {shapes}."
-                )
-            )
-        result = torch.cat(outputs).contiguous() if outputs and not failed else None
-        if failed:  # every rank raises, not only the last stage (the others would wait for the result)
-            header = torch.full((HEADER,), -1, dtype=torch.int64, device=self.device)
-        elif result is not None:
-            header = encode(Spec.of(result), device=self.device)
-        else:
-            header = torch.zeros(HEADER, dtype=torch.int64, device=self.device)
-        dist.broadcast(header, src=src, group=self.group)
-        values = None if on_last else header.tolist()  # the result's shape, or a failure: one host read
-        if failed or (values is not None and values[0] == -1):
-            box: list[Any] = [f"{type(failed[0]).__name__}: {failed[0]}" if failed else None]
-            dist.broadcast_object_list(box, src=src, group=self.group, device=self.device)
-            if failed:
-                raise failed[0]
-            raise RuntimeError(f"predict failed on the last pipeline stage (global rank {src}): {box[0]}")
-        if result is None:
-            assert values is not None
-            ((shape, dtype),) = decode(values).parts
-            result = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.broadcast(result, src=src, group=self.group)
-        return result
+        return share_outputs(
+            outputs, failed, src=self._peer(self.last % self.p), group=self.group, device=self.device
+        )
 
     def _input(self, g: int, mb: int, inputs: Sequence[Any] | None, mail: Mail, *, grad: bool) -> Any:
         if g == 0:

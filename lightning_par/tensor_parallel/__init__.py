@@ -7,11 +7,11 @@ from lightning_par.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
 )
 from lightning_par.tensor_parallel.lora import is_lora_wrapper
 from lightning_par.tensor_parallel.plan import TP_STATE_ATTR, apply_tensor_parallel
 from lightning_par.tensor_parallel.plans import PLANS, STYLES, resolve_plan
+from lightning_par.tensor_parallel.vocab_loss import vocab_parallel_cross_entropy
 
 __all__ = [
     "PLANS",

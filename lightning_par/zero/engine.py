@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_par.state_guard import OwnReads
 from lightning_par.zero.comm_hooks import CommHook
+from lightning_par.zero.compressor_state import compressor_step_skipped, load_compressor_state
 from lightning_par.zero.grad_sync import (
     GradSync,
     GradSyncPolicy,
@@ -36,7 +37,7 @@ from lightning_par.zero.grad_sync import (
     broadcast_module_states,
     bucket_numel_for,
 )
-from lightning_par.zero.powersgd import PowerSGDState, compressor_step_skipped, load_compressor_state
+from lightning_par.zero.powersgd import PowerSGDState
 from lightning_par.zero.sharded_optimizer import ShardedOptimizer
 
 ZeroStage = Literal[0, 1, 2]
@@ -222,7 +223,7 @@ class ZeroEngine:
 
     def step_skipped(self) -> None:
         """The fp16 loss scaler skipped this step: a stateful compressor (PowerSGD) drops what the
-        non-finite gradient put into its state (:func:`~.powersgd.compressor_step_skipped`)."""
+        non-finite gradient put into its state (:func:`~.compressor_state.compressor_step_skipped`)."""
         compressor_step_skipped(self.sync.hook_state)
 
     def memory_bytes(self) -> dict[str, int]:

@@ -17,17 +17,12 @@ Trainable and frozen parameters are materialised alike. PEFT LoRA layers (module
 for the whole model in one process: the unsharded twin used to check that a sharded init equals the
 full init sliced.
 
-:func:`params_on_meta` is the context the strategy runs ``configure_model()`` in: parameters are created
-on the meta device, buffers on the CPU, because buffers are small and often computed in ``__init__``
-(rotary frequencies, masks) where no ``reset_parameters()`` could recreate them.
+The model is built on the meta device under :func:`~lightning_par.zero.meta_build.params_on_meta`.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -35,129 +30,19 @@ from torch import Tensor, nn
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.zero.hf_init import hf_initialisers, others_on_meta, replay
 from lightning_par.zero.init_seeds import module_seed, own_rng
-from lightning_par.zero.meta_loads import MetaLoads
 from lightning_par.zero.meta_replay import (
     forget_writes,
     pending_writes,
     refuse_writes_after_build,
     replay_writes,
-    stamp_built,
     writes_after_load,
 )
-from lightning_par.zero.meta_writes import WriteRecorder, inherit_writes, visible_init_functions
 from lightning_par.zero.peft_init import reset_lora
 from lightning_par.zero.tp_init import parallel_layers, release_sources, slice_of, sources_in_place
 from lightning_par.zero.units import REMOTE_ATTR, UnitPolicy, plan_units
 
 # A parameter's values from a pretrained source (None: not in the source, initialise it).
 ValuesFn = Callable[[str], Tensor | None]
-
-
-def target_device(module: nn.Module, *, default: torch.device | None = None) -> torch.device:
-    """The device of the first real parameter or buffer (``default``, else the CPU, if everything is on
-    the meta device)."""
-    for t in (*module.parameters(), *module.buffers()):
-        if not t.is_meta:
-            return t.device
-    return default if default is not None else torch.device("cpu")
-
-
-def move_real_tensors(module: nn.Module, device: torch.device) -> None:
-    """Move ``module``'s real parameters and buffers to ``device``; meta ones (meta init, other pipeline
-    stages' layers) stay, to be materialised by the engine or by pretrained weights.
-
-    Every submodule without meta parameters or buffers moves with ``.to(device)``, so modules that keep
-    tensors outside parameters and buffers and move them in their own ``_apply`` (torchmetrics' metric
-    states, the metric's ``device``) follow the model; only modules holding meta tensors themselves
-    have their real tensors moved one by one (meta buffers, of a model built under
-    ``torch.device("meta")``, are computed on the device afterwards: ``materialize_buffers``)."""
-    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-        module.to(device)
-        return
-    with torch.no_grad():
-        for t in (*module._parameters.values(), *module._buffers.values()):
-            if t is not None and not t.is_meta:
-                t.data = t.data.to(device)
-    for child in module.children():
-        move_real_tensors(child, device)
-
-
-@contextmanager
-def params_on_meta(loads: MetaLoads | None = None) -> Iterator[None]:
-    """Create parameters on the meta device and buffers where they would be anyway (see the module
-    docstring). ``nn.Module.register_parameter`` and ``nn.Parameter.__deepcopy__`` are wrapped for the
-    duration only. Writes into the meta parameters are recorded on them, to be replayed when they are
-    materialised (:mod:`lightning_par.zero.meta_writes`); with ``loads``, values loaded into them (a
-    whole ``copy_`` from a real tensor, a real parameter replacing one the module already has:
-    ``load_state_dict(..., assign=True)``) are recorded there instead (:mod:`lightning_par.zero.meta_loads`);
-    a deep copy of a parameter keeps both."""
-    original = nn.Module.register_parameter
-    recorder = WriteRecorder(loads.record if loads is not None else None)
-    built: list[nn.Parameter] = []
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        replaced = module._parameters.get(name) if "_parameters" in module.__dict__ else None
-        original(module, name, param)
-        if param is not None:
-            built.append(param)  # its placeholder, for the stamp at the block's end
-        if param is not None and not param.is_meta:
-            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-            meta.__dict__.update(param.__dict__)  # attributes such as a tensor-parallel mark
-            module._parameters[name] = meta
-            built[-1] = meta
-            if replaced is not None:  # an assignment of values: recorded as their copy into the parameter
-                recorder.record(torch.Tensor.copy_, (meta, param), {}, meta)
-            else:  # created with values: nn.Parameter(torch.ones(d)), nn.Embedding.from_pretrained(vectors)
-                recorder.created(meta, param)
-
-    deepcopy = nn.Parameter.__deepcopy__
-
-    def copied(param: nn.Parameter, memo: dict[int, Any]) -> nn.Parameter:
-        copy = deepcopy(param, memo)
-        if param.is_meta:  # a module cloned after its init (nn.TransformerEncoder's layers): the same
-            inherit_writes(param, copy)
-            if loads is not None:
-                loads.copied(param, copy)
-        return copy
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
-    nn.Parameter.__deepcopy__ = copied  # type: ignore[method-assign,assignment]
-    try:
-        with recorder, visible_init_functions(recorder), warnings.catch_warnings():
-            # torch's "copying ... to a meta parameter ..., which is a no-op": not so here (recorded)
-            warnings.filterwarnings("ignore", message=r"for .*: copying from a non-meta parameter")
-            yield
-        stamp_built(built)  # a write after the block is refused at materialisation (it would be lost)
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-        nn.Parameter.__deepcopy__ = deepcopy  # type: ignore[method-assign]
-
-
-@contextmanager
-def meta_build(where: str, fixes: str, loads: MetaLoads | None = None) -> Iterator[None]:
-    """:func:`params_on_meta` for user code building a model (``where`` names it), with its failures
-    from code that cannot run on meta tensors raised again naming the cause and ``fixes`` (transformers'
-    ``from_pretrained`` fails in its last step, "Unsupported device type 'meta'", and loads with
-    ``use_kernels=False``)."""
-    try:
-        with params_on_meta(loads):
-            yield
-    except Exception as error:
-        if "meta" not in str(error):
-            raise
-        # transformers 5 ends from_pretrained by fitting hub kernels to the model's device, which fails on
-        # meta tensors after the weights are read (and recorded: loads into meta parameters are kept)
-        kernels = (
-            " transformers' from_pretrained itself works here with use_kernels=False: the weights it reads"
-            " are kept and written into the shards at setup (each rank holds them on the host until then)."
-            if "Unsupported device type 'meta'" in str(error)
-            else ""
-        )
-        raise RuntimeError(
-            f"{where} failed while ZeRO-3 creates the parameters on the meta device (meta_init):"
-            f" {type(error).__name__}: {error}.{kernels} Code that needs real weights there (reading"
-            f" parameter values) cannot run on meta tensors: {fixes}"
-        ) from error
 
 
 def materialize_unit(

@@ -1,7 +1,7 @@
 """Weights a user's ``configure_model()`` loads while its parameters are created on the meta device.
 
 Under meta init (ZeRO-3, or ``pretrained=``) ``configure_model()`` runs inside
-:func:`~lightning_par.zero.meta_init.params_on_meta`: every parameter it creates is a meta tensor, filled
+:func:`~lightning_par.zero.meta_build.params_on_meta`: every parameter it creates is a meta tensor, filled
 later, unit by unit, by the engine. Code that loads values into the model there, as it would on a real
 device, wrote into meta tensors, which keep nothing: ``model.load_state_dict(torch.load(...))``,
 ``PeftModel.from_pretrained(base, adapter_dir)`` (PEFT's ``load_state_dict``), a ``param.copy_(x)`` or

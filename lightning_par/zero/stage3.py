@@ -92,11 +92,8 @@ from lightning_par.zero.broadcast import broadcast_module_states
 from lightning_par.zero.grad_buckets import ReduceOp
 from lightning_par.zero.init_seeds import agree_seed, warn_drawn_init
 from lightning_par.zero.layout import Fragment
-from lightning_par.zero.meta_init import (
-    ValuesFn,
-    materialize_unit,
-    target_device,
-)
+from lightning_par.zero.meta_build import target_device
+from lightning_par.zero.meta_init import ValuesFn, materialize_unit
 from lightning_par.zero.meta_replay import refuse_writes_after_build
 from lightning_par.zero.optimizer_rebuild import stepped_ids
 from lightning_par.zero.stage3_between import BetweenSteps

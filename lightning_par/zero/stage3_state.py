@@ -22,8 +22,8 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_par.collectives import all_gather_flat
 from lightning_par.state_guard import OwnReads, guard_state_dicts
+from lightning_par.zero.compressor_state import load_compressor_state
 from lightning_par.zero.layout import Fragment
-from lightning_par.zero.powersgd import load_compressor_state
 from lightning_par.zero.unit import Unit
 
 
