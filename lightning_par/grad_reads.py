@@ -40,6 +40,13 @@ of their storage (``.data``, ``.detach()``, ``.flatten()``), is refused alike. N
 hand from new tensors (``g.pow(2).sum()``, a ``torch.cat`` of the gradients). The strategies' own
 clipping and ``grad_norm`` take their local parts with torch functions disabled.
 
+A gradient cleared at ZeRO 1-3 is refused alike: ``param.grad = None`` (DDP's way of skipping one
+parameter's update: a probe's layer kept for two steps so ended 0.24 off ``"ddp"``) or ``del param.grad``
+of a module parameter, from the first window's reduction to the first optimizer step (not seen: a clear
+between two backwards of an accumulation window, which drops the window's gradient so far under DDP, and
+clears first made in a later step); the optimizer's own fragments are not watched. A tensor assigned is
+refused at every step by :mod:`lightning_par.zero.grad_writes`.
+
 Where the error is raised: the Trainer raises at the read itself (its traceback points at the user's
 line); torch puts a mode back on its stack after its handler raises, and the strategy's teardown, which
 Lightning runs on every failure, takes it off. A Fabric loop has no such teardown, so Fabric's watch
@@ -155,9 +162,17 @@ class GradReads:
             raise RuntimeError(refused)
 
     def _check_call(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        getter = getattr(func, "__self__", None) is _GRAD and getattr(func, "__name__", "") == "__get__"
-        if getter and args and args[0].grad is None:  # the handler runs outside the mode: no recursion
+        on_grad = getattr(func, "__self__", None) is _GRAD
+        name = getattr(func, "__name__", "")
+        if on_grad and name == "__get__" and args and args[0].grad is None:  # outside the mode: no recursion
             self._check(args[0])
+        elif (
+            on_grad
+            and self.zero_stage >= 1
+            and args
+            and (name == "__delete__" or (name == "__set__" and args[1] is None))
+        ):
+            self._check_cleared(args[0])
         elif self._shard_grads and getattr(func, "__name__", "") in _NORMS:
             tensors = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else (arg,))]
             if any(isinstance(t, Tensor) and storage_address(t) in self._shard_grads for t in tensors):
@@ -209,6 +224,24 @@ class GradReads:
                 " optimizer step only.)"
             )
         self._refuse(message)
+
+    def _check_cleared(self, param: Any) -> None:
+        """``param.grad = None`` or ``del param.grad`` of a module parameter, from the first window's
+        reduction to the first optimizer step: DDP's way to skip that parameter's update, which at ZeRO
+        1-3 changes nothing (the optimizer steps this rank's fragments from the reduced shards). A tensor
+        written there is refused at every step by :mod:`lightning_par.zero.grad_writes`."""
+        name = self._names.get(id(param))
+        if name is None:
+            return
+        self._refuse(
+            f"ZeRO-{self.zero_stage}: {name}.grad was set to None (or deleted) between the backward and the"
+            " optimizer step: under DDP that skips the parameter's update, but at ZeRO stages 1-3 the"
+            " optimizer steps this rank's fragments from the reduced gradient shards, not from param.grad,"
+            " so the parameter would be updated all the same, silently. To keep parameters fixed, freeze"
+            " them before the fit (requires_grad_(False)), or use zero_stage=0, where param.grad is the"
+            " gradient the optimizer steps. (Checked from the window's reduction to the first optimizer"
+            " step only.)"
+        )
 
     def _refuse(self, message: str) -> None:
         if not self._landed or self._ended or self._refused is not None:

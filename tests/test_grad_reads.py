@@ -89,6 +89,10 @@ class Clipped(pl.LightningModule):
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         if self.mode == "log_norms":
             self.log_dict(grad_norm(self, norm_type=2))
+        elif self.mode == "grad_none" and self.global_step < 2:  # DDP's way to skip a layer's update
+            self.net[0].weight.grad = None
+        elif self.mode == "grad_del" and self.global_step < 2:
+            del self.net[2].bias.grad
 
     def on_train_batch_end(self, *args: Any) -> None:
         _ = [p.grad for p in self.parameters()]  # after the step: None under DDP too
@@ -173,6 +177,9 @@ def _fabric(rank: int, clip: str, piped: bool = False) -> dict[str, Any]:
                 fabric.backward(F.mse_loss(model(x[mine]), y[mine]))
             if clip == "torch":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            elif clip == "grad_none":  # DDP's skip of one layer's update: refused at optimizer.step()
+                model.module[0].weight.grad = None
+                fabric.clip_gradients(model, optimizer, max_norm=0.1)
             elif clip == "optimizer":  # refused at optimizer.step(), before any update
                 stepped = [p for group in optimizer.param_groups for p in group["params"]]
                 torch.nn.utils.clip_grad_norm_(stepped, 0.1)
@@ -194,6 +201,7 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
         "fabric/torch": _fabric(rank, "torch"),
         "fabric/fabric": _fabric(rank, "fabric"),
         "fabric/optimizer": _fabric(rank, "optimizer"),
+        "fabric/grad_none": _fabric(rank, "grad_none"),
         "fabric_pp/torch": _fabric(rank, "torch", piped=True),
         "fabric_pp/fabric": _fabric(rank, "fabric", piped=True),
         "pp/torch_clip/refused": _fit(HybridParallelStrategy(**PIPED), "torch_clip"),
@@ -211,6 +219,12 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
     out["zero3/dot_clip/norm_refused"] = _fit(HybridParallelStrategy(zero_stage=3), "dot_clip")
     out["ddp/opt_scale"] = _fit(DDPStrategy(), "opt_scale")
     out["zero2/opt_scale"] = _fit(HybridParallelStrategy(zero_stage=2), "opt_scale")
+    # param.grad cleared at ZeRO 1-3: refused (before: the optimizer stepped the shards regardless, a layer
+    # kept for two steps by grad = None ended 0.24 off "ddp"); at ZeRO 0 it skips the update as under DDP
+    out["ddp/grad_none"] = _fit(DDPStrategy(), "grad_none")
+    out["zero0/grad_none"] = _fit(HybridParallelStrategy(zero_stage=0), "grad_none")
+    out["zero1/grad_none/write_refused"] = _fit(HybridParallelStrategy(zero_stage=1), "grad_none")
+    out["zero3/grad_del/write_refused"] = _fit(HybridParallelStrategy(zero_stage=3), "grad_del")
     for stage in (1, 2, 3):
         out[f"zero{stage}/torch_clip/refused"] = _fit(HybridParallelStrategy(zero_stage=stage), "torch_clip")
         out[f"zero{stage}/builtin"] = _fit(HybridParallelStrategy(zero_stage=stage), "builtin", accumulate=2)
@@ -238,6 +252,13 @@ def test_grad_reads_that_find_nothing_are_refused_and_the_rest_equals_ddp() -> N
                 expected = f"Pipeline parallelism: {other}.grad was read after the backward and is None"
                 assert message.startswith(expected), (r, key, message)
                 assert "another pipeline stage" in message and "gradient_clip_val" in message, (r, key)
+                assert result["modes"] == 0, (r, key, result)
+            elif key.endswith("write_refused") or key == "fabric/grad_none":
+                stage, name = (key[4], "net.") if key.startswith("zero") else ("2", "")
+                name += "2.bias" if "del" in key else "0.weight"
+                message = result.get("error", "")
+                assert f"ZeRO-{stage}: {name}.grad was set to None (or deleted)" in message, (r, key, message)
+                assert "requires_grad_(False)" in message and "zero_stage=0" in message, (r, key, message)
                 assert result["modes"] == 0, (r, key, result)
             elif key.endswith("norm_refused") or key == "fabric/optimizer":
                 message = result.get("error", "")
@@ -272,6 +293,7 @@ def test_grad_reads_that_find_nothing_are_refused_and_the_rest_equals_ddp() -> N
         ("zero0/torch_clip", "ddp/torch_clip"),
         *((f"zero{s}/builtin", "ddp/builtin") for s in (1, 2, 3)),
         ("zero2/opt_scale", "ddp/opt_scale"),
+        ("zero0/grad_none", "ddp/grad_none"),
         ("zero2/unused/spare", "ddp/unused/spare"),
     ):
         expected = out[reference]["state"]
