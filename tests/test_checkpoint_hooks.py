@@ -87,6 +87,12 @@ class Hooked(pl.LightningModule):
             self.read = state["model.model.norm.weight"]
 
 
+class Unhooked(Hooked):
+    """``Hooked`` without a load hook (Lightning's own, which does nothing)."""
+
+    on_load_checkpoint = pl.LightningModule.on_load_checkpoint  # type: ignore[assignment]
+
+
 def _strategy(name: str) -> Any:
     if name == "ddp":
         return "ddp"
@@ -152,6 +158,13 @@ def _job(rank: int, world: int, tmp: str) -> dict[str, Any]:
             out[edit] = "no error"
         except ValueError as error:
             out[edit] = str(error)
+    # the same directory of other names, loaded by a module without a load hook: refused without the hook
+    # note (before, it told of on_load_checkpoint, which the module does not have)
+    try:
+        _fit("zero3", tmp, Unhooked(), epochs=1, ckpt=old)
+        out["unhooked"] = "no error"
+    except ValueError as error:
+        out["unhooked"] = str(error)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         zero3_dir = os.path.join(tmp, "zero3", "last.ckpt")
@@ -195,6 +208,8 @@ def test_checkpoint_hooks_edits_of_the_state_dict_are_saved_and_loaded_as_under_
     assert "on_load_checkpoint sees no parameters here" in got["rename"], got["rename"]
     assert "None of the checkpoint's" in got["rename_loose"], got["rename_loose"]
     assert "on_load_checkpoint sees no parameters here" in got["rename_loose"], got["rename_loose"]
+    assert got["unhooked"].startswith("The checkpoint does not match the model"), got["unhooked"]
+    assert "on_load_checkpoint" not in got["unhooked"], got["unhooked"]
     # the head the save hook wrote was visible and dropped: fresh, as under "ddp"; the rest from the pieces
     torch.testing.assert_close(got["filter"][HEAD], fresh)
     assert not torch.equal(got["filter"][other], llama(0).model.norm.weight)

@@ -34,6 +34,7 @@ from lightning_par.checkpoint.hook_edits import (
     PartialStateDict,
     StateEdits,
     StateSnapshot,
+    load_hook_overridden,
     rank_zero_view,
 )
 from lightning_par.checkpoint.io import (
@@ -344,8 +345,13 @@ class ZeroCheckpointIO(ParallelStrategy):
         partial = loading is not None and isinstance(loading.source, PartialStateDict)
         if partial and loading is not None and state is not loading.source:  # a dict rebuilt by the hook
             rank_zero_warn(HIDDEN_LOAD)
-        # a refusal of a directory in pieces: its hooks could not have renamed the parameters
-        hint = f" (on_load_checkpoint sees no parameters here: {HIDDEN}. {FIXES})" if partial else ""
+        # a refusal of a directory in pieces: its hooks could not have renamed the parameters (said only
+        # where a hook exists that could have wanted to)
+        hint = (
+            f" (on_load_checkpoint sees no parameters here: {HIDDEN}. {FIXES})"
+            if partial and load_hook_overridden(self.lightning_module)
+            else ""
+        )
         check_model(checkpoint, self.lightning_module, self._tp(), strict=strict, edits=edits, hint=hint)
         load_module_state(
             checkpoint,
