@@ -130,12 +130,36 @@ def test_edits_after_fit_reach_the_export_and_the_checkpoint_as_under_ddp(tmp_pa
         assert "save_checkpoint(path, weights_only=True)" in ours[rank]["refused"]
 
 
+class MidFitWeights(pl.Callback):
+    """A weights-only checkpoint after the first step, beside the strategy's export at that moment."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.export = path, {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 1:
+            trainer.save_checkpoint(self.path, weights_only=True)
+            self.export = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+
+
+class HeadHooked(LoraLlama):
+    """A save hook that writes its own head into weights-only checkpoints: kept over the masters."""
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "optimizer_states" not in checkpoint:
+            shape = (LLAMA["vocab_size"], LLAMA["hidden_size"])
+            checkpoint["state_dict"]["model.lm_head.weight"] = torch.zeros(shape)
+
+
 def _mixed_job(rank: int, world: int, tmp: str, name: str) -> dict[str, Any]:
     """``bf16-mixed``: at ZeRO 1/2 the fp32 masters are separate from the 16-bit compute copy."""
     torch.manual_seed(0)
     strategy: Any = "ddp" if name == "ddp" else HybridParallelStrategy(zero_stage=int(name[-1]))
-    module = LoraLlama(lora=False)
+    module = HeadHooked(lora=False)
     trainer = cpu_trainer(strategy, devices=world, max_steps=2, limit_val_batches=0, precision="bf16-mixed")
+    mid = MidFitWeights(Path(tmp) / f"mid_{name}")
+    if name != "ddp":
+        trainer.callbacks.append(mid)  # type: ignore[attr-defined]
     trainer.fit(module, DataLoader(Tokens(16), batch_size=2))
     model = module.model
     assert model is not None
@@ -155,6 +179,9 @@ def _mixed_job(rank: int, world: int, tmp: str, name: str) -> dict[str, Any]:
         buffer = io.BytesIO()
         torch.save(model, buffer)  # the whole module pickled, as users save a model
         buffer.seek(0)
+        if name != "ddp":  # mid-fit the fp32 masters are apart from the bf16 parameters
+            weights = torch.load(mid.path, weights_only=True) if mid.path.is_file() else {}
+            out |= {"mid_file": mid.path.is_file(), "mid": weights, "mid_export": mid.export}
         out |= {
             "export": export,
             "saved": ckpt["state_dict"],
@@ -182,6 +209,20 @@ def test_bf16_mixed_edits_after_fit_reach_exports_and_the_model_pickles(tmp_path
             torch.testing.assert_close(first["export"][k], v, msg=f"{name} export {k}")
             torch.testing.assert_close(first["saved"][k], v, msg=f"{name} checkpoint {k}")
             torch.testing.assert_close(pickled[k.removeprefix("model.")], v, msg=f"{name} pickled {k}")
+        if name != "ddp":
+            # a weights-only checkpoint in mid-fit: one file, as "ddp" writes, holding the fp32 masters
+            # (before, a directory whose weights were the bf16 copies the parameters are then)
+            assert first["mid_file"] and "optimizer_states" not in first["mid"], name
+            head = first["mid"]["state_dict"].pop("model.lm_head.weight")
+            assert torch.equal(head, torch.zeros_like(head)), name
+            assert first["mid_export"].keys() - first["mid"]["state_dict"].keys() == {"model.lm_head.weight"}
+            for k, v in first["mid_export"].items():
+                assert v.dtype == torch.float32, (name, k)
+                if k == "model.lm_head.weight":
+                    continue
+                torch.testing.assert_close(
+                    first["mid"]["state_dict"][k], v, rtol=0, atol=0, msg=f"{name} {k}"
+                )
 
 
 def _fabric_job(rank: int, world: int, name: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_par import HybridParallelStrategy
-from lightning_par.checkpoint import consolidate, is_sharded_checkpoint
+from lightning_par.checkpoint import consolidate, consolidate_cli, is_sharded_checkpoint
 from lightning_par.checkpoint.sharded import _payloads
 from lightning_par.models import GPTModule
 from tests.distributed import run_distributed
@@ -158,3 +158,11 @@ def test_single_file_checkpoints_from_tp_and_pp(tmp_path: Path) -> None:
         full = torch.load(tmp_path / f"{layout}_full.ckpt", weights_only=False)
         assert set(ckpt["state_dict"]) == set(full["state_dict"]), layout
     assert all(payload["optimizers"] == [] for payload in _payloads(tmp_path / "tp_weights_dir.ckpt"))
+    # such a weights-only directory consolidates to a file without optimizer state, as Lightning's
+    lean = tmp_path / "lean.ckpt"
+    assert consolidate_cli.main([str(tmp_path / "tp_weights_dir.ckpt"), str(lean)]) == 0
+    merged = torch.load(lean, weights_only=False)
+    assert "optimizer_states" not in merged
+    _equal(
+        merged["state_dict"], torch.load(tmp_path / "tp_full.ckpt", weights_only=False)["state_dict"], "lean"
+    )

@@ -261,3 +261,10 @@ def load_hook_overridden(module: Any) -> bool:
     trainer = getattr(module, "_trainer", None)
     callbacks = getattr(trainer, "callbacks", None) or []
     return any(is_overridden("on_load_checkpoint", owner) for owner in (module, *callbacks))
+
+
+def state_of(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The checkpoint's ``state_dict`` itself (an empty one included: the object the hooks receive), or
+    an empty dict without one."""
+    state = checkpoint.get("state_dict")
+    return state if isinstance(state, Mapping) else {}

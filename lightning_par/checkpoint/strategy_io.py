@@ -36,6 +36,7 @@ from lightning_par.checkpoint.hook_edits import (
     StateSnapshot,
     load_hook_overridden,
     rank_zero_view,
+    state_of,
 )
 from lightning_par.checkpoint.io import (
     _group_names,
@@ -63,6 +64,7 @@ from lightning_par.checkpoint.single_file import (
     write_over_directory,
 )
 from lightning_par.checkpoint.tp_reshard import TPInfo, tp_info
+from lightning_par.checkpoint.weights_only import put_masters
 from lightning_par.mesh import MeshLayout, ParallelMesh
 from lightning_par.zero.engine_api import Engine, reads_own_state
 
@@ -217,10 +219,15 @@ class ZeroCheckpointIO(ParallelStrategy):
         # parameters the model no longer holds (a module replaced after fit) does not stop the save
         with_optimizers = "optimizer_states" in checkpoint
         checkpoint[METADATA_KEY] = self.layout_metadata(with_optimizers=with_optimizers)
+        # weights only of a model every rank holds whole (ZeRO 1/2): one file, as "ddp" writes it
+        weights_file = not with_optimizers and not entries and not self._model_in_pieces()
+        one_file = self._full_file() or weights_file
         saving, self._saving = self._saving, None
-        if saving is not None and not self._full_file():
+        if weights_file and not self._full_file():
+            put_masters(checkpoint, saving, self._saved_engine(), gather=self.consolidated_state_dict)
+        if saving is not None and not one_file:
             # the hooks' changes to state_dict, which the rank files' records would override at the load
-            state = _state_of(checkpoint)
+            state = state_of(checkpoint)
             edits = saving.edits(state)
             if edits:
                 checkpoint[METADATA_KEY][EDITS_KEY] = edits.to_meta()
@@ -233,8 +240,9 @@ class ZeroCheckpointIO(ParallelStrategy):
             checkpoint["state_dict"] = dict(checkpoint["state_dict"])  # the file holds plain types
         if with_optimizers:  # beside the optimizer state it belongs with (collective)
             record_comm_state(checkpoint[METADATA_KEY], self._saved_engine())
-        if self._full_file():
-            # one ordinary Lightning file: the state dict and optimizer states are already full (rank 0)
+        if one_file:
+            # one ordinary Lightning file: the state dict and optimizer states are already full (rank 0),
+            # or weights only of a whole model (what load_from_checkpoint reads in a plain process)
             checkpoint[METADATA_KEY]["format"] = "full"
             if self.is_global_zero:  # the only writer
                 write_over_directory(
@@ -311,7 +319,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         elif is_sharded_checkpoint(path):
             checkpoint = read_meta(path)
             self._sharded_source = path
-            state = _state_of(checkpoint)
+            state = state_of(checkpoint)
             elsewhere = frozenset((checkpoint.get(METADATA_KEY) or {}).get("params", {})) - set(state)
             if elsewhere:  # the parameters are in the rank files' pieces
                 checkpoint["state_dict"] = PartialStateDict(state, elsewhere=elsewhere)
@@ -323,7 +331,7 @@ class ZeroCheckpointIO(ParallelStrategy):
             checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         # checked against the model in load_model_state_dict, after on_load_checkpoint (which may rename,
         # drop or replace entries of state_dict) and before anything loads
-        self._loading = StateSnapshot(_state_of(checkpoint))
+        self._loading = StateSnapshot(state_of(checkpoint))
         return checkpoint
 
     @override
@@ -333,7 +341,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         ``strict_loading``; False leaves a fine-tune's new head out), then load it, through the changes
         the save and load hooks made to its ``state_dict`` (:mod:`~lightning_par.checkpoint.hook_edits`)."""
         assert self.lightning_module is not None
-        state = _state_of(checkpoint)
+        state = state_of(checkpoint)
         # placeholders the checkpoint writes are loaded; the rest stay refused (a partial checkpoint of a
         # fine-tune's head, strict_loading=False): see StrategyLoops._refuse_placeholders
         written = set(state) | set(getattr(state, "elsewhere", ()))
@@ -386,10 +394,3 @@ class ZeroCheckpointIO(ParallelStrategy):
             super().remove_checkpoint(filepath)  # a single file on another fsspec filesystem
         elif self.is_global_zero:
             remove_path(path)  # a link (save_last="link"): the link, not its target's tree
-
-
-def _state_of(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The checkpoint's ``state_dict`` itself (an empty one included: the object the hooks receive), or
-    an empty dict without one."""
-    state = checkpoint.get("state_dict")
-    return state if isinstance(state, Mapping) else {}
