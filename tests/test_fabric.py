@@ -110,6 +110,7 @@ def _run(
     save: str | None = None,
     precision: str = "32-true",
     make_optimizer: Any = _adamw,
+    final: str | None = None,
 ) -> dict[str, Any]:
     fabric = _fabric(strategy, world, precision)
     fabric.seed_everything(0 if raw is None else 1)  # with raw weights, the module's own init must not matter
@@ -133,9 +134,16 @@ def _run(
             model.state_dict()
         refused = str(info.value)
     state = _full_state(fabric, model)
+    saved: dict[str, Any] = {}
+    if final is not None:  # the model alone, as litgpt saves its result: one file, loadable without Fabric
+        fabric.save(final, {"model": model, "optimizer": optimizer})  # a directory, replaced by the file
+        fabric.save(final, {"model": model})
+        saved = {"file": Path(final).is_file()}
+        if rank == 0:
+            saved["model"] = torch.load(final, weights_only=True)["model"]
     fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]  # loop after loop in one process
     groups = len(dist.distributed_c10d._world.pg_map)
-    return {"losses": losses, "state": state, "groups": groups, "refused": refused}
+    return {"losses": losses, "state": state, "groups": groups, "refused": refused, "saved": saved}
 
 
 def _full_state(fabric: Fabric, model: Any) -> dict[str, torch.Tensor] | None:
@@ -174,7 +182,7 @@ def _resume(rank: int, world: int, path: str, plain: bool = False) -> dict[str, 
 def _two_ranks(rank: int, world: int, tmp: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     return {
-        "zero2": _run(rank, world, "zero2"),
+        "zero2": _run(rank, world, "zero2", final=str(Path(tmp) / "final.pt")),
         "zero3": _run(rank, world, HybridParallelStrategy(zero_stage=3, zero3_units=[litgpt_model.Block])),
         "zero3_meta": _run(
             rank, world, HybridParallelStrategy(zero_stage=3), raw=str(Path(tmp) / "initial.pt")
@@ -241,6 +249,11 @@ def test_litgpt_fabric_loops_equal_the_single_process_run(capsys: pytest.Capture
                 assert "state_dict() of the whole model (GPT)" in r[name]["refused"], r[name]["refused"]
                 assert "consolidated_state_dict()" in r[name]["refused"], r[name]["refused"]
                 assert "with strategy.gathered_params():" in r[name]["refused"], r[name]["refused"]
+    # fabric.save(path, {"model": model}) at ZeRO-2: one file of the weights (before, a directory)
+    assert all(r["zero2"]["saved"]["file"] for r in results)
+    _assert_equal(
+        {"losses": ref["losses"], "state": results[0]["zero2"]["saved"]["model"]}, ref, "final file"
+    )
     # continued from the checkpoint of step 2: the last two steps and the final weights
     tail = {"losses": ref["losses"][2:], "state": ref["state"]}
     _assert_equal(resumed, tail, "zero3 directory -> zero1 one process")
@@ -252,7 +265,12 @@ def _bf16_runs(rank: int, world: int, tmp: str) -> dict[Any, Any]:
     torch.set_num_threads(1)
     out: dict[Any, Any] = {
         stage: _run(
-            rank, world, HybridParallelStrategy(zero_stage=stage), precision="bf16-mixed", make_optimizer=_sgd
+            rank,
+            world,
+            HybridParallelStrategy(zero_stage=stage),
+            precision="bf16-mixed",
+            make_optimizer=_sgd,
+            final=str(Path(tmp) / f"final{stage}.pt") if stage == 2 else None,
         )
         for stage in (0, 2, 3)
     }
@@ -278,6 +296,12 @@ def test_litgpt_fabric_bf16_mixed_within_bf16_tolerance() -> None:
         ref = _reference(tmp, "bf16-mixed", _sgd)
         initial = torch.load(Path(tmp) / "initial.pt")
         results = run_distributed(_bf16_runs, WORLD, tmp, init_group=False, timeout=400)
+    # the model alone at ZeRO-2: one file holding the fp32 masters (rank 0's gathered state), not the
+    # bf16 compute copies
+    assert all(r[2]["saved"]["file"] for r in results)
+    masters, saved = results[0][2]["state"], results[0][2]["saved"]["model"]
+    for name, value in masters.items():
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=0, msg=name)
     moved = max(float((ref["state"][n] - initial[n]).abs().max()) for n in ref["state"])
     assert moved > 1e-3
     tolerance = 16 * 2.0**-8 * moved

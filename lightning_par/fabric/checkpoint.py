@@ -9,7 +9,9 @@ Two formats, both read back into any ZeRO stage and any data-parallel size:
   (its whole state dict at stages 1/2, where every rank holds the parameters) and the layout; each
   rank file holds its optimizer fragments and, at stage 3 or under tensor parallelism, its share of
   the parameters.
-* **one torch file** (stage 0 without tensor parallelism, or ``save_distributed_checkpoint=False``),
+* **one torch file** (stage 0 without tensor parallelism, ``save_distributed_checkpoint=False``, or a
+  state without optimizers and weight averages of a model every rank holds whole: ZeRO 1/2 without
+  tensor or pipeline parallelism, as litgpt saves its result),
   written by global rank 0: ``{module key: full state dict, optimizer key: full state in torch's
   format, ...extras}`` plus the layout, as Fabric's FSDP writes with ``state_dict_type="full"``; the
   full state is gathered one rank at a time (:mod:`lightning_par.checkpoint.full`).
@@ -51,7 +53,7 @@ from lightning_par.checkpoint.sharded import (
     read_meta,
     read_rank_entries,
 )
-from lightning_par.checkpoint.single_file import read_torch_file
+from lightning_par.checkpoint.single_file import read_torch_file, write_over_directory
 from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, localize, tp_info
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 
@@ -149,7 +151,10 @@ def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any])
     # no rank holds the whole model at stage 3 or under tensor or pipeline parallelism: the parameters go
     # in pieces (other stages' layers are meta placeholders here, held by their own stage's file)
     in_pieces = engine.shards_params or mesh.tp_size > 1 or mesh.pp_size > 1
-    if (engine.stage > 0 or in_pieces) and strategy.save_distributed_checkpoint:
+    # the whole model alone (litgpt's final save): one file, as Fabric's "ddp" writes it, with the fp32
+    # masters where they are apart (ZeRO 1/2 in mixed precision)
+    model_only = not optimizers and not averages and not in_pieces
+    if (engine.stage > 0 or in_pieces) and strategy.save_distributed_checkpoint and not model_only:
         params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         model_state = {
             k: v
@@ -203,7 +208,7 @@ def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any])
         if module_key is not None:
             content[module_key] = full_model
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(content, path)
+        write_over_directory(path, lambda to: torch.save(content, to))  # an earlier directory: swapped
     strategy.barrier()
 
 
