@@ -14,8 +14,8 @@ that a wrapper shadowed, show through again and nothing outlives the run.
   Lightning's before a validation loop) reaches the optimizers' windows too, as ``param.grad`` under DDP.
 * :func:`lend_no_sync`: ``trainer.model.no_sync()`` (DDP's wrapper method) on the LightningModule.
 * :func:`guard_placeholder_reads`: at ZeRO-3 the module's and user callbacks' ``on_save_checkpoint`` and
-  fit- and epoch-level hooks run while the parameters are placeholders (NaN); a read of them there is
-  refused with the fix instead of computing or saving NaN.
+  fit-, epoch- and batch-level hooks run while the parameters are placeholders (NaN); a read of them
+  there is refused with the fix instead of computing or saving NaN.
 * :func:`explain_zero_views`: with whole-file checkpoints a rank other than 0 hands the save hooks
   expanded zeros in place of rank 0's gathered state; an in-place write into one is explained.
 * :func:`lightning_par.summaries.guard_summaries` sets such attributes on Lightning's model summary
@@ -155,18 +155,37 @@ def lend_no_sync(
     return ["no_sync"]
 
 
-# hooks Lightning runs outside any step while ZeRO-3's parameters are placeholders, at most once per
-# epoch (the per-batch ones are watched after the first step by the engine itself); the same names on
-# the LightningModule and on callbacks
+# hooks Lightning runs outside any forward while ZeRO-3's parameters are placeholders: per run, per epoch
+# and per batch (before, the per-batch ones were watched between the first two steps only, and a weight
+# norm logged in on_train_batch_end from step 3 on, or in any on_validation_batch_end, logged NaN); the
+# same names on the LightningModule and on callbacks
 PLACEHOLDER_HOOKS = (
     "on_fit_start",
     "on_train_start",
     "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
     "on_train_epoch_end",
     "on_validation_start",
     "on_validation_epoch_start",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
     "on_validation_epoch_end",
     "on_validation_end",
+    "on_test_start",
+    "on_test_epoch_start",
+    "on_test_batch_start",
+    "on_test_batch_end",
+    "on_test_epoch_end",
+    "on_test_end",
+    "on_predict_start",
+    "on_predict_epoch_start",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+    "on_predict_epoch_end",
+    "on_predict_end",
     "on_train_end",
     "on_save_checkpoint",
 )

@@ -266,8 +266,9 @@ class StrategySteps(StrategyLoops):
 
     def _guard_placeholder_reads(self) -> None:
         """At ZeRO-3, where the parameters are placeholders outside the steps: the module's and user
-        callbacks' fit- and epoch-level hooks refuse reads of them (``lightning_hooks.PLACEHOLDER_HOOKS``;
-        the evaluation hooks among them for ``validate`` / ``test`` too)."""
+        callbacks' fit-, epoch- and batch-level hooks refuse reads of them
+        (``lightning_hooks.PLACEHOLDER_HOOKS``; the evaluation hooks among them for ``validate`` / ``test``
+        / ``predict`` too)."""
         module = self.lightning_module
         engine = self._engine
         if module is None or not isinstance(engine, Stage3Engine):

@@ -280,7 +280,10 @@ def test_grad_reads_that_find_nothing_are_refused_and_the_rest_equals_ddp() -> N
                 steps = (
                     14 if key.startswith("pp") else 6
                 )  # batches after the first two: 16 at dp 1, 8 at dp 2
-                assert len(result["modes"]) == steps and set(result["modes"]) == {0}, (
+                # the grad watch is gone after the first step; at ZeRO-3 the hook itself runs inside
+                # its placeholder-read guard (one mode: lightning_hooks.PLACEHOLDER_HOOKS)
+                guards = 1 if key.startswith("zero3") else 0
+                assert len(result["modes"]) == steps and set(result["modes"]) == {guards}, (
                     r,
                     key,
                     result["modes"],

@@ -9,8 +9,10 @@ Between steps a ZeRO-3 parameter is a NaN placeholder. Two common pieces of user
   (3.9e-4 from ``"ddp"``'s EMA);
 * a weight norm logged in ``on_before_optimizer_step`` (logged NaN).
 
-Now the first such read after the first training step is refused, naming the parameter, the function
-and the fix, and the guard leaves torch's function-mode stack as it found it. The fix the message names,
+Now such a read is refused, naming the parameter, the function, the hook and the fix (the module's and
+user callbacks' per-batch hooks run inside a guard at every batch; between the first two steps the
+engine watches everything else too), and the guard leaves torch's function-mode stack as it found it.
+The fix the message names,
 ``gathered_params(writeback=True)`` around the EMA update (the fp32 masters at ZeRO 1-3) and
 ``gathered_params()`` around the norm, equals ``"ddp"``: model weights and EMA buffers at ZeRO-3 in
 ``32-true`` and ``bf16-mixed`` and at ZeRO-2 in ``bf16-mixed``, with a ``ModelCheckpoint`` saving after
@@ -181,14 +183,14 @@ def test_reads_between_steps_are_refused_and_the_recipe_equals_ddp(tmp_path: Pat
     ranks = run_distributed(_runs, WORLD, tmp_path, init_group=False, timeout=300)
     for r, out in enumerate(ranks):
         for key, read in (
-            ("refused_ema", "read by 'sub'"),
-            ("refused_norm", "read by 'norm'"),
-            ("refused_data_ema", "read by 'add_'"),
-            ("refused_data_write", "written by '__setitem__'"),
+            ("refused_ema", "read by 'sub' in on_train_batch_end"),
+            ("refused_norm", "read by 'norm' in on_before_optimizer_step"),
+            ("refused_data_ema", "read by 'add_' in on_train_batch_end"),
+            ("refused_data_write", "written by '__setitem__' in on_train_batch_end"),
         ):
             message = out[key].get("error", "")
             assert "parameter 'model.0.weight' of unit '<root>'" in message, (r, key, out[key])
-            assert f"was {read} between training steps" in message, (r, key, message)
+            assert f"was {read}," in message, (r, key, message)
             assert "gathered_params(writeback=True)" in message, (r, key, message)
             assert out[key]["modes"] == 0, (r, key, out[key])  # the guard's mode left with the failed fit
         for key, result in out.items():

@@ -5,11 +5,12 @@ Lightning calls the hook while it builds the checkpoint, outside any step, where
 NaN placeholders: a hook that stored ``self.net[0].weight.clone()`` (or a norm of it) in the checkpoint
 saved NaN, silently (measured: the saved tensor all NaN, the norm NaN, where ``"ddp"`` saved the weight);
 so did a weight norm taken in ``on_train_epoch_end`` (the engine's between-steps watch covers the first
-step's gap only). Now a read of a placeholder inside the module's hook is refused with the fix, and the
-fix the message names (``gathered_params()`` around the read) saves and computes what ``"ddp"`` does. A
-user's callback reading a weight in its ``on_train_epoch_end`` is refused the same way, and so is the
-module's ``on_validation_epoch_end`` under ``trainer.validate`` alone. The hooks are the
-module's and the callback's own again after ``fit``.
+step's gap only), and so did one taken in ``on_train_batch_end`` after the first steps or in any
+``on_validation_batch_end``. Now a read of a placeholder inside the module's hook is refused with the fix,
+and the fix the message names (``gathered_params()`` around the read) saves and computes what ``"ddp"``
+does. A user's callback reading a weight in its ``on_train_epoch_end`` is refused the same way, and so is
+the module's ``on_validation_epoch_end`` under ``trainer.validate`` alone. The hooks are the module's and
+the callback's own again after ``fit``.
 """
 
 from __future__ import annotations
@@ -95,9 +96,30 @@ class ValidatesAWeight(Plain):
         self.epoch_norm = self.net[0].weight.norm().detach().clone()
 
 
-def _validate(strategy: Any) -> str | None:
+class LateBatchReads(Plain):
+    """Per-batch hooks reading a weight after the first steps (``on_train_batch_end`` from step 2 on) or in
+    ``validate`` (``on_validation_batch_end``): before, NaN where the between-steps watch had ended."""
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.global_step >= 2:
+            self.epoch_norm = self.net[0].weight.norm().detach().clone()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val", F.mse_loss(self.net(x), y), sync_dist=True)
+
+    def on_validation_batch_end(self, *args: Any) -> None:
+        self.epoch_norm = self.net[0].weight.norm().detach().clone()
+
+
+def _late(strategy: Any) -> str | None:
+    trainer = cpu_trainer(strategy, max_epochs=1, limit_val_batches=0)
+    return fit_refused(trainer, LateBatchReads(gathered=False), strategy)
+
+
+def _validate(strategy: Any, module_cls: type[Plain] | None = None) -> str | None:
     trainer = cpu_trainer(strategy)
-    module = ValidatesAWeight(gathered=False)
+    module = (module_cls or ValidatesAWeight)(gathered=False)
     try:
         trainer.validate(module, module.train_dataloader(), verbose=False)
     except RuntimeError as error:
@@ -155,6 +177,8 @@ def _runs(rank: int, world: int, root: str) -> dict[str, Any]:
         "gathered": _fit(HybridParallelStrategy(zero_stage=3), base / "gathered", gathered=True),
         "callback": _callback_fit(HybridParallelStrategy(zero_stage=3)),
         "validate": _validate(HybridParallelStrategy(zero_stage=3)),
+        "late_batch": _late(HybridParallelStrategy(zero_stage=3)),
+        "validate_batch": _validate(HybridParallelStrategy(zero_stage=3), LateBatchReads),
     }
 
 
@@ -177,3 +201,10 @@ def test_weights_read_in_on_save_checkpoint_at_zero3(tmp_path: Path) -> None:
         assert restored, r
         refused = out["validate"]
         assert refused is not None and "in on_validation_epoch_end" in refused, (r, refused)
+        for key, hook in (
+            ("late_batch", "on_train_batch_end"),
+            ("validate_batch", "on_validation_batch_end"),
+        ):
+            refused = out[key]
+            assert refused is not None and f"'norm' in {hook}," in refused, (r, key, refused)
+            assert "gathered_params()" in refused, (r, key, refused)

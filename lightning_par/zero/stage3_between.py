@@ -18,9 +18,9 @@ gathered is refused with ``RuntimeError`` naming it, its unit, the function and 
 covers what Lightning runs after ``training_step`` returns: that step's backward, ``on_after_backward``,
 ``on_before_optimizer_step``, the optimizer step, ``on_train_batch_end`` (module and callbacks), and the
 next batch's hooks, until the next step context is entered (a training or validation step), where
-:meth:`BetweenSteps.stop` leaves the mode for good; later batches pay nothing. A read that first appears
-in a later per-batch hook is not caught; the fit- and epoch-level hooks of the LightningModule and of user
-callbacks (an epoch's end, ``on_save_checkpoint``) run under the same guard each time
+:meth:`BetweenSteps.stop` leaves the mode for good; later steps pay nothing there. The fit-, epoch- and
+batch-level hooks the LightningModule and user callbacks override (an epoch's end, ``on_train_batch_end``,
+``on_validation_batch_end``, ``on_save_checkpoint``) run under the same guard each time
 (``Stage3Engine.reads_refused``, set up by the Trainer strategy with a ``where`` for the message), and
 a Fabric loop's code from ``fabric.setup`` to its first step (``Stage3Engine.refuse_reads_until_step``:
 an init after sharding, torchtitan's order, failed in torch with "more than one element of the

@@ -64,6 +64,7 @@ NOT_READS = frozenset(
     {
         "__get__",
         "__set__",
+        "__delete__",
         "data_ptr",
         "dim",
         "ndimension",
