@@ -56,7 +56,8 @@ before any update.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -68,7 +69,7 @@ from lightning_par.torch_modes import CheckedCalls, leave_mode, storage_address
 if TYPE_CHECKING:
     from lightning_par.zero.engine_api import Engine
 
-__all__ = ["GradReads"]
+__all__ = ["GradReads", "none_read_message", "refuse_none_reads"]
 
 _GRAD = torch._C.TensorBase.__dict__["grad"]  # the getset descriptor behind ``tensor.grad``
 # the torch functions (their __name__) that take a norm: torch.norm / Tensor.norm, torch.linalg's, and the
@@ -211,18 +212,7 @@ class GradReads:
         elif self._unused is not None and id(param) in self._unused():
             return  # no rank used it in the window: None under DDP too
         else:
-            message = (
-                f"ZeRO-{self.zero_stage}: {name}.grad was read after the backward and is None: at ZeRO"
-                " stages 1-3 the gradients live in each rank's shards, not in param.grad, so code that clips"
-                " them (torch.nn.utils.clip_grad_norm_(self.parameters(), ...)) or logs them (Lightning's"
-                " grad_norm(self, ...)) would do nothing, silently. Clip with Trainer(gradient_clip_val=...)"
-                " or self.clip_gradients(optimizer, ...) (fabric.clip_gradients in Fabric): the global norm"
-                " over the shards (gradient_clip_algorithm='value' for a clip by value, or"
-                " clip_grad_value_ over optimizer.param_groups, this rank's fragments); read the norms"
-                " with trainer.strategy.grad_norm(self) (fabric.strategy.grad_norm(model)); or use"
-                " zero_stage=0, where param.grad holds the averaged gradient. (Checked in the first"
-                " optimizer step only.)"
-            )
+            message = none_read_message(name, self.zero_stage, "(Checked in the first optimizer step only.)")
         self._refuse(message)
 
     def _check_cleared(self, param: Any) -> None:
@@ -237,10 +227,11 @@ class GradReads:
             f"ZeRO-{self.zero_stage}: {name}.grad was set to None (or deleted) between the backward and the"
             " optimizer step: under DDP that skips the parameter's update, but at ZeRO stages 1-3 the"
             " optimizer steps this rank's fragments from the reduced gradient shards, not from param.grad,"
-            " so the parameter would be updated all the same, silently. To keep parameters fixed, freeze"
-            " them before the fit (requires_grad_(False)), or use zero_stage=0, where param.grad is the"
-            " gradient the optimizer steps. (Checked from the window's reduction to the first optimizer"
-            " step only.)"
+            " so the parameter would be updated all the same, silently. To skip the whole step, call"
+            " self.zero_grad() (the LightningModule's) or optimizer.zero_grad(); to keep parameters fixed,"
+            " freeze them before the fit (requires_grad_(False)), or for some steps give them a parameter"
+            " group whose lr you set to 0; or use zero_stage=0, where param.grad is the gradient the"
+            " optimizer steps. (Checked from the window's reduction to the first optimizer step only.)"
         )
 
     def _refuse(self, message: str) -> None:
@@ -253,3 +244,47 @@ class GradReads:
         # Trainer's teardown) takes it off
         self._ended = True
         raise RuntimeError(message)
+
+
+def none_read_message(name: str, zero_stage: int, checked: str) -> str:
+    """The refusal of a ``param.grad`` read that found None at ZeRO 1-3 (``checked``: where it is looked
+    for)."""
+    return (
+        f"ZeRO-{zero_stage}: {name}.grad was read after the backward and is None: at ZeRO"
+        " stages 1-3 the gradients live in each rank's shards, not in param.grad, so code that clips"
+        " them (torch.nn.utils.clip_grad_norm_(self.parameters(), ...)) or logs them (Lightning's"
+        " grad_norm(self, ...), a gradient histogram) would do nothing, silently. Clip with"
+        " Trainer(gradient_clip_val=...) or self.clip_gradients(optimizer, ...) (fabric.clip_gradients in"
+        " Fabric): the global norm over the shards (gradient_clip_algorithm='value' for a clip by value, or"
+        " clip_grad_value_ over optimizer.param_groups, this rank's fragments); read the norms"
+        " with trainer.strategy.grad_norm(self) (fabric.strategy.grad_norm(model)); or use"
+        " zero_stage=0, where param.grad holds the averaged gradient. A submodule's zero_grad() reads"
+        " them too: to drop the gradients call the LightningModule's self.zero_grad() or"
+        f" optimizer.zero_grad(). {checked}"
+    )
+
+
+@contextmanager
+def refuse_none_reads(
+    module: nn.Module, *, zero_stage: int, where: str, unused: Callable[[], frozenset[int]] | None = None
+) -> Iterator[None]:
+    """Inside, a read of ``param.grad`` that finds None for a parameter of ``module`` that requires a
+    gradient raises (:func:`none_read_message`), except for the parameters ``unused()`` names (no rank
+    used them in the window: None under DDP too): the user's gradient hooks at ZeRO 1-3, at every step,
+    after the first step's watch (:class:`GradReads`) has ended. ``where`` names the hook."""
+    names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
+
+    def check(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        getter = getattr(func, "__self__", None) is _GRAD and getattr(func, "__name__", "") == "__get__"
+        if not (getter and args and args[0].grad is None and id(args[0]) in names):
+            return
+        if unused is not None and id(args[0]) in unused():
+            return
+        raise RuntimeError(none_read_message(names[id(args[0])], zero_stage, f"(Checked in {where}.)"))
+
+    mode = CheckedCalls(check)
+    mode.__enter__()
+    try:
+        yield
+    finally:
+        leave_mode(mode)

@@ -193,13 +193,19 @@ PLACEHOLDER_HOOKS = (
 _TRUSTED_CALLBACKS = ("lightning.", "pytorch_lightning.", "lightning_par.")
 
 
+# hooks Lightning runs between a window's reduction and the optimizer's update, where code written for DDP
+# reads param.grad (gradient histograms, hand-made clipping)
+GRAD_HOOKS = ("on_before_optimizer_step", "configure_gradient_clipping")
+_GRAD_GUARDED = "_lightning_par_grad_guarded"
+
+
 def _users_hook(obj: pl.LightningModule | Callback, hook: str) -> bool:
     """Whether ``hook`` is the user's own: overridden by a LightningModule, or by a callback from outside
     Lightning and this package."""
     base = pl.LightningModule if isinstance(obj, pl.LightningModule) else Callback
     if base is Callback and type(obj).__module__.startswith(_TRUSTED_CALLBACKS):
         return False
-    return is_overridden(hook, obj, base)
+    return hasattr(base, hook) and is_overridden(hook, obj, base)
 
 
 def guard_placeholder_reads(
@@ -209,17 +215,38 @@ def guard_placeholder_reads(
     from outside Lightning and this package) inside ``refused(hook name)`` (ZeRO-3: a read of a
     placeholder parameter raises there instead of computing or saving NaN); the names set, for
     :func:`restore`."""
+    return _run_inside(obj, PLACEHOLDER_HOOKS, GUARDED, refused)
+
+
+def guard_grad_reads(
+    obj: pl.LightningModule | Callback, *, refused: Callable[[str], AbstractContextManager[None]]
+) -> list[str]:
+    """Run each of ``obj``'s :data:`GRAD_HOOKS` it overrides inside ``refused(hook name)`` (ZeRO 1-3: a
+    read of ``param.grad`` that finds None there raises at every step, where the first step's watch
+    ends; before, a gradient histogram started after the first step logged nothing, silently); the
+    names set, for :func:`restore`."""
+    return _run_inside(obj, GRAD_HOOKS, _GRAD_GUARDED, refused)
+
+
+def _run_inside(
+    obj: pl.LightningModule | Callback,
+    hooks: Sequence[str],
+    mark: str,
+    context: Callable[[str], AbstractContextManager[None]],
+) -> list[str]:
+    """Each of ``hooks`` the user overrides on ``obj``, wrapped (once: ``mark``) to run inside
+    ``context(hook name)``; the names set."""
     names = []
-    for hook in PLACEHOLDER_HOOKS:
-        inner = getattr(obj, hook)
-        if getattr(inner, GUARDED, False) or not _users_hook(obj, hook):
+    for hook in hooks:
+        if not _users_hook(obj, hook) or getattr(getattr(obj, hook), mark, False):
             continue
+        inner = getattr(obj, hook)
 
         def guarded(*args: Any, _inner: Callable[..., Any] = inner, _hook: str = hook, **kwargs: Any) -> Any:
-            with refused(_hook):
+            with context(_hook):
                 return _inner(*args, **kwargs)
 
-        setattr(guarded, GUARDED, True)
+        setattr(guarded, mark, True)
         install(obj, hook, guarded)
         names.append(hook)
     return names

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_par import lightning_hooks
 from lightning_par.checkpoint.hook_edits import ZERO_VIEWS
-from lightning_par.grad_reads import GradReads
+from lightning_par.grad_reads import GradReads, refuse_none_reads
 from lightning_par.layout_norms import layout_grad_norms
 from lightning_par.loss import TokenNormalizer
 from lightning_par.pipeline.lightning import LightningPipeline
@@ -51,6 +51,7 @@ class StrategySteps(StrategyLoops):
     _patched: list[str]  # names of the LightningModule's hooks replaced for this run
     _patched_callbacks: list[tuple[Any, list[str]]]  # and of callbacks' hooks
     _grad_reads: GradReads | None = None  # the first optimizer step's param.grad watch (grad_reads.py)
+    find_unused_parameters: bool
     _check_tp_replicas = False  # the first optimizer step compares the tp replicas' gradients (stage 0)
     before_state_write: list[Callable[[], None]]  # fences registered by snapshot writers (FlashCheckpoint)
 
@@ -257,12 +258,33 @@ class StrategySteps(StrategyLoops):
         if self._pipeline is None:
             self._patched += lightning_hooks.lend_no_sync(module, no_sync=self.block_backward_sync)
         sharded = self._engine.sharded_state
-        if sharded is not None and self._pipeline is None:  # (a pipeline zeroes both at its windows)
-            self._patched += lightning_hooks.guard_module_zero_grad(module, optimizers=self.optimizers)
+        if sharded is not None or self._pipeline is not None:
+            # under a pipeline at stage 0 the walk alone: the other stages' placeholders have no gradient
+            # to read (before, the first step refused it; at ZeRO 1-3 a later one left the shards as they
+            # were, 3.6e-2 off one process)
+            optimizers = self.optimizers if sharded is not None else []
+            self._patched += lightning_hooks.guard_module_zero_grad(module, optimizers=optimizers)
         if sharded is not None and not module.automatic_optimization:
             self._patched += lightning_hooks.guard_toggling(
                 module, sharded=sharded, optimizers=self.optimizers
             )
+        if self.zero_stage >= 1 and self._pipeline is None:
+            self._guard_grad_reads(module)
+
+    def _guard_grad_reads(self, module: pl.LightningModule) -> None:
+        """ZeRO 1-3: the gradient hooks the module and user callbacks override refuse ``param.grad`` reads
+        that find None at every step (``grad_reads.refuse_none_reads``), after the first step's watch."""
+        engine = self._engine
+        unused = (lambda: engine.unused_param_ids) if self.find_unused_parameters and engine else None
+
+        def refused(hook: str) -> AbstractContextManager[None]:
+            return refuse_none_reads(module, zero_stage=self.zero_stage, where=hook, unused=unused)
+
+        self._patched += lightning_hooks.guard_grad_reads(module, refused=refused)
+        for callback in module.trainer.callbacks:  # type: ignore[attr-defined]
+            names = lightning_hooks.guard_grad_reads(callback, refused=lambda h: refused(f"a callback's {h}"))
+            if names:
+                self._patched_callbacks.append((callback, names))
 
     def _guard_placeholder_reads(self) -> None:
         """At ZeRO-3, where the parameters are placeholders outside the steps: the module's and user
