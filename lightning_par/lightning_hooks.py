@@ -11,11 +11,14 @@ that a wrapper shadowed, show through again and nothing outlives the run.
   other optimizers' parameters by walking ``optimizer.param_groups``, which the engine has replaced by
   this rank's fragments; the guarded version freezes the module's parameters, as with ``"ddp"``.
 * :func:`guard_module_zero_grad`: at ZeRO 1-3 the LightningModule's ``zero_grad()`` (the user's, and
-  Lightning's before a validation loop) reaches the optimizers' windows too, as ``param.grad`` under DDP.
+  Lightning's before a validation loop) reaches the optimizers' windows too, as ``param.grad`` under DDP;
+  under pipeline parallelism (any stage) its walk over other stages' placeholders is no read.
 * :func:`lend_no_sync`: ``trainer.model.no_sync()`` (DDP's wrapper method) on the LightningModule.
 * :func:`guard_placeholder_reads`: at ZeRO-3 the module's and user callbacks' ``on_save_checkpoint`` and
   fit-, epoch- and batch-level hooks run while the parameters are placeholders (NaN); a read of them
   there is refused with the fix instead of computing or saving NaN.
+* :func:`guard_grad_reads`: at ZeRO 1-3 the module's and user callbacks' ``on_before_optimizer_step`` and
+  ``configure_gradient_clipping`` refuse ``param.grad`` reads that find None, at every step.
 * :func:`explain_zero_views`: with whole-file checkpoints a rank other than 0 hands the save hooks
   expanded zeros in place of rank 0's gathered state; an in-place write into one is explained.
 * :func:`lightning_par.summaries.guard_summaries` sets such attributes on Lightning's model summary
