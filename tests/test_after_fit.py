@@ -143,12 +143,17 @@ class MidFitWeights(pl.Callback):
 
 
 class HeadHooked(LoraLlama):
-    """A save hook that writes its own head into weights-only checkpoints: kept over the masters."""
+    """A save hook for weights-only checkpoints that writes its own head (kept over the masters), exports
+    the decoder under another prefix into a new dict and adds an alias of the final norm (both the masters:
+    the tensors the hook got, moved or shared)."""
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "optimizer_states" not in checkpoint:
             shape = (LLAMA["vocab_size"], LLAMA["hidden_size"])
-            checkpoint["state_dict"]["model.lm_head.weight"] = torch.zeros(shape)
+            state = checkpoint["state_dict"]
+            state["model.lm_head.weight"] = torch.zeros(shape)
+            state["alias.norm"] = state["model.model.norm.weight"]
+            checkpoint["state_dict"] = {k.replace("model.model.", "decoder."): v for k, v in state.items()}
 
 
 def _mixed_job(rank: int, world: int, tmp: str, name: str) -> dict[str, Any]:
@@ -213,16 +218,16 @@ def test_bf16_mixed_edits_after_fit_reach_exports_and_the_model_pickles(tmp_path
             # a weights-only checkpoint in mid-fit: one file, as "ddp" writes, holding the fp32 masters
             # (before, a directory whose weights were the bf16 copies the parameters are then)
             assert first["mid_file"] and "optimizer_states" not in first["mid"], name
-            head = first["mid"]["state_dict"].pop("model.lm_head.weight")
+            saved = dict(first["mid"]["state_dict"])
+            head = saved.pop("model.lm_head.weight")
             assert torch.equal(head, torch.zeros_like(head)), name
-            assert first["mid_export"].keys() - first["mid"]["state_dict"].keys() == {"model.lm_head.weight"}
-            for k, v in first["mid_export"].items():
+            expected = {k.replace("model.model.", "decoder."): v for k, v in first["mid_export"].items()}
+            expected["alias.norm"] = first["mid_export"]["model.model.norm.weight"]
+            del expected["model.lm_head.weight"]
+            assert saved.keys() == expected.keys(), (name, saved.keys() ^ expected.keys())
+            for k, v in expected.items():
                 assert v.dtype == torch.float32, (name, k)
-                if k == "model.lm_head.weight":
-                    continue
-                torch.testing.assert_close(
-                    first["mid"]["state_dict"][k], v, rtol=0, atol=0, msg=f"{name} {k}"
-                )
+                torch.testing.assert_close(saved[k], v, rtol=0, atol=0, msg=f"{name} {k}")
 
 
 def _fabric_job(rank: int, world: int, name: str) -> dict[str, Any]:

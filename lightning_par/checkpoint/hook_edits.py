@@ -137,6 +137,18 @@ class StateSnapshot:
         self.source = state  # the object the hook receives (a replaced one is another)
         self._entries = {k: (v, _version(v)) for k, v in state.items()}
 
+    def unchanged_sources(self, state: Mapping[str, Any]) -> dict[str, str]:
+        """For each key of ``state`` whose value is one of the received tensors, unchanged (the same object
+        at the same in-place version), the key it was received under: itself, the old name of a rename
+        (a new dict of the same tensors), or the original of an alias the hook added."""
+        source_of = {id(v): k for k, (v, _) in self._entries.items() if isinstance(v, Tensor)}
+        found = {}
+        for key, value in state.items():
+            source = source_of.get(id(value))
+            if source is not None and _version(value) == self._entries[source][1]:
+                found[key] = source
+        return found
+
     def edits(self, state: Mapping[str, Any]) -> StateEdits:
         source_of = {id(v): k for k, (v, _) in self._entries.items() if isinstance(v, Tensor)}
         written: set[str] = set()

@@ -7,10 +7,12 @@ was a directory of rank files holding no optimizer state, which Lightning's load
 The values are the exact weights. Where the parameters are the masters (fp32 training) the module's state
 dict is exact as it is. In mixed precision the module's parameters are 16-bit compute copies while
 training, the fp32 masters lie in the ranks' shards: :func:`put_masters` gathers them (the strategy's
-``consolidated_state_dict()``, collective) and puts them over the entries the save hooks left as they
-were; an entry a hook wrote keeps the hook's value. Before, a weights-only checkpoint taken during a
-``bf16-mixed`` fit held the bf16 copies (2e-3 off the masters on a Llama's norm weights), silently, where
-``"ddp"`` saves its fp32 parameters.
+``consolidated_state_dict()``, collective) and puts them in place of every entry that still holds a
+tensor the save hooks received unchanged, under whatever name the hooks left it (a rename into a new
+dict, an alias); an entry a hook computed or changed in place keeps the hook's value, computed from the
+16-bit copies it was handed (the strategy cannot know the fp32 equivalent). Before, a weights-only
+checkpoint taken during a ``bf16-mixed`` fit held the bf16 copies (2e-3 off the masters on a Llama's norm
+weights), silently, where ``"ddp"`` saves its fp32 parameters.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ def put_masters(
     *,
     gather: Callable[[], Mapping[str, Tensor]],
 ) -> None:
-    """Put the fp32 master values (``gather()``: the whole state on global rank 0, collective) over the
-    entries of ``checkpoint["state_dict"]`` that the save hooks did not write (``saving``: the state they
-    received), where ``engine`` keeps masters apart from the parameters; otherwise nothing to do."""
+    """Put the fp32 master values (``gather()``: the whole state on global rank 0, collective) in place of
+    the entries of ``checkpoint["state_dict"]`` that hold a tensor the save hooks received (``saving``)
+    unchanged, where ``engine`` keeps masters apart from the parameters; otherwise nothing to do."""
     sharded = engine.sharded_state if engine is not None else None
     if sharded is None or sharded.master_key is None:  # the parameters are the masters
         return
@@ -43,7 +45,7 @@ def put_masters(
     state = checkpoint.get("state_dict")
     if not isinstance(state, dict):
         return
-    edited = saving.edits(state).written if saving is not None else frozenset()
-    for key, value in whole.items():
-        if key in state and key not in edited:
-            state[key] = value
+    sources = saving.unchanged_sources(state) if saving is not None else {k: k for k in state}
+    for key, source in sources.items():
+        if source in whole:
+            state[key] = whole[source]
