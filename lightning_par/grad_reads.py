@@ -23,7 +23,9 @@ raises ``RuntimeError`` naming it and the fixes. The first optimizer step ends t
 (:meth:`GradReads.end`, before the optimizer's own update, which reads every parameter's ``grad``, other
 stages' placeholders among them: in the Trainer once ``on_before_optimizer_step`` and the clipping have
 run, from ``ParallelPrecision.before_update``; also at teardown), so later steps pay nothing; a read
-that first happens in a later step is not caught. Reads before the window's backward
+that first happens in a later step is caught only inside the gradient hooks the user overrides
+(:func:`refuse_none_reads`, at every step). Under pipeline parallelism a ``zero_grad()`` (torch's
+optimizer's or module's) walking the other stages' placeholders is no read. Reads before the window's backward
 (``on_before_backward``, where DDP finds None too) and reads that find a gradient pass. With
 ``find_unused_parameters`` a read of a parameter no rank used in the window passes (its gradient is None
 under DDP as well); every other read is refused as without it (before, the watch was off there, and a
@@ -56,8 +58,11 @@ before any update.
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -195,6 +200,8 @@ class GradReads:
         if name is None or not self._landed or self._ended or self._refused is not None:
             return
         if self.pipelined and param.is_meta:
+            if _inside_zero_grad():  # a zero_grad() walking the other stages' placeholders: no gradient read
+                return
             message = (
                 f"Pipeline parallelism: {name}.grad was read after the backward and is None here: the"
                 " parameter belongs to another pipeline stage's layers (on this rank it is a meta"
@@ -288,3 +295,22 @@ def refuse_none_reads(
         yield
     finally:
         leave_mode(mode)
+
+
+# the zero_grad()s that walk every parameter's .grad to clear it (torch's own functions, decorators unwrapped)
+_ZERO_GRADS = frozenset(
+    inspect.unwrap(f).__code__ for f in (torch.optim.Optimizer.zero_grad, nn.Module.zero_grad)
+)
+
+
+def _inside_zero_grad(depth: int = 8) -> bool:
+    """Whether the caller runs inside torch's ``Optimizer.zero_grad`` or ``Module.zero_grad`` (looked up
+    on the refusal path only: a few frames of the stack)."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code in _ZERO_GRADS:
+            return True
+        frame = frame.f_back
+    return False

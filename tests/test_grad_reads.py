@@ -91,6 +91,8 @@ class Clipped(pl.LightningModule):
             self.log_dict(grad_norm(self, norm_type=2))
         elif self.mode == "skip" and self.global_step in (0, 3):  # a step skipped: the module's own
             self.zero_grad()
+        elif self.mode == "skip_opt" and self.global_step in (0, 3):  # the optimizer's
+            optimizer.zero_grad()
         elif self.mode == "grad_none" and self.global_step < 2:  # DDP's way to skip a layer's update
             self.net[0].weight.grad = None
         elif self.mode == "grad_del" and self.global_step < 2:
@@ -227,6 +229,8 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
         # refused in the first step, and at ZeRO-1 a later one stepped the shards' gradients, 3.6e-2 off)
         "pp/skip": _fit(HybridParallelStrategy(**PIPED), "skip"),
         "pp/zero1/skip": _fit(HybridParallelStrategy(**PIPED, zero_stage=1), "skip"),
+        # the optimizer's zero_grad() walks the other stage's placeholders: no read (before, refused)
+        "pp/skip_opt": _fit(HybridParallelStrategy(**PIPED), "skip_opt"),
         "ddp/torch_clip": _fit(DDPStrategy(), "torch_clip"),
         "zero0/torch_clip": _fit(HybridParallelStrategy(zero_stage=0), "torch_clip"),
         "ddp/builtin": _fit(DDPStrategy(), "builtin", accumulate=2),
@@ -361,7 +365,12 @@ def test_grad_reads_that_find_nothing_are_refused_and_the_rest_equals_ddp() -> N
     # the Trainer at pp2 (data parallel size 1: every batch of 4 on both stages) against one process fed
     # the batches of the sampler Lightning puts in (a training loader is shuffled, seed 0)
     order = list(DistributedSampler(TensorDataset(x), num_replicas=1, rank=0, shuffle=True, seed=0))
-    for key, skipped in (("pp/builtin", ()), ("pp/skip", (0, 3)), ("pp/zero1/skip", (0, 3))):
+    for key, skipped in (
+        ("pp/builtin", ()),
+        ("pp/skip", (0, 3)),
+        ("pp/zero1/skip", (0, 3)),
+        ("pp/skip_opt", (0, 3)),
+    ):
         torch.manual_seed(0)
         module = Clipped("builtin")
         optimizer = module.configure_optimizers()
