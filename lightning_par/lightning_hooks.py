@@ -11,8 +11,8 @@ that a wrapper shadowed, show through again and nothing outlives the run.
   other optimizers' parameters by walking ``optimizer.param_groups``, which the engine has replaced by
   this rank's fragments; the guarded version freezes the module's parameters, as with ``"ddp"``.
 * :func:`guard_module_zero_grad`: at ZeRO 1-3 the LightningModule's ``zero_grad()`` (the user's, and
-  Lightning's before a validation loop) reaches the optimizers' windows too, as ``param.grad`` under DDP;
-  under pipeline parallelism (any stage) its walk over other stages' placeholders is no read.
+  Lightning's before a validation loop) reaches the optimizers' windows too, as ``param.grad`` under DDP
+  (under pipeline parallelism too).
 * :func:`lend_no_sync`: ``trainer.model.no_sync()`` (DDP's wrapper method) on the LightningModule.
 * :func:`guard_placeholder_reads`: at ZeRO-3 the module's and user callbacks' ``on_save_checkpoint`` and
   fit-, epoch- and batch-level hooks run while the parameters are placeholders (NaN); a read of them
@@ -238,14 +238,18 @@ def _run_inside(
     context: Callable[[str], AbstractContextManager[None]],
 ) -> list[str]:
     """Each of ``hooks`` the user overrides on ``obj``, wrapped (once: ``mark``) to run inside
-    ``context(hook name)``; the names set."""
+    ``context(where)``, ``where`` the hook's name (``"a callback's <name>"`` on a callback) for the
+    messages; the names set."""
     names = []
+    owner = "" if isinstance(obj, pl.LightningModule) else "a callback's "
     for hook in hooks:
         if not _users_hook(obj, hook) or getattr(getattr(obj, hook), mark, False):
             continue
         inner = getattr(obj, hook)
 
-        def guarded(*args: Any, _inner: Callable[..., Any] = inner, _hook: str = hook, **kwargs: Any) -> Any:
+        def guarded(
+            *args: Any, _inner: Callable[..., Any] = inner, _hook: str = owner + hook, **kwargs: Any
+        ) -> Any:
             with context(_hook):
                 return _inner(*args, **kwargs)
 

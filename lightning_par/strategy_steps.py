@@ -258,12 +258,10 @@ class StrategySteps(StrategyLoops):
         if self._pipeline is None:
             self._patched += lightning_hooks.lend_no_sync(module, no_sync=self.block_backward_sync)
         sharded = self._engine.sharded_state
-        if sharded is not None or self._pipeline is not None:
-            # under a pipeline at stage 0 the walk alone: the other stages' placeholders have no gradient
-            # to read (before, the first step refused it; at ZeRO 1-3 a later one left the shards as they
-            # were, 3.6e-2 off one process)
-            optimizers = self.optimizers if sharded is not None else []
-            self._patched += lightning_hooks.guard_module_zero_grad(module, optimizers=optimizers)
+        if (
+            sharded is not None
+        ):  # under a pipeline too (before, at ZeRO-1 pp2 it left the shards as they were)
+            self._patched += lightning_hooks.guard_module_zero_grad(module, optimizers=self.optimizers)
         if sharded is not None and not module.automatic_optimization:
             self._patched += lightning_hooks.guard_toggling(
                 module, sharded=sharded, optimizers=self.optimizers
@@ -277,14 +275,12 @@ class StrategySteps(StrategyLoops):
         engine = self._engine
         unused = (lambda: engine.unused_param_ids) if self.find_unused_parameters and engine else None
 
-        def refused(hook: str) -> AbstractContextManager[None]:
-            return refuse_none_reads(module, zero_stage=self.zero_stage, where=hook, unused=unused)
+        def refused(where: str) -> AbstractContextManager[None]:
+            return refuse_none_reads(module, zero_stage=self.zero_stage, where=where, unused=unused)
 
-        self._patched += lightning_hooks.guard_grad_reads(module, refused=refused)
-        for callback in module.trainer.callbacks:  # type: ignore[attr-defined]
-            names = lightning_hooks.guard_grad_reads(callback, refused=lambda h: refused(f"a callback's {h}"))
-            if names:
-                self._patched_callbacks.append((callback, names))
+        self._guard_module_and_callbacks(
+            module, lambda obj: lightning_hooks.guard_grad_reads(obj, refused=refused)
+        )
 
     def _guard_placeholder_reads(self) -> None:
         """At ZeRO-3, where the parameters are placeholders outside the steps: the module's and user
@@ -295,15 +291,12 @@ class StrategySteps(StrategyLoops):
         engine = self._engine
         if module is None or not isinstance(engine, Stage3Engine):
             return
-        self._patched += lightning_hooks.guard_placeholder_reads(
-            module, refused=lambda hook: engine.reads_refused(f"in {hook}")
+        self._guard_module_and_callbacks(
+            module,
+            lambda obj: lightning_hooks.guard_placeholder_reads(
+                obj, refused=lambda where: engine.reads_refused(f"in {where}")
+            ),
         )
-        for callback in module.trainer.callbacks:  # type: ignore[attr-defined]
-            names = lightning_hooks.guard_placeholder_reads(
-                callback, refused=lambda hook: engine.reads_refused(f"in a callback's {hook}")
-            )
-            if names:
-                self._patched_callbacks.append((callback, names))
 
     def _explain_zero_views(self) -> None:
         """With whole-file checkpoints, on the ranks other than 0: the save hooks' in-place writes into the
@@ -311,9 +304,18 @@ class StrategySteps(StrategyLoops):
         module = self.lightning_module
         if module is None or self.is_global_zero or self.save_distributed_checkpoint or not self._sharded():
             return
-        self._patched += lightning_hooks.explain_zero_views(module, why=ZERO_VIEWS)
+        self._guard_module_and_callbacks(
+            module, lambda obj: lightning_hooks.explain_zero_views(obj, why=ZERO_VIEWS)
+        )
+
+    def _guard_module_and_callbacks(
+        self, module: pl.LightningModule, guard: Callable[[Any], list[str]]
+    ) -> None:
+        """``guard(obj)`` (one of :mod:`lightning_par.lightning_hooks`' functions) on the module and on each
+        of the Trainer's callbacks; the names each set are kept for the teardown's restore."""
+        self._patched += guard(module)
         for callback in module.trainer.callbacks:  # type: ignore[attr-defined]
-            names = lightning_hooks.explain_zero_views(callback, why=ZERO_VIEWS)
+            names = guard(callback)
             if names:
                 self._patched_callbacks.append((callback, names))
 
