@@ -170,8 +170,9 @@ class GradReads:
     def _check_call(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         on_grad = getattr(func, "__self__", None) is _GRAD
         name = getattr(func, "__name__", "")
-        if on_grad and name == "__get__" and args and args[0].grad is None:  # outside the mode: no recursion
-            self._check(args[0])
+        read = _none_read(func, args)
+        if read is not None:
+            self._check(read)
         elif (
             on_grad
             and self.zero_stage >= 1
@@ -282,12 +283,10 @@ def refuse_none_reads(
     names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
 
     def check(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        getter = getattr(func, "__self__", None) is _GRAD and getattr(func, "__name__", "") == "__get__"
-        if not (getter and args and args[0].grad is None and id(args[0]) in names):
+        read = _none_read(func, args)
+        if read is None or id(read) not in names or (unused is not None and id(read) in unused()):
             return
-        if unused is not None and id(args[0]) in unused():
-            return
-        raise RuntimeError(none_read_message(names[id(args[0])], zero_stage, f"(Checked in {where}.)"))
+        raise RuntimeError(none_read_message(names[id(read)], zero_stage, f"(Checked in {where}.)"))
 
     mode = CheckedCalls(check)
     mode.__enter__()
@@ -295,6 +294,13 @@ def refuse_none_reads(
         yield
     finally:
         leave_mode(mode)
+
+
+def _none_read(func: Callable[..., Any], args: Sequence[Any]) -> Any:
+    """The tensor whose ``.grad`` the call ``func(*args)`` reads and finds None (the mode's handler runs
+    outside the mode: reading it again here does not recurse), or None for any other call."""
+    getter = getattr(func, "__self__", None) is _GRAD and getattr(func, "__name__", "") == "__get__"
+    return args[0] if getter and args and args[0].grad is None else None
 
 
 # the zero_grad()s that walk every parameter's .grad to clear it (torch's own functions, decorators unwrapped)

@@ -211,6 +211,14 @@ def _users_hook(obj: pl.LightningModule | Callback, hook: str) -> bool:
     return hasattr(base, hook) and is_overridden(hook, obj, base)
 
 
+def overridden_anywhere(module: pl.LightningModule, hook: str) -> bool:
+    """Whether ``hook`` is the user's own on ``module`` or on one of its Trainer's callbacks from outside
+    Lightning and this package."""
+    trainer = getattr(module, "_trainer", None)
+    callbacks = getattr(trainer, "callbacks", None) or []
+    return any(_users_hook(obj, hook) for obj in (module, *callbacks))
+
+
 def guard_placeholder_reads(
     obj: pl.LightningModule | Callback, *, refused: Callable[[str], AbstractContextManager[None]]
 ) -> list[str]:

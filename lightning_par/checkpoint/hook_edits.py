@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
 import torch
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
 from lightning_par.checkpoint.optimizer_state import MASTER_KEY, Piece
@@ -265,14 +264,6 @@ ZERO_VIEWS = (
     " (sd[k] = sd[k] * 0.5) or clone first (sd[k].clone().mul_(0.5)); what a hook does on the other ranks is"
     " not saved"
 )
-
-
-def load_hook_overridden(module: Any) -> bool:
-    """Whether the LightningModule ``module`` or one of its Trainer's callbacks overrides
-    ``on_load_checkpoint`` (hooks that could have meant to edit the checkpoint's parameters)."""
-    trainer = getattr(module, "_trainer", None)
-    callbacks = getattr(trainer, "callbacks", None) or []
-    return any(is_overridden("on_load_checkpoint", owner) for owner in (module, *callbacks))
 
 
 def state_of(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:

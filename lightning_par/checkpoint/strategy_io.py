@@ -34,7 +34,6 @@ from lightning_par.checkpoint.hook_edits import (
     PartialStateDict,
     StateEdits,
     StateSnapshot,
-    load_hook_overridden,
     rank_zero_view,
     state_of,
 )
@@ -65,6 +64,7 @@ from lightning_par.checkpoint.single_file import (
 )
 from lightning_par.checkpoint.tp_reshard import TPInfo, tp_info
 from lightning_par.checkpoint.weights_only import put_masters
+from lightning_par.lightning_hooks import overridden_anywhere
 from lightning_par.mesh import MeshLayout, ParallelMesh
 from lightning_par.zero.engine_api import Engine, reads_own_state
 
@@ -357,7 +357,7 @@ class ZeroCheckpointIO(ParallelStrategy):
         # where a hook exists that could have wanted to)
         hint = (
             f" (on_load_checkpoint sees no parameters here: {HIDDEN}. {FIXES})"
-            if partial and load_hook_overridden(self.lightning_module)
+            if partial and overridden_anywhere(self.lightning_module, "on_load_checkpoint")
             else ""
         )
         check_model(checkpoint, self.lightning_module, self._tp(), strict=strict, edits=edits, hint=hint)
