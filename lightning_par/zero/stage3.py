@@ -209,6 +209,7 @@ class Stage3Engine(Stage3Hooks):
         self._between: BetweenSteps | None = BetweenSteps(self.units, self.own_reads)  # after step 1
         self._before_first: BetweenSteps | None = None  # refuse_reads_until_step's window
         self._fabric_between: BetweenSteps | None = None  # refuse_reads_between_steps' window
+        self._hook_guards: dict[str, BetweenSteps] = {}  # reads_refused's, by hook
         # generate() keeps the ranks' forwards in step only for models it knows are sharded (stage3_join)
         self._hf_marked = mark_hf_models(module) if self.world > 1 else []
         broadcast_module_states(module, group=group, params=False)  # buffers are replicated

@@ -127,13 +127,19 @@ class ReadWindows:
     own_reads: OwnReads
     _before_first: BetweenSteps | None  # refuse_reads_until_step's window
     _fabric_between: BetweenSteps | None  # refuse_reads_between_steps' window
+    _hook_guards: dict[str, BetweenSteps]  # reads_refused's guards by hook: built once, run at every batch
 
     @contextmanager
     def reads_refused(self, where: str) -> Iterator[None]:
         """Inside, a read of a parameter whose unit is not gathered raises (``where`` says where, in the
         message): for user hooks the strategy runs while the parameters are placeholders, such as
-        ``on_save_checkpoint`` (:mod:`lightning_par.zero.stage3_between`)."""
-        guard = BetweenSteps(self.units, self.own_reads, where=where)
+        ``on_save_checkpoint`` or ``on_train_batch_end`` (:mod:`lightning_par.zero.stage3_between`). The
+        guard of each ``where`` is kept (its tables follow the units, which do not change); one already
+        running (a hook entered again from inside itself) gets a fresh one."""
+        guard = self._hook_guards.get(where)
+        if guard is None or guard.active:
+            guard = BetweenSteps(self.units, self.own_reads, where=where)
+            self._hook_guards.setdefault(where, guard)
         guard.start()
         try:
             yield
