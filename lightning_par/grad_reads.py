@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -274,17 +274,23 @@ def none_read_message(name: str, zero_stage: int, checked: str) -> str:
 
 @contextmanager
 def refuse_none_reads(
-    module: nn.Module, *, zero_stage: int, where: str, unused: Callable[[], frozenset[int]] | None = None
+    names: Mapping[int, str],
+    *,
+    zero_stage: int,
+    where: str,
+    unused: Callable[[], frozenset[int]] | None = None,
 ) -> Iterator[None]:
-    """Inside, a read of ``param.grad`` that finds None for a parameter of ``module`` that requires a
-    gradient raises (:func:`none_read_message`), except for the parameters ``unused()`` names (no rank
-    used them in the window: None under DDP too): the user's gradient hooks at ZeRO 1-3, at every step,
-    after the first step's watch (:class:`GradReads`) has ended. ``where`` names the hook."""
-    names = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
+    """Inside, a read of ``param.grad`` that finds None for a parameter in ``names`` (``id -> name``, the
+    module's) that requires a gradient now raises (:func:`none_read_message`), except for the parameters
+    ``unused()`` names (no rank used them in the window: None under DDP too): the user's gradient hooks at
+    ZeRO 1-3, at every step, after the first step's watch (:class:`GradReads`) has ended. ``where`` names
+    the hook."""
 
     def check(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         read = _none_read(func, args)
-        if read is None or id(read) not in names or (unused is not None and id(read) in unused()):
+        if read is None or id(read) not in names or not read.requires_grad:
+            return
+        if unused is not None and id(read) in unused():
             return
         raise RuntimeError(none_read_message(names[id(read)], zero_stage, f"(Checked in {where}.)"))
 

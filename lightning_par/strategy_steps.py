@@ -274,9 +274,10 @@ class StrategySteps(StrategyLoops):
         that find None at every step (``grad_reads.refuse_none_reads``), after the first step's watch."""
         engine = self._engine
         unused = (lambda: engine.unused_param_ids) if self.find_unused_parameters and engine else None
+        names = {id(p): n for n, p in module.named_parameters()}  # once: requires_grad is read at the read
 
         def refused(where: str) -> AbstractContextManager[None]:
-            return refuse_none_reads(module, zero_stage=self.zero_stage, where=where, unused=unused)
+            return refuse_none_reads(names, zero_stage=self.zero_stage, where=where, unused=unused)
 
         self._guard_module_and_callbacks(
             module, lambda obj: lightning_hooks.guard_grad_reads(obj, refused=refused)
