@@ -119,25 +119,19 @@ def guard_module_zero_grad(module: pl.LightningModule, *, optimizers: Sequence[O
     optimization before every one: a window accumulated by hand across a mid-window validation was 0.016-
     0.05 off ``"ddp"`` in a probe). The optimizers' dropped fragments leave the window at the next pass.
     The module's own walk over its ``param.grad`` (None at ZeRO 1-3) is not a read the first step's
-    watch should refuse. Installed as a method bound to ``module``: a ``copy.deepcopy`` of it made during
-    the run gets one bound to the copy, which acts as the class's ``zero_grad`` alone. A submodule's
-    ``zero_grad()`` is not seen."""
+    watch should refuse. A copy of ``module`` made during the run (``copy.deepcopy``, pickling) has the
+    class's ``zero_grad`` (:class:`_RunAttribute`). A submodule's ``zero_grad()`` is not seen."""
     if "zero_grad" in vars(module):
         return []
-    owner = weakref.ref(module)
 
-    def zero_grad(self: pl.LightningModule, *args: Any, **kwargs: Any) -> None:
-        inner = type(self).zero_grad
-        if self is not owner():  # a copy made during the run: its own gradients only
-            inner(self, *args, **kwargs)
-            return
+    def zero_grad(*args: Any, **kwargs: Any) -> None:
         with torch._C.DisableTorchFunction():
-            inner(self, *args, **kwargs)
+            type(module).zero_grad(module, *args, **kwargs)
         set_to_none = bool(kwargs.get("set_to_none", args[0] if args else True))
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
-    install(module, "zero_grad", types.MethodType(zero_grad, module))
+    install(module, "zero_grad", zero_grad)
     return ["zero_grad"]
 
 
@@ -148,7 +142,7 @@ def lend_no_sync(
     ``trainer.model`` is the LightningModule itself under this strategy (before: ``AttributeError``):
     ``module.no_sync`` for the run is the strategy's ``block_backward_sync``. Not where the module has a
     ``no_sync`` of its own."""
-    if hasattr(module, "no_sync"):
+    if hasattr(module, "no_sync") and not isinstance(module.no_sync, _Gone):
         return []
 
     def module_no_sync() -> AbstractContextManager[None]:
@@ -299,16 +293,66 @@ def uncount_step(module: pl.LightningModule) -> None:
     step.current.completed -= 1
 
 
-_PREVIOUS = "_lightning_par_previous"  # on a wrapper: the instance attribute it shadowed, if any
+class _RunAttribute:
+    """An instance attribute :func:`install` set for one run: called, it is ``wrapper``. Pickled with its
+    object (``torch.save(module)`` in a callback during the run) or deep-copied with it (an EMA copy), it
+    becomes what the object shows outside the run (:func:`_outside_run`); before, pickling failed on the
+    wrappers, local functions. Attribute reads (the marks set on a wrapper) reach ``wrapper``; Lightning's
+    ``is_overridden`` and ``inspect.signature`` look through ``__wrapped__`` to it."""
+
+    def __init__(self, obj: Any, name: str, wrapper: Callable[..., Any]) -> None:
+        self.__wrapped__ = wrapper
+        self.owner, self.name = weakref.ref(obj), name
+        self.previous = vars(obj).get(name, _ABSENT)  # the user's own instance attribute, if any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__wrapped__(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "__wrapped__":  # not set yet (never, outside __init__)
+            raise AttributeError(name)
+        return getattr(self.__wrapped__, name)
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        owner = self.owner()
+        if self.previous is _ABSENT:
+            return _outside_run, (owner, self.name)
+        return _outside_run, (owner, self.name, self.previous)
+
+
+class _Gone:
+    """What a pickled or copied object holds for an attribute the run added that its class lacks
+    (``no_sync``): calling it says so."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"{self.name}() was lent to this object by a lightning_par run, and this object is a copy"
+            " (pickled or deep-copied during the run) outside it; it has no such method."
+        )
+
+
+def _outside_run(obj: Any, name: str, *previous: Any) -> Any:
+    """The attribute ``name`` of ``obj`` (a copy, being rebuilt) without the run's wrapper: the user's own
+    instance attribute it shadowed, else the class's method bound to ``obj``, else :class:`_Gone`."""
+    if previous:
+        return previous[0]
+    attr = getattr(type(obj), name, None)
+    if isinstance(attr, types.FunctionType):
+        return types.MethodType(attr, obj)
+    return attr if attr is not None else _Gone(name)
+
+
 _ABSENT = object()
 
 
 def install(obj: Any, name: str, wrapper: Callable[..., Any]) -> None:
-    """Set ``wrapper`` as ``obj``'s instance attribute ``name`` for one run, remembering the instance
-    attribute it shadows (the user's own, set on the object), which :func:`restore` puts back."""
-    # (a bound method keeps its attributes on its function)
-    setattr(getattr(wrapper, "__func__", wrapper), _PREVIOUS, vars(obj).get(name, _ABSENT))
-    setattr(obj, name, wrapper)
+    """Set ``wrapper`` as ``obj``'s instance attribute ``name`` for one run (a :class:`_RunAttribute`),
+    remembering the instance attribute it shadows (the user's own, set on the object), which
+    :func:`restore` puts back."""
+    setattr(obj, name, _RunAttribute(obj, name, wrapper))
 
 
 def restore(obj: Any, names: Sequence[str]) -> None:
@@ -316,9 +360,9 @@ def restore(obj: Any, names: Sequence[str]) -> None:
     shadowed comes back (before, it was deleted with the wrapper)."""
     for name in names:
         current = vars(obj).get(name)
-        if current is None or not hasattr(current, _PREVIOUS):  # the user replaced the wrapper: theirs stays
+        if not isinstance(current, _RunAttribute):  # the user replaced the wrapper: theirs stays
             continue
-        previous = getattr(current, _PREVIOUS)
+        previous = current.previous
         if previous is _ABSENT:
             delattr(obj, name)
         else:

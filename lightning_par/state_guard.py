@@ -23,11 +23,12 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_par.owned_hooks import for_owner
+from lightning_par.owned_hooks import CopyHook, for_owner
 
 __all__ = ["OwnReads", "guard_state_dicts"]
 
@@ -75,17 +76,21 @@ def guard_state_dicts(
         if module is not root and holds(module):
             found.setdefault(id(module), (module, set()))[1].add(name + ".")
     handles = [
-        module.register_state_dict_pre_hook(_refuse(prefixes, reason, root))
+        module.register_state_dict_pre_hook(_RefuseBelow(module, prefixes, reason, root))
         for module, prefixes in found.values()
     ]
     if whole is not None:
-        refuse = for_owner(root, _refuse_whole(whole, own or OwnReads()), on_copy=on_copy)
+        check = _refuse_whole(whole, own or OwnReads())
+        top = weakref.ref(root)
+        refuse = for_owner(
+            root, check, on_copy=on_copy, on_pickle=lambda: check(top(), "", False, pickled=True)
+        )
         handles.append(root.register_state_dict_pre_hook(refuse))
     return handles
 
 
 def _refuse_whole(whole: Callable[[], str | None], own: OwnReads) -> Callable[..., None]:
-    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    def hook(module: nn.Module, prefix: str, keep_vars: bool, *, pickled: bool = False) -> None:
         why = None if own.active else whole()
         if why is not None:
             # code that calls state_dict() itself on every rank (litgpt's save_lora_checkpoint) can run
@@ -96,34 +101,74 @@ def _refuse_whole(whole: Callable[[], str | None], own: OwnReads) -> Callable[..
                 if "ZeRO-3" in why
                 else ""
             )
+            name = type(module).__name__
+            subject = (
+                f"The whole model ({name}) was pickled (torch.save(model), pickle.dumps)"
+                if pickled
+                else f"state_dict() of the whole model ({name}) was asked for"
+            )
             raise RuntimeError(
-                f"state_dict() of the whole model ({type(module).__name__}) was asked for while its"
-                f" parameters are {why}, so it would not hold the model's weights (torch.save of it, a"
-                " copy for later)." + FIX + gather + ", or save a checkpoint: trainer.save_checkpoint /"
-                " fabric.save."
+                f"{subject} while its parameters are {why}, so it would not hold the model's weights"
+                " (torch.save of it, a copy for later)." + FIX + gather + ", or save a checkpoint:"
+                " trainer.save_checkpoint / fabric.save."
             )
 
     return hook
 
 
-def _refuse(
-    prefixes: set[str], reason: Callable[[nn.Module], str | None], root: nn.Module
-) -> Callable[..., None]:
-    name = min(prefixes).rstrip(".")
-    top = weakref.ref(root)
+class _RefuseBelow:
+    """The ``state_dict`` pre-hook of a submodule holding such parameters (module docstring). Pickled
+    with its module (``torch.save(model)``), it refuses while ``reason`` gives one for the module, and
+    is inert in the unpickled copy; a ``copy.deepcopy`` of the module gets one asking about the copy."""
 
-    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if prefix in prefixes:
+    __slots__ = ("module", "name", "prefixes", "reason", "top")  # as owned_hooks.CopyHook
+
+    def __init__(
+        self,
+        module: nn.Module,
+        prefixes: set[str],
+        reason: Callable[[nn.Module], str | None],
+        root: nn.Module,
+    ) -> None:
+        self.name = min(prefixes).rstrip(".")
+        self.prefixes, self.reason = prefixes, reason
+        self.module, self.top = weakref.ref(module), weakref.ref(root)
+
+    def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if prefix in self.prefixes:
             return
-        why = reason(module)
-        if why is not None and not _from_root(top(), module, prefix):
-            raise RuntimeError(
-                f"state_dict() reached {name!r} ({type(module).__name__}), whose parameters are {why}, so"
-                " this state dict (Hugging Face's save_pretrained, PEFT's adapter export, torch.save) would"
-                " not hold the model's weights." + FIX
-            )
+        why = self.reason(module)
+        if why is not None and not _from_root(self.top(), module, prefix):
+            raise RuntimeError(self._message(module, why, pickled=False))
 
-    return hook
+    def _message(self, module: nn.Module, why: str, *, pickled: bool) -> str:
+        start, what = (
+            ("Pickling (torch.save(model), pickle.dumps)", "the pickle")
+            if pickled
+            else (
+                "state_dict()",
+                "this state dict (Hugging Face's save_pretrained, PEFT's adapter export, torch.save)",
+            )
+        )
+        return (
+            f"{start} reached {self.name!r} ({type(module).__name__}), whose parameters are {why}, so {what}"
+            " would not hold the model's weights." + FIX
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _RefuseBelow:
+        # a deep copy of the module (memoised before its hook dictionaries are copied) gets the hook
+        # for itself: its pickling asks about its own parameters, not the original's
+        copied = memo.get(id(self.module()))
+        if not isinstance(copied, nn.Module):
+            return self
+        return _RefuseBelow(copied, self.prefixes, self.reason, self.top() or copied)
+
+    def __reduce__(self) -> tuple[type[CopyHook], tuple[None]]:
+        module = self.module()
+        why = None if module is None else self.reason(module)
+        if module is not None and why is not None:
+            raise RuntimeError(self._message(module, why, pickled=True))
+        return CopyHook, (None,)
 
 
 def _from_root(root: nn.Module | None, module: nn.Module, prefix: str) -> bool:

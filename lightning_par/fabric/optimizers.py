@@ -7,7 +7,6 @@ checkpoint, a read of ``strategy.optimizers``).
 
 from __future__ import annotations
 
-import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
@@ -52,7 +51,7 @@ class FabricOptimizers(FabricMixin):
         if self._pending_hook is None and self.module is not None:
             # eager inside a compiled model (Fabric compiles the set-up module again): traced, the
             # sharding of the optimizers switched AdamW to capturable=True, whose step fails on a CPU
-            flush = torch.compiler.disable(for_owner(self.module, lambda *_: self.flush_optimizers()))
+            flush = for_owner(self.module, lambda *_: self.flush_optimizers(), eager=True)
             self._pending_hook = self.module.register_forward_pre_hook(flush, prepend=True)
         return optimizer
 

@@ -365,7 +365,7 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
             self.batches.expect("forward")
             # eager inside a compiled model: the check reads its verdict on the host (a graph break)
             self._first_forward = module.register_forward_pre_hook(
-                torch.compiler.disable(for_owner(module, self._check_first_input)), with_kwargs=True
+                for_owner(module, self._check_first_input, eager=True), with_kwargs=True
             )
         return module
 

@@ -341,7 +341,7 @@ class GradSync(GradOrder, SyncEvents):
     def attach_to(self, module: nn.Module) -> None:
         """Call :meth:`prepare_window` before every forward of ``module`` (eagerly, also when a compiled
         ``module`` would trace it: it edits the buckets, Python state a graph would not replay)."""
-        hook = torch.compiler.disable(for_owner(module, lambda _m, _a: self.prepare_window()))
+        hook = for_owner(module, lambda _m, _a: self.prepare_window(), eager=True)
         self._handles.append(module.register_forward_pre_hook(hook))
 
     @contextmanager

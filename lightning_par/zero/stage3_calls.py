@@ -116,26 +116,25 @@ class CrossUnitGuard:
         self._mode: CheckedCalls | None = None  # the reads mode of the running step
         self._fast_depth = 0  # fast-path module forwards running (module docstring)
         self._left = False  # the mode was left for them
-        eager = torch.compiler.disable  # Python state a compiled graph would not replay
         for unit in units:
             if unit is root:
                 continue
             module = unit.module
             enter, leave = partial(self._enter, unit), partial(self._leave, unit)
-            self._handles.append(module.register_forward_pre_hook(eager(for_owner(module, enter))))
+            self._handles.append(module.register_forward_pre_hook(for_owner(module, enter, eager=True)))
             self._handles.append(
-                module.register_forward_hook(eager(for_owner(module, leave)), always_call=True)
+                module.register_forward_hook(for_owner(module, leave, eager=True), always_call=True)
             )
             mine = {id(p) for part in unit.parts for p in part.params}
             for name, m in module.named_modules():
                 if m is not module and any(id(p) in mine for p in m.parameters(recurse=False)):
                     where = f"{unit.name}.{name}" if unit.name else name
-                    hook = eager(for_owner(m, partial(self._check, unit, where)))
+                    hook = for_owner(m, partial(self._check, unit, where), eager=True)
                     self._handles.append(m.register_forward_pre_hook(hook))
         for m in fast_path_modules(units, root):
-            self._handles.append(m.register_forward_pre_hook(eager(for_owner(m, self._leave_reads))))
+            self._handles.append(m.register_forward_pre_hook(for_owner(m, self._leave_reads, eager=True)))
             self._handles.append(
-                m.register_forward_hook(eager(for_owner(m, self._enter_reads)), always_call=True)
+                m.register_forward_hook(for_owner(m, self._enter_reads, eager=True), always_call=True)
             )
 
     def _leave_reads(self, module: nn.Module, args: Any) -> None:

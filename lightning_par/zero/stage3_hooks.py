@@ -64,17 +64,16 @@ class Stage3Hooks(Stage3Reduce, ReadWindows):
         # ahead of the gather, it read NaN placeholders). The reshards run after the module's forward hooks.
         # Every hook acts on its own module only: a copy of the model (an EMA) carries the hooks, and must
         # neither gather the original's units nor compute with copies of placeholders (owned_hooks.py).
-        eager = torch.compiler.disable
         copies = PlaceholderCopies()
         for unit in self.units:
             module = unit.module
-            pre = for_owner(module, self._make_pre_forward(unit), on_copy=copies)
-            self._handles.append(module.register_forward_pre_hook(eager(pre), prepend=True))
+            pre = for_owner(module, self._make_pre_forward(unit), on_copy=copies, eager=True)
+            self._handles.append(module.register_forward_pre_hook(pre, prepend=True))
             if unit.has_frozen:
-                watch = eager(for_owner(module, self._make_watch_inputs(unit)))
+                watch = for_owner(module, self._make_watch_inputs(unit), eager=True)
                 self._handles.append(module.register_forward_pre_hook(watch, with_kwargs=True))
-            post = for_owner(module, self._make_post_forward(unit))
-            self._handles.append(module.register_forward_hook(eager(post)))
+            post = for_owner(module, self._make_post_forward(unit), eager=True)
+            self._handles.append(module.register_forward_hook(post))
             for p in unit.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._handles += guard_unit_state_dicts(self.module, self.units, self.own_reads, on_copy=copies)
@@ -83,9 +82,9 @@ class Stage3Hooks(Stage3Reduce, ReadWindows):
             mine = {id(p) for part in self.root.parts for p in part.params}
             for m in self.module.modules():
                 if m is not self.module and any(id(p) in mine for p in m.parameters(recurse=False)):
-                    borrow = for_owner(m, self._borrow_root, on_copy=copies)
-                    self._handles.append(m.register_forward_pre_hook(eager(borrow), prepend=True))
-                    self._handles.append(m.register_forward_hook(eager(for_owner(m, self._return_root))))
+                    borrow = for_owner(m, self._borrow_root, on_copy=copies, eager=True)
+                    self._handles.append(m.register_forward_pre_hook(borrow, prepend=True))
+                    self._handles.append(m.register_forward_hook(for_owner(m, self._return_root, eager=True)))
 
     def _borrow_root(self, module: nn.Module, args: Any) -> None:
         """Gather the root unit for a call of ``module`` (it holds root parameters) while nothing else
