@@ -1,7 +1,8 @@
 """Dtype changes the precision plugin makes to a user's module, and their undoing at teardown: norm layers
 computing in fp32 where their parameters are 16-bit (:func:`compute_in_fp32`), spectral normalisation's
-power iteration in fp32 beside its fp32 ``u`` / ``v`` buffers (:func:`spectral_norms_in_fp32`), both
-undone by :func:`restore_norms`; frozen parameters stored in the plugin's frozen dtype
+power iteration in fp32 beside its fp32 ``u`` / ``v`` buffers (:func:`spectral_norms_in_fp32`),
+parametrizations from fp32 originals (:func:`parametrizations_in_fp32`), all undone by
+:func:`restore_norms`; frozen parameters stored in the plugin's frozen dtype
 (:func:`cast_frozen`)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.parametrize import ParametrizationList
 from torch.nn.utils.spectral_norm import SpectralNorm
 
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
@@ -92,15 +94,46 @@ def _fp32_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 _FP32_ATTR = "_lightning_par_fp32"  # on a module compute_in_fp32 changed: (its own instance forward,)
 
 
-def autocast_gaps_in_fp32(module: nn.Module) -> None:
+def autocast_gaps_in_fp32(module: nn.Module, *, mixed: bool) -> None:
     """Run in fp32 the parts of ``module`` that would mix a 16-bit weight with fp32 tensors outside
     autocast's reach: torch's ``Bilinear`` and ``EmbeddingBag`` (fp32 ``per_sample_weights``), through
     :func:`compute_in_fp32` (before, "All tensors must have the same dtype" where ``"ddp"`` trains), and
-    spectral normalisation (:func:`spectral_norms_in_fp32`)."""
+    spectral normalisation (:func:`spectral_norms_in_fp32`). In mixed precision (``mixed``) also every
+    parametrization (:func:`parametrizations_in_fp32`)."""
     for m in module.modules():
         if isinstance(m, _UNCAST):
             compute_in_fp32(m)
     spectral_norms_in_fp32(module)
+    if mixed:
+        parametrizations_in_fp32(module)
+
+
+def parametrizations_in_fp32(module: nn.Module) -> None:
+    """Compute every parametrized tensor of ``module`` (``torch.nn.utils.parametrize``: ``weight_norm``,
+    ``orthogonal``, a user's own) from fp32 casts of its originals, as under ``"ddp"``'s mixed precision,
+    whose originals stay fp32; autocast is left as it is (the parametrization runs as under ``"ddp"``).
+    From the 16-bit compute copies, torch's ``orthogonal`` (``matrix_exp``) gave NaN gradients and the
+    others trained 1e-3 to 7e-2 off ``"ddp"``, silently; a read of the weight outside a step mixed the
+    16-bit original with an fp32 buffer (``orthogonal``'s ``base``: "expected m1 and m2 to have the same
+    dtype"). Spectral norm's parametrization, already run in fp32 by :func:`compute_in_fp32`, is left."""
+    for m in module.modules():
+        if isinstance(m, ParametrizationList) and _FP32_ATTR not in m.__dict__:
+            setattr(m, _FP32_ATTR, (m.__dict__.get("forward"),))
+            m.forward = functools.partial(_fp32_originals, m)  # type: ignore[method-assign]
+
+
+def _fp32_originals(self: nn.Module) -> Any:
+    (previous,) = self.__dict__[_FP32_ATTR]
+    inner = previous if previous is not None else types.MethodType(type(self).forward, self)
+    slots = self._parameters
+    saved = dict(slots)
+    try:
+        for name, p in saved.items():
+            if p is not None and p.is_floating_point() and p.dtype != torch.float32:
+                slots[name] = p.float()  # type: ignore[assignment]  # a differentiable cast, as above
+        return inner()
+    finally:
+        slots.update(saved)
 
 
 def spectral_norms_in_fp32(module: nn.Module) -> None:

@@ -254,7 +254,8 @@ class ParallelPrecision(PrecisionSteps):
                 if is_norm(m):
                     compute_in_fp32(m)
         if self.low_precision and self.master_weights:
-            autocast_gaps_in_fp32(module)  # not a choice: there a 16-bit weight meets fp32 tensors
+            # not a choice: there a 16-bit weight meets fp32 tensors
+            autocast_gaps_in_fp32(module, mixed=self.precision.endswith("mixed"))
         if self.precision == "bf16-true" and self.master_weights:
             cast_buffers(module, self.compute_dtype)  # as HalfPrecision's module.to(bf16) casts them
         return module
