@@ -290,26 +290,27 @@ def _check_pruning(
     callbacks: list[object], *, zero_stage: int, tensor_parallel_size: int, pipeline_parallel_size: int
 ) -> None:
     """``ModelPruning`` ranks weights by magnitude over the module's parameters, resets the survivors to
-    their initial values by replacing ``param.data`` (the lottery-ticket default) and, at the end, replaces
-    each pruned parameter by a new one. At ZeRO 1/2 a replaced ``.data`` leaves the flat buffer the
-    optimizer updates, so the parameter stops training without a word (measured: 0.2 away from 'ddp'
-    after 3 epochs); ZeRO-3 refuses the replacement at the next gather; tensor-parallel slices and other
-    stages' meta layers would be ranked apart. ZeRO-0 equals 'ddp'."""
+    their initial values by replacing ``param.data`` (the lottery-ticket default) and, at the end, makes the
+    pruning permanent (``prune.remove``, replacing ``.data`` again). ZeRO 0-2 hold every parameter whole
+    on every rank and take a replaced ``.data`` back into their buffers
+    (``ShardedOptimizer.take_back_replaced``): they prune as ``"ddp"`` does. At ZeRO-3 the callback's
+    ranking would read placeholders between steps; tensor-parallel slices and other stages' meta layers
+    would be ranked apart."""
     from lightning.pytorch.callbacks import ModelPruning
 
     pruning = [c for c in callbacks if isinstance(c, ModelPruning)]
-    if not pruning or (zero_stage == 0 and tensor_parallel_size == 1 and pipeline_parallel_size == 1):
+    if not pruning or (zero_stage < 3 and tensor_parallel_size == 1 and pipeline_parallel_size == 1):
         return
     reason = (
-        f"ZeRO stage {zero_stage} keeps the parameters in its own buffers (stage 3: as shards), and the"
-        " callback replaces their data and, at the end, the parameters themselves"
-        if zero_stage
+        "ZeRO-3 keeps the parameters as shards between steps, where the callback ranks them"
+        if zero_stage == 3
         else "each rank holds a slice or a stage of the model, so weights would be ranked apart"
     )
     raise ValueError(
-        f"ModelPruning cannot be used with this layout: {reason}. Use zero_stage=0 without tensor or"
+        f"ModelPruning cannot be used with this layout: {reason}. Use zero_stage 0-2 without tensor or"
         " pipeline parallelism (there it prunes as Lightning's 'ddp' does), or prune the exported weights"
-        " after training."
+        " after training (at ZeRO-3 also by hand inside `with trainer.strategy.gathered_params("
+        "writeback=True):` on every rank)."
     )
 
 

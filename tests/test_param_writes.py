@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
+from torch.nn.utils import prune
 from torch.testing import assert_close
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -222,3 +223,66 @@ def test_fabric_writes_keep_the_fp32_masters_and_refuse_one_rank_writes() -> Non
     assert "ranks wrote different values" in run["refused"]
     assert_close(run["after_refusal"], run["written"], rtol=0, atol=0)
     assert_close(run["dropped"], run["written"], rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ replaced data: torch's prune.remove
+class Pruned(pl.LightningModule):
+    """Magnitude pruning by hand (torch's ``prune``), made permanent at the end of training with
+    ``prune.remove``, which replaces the parameter's ``.data`` by the masked weight: at ZeRO-3 inside
+    ``gathered_params(writeback=True)`` (every rank), elsewhere as under ``"ddp"``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        prune.l1_unstructured(self.net[0], "weight", amount=0.4)
+
+    def training_step(self, batch: tuple[Tensor], batch_idx: int) -> Tensor:
+        (x,) = batch
+        return self.net(x).pow(2).mean() - self.net(x).mean()
+
+    def on_train_end(self) -> None:
+        strategy = self.trainer.strategy
+        ours = isinstance(strategy, HybridParallelStrategy)
+        with strategy.gathered_params(writeback=True) if ours else nullcontext():
+            prune.remove(self.net[0], "weight")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _pruned_runs(rank: int, world: int) -> dict[str, dict[str, Tensor]]:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(32, 8, generator=g))
+    out = {}
+    for name, strategy, precision in (
+        ("ddp", DDPStrategy(), "32-true"),
+        ("zero1", HybridParallelStrategy(zero_stage=1), "32-true"),
+        ("zero3", HybridParallelStrategy(zero_stage=3, meta_init=False), "32-true"),
+        ("ddp-bf16", DDPStrategy(), "bf16-mixed"),
+        ("zero2-bf16", HybridParallelStrategy(zero_stage=2), "bf16-mixed"),  # fp32 masters apart
+    ):
+        module = Pruned()
+        cpu_trainer(strategy, max_steps=STEPS, precision=precision).fit(
+            module, DataLoader(data, batch_size=4)
+        )
+        out[name] = {k: v.float() for k, v in final_state(module, strategy).items()}
+    return out
+
+
+def test_prune_remove_keeps_the_pruned_weights_at_every_stage() -> None:
+    """Before, inside ``gathered_params(writeback=True)`` the replacement was dropped at the exit, silently:
+    at ZeRO-3 the unpruned weight came back (0.145 off ``"ddp"``, no zeros), at ZeRO 1/2 in mixed
+    precision the masters kept it too."""
+    out = run_distributed(_pruned_runs, WORLD, init_group=False, timeout=300)[0]
+    ddp = out["ddp"]
+    assert float((ddp["net.0.weight"] == 0).float().mean()) > 0.3  # pruned and made permanent
+    for name in ("zero1", "zero3"):
+        assert out[name].keys() == ddp.keys(), name
+        assert_close(out[name], ddp, msg=f"{name}")
+    # ZeRO-2 in bf16-mixed: the replacement inside the whole fp32 copy reaches the masters (bf16 rounding
+    # of the steps' compute copies apart)
+    pruned, reference = out["zero2-bf16"]["net.0.weight"], out["ddp-bf16"]["net.0.weight"]
+    assert torch.equal(pruned == 0, reference == 0)
+    assert_close(out["zero2-bf16"], out["ddp-bf16"], atol=2e-3, rtol=2e-2)

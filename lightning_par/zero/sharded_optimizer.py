@@ -41,6 +41,7 @@ from lightning_par.zero.optimizer_rebuild import (
     stepped_ids,
     warn_post_hooks,
 )
+from lightning_par.zero.param_writes import ParamWrites
 from lightning_par.zero.writeback import refuse_unequal_writes
 
 # Checkpoint key of fp32 master weights saved beside the optimizer state of low-precision models (the
@@ -48,7 +49,7 @@ from lightning_par.zero.writeback import refuse_unequal_writes
 MASTER_KEY = "master"
 
 
-class ShardedOptimizer(GradWindow):
+class ShardedOptimizer(GradWindow, ParamWrites):
     """Owns the flat parameter buffer, the fragments and the rebuilt optimizers of one module; which
     gradients they see over a window is :class:`~lightning_par.zero.grad_window.GradWindow`."""
 
@@ -115,6 +116,7 @@ class ShardedOptimizer(GradWindow):
         self.master_flat: Tensor | None = None
         # leave_whole_masters() ran (after fit): the parameters are whole fp32 copies the user may change
         self._left_whole = False
+        self._whole_views: list[Tensor] | None = None  # the parameters' places while whole_masters() runs
         if self.master_dtype != self.compute_dtype:
             self.master_flat = torch.zeros(layout.shard_numel, dtype=self.master_dtype, device=sync.device)
             if old_layout is not None and old_masters is not None:
@@ -217,33 +219,12 @@ class ShardedOptimizer(GradWindow):
         self._stepped = True
 
     @torch.no_grad()
-    def absorb_param_writes(self) -> None:
-        """Writes to the compute parameters since the last refresh reach this rank's separate masters.
-
-        Code that edits parameters in place between steps (WGAN's weight clipping, a projection after the
-        step, an EMA of other weights into these) writes the low-precision compute copy, which the next
-        refresh would overwrite from the masters: the write would be lost without a word. So before each
-        update, and before the masters are read (checkpoints, exports), every element of this rank's
-        slice whose compute value is no longer its master cast to the compute dtype takes the compute
-        value: ``m_i := c_i if c_i != cast(m_i) else m_i``. Elements nobody wrote keep their fp32
-        precision; a written one has the precision it was written in. Nothing is communicated (each rank
-        owns its slice, and every rank ran the same write). A no-op when the parameters are the masters
-        (fp32 training: writes land in them directly) or while the masters are ahead of the parameters
-        (between an update and its refresh)."""
-        if self.master_flat is None or not self._params_current:
-            return
-        for _, _, lo, hi, at in self._own:
-            master, compute = self.master_flat[at : at + hi - lo], self.param_flat[lo:hi]
-            torch.where(compute != master.to(compute.dtype), compute, master, out=master)
-
-    @torch.no_grad()
     def after_step(self, *, open_window: bool = True, optimizer: Optimizer | None = None) -> None:
         """Copy masters into the compute parameters, all-gather every bucket, and (``open_window``)
         open a new window; without it the window stays until :meth:`open_window`. ``optimizer``: the one
         that stepped (or skipped its step: an fp16 overflow), whose gradients the window drops; None for
         all of them."""
         self._stepped_in_window |= stepped_ids(optimizer, self.optimizers)
-        self.check_untouched()
         self.absorb_param_writes()  # a skipped step (fp16 overflow) did not run the pre-hook
         self.refresh_params()
         self._window_done = True
@@ -287,11 +268,13 @@ class ShardedOptimizer(GradWindow):
         stored = self._whole_masters_in_params()
         try:
             yield
+            self.take_back_replaced()  # torch's prune.remove inside: into the whole copy
             refuse_unequal_writes([("the trainable parameters", stored)], group=sync.group)
             with torch.no_grad():
                 for _, _, lo, hi, at in self._own:
                     masters[at : at + hi - lo].copy_(stored[lo:hi])
         finally:
+            self._whole_views = None
             for p, view in zip(sync.params, self._views, strict=True):
                 p.data = view
             self.refresh_params()
@@ -307,8 +290,9 @@ class ShardedOptimizer(GradWindow):
         stored = torch.empty(sync.layout.numel, dtype=masters.dtype, device=masters.device)
         for start, end, lo, hi, at in self._own:
             all_gather_flat(stored[start:end], masters[at : at + hi - lo], group=sync.group)
-        for p, s in zip(sync.params, sync.layout.slots, strict=True):
-            p.data = stored[s.offset : s.end].view(s.shape)
+        self._whole_views = [stored[s.offset : s.end].view(s.shape) for s in sync.layout.slots]
+        for p, view in zip(sync.params, self._whole_views, strict=True):
+            p.data = view
         return stored
 
     def leave_whole_masters(self) -> None:
@@ -323,26 +307,6 @@ class ShardedOptimizer(GradWindow):
         if self.master_flat is not None and not self._left_whole:  # once (a second teardown kept edits)
             self._whole_masters_in_params()
             self._left_whole = True
-
-    def check_untouched(self) -> None:
-        """Refuse parameters whose ``.data`` was replaced since the layout (``p.data = ...``, as
-        ``ModelPruning``'s lottery-ticket reset or ``p.data = p.data.clamp(...)`` do): the optimizer
-        updates this rank's shard of the flat buffer, which such a parameter no longer reads, so it would
-        stop training without a word. Writes in place keep the buffer and pass. A pointer comparison per
-        parameter, once per optimizer step; nothing is communicated."""
-        replaced = [
-            name
-            for name, p, view in zip(self.sync.names, self.sync.params, self._views, strict=True)
-            if p.data_ptr() != view.data_ptr() or p.shape != view.shape  # no .data: a new tensor per call
-        ]
-        if replaced:
-            shown = ", ".join(repr(n) for n in replaced[:3]) + (", ..." if len(replaced) > 3 else "")
-            raise RuntimeError(
-                f"ZeRO 1/2: the data of {len(replaced)} parameter(s) was replaced during training ({shown}:"
-                " p.data = ...). The optimizer updates the strategy's flat parameter buffer, which they no"
-                " longer read, so they would stop training. Write parameters in place instead"
-                " (p.data.copy_(...), or p.clamp_(...) under torch.no_grad()), or use zero_stage=0."
-            )
 
     # ------------------------------------------------------------------ introspection
 

@@ -136,6 +136,9 @@ class Stage3Join:
     def _keep_writes(self) -> None:
         """Inside ``gathered(writeback=True)``, at the exit: refuse writes that differ between the ranks,
         then put each rank's slice back into its shards."""
+        with torch.no_grad():
+            for unit in self.units:
+                unit.take_back_stored()
         stored = [(unit.name or "<root>", part.stored) for unit in self.units for part in unit.parts]
         refuse_unequal_writes([(n, b) for n, b in stored if b is not None], group=self.group)
         with torch.no_grad():

@@ -219,18 +219,7 @@ class Unit:
                 continue
             changed = self._written_slots(part)
             for i in changed:  # replaced .data (or shape): into the gathered buffer first
-                p, s = part.params[i], part.layout.slots[i]
-                if tuple(p.shape) != tuple(s.shape):
-                    raise RuntimeError(
-                        f"ZeRO-3: parameter {part.names[i]!r} was given another shape ({tuple(p.shape)},"
-                        f" sharded as {tuple(s.shape)}) while it was gathered; a parameter keeps its shape"
-                        " under sharding: change its values in place, or build the model with the new shape"
-                        " before the strategy's setup."
-                    )
-                view = part.full[s.offset : s.end].view(s.shape)
-                if p.data_ptr() != view.data_ptr():
-                    view.copy_(p.detach())
-                    p.data = view
+                _take_back(part, i, part.full)
             lo, hi = part.layout.buckets[0].shard_range(rank, world)
             own = part.full[lo:hi]
             if self.gather_dtype not in (None, part.full.dtype) and world > 1:
@@ -261,6 +250,16 @@ class Unit:
                 p.data = part.stored[s.offset : s.end].view(s.shape)
         self.state = "gathered"
 
+    def take_back_stored(self) -> None:
+        """Inside :meth:`gather_stored`, before :meth:`keep_stored`: a parameter whose ``.data`` was
+        replaced (torch's ``prune.remove`` sets ``orig.data`` to the pruned weight) has its new values put
+        into ``stored`` and points there again; before, the replacement was dropped at the exit, silently
+        (the unpruned weight came back)."""
+        for part in self.parts:
+            assert part.stored is not None, "take_back_stored() without gather_stored()"
+            for i in range(len(part.params)):
+                _take_back(part, i, part.stored)
+
     def keep_stored(self, group: ProcessGroup) -> None:
         """This rank's slice of each ``stored`` buffer (:meth:`gather_stored`) back into its shard:
         written elements change, the others are the shard's own values, bitwise."""
@@ -285,6 +284,22 @@ class Unit:
             part.full.untyped_storage().resize_(0)
             part.stored = None
         self.state = "sharded"
+
+
+def _take_back(part: Part, i: int, buffer: Tensor) -> None:
+    """Parameter ``i`` of ``part`` into its slot of ``buffer`` (the gathered ``full`` or ``stored``) where
+    its ``.data`` was pointed elsewhere, and back onto that slot; another shape is refused."""
+    p, s = part.params[i], part.layout.slots[i]
+    if tuple(p.shape) != tuple(s.shape):
+        raise RuntimeError(
+            f"ZeRO-3: parameter {part.names[i]!r} was given another shape ({tuple(p.shape)}, sharded as"
+            f" {tuple(s.shape)}) while it was gathered; a parameter keeps its shape under sharding: change"
+            " its values in place, or build the model with the new shape before the strategy's setup."
+        )
+    view = buffer[s.offset : s.end].view(s.shape)
+    if s.numel and p.data_ptr() != view.data_ptr():
+        view.copy_(p.detach())
+        p.data = view
 
 
 def _build_part(
