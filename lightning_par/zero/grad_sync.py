@@ -212,7 +212,9 @@ class GradSync(GradOrder, SyncEvents):
         if not self._pass_started:  # the pass's first gradient (see on_pass_start)
             self._pass_started = True
             self._emit(self._pass_listeners)
-        slot = self._slot_of[id(param)]
+        slot = self._slot_of.get(id(param))
+        if slot is None:  # a user's hook before this one returned a value, which torch hands on; its own
+            return  # error ("... should return None") follows
         self._queue_finalize()
         if self._ready_in_backward[slot]:
             raise RuntimeError(

@@ -151,6 +151,8 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
             Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _on_grad(self, param: Tensor) -> None:
+        if id(param) not in self._unit_of:  # a user's hook before this one returned a value (torch
+            return  # hands it on); torch's own error ("... should return None") follows
         if not self._pass_grads:  # the pass's first gradient: see GradWindow._before_pass
             self._before_pass()
         self._queue_callback()
