@@ -91,6 +91,10 @@ class Stage3Join:
             return
         for unit in self.units:  # a forward's writes to a unit gathered now (inside a step)
             unit.absorb_writes(self.rank, self.world)
+        # units held now (inside a step: the root until its gradients exist) are gathered again at a normal
+        # exit: the step's graph holds views of their storage (MoCo's momentum update between the query
+        # forward and the backward; before, the backward failed: "setStorage: ... storage of size 0")
+        in_step = [unit for unit in self.units if unit.state != "sharded"]
         for unit in self.units:  # whatever this rank holds now, every rank gathers the same units below
             unit.free()
         for unit in self.units:
@@ -132,6 +136,8 @@ class Stage3Join:
                 mark_hf_models_again(self._hf_marked)
             for unit in self.units:
                 unit.free()
+        for unit in in_step:  # every rank held the same units (the same step); the values written inside
+            unit.wait(self.group)
 
     def _keep_writes(self) -> None:
         """Inside ``gathered(writeback=True)``, at the exit: refuse writes that differ between the ranks,
