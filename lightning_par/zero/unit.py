@@ -26,6 +26,7 @@ from torch.distributed import ProcessGroup
 from lightning_par.collectives import all_gather_flat
 from lightning_par.zero.layout import FlatLayout
 from lightning_par.zero.quantize import dequantize_blockwise, quantize_blockwise
+from lightning_par.zero.unit_writes import UnitWrites
 
 _HUGE = 1 << 62  # one bucket per part
 
@@ -64,7 +65,7 @@ class Part:
 
 
 @dataclass(eq=False)
-class Unit:
+class Unit(UnitWrites):
     index: int
     name: str
     module: nn.Module
@@ -180,63 +181,6 @@ class Unit:
             self.state = "gathered"
             self.fresh = True
 
-    def written(self) -> list[str]:
-        """Names of the parameters written in place through themselves (a bumped version counter) or
-        pointed elsewhere (``.data`` replaced) since they were made whole or their writes last absorbed.
-        Host-side only: writes through ``param.data`` are not counted here (:meth:`absorb_writes` finds
-        them by value)."""
-        return [part.names[i] for part in self.parts for i in self._written_slots(part)]
-
-    def _written_slots(self, part: Part) -> list[int]:
-        if self.state != "gathered" or part.stored is not None or not part.gathered_versions:
-            return []
-        base, size = part.full.data_ptr(), part.full.element_size()
-        return [
-            i
-            for i, (p, s, version) in enumerate(
-                zip(part.params, part.layout.slots, part.gathered_versions, strict=True)
-            )
-            if p._version != version or (s.numel and p.data_ptr() != base + s.offset * size)
-        ]
-
-    def absorb_writes(self, rank: int, world: int) -> None:
-        """Keep what was written into the gathered parameters (a forward that renormalises its weight,
-        ``nn.Embedding(max_norm=...)``, a frozen statistic updated in place), as torch's DDP keeps a write
-        in its module: this rank's slice of the gathered buffer goes into its shard (the fp32 master of a
-        trainable part, only where the values differ from the shard's compute copy, so an unwritten
-        master keeps its low bits; the only copy of a frozen part). No host sync: element-wise ops. Ranks
-        that write differently each keep their own values on the slice they hold (under DDP their
-        replicas would drift apart).
-
-        Only while :attr:`fresh`: after an optimizer update the gathered values are older than the
-        shards, and copying them would undo the update. With a low-precision or quantized gather the
-        slice is not the shard's compute copy, so only writes through the parameters themselves (not
-        through ``.data``) are seen, by their version counters."""
-        if self.state != "gathered" or not self.fresh:
-            return
-        for part in self.parts:
-            if part.stored is not None or not part.gathered_versions:
-                continue
-            changed = self._written_slots(part)
-            for i in changed:  # replaced .data (or shape): into the gathered buffer first
-                _take_back(part, i, part.full)
-            lo, hi = part.layout.buckets[0].shard_range(rank, world)
-            own = part.full[lo:hi]
-            if self.gather_dtype not in (None, part.full.dtype) and world > 1:
-                slots = set(changed)
-                for f in part.layout.fragments(rank):
-                    if f.slot in slots:
-                        source = part.full[lo + f.shard_lo : lo + f.shard_lo + f.numel]
-                        part.shard[f.shard_lo : f.shard_lo + f.numel].copy_(source)
-            elif part.shard.dtype == own.dtype:
-                part.shard.copy_(own)  # bitwise equal where nothing was written
-            elif torch.promote_types(own.dtype, part.shard.dtype) == part.shard.dtype:
-                # as ZeRO 1/2 absorb writes to their compute copy (ShardedOptimizer.absorb_param_writes)
-                torch.where(own != part.shard.to(own.dtype), own, part.shard, out=part.shard)
-            else:  # a shard narrower than its gather (frozen_dtype below the compute dtype): rounded
-                part.shard.copy_(torch.where(own != part.shard.to(own.dtype), own, part.shard.to(own.dtype)))
-            part.gathered_versions = [p._version for p in part.params]
-
     def gather_stored(self, group: ProcessGroup) -> None:
         """Make the parameters whole in their stored precision (each part's shard dtype: the fp32 master,
         fp32 frozen weights), not the compute copy: one blocking all-gather per part into ``stored``,
@@ -249,25 +193,6 @@ class Unit:
             for p, s in zip(part.params, part.layout.slots, strict=True):
                 p.data = part.stored[s.offset : s.end].view(s.shape)
         self.state = "gathered"
-
-    def take_back_stored(self) -> None:
-        """Inside :meth:`gather_stored`, before :meth:`keep_stored`: a parameter whose ``.data`` was
-        replaced (torch's ``prune.remove`` sets ``orig.data`` to the pruned weight) has its new values put
-        into ``stored`` and points there again; before, the replacement was dropped at the exit, silently
-        (the unpruned weight came back)."""
-        for part in self.parts:
-            assert part.stored is not None, "take_back_stored() without gather_stored()"
-            for i in range(len(part.params)):
-                _take_back(part, i, part.stored)
-
-    def keep_stored(self, group: ProcessGroup) -> None:
-        """This rank's slice of each ``stored`` buffer (:meth:`gather_stored`) back into its shard:
-        written elements change, the others are the shard's own values, bitwise."""
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        for part in self.parts:
-            assert part.stored is not None, "keep_stored() without gather_stored()"
-            lo, hi = part.layout.buckets[0].shard_range(rank, world)
-            part.shard.copy_(part.stored[lo:hi])
 
     def free(self, *, force: bool = False) -> None:
         """Point the parameters at their placeholders and release the gathered storage."""
@@ -284,22 +209,6 @@ class Unit:
             part.full.untyped_storage().resize_(0)
             part.stored = None
         self.state = "sharded"
-
-
-def _take_back(part: Part, i: int, buffer: Tensor) -> None:
-    """Parameter ``i`` of ``part`` into its slot of ``buffer`` (the gathered ``full`` or ``stored``) where
-    its ``.data`` was pointed elsewhere, and back onto that slot; another shape is refused."""
-    p, s = part.params[i], part.layout.slots[i]
-    if tuple(p.shape) != tuple(s.shape):
-        raise RuntimeError(
-            f"ZeRO-3: parameter {part.names[i]!r} was given another shape ({tuple(p.shape)}, sharded as"
-            f" {tuple(s.shape)}) while it was gathered; a parameter keeps its shape under sharding: change"
-            " its values in place, or build the model with the new shape before the strategy's setup."
-        )
-    view = buffer[s.offset : s.end].view(s.shape)
-    if s.numel and p.data_ptr() != view.data_ptr():
-        view.copy_(p.detach())
-        p.data = view
 
 
 def _build_part(
