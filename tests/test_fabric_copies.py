@@ -94,7 +94,11 @@ def _ema_run(rank: int, name: str, strategy: Any, path: Path) -> dict[str, Any]:
     with FlashSnapshots(fabric, **flash) as snapshots:
         out["flash_step"] = snapshots.restore({"model": model, "optimizer": optimizer, "ema": restored})
     out["flash_ema"] = restored.state_dict()
-    if ours:
+    if ours:  # a second module (a frozen teacher) set up beside the model: refused, naming to_device
+        try:
+            fabric.setup_module(_net().requires_grad_(False))
+        except ValueError as error:
+            out["second"] = str(error)
         strategy.destroy_process_groups()
     return out
 
@@ -185,6 +189,7 @@ def test_ema_copies_extra_modules_and_a_frozen_module_as_under_ddp(tmp_path: Pat
             torch.testing.assert_close(got["loaded_ema"], reference["ema"])
             torch.testing.assert_close(got["flash_ema"], reference["ema"])
             assert got["step"] == got["flash_step"] == STEPS
+            assert "one module per Fabric" in got["second"] and "fabric.to_device(module)" in got["second"]
         assert "is a copy (copy.deepcopy, AveragedModel) of a ZeRO-3 module" in out["zero3"]["early"]
         assert "gathered_params()" in out["zero3"]["early"]
         torch.testing.assert_close(reference["loaded_ema"], reference["ema"])

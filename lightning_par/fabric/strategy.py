@@ -304,8 +304,9 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
             )
             raise ValueError(
                 "lightning_par's Fabric strategy sets up one module per Fabric (its ZeRO engine and"
-                " checkpoints follow that module); wrap several networks in one nn.Module. To evaluate a"
-                " saved checkpoint, fabric.load it into the model already set up." + after
+                " checkpoints follow that module); wrap several networks in one nn.Module. A frozen module"
+                " beside it (a teacher, a reference model) needs no setup: fabric.to_device(module). To"
+                " evaluate a saved checkpoint, fabric.load it into the model already set up." + after
             )
         refuse_sync_batchnorm_on_cpu(  # as Fabric's "ddp", whose DDP wrapper refuses them at setup
             module,
