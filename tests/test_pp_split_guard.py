@@ -13,6 +13,7 @@ out (``consolidated_state_dict()`` into an unsplit model; or a copy whose placeh
 from __future__ import annotations
 
 import copy
+import io
 import tempfile
 import warnings
 from typing import Any
@@ -142,6 +143,7 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
         "forward": _error(lambda: module(PROMPT)),
         "save_pretrained": _error(lambda: module.model.save_pretrained(f"{root}/r{rank}")),
         "state_dict": _error(lambda: module.model.state_dict()),
+        "pickled": _error(lambda: torch.save(module.model, io.BytesIO())),
     }
     state = strategy.consolidated_state_dict()  # collective: the documented way out
     strategy.destroy_process_groups()
@@ -202,6 +204,8 @@ def test_split_model_refuses_whole_calls_and_summary_runs() -> None:
         for what in ("generate", "forward"):
             assert f"called on pipeline stage {rank}" in out[what], (what, out[what])
             assert "consolidated_state_dict()" in out[what], out[what]
+        assert f"pickled (torch.save(model), pickle.dumps) on pipeline stage {rank}" in out["pickled"]
+        assert "consolidated_state_dict()" in out["pickled"], out["pickled"]
         for what in ("save_pretrained", "state_dict"):
             assert "placeholders of layers that live on other pipeline stages" in out[what], out[what]
             assert "consolidated_state_dict()" in out[what], out[what]

@@ -73,7 +73,7 @@ def guard_split_model(root: nn.Module, *, pp_rank: int) -> list[RemovableHandle]
     for name, module in root.named_modules(remove_duplicate=False):
         if name in above and id(module) not in hooked and _remote_name(module, recurse=True) is not None:
             hooked.add(id(module))
-            refuse = _refuse_call(name or type(module).__name__, pp_rank)
+            refuse = _RefuseCall(name or type(module).__name__, pp_rank)
             handles.append(module.register_forward_pre_hook(refuse))
     handles += guard_state_dicts(
         root,
@@ -88,15 +88,31 @@ def guard_split_model(root: nn.Module, *, pp_rank: int) -> list[RemovableHandle]
     return handles
 
 
-def _refuse_call(name: str, pp_rank: int) -> Any:
-    def hook(module: nn.Module, _args: Any) -> None:
+class _RefuseCall:
+    """The forward pre-hook of a module holding other stages' layers: a call refused naming the fixes.
+    Pickled with its module (``torch.save(model)``), it refuses too: the pickle would hold meta
+    placeholders (before, "Can't pickle local object"); ``copy.deepcopy`` keeps it, as a function."""
+
+    def __init__(self, name: str, pp_rank: int) -> None:
+        self.name, self.pp_rank = name, pp_rank
+
+    def __call__(self, module: nn.Module, _args: Any) -> None:
         remote = _remote_name(module, recurse=True)
         if remote is not None:
             raise RuntimeError(
-                f"{name!r} ({type(module).__name__}) was called on pipeline stage {pp_rank}, which holds"
-                f" only its own stage's layers: the other stages' layers in it ({remote!r} among them) are"
-                " meta-device placeholders here, so the call would fail in torch or compute nothing"
-                f" useful (a forward, generate(), a summary's example input). {_FIXES}"
+                f"{self.name!r} ({type(module).__name__}) was called on pipeline stage {self.pp_rank},"
+                " which holds only its own stage's layers: the other stages' layers in it"
+                f" ({remote!r} among them) are meta-device placeholders here, so the call would fail in"
+                " torch or compute nothing useful (a forward, generate(), a summary's example input). "
+                + _FIXES
             )
 
-    return hook
+    def __deepcopy__(self, memo: dict[int, Any]) -> _RefuseCall:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise RuntimeError(
+            f"{self.name!r} was pickled (torch.save(model), pickle.dumps) on pipeline stage {self.pp_rank},"
+            " which holds only its own stage's layers (the others are meta-device placeholders), so the"
+            f" pickle would not hold the model. {_FIXES}"
+        )
