@@ -31,7 +31,7 @@ from __future__ import annotations
 import types
 import weakref
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -142,7 +142,7 @@ def lend_no_sync(
     ``trainer.model`` is the LightningModule itself under this strategy (before: ``AttributeError``):
     ``module.no_sync`` for the run is the strategy's ``block_backward_sync``. Not where the module has a
     ``no_sync`` of its own."""
-    if hasattr(module, "no_sync") and not isinstance(module.no_sync, _Gone):
+    if hasattr(module, "no_sync") and not isinstance(module.no_sync, _NothingToSync):
         return []
 
     def module_no_sync() -> AbstractContextManager[None]:
@@ -320,29 +320,25 @@ class _RunAttribute:
         return _outside_run, (owner, self.name, self.previous)
 
 
-class _Gone:
-    """What a pickled or copied object holds for an attribute the run added that its class lacks
-    (``no_sync``): calling it says so."""
+class _NothingToSync:
+    """What a pickled or copied LightningModule holds for ``no_sync``, the one method the run lends that
+    its class lacks (DDP's idiom): a context doing nothing, as ``no_sync()`` of one process (code that
+    calls it when present runs as under ``"ddp"``; before, it raised)."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"{self.name}() was lent to this object by a lightning_par run, and this object is a copy"
-            " (pickled or deep-copied during the run) outside it; it has no such method."
-        )
+    def __call__(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
 
 def _outside_run(obj: Any, name: str, *previous: Any) -> Any:
     """The attribute ``name`` of ``obj`` (a copy, being rebuilt) without the run's wrapper: the user's own
-    instance attribute it shadowed, else the class's method bound to ``obj``, else :class:`_Gone`."""
+    instance attribute it shadowed, else the class's method bound to ``obj``, else (``no_sync``)
+    :class:`_NothingToSync`."""
     if previous:
         return previous[0]
     attr = getattr(type(obj), name, None)
     if isinstance(attr, types.FunctionType):
         return types.MethodType(attr, obj)
-    return attr if attr is not None else _Gone(name)
+    return attr if attr is not None else _NothingToSync()
 
 
 _ABSENT = object()

@@ -207,9 +207,28 @@ class ShardedOptimizer(GradWindow, ParamWrites):
                     self.master_flat[f.shard_lo : f.shard_lo + f.numel].copy_(piece)
 
     # ------------------------------------------------------------------ step
-    def _before_update(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        """torch's step pre-hook of every rebuilt optimizer: gradients written into ``param.grad`` are
-        refused (:mod:`lightning_par.zero.grad_writes`); the masters take the user's writes first."""
+    def _before_update(self, optimizer: Optimizer, args: Any, kwargs: Any) -> Any:
+        """torch's step pre-hook of every rebuilt optimizer: :meth:`_ready_for_update` now, or, for a step
+        given a closure (Lightning's automatic optimization runs ``training_step``, the backward and
+        ``on_before_optimizer_step`` in it, inside ``step``), right after the closure: a write made there
+        (a clamp, ``p.data = ...``) was lost or undid the update, 0.2 off ``"ddp"`` in a probe."""
+        closure = kwargs["closure"] if "closure" in kwargs else args[0] if args else None
+        if closure is None:
+            self._ready_for_update()
+            return None
+
+        def then_ready() -> Any:
+            result = closure()
+            self._ready_for_update()
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": then_ready}
+        return (then_ready, *args[1:]), kwargs
+
+    def _ready_for_update(self) -> None:
+        """Gradients written into ``param.grad`` are refused (:mod:`lightning_par.zero.grad_writes`); the
+        masters take the user's writes to the parameters first."""
         refuse_written_grads(self.sync.params, names=self._names, engine_buffer=self.sync.buffer)
         self.absorb_param_writes()
         self._params_current = False
@@ -262,8 +281,8 @@ class ShardedOptimizer(GradWindow, ParamWrites):
             yield
             return
         sync, masters = self.sync, self.master_flat
-        # entered inside a step (training_step runs between the pre-hook and the refresh), the step's
-        # update is still to come: the flag the pre-hook cleared must stay cleared after the refresh below
+        # entered while the masters are ahead of the parameters (between an update and its refresh), the
+        # flag stays cleared after the refresh below
         current = self._params_current
         stored = self._whole_masters_in_params()
         try:
