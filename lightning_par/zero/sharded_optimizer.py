@@ -212,7 +212,8 @@ class ShardedOptimizer(GradWindow, ParamWrites):
         given a closure (Lightning's automatic optimization runs ``training_step``, the backward and
         ``on_before_optimizer_step`` in it, inside ``step``), right after the closure: a write made there
         (a clamp, ``p.data = ...``) was lost or undid the update, 0.2 off ``"ddp"`` in a probe."""
-        closure = kwargs["closure"] if "closure" in kwargs else args[0] if args else None
+        # torch hands the hook step's positional arguments with the optimizer first
+        closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
         if closure is None:
             self._ready_for_update()
             return None
@@ -224,7 +225,7 @@ class ShardedOptimizer(GradWindow, ParamWrites):
 
         if "closure" in kwargs:
             return args, {**kwargs, "closure": then_ready}
-        return (then_ready, *args[1:]), kwargs
+        return (args[0], then_ready, *args[2:]), kwargs
 
     def _ready_for_update(self) -> None:
         """Gradients written into ``param.grad`` are refused (:mod:`lightning_par.zero.grad_writes`); the
