@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -74,9 +75,12 @@ def _fits(rank: int, world: int, tmp: str) -> dict[str, Any]:
     ]
     module = _module()
     trainer = _trainer(HybridParallelStrategy(zero_stage=2), 1, tmp, callbacks, world)
-    trainer.fit(module, loader)
-    trainer.save_checkpoint(manual)
-    first = {"step": trainer.global_step, "state": _state(module)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, loader)
+        trainer.save_checkpoint(manual)
+    notes = [str(w.message) for w in caught if "checkpoints are directories" in str(w.message)]
+    first = {"step": trainer.global_step, "state": _state(module), "notes": notes}
 
     module = _module()
     trainer = _trainer(HybridParallelStrategy(zero_stage=2), 2, tmp, [], world)
@@ -334,6 +338,14 @@ def test_missing_rank_file_and_incomplete_checkpoint_keep_their_errors(
 
 
 # ---------------------------------------------------------------------------------------------- (e)
+def test_sharded_saves_say_how_to_open_them_elsewhere(trained: dict[str, Any]) -> None:
+    """A user porting a ``"ddp"`` project met Lightning's bare ``IsADirectoryError`` in
+    ``load_from_checkpoint``; the first sharded save now says what opens the directory (rank 0)."""
+    (note, *_) = trained["first"]["notes"]
+    assert "lightning-par-consolidate" in note and "save_distributed_checkpoint=False" in note, note
+    assert "load_from_checkpoint" in note, note
+
+
 def test_weights_only_checkpoints_hold_no_optimizer_state(trained: dict[str, Any]) -> None:
     """At ZeRO-2 in fp32 every rank holds the whole model, whose parameters are the masters: a weights-only
     checkpoint is one Lightning file, as "ddp" writes it, which ``load_from_checkpoint`` reads in a plain

@@ -24,9 +24,26 @@ from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning_par.checkpoint.dcp_import import is_dcp_checkpoint
 from lightning_par.checkpoint.sharded import META_FILE, is_sharded_checkpoint, swap_into_place
 
-__all__ = ["local_path", "read_torch_file", "refuse_directory", "sharded_path", "write_over_directory"]
+__all__ = [
+    "DIRECTORY_NOTE",
+    "local_path",
+    "read_torch_file",
+    "refuse_directory",
+    "sharded_path",
+    "write_over_directory",
+]
 
 _LISTED = 5  # checkpoints named in the message
+
+
+# said at the first sharded save, before a user meets Lightning's bare IsADirectoryError in
+# load_from_checkpoint, torch.load or a Trainer with another strategy (a probe porting a "ddp" project did)
+DIRECTORY_NOTE = (
+    "lightning_par: checkpoints are directories of per-rank files (the optimizer state is sharded), which"
+    " this strategy resumes (ckpt_path=...). Lightning's load_from_checkpoint, torch.load and"
+    " Trainers with other strategies cannot open a directory: convert one with `lightning-par-consolidate"
+    " DIR OUT.ckpt`, or pass save_distributed_checkpoint=False to write one ordinary file."
+)
 
 
 def refuse_directory(path: Path) -> None:

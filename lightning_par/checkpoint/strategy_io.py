@@ -56,6 +56,7 @@ from lightning_par.checkpoint.sharded import (
     read_rank_entries,
 )
 from lightning_par.checkpoint.single_file import (
+    DIRECTORY_NOTE,
     local_path,
     read_torch_file,
     refuse_directory,
@@ -270,6 +271,7 @@ class ZeroCheckpointIO(ParallelStrategy):
             world_size=self.world_size,
             barrier=self.barrier,
         )
+        rank_zero_warn(DIRECTORY_NOTE)  # once per process: the same message at every save
 
     @property
     def writes_sharded_checkpoints(self) -> bool:
