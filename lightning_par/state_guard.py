@@ -161,7 +161,8 @@ class _RefuseBelow:
         copied = memo.get(id(self.module()))
         if not isinstance(copied, nn.Module):
             return self
-        return _RefuseBelow(copied, self.prefixes, self.reason, self.top() or copied)
+        top = self.top()
+        return _RefuseBelow(copied, self.prefixes, self.reason, copied if top is None else top)
 
     def __reduce__(self) -> tuple[type[CopyHook], tuple[None]]:
         module = self.module()

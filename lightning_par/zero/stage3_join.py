@@ -93,8 +93,12 @@ class Stage3Join:
             unit.absorb_writes(self.rank, self.world)
         # units held now (inside a step: the root until its gradients exist) are gathered again at a normal
         # exit: the step's graph holds views of their storage (MoCo's momentum update between the query
-        # forward and the backward; before, the backward failed: "setStorage: ... storage of size 0")
-        in_step = [unit for unit in self.units if unit.state != "sharded"]
+        # forward and the backward; before, the backward failed: "setStorage: ... storage of size 0").
+        # Those any rank holds, agreed (a gather is collective; a data-dependent forward may differ).
+        flags = [int(unit.state != "sharded") for unit in self.units]
+        holding = torch.tensor(flags, dtype=torch.int32, device=self.device)
+        dist.all_reduce(holding, op=dist.ReduceOp.MAX, group=self.group)
+        in_step = [unit for unit, h in zip(self.units, holding.tolist(), strict=True) if h]  # a host read
         for unit in self.units:  # whatever this rank holds now, every rank gathers the same units below
             unit.free()
         for unit in self.units:
