@@ -76,7 +76,9 @@ class UnitWrites:
             changed = self._written_slots(part)
             for i in changed:  # replaced .data (or shape): into the gathered buffer first
                 take_back(part, i, part.full)
-            if changed and part.full.dtype.itemsize < part.shard.dtype.itemsize:
+            # a frozen part (a teacher) written in a narrower gathered copy: said (a trainable one is
+            # written by its forward, a renorm, whose rounding is the compute dtype's anyway)
+            if changed and not part.trainable and part.full.dtype.itemsize < part.shard.dtype.itemsize:
                 _rounded_writes([part.names[i] for i in changed], part.full.dtype)
             lo, hi = part.layout.buckets[0].shard_range(rank, world)
             own = part.full[lo:hi]
