@@ -219,8 +219,11 @@ class GradSync(GradOrder, SyncEvents):
         if self._ready_in_backward[slot]:
             raise RuntimeError(
                 f"Parameter {self._names[slot]!r} received two gradients in one backward pass (used in two"
-                " reentrant checkpoint regions, or two backward calls). Use non-reentrant checkpointing"
-                " there, and one backward per step, accumulating under no_sync()/block_backward_sync()."
+                " reentrant checkpoint regions, or two backward calls, or in forwards on both sides of a"
+                " gathered_params(writeback=True) inside the step in 16-bit mixed precision: its fp32"
+                " copies give the parameters new gradient accumulators). Use non-reentrant checkpointing"
+                " there, and one backward per step, accumulating under no_sync()/block_backward_sync();"
+                " enter gathered_params before the step's first forward or after its backward."
             )
         self._ready_in_backward[slot] = True
         if self._order_pending:
