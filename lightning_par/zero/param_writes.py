@@ -47,9 +47,12 @@ class ParamWrites:
         precision; a written one has the precision it was written in. Nothing is communicated (each rank
         owns its slice, and every rank ran the same write). A no-op when the parameters are the masters
         (fp32 training: writes land in them directly) or while the masters are ahead of the parameters
-        (between an update and its refresh). Replaced parameters are taken back first."""
+        (between an update and its refresh: the update's own pass took them). Replaced parameters are
+        taken back first, so once per step."""
+        if not self._params_current:
+            return
         self.take_back_replaced()
-        if self.master_flat is None or not self._params_current:
+        if self.master_flat is None:
             return
         for _, _, lo, hi, at in self._own:
             master, compute = self.master_flat[at : at + hi - lo], self.param_flat[lo:hi]
@@ -69,19 +72,30 @@ class ParamWrites:
         views = self._views if self._whole_views is None else self._whole_views
         replaced: dict[int, Tensor] = {}
         for i, (name, p, view) in enumerate(zip(self.sync.names, self.sync.params, views, strict=True)):
-            if p.data_ptr() == view.data_ptr() and p.shape == view.shape:  # no .data: a new tensor per call
-                continue
-            if p.shape != view.shape:
-                raise RuntimeError(
-                    f"ZeRO 1/2: parameter {name!r} was given another shape ({tuple(p.shape)}, laid out as"
-                    f" {tuple(view.shape)}) during training. A parameter keeps its shape in the strategy's"
-                    " flat buffer: change its values (in place or by p.data = a tensor of the same shape),"
-                    " or build the model with the new shape before fit, or use zero_stage=0."
-                )
-            replaced[i] = p.detach()
-            view.copy_(replaced[i])
-            p.data = view  # the Parameter object (and autograd hooks on it) stays the same
+            new = point_back(p, view, name=name, stage="ZeRO 1/2")
+            if new is not None:
+                replaced[i] = new
         if replaced and self.master_flat is not None and self._whole_views is None:
             for f, (master, _, slot) in zip(self.fragments, self._master_slots, strict=True):
                 if slot in replaced:
                     master.copy_(replaced[slot].reshape(-1)[f.param_lo : f.param_hi])
+
+
+def point_back(param: Tensor, view: Tensor, *, name: str, stage: str) -> Tensor | None:
+    """``param`` whose ``.data`` was pointed away from ``view``, its place in an engine buffer (ZeRO 1/2's
+    flat buffer, a ZeRO-3 unit's gathered one): ``view`` takes the new values and ``param`` points there
+    again; the replacing tensor is returned, None where nothing was replaced (a pointer test). Another
+    shape is refused."""
+    if param.data_ptr() == view.data_ptr() and param.shape == view.shape:  # no .data: a new tensor per call
+        return None
+    if param.shape != view.shape:
+        raise RuntimeError(
+            f"{stage}: parameter {name!r} was given another shape ({tuple(param.shape)}, laid out as"
+            f" {tuple(view.shape)}) during training. A parameter keeps its shape in the strategy's buffers:"
+            " change its values (in place, or p.data = a tensor of the same shape), or build the model with"
+            " the new shape before the strategy's setup."
+        )
+    new = param.detach()
+    view.copy_(new)
+    param.data = view  # the Parameter object (and autograd hooks on it) stays the same
+    return new

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lightning_par.zero.param_writes import point_back
+
 if TYPE_CHECKING:
     from lightning_par.zero.unit import Part
 
@@ -119,18 +121,10 @@ class UnitWrites:
 
 def take_back(part: Part, i: int, buffer: Tensor) -> None:
     """Parameter ``i`` of ``part`` into its slot of ``buffer`` (the gathered ``full`` or ``stored``) where
-    its ``.data`` was pointed elsewhere, and back onto that slot; another shape is refused."""
-    p, s = part.params[i], part.layout.slots[i]
-    if tuple(p.shape) != tuple(s.shape):
-        raise RuntimeError(
-            f"ZeRO-3: parameter {part.names[i]!r} was given another shape ({tuple(p.shape)}, sharded as"
-            f" {tuple(s.shape)}) while it was gathered; a parameter keeps its shape under sharding: change"
-            " its values in place, or build the model with the new shape before the strategy's setup."
-        )
-    view = buffer[s.offset : s.end].view(s.shape)
-    if s.numel and p.data_ptr() != view.data_ptr():
-        view.copy_(p.detach())
-        p.data = view
+    its ``.data`` was pointed elsewhere, and back onto that slot (:func:`point_back`)."""
+    s = part.layout.slots[i]
+    if s.numel:
+        point_back(part.params[i], buffer[s.offset : s.end].view(s.shape), name=part.names[i], stage="ZeRO-3")
 
 
 def _rounded_writes(names: list[str], dtype: torch.dtype) -> None:
