@@ -78,17 +78,25 @@ def _fp32_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     wide_kw = {
         k: v.float() if isinstance(v, Tensor) and v.is_floating_point() else v for k, v in kwargs.items()
     }
-    saved = dict(slots)
-    device = next((t.device for t in (*floats, *saved.values()) if t is not None), torch.device("cpu"))
-    with torch.autocast(device.type, enabled=False):
-        try:
-            for name, p in saved.items():
-                if p is not None and p.is_floating_point():
-                    slots[name] = p.float()  # type: ignore[assignment]
-            out = inner(*wide, **wide_kw)
-        finally:
-            slots.update(saved)
+    device = next((t.device for t in (*floats, *slots.values()) if t is not None), torch.device("cpu"))
+    with torch.autocast(device.type, enabled=False), _fp32_slots(self):
+        out = inner(*wide, **wide_kw)
     return out.to(floats[0].dtype) if floats and isinstance(out, Tensor) else out
+
+
+@contextmanager
+def _fp32_slots(module: nn.Module) -> Iterator[None]:
+    """``module``'s own floating parameters replaced in its slots by differentiable fp32 casts for the
+    duration (see :func:`compute_in_fp32`), put back after."""
+    slots = module._parameters
+    saved = dict(slots)
+    try:
+        for name, p in saved.items():
+            if p is not None and p.is_floating_point() and p.dtype != torch.float32:
+                slots[name] = p.float()  # type: ignore[assignment]
+        yield
+    finally:
+        slots.update(saved)
 
 
 _FP32_ATTR = "_lightning_par_fp32"  # on a module compute_in_fp32 changed: (its own instance forward,)
@@ -125,15 +133,8 @@ def parametrizations_in_fp32(module: nn.Module) -> None:
 def _fp32_originals(self: nn.Module) -> Any:
     (previous,) = self.__dict__[_FP32_ATTR]
     inner = previous if previous is not None else types.MethodType(type(self).forward, self)
-    slots = self._parameters
-    saved = dict(slots)
-    try:
-        for name, p in saved.items():
-            if p is not None and p.is_floating_point() and p.dtype != torch.float32:
-                slots[name] = p.float()  # type: ignore[assignment]  # a differentiable cast, as above
+    with _fp32_slots(self):
         return inner()
-    finally:
-        slots.update(saved)
 
 
 def spectral_norms_in_fp32(module: nn.Module) -> None:
