@@ -22,6 +22,7 @@ compared with the same loop in one process on Fabric's own single-device strateg
 from __future__ import annotations
 
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +125,9 @@ def _run(
         optimizer = fabric.setup_optimizers(make_optimizer(model))
         fabric.load_raw(raw, model)
     losses = _loop(fabric, model, optimizer, rank=rank, world=world, steps=range(2))
+    notes: list[int] = []  # per fabric.save: the directory notes it gave
     if save is not None:
-        fabric.save(save, {"model": model, "optimizer": optimizer, "step": 2})
+        notes.append(_save(fabric, save, {"model": model, "optimizer": optimizer, "step": 2}))
     losses += _loop(fabric, model, optimizer, rank=rank, world=world, steps=range(2, STEPS))
     refused = ""
     if getattr(fabric.strategy, "zero_stage", 0) == 3:
@@ -136,14 +138,29 @@ def _run(
     state = _full_state(fabric, model)
     saved: dict[str, Any] = {}
     if final is not None:  # the model alone, as litgpt saves its result: one file, loadable without Fabric
-        fabric.save(final, {"model": model, "optimizer": optimizer})  # a directory, replaced by the file
-        fabric.save(final, {"model": model})
+        notes.append(_save(fabric, final, {"model": model, "optimizer": optimizer}))  # a directory, replaced
+        notes.append(_save(fabric, final, {"model": model}))  # by the file
         saved = {"file": Path(final).is_file()}
         if rank == 0:
             saved["model"] = torch.load(final, weights_only=True)["model"]
     fabric.strategy.destroy_process_groups()  # type: ignore[attr-defined]  # loop after loop in one process
     groups = len(dist.distributed_c10d._world.pg_map)
-    return {"losses": losses, "state": state, "groups": groups, "refused": refused, "saved": saved}
+    return {
+        "losses": losses,
+        "state": state,
+        "groups": groups,
+        "refused": refused,
+        "saved": saved,
+        "notes": notes,
+    }
+
+
+def _save(fabric: Fabric, path: str, state: dict[str, Any]) -> int:
+    """``fabric.save``, counting the notes that the directory it wrote cannot be opened by torch.load."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.save(path, state)
+    return sum("lightning-par-consolidate DIR OUT.pth" in str(w.message) for w in caught)
 
 
 def _full_state(fabric: Fabric, model: Any) -> dict[str, torch.Tensor] | None:
@@ -251,6 +268,14 @@ def test_litgpt_fabric_loops_equal_the_single_process_run(capsys: pytest.Capture
                 assert "with strategy.gathered_params():" in r[name]["refused"], r[name]["refused"]
     # fabric.save(path, {"model": model}) at ZeRO-2: one file of the weights (before, a directory)
     assert all(r["zero2"]["saved"]["file"] for r in results)
+    # a directory is announced on rank 0 with the ways to one file (before, litgpt's final save at ZeRO-3
+    # became a directory named like a file, silently, and its tools failed on IsADirectoryError)
+    notes = {
+        name: [r[name]["notes"] for r in results] for name in ("zero2", "zero3_saved", "zero3_saved_file")
+    }
+    assert notes == {"zero2": [[1, 0], [0, 0]], "zero3_saved": [[1], [0]], "zero3_saved_file": [[0], [0]]}, (
+        notes
+    )
     _assert_equal(
         {"losses": ref["losses"], "state": results[0]["zero2"]["saved"]["model"]}, ref, "final file"
     )

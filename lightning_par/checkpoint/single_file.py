@@ -26,6 +26,7 @@ from lightning_par.checkpoint.sharded import META_FILE, is_sharded_checkpoint, s
 
 __all__ = [
     "DIRECTORY_NOTE",
+    "FABRIC_DIRECTORY_NOTE",
     "local_path",
     "read_torch_file",
     "refuse_directory",
@@ -43,6 +44,15 @@ DIRECTORY_NOTE = (
     " this strategy resumes (ckpt_path=...). Lightning's load_from_checkpoint, torch.load and"
     " Trainers with other strategies cannot open a directory: convert one with `lightning-par-consolidate"
     " DIR OUT.ckpt`, or pass save_distributed_checkpoint=False to write one ordinary file."
+)
+# the same for fabric.save: litgpt's final save(path / "lit_model.pth", {"model": model}) at ZeRO-3 (no rank
+# holds the model whole there) became a directory named like a file, which its tools then could not open
+FABRIC_DIRECTORY_NOTE = (
+    "lightning_par: fabric.save wrote a directory of per-rank files (the optimizer state is sharded at ZeRO"
+    " 1-3; at ZeRO-3 and under tensor or pipeline parallelism the model's parameters too, even in a state"
+    " without an optimizer), which fabric.load with this strategy reads. torch.load, Fabric's other"
+    " strategies and litgpt's tools cannot open a directory: convert one with `lightning-par-consolidate DIR"
+    " OUT.pth`, or pass save_distributed_checkpoint=False to write one ordinary file."
 )
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -53,7 +54,7 @@ from lightning_par.checkpoint.sharded import (
     read_meta,
     read_rank_entries,
 )
-from lightning_par.checkpoint.single_file import read_torch_file, write_over_directory
+from lightning_par.checkpoint.single_file import FABRIC_DIRECTORY_NOTE, read_torch_file, write_over_directory
 from lightning_par.checkpoint.tp_reshard import TPInfo, global_shapes, localize, tp_info
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 
@@ -173,6 +174,7 @@ def save(strategy: HybridParallelStrategy, path: Path, state: Mapping[str, Any])
             k: rank_entry(a, dp_rank=mesh.dp_rank, tp_rank=mesh.tp_rank) for k, a in averages.items()
         }
         save_sharded(checkpoint, path, payload=payload, rank=rank, world_size=world, barrier=strategy.barrier)
+        rank_zero_warn(FABRIC_DIRECTORY_NOTE)  # once per process: the same message at every save
         return
     meta["format"] = "full"
     if engine.stage == 0 and not in_pieces:

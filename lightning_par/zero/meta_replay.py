@@ -43,7 +43,9 @@ def refuse_writes_after_build(root: nn.Module) -> None:
             " that built the model (between fabric.init_module(empty_init=True) / configure_model() and"
             " setup, e.g. model.apply(model._init_weights)), while they were meta placeholders: those writes"
             " would be lost. Make them inside the block (writes there are replayed on the shards at setup),"
-            " or pass meta_init=False to build the model whole on every rank first."
+            " or set an initialiser as a module's reset_parameters without calling it (as litgpt's pretrain"
+            " does for FSDP: each shard is initialised by its module's reset_parameters()), or pass"
+            " meta_init=False to build the model whole on every rank first."
         )
 
 
