@@ -16,15 +16,21 @@ probe's finding:
 * ``copy.deepcopy(model)`` of what ``fabric.setup`` returned (Fabric's wrapper, which holds the strategy)
   failed at every layout ("cannot pickle 'ProcessGroup' object"); Fabric's ``"ddp"`` copies it. The copy
   now shares the strategy, and at tp2 its forward no longer consumes the original's first-input check.
+* ``torch.save(model)`` of that wrapper met the same "cannot pickle 'ProcessGroup' object"; it is refused
+  naming ``torch.save(model.module, f)``, whose file loads in one process to ``"ddp"``'s module (under
+  Fabric's ``"ddp"`` the wrapper pickles, but its DDP cannot be loaded outside the run's process group).
 """
 
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
@@ -141,6 +147,19 @@ def _wrapper_copy_run(strategy: Any) -> dict[str, Any]:
                 e.lerp_(p, 1 - DECAY)
     with torch.no_grad():
         out["ema_out"] = ema(input_ids=probe).logits
+    if ours:  # the wrapper holds the strategy: refused by name (before, "cannot pickle 'ProcessGroup'")
+        # (at ZeRO-3 outside gathered_params the placeholders' refusal comes first, under tp the slices')
+        with gathered(), pytest.raises((TypeError, RuntimeError)) as info:
+            torch.save(model, io.BytesIO())
+        out["wrapper_pickle"] = str(info.value)
+        if strategy.tensor_parallel_size > 1:
+            return out
+    buffer = io.BytesIO()
+    with gathered():
+        torch.save(model.module, buffer)  # the way the refusal names
+    buffer.seek(0)
+    with torch.no_grad():
+        out["pickled_out"] = torch.load(buffer, weights_only=False)(input_ids=probe).logits
     if ours:
         strategy.destroy_process_groups()
     return out
@@ -200,7 +219,11 @@ def test_ema_copies_extra_modules_and_a_frozen_module_as_under_ddp(tmp_path: Pat
         wrapper = out["wrapper"]
         assert (wrapper["ddp"]["ema_out"] - wrapper["ddp"]["first"]).abs().max() > 1e-2
         for name in ("zero1", "zero3", "tp2"):
-            for key in ("first", "ema_out"):
+            refusal = (
+                "cannot be pickled (torch.save(model)" if name == "tp2" else "torch.save(model.module, f)"
+            )
+            assert refusal in wrapper[name]["wrapper_pickle"], wrapper[name]["wrapper_pickle"]
+            for key in ("first", "ema_out") + (() if name == "tp2" else ("pickled_out",)):
                 msg = lambda m, n=name, k=key: f"deepcopy(model) at {n}, {k}: {m}"  # noqa: E731
                 torch.testing.assert_close(wrapper[name][key], wrapper["ddp"][key], msg=msg)
         assert "were given different forward batches" in out["tp_check"], out["tp_check"]
@@ -211,3 +234,5 @@ def test_a_strategy_not_yet_launched_is_copied_like_any_object() -> None:
     copied = copy.deepcopy(strategy)
     assert copied is not strategy
     assert (copied.zero_stage, copied.tensor_parallel_size, copied.tp_plan) == (2, 2, "llama")
+    unpickled = pickle.loads(pickle.dumps(strategy))  # a spawn launcher sends it so
+    assert (unpickled.zero_stage, unpickled.tensor_parallel_size, unpickled.tp_plan) == (2, 2, "llama")

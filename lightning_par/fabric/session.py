@@ -10,9 +10,10 @@ and removes the run's hooks; the mesh outlives it until :meth:`FabricSession.des
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -33,6 +34,7 @@ SETUP_ATTR = "_lightning_par_fabric_setup"  # set on a module a strategy has set
 
 if TYPE_CHECKING:
     from lightning_par.fabric.strategy import HybridParallelStrategy
+    from lightning_par.mesh import ParallelMesh
 
 
 def refuse_second_setup(module: nn.Module) -> None:
@@ -71,6 +73,37 @@ class FabricSession(FabricProcesses):
     _pending_hook: RemovableHandle | None
     _metric_sync: MetricSync
     before_optimizer_step: list[Callable[[], None]]
+    _mesh: ParallelMesh | None
+
+    def _launched(self) -> bool:
+        return self._mesh is not None or self.module is not None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FabricSession:
+        """``copy.deepcopy`` of what ``fabric.setup`` returned (an EMA or teacher copy: Fabric's wrapper holds
+        its strategy) shares this strategy once it is launched: its process groups, mesh and engine belong to
+        the session and cannot be copied (before, "cannot pickle 'ProcessGroup' object"; Fabric's ``"ddp"``
+        copies). The copied module runs none of the engine's hooks (they act on the original only,
+        :mod:`lightning_par.owned_hooks`). Before launch the strategy is copied like any object."""
+        if not self._launched():
+            new = object.__new__(type(self))
+            memo[id(self)] = new
+            new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+            return new
+        return self
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        """Pickled before launch like any object (a spawn launcher sends it to its processes); once launched
+        refused naming what to save: ``torch.save(model)`` of ``fabric.setup``'s wrapper reached the
+        session's process groups, "cannot pickle 'ProcessGroup' object" (under Fabric's ``"ddp"`` the file
+        is written but its DDP wrapper cannot be loaded outside the run's process group)."""
+        if not self._launched():
+            return super().__reduce_ex__(protocol)
+        raise TypeError(
+            "lightning_par's Fabric strategy cannot be pickled once launched (it holds the run's process"
+            " groups), nor can what fabric.setup returned, which holds it. Pickle the module itself,"
+            " torch.save(model.module, f) (at ZeRO-3 inside `with fabric.strategy.gathered_params():`), or"
+            " save its weights with fabric.save(path, {'model': model})."
+        )
 
     @property
     def _strategy(self) -> HybridParallelStrategy:

@@ -35,7 +35,6 @@ precision plugin, :mod:`.session` for checkpoints, gathers and teardown, :mod:`.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -257,19 +256,6 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
         # before setup_module is pointed at the replacements (kept until the optimizers are set up)
         self._replaced: Replaced = {}
         self._metric_sync = MetricSync()  # torchmetrics over the data-parallel group
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> HybridParallelStrategy:
-        """``copy.deepcopy`` of what ``fabric.setup`` returned (an EMA or teacher copy: Fabric's wrapper holds
-        its strategy) shares this strategy once it is launched: its process groups, mesh and engine belong to
-        the session and cannot be copied (before, "cannot pickle 'ProcessGroup' object"; Fabric's ``"ddp"``
-        copies). The copied module runs none of the engine's hooks (they act on the original only,
-        :mod:`lightning_par.owned_hooks`). Before launch the strategy is copied like any object."""
-        if self._mesh is None and self.module is None:
-            new = object.__new__(type(self))
-            memo[id(self)] = new
-            new.__dict__.update(copy.deepcopy(self.__dict__, memo))
-            return new
-        return self
 
     # ------------------------------------------------------------------ setup
     @override
