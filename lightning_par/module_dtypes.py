@@ -218,19 +218,24 @@ def cast_frozen(module: nn.Module, dtype: torch.dtype | None) -> None:
 # torch's words for two operands of different floating dtypes (CPU and CUDA kernels, autograd)
 _DTYPE_CLASH = re.compile(
     r"same dtype|same scalar type|same type as tensor|expected scalar type|mixed dtype|expected dtype"
-    r"|should have same dtype|must have the same dtype"
+    r"|should have same dtype|must have the same dtype|and (?:weight|bias) type"
 )
 
 
 @contextmanager
-def explained_dtype_errors(*, enabled: bool, dtype: torch.dtype, precision: str) -> Iterator[None]:
+def explained_dtype_errors(
+    *, enabled: bool, dtype: torch.dtype, precision: str, hook: str | None = None
+) -> Iterator[None]:
     """Inside (a step's forward under a mixed precision with fp32 masters), a ``RuntimeError`` in torch's
     words for operands of two dtypes gets a note saying what may cause it here and what fixes it: the
     parameters a module computes with are ``dtype`` copies, where Lightning's ``"ddp"`` keeps fp32
     parameters under autocast, so an op autocast leaves alone (on the CPU ``mv``, ``lerp``, ``index_add_``,
     ``tensordot``, ``cross``, a custom norm's ``F.layer_norm`` of an upcast input, ...) may meet a 16-bit
-    weight and an fp32 tensor (before, torch's message alone). The exception is the same object, of the
-    same type, with its traceback: a note (Python 3.11+; before that, the message is left as it is)."""
+    weight and an fp32 tensor (before, torch's message alone). ``hook``: inside that Lightning hook, which
+    runs outside any autocast (a diffusion model sampled in ``on_validation_epoch_end``: every layer meets
+    the fp32 input; an EMA's ``lerp_`` of its fp32 copy towards the weights). The exception is the same
+    object, of the same type, with its traceback: a note (Python 3.11+; before that, the message is left
+    as it is)."""
     if not enabled:
         yield
         return
@@ -242,12 +247,20 @@ def explained_dtype_errors(*, enabled: bool, dtype: torch.dtype, precision: str)
         if add_note is None or noted or not _DTYPE_CLASH.search(str(error)):
             raise
         name = str(dtype).removeprefix("torch.")
+        where = (
+            f" and {hook} runs outside the step's autocast. Run the module there inside"
+            " `with self.trainer.precision_plugin.forward_context():` (autocast, as in a step), or compute"
+            " with the fp32 weights inside `with self.trainer.strategy.gathered_params(writeback=True):` on"
+            " every rank (where an EMA's lerp_ towards them belongs too)"
+            if hook is not None
+            else " and this op is one autocast does not cast. Cast in the layer (the other operand to the"
+            " weight's dtype, or the weight .float())"
+        )
         add_note(
             f"{_NOTE}: if one of the operands is a module's weight: at ZeRO stages 1-3 with fp32 master"
             f" weights the parameters a module computes with are {name} copies (the masters stay in the"
-            " shards), where Lightning's 'ddp' keeps fp32 parameters under autocast, and this op is one"
-            " autocast does not cast. Cast in the layer (the other operand to the weight's dtype, or the"
-            " weight .float()), or keep fp32 parameters under autocast as 'ddp' does:"
+            f" shards), where Lightning's 'ddp' keeps fp32 parameters{'' if hook else ' under autocast'},"
+            f"{where}, or keep fp32 parameters as 'ddp' does:"
             f" plugins=[ParallelPrecision({precision!r}, master_weights=False)], at the memory of unsharded"
             " fp32 parameters and gradients."
         )

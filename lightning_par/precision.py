@@ -198,6 +198,11 @@ class ParallelPrecision(PrecisionSteps):
         return self.compute_dtype if self.frozen_dtype == "compute" or self.precision == "bf16-true" else None
 
     @property
+    def mixed(self) -> bool:
+        """A mixed precision: the step's forward under autocast."""
+        return self.precision in ("bf16-mixed", "16-mixed")
+
+    @property
     def uses_masters(self) -> bool:
         """Low-precision parameters whose fp32 masters live in the ZeRO shards."""
         return self.low_precision and self.master_weights
@@ -220,7 +225,7 @@ class ParallelPrecision(PrecisionSteps):
             )
         requested = self.requested_master_weights
         self.master_weights = self.low_precision and (zero_stage > 0 if requested is None else requested)
-        fp32_params = not self.master_weights and self.precision in ("bf16-mixed", "16-mixed")
+        fp32_params = not self.master_weights and self.mixed
         if fp32_params and self.frozen_dtype == "compute":
             raise ValueError(
                 f"ParallelPrecision({self.precision!r}, frozen_dtype='compute') stores frozen parameters in"
@@ -275,14 +280,15 @@ class ParallelPrecision(PrecisionSteps):
     def forward_context(self) -> Generator[None, None, None]:
         # with masters under autocast, a dtype clash that may be a 16-bit weight meeting an fp32 tensor
         # gets a note (module_dtypes); bf16-true casts the whole computation as "ddp" does
-        mixed = self.uses_masters and self.precision in ("bf16-mixed", "16-mixed")
-        notes = explained_dtype_errors(enabled=mixed, dtype=self.compute_dtype, precision=self.precision)
+        notes = explained_dtype_errors(
+            enabled=self.uses_masters and self.mixed, dtype=self.compute_dtype, precision=self.precision
+        )
         with notes, self._dtypes():
             yield
 
     @contextmanager
     def _dtypes(self) -> Generator[None, None, None]:
-        if self.precision in ("bf16-mixed", "16-mixed"):
+        if self.mixed:
             # no weight-cast cache, as Lightning's MixedPrecision: a step that updates the weights and
             # runs forward again inside one training_step (manual optimization's inner loop, a GAN's two
             # optimizers) would reuse the casts of the weights before the update (before: 0.18 off "ddp")
