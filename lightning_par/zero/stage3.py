@@ -218,6 +218,9 @@ class Stage3Engine(Stage3Hooks):
         self._window_params: set[int] = set()  # ids of the parameters with gradients in this window
         self._group_params: list[list[list[nn.Parameter]]] = []
         self._masters: list[tuple[Unit, Fragment, Tensor]] = []  # (unit, fragment, master view)
+        # per master, its optimizer's id: none before shard_optimizers, whose absence (validate / test /
+        # predict) a backward there must not trip over (saliency maps: before, an AttributeError)
+        self._master_owners: list[int] = []
         self._grad_views: list[Tensor | None] = []  # stage3_optim: each master's gradient view
 
     # ------------------------------------------------------------------ construction
