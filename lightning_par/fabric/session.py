@@ -70,6 +70,7 @@ class FabricSession(FabricProcesses):
     _grad_reads: GradReads | None
     _refusal: RemovableHandle | None
     _first_forward: RemovableHandle | None
+    _buffer_hooks: list[RemovableHandle]
     _pending_hook: RemovableHandle | None
     _metric_sync: MetricSync
     before_optimizer_step: list[Callable[[], None]]
@@ -179,6 +180,9 @@ class FabricSession(FabricProcesses):
         if self._first_forward is not None:
             self._first_forward.remove()
             self._first_forward = None
+        for handle in self._buffer_hooks:
+            handle.remove()
+        self._buffer_hooks = []
         if self._pending_hook is not None:
             self._pending_hook.remove()
             self._pending_hook = None

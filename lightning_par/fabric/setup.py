@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_par.compose import ComposeOptions, Composition, compose
 from lightning_par.pipeline.steps import layers_of
 from lightning_par.precision import ParallelPrecision
+from lightning_par.zero.buffers import BufferSync, sync_around_forward
 from lightning_par.zero.meta_build import meta_build
 
 if TYPE_CHECKING:
@@ -168,3 +169,15 @@ def init_context(
 def _on_device(strategy: HybridParallelStrategy, *, empty_init: bool) -> Iterator[None]:
     with strategy.root_device, _EmptyInit(enabled=empty_init), strategy.precision.module_init_context():
         yield
+
+
+def sync_buffers(strategy: HybridParallelStrategy, module: nn.Module) -> list[RemovableHandle]:
+    """Buffers kept equal over the data-parallel group as DDP keeps them (a BatchNorm's statistics: before,
+    each rank kept its own in a Fabric loop, which Fabric's ``"ddp"`` overwrites with the first rank's):
+    :class:`BufferSync` around the module's forwards, a training forward synchronising unless inside
+    ``no_backward_sync``. Not under a pipeline, whose stages hold their own layers' buffers."""
+    engine = strategy.engine
+    if strategy._pipeline is not None or engine is None:
+        return []
+    sync = BufferSync(module, group=strategy.mesh.dp_group, enabled=strategy.broadcast_buffers)
+    return sync_around_forward(module, sync, synchronising=lambda: engine.sync_enabled)

@@ -62,6 +62,7 @@ from lightning_par.fabric.setup import (
     compose_module,
     init_context,
     refuse_forward_before_optimizers,
+    sync_buffers,
 )
 from lightning_par.fabric.steps import FabricSteps
 from lightning_par.grad_reads import GradReads
@@ -110,6 +111,9 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
             rank, at stages 1/2 with separate fp32 masters the parameters take the masters' values. Turn
             off for a model that does not fit one device: its ZeRO-3 parameters then stay NaN placeholders
             and the module is no longer usable (read its weights with ``consolidated_state_dict()``).
+        broadcast_buffers: as DDP (and Fabric's ``"ddp"``): before a forward that follows a synchronising
+            training forward (gradients enabled, not inside ``no_backward_sync``), and before the first,
+            every rank takes the first data-parallel rank's buffers (BatchNorm statistics).
         tensor_parallel_size, tp_plan, sequence_parallel, activation_checkpointing: as for the Trainer
             strategy (see the module docstring).
         pipeline_parallel_size, num_microbatches, pipeline_schedule, virtual_stages, pipeline_slack,
@@ -133,6 +137,7 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
         meta_init: bool = True,
         save_distributed_checkpoint: bool = True,
         unshard_on_teardown: bool = True,
+        broadcast_buffers: bool = True,
         allow_untested_optimizer: bool = False,
         comm_hook: HookName | CommHook | None = None,
         comm_hook_state: Any = None,
@@ -184,6 +189,7 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
                 "meta_init": meta_init,
                 "save_distributed_checkpoint": save_distributed_checkpoint,
                 "unshard_on_teardown": unshard_on_teardown,
+                "broadcast_buffers": broadcast_buffers,
                 "allow_untested_optimizer": allow_untested_optimizer,
             },
         )
@@ -221,6 +227,7 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
         self.prefetch = prefetch
         self.meta_init = meta_init
         self.save_distributed_checkpoint = save_distributed_checkpoint
+        self.broadcast_buffers = broadcast_buffers
         self.allow_untested_optimizer = allow_untested_optimizer
         super().__init__(
             accelerator=accelerator,
@@ -244,6 +251,7 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
         self._pending_hook: RemovableHandle | None = None
         self._pipeline: FabricPipeline | None = None
         self._refusal: RemovableHandle | None = None  # the hook refusing model(...) under a pipeline
+        self._buffer_hooks: list[RemovableHandle] = []  # BufferSync around the module's forward
         # the tp / pp ranks' first batches compared (batch_agreement.py): the pipeline's steps, or the
         # module's first forward through a pre-hook (removed after it)
         self.batches: BatchAgreement | None = None
@@ -330,6 +338,7 @@ class HybridParallelStrategy(FabricSteps, FabricOptimizers, FabricSession):
         # at stage 0 the loop sees param.grad: the tp replicas' gradients are compared at the first step
         self._check_tp_replicas = self.mesh.tp_size > 1 and self.zero_stage == 0
         cast_frozen(module, self.precision.frozen_storage_dtype())
+        self._buffer_hooks = sync_buffers(self, module)
         self._before_optimizers = refuse_forward_before_optimizers(
             module, zero_stage=self.zero_stage, precision=self.precision
         )

@@ -13,10 +13,15 @@ after evaluation forwards, and never in a run that only validates or tests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
 
+from lightning_par.owned_hooks import for_owner
 from lightning_par.zero.grad_sync import broadcast_module_states
 
 
@@ -36,3 +41,24 @@ class BufferSync:
     def after_forward(self, *, synchronising: bool) -> None:
         """``synchronising``: this step's backward reduces gradients (not a ``no_sync`` micro-batch)."""
         self._pending = torch.is_grad_enabled() and synchronising
+
+
+def sync_around_forward(
+    module: nn.Module, sync: BufferSync, *, synchronising: Callable[[], bool]
+) -> list[RemovableHandle]:
+    """Run ``sync`` around each forward of ``module`` through module hooks (a Fabric loop, whose forwards
+    no step wraps; DDP does it inside its own forward), ``synchronising()`` read at the forward's end (not
+    inside ``no_backward_sync``). The handles, for the teardown."""
+    if not sync.enabled:
+        return []
+
+    def before(owner: nn.Module, args: Any) -> None:
+        sync.before_forward()
+
+    def after(owner: nn.Module, args: Any, output: Any) -> None:
+        sync.after_forward(synchronising=synchronising())
+
+    return [
+        module.register_forward_pre_hook(for_owner(module, before)),
+        module.register_forward_hook(for_owner(module, after)),
+    ]
