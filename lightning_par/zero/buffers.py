@@ -59,6 +59,6 @@ def sync_around_forward(
         sync.after_forward(synchronising=synchronising())
 
     return [
-        module.register_forward_pre_hook(for_owner(module, before)),
-        module.register_forward_hook(for_owner(module, after)),
+        module.register_forward_pre_hook(for_owner(module, before, eager=True)),
+        module.register_forward_hook(for_owner(module, after, eager=True)),
     ]
