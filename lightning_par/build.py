@@ -55,13 +55,14 @@ class ZeroOptions:
         return cls(stage=strategy.zero_stage, **values)
 
 
-def check_params(module: nn.Module) -> None:
+def check_params(module: nn.Module, *, compute_dtype: torch.dtype | None = None) -> None:
     """Refuse, naming them, parameters the flat buffers cannot hold: lazy ones not initialised yet
     (``nn.LazyLinear`` before its first forward; torch's DDP refuses them too), and trainable parameters of
     more than one dtype (every gradient bucket, ZeRO-3 unit and sharded master is one flat tensor of one
     dtype; torch's DDP buckets per dtype instead). Without this, stages 0-2 stopped with a message that
     blamed the precision plugin and stage 3 packed the odd parameters into the unit's dtype, silently
-    changing the model."""
+    changing the model. Complex parameters with a real ``compute_dtype`` (fp32 masters apart from bf16 /
+    fp16 compute copies) are refused too: the cast dropped their imaginary part, silently."""
     lazy = [name for name, p in module.named_parameters() if nn.parameter.is_lazy(p)]
     if lazy:
         raise ValueError(
@@ -73,6 +74,15 @@ def check_params(module: nn.Module) -> None:
     for name, p in module.named_parameters():
         if p.requires_grad:
             by_dtype.setdefault(p.dtype, []).append(name)
+    complex_names = [n for dtype, names in by_dtype.items() if dtype.is_complex for n in names]
+    if complex_names and compute_dtype is not None and not compute_dtype.is_complex:
+        raise TypeError(
+            f"Complex parameters ({', '.join(complex_names[:4])}{' ...' if len(complex_names) > 4 else ''})"
+            f" in a mixed precision with fp32 master weights: the model would compute with {compute_dtype}"
+            " copies of them, and that cast drops the imaginary part. Keep the parameters in their dtype,"
+            " as 'ddp' does under autocast: plugins=[ParallelPrecision(precision, master_weights=False)], or"
+            " train in precision='32-true'."
+        )
     if len(by_dtype) < 2:
         return
     ranked = sorted(by_dtype.items(), key=lambda item: -len(item[1]))
@@ -122,7 +132,7 @@ def build_engine(
     ``seed_groups`` (the tensor- and pipeline-parallel groups) agree with ``group`` on the seed of that
     init, so every rank of the mesh draws it alike.
     """
-    check_params(module)
+    check_params(module, compute_dtype=compute_dtype)
     compression = resolve_comm_hook(
         options.comm_hook, options.comm_hook_state, group=group, powersgd_rank=options.powersgd_rank
     )
