@@ -28,6 +28,7 @@ from lightning_par.pipeline.pieces import Piece
 from lightning_par.pipeline.split_guard import guard_split_model
 from lightning_par.state_guard import guard_state_dicts
 from lightning_par.tensor_parallel import apply_tensor_parallel
+from lightning_par.tensor_parallel.ddp_refusal import refuse_ddp
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.tensor_parallel.plans import PLANS
 from lightning_par.zero.units import UnitPolicy
@@ -137,6 +138,7 @@ def compose(
             holds=lambda m: any(hasattr(p, TP_DIM_ATTR) for p in m.parameters(recurse=False)),
             reason=lambda m: "tensor-parallel slices (this rank's share of each)",
         )
+        refuse_ddp(module, size=options.tensor_parallel_size)  # its slices under "ddp" afterwards
         log.info(
             "lightning_par: tensor parallel over %d ranks: %d modules",
             options.tensor_parallel_size,
