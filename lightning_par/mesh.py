@@ -11,12 +11,18 @@ dimension, which moves the least data, spans nodes first. :class:`MeshLayout` is
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal, NamedTuple
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+# live process groups past which a new mesh warns (ten meshes of three groups): a loop of Trainers that
+# never destroys them runs out of file descriptors (Gloo's sockets) after a few dozen, in torch's words
+# ("Cannot resolve 127.0.0.1 to a (local) address", "Too many open files")
+_MANY_GROUPS = 30
 
 Dim = Literal["pp", "dp", "tp"]
 
@@ -123,6 +129,7 @@ class ParallelMesh:
         self.rank = dist.get_rank()
         self.coords = self.layout.coords(self.rank)
         self._groups: dict[str, ProcessGroup] = {}
+        _warn_if_many_groups(rank=self.rank)
         dims: tuple[Dim, ...] = ("tp", "dp", "pp")
         for dim in dims:
             for ranks in self.layout.groups(dim):
@@ -184,4 +191,20 @@ class ParallelMesh:
         return (
             f"ParallelMesh(world={self.layout.world_size}, pp={self.pp_size}, dp={self.dp_size},"
             f" tp={self.tp_size}, rank={self.rank}, coords={tuple(self.coords)})"
+        )
+
+
+def _warn_if_many_groups(*, rank: int) -> None:
+    """Warn (rank 0, once per process by Python's filter) when many process groups are alive: earlier
+    strategies' meshes that nobody destroyed (an in-process sweep of Trainers, Optuna's trials)."""
+    live = len(getattr(dist.distributed_c10d._world, "pg_map", ()))
+    if rank == 0 and live > _MANY_GROUPS:
+        warnings.warn(
+            f"lightning_par: {live} process groups are alive in this process, most of them earlier"
+            " strategies' meshes (a loop of Trainers or Fabrics, an in-process sweep). torch never frees a"
+            " group: each holds sockets and slows the creation of the next, and a few dozen meshes run out"
+            " of file descriptors (Gloo: 'Cannot resolve ... address' or 'Too many open files'). Call"
+            " trainer.strategy.destroy_process_groups() (fabric.strategy's) on every rank when done with"
+            " a strategy.",
+            stacklevel=3,
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -84,3 +86,29 @@ def test_mesh_groups_on_four_ranks() -> None:
     assert [r["tp"] for r in results] == [1.0, 1.0, 5.0, 5.0]
     assert [r["dp"] for r in results] == [2.0, 4.0, 2.0, 4.0]
     assert [r["pp"] for r in results] == [0.0, 1.0, 2.0, 3.0]
+
+
+def _many_meshes(rank: int, world: int) -> dict[str, object]:
+    meshes: list[ParallelMesh] = []
+    warned_at = None
+    for i in range(12):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            meshes.append(ParallelMesh())
+        if warned_at is None and any("destroy_process_groups()" in str(w.message) for w in caught):
+            warned_at = i
+    for mesh in meshes:
+        mesh.destroy()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ParallelMesh().destroy()
+    return {"warned_at": warned_at, "after_destroy": [str(w.message) for w in caught]}
+
+
+def test_many_live_meshes_are_warned_about_naming_destroy_process_groups() -> None:
+    """A loop of Trainers that never destroys its meshes ran out of file descriptors after a few dozen,
+    in Gloo's words ("Cannot resolve 127.0.0.1 to a (local) address"); rank 0 now warns once the process
+    holds more than 30 groups (the 11th mesh of three), naming destroy_process_groups()."""
+    results = run_distributed(_many_meshes, 2)
+    assert results[0]["warned_at"] == 10, results[0]
+    assert results[1]["warned_at"] is None and results[0]["after_destroy"] == [], results
