@@ -25,7 +25,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-RTOL = 1e-2  # relative spread of a gradient norm over the group above which replicas disagree
+# relative spread of a gradient norm over the group above which replicas disagree: replicated gradients are
+# computed alike on every rank (bitwise on the CPU; non-deterministic GPU kernels differ by rounding, far
+# below this), while a per-rank clip by two halves' norms can differ by well under 1% (0.8% in a probe)
+RTOL = 1e-4
 
 
 def replicated_grad_mismatch(
