@@ -74,16 +74,8 @@ def check_params(module: nn.Module, *, compute_dtype: torch.dtype | None = None)
     for name, p in module.named_parameters():
         if p.requires_grad:
             by_dtype.setdefault(p.dtype, []).append(name)
-    complex_names = [n for dtype, names in by_dtype.items() if dtype.is_complex for n in names]
-    if complex_names and compute_dtype is not None and not compute_dtype.is_complex:
-        raise TypeError(
-            f"Complex parameters ({', '.join(complex_names[:4])}{' ...' if len(complex_names) > 4 else ''})"
-            f" in a mixed precision with fp32 master weights: the model would compute with {compute_dtype}"
-            " copies of them, and that cast drops the imaginary part. Keep the parameters in their dtype,"
-            " as 'ddp' does under autocast: plugins=[ParallelPrecision(precision, master_weights=False)], or"
-            " train in precision='32-true'."
-        )
     if len(by_dtype) < 2:
+        _refuse_complex_copies(by_dtype, compute_dtype)
         return
     ranked = sorted(by_dtype.items(), key=lambda item: -len(item[1]))
     odd = ", ".join(
@@ -104,6 +96,21 @@ def check_params(module: nn.Module, *, compute_dtype: torch.dtype | None = None)
         " (model.to(dtype) before fit), or freeze the odd ones or make them buffers (Lightning's own"
         f' "ddp" buckets by dtype, if they must train in theirs).{complex_fix}'
     )
+
+
+def _refuse_complex_copies(by_dtype: dict[torch.dtype, list[str]], compute_dtype: torch.dtype | None) -> None:
+    """Trainable parameters all of one complex dtype, with a real ``compute_dtype``: refused (the compute
+    copies would be real). Checked after the one-dtype rule, whose message names the real-pair form for a
+    complex parameter beside real ones (which this one's fix would not have helped)."""
+    complex_names = [n for dtype, names in by_dtype.items() if dtype.is_complex for n in names]
+    if complex_names and compute_dtype is not None and not compute_dtype.is_complex:
+        raise TypeError(
+            f"Complex parameters ({', '.join(complex_names[:4])}{' ...' if len(complex_names) > 4 else ''})"
+            f" in a mixed precision with fp32 master weights: the model would compute with {compute_dtype}"
+            " copies of them, and that cast drops the imaginary part. Keep the parameters in their dtype,"
+            " as 'ddp' does under autocast: plugins=[ParallelPrecision(precision, master_weights=False)], or"
+            " train in precision='32-true'."
+        )
 
 
 def build_engine(

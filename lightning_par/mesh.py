@@ -195,14 +195,16 @@ class ParallelMesh:
 
 
 def _warn_if_many_groups(*, rank: int) -> None:
-    """Warn (rank 0, once per process by Python's filter) when many process groups are alive: earlier
-    strategies' meshes that nobody destroyed (an in-process sweep of Trainers, Optuna's trials)."""
+    """Warn (rank 0; once per process by Python's filter, the text being constant) when many process
+    groups are alive: earlier strategies' meshes that nobody destroyed (an in-process sweep of Trainers,
+    Optuna's trials)."""
     live = len(getattr(dist.distributed_c10d._world, "pg_map", ()))
     if rank == 0 and live > _MANY_GROUPS:
         warnings.warn(
-            f"lightning_par: {live} process groups are alive in this process, most of them earlier"
-            " strategies' meshes (a loop of Trainers or Fabrics, an in-process sweep). torch never frees a"
-            " group: each holds sockets and slows the creation of the next, and a few dozen meshes run out"
+            f"lightning_par: more than {_MANY_GROUPS} process groups are alive in this process, most of"
+            " them earlier strategies' meshes (a loop of Trainers or Fabrics, an in-process sweep). torch"
+            " never frees a group: each holds sockets and slows the creation of the next, and a few dozen"
+            " meshes run out"
             " of file descriptors (Gloo: 'Cannot resolve ... address' or 'Too many open files'). Call"
             " trainer.strategy.destroy_process_groups() (fabric.strategy's) on every rank when done with"
             " a strategy.",

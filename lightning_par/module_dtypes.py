@@ -244,7 +244,7 @@ def explained_dtype_errors(
     except RuntimeError as error:
         add_note = getattr(error, "add_note", None)
         noted = any(note.startswith(_NOTE) for note in getattr(error, "__notes__", ()))
-        if add_note is None or noted or not _DTYPE_CLASH.search(str(error)):
+        if add_note is None or noted or not _is_16_bit_clash(str(error), dtype):
             raise
         name = str(dtype).removeprefix("torch.")
         where = (
@@ -268,3 +268,13 @@ def explained_dtype_errors(
 
 
 _NOTE = "lightning_par"
+# how torch's messages name the 16-bit compute dtypes (c10's names, Python's)
+_DTYPE_WORDS = {torch.bfloat16: ("BFloat16", "bfloat16"), torch.float16: ("Half", "float16")}
+
+
+def _is_16_bit_clash(message: str, dtype: torch.dtype) -> bool:
+    """Whether ``message`` is torch's for two dtypes, one of them ``dtype`` (or CPU's "mixed dtype", which
+    names neither): a float against double, or a user's own "expected dtype" message, gets no note."""
+    if not _DTYPE_CLASH.search(message):
+        return False
+    return "mixed dtype" in message or any(word in message for word in _DTYPE_WORDS.get(dtype, ()))

@@ -50,6 +50,7 @@ class :class:`~lightning_par.precision_steps.PrecisionSteps`.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Generator, Iterable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
@@ -149,6 +150,17 @@ class ParallelPrecision(PrecisionSteps):
         self.requested_master_weights = master_weights
         self.master_weights = bool(master_weights) if master_weights is not None else self.low_precision
         self.device = torch.device("cpu")  # the communication device, set by configure()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ParallelPrecision:
+        """Shared once it holds the run's process groups (a deep copy of a LightningModule that Fabric set
+        up reaches its Fabric and so this plugin: an EMA made with ``copy.deepcopy(model)`` failed, "cannot
+        pickle 'ProcessGroup' object"); copied like any object before."""
+        if self.grad_norm_groups or self.tp_group is not None:
+            return self
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     @property
     def device_type(self) -> str:

@@ -165,8 +165,12 @@ def test_other_dtype_clashes_are_explained() -> None:
     class ConfigError(RuntimeError):
         """A user's own error: it keeps its type."""
 
-    with pytest.raises(ConfigError), notes():
+    with pytest.raises(ConfigError) as own, notes():
         raise ConfigError("expected dtype float32 in my config")
+    # neither a user's own words nor a clash of two other dtypes get the note (before, both did)
+    with pytest.raises(RuntimeError) as doubles, notes():
+        torch.randn(2, 3) @ torch.randn(3, 2, dtype=torch.float64)
+    assert not getattr(own.value, "__notes__", None) and not getattr(doubles.value, "__notes__", None)
     plain = explained_dtype_errors(enabled=False, dtype=torch.bfloat16, precision="bf16-mixed")
     with pytest.raises(RuntimeError) as untouched, plain:  # without masters: torch's own message
         torch.lerp(a, b, torch.rand(4))

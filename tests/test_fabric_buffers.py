@@ -7,7 +7,9 @@ did not, at any stage: each rank kept statistics of its own data, so the normali
 and the weights parted from ``"ddp"`` without a word (a probe: BatchNorm variance 7.7 apart between the
 ranks, weights 2.5e-2 off). Now the buffers, losses and weights equal Fabric's ``"ddp"`` at ZeRO 0, 1 and
 3, with gradient accumulation under ``no_backward_sync`` (which does not synchronise, as DDP's
-``no_sync``) and an evaluation forward; ``broadcast_buffers=False`` keeps each rank's own, as DDP's.
+``no_sync``), two forwards before each backward and an evaluation forward; ``broadcast_buffers=False``
+keeps each rank's own, as DDP's. (The broadcast writes without a version bump, as DDP's: a first version
+failed the backward of two forwards, "modified by an inplace operation".)
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ def _loop(strategy: Any, rank: int) -> dict[str, Any]:
         for micro in range(ACCUMULATE):
             x, y = _batch(rank, ACCUMULATE * step + micro)
             with fabric.no_backward_sync(model, enabled=micro < ACCUMULATE - 1):
-                loss = F.mse_loss(model(x), y)
+                # two forwards before one backward (two views of a batch): the second one's broadcast
+                # must leave the BatchNorm statistics the first saved for its backward usable
+                loss = F.mse_loss(model(x), y) + F.mse_loss(model(0.5 * x), 0.5 * y)
                 fabric.backward(loss)
             losses.append(loss.detach())
         optimizer.step()

@@ -30,6 +30,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -165,6 +166,35 @@ def _wrapper_copy_run(strategy: Any) -> dict[str, Any]:
     return out
 
 
+class _Module(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+def _lightning_module_copy(rank: int, strategy: Any) -> Tensor:
+    """A LightningModule set up by Fabric holds the Fabric (and so its strategy and precision plugin):
+    ``copy.deepcopy(model)`` after a step, as for an EMA (before, "cannot pickle 'ProcessGroup' object"
+    at ZeRO 1-3, through the plugin's groups), computes as the original."""
+    fabric = _fabric(strategy)
+    module = _Module()
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    x, y = _batch(rank, 0)
+    fabric.backward(F.mse_loss(model(x), y))
+    optimizer.step()
+    gathered = strategy.gathered_params if isinstance(strategy, HybridParallelStrategy) else nullcontext
+    with gathered():
+        twin = copy.deepcopy(model)
+    with torch.no_grad():
+        out = twin(_batch(99, 0)[0])
+    if isinstance(strategy, HybridParallelStrategy):
+        strategy.destroy_process_groups()
+    return out
+
+
 def _tp_check_after_copy(rank: int) -> str:
     """At tp2 the original's first forward still compares its inputs over the tp ranks after a copy's
     forward (before, the copy carried the check's hook and used it up)."""
@@ -194,6 +224,10 @@ def _job(rank: int, world: int, tmp: str) -> dict[str, Any]:
     wrapped["tp2"] = HybridParallelStrategy(tensor_parallel_size=WORLD, tp_plan="llama")
     out["wrapper"] = {name: _wrapper_copy_run(s) for name, s in wrapped.items()}
     out["tp_check"] = _tp_check_after_copy(rank)
+    out["lightning_copy"] = {
+        "ddp": _lightning_module_copy(rank, "ddp"),
+        **{f"zero{k}": _lightning_module_copy(rank, HybridParallelStrategy(zero_stage=k)) for k in (1, 3)},
+    }
     return out
 
 
@@ -227,6 +261,9 @@ def test_ema_copies_extra_modules_and_a_frozen_module_as_under_ddp(tmp_path: Pat
                 msg = lambda m, n=name, k=key: f"deepcopy(model) at {n}, {k}: {m}"  # noqa: E731
                 torch.testing.assert_close(wrapper[name][key], wrapper["ddp"][key], msg=msg)
         assert "were given different forward batches" in out["tp_check"], out["tp_check"]
+        copies = out["lightning_copy"]
+        for name in ("zero1", "zero3"):
+            torch.testing.assert_close(copies[name], copies["ddp"], msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_a_strategy_not_yet_launched_is_copied_like_any_object() -> None:

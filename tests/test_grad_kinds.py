@@ -242,6 +242,9 @@ def test_a_complex_parameter_beside_real_ones_is_told_how_to_train_as_real_pairs
     mixed.phase = nn.Parameter(torch.ones(3, dtype=torch.complex64))
     with pytest.raises(TypeError, match=r"torch\.complex64: phase.*torch\.view_as_real"):
         check_params(mixed)
+    # in bf16 with masters too: the real pairs fix both (master_weights=False would meet this refusal next)
+    with pytest.raises(TypeError, match=r"torch\.complex64: phase.*torch\.view_as_real"):
+        check_params(mixed, compute_dtype=torch.bfloat16)
     with pytest.raises(TypeError) as info:
         check_params(Scaled())
     assert "view_as_real" not in str(info.value) and "cast the model to one" in str(info.value)
@@ -269,20 +272,31 @@ class _Spectral(pl.LightningModule):
         )
 
 
+def _complex_fits(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    strategy = HybridParallelStrategy(zero_stage=1)
+    try:
+        cpu_trainer(strategy, precision="bf16-mixed", max_steps=1).fit(_Spectral())
+        out["refused"] = ""
+    except TypeError as error:
+        out["refused"] = str(error)
+    strategy.destroy_process_groups()
+    plugin = ParallelPrecision("bf16-mixed", master_weights=False)
+    strategy = HybridParallelStrategy(zero_stage=1)
+    model = _Spectral()
+    cpu_trainer(strategy, plugins=[plugin], max_steps=2).fit(model)
+    out["dtype"], out["steps"] = model.w.dtype, model.trainer.global_step
+    strategy.destroy_process_groups()
+    return out
+
+
 def test_complex_parameters_with_bf16_compute_copies_are_refused() -> None:
     """In bf16-mixed with fp32 masters (ZeRO 1-3) the compute copy of a complex parameter was a real bf16
     tensor: the imaginary part dropped, the first loss already off "ddp" (a probe: 3.185 against 3.403),
-    silently. Refused at setup, naming master_weights=False, with which the fit runs (one process)."""
-    with pytest.raises(
-        TypeError, match=r"Complex parameters \(w\).*drops the imaginary part.*master_weights"
-    ):
-        cpu_trainer(HybridParallelStrategy(zero_stage=1), devices=1, precision="bf16-mixed", max_steps=1).fit(
-            _Spectral()
-        )
-    plugin = ParallelPrecision("bf16-mixed", master_weights=False)
-    strategy = HybridParallelStrategy(zero_stage=1)
-    trainer = cpu_trainer(strategy, devices=1, plugins=[plugin], max_steps=2)
-    model = _Spectral()
-    trainer.fit(model)
-    assert model.w.dtype == torch.complex64 and trainer.global_step == 2
-    strategy.destroy_process_groups()
+    silently. Refused at setup, naming master_weights=False, with which the fit runs. (On 2 forked ranks:
+    a run in the test process itself would leave Gloo's threads behind for later forks.)"""
+    for out in run_distributed(_complex_fits, 2, init_group=False):
+        assert "Complex parameters (w)" in out["refused"], out
+        assert "drops the imaginary part" in out["refused"] and "master_weights=False" in out["refused"], out
+        assert out["dtype"] == torch.complex64 and out["steps"] == 2, out

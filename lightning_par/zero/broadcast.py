@@ -49,5 +49,8 @@ def broadcast_tensors(tensors: Sequence[Tensor], *, group: ProcessGroup, src_ind
             dist.broadcast(flat, src=src, group=group)
             offset = 0
             for t in items:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                # through .data, as DDP's broadcast: no version bump, so a buffer an earlier forward saved
+                # for its backward (a BatchNorm's running statistics, with a second forward before the
+                # backward in a Fabric loop) does not fail that backward
+                t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
