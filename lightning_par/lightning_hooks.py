@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import types
 import weakref
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -42,7 +42,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_par.zero.engine_api import ShardedState
+from lightning_par.module_dtypes import explained_dtype_errors
+from lightning_par.precision import ParallelPrecision
+from lightning_par.zero.engine_api import Engine, ShardedState
+from lightning_par.zero.stage3 import Stage3Engine
 
 GUARDED = "_lightning_par_guarded"  # marks a hook set here or in summaries.py
 
@@ -221,6 +224,29 @@ def guard_placeholder_reads(
     placeholder parameter raises there instead of computing or saving NaN); the names set, for
     :func:`restore`."""
     return _run_inside(obj, PLACEHOLDER_HOOKS, GUARDED, refused)
+
+
+def hook_context(engine: Engine | None, plugin: Any) -> Callable[[str], AbstractContextManager[None]] | None:
+    """The context :func:`guard_placeholder_reads` runs the user's hooks in, given the hook's name; None
+    where there is nothing to guard: at ZeRO-3, where the parameters are placeholders outside the steps,
+    reads of them are refused; in a mixed precision whose fp32 masters are apart, where the module holds
+    16-bit copies and no autocast runs in hooks, a dtype clash gets a note naming the ways out
+    (``module_dtypes.explained_dtype_errors``)."""
+    mixed = isinstance(plugin, ParallelPrecision) and plugin.uses_masters and plugin.mixed
+    stage3 = engine if isinstance(engine, Stage3Engine) else None
+    if engine is None or not (stage3 or mixed):
+        return None
+
+    @contextmanager
+    def context(where: str) -> Iterator[None]:
+        refused = stage3.reads_refused(f"in {where}") if stage3 else nullcontext()
+        notes = explained_dtype_errors(
+            enabled=mixed, dtype=plugin.compute_dtype, precision=plugin.precision, hook=where
+        )
+        with notes, refused:
+            yield
+
+    return context
 
 
 def guard_grad_reads(

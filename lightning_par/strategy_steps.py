@@ -27,14 +27,12 @@ from lightning_par.checkpoint.hook_edits import ZERO_VIEWS
 from lightning_par.grad_reads import GradReads, refuse_none_reads
 from lightning_par.layout_norms import layout_grad_norms
 from lightning_par.loss import TokenNormalizer
-from lightning_par.module_dtypes import explained_dtype_errors
 from lightning_par.pipeline.lightning import LightningPipeline
 from lightning_par.pipeline.runtime import StepStats
 from lightning_par.precision import ParallelPrecision
 from lightning_par.strategy_loops import StrategyLoops, loader_idx
 from lightning_par.tensor_parallel.replicas import mismatch_message, replicated_grad_mismatch
 from lightning_par.zero.buffers import BufferSync
-from lightning_par.zero.stage3 import Stage3Engine
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -285,31 +283,15 @@ class StrategySteps(StrategyLoops):
         )
 
     def _guard_placeholder_reads(self) -> None:
-        """The module's and user callbacks' fit-, epoch- and batch-level hooks
-        (``lightning_hooks.PLACEHOLDER_HOOKS``; the evaluation hooks among them for ``validate`` / ``test``
-        / ``predict`` too): at ZeRO-3, where the parameters are placeholders outside the steps, they refuse
-        reads of them; in a mixed precision whose fp32 masters are apart, where the module holds 16-bit
-        copies and no autocast runs there, a dtype clash gets a note naming the ways out."""
+        """The module's and user callbacks' fit-, epoch- and batch-level hooks run inside
+        ``lightning_hooks.hook_context`` (ZeRO-3's placeholder reads refused, 16-bit dtype clashes
+        explained; the evaluation hooks among them for ``validate`` / ``test`` / ``predict`` too)."""
         module = self.lightning_module
-        engine = self._engine
-        plugin = self.precision_plugin
-        mixed = isinstance(plugin, ParallelPrecision) and plugin.uses_masters and plugin.mixed
-        stage3 = engine if isinstance(engine, Stage3Engine) else None
-        if module is None or engine is None or not (stage3 or mixed):
+        context = lightning_hooks.hook_context(self._engine, self.precision_plugin)
+        if module is None or context is None:
             return
-        assert isinstance(plugin, ParallelPrecision)
-
-        @contextmanager
-        def guarded(where: str) -> Generator[None, None, None]:
-            refused = stage3.reads_refused(f"in {where}") if stage3 else nullcontext()
-            notes = explained_dtype_errors(
-                enabled=mixed, dtype=plugin.compute_dtype, precision=plugin.precision, hook=where
-            )
-            with notes, refused:
-                yield
-
         self._guard_module_and_callbacks(
-            module, lambda obj: lightning_hooks.guard_placeholder_reads(obj, refused=guarded)
+            module, lambda obj: lightning_hooks.guard_placeholder_reads(obj, refused=context)
         )
 
     def _explain_zero_views(self) -> None:
