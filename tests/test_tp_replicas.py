@@ -87,20 +87,14 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
     def tp2() -> HybridParallelStrategy:
         return HybridParallelStrategy(tensor_parallel_size=2, tp_plan="llama")
 
-    strategy = tp2()
-    try:
-        cpu_trainer(strategy, max_steps=STEPS).fit(TorchClipped(lora=False), _loader())
-        out["trainer_refused"] = ""
-    except RuntimeError as error:
-        out["trainer_refused"] = str(error)
-    strategy.destroy_process_groups()
-    strategy = tp2()
-    try:
-        cpu_trainer(strategy, max_steps=STEPS).fit(SlightlyRescaled(lora=False), _loader())
-        out["slightly_refused"] = ""
-    except RuntimeError as error:
-        out["slightly_refused"] = str(error)
-    strategy.destroy_process_groups()
+    for key, kind in (("trainer_refused", TorchClipped), ("slightly_refused", SlightlyRescaled)):
+        strategy = tp2()
+        try:
+            cpu_trainer(strategy, max_steps=STEPS).fit(kind(lora=False), _loader())
+            out[key] = ""
+        except RuntimeError as error:
+            out[key] = str(error)
+        strategy.destroy_process_groups()
     strategy = tp2()
     module = LoraLlama(lora=False)
     cpu_trainer(strategy, max_steps=STEPS, gradient_clip_val=CLIP).fit(module, _loader())
