@@ -5,11 +5,14 @@ DDP (``broadcast_buffers=True``) gives every rank the first rank's buffers befor
 synchronising training forward, and before the first. The Trainer strategy did so; the Fabric strategy
 did not, at any stage: each rank kept statistics of its own data, so the normalised inputs, the gradients
 and the weights parted from ``"ddp"`` without a word (a probe: BatchNorm variance 7.7 apart between the
-ranks, weights 2.5e-2 off). Now the buffers, losses and weights equal Fabric's ``"ddp"`` at ZeRO 0, 1 and
-3, with gradient accumulation under ``no_backward_sync`` (which does not synchronise, as DDP's
-``no_sync``), two forwards before each backward and an evaluation forward; ``broadcast_buffers=False``
-keeps each rank's own, as DDP's. (The broadcast writes without a version bump, as DDP's: a first version
-failed the backward of two forwards, "modified by an inplace operation".)
+ranks, weights 2.5e-2 off). Now losses and weights equal Fabric's ``"ddp"`` on every rank at ZeRO 0, 1
+and 3 (rank 0's buffers and evaluation too), with gradient accumulation under ``no_backward_sync``
+(which does not synchronise, as DDP's ``no_sync``) and two forwards before each backward;
+``broadcast_buffers=False`` keeps each rank's own, as DDP's. Forwards without gradients neither
+synchronise nor count: code runs them on one rank (generation on rank 0, as the forward on rank 0 alone
+here), so rank 1 evaluates with its own statistics of the last step where DDP's wrapper would take rank
+0's first. (The broadcast writes without a version bump, as DDP's: a first version failed the backward
+of two forwards, "modified by an inplace operation".)
 """
 
 from __future__ import annotations
@@ -75,6 +78,10 @@ def _loop(strategy: Any, rank: int) -> dict[str, Any]:
     with torch.no_grad():
         out = model(_batch(rank, 99)[0])
     if isinstance(strategy, HybridParallelStrategy):
+        with strategy.gathered_params(), torch.no_grad():  # (ZeRO-3 gathers on every rank here)
+            if rank == 0:
+                model(_batch(rank, 98)[0])  # on one rank (generation on rank 0): no collective waits
+    if isinstance(strategy, HybridParallelStrategy):
         strategy.teardown()  # the whole model left behind (ZeRO-3's shards gathered)
         strategy.destroy_process_groups()
     state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
@@ -94,14 +101,16 @@ def test_fabric_buffers_follow_ddp_broadcasts() -> None:
     ranks = run_distributed(_job, 2, init_group=False)
     for rank, runs in enumerate(ranks):
         ddp = runs["ddp"]
+        weights = [k for k in ddp["state"] if k.endswith(("weight", "bias")) and "running" not in k]
         for name in ("zero0", "zero1", "zero3"):
-            for key in ("losses", "out", "state"):
-                msg = lambda m, n=name, k=key, r=rank: f"rank {r} {n} {k}: {m}"  # noqa: E731
-                torch.testing.assert_close(runs[name][key], ddp[key], msg=msg)
-        # the buffers of a rank's own data last trained: rank 1's differ (the control)
-        if rank == 1:
-            gap = (runs["own"]["state"]["bn.running_var"] - ddp["state"]["bn.running_var"]).abs().max()
-            assert gap > 1e-1, gap
-    # every rank ends with the first rank's buffers, as under DDP
-    for key in ("mean", "bn.running_mean", "bn.running_var", "seen"):
-        torch.testing.assert_close(ranks[1]["zero1"]["state"][key], ranks[0]["zero1"]["state"][key], msg=key)
+            msg = lambda m, n=name, r=rank: f"rank {r} {n}: {m}"  # noqa: E731
+            # the losses read the synchronised normaliser and statistics at every training forward
+            torch.testing.assert_close(runs[name]["losses"], ddp["losses"], msg=msg)
+            for key in weights:
+                torch.testing.assert_close(runs[name]["state"][key], ddp["state"][key], msg=msg)
+            if rank == 0:  # the evaluation forward synchronises under DDP, not here (the docstring)
+                torch.testing.assert_close(runs[name]["out"], ddp["out"], msg=msg)
+                torch.testing.assert_close(runs[name]["state"], ddp["state"], msg=msg)
+        if rank == 1:  # each rank's own buffers (the control): its losses part from DDP's
+            gap = (runs["own"]["losses"] - ddp["losses"]).abs().max()
+            assert gap > 1e-3, gap

@@ -46,17 +46,24 @@ class BufferSync:
 def sync_around_forward(
     module: nn.Module, sync: BufferSync, *, synchronising: Callable[[], bool]
 ) -> list[RemovableHandle]:
-    """Run ``sync`` around each forward of ``module`` through module hooks (a Fabric loop, whose forwards
-    no step wraps; DDP does it inside its own forward), ``synchronising()`` read at the forward's end (not
-    inside ``no_backward_sync``). The handles, for the teardown."""
+    """Run ``sync`` around each training forward of ``module`` through module hooks (a Fabric loop, whose
+    forwards no step wraps; DDP does it inside its own forward), ``synchronising()`` read at the forward's
+    end (not inside ``no_backward_sync``). Forwards without gradients neither synchronise nor count: code
+    may run them on one rank (generation on rank 0, through the module or the wrapper), where a broadcast
+    would wait for the others forever; DDP, called only through its wrapper, syncs before those too, so
+    ranks other than the first evaluate with their own statistics of the last step until the next
+    training forward takes the first rank's. Not traced by ``torch.compile`` (a collective and Python
+    state). The handles, for the teardown."""
     if not sync.enabled:
         return []
 
     def before(owner: nn.Module, args: Any) -> None:
-        sync.before_forward()
+        if torch.is_grad_enabled():
+            sync.before_forward()
 
     def after(owner: nn.Module, args: Any, output: Any) -> None:
-        sync.after_forward(synchronising=synchronising())
+        if torch.is_grad_enabled():
+            sync.after_forward(synchronising=synchronising())
 
     return [
         module.register_forward_pre_hook(for_owner(module, before, eager=True)),
