@@ -174,8 +174,9 @@ def _on_device(strategy: HybridParallelStrategy, *, empty_init: bool) -> Iterato
 def sync_buffers(strategy: HybridParallelStrategy, module: nn.Module) -> list[RemovableHandle]:
     """Buffers kept equal over the data-parallel group as DDP keeps them (a BatchNorm's statistics: before,
     each rank kept its own in a Fabric loop, which Fabric's ``"ddp"`` overwrites with the first rank's):
-    :class:`BufferSync` around the module's forwards, a training forward synchronising unless inside
-    ``no_backward_sync``. Not under a pipeline, whose stages hold their own layers' buffers."""
+    :class:`BufferSync` around the module's training forwards (``zero.buffers.sync_around_forward``), one
+    synchronising unless inside ``no_backward_sync``. Not under a pipeline, whose stages hold their own
+    layers' buffers."""
     engine = strategy.engine
     if strategy._pipeline is not None or engine is None:
         return []
