@@ -33,12 +33,14 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-__all__ = ["CopyHook", "OwnedHook", "PlaceholderCopies", "for_owner"]
+_T = TypeVar("_T")
+
+__all__ = ["CopyHook", "OwnedHook", "PlaceholderCopies", "copy_or_share", "for_owner"]
 
 
 class CopyHook:
@@ -133,3 +135,16 @@ class PlaceholderCopies:
                 " (trainer.strategy or fabric.strategy), on every rank, or before the strategy's setup."
             )
         self._checked.add(module)
+
+
+def copy_or_share(obj: _T, memo: dict[int, Any], *, share: bool) -> _T:
+    """``copy.deepcopy``'s result for ``obj`` (a strategy or precision plugin, reached by copying a
+    module that holds it): ``obj`` itself when ``share`` (it holds the run's process groups, which cannot
+    be copied: the copy computes beside the original, over the same ranks), else a copy of its attributes,
+    as ``copy.deepcopy`` makes one by default."""
+    if share:
+        return obj
+    new = object.__new__(type(obj))
+    memo[id(obj)] = new
+    new.__dict__.update(copy.deepcopy(obj.__dict__, memo))
+    return new

@@ -50,7 +50,6 @@ class :class:`~lightning_par.precision_steps.PrecisionSteps`.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Generator, Iterable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
@@ -70,6 +69,7 @@ from lightning_par.module_dtypes import (
     explained_dtype_errors,
     is_norm,
 )
+from lightning_par.owned_hooks import copy_or_share
 from lightning_par.precision_steps import PrecisionSteps
 
 PrecisionMode = Literal["32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true"]
@@ -155,12 +155,7 @@ class ParallelPrecision(PrecisionSteps):
         """Shared once it holds the run's process groups (a deep copy of a LightningModule that Fabric set
         up reaches its Fabric and so this plugin: an EMA made with ``copy.deepcopy(model)`` failed, "cannot
         pickle 'ProcessGroup' object"); copied like any object before."""
-        if self.grad_norm_groups or self.tp_group is not None:
-            return self
-        new = object.__new__(type(self))
-        memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return new
+        return copy_or_share(self, memo, share=bool(self.grad_norm_groups) or self.tp_group is not None)
 
     @property
     def device_type(self) -> str:

@@ -10,7 +10,6 @@ and removes the run's hooks; the mesh outlives it until :meth:`FabricSession.des
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, SupportsIndex, cast
@@ -26,6 +25,7 @@ from lightning_par.fabric.checkpoint_filtered import save_filtered
 from lightning_par.fabric.processes import FabricProcesses
 from lightning_par.grad_reads import GradReads
 from lightning_par.module_dtypes import restore_norms
+from lightning_par.owned_hooks import copy_or_share
 from lightning_par.zero.engine_api import reads_own_state
 from lightning_par.zero.leftovers import placeholder_names
 from lightning_par.zero.stage3 import Stage3Engine
@@ -85,12 +85,7 @@ class FabricSession(FabricProcesses):
         the session and cannot be copied (before, "cannot pickle 'ProcessGroup' object"; Fabric's ``"ddp"``
         copies). The copied module runs none of the engine's hooks (they act on the original only,
         :mod:`lightning_par.owned_hooks`). Before launch the strategy is copied like any object."""
-        if not self._launched():
-            new = object.__new__(type(self))
-            memo[id(self)] = new
-            new.__dict__.update(copy.deepcopy(self.__dict__, memo))
-            return new
-        return self
+        return copy_or_share(self, memo, share=self._launched())
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
         """Pickled before launch like any object (a spawn launcher sends it to its processes); once launched
