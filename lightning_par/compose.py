@@ -132,11 +132,14 @@ def compose(
         composition.tensor_parallel = apply_tensor_parallel(
             module, group=tp_group, plan=plan, sequence_parallel=options.sequence_parallel
         )
-        # a submodule's save (save_pretrained on rank 0) would write this rank's slices: refused, for good
+        # a save (save_pretrained on rank 0, torch.save(pl_module.state_dict()) in a callback) would write
+        # this rank's slices: refused, for good, outside the strategies' own reads (state_guard.reads_of)
+        slices = "tensor-parallel slices (this rank's share of each)"
         guard_state_dicts(
             module,
             holds=lambda m: any(hasattr(p, TP_DIM_ATTR) for p in m.parameters(recurse=False)),
-            reason=lambda m: "tensor-parallel slices (this rank's share of each)",
+            reason=lambda m: slices,
+            whole=lambda: slices,
         )
         refuse_ddp(module, size=options.tensor_parallel_size)  # its slices under "ddp" afterwards
         log.info(

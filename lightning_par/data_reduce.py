@@ -15,13 +15,16 @@ Contract
   names is used as given. Without tensor or pipeline parallelism the data-parallel group is the world:
   nothing changes. ``self.all_gather``, ``fabric.all_gather`` and ``fabric.all_reduce`` name the world
   themselves (Lightning documents it) and keep it: pass ``group=strategy.mesh.dp_group`` to take each
-  sample once.
+  sample once. Such a gather of the world where samples have copies warns (once per calling line, on
+  rank 0): a contrastive loss over it meets each sample's copies as negatives, silently.
 * :func:`world_decision`: ``reduce_boolean_decision`` (early stopping, checkpointing verdicts) stays over
   the world, since every rank, whatever its coordinates, must take the same decision.
 * :class:`MetricSync`: torchmetrics ``Metric`` objects inside the module (submodules, and metrics kept in
-  a module's plain dict / list / tuple attributes) that sync the default way (no ``process_group``, no
+  a module's plain dict / list / tuple attributes, nested too), the Trainer's callbacks and datamodule
+  that sync the default way (no ``process_group``, no
   ``dist_sync_fn`` of their own) gather over the data-parallel group, through a ``dist_sync_fn`` set at
-  setup, on metrics made later when each loop (and each training epoch) begins its first step, and
+  setup, on metrics made later when each loop (and each training epoch) begins its first step and after
+  that step (a metric made lazily inside it), and
   removed with the strategy's process groups (``destroy_process_groups()``) or at the next setup; so a
   metric read in ``on_fit_end``, a ``teardown`` hook or after ``trainer.fit`` counts each sample once
   (Lightning tears the strategy down before those; before, they gathered over the world: a sum doubled
@@ -43,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torchmetrics import Metric
@@ -68,16 +72,27 @@ def world_decision(decision: bool, *, all: bool, world_size: int, device: torch.
     return bool(votes == world_size) if all else bool(votes)
 
 
-def gather_stacked(tensor: Tensor, *, group: Any | None, sync_grads: bool) -> Tensor:
+def gather_stacked(tensor: Tensor, *, group: Any | None, sync_grads: bool, copies: int = 1) -> Tensor:
     """Every rank's ``tensor`` of ``group`` (None: the world), stacked: shape ``(group size, *shape)``, as
     Lightning's ``all_gather`` returns. With ``sync_grads`` the result is differentiable: the gradient of
     a rank's input is the sum over the group's ranks of the gradient each computed for that rank's slot
     (what torch's ``torch.distributed.nn.all_gather`` gives). Ours, because torch's backward on a Gloo (or
     a mixed ``"cpu:gloo,cuda:nccl"``) group scatters from the group-local index as if it were a global
     rank: any group not made of ranks ``0..n-1``, such as the data-parallel groups under tensor
-    parallelism, failed in the first backward ("Global rank 0 is not part of group")."""
+    parallelism, failed in the first backward ("Global rank 0 is not part of group"). ``copies``: how
+    many ranks hold each sample (tp x pp); a gather of the world with copies warns (module docstring)."""
     if not (dist.is_available() and dist.is_initialized()):
         return tensor
+    world = group is None or group is dist.group.WORLD  # the LightningModule's all_gather names WORLD itself
+    if world and copies > 1:
+        rank_zero_warn(
+            f"all_gather without a group gathers the world, where each sample is held by {copies} ranks"
+            " (tensor x pipeline parallel): every sample appears that many times in the result, so a"
+            " contrastive loss over it (SimCLR, CLIP) meets each sample's copies as negatives and a logged"
+            " gather counts them. Pass group=strategy.mesh.dp_group (trainer.strategy or fabric.strategy) to"
+            " take each sample once.",
+            stacklevel=4,
+        )
     group = group if group is not None else dist.group.WORLD
     if not sync_grads:
         with torch.no_grad():
@@ -164,24 +179,39 @@ def _stage_gather(mesh: ParallelMesh) -> StageGather:
     )
 
 
-def _metrics_in(module: nn.Module) -> list[Metric]:
-    """The torchmetrics metrics among ``module``'s submodules and in its modules' plain dict / list /
-    tuple attributes (``self.metrics = {"train": SumMetric()}``), each once."""
+def _metrics_in(*roots: object) -> list[Metric]:
+    """The torchmetrics metrics held by ``roots`` (the LightningModule; the Trainer's callbacks and
+    datamodule), each once: a module's submodules, and inside the plain dict / list / tuple attributes of
+    its modules and of the other roots, nested ones too (``self.metrics = {"train": MetricCollection(...)}``,
+    ``[{"acc": Accuracy()}]`` per dataloader), the metrics of any module found there. Other objects an
+    attribute refers to are not entered (a callback's reference to the trainer)."""
     found: dict[int, Metric] = {}
-    for m in module.modules():
-        if isinstance(m, Metric):
-            found.setdefault(id(m), m)
-        for value in vars(m).values():
-            items = (
-                value.values()
-                if isinstance(value, dict)
-                else value
-                if isinstance(value, list | tuple)
-                else ()
-            )
-            for item in items:
-                if isinstance(item, Metric):
-                    found.setdefault(id(item), item)
+    walked: set[int] = set()
+
+    def held(value: object, depth: int) -> None:
+        if id(value) in walked or depth > 4:
+            return
+        if isinstance(value, Metric):
+            found.setdefault(id(value), value)
+        if isinstance(value, nn.Module):
+            walked.add(id(value))
+            for m in value.modules():
+                if isinstance(m, Metric):
+                    found.setdefault(id(m), m)
+                for attr in vars(m).values():
+                    if isinstance(attr, dict | list | tuple):
+                        held(attr, depth + 1)
+        elif isinstance(value, dict | list | tuple):
+            walked.add(id(value))
+            for item in value.values() if isinstance(value, dict) else value:
+                held(item, depth + 1)
+
+    for root in roots:
+        if isinstance(root, nn.Module):
+            held(root, 0)
+        else:
+            for attr in vars(root).values():
+                held(attr, 1)
     return list(found.values())
 
 
@@ -197,9 +227,10 @@ class MetricSync:
         self.restore()
         self.add(_metrics_in(module), mesh=mesh, pipelined=pipelined)
 
-    def rescan(self, module: nn.Module, *, mesh: ParallelMesh, pipelined: bool) -> None:
-        """The same for metrics made inside ``module`` since (in a hook), keeping those set already."""
-        self.add(_metrics_in(module), mesh=mesh, pipelined=pipelined)
+    def rescan(self, *roots: object, mesh: ParallelMesh, pipelined: bool) -> None:
+        """The same for metrics made inside ``roots`` since (in a hook, a step), or held by a callback or
+        datamodule (``roots``: the module and those), keeping those set already."""
+        self.add(_metrics_in(*roots), mesh=mesh, pipelined=pipelined)
 
     def add(self, metrics: Sequence[object], *, mesh: ParallelMesh, pipelined: bool) -> None:
         """The same for ``metrics`` themselves (those of them that are torchmetrics ``Metric`` objects

@@ -30,11 +30,15 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_par.owned_hooks import CopyHook, for_owner
 
-__all__ = ["OwnReads", "guard_state_dicts"]
+__all__ = ["OwnReads", "guard_state_dicts", "reads_of"]
+_READS_ATTR = "_lightning_par_own_reads"
 
 FIX = (
     " Call strategy.consolidated_state_dict() on every rank (trainer.strategy or fabric.strategy; collective,"
-    " the full state lands on rank 0: e.g. model.save_pretrained(dir, state_dict=...))"
+    " the full state lands on rank 0, keyed from the whole model: for a submodule's own save strip its"
+    " attribute prefix, e.g. full = strategy.consolidated_state_dict(), then on rank 0"
+    " pl_module.model.save_pretrained(dir, state_dict={k.removeprefix('model.'): v for k, v in"
+    " full.items()}))"
 )
 
 
@@ -57,6 +61,22 @@ class OwnReads:
     def active(self) -> bool:
         return self._depth > 0
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> OwnReads:
+        return OwnReads()  # a copy of the model (an EMA) is read by nobody's own traversal yet
+
+    def __reduce__(self) -> tuple[type[OwnReads], tuple[()]]:
+        return OwnReads, ()
+
+
+def reads_of(module: nn.Module) -> OwnReads:
+    """The one :class:`OwnReads` of the model ``module`` (kept on it): the engine's, the tensor-parallel
+    and pipeline guards' and the front doors' marks of their own reads all count on the same object, also
+    in runs that build no engine (evaluation below ZeRO-3)."""
+    reads = module.__dict__.get(_READS_ATTR)
+    if not isinstance(reads, OwnReads):
+        reads = module.__dict__[_READS_ATTR] = OwnReads()
+    return reads
+
 
 def guard_state_dicts(
     root: nn.Module,
@@ -70,7 +90,9 @@ def guard_state_dicts(
     """Hook every submodule of ``root`` (not ``root``) for which ``holds(module)``; a traversal below
     ``root`` raises where ``reason(module)`` gives one. With ``whole``: also a traversal of ``root``
     outside ``own()`` while ``whole()`` gives a reason (see the module docstring); that one holds for
-    ``root`` itself, and a copy of it carrying the hook gets ``on_copy(copy)`` instead."""
+    ``root`` itself (the model's own reads: ``own``, else :func:`reads_of`), and a copy of it carrying the
+    hook gets ``on_copy(copy)`` instead (by default the same check, for a ``whole()`` that holds for
+    copies too: tensor-parallel slices, other pipeline stages' placeholders)."""
     found: dict[int, tuple[nn.Module, set[str]]] = {}
     for name, module in root.named_modules(remove_duplicate=False):
         if module is not root and holds(module):
@@ -80,10 +102,13 @@ def guard_state_dicts(
         for module, prefixes in found.values()
     ]
     if whole is not None:
-        check = _refuse_whole(whole, own or OwnReads())
+        check = _refuse_whole(whole, own or reads_of(root))
         top = weakref.ref(root)
         refuse = for_owner(
-            root, check, on_copy=on_copy, on_pickle=lambda: check(top(), "", False, pickled=True)
+            root,
+            check,
+            on_copy=on_copy if on_copy is not None else lambda copy: check(copy, "", False),
+            on_pickle=lambda: check(top(), "", False, pickled=True),
         )
         handles.append(root.register_state_dict_pre_hook(refuse))
     return handles
@@ -91,7 +116,8 @@ def guard_state_dicts(
 
 def _refuse_whole(whole: Callable[[], str | None], own: OwnReads) -> Callable[..., None]:
     def hook(module: nn.Module, prefix: str, keep_vars: bool, *, pickled: bool = False) -> None:
-        why = None if own.active else whole()
+        # a copy of the model (an EMA, a teacher) is marked by its own reads
+        why = None if own.active or reads_of(module).active else whole()
         if why is not None:
             # code that calls state_dict() itself on every rank (litgpt's save_lora_checkpoint) can run
             # inside the gather as it is

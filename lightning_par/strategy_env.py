@@ -232,7 +232,9 @@ class MeshStrategy(ZeroCheckpointIO):
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         # over the group the caller names (the world by default, as Lightning documents), differentiable
         # over any group (torch's own gather fails in backward on a Gloo group not made of ranks 0..n-1)
-        return gather_stacked(tensor, group=group, sync_grads=sync_grads)
+        mesh = self._mesh
+        copies = mesh.tp_size * mesh.pp_size if mesh is not None else 1
+        return gather_stacked(tensor, group=group, sync_grads=sync_grads, copies=copies)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

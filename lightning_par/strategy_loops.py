@@ -92,6 +92,7 @@ class StrategyLoops(ZeroCheckpointIO):
     _metric_sync: MetricSync  # torchmetrics over the data-parallel group (data_reduce.py)
     _loop_runs = 0  # loop runs started (fit, each validation run, test, predict): metric rescans key on it
     _metric_scan: tuple[Any, ...] | None = None  # the loop run and epoch whose first step rescanned
+    _metric_scan_after = False  # that first step not yet rescanned after it
 
     def _refuse_placeholders(self) -> None:
         """The first loop of a run starts: parameters that were ZeRO-3 placeholders at setup and that no
@@ -175,18 +176,32 @@ class StrategyLoops(ZeroCheckpointIO):
         return super().process_dataloader(dataloader)
 
     def _scan_metrics(self, loop: str) -> None:
-        """At the first step of each loop run and training epoch: metrics made since setup (in a hook,
-        ``on_validation_epoch_start`` say, or kept in a dict attribute) sync over the data-parallel group
-        too (before, they gathered over the world: a sum doubled at tp2). Every rank scans at the same
-        step; a scan walks the module once."""
+        """At the first step of each loop run and training epoch, before it and once after it: metrics
+        made since setup (in a hook, ``on_validation_epoch_start`` say, in that first step, or kept in a
+        nested dict attribute) and those of the Trainer's callbacks and datamodule sync over the
+        data-parallel group too (before, they gathered over the world: a sum doubled at tp2). Every rank
+        scans at the same steps; a scan walks the module once."""
         module = self.lightning_module
         if module is None:
             return
         key = (loop, self._loop_runs, module.current_epoch if loop == "training" else None)
         if key == self._metric_scan:
             return
-        self._metric_scan = key
-        self._metric_sync.rescan(module, mesh=self.mesh, pipelined=self._pipeline is not None)
+        self._metric_scan, self._metric_scan_after = key, True
+        self._rescan_metrics(module)
+
+    def _scan_metrics_after_step(self) -> None:
+        """After the step that :meth:`_scan_metrics` scanned before: metrics that step made."""
+        module = self.lightning_module
+        if self._metric_scan_after and module is not None:
+            self._metric_scan_after = False
+            self._rescan_metrics(module)
+
+    def _rescan_metrics(self, module: pl.LightningModule) -> None:
+        trainer: Any = module._trainer  # None when the module is used outside a Trainer's run
+        others = [*trainer.callbacks, trainer.datamodule] if trainer is not None else []
+        roots = [module, *(o for o in others if o is not None)]
+        self._metric_sync.rescan(*roots, mesh=self.mesh, pipelined=self._pipeline is not None)
 
     def _start_eval_loop(self, loop_name: str) -> None:
         """The evaluation loop starting now: its first batch awaited by the tp / pp batch agreement; under

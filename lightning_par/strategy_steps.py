@@ -78,6 +78,7 @@ class StrategySteps(StrategyLoops):
             manual = module is not None and not module.automatic_optimization
             synchronising = training and not manual and (engine is None or engine.sync_enabled)
             self._buffer_sync.after_forward(synchronising=synchronising)
+            self._scan_metrics_after_step()
 
     def _agree(self, loop: str, args: tuple[Any, ...]) -> None:
         self._scan_metrics(loop)

@@ -48,6 +48,7 @@ from lightning_par.callbacks import disk as disk_module  # noqa: E402
 from lightning_par.checkpoint import files as files_module  # noqa: E402
 from lightning_par.models import GPTModule  # noqa: E402
 from lightning_par.rendezvous import RestartSafeEnvironment  # noqa: E402
+from lightning_par.state_guard import reads_of  # noqa: E402
 
 MODEL = dict(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, bias=False, learning_rate=1e-2)
 SAMPLES = 48  # 12 batches of 2 per rank at world 2: several epochs, resumes land mid-epoch
@@ -291,8 +292,10 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         "errors": flash.errors if flash else [],
         "global_step": trainer.global_step,
     }
-    # under pipeline parallelism a rank holds its own stages; the others are meta placeholders
-    state = {k: v.detach().clone() for k, v in module.state_dict().items() if not v.is_meta}
+    # under pipeline parallelism a rank holds its own stages; the others are meta placeholders (a user's
+    # state_dict() of the whole model is refused then; this reads this rank's entries deliberately)
+    with reads_of(module)():
+        state = {k: v.detach().clone() for k, v in module.state_dict().items() if not v.is_meta}
     return {"state": state, "result": result}
 
 

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 from torch import Tensor, nn
 
 from lightning_par import HybridParallelStrategy
+from lightning_par.state_guard import reads_of
 
 
 def cpu_trainer(strategy: Any, *, devices: int = 2, **options: Any) -> pl.Trainer:
@@ -24,6 +25,16 @@ def cpu_trainer(strategy: Any, *, devices: int = 2, **options: Any) -> pl.Traine
         enable_model_summary=False,
         **options,
     )
+
+
+def rank_state(module: nn.Module) -> dict[str, Tensor]:
+    """This rank's own entries of ``module.state_dict()``, copied: under tensor parallelism its slices,
+    under a pipeline its stage's tensors (other stages' meta placeholders left out). A user's
+    ``state_dict()`` of such a model is refused (it would not hold the model's weights); a test reads
+    them deliberately, as the strategies' own reads do."""
+    with reads_of(module)():
+        entries = module.state_dict().items()
+    return {k: v.detach().clone() for k, v in entries if not v.is_meta}
 
 
 def final_state(module: nn.Module, strategy: Any) -> dict[str, Tensor]:

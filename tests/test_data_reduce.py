@@ -15,6 +15,9 @@ the same model in one process over all the samples:
 * metrics read after the run (Lightning tears the strategy down before ``on_fit_end``, the ``teardown``
   hooks and the user's code after ``validate``) and metrics made in a hook, kept in a plain dict: before,
   both gathered over the world and doubled; the ``dist_sync_fn`` now goes with the process groups;
+* metrics in nested containers (a ``MetricCollection`` in a dict, a metric two dicts deep), one made
+  inside the first step, and one kept by a user's callback: before, each doubled; ``self.all_gather``
+  of the world (each sample TP times) warns once on rank 0, and not with the dp group;
 * pp2 x dp2: a sample count updated in ``on_train_batch_end``, which every stage runs (before, counted
   once per stage), and one updated in ``pipeline_eval``, on the last stage only.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -63,6 +67,9 @@ class Scored(pl.LightningModule):
         self.mse = torchmetrics.MeanSquaredError()
         self.after = torchmetrics.SumMetric()  # read after validate
         self.late: dict[str, torchmetrics.Metric] = {}  # made in a hook, in a plain dict
+        # nested containers: a collection in a dict, a metric two dicts deep (before, not found: doubled)
+        self.nested = {"val": {"sum": torchmetrics.SumMetric()}}
+        self.collections = {"val": torchmetrics.MetricCollection({"sum": torchmetrics.SumMetric()})}
         self.seen: dict[str, Any] = {}
 
     def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
@@ -73,6 +80,19 @@ class Scored(pl.LightningModule):
         self.mse.update(losses, torch.zeros_like(losses))
         self.after.update(losses)
         self.late["sum"].update(losses)
+        self.nested["val"]["sum"].update(losses)
+        self.collections["val"].update(losses)
+        if not hasattr(self, "lazy"):  # made in the first step (before, found only at the next loop run)
+            self.lazy = torchmetrics.SumMetric().to(self.device)
+        self.lazy.update(losses)
+        self.last_losses = losses  # for the user's callback
+        if batch_idx == 0:  # the world's gather holds each sample TP times: warned, on rank 0
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                gathered = self.all_gather(losses)
+                self.all_gather(losses, group=self.trainer.strategy.mesh.dp_group)  # type: ignore[attr-defined]
+            self.seen["gathered"] = gathered.shape[0]
+            self.seen["gather_warned"] = [str(w.message) for w in caught if "all_gather" in str(w.message)]
         n = ids.shape[0]
         self.log("samples", float(n), reduce_fx="sum", sync_dist=True, batch_size=n)
         self.log("loss_mean", losses.mean(), sync_dist=True, batch_size=n)
@@ -91,7 +111,24 @@ class Scored(pl.LightningModule):
         self.seen["values"] = self.values.compute()
         self.values.reset()
         self.seen["late"] = self.late["sum"].compute()
+        self.seen["nested"] = self.nested["val"]["sum"].compute()
+        self.seen["collection"] = self.collections["val"].compute()["sum"]
+        self.seen["lazy"] = self.lazy.compute()
         self.seen["copy"] = copy.deepcopy(self.total)  # kept by the user past the run
+
+
+class CountingCallback(pl.Callback):
+    """A user's callback keeping its own metric (before, not found: each sample counted TP times)."""
+
+    def __init__(self) -> None:
+        self.total = torchmetrics.SumMetric()
+        self.value: Tensor | None = None
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.total.to(pl_module.device).update(pl_module.last_losses)  # type: ignore[arg-type]
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.value = self.total.compute()
 
 
 def _trainer_runs(rank: int, world: int) -> dict[str, Any]:
@@ -99,7 +136,7 @@ def _trainer_runs(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     loader = DataLoader(TensorDataset(_ids()), batch_size=BATCH)
     for stage in (1, 3):
-        module = Scored()
+        module, counting = Scored(), CountingCallback()
         strategy = HybridParallelStrategy(zero_stage=stage, tensor_parallel_size=TP, tp_plan="llama")
         trainer = pl.Trainer(
             accelerator="cpu",
@@ -109,8 +146,10 @@ def _trainer_runs(rank: int, world: int) -> dict[str, Any]:
             enable_progress_bar=False,
             enable_model_summary=False,
             enable_checkpointing=False,
+            callbacks=[counting],
         )
         (logged,) = trainer.validate(module, loader, verbose=False)
+        module.seen["callback"] = counting.value
         kept = module.seen.pop("copy")
         out[f"zero{stage}"] = {**logged, **module.seen, "after": module.after.compute()}
         out[f"zero{stage}_votes"] = [
@@ -228,5 +267,12 @@ def test_logged_sums_and_metrics_count_each_sample_once_under_tensor_parallelism
             # read after the run (16.6 before: doubled) and made in a hook (doubled too)
             torch.testing.assert_close(run["after"], losses.sum(), rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(run["late"], losses.sum(), rtol=1e-5, atol=1e-5)
+            for where in ("nested", "collection", "lazy", "callback"):  # each doubled before
+                torch.testing.assert_close(run[where], losses.sum(), rtol=1e-5, atol=1e-5, msg=where)
+            # the world's gather stacks the 4 ranks' batches: each sample TP times
+            assert run["gathered"] == WORLD, (rank, stage, run["gathered"])
+            warned = run["gather_warned"]
+            assert len(warned) == (1 if rank == 0 else 0), (rank, stage, warned)
+            assert all("group=strategy.mesh.dp_group" in w for w in warned), warned
         # each sample once under pp2 x dp2 (before, the hook's count was 2N: once per stage)
         assert got["pp"] == {"trained": N, "evaluated": N, "after": N}, (rank, got["pp"])

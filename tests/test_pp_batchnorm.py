@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
+from tests.fits import rank_state
 from tests.test_batchnorm import SEED, Images, ResNetModule
 from tests.test_pp_trainer import _trainer  # the pipeline tests' Trainer (clipping at 0.5)
 
@@ -77,7 +78,7 @@ def _pipelined(rank: int, world: int, tmp: str) -> dict[str, Any]:
         "state": strategy.consolidated_state_dict(),  # collective; rank 0's is the full state
         "val_loss": val_loss,
         "validated": validated,
-        "own": {k: v.clone() for k, v in module.state_dict().items() if "running_mean" in k},
+        "own": {k: v for k, v in rank_state(module).items() if "running_mean" in k},
     }
 
 

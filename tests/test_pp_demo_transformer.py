@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
+from tests.fits import rank_state
 from tests.test_pp_trainer import _trainer  # the pipeline tests' Trainer (clipping at 0.5)
 
 SEED, VOCAB, T, N, BATCH, M, EPOCHS = 3, 64, 12, 16, 8, 4, 2
@@ -146,9 +147,7 @@ def _pipelined(rank: int, world: int, schedule: str, tmp: str) -> dict[str, Any]
         # this stage's entries, from the LightningModule's own traversal (a submodule's state_dict() under a
         # pipeline is refused: it would hold the other stages' placeholders)
         "state": {
-            k.removeprefix("model."): v
-            for k, v in module.state_dict().items()
-            if k.startswith("model.") and not v.is_meta
+            k.removeprefix("model."): v for k, v in rank_state(module).items() if k.startswith("model.")
         },
     }
 

@@ -4,11 +4,12 @@
 Before: a pp2 fit with an example input (what ``partition_method="profile"`` needs) and the Trainer's
 default summary failed at fit start with torch's "Tensor on device meta is not on the expected device cpu";
 after the fit, ``model.generate(...)`` failed the same way, ``model.save_pretrained(dir)`` raised "Cannot
-copy out of meta tensor" and ``torch.save(model.state_dict())`` wrote the other stages' placeholders,
-silently. The test fits a Hugging Face Llama at pp2 with the profiled cut and the summary on, compares its
-weights with a one-process loop over the same batches, checks the refusals, and that the documented way
-out (``consolidated_state_dict()`` into an unsplit model; or a copy whose placeholders were replaced by
-``load_state_dict(assign=True)``) generates the one-process model's tokens."""
+copy out of meta tensor" and ``torch.save(model.state_dict())`` (also of the whole LightningModule) wrote
+the other stages' placeholders, silently. The test fits a Hugging Face Llama at pp2 with the profiled cut
+and the summary on, compares its weights with a one-process loop over the same batches, checks the
+refusals, and that the documented way out (``consolidated_state_dict()`` into an unsplit model; or a copy
+whose placeholders were replaced by ``load_state_dict(assign=True)``) generates the one-process model's
+tokens."""
 
 from __future__ import annotations
 
@@ -143,6 +144,7 @@ def _job(rank: int, world: int, root: str) -> dict[str, Any]:
         "forward": _error(lambda: module(PROMPT)),
         "save_pretrained": _error(lambda: module.model.save_pretrained(f"{root}/r{rank}")),
         "state_dict": _error(lambda: module.model.state_dict()),
+        "root_state_dict": _error(lambda: module.state_dict()),  # torch.save(pl_module.state_dict())
         "pickled": _error(lambda: torch.save(module.model, io.BytesIO())),
     }
     state = strategy.consolidated_state_dict()  # collective: the documented way out
@@ -206,7 +208,10 @@ def test_split_model_refuses_whole_calls_and_summary_runs() -> None:
             assert "consolidated_state_dict()" in out[what], out[what]
         assert f"pickled (torch.save(model), pickle.dumps) on pipeline stage {rank}" in out["pickled"]
         assert "consolidated_state_dict()" in out["pickled"], out["pickled"]
-        for what in ("save_pretrained", "state_dict"):
+        assert "state_dict() of the whole model (SplitLlama)" in out["root_state_dict"], out[
+            "root_state_dict"
+        ]
+        for what in ("save_pretrained", "state_dict", "root_state_dict"):
             assert "placeholders of layers that live on other pipeline stages" in out[what], out[what]
             assert "consolidated_state_dict()" in out[what], out[what]
     first = results[0]

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
+from tests.fits import rank_state
 from tests.third_party import LLAMA, LORA_TARGETS, LossRecorder, Tokens, llama
 
 WORLD = 2
@@ -244,9 +245,9 @@ def _fit(
         "warnings": [str(w.message) for w in caught if "pretrained weights" in str(w.message)],
     }
     if then_validate:
-        out["after_fit"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        out["after_fit"] = rank_state(module)
         trainer.validate(module, DataLoader(data, batch_size=batch), verbose=False)
-        out["after_validate"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        out["after_validate"] = rank_state(module)
     return out
 
 

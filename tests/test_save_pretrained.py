@@ -9,17 +9,19 @@ and a PEFT LoRA Llama at ZeRO-3 and a Llama at tp2 (the ``llama`` plan), each tr
 Trainer:
 
 * during training, ``save_pretrained`` on rank 0 only raises a ``RuntimeError`` naming the module and
-  ``consolidated_state_dict()``, and writes no weights file; at ZeRO-3 so does ``pl_module.state_dict()``
-  (the whole model: before, NaN placeholders too);
+  ``consolidated_state_dict()``, and writes no weights file; so does ``pl_module.state_dict()`` (the
+  whole model: before, NaN placeholders at ZeRO-3, rank 0's slices at tp2, silently);
 * ``trainer.strategy.consolidated_state_dict()`` on every rank, then ``save_pretrained(dir,
   state_dict=...)`` on rank 0, writes the weights the run ends with (read back with ``safetensors``, they
   equal the consolidated state after ``fit`` exactly);
 * after ``fit`` a ZeRO-3 model is whole again and a plain ``save_pretrained`` writes the same values; a
-  tensor-parallel one stays sliced, so the plain save is refused again and the consolidated save is used.
+  tensor-parallel one stays sliced, so the plain save (and the whole model's state dict, also of a
+  ``copy.deepcopy`` of it) is refused again and the consolidated save is used.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 from typing import Any
@@ -95,10 +97,13 @@ def _run(rank: int, world: int, layout: str, lora: bool, root: str) -> dict[str,
     model: Any = module.model
     after = os.path.join(root, "after")
     refused_after = ""
-    if layout == "tp2":  # still sliced after fit
+    if layout == "tp2":  # still sliced after fit: the submodule's save, the whole model's and a copy's
         with pytest.raises(RuntimeError) as info:
             model.save_pretrained(after)
         refused_after = str(info.value)
+        for whole in (module, copy.deepcopy(module)):
+            with pytest.raises(RuntimeError, match="tensor-parallel slices"):
+                whole.state_dict()
         model.save_pretrained(after, state_dict={k.removeprefix("model."): v for k, v in final.items()})
     else:
         model.save_pretrained(after)
@@ -138,12 +143,9 @@ def test_save_pretrained_from_pieces_is_refused_and_the_consolidated_save_is_exa
     what = "ZeRO-3 shards" if layout == "zero3" else "tensor-parallel slices"
     assert what in out["error"] and "consolidated_state_dict()" in out["error"], out["error"]
     assert (what in out["refused_after"]) == (layout == "tp2"), out["refused_after"]
-    # the whole model's state dict: refused at ZeRO-3 (NaN placeholders); under tensor parallelism it is
-    # the strategies' own read too and stays unguarded (slices, refused by from_pretrained's shapes)
-    if layout == "zero3":
-        assert "state_dict() of the whole model (LoraLlama)" in out["whole_error"], out["whole_error"]
-    else:
-        assert out["whole_error"] == "", out["whole_error"]
+    # the whole model's state dict: refused too (before, at tp2 it returned rank 0's slices silently)
+    assert "state_dict() of the whole model (LoraLlama)" in out["whole_error"], out["whole_error"]
+    assert what in out["whole_error"], out["whole_error"]
     assert out["plain_weights"] == [], "the refused save wrote weights"
     final = out["final"]
     for saved in ("consolidated", "after"):

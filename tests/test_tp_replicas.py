@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from lightning_par import HybridParallelStrategy
 from lightning_par.fabric import HybridParallelStrategy as FabricStrategy
 from tests.distributed import run_distributed
-from tests.fits import cpu_trainer, final_state
+from tests.fits import cpu_trainer, final_state, rank_state
 from tests.third_party import LLAMA, LoraLlama, Tokens, hf_model, llama, replay_order
 
 CLIP, STEPS = 0.05, 3
@@ -72,7 +72,7 @@ def _fabric_loop(strategy: Any, *, devices: int, torch_clip: bool) -> tuple[dict
         refused = str(error)
         for name, value in model.named_parameters():  # refused before the step changed anything
             torch.testing.assert_close(value.detach(), before[name], msg=name)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = rank_state(model.module)  # the module inside Fabric's wrapper
     if isinstance(strategy, FabricStrategy):
         full = strategy.consolidated_state_dict() if not refused else {}
         state = {k: v.clone() for k, v in full.items()}

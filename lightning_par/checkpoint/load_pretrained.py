@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_par.checkpoint.pretrained import WeightSource, match_names
+from lightning_par.state_guard import reads_of
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.tensor_parallel.slices import piece, segments_by_name
 from lightning_par.zero.units import REMOTE_ATTR
@@ -88,7 +89,8 @@ def _expected(module: nn.Module, tp_size: int) -> tuple[dict[str, tuple[int, ...
             shape[dim] *= tp_size
             dims[name] = dim
         shapes[name] = tuple(shape)
-    persistent = set(module.state_dict(keep_vars=True))
+    with reads_of(module)():  # the names only: the slices and placeholders are not read
+        persistent = set(module.state_dict(keep_vars=True))
     for name, b in module.named_buffers():
         if name in persistent:
             shapes[name] = tuple(b.shape)

@@ -18,7 +18,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -83,6 +83,11 @@ class ZeroCheckpointIO(ParallelStrategy):
     def engine(self) -> Engine | None:
         """The ZeRO engine (after ``setup`` for fitting, and at stage 3 for evaluation too), else None."""
         return self._engine
+
+    @property
+    def state_root(self) -> nn.Module | None:
+        """The model whose own state reads this strategy marks (:func:`reads_own_state`)."""
+        return self.model
 
     @property
     @abstractmethod

@@ -102,6 +102,11 @@ class FabricSession(FabricProcesses):
         )
 
     @property
+    def state_root(self) -> nn.Module | None:
+        """The model whose own state reads this session marks (:func:`reads_own_state`)."""
+        return self.module
+
+    @property
     def _strategy(self) -> HybridParallelStrategy:
         """This object as the class the checkpoint functions take (of which this class is a base)."""
         return cast("HybridParallelStrategy", self)
@@ -137,7 +142,9 @@ class FabricSession(FabricProcesses):
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         # differentiable over any group (lightning_par.data_reduce.gather_stacked)
-        return gather_stacked(tensor, group=group, sync_grads=sync_grads)
+        mesh = self._mesh
+        copies = mesh.tp_size * mesh.pp_size if mesh is not None else 1
+        return gather_stacked(tensor, group=group, sync_grads=sync_grads, copies=copies)
 
     def sync_metrics(self, *metrics: Any) -> None:
         """Point torchmetrics objects kept outside the set-up module (Fabric's usual

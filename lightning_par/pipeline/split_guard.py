@@ -43,7 +43,8 @@ _FIXES = (
     " pipeline_eval and pipeline_predict, a Fabric loop through fabric.strategy.pipeline.step / evaluate /"
     " predict. For generation or any other whole-model call, call strategy.consolidated_state_dict() on"
     " every rank (collective; the full state lands on rank 0) and load it into an unsplit copy of the model"
-    " (e.g. model.save_pretrained(dir, state_dict=...) on rank 0, then from_pretrained)."
+    " (e.g. on rank 0 pl_module.model.save_pretrained(dir, state_dict={k.removeprefix('model.'): v for k, v"
+    " in full.items()}), its keys stripped of the LightningModule's attribute prefix, then from_pretrained)."
 )
 
 
@@ -56,6 +57,12 @@ def _remote_name(module: nn.Module, *, recurse: bool) -> str | None:
         if getattr(b, REMOTE_ATTR, False):
             return name
     return None
+
+
+_PLACEHOLDERS = (
+    "meta-device placeholders of layers that live on other pipeline stages (each rank holds its own stage's"
+    " layers)"
+)
 
 
 def guard_split_model(root: nn.Module, *, pp_rank: int) -> list[RemovableHandle]:
@@ -78,12 +85,10 @@ def guard_split_model(root: nn.Module, *, pp_rank: int) -> list[RemovableHandle]
     handles += guard_state_dicts(
         root,
         holds=lambda m: _remote_name(m, recurse=False) is not None,
-        reason=lambda m: (
-            "meta-device placeholders of layers that live on other pipeline stages (each rank holds its own"
-            " stage's layers)"
-            if _remote_name(m, recurse=False) is not None
-            else None
-        ),
+        reason=lambda m: _PLACEHOLDERS if _remote_name(m, recurse=False) is not None else None,
+        # the whole model's state dict (torch.save(pl_module.state_dict()) in a callback) too, outside the
+        # strategies' own reads, until whole weights replace the placeholders
+        whole=lambda: _PLACEHOLDERS if _remote_name(root, recurse=True) is not None else None,
     )
     return handles
 

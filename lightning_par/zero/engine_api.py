@@ -13,7 +13,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_par.state_guard import OwnReads
+from lightning_par.state_guard import OwnReads, reads_of
 
 __all__ = ["Engine", "ShardedState", "own_state_reads", "reads_own_state"]
 
@@ -99,15 +99,20 @@ class ShardedState(Protocol):
     def stepped_tensors(self) -> list[Tensor]: ...
 
 
-def own_state_reads(engine: Engine | None) -> AbstractContextManager[None]:
-    """``engine.own_reads()``, or nothing to mark without an engine: wrap the strategies' own reads of the
-    whole model's ``state_dict()`` (checkpoints, exports, snapshots) in it."""
-    return engine.own_reads() if engine is not None else nullcontext()
+def own_state_reads(engine: Engine | None, module: nn.Module | None = None) -> AbstractContextManager[None]:
+    """Mark the strategies' own reads of the whole model's ``state_dict()`` (checkpoints, exports,
+    snapshots): wrap them in this. The marks are the model's (``module``, else the engine's;
+    :func:`~lightning_par.state_guard.reads_of`), which ZeRO-3's and the tensor-parallel and pipeline
+    guards read; nothing to mark without either."""
+    root = module if module is not None else engine.module if engine is not None else None
+    return reads_of(root)() if root is not None else nullcontext()
 
 
 class _HasEngine(Protocol):
     @property
     def engine(self) -> Engine | None: ...
+    @property
+    def state_root(self) -> nn.Module | None: ...
 
 
 _S = TypeVar("_S", bound=_HasEngine)
@@ -117,11 +122,11 @@ _R = TypeVar("_R")
 
 def reads_own_state(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S, _P], _R]:
     """A front door's method (checkpoint save or load, export) that runs under
-    :func:`own_state_reads` of its ``engine``."""
+    :func:`own_state_reads` of its model (``state_root``) or ``engine``."""
 
     @functools.wraps(method)
     def wrapper(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with own_state_reads(self.engine):
+        with own_state_reads(self.engine, self.state_root):
             return method(self, *args, **kwargs)
 
     return wrapper

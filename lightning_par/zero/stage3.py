@@ -86,7 +86,7 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_par.state_guard import OwnReads
+from lightning_par.state_guard import reads_of
 from lightning_par.torch_modes import mode_entered
 from lightning_par.zero.broadcast import broadcast_module_states
 from lightning_par.zero.grad_buckets import ReduceOp
@@ -203,7 +203,7 @@ class Stage3Engine(Stage3Hooks):
         self.unused: frozenset[int] = frozenset()
         self._sync_listeners: list[Callable[[], None]] = []
         self._handles: list[RemovableHandle] = []
-        self.own_reads = OwnReads()  # the strategies' own whole-model state-dict reads pass the guard
+        self.own_reads = reads_of(module)  # the strategies' own whole-model state-dict reads pass the guard
         self._install_hooks()
         self._cross_guard = CrossUnitGuard(self.units, self.root)
         self._between: BetweenSteps | None = BetweenSteps(self.units, self.own_reads)  # after step 1
