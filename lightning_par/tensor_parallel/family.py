@@ -19,6 +19,8 @@ plan's names fit (tp2, one or two decoder layers, against the unsharded model):
   were 3e-4 apart from the unsharded model's after 3 SGD steps at lr 0.05, and apart on the two ranks).
   :func:`head_local` finds such weights (and refuses a parameter of another size there: a norm over all
   heads at once, as OLMo 2's, would see a slice); :func:`sum_head_local` all-reduces their gradients.
+  A table with one column per head (T5's ``relative_attention_bias``) is cut by heads instead
+  (:func:`head_tables`, :func:`cut_head_table`): before, refused, there being no per-head weight.
 * **Where a region starts.** The plan makes ``post_attention_layernorm`` the MLP's region input. Gemma 2
   and 3 apply that norm to the attention output before the residual sum and feed the MLP through
   ``pre_feedforward_layernorm``: the residual stream's gradient was summed over the ranks and the MLP
@@ -35,19 +37,23 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.tensor_parallel.regions import sum_grad_over_group
 
 __all__ = [
     "check_alibi",
     "check_forward",
     "check_parent",
+    "cut_head_table",
     "fit_layout",
     "head_local",
+    "head_tables",
     "scale_of",
     "sum_head_local",
 ]
 
 _PRE_FEEDFORWARD = "pre_feedforward_layernorm"
+_QUERY_HEADS = ("n_head", "n_heads", "num_heads", "num_attention_heads")  # an attention's head count
 
 
 def scale_of(embedding: nn.Module) -> torch.Tensor | None:
@@ -129,15 +135,54 @@ def fit_layout(
     return fitted
 
 
+def head_tables(attention: nn.Module, *, styled: set[str]) -> list[nn.Embedding]:
+    """The embeddings inside ``attention`` (none of ``styled``, its children the plan converts) with one
+    column per head: T5's ``relative_attention_bias`` (buckets x heads), whose lookup is added to each
+    head's scores and handed on to the later blocks. Split by heads, :func:`cut_head_table` keeps this
+    rank's heads' columns, so every block's bias matches its heads."""
+    heads = next(
+        (
+            v
+            for a in _QUERY_HEADS
+            if isinstance(v := getattr(attention, a, None), int) and not isinstance(v, bool)
+        ),
+        None,
+    )
+    return [
+        sub
+        for sub_name, sub in attention.named_modules()
+        if sub_name
+        and sub_name.split(".", 1)[0] not in styled
+        and type(sub) is nn.Embedding
+        and heads is not None
+        and sub.embedding_dim == heads
+    ]
+
+
+def cut_head_table(table: nn.Embedding, *, rank: int, size: int) -> None:
+    """Keep block ``rank`` of ``size`` of the columns (heads) of ``table`` (:func:`head_tables`), a
+    tensor-parallel slice along dimension 1: checkpoints and ``consolidated_state_dict()`` join the
+    blocks; its gradient is this rank's heads' alone, so it is not summed."""
+    weight = table.weight
+    local = weight.shape[1] // size
+    piece = weight.detach()[:, rank * local : (rank + 1) * local].clone()
+    cut = nn.Parameter(piece, requires_grad=weight.requires_grad)
+    setattr(cut, TP_DIM_ATTR, 1)
+    table.weight = cut
+    table.embedding_dim = local
+
+
 def head_local(attention: nn.Module, name: str, *, styled: set[str]) -> list[tuple[nn.Module, str]]:
     """The parameters inside ``attention`` (an attention module whose projections the plan splits by
     heads; ``styled``: the names of its children the plan converts) that act on this rank's heads only:
     ``(owner, parameter name)`` of each per-head weight (``head_dim`` elements), whose gradient must be
-    summed over the group. Any other parameter there is refused (module docstring); nothing is changed."""
+    summed over the group. The per-head tables of :func:`head_tables` are cut instead; any other
+    parameter there is refused (module docstring); nothing is changed."""
     head_dim = getattr(attention, "head_dim", None)
+    tables = {id(t) for t in head_tables(attention, styled=styled)}
     found: list[tuple[nn.Module, str]] = []
     for sub_name, sub in attention.named_modules():
-        if sub_name.split(".", 1)[0] in styled:
+        if sub_name.split(".", 1)[0] in styled or id(sub) in tables:
             continue
         for pname, p in sub.named_parameters(recurse=False):
             if not (isinstance(head_dim, int) and sub_name and p.dim() == 1 and p.numel() == head_dim):

@@ -16,8 +16,10 @@ from lightning_par.tensor_parallel.family import (
     check_alibi,
     check_forward,
     check_parent,
+    cut_head_table,
     fit_layout,
     head_local,
+    head_tables,
     scale_of,
     sum_head_local,
 )
@@ -140,6 +142,7 @@ def apply_tensor_parallel(
         for parent_name, children in split.items()
         for found in head_local(modules[parent_name], parent_name, styled=children)
     ]
+    tables = [t for parent, children in split.items() for t in head_tables(modules[parent], styled=children)]
     applied: dict[str, str] = {}
     for name, style in targets:
         parent_name, _, attr = name.rpartition(".")
@@ -155,6 +158,8 @@ def apply_tensor_parallel(
         setattr(parent, attr, new)
         applied[name] = style
     if t > 1:
+        for table in tables:  # T5's relative position bias: this rank's heads' columns
+            cut_head_table(table, rank=dist.get_rank(group), size=t)
         shared = [
             found
             for parent_name in {n.rpartition(".")[0] for n, _ in targets}
