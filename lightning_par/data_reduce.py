@@ -20,11 +20,10 @@ Contract
 * :func:`world_decision`: ``reduce_boolean_decision`` (early stopping, checkpointing verdicts) stays over
   the world, since every rank, whatever its coordinates, must take the same decision.
 * :class:`MetricSync`: torchmetrics ``Metric`` objects inside the module (submodules, and metrics kept in
-  a module's plain dict / list / tuple attributes, nested too), the Trainer's callbacks and datamodule
-  that sync the default way (no ``process_group``, no
-  ``dist_sync_fn`` of their own) gather over the data-parallel group, through a ``dist_sync_fn`` set at
-  setup, on metrics made later when each loop (and each training epoch) begins its first step and after
-  that step (a metric made lazily inside it), and
+  a module's plain dict / list / tuple attributes, nested too) and in the Trainer's callbacks and
+  datamodule that sync the default way (no ``process_group``, no ``dist_sync_fn`` of their own) gather
+  over the data-parallel group, through a ``dist_sync_fn`` set at setup, on metrics made later when each
+  loop (and each training epoch) begins its first step and after that step (one made inside it), and
   removed with the strategy's process groups (``destroy_process_groups()``) or at the next setup; so a
   metric read in ``on_fit_end``, a ``teardown`` hook or after ``trainer.fit`` counts each sample once
   (Lightning tears the strategy down before those; before, they gathered over the world: a sum doubled
@@ -41,6 +40,8 @@ the run shares it, and a pickled copy gathers over the world, torchmetrics' defa
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import is_dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -72,7 +73,9 @@ def world_decision(decision: bool, *, all: bool, world_size: int, device: torch.
     return bool(votes == world_size) if all else bool(votes)
 
 
-def gather_stacked(tensor: Tensor, *, group: Any | None, sync_grads: bool, copies: int = 1) -> Tensor:
+def gather_stacked(
+    tensor: Tensor, *, group: Any | None, sync_grads: bool, copies: int = 1, stacklevel: int = 4
+) -> Tensor:
     """Every rank's ``tensor`` of ``group`` (None: the world), stacked: shape ``(group size, *shape)``, as
     Lightning's ``all_gather`` returns. With ``sync_grads`` the result is differentiable: the gradient of
     a rank's input is the sum over the group's ranks of the gradient each computed for that rank's slot
@@ -80,7 +83,8 @@ def gather_stacked(tensor: Tensor, *, group: Any | None, sync_grads: bool, copie
     a mixed ``"cpu:gloo,cuda:nccl"``) group scatters from the group-local index as if it were a global
     rank: any group not made of ranks ``0..n-1``, such as the data-parallel groups under tensor
     parallelism, failed in the first backward ("Global rank 0 is not part of group"). ``copies``: how
-    many ranks hold each sample (tp x pp); a gather of the world with copies warns (module docstring)."""
+    many ranks hold each sample (tp x pp); a gather of the world with copies warns (module docstring),
+    naming the line ``stacklevel`` frames up (Lightning's warning helpers count; 4 is the caller's)."""
     if not (dist.is_available() and dist.is_initialized()):
         return tensor
     world = group is None or group is dist.group.WORLD  # the LightningModule's all_gather names WORLD itself
@@ -91,7 +95,7 @@ def gather_stacked(tensor: Tensor, *, group: Any | None, sync_grads: bool, copie
             " contrastive loss over it (SimCLR, CLIP) meets each sample's copies as negatives and a logged"
             " gather counts them. Pass group=strategy.mesh.dp_group (trainer.strategy or fabric.strategy) to"
             " take each sample once.",
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
     group = group if group is not None else dist.group.WORLD
     if not sync_grads:
@@ -179,12 +183,16 @@ def _stage_gather(mesh: ParallelMesh) -> StageGather:
     )
 
 
+_WIDEST = 4096  # containers with more items are not entered (a vocabulary, a cache): the scan stays cheap
+
+
 def _metrics_in(*roots: object) -> list[Metric]:
     """The torchmetrics metrics held by ``roots`` (the LightningModule; the Trainer's callbacks and
     datamodule), each once: a module's submodules, and inside the plain dict / list / tuple attributes of
     its modules and of the other roots, nested ones too (``self.metrics = {"train": MetricCollection(...)}``,
-    ``[{"acc": Accuracy()}]`` per dataloader), the metrics of any module found there. Other objects an
-    attribute refers to are not entered (a callback's reference to the trainer)."""
+    ``[{"acc": Accuracy()}]`` per dataloader), dataclass and ``SimpleNamespace`` holders among them, the
+    metrics of any module found there. Other objects an attribute refers to are not entered (a callback's
+    reference to the trainer), nor containers of more than ``_WIDEST`` items."""
     found: dict[int, Metric] = {}
     walked: set[int] = set()
 
@@ -199,11 +207,15 @@ def _metrics_in(*roots: object) -> list[Metric]:
                 if isinstance(m, Metric):
                     found.setdefault(id(m), m)
                 for attr in vars(m).values():
-                    if isinstance(attr, dict | list | tuple):
+                    if isinstance(attr, dict | list | tuple) or _is_holder(attr):
                         held(attr, depth + 1)
-        elif isinstance(value, dict | list | tuple):
+        elif isinstance(value, dict | list | tuple) and len(value) <= _WIDEST:
             walked.add(id(value))
             for item in value.values() if isinstance(value, dict) else value:
+                held(item, depth + 1)
+        elif _is_holder(value):
+            walked.add(id(value))
+            for item in vars(value).values():
                 held(item, depth + 1)
 
     for root in roots:
@@ -213,6 +225,11 @@ def _metrics_in(*roots: object) -> list[Metric]:
             for attr in vars(root).values():
                 held(attr, 1)
     return list(found.values())
+
+
+def _is_holder(value: object) -> bool:
+    """A plain record of values: a dataclass instance or a ``SimpleNamespace``."""
+    return isinstance(value, SimpleNamespace) or (is_dataclass(value) and not isinstance(value, type))
 
 
 class MetricSync:

@@ -234,7 +234,8 @@ class MeshStrategy(ZeroCheckpointIO):
         # over any group (torch's own gather fails in backward on a Gloo group not made of ranks 0..n-1)
         mesh = self._mesh
         copies = mesh.tp_size * mesh.pp_size if mesh is not None else 1
-        return gather_stacked(tensor, group=group, sync_grads=sync_grads, copies=copies)
+        # the warning names the user's line: through the front door's all_gather and apply_to_collection
+        return gather_stacked(tensor, group=group, sync_grads=sync_grads, copies=copies, stacklevel=8)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

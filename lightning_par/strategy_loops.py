@@ -175,16 +175,18 @@ class StrategyLoops(ZeroCheckpointIO):
             )
         return super().process_dataloader(dataloader)
 
-    def _scan_metrics(self, loop: str) -> None:
-        """At the first step of each loop run and training epoch, before it and once after it: metrics
-        made since setup (in a hook, ``on_validation_epoch_start`` say, in that first step, or kept in a
-        nested dict attribute) and those of the Trainer's callbacks and datamodule sync over the
-        data-parallel group too (before, they gathered over the world: a sum doubled at tp2). Every rank
-        scans at the same steps; a scan walks the module once."""
+    def _scan_metrics(self, loop: str, args: tuple[Any, ...]) -> None:
+        """At the first step of each loop run, training epoch and evaluation dataloader (``args``: the
+        step's), before it and once after it: metrics made since setup (in a hook,
+        ``on_validation_epoch_start`` say, in that first step, per dataloader, or kept in a nested dict
+        attribute) and those of the Trainer's callbacks and datamodule sync over the data-parallel group
+        too (before, they gathered over the world: a sum doubled at tp2). Every rank scans at the same
+        steps; a scan walks the module once."""
         module = self.lightning_module
         if module is None:
             return
-        key = (loop, self._loop_runs, module.current_epoch if loop == "training" else None)
+        part = module.current_epoch if loop == "training" else loader_idx(args, {})
+        key = (loop, self._loop_runs, part)
         if key == self._metric_scan:
             return
         self._metric_scan, self._metric_scan_after = key, True

@@ -81,7 +81,7 @@ class StrategySteps(StrategyLoops):
             self._scan_metrics_after_step()
 
     def _agree(self, loop: str, args: tuple[Any, ...]) -> None:
-        self._scan_metrics(loop)
+        self._scan_metrics(loop, args)
         if self._batches is not None and args:
             self._batches.check(loop, args[0])
 

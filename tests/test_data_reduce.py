@@ -16,8 +16,9 @@ the same model in one process over all the samples:
   hooks and the user's code after ``validate``) and metrics made in a hook, kept in a plain dict: before,
   both gathered over the world and doubled; the ``dist_sync_fn`` now goes with the process groups;
 * metrics in nested containers (a ``MetricCollection`` in a dict, a metric two dicts deep), one made
-  inside the first step, and one kept by a user's callback: before, each doubled; ``self.all_gather``
-  of the world (each sample TP times) warns once on rank 0, and not with the dp group;
+  inside the first step or at a second dataloader's first batch, one held in a dataclass, and one kept
+  by a user's callback: before, each doubled; ``self.all_gather`` of the world (each sample TP times)
+  warns once on rank 0, naming the user's line, and not with the dp group;
 * pp2 x dp2: a sample count updated in ``on_train_batch_end``, which every stage runs (before, counted
   once per stage), and one updated in ``pipeline_eval``, on the last stage only.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import copy
 import pickle
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -92,7 +94,10 @@ class Scored(pl.LightningModule):
                 gathered = self.all_gather(losses)
                 self.all_gather(losses, group=self.trainer.strategy.mesh.dp_group)  # type: ignore[attr-defined]
             self.seen["gathered"] = gathered.shape[0]
-            self.seen["gather_warned"] = [str(w.message) for w in caught if "all_gather" in str(w.message)]
+            # named at the user's line (this file), so each calling line warns once
+            self.seen["gather_warned"] = [
+                (str(w.message), w.filename) for w in caught if "all_gather" in str(w.message)
+            ]
         n = ids.shape[0]
         self.log("samples", float(n), reduce_fx="sum", sync_dist=True, batch_size=n)
         self.log("loss_mean", losses.mean(), sync_dist=True, batch_size=n)
@@ -131,6 +136,34 @@ class CountingCallback(pl.Callback):
         self.value = self.total.compute()
 
 
+@dataclass
+class Counts:
+    """A user's record holding a metric (a dataclass attribute of the module)."""
+
+    seen: torchmetrics.SumMetric
+
+
+class PerLoader(pl.LightningModule):
+    """Two validation dataloaders, a count per dataloader made at its first batch (before, the second
+    dataloader's counted each sample TP times in the first validation) and one held in a dataclass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = llama(seed=0)
+        self.per_loader: dict[int, torchmetrics.SumMetric] = {}
+        self.counts = Counts(seen=torchmetrics.SumMetric())
+        self.read: dict[str, float] = {}
+
+    def validation_step(self, batch: list[Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        n = torch.tensor(float(batch[0].shape[0]), device=self.device)
+        self.per_loader.setdefault(dataloader_idx, torchmetrics.SumMetric().to(self.device)).update(n)
+        self.counts.seen.update(n)
+
+    def on_validation_epoch_end(self) -> None:
+        self.read = {f"loader{k}": float(m.compute()) for k, m in self.per_loader.items()}
+        self.read["dataclass"] = float(self.counts.seen.compute())
+
+
 def _trainer_runs(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -163,6 +196,12 @@ def _trainer_runs(rank: int, world: int) -> dict[str, Any]:
         # the copy syncs as a plain metric now, over the world (before, over the destroyed dp group)
         kept.update(torch.ones(1))
         out[f"zero{stage}_copy"] = kept.compute()
+    module, loader = PerLoader(), DataLoader(TensorDataset(_ids()), batch_size=BATCH)
+    strategy = HybridParallelStrategy(zero_stage=1, tensor_parallel_size=TP, tp_plan="llama")
+    trainer = cpu_trainer(strategy, devices=world)
+    trainer.validate(module, [loader, loader], verbose=False)
+    out["per_loader"] = module.read
+    strategy.destroy_process_groups()
     out["fabric"] = _fabric_run(rank, world)
     out["pp"] = _pipelined_run(world)
     return out
@@ -273,6 +312,10 @@ def test_logged_sums_and_metrics_count_each_sample_once_under_tensor_parallelism
             assert run["gathered"] == WORLD, (rank, stage, run["gathered"])
             warned = run["gather_warned"]
             assert len(warned) == (1 if rank == 0 else 0), (rank, stage, warned)
-            assert all("group=strategy.mesh.dp_group" in w for w in warned), warned
+            assert all("group=strategy.mesh.dp_group" in w and f == __file__ for w, f in warned), warned
+        assert got["per_loader"] == {"loader0": N, "loader1": N, "dataclass": 2 * N}, (
+            rank,
+            got["per_loader"],
+        )
         # each sample once under pp2 x dp2 (before, the hook's count was 2N: once per stage)
         assert got["pp"] == {"trained": N, "evaluated": N, "after": N}, (rank, got["pp"])

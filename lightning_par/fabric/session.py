@@ -144,7 +144,8 @@ class FabricSession(FabricProcesses):
         # differentiable over any group (lightning_par.data_reduce.gather_stacked)
         mesh = self._mesh
         copies = mesh.tp_size * mesh.pp_size if mesh is not None else 1
-        return gather_stacked(tensor, group=group, sync_grads=sync_grads, copies=copies)
+        # the warning names the user's line: through the front door's all_gather and apply_to_collection
+        return gather_stacked(tensor, group=group, sync_grads=sync_grads, copies=copies, stacklevel=8)
 
     def sync_metrics(self, *metrics: Any) -> None:
         """Point torchmetrics objects kept outside the set-up module (Fabric's usual
