@@ -9,14 +9,19 @@ so a random augmentation in a Lightning hook gives every stage one batch. Both h
 tp2 such a run's norm weights were 2.9e-3 apart after 3 steps, silently.
 
 :func:`agree_random_state` gives every rank of the groups the state of the groups' first rank: torch's
-CPU generator and, on a GPU, this device's generator (one broadcast of each per group, at setup; the
-data-parallel ranks keep their own states, as under DDP). Code that later draws on some ranks only (a
+CPU generator and, on a GPU, this device's generator, and the host generators of Python's ``random`` and
+NumPy's global ``np.random`` (Hugging Face's SpecAugment masks of Wav2Vec2 / HuBERT / WavLM are drawn
+with NumPy inside the forward: with per-rank seeds the tp ranks masked apart, the replicated weights
+7.4e-3 apart after 4 steps). One broadcast of each per group, at setup; the data-parallel ranks keep their
+own states, as under DDP. Code that later draws on some ranks only (a
 rank-zero-only sample in a callback) parts them again: draw such numbers from a generator of its own.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,3 +47,21 @@ def agree_random_state(*, groups: Sequence[ProcessGroup], device: torch.device) 
     torch.random.set_rng_state(_agree(torch.random.get_rng_state(), groups, device))
     if device.type == "cuda":
         torch.cuda.set_rng_state(_agree(torch.cuda.get_rng_state(device), groups, device), device)
+    host: list[Any] = [(random.getstate(), _numpy_state())]
+    for group in groups:  # pickled through ``device`` (NCCL broadcasts device tensors only)
+        dist.broadcast_object_list(host, src=dist.get_global_rank(group, 0), group=group, device=device)
+    py_state, np_state = host[0]
+    random.setstate(py_state)
+    if np_state is not None:
+        import numpy as np
+
+        np.random.set_state(np_state)
+
+
+def _numpy_state() -> Any:
+    """NumPy's global random state, or None where NumPy is not installed (torch does not need it)."""
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    return np.random.get_state()

@@ -13,8 +13,11 @@ clipping the whole model with torch's ``clip_grad_norm_``.
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
+import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
@@ -147,6 +150,16 @@ def _norms(module: torch.nn.Module) -> dict[str, Tensor]:
     return {n: p.detach().clone() for n, p in module.named_parameters() if "norm" in n}
 
 
+class HostDraws(pl.Callback):
+    """What NumPy's and Python's global generators give at the start of training."""
+
+    def __init__(self) -> None:
+        self.drawn: tuple[float, float] | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.drawn = (float(np.random.random()), random.random())
+
+
 def _seeded_per_rank(rank: int, world: int) -> dict[str, Any]:
     """Each rank seeded apart (nanoGPT's ``manual_seed(1337 + rank)``), then a tp2 run with dropout: the
     Trainer (ZeRO-0) and a Fabric loop (ZeRO-1)."""
@@ -155,16 +168,24 @@ def _seeded_per_rank(rank: int, world: int) -> dict[str, Any]:
     module = DropoutPhi3()
     module.configure_model()  # (hf_model seeds the init: the per-rank seeds come after it)
     torch.manual_seed(100 + rank)
+    np.random.seed(100 + rank)  # NumPy's and Python's generators too (SpecAugment draws with NumPy)
+    random.seed(100 + rank)
     strategy = HybridParallelStrategy(tensor_parallel_size=2, tp_plan="llama")
-    cpu_trainer(strategy, max_steps=STEPS, use_distributed_sampler=False).fit(module, _loader())
+    draws = HostDraws()
+    trainer = cpu_trainer(strategy, max_steps=STEPS, use_distributed_sampler=False, callbacks=[draws])
+    trainer.fit(module, _loader())
     out["trainer"] = _norms(module)
+    out["host_draws"] = draws.drawn
     strategy.destroy_process_groups()
     fabric_strategy = FabricStrategy(zero_stage=1, tensor_parallel_size=2, tp_plan="llama")
     fabric = Fabric(accelerator="cpu", devices=world, strategy=fabric_strategy)
     fabric.launch()
     model = hf_model("Phi3ForCausalLM", "Phi3Config", **(LLAMA | DROPOUT))
     torch.manual_seed(200 + rank)
+    np.random.seed(200 + rank)
+    random.seed(200 + rank)
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    out["fabric_host_draws"] = (float(np.random.random()), random.random())
     batches = torch.randint(0, 64, (STEPS, 4, 13), generator=torch.Generator().manual_seed(5))
     for ids in batches:
         loss = F.cross_entropy(model(input_ids=ids[:, :-1]).logits.flatten(0, 1), ids[:, 1:].flatten())
@@ -179,8 +200,11 @@ def _seeded_per_rank(rank: int, world: int) -> dict[str, Any]:
 def test_tp_ranks_seeded_apart_still_drop_alike() -> None:
     """The ranks of a tp group start the run with one random state (tp rank 0's), so dropout on the
     replicated residual stream masks alike and the weights both ranks hold whole stay one (before, with
-    per-rank seeds: the norm weights 1.5e-3 apart in the Trainer and 2.9e-3 in Fabric after 3 steps)."""
+    per-rank seeds: the norm weights 1.5e-3 apart in the Trainer and 2.9e-3 in Fabric after 3 steps); NumPy's
+    and Python's global generators too (before, apart: Wav2Vec2's SpecAugment masked apart at tp2)."""
     ranks = run_distributed(_seeded_per_rank, 2, init_group=False)
+    for key in ("host_draws", "fabric_host_draws"):  # tp rank 0's NumPy and Python states on both
+        assert ranks[0][key] == ranks[1][key], (key, ranks[0][key], ranks[1][key])
     for front in ("trainer", "fabric"):
         first, second = ranks[0][front], ranks[1][front]
         assert first.keys() == second.keys() and first, front
