@@ -140,14 +140,8 @@ def head_tables(attention: nn.Module, *, styled: set[str]) -> list[nn.Embedding]
     column per head: T5's ``relative_attention_bias`` (buckets x heads), whose lookup is added to each
     head's scores and handed on to the later blocks. Split by heads, :func:`cut_head_table` keeps this
     rank's heads' columns, so every block's bias matches its heads."""
-    heads = next(
-        (
-            v
-            for a in _QUERY_HEADS
-            if isinstance(v := getattr(attention, a, None), int) and not isinstance(v, bool)
-        ),
-        None,
-    )
+    counts = [getattr(attention, a, None) for a in _QUERY_HEADS]
+    heads = next((v for v in counts if type(v) is int), None)  # a bool is not a count
     return [
         sub
         for sub_name, sub in attention.named_modules()
