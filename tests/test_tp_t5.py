@@ -8,7 +8,11 @@ forward with torch's "output with shape [2, 1, 10, 10] doesn't match the broadca
 Now the table is cut by heads (its columns; a tensor-parallel slice along dimension 1, joined again by
 ``consolidated_state_dict()``), so every block's bias matches the heads it holds. Checked: a tiny T5
 trained at tp2 x dp2 under ZeRO-1 and ZeRO-3 equals one process fed the same global batches (losses,
-consolidated weights, the validation loss), each rank holding half the table's columns.
+consolidated weights, the validation loss), each rank holding half the table's columns; so does LongT5
+with local attention at ZeRO-1, whose output reshape reads ``inner_dim`` (before, torch's "mat1 and mat2
+shapes cannot be multiplied"). Built on the meta device (ZeRO-3's ``configure_model``), the cut table has
+no full-size table to draw from: refused naming ``meta_init=False`` (before, the message advised applying
+the plan on the meta device, which the strategy had done).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import pytest
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
-from transformers import T5Config, T5ForConditionalGeneration
+from transformers import LongT5Config, LongT5ForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
 from lightning_par import HybridParallelStrategy
 from tests.distributed import run_distributed
@@ -34,16 +38,24 @@ PLAN = {
     "*.DenseReluDense.wi": "colwise",
     "*.DenseReluDense.wo": "rowwise",
 }
+# LongT5's encoder attends locally (LocalSelfAttention), its decoder as T5's
+LONG_PLAN = (
+    PLAN | {"*.LocalSelfAttention.o": "rowwise"} | {f"*.LocalSelfAttention.{p}": "colwise" for p in "qkv"}
+)
 TABLE = "model.encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+SIZES = dict(
+    vocab_size=64, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_decoder_layers=2, num_heads=4,
+    relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+)  # fmt: skip
 
 
-def _t5() -> T5ForConditionalGeneration:
+def _t5(kind: str = "t5") -> T5ForConditionalGeneration | LongT5ForConditionalGeneration:
     torch.manual_seed(0)
-    config = T5Config(
-        vocab_size=64, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_decoder_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
-    )  # fmt: skip
-    return T5ForConditionalGeneration(config)
+    if kind == "longt5":
+        return LongT5ForConditionalGeneration(
+            LongT5Config(**SIZES, encoder_attention_type="local", local_radius=3)
+        )
+    return T5ForConditionalGeneration(T5Config(**SIZES))
 
 
 class Pairs(Dataset[tuple[Tensor, Tensor]]):
@@ -60,15 +72,15 @@ class Pairs(Dataset[tuple[Tensor, Tensor]]):
         return self.src[i], self.tgt[i]
 
 
-def _loss(model: T5ForConditionalGeneration, src: Tensor, tgt: Tensor) -> Tensor:
+def _loss(model: Any, src: Tensor, tgt: Tensor) -> Tensor:
     return model(input_ids=src, labels=tgt).loss  # type: ignore[no-any-return]
 
 
 class T5Module(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, kind: str = "t5") -> None:
         super().__init__()
-        self.model = _t5()
-        self.tp_plan = PLAN
+        self.model = _t5(kind)
+        self.tp_plan = LONG_PLAN if kind == "longt5" else PLAN
         self.losses: list[float] = []
 
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
@@ -83,32 +95,60 @@ class T5Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
+class MetaT5(T5Module):
+    """The model built in ``configure_model()``: at ZeRO-3 on the meta device."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        self.model: Any = None
+        self.tp_plan = PLAN
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = _t5()
+
+
+def _fit(module: pl.LightningModule, strategy: HybridParallelStrategy, world: int) -> pl.Trainer:
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(Pairs(N), batch_size=MICRO))
+    return trainer
+
+
 def _run(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    for stage in (1, 3):
+    for kind, stage in (("t5", 1), ("t5", 3), ("longt5", 1)):
         pl.seed_everything(0)
-        module = T5Module()
+        module = T5Module(kind)
         strategy = HybridParallelStrategy(zero_stage=stage, tensor_parallel_size=TP)
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        )  # fmt: skip
-        trainer.fit(module, DataLoader(Pairs(N), batch_size=MICRO))
+        trainer = _fit(module, strategy, world)
         (logged,) = trainer.validate(module, DataLoader(Pairs(N), batch_size=MICRO), verbose=False)
-        table = dict(module.named_parameters())[TABLE]
-        out[f"zero{stage}"] = {
+        table = dict(module.named_parameters()).get(TABLE)
+        out[f"{kind}{stage}"] = {
             "losses": module.losses,
             "val_loss": logged["val_loss"],
-            "table_shape": tuple(table.shape) if stage == 1 else None,  # ZeRO-3: its shard
+            "table_shape": tuple(table.shape)
+            if stage == 1 and table is not None
+            else None,  # ZeRO-3: a shard
             "state": strategy.consolidated_state_dict(),
         }
         strategy.destroy_process_groups()
+    # from the meta device the cut table has no full-size table to draw from: refused by name
+    strategy = HybridParallelStrategy(zero_stage=3, tensor_parallel_size=TP)
+    try:
+        _fit(MetaT5(), strategy, world)
+        out["meta"] = ""
+    except ValueError as error:
+        out["meta"] = str(error)
+    strategy.destroy_process_groups()
     return out
 
 
-def _reference() -> tuple[list[float], dict[str, Tensor], float]:
-    model, data = _t5(), Pairs(N)
+def _reference(kind: str) -> tuple[list[float], dict[str, Tensor], float]:
+    model, data = _t5(kind), Pairs(N)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for indices in replay_order(N, dp=WORLD // TP, micro=MICRO, epochs=1, seed=0)[:STEPS]:
@@ -129,16 +169,17 @@ def _reference() -> tuple[list[float], dict[str, Tensor], float]:
 
 def test_t5_self_attention_split_by_heads_equals_one_process() -> None:
     results = run_distributed(_run, WORLD, init_group=False, timeout=300)
-    losses, state, val_loss = _reference()
-    for stage in ("zero1", "zero3"):
-        first = results[0][stage]
-        torch.testing.assert_close(first["losses"], losses, rtol=1e-5, atol=1e-6, msg=stage)
-        assert first["val_loss"] == pytest.approx(val_loss, rel=1e-5), (stage, first["val_loss"], val_loss)
+    for run in ("t51", "t53", "longt51"):
+        losses, state, val_loss = _reference(run[:-1])
+        first = results[0][run]
+        torch.testing.assert_close(first["losses"], losses, rtol=1e-5, atol=1e-6, msg=run)
+        assert first["val_loss"] == pytest.approx(val_loss, rel=1e-5), (run, first["val_loss"], val_loss)
         got = first["state"]
         assert set(got) == set(state), sorted(set(got) ^ set(state))[:6]
         for name, value in state.items():
-            torch.testing.assert_close(
-                got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
-            )
+            msg = lambda m, n=name, r=run: f"{r} {n}: {m}"  # noqa: E731
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=msg)
     # each rank holds its heads' half of the bias table's columns (4 heads, 8 buckets)
-    assert [r["zero1"]["table_shape"] for r in results] == [(8, 2)] * WORLD
+    assert [r["t51"]["table_shape"] for r in results] == [(8, 2)] * WORLD
+    for r in results:  # before: advice to apply the plan on the meta device, which it was
+        assert "per-head bias tables" in r["meta"] and "meta_init=False" in r["meta"], r["meta"]

@@ -41,6 +41,7 @@ from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.tensor_parallel.regions import sum_grad_over_group
 
 __all__ = [
+    "HEAD_TABLE_ATTR",
     "check_alibi",
     "check_forward",
     "check_parent",
@@ -53,6 +54,7 @@ __all__ = [
 ]
 
 _PRE_FEEDFORWARD = "pre_feedforward_layernorm"
+HEAD_TABLE_ATTR = "_lp_head_table"  # set on a table cut by heads (cut_head_table)
 _QUERY_HEADS = ("n_head", "n_heads", "num_heads", "num_attention_heads")  # an attention's head count
 
 
@@ -162,6 +164,7 @@ def cut_head_table(table: nn.Embedding, *, rank: int, size: int) -> None:
     piece = weight.detach()[:, rank * local : (rank + 1) * local].clone()
     cut = nn.Parameter(piece, requires_grad=weight.requires_grad)
     setattr(cut, TP_DIM_ATTR, 1)
+    setattr(cut, HEAD_TABLE_ATTR, True)  # no full-size table is kept: ZeRO-3's meta init names this
     table.weight = cut
     table.embedding_dim = local
 
@@ -185,10 +188,11 @@ def head_local(attention: nn.Module, name: str, *, styled: set[str]) -> list[tup
                 raise ValueError(
                     f"Tensor parallelism splits {name!r} by heads, but {full!r} (shape {tuple(p.shape)}) is"
                     f" applied inside it and is not a per-head weight of {size} elements: it"
-                    " would see only this rank's heads. Leave this attention's projections out of the plan:"
-                    " pass tp_plan as a dict without their entries (e.g. a shipped plan's, from"
-                    " lightning_par.tensor_parallel.plans.PLANS, less its '*.self_attn.*' ones), or train"
-                    " with tensor_parallel_size=1."
+                    " would see only this rank's heads. Leave this attention's projections out of the plan"
+                    f" (every attention of {type(attention).__name__}'s kind, so the layers agree on the"
+                    " heads): pass tp_plan as a dict without their entries (for a shipped plan from"
+                    " lightning_par.tensor_parallel.plans.PLANS, its '*.self_attn.*' ones), or train with"
+                    " tensor_parallel_size=1."
                 )
             found.append((sub, pname))
     return found

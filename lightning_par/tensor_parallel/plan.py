@@ -329,7 +329,8 @@ def _divide_heads(attention: nn.Module, t: int, name: str) -> None:
     """The projections of ``attention`` now produce 1/t of the heads: say so where it counts them."""
     if getattr(attention, "_lp_heads_divided", False):
         return
-    for attr in _HEAD_ATTRS:
+    # inner_dim: T5's width of all heads together, which LongT5's local attention reshapes its output to
+    for attr in (*_HEAD_ATTRS, "inner_dim"):
         value = getattr(attention, attr, None)
         if isinstance(value, int) and not isinstance(value, bool):
             if value % t != 0:

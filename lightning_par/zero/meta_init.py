@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_par.tensor_parallel.family import HEAD_TABLE_ATTR
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.zero.hf_init import hf_initialisers, others_on_meta, replay
 from lightning_par.zero.init_seeds import module_seed, own_rng
@@ -98,6 +99,14 @@ def materialize_unit(
     swaps = parallel_layers(root, todo)
     swapped = {id(p) for s in swaps for p in s.layer.parameters(recurse=False)}
     unsourced = [label[pid] for pid in wanted if pid in todo - swapped and hasattr(wanted[pid], TP_DIM_ATTR)]
+    tables = [label[pid] for pid in wanted if pid in todo and getattr(wanted[pid], HEAD_TABLE_ATTR, False)]
+    if tables:  # before the message below, whose advice (a plan applied on the meta device) does not fit
+        raise ValueError(
+            f"{tables} are per-head bias tables (T5's relative_attention_bias) cut by heads under tensor"
+            " parallelism from the meta device, and no full-size table is kept to draw them as slices of"
+            " one matrix (each tp rank would draw the same columns). Pass pretrained=... (the checkpoint's"
+            " table is cut as it loads), or build the model on a real device: the strategy's meta_init=False."
+        )
     if unsourced:  # an initialiser would draw the same slice on every tp rank, not slices of one matrix
         raise ValueError(
             f"Parameters {unsourced} are tensor-parallel slices on the meta device that no pretrained"
