@@ -1,11 +1,8 @@
-"""Checkpoint save/load of :class:`~lightning_par.HybridParallelStrategy`, for every ZeRO stage.
-
-Stage 0 (everything replicated) writes Lightning's usual single file from rank 0. Stages 1-3 write a
-sharded directory (:mod:`lightning_par.checkpoint.sharded`): every rank its optimizer records (and at
-stage 3 its slice of the parameters), rank 0 the rest. Either kind loads into any stage and data-parallel
-size; a checkpoint of other parameters is refused with their names. This base class holds those
-Lightning overrides so the strategy module stays about composition.
-"""
+"""Checkpoint save/load of :class:`~lightning_par.HybridParallelStrategy`, for every ZeRO stage: stage 0
+writes Lightning's single file from rank 0, stages 1-3 a sharded directory (sharded.py: every rank
+its optimizer records, at stage 3 its parameter slices; rank 0 the rest). Either loads into any stage and
+dp size; a checkpoint of other parameters is refused by name. A base class, so the strategy module stays
+about composition."""
 
 from __future__ import annotations
 
