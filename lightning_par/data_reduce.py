@@ -39,10 +39,11 @@ the run shares it, and a pickled copy gathers over the world, torchmetrics' defa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence, Sized
 from dataclasses import is_dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -184,47 +185,68 @@ def _stage_gather(mesh: ParallelMesh) -> StageGather:
 
 
 _WIDEST = 4096  # containers with more items are not entered (a vocabulary, a cache): the scan stays cheap
+_TORCH_OWN = frozenset(vars(nn.Module()))  # every module's own attributes (parameters, hooks): not entered
+
+Watched = list[tuple[Sized, int]]  # containers a scan walked, with their lengths then
 
 
-def _metrics_in(*roots: object) -> list[Metric]:
+class _Walk:
+    """One scan's walk for torchmetrics metrics (see :func:`_metrics_in`)."""
+
+    def __init__(self) -> None:
+        self.found: dict[int, Metric] = {}
+        self.walked: set[int] = set()
+        self.watched: Watched = []
+
+    def held(self, value: object, depth: int) -> None:
+        if id(value) in self.walked or depth > 4:
+            return
+        if isinstance(value, Metric):
+            self.found.setdefault(id(value), value)
+        if isinstance(value, nn.Module):
+            self.walked.add(id(value))
+            for m in value.modules():
+                if isinstance(m, Metric):
+                    self.found.setdefault(id(m), m)
+                for name, attr in vars(m).items():
+                    if name not in _TORCH_OWN and (isinstance(attr, dict | list | tuple) or _is_holder(attr)):
+                        self.held(attr, depth + 1)
+        elif isinstance(value, dict | list | tuple) and len(value) <= _WIDEST:
+            self.walked.add(id(value))
+            self.watched.append((value, len(value)))
+            for item in value.values() if isinstance(value, dict) else value:
+                self.held(item, depth + 1)
+        elif _is_holder(value):
+            self.walked.add(id(value))
+            for item in vars(value).values():
+                self.held(item, depth + 1)
+
+
+def _metrics_in(*roots: object) -> tuple[list[Metric], Watched]:
     """The torchmetrics metrics held by ``roots`` (the LightningModule; the Trainer's callbacks and
     datamodule), each once: a module's submodules, and inside the plain dict / list / tuple attributes of
     its modules and of the other roots, nested ones too (``self.metrics = {"train": MetricCollection(...)}``,
     ``[{"acc": Accuracy()}]`` per dataloader), dataclass and ``SimpleNamespace`` holders among them, the
     metrics of any module found there. Other objects an attribute refers to are not entered (a callback's
-    reference to the trainer), nor containers of more than ``_WIDEST`` items."""
-    found: dict[int, Metric] = {}
-    walked: set[int] = set()
-
-    def held(value: object, depth: int) -> None:
-        if id(value) in walked or depth > 4:
-            return
-        if isinstance(value, Metric):
-            found.setdefault(id(value), value)
-        if isinstance(value, nn.Module):
-            walked.add(id(value))
-            for m in value.modules():
-                if isinstance(m, Metric):
-                    found.setdefault(id(m), m)
-                for attr in vars(m).values():
-                    if isinstance(attr, dict | list | tuple) or _is_holder(attr):
-                        held(attr, depth + 1)
-        elif isinstance(value, dict | list | tuple) and len(value) <= _WIDEST:
-            walked.add(id(value))
-            for item in value.values() if isinstance(value, dict) else value:
-                held(item, depth + 1)
-        elif _is_holder(value):
-            walked.add(id(value))
-            for item in vars(value).values():
-                held(item, depth + 1)
-
+    reference to the trainer), nor containers of more than ``_WIDEST`` items. Also the containers walked
+    and the roots' submodule tables, with their lengths (see :meth:`MetricSync.refresh`)."""
+    walk = _Walk()
     for root in roots:
         if isinstance(root, nn.Module):
-            held(root, 0)
+            walk.watched.append((root._modules, len(root._modules)))  # self.acc = Accuracy() in a step
+            walk.held(root, 0)
         else:
             for attr in vars(root).values():
-                held(attr, 1)
-    return list(found.values())
+                walk.held(attr, 1)
+    return list(walk.found.values()), walk.watched
+
+
+def _added(container: Sized, since: int) -> list[object]:
+    """The items appended to ``container`` (a dict: inserted) after its first ``since``."""
+    items: Iterable[object] = (
+        container.values() if isinstance(container, dict) else cast(list[object], container)
+    )
+    return list(itertools.islice(items, since, None))
 
 
 def _is_holder(value: object) -> bool:
@@ -237,17 +259,38 @@ class MetricSync:
 
     def __init__(self) -> None:
         self._set: list[tuple[Metric, DataGather]] = []
+        self._watched: Watched = []
 
     def assign(self, module: nn.Module, *, mesh: ParallelMesh, pipelined: bool) -> None:
         """Point the default-syncing metrics inside ``module`` at the data-parallel group, where it is
         smaller than the world (module docstring), after :meth:`restore` of any earlier run."""
         self.restore()
-        self.add(_metrics_in(module), mesh=mesh, pipelined=pipelined)
+        self.rescan(module, mesh=mesh, pipelined=pipelined)
 
     def rescan(self, *roots: object, mesh: ParallelMesh, pipelined: bool) -> None:
         """The same for metrics made inside ``roots`` since (in a hook, a step), or held by a callback or
-        datamodule (``roots``: the module and those), keeping those set already."""
-        self.add(_metrics_in(*roots), mesh=mesh, pipelined=pipelined)
+        datamodule (``roots``: the module and those), keeping those set already. Nothing to walk where
+        the data-parallel group is the world."""
+        if mesh.dp_size == mesh.layout.world_size:
+            return
+        metrics, self._watched = _metrics_in(*roots)
+        self.add(metrics, mesh=mesh, pipelined=pipelined)
+
+    def refresh(self, *, mesh: ParallelMesh, pipelined: bool) -> None:
+        """The same for metrics added since the last scan to a container it walked (a per-label dict
+        filled by ``setdefault`` at batch 5, ``self.acc = Accuracy()`` in a later step): a length read per
+        container, and only the added items walked (a list of outputs appended to every step costs its
+        new item), so it runs before and after every step."""
+        if not any(len(c) != n for c, n in self._watched):
+            return
+        walk, kept = _Walk(), []
+        for container, n in self._watched:
+            if len(container) > n:
+                for item in _added(container, n):
+                    walk.held(item, 1)
+            kept.append((container, len(container)))
+        self._watched = kept + walk.watched
+        self.add(list(walk.found.values()), mesh=mesh, pipelined=pipelined)
 
     def add(self, metrics: Sequence[object], *, mesh: ParallelMesh, pipelined: bool) -> None:
         """The same for ``metrics`` themselves (those of them that are torchmetrics ``Metric`` objects
@@ -267,4 +310,4 @@ class MetricSync:
             gather.retire()
             if metric.dist_sync_fn is gather:
                 metric.dist_sync_fn = None
-        self._set = []
+        self._set, self._watched = [], []

@@ -177,7 +177,8 @@ class StrategyLoops(ZeroCheckpointIO):
 
     def _scan_metrics(self, loop: str, args: tuple[Any, ...]) -> None:
         """At the first step of each loop run, training epoch and evaluation dataloader (``args``: the
-        step's), before it and once after it: metrics made since setup (in a hook,
+        step's), before it and once after it, and before and after every other step what was added to
+        a container the last scan walked (:meth:`MetricSync.refresh`): metrics made since setup (in a hook,
         ``on_validation_epoch_start`` say, in that first step, per dataloader, or kept in a nested dict
         attribute) and those of the Trainer's callbacks and datamodule sync over the data-parallel group
         too (before, they gathered over the world: a sum doubled at tp2). Every rank scans at the same
@@ -187,17 +188,21 @@ class StrategyLoops(ZeroCheckpointIO):
             return
         part = module.current_epoch if loop == "training" else loader_idx(args, {})
         key = (loop, self._loop_runs, part)
-        if key == self._metric_scan:
+        if key == self._metric_scan:  # what was added since (in a hook after the last step)
+            self._metric_sync.refresh(mesh=self.mesh, pipelined=self._pipeline is not None)
             return
         self._metric_scan, self._metric_scan_after = key, True
         self._rescan_metrics(module)
 
     def _scan_metrics_after_step(self) -> None:
-        """After the step that :meth:`_scan_metrics` scanned before: metrics that step made."""
+        """After every step: metrics the first step made (after the scan before it), or any step, into a
+        container the last scan walked (``self.counts.setdefault(label, SumMetric())`` at batch 5)."""
         module = self.lightning_module
-        if self._metric_scan_after and module is not None:
+        if module is not None and self._metric_scan_after:
             self._metric_scan_after = False
             self._rescan_metrics(module)
+        else:
+            self._metric_sync.refresh(mesh=self.mesh, pipelined=self._pipeline is not None)
 
     def _rescan_metrics(self, module: pl.LightningModule) -> None:
         trainer: Any = module._trainer  # None when the module is used outside a Trainer's run

@@ -16,9 +16,10 @@ the same model in one process over all the samples:
   hooks and the user's code after ``validate``) and metrics made in a hook, kept in a plain dict: before,
   both gathered over the world and doubled; the ``dist_sync_fn`` now goes with the process groups;
 * metrics in nested containers (a ``MetricCollection`` in a dict, a metric two dicts deep), one made
-  inside the first step or at a second dataloader's first batch, one held in a dataclass, and one kept
-  by a user's callback: before, each doubled; ``self.all_gather`` of the world (each sample TP times)
-  warns once on rank 0, naming the user's line, and not with the dp group;
+  inside the first step, at a second dataloader's first batch or at a later batch (a dict filled by
+  ``setdefault``), one held in a dataclass, and one kept by a user's callback: before, each doubled;
+  ``self.all_gather`` of the world (each sample TP times) warns once on rank 0, naming the user's line,
+  and not with the dp group;
 * pp2 x dp2: a sample count updated in ``on_train_batch_end``, which every stage runs (before, counted
   once per stage), and one updated in ``pipeline_eval``, on the last stage only.
 """
@@ -152,16 +153,23 @@ class PerLoader(pl.LightningModule):
         self.model = llama(seed=0)
         self.per_loader: dict[int, torchmetrics.SumMetric] = {}
         self.counts = Counts(seen=torchmetrics.SumMetric())
+        self.by_batch: dict[str, torchmetrics.SumMetric] = {}
+        self.outputs: list[Tensor] = []
         self.read: dict[str, float] = {}
 
     def validation_step(self, batch: list[Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         n = torch.tensor(float(batch[0].shape[0]), device=self.device)
         self.per_loader.setdefault(dataloader_idx, torchmetrics.SumMetric().to(self.device)).update(n)
         self.counts.seen.update(n)
+        # made at a later batch of a loader (before, found by no scan: doubled), beside a list of outputs
+        key = f"{dataloader_idx}:{'first' if batch_idx == 0 else 'later'}"
+        self.by_batch.setdefault(key, torchmetrics.SumMetric().to(self.device)).update(n)
+        self.outputs.append(n)
 
     def on_validation_epoch_end(self) -> None:
         self.read = {f"loader{k}": float(m.compute()) for k, m in self.per_loader.items()}
         self.read["dataclass"] = float(self.counts.seen.compute())
+        self.read |= {k: float(m.compute()) for k, m in self.by_batch.items()}
 
 
 def _trainer_runs(rank: int, world: int) -> dict[str, Any]:
@@ -313,9 +321,9 @@ def test_logged_sums_and_metrics_count_each_sample_once_under_tensor_parallelism
             warned = run["gather_warned"]
             assert len(warned) == (1 if rank == 0 else 0), (rank, stage, warned)
             assert all("group=strategy.mesh.dp_group" in w and f == __file__ for w, f in warned), warned
-        assert got["per_loader"] == {"loader0": N, "loader1": N, "dataclass": 2 * N}, (
-            rank,
-            got["per_loader"],
-        )
+        # both loaders count in the dataclass; each loader's first and later batches half of its samples
+        wanted = {"loader0": N, "loader1": N, "dataclass": 2 * N}
+        wanted |= {f"{i}:{when}": N // 2 for i in (0, 1) for when in ("first", "later")}
+        assert got["per_loader"] == wanted, (rank, got["per_loader"])
         # each sample once under pp2 x dp2 (before, the hook's count was 2N: once per stage)
         assert got["pp"] == {"trained": N, "evaluated": N, "after": N}, (rank, got["pp"])
