@@ -213,7 +213,8 @@ class _Walk:
                         self.held(attr, depth + 1)
         elif isinstance(value, dict | list | tuple) and len(value) <= _WIDEST:
             self.walked.add(id(value))
-            self.watched.append((value, len(value)))
+            if not isinstance(value, tuple):  # a tuple (a conv's kernel_size) never grows
+                self.watched.append((value, len(value)))
             for item in value.values() if isinstance(value, dict) else value:
                 self.held(item, depth + 1)
         elif _is_holder(value):
