@@ -40,7 +40,7 @@ the run shares it, and a pickled copy gathers over the world, torchmetrics' defa
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence, Sized
+from collections.abc import Iterable, Sequence
 from dataclasses import is_dataclass
 from types import SimpleNamespace
 from typing import Any, cast
@@ -187,7 +187,15 @@ def _stage_gather(mesh: ParallelMesh) -> StageGather:
 _WIDEST = 4096  # containers with more items are not entered (a vocabulary, a cache): the scan stays cheap
 _TORCH_OWN = frozenset(vars(nn.Module()))  # every module's own attributes (parameters, hooks): not entered
 
-Watched = list[tuple[Sized, int]]  # containers a scan walked, with their lengths then
+Watched = list[tuple[object, object]]  # what a scan walked, with its _signature then
+
+
+def _signature(held: object) -> object:
+    """What changes when a metric is put in ``held``: a dict's or list's length, another object's (a
+    callback's) attribute values (``self.metric = SumMetric()`` in place of ``None``)."""
+    if isinstance(held, dict | list):
+        return len(held)
+    return tuple(map(id, vars(held).values()))
 
 
 class _Walk:
@@ -237,17 +245,19 @@ def _metrics_in(*roots: object) -> tuple[list[Metric], Watched]:
             walk.watched.append((root._modules, len(root._modules)))  # self.acc = Accuracy() in a step
             walk.held(root, 0)
         else:
+            walk.watched.append((root, _signature(root)))  # a callback's metric made lazily
             for attr in vars(root).values():
                 walk.held(attr, 1)
     return list(walk.found.values()), walk.watched
 
 
-def _added(container: Sized, since: int) -> list[object]:
-    """The items appended to ``container`` (a dict: inserted) after its first ``since``."""
-    items: Iterable[object] = (
-        container.values() if isinstance(container, dict) else cast(list[object], container)
-    )
-    return list(itertools.islice(items, since, None))
+def _added(held: object, since: object) -> list[object]:
+    """What ``held`` may have been given since its signature was ``since``: the items appended to a
+    list or inserted into a dict after its first ``since``, else every attribute value."""
+    if not isinstance(held, dict | list):
+        return list(vars(held).values())
+    items: Iterable[object] = held.values() if isinstance(held, dict) else held
+    return list(itertools.islice(items, cast(int, since), None))
 
 
 def _is_holder(value: object) -> bool:
@@ -279,18 +289,24 @@ class MetricSync:
 
     def refresh(self, *, mesh: ParallelMesh, pipelined: bool) -> None:
         """The same for metrics added since the last scan to a container it walked (a per-label dict
-        filled by ``setdefault`` at batch 5, ``self.acc = Accuracy()`` in a later step): a length read per
-        container, and only the added items walked (a list of outputs appended to every step costs its
-        new item), so it runs before and after every step."""
-        if not any(len(c) != n for c, n in self._watched):
+        filled by ``setdefault`` at batch 5, ``self.acc = Accuracy()`` in a later step, a callback's
+        ``self.metric`` made at its first batch): a length read per container (the attribute values'
+        ids of a callback or datamodule), and only the added items walked (a list of outputs appended to
+        every step costs its new item), so it runs before and after every step."""
+        if not any(_signature(held) != then for held, then in self._watched):
             return
         walk, kept = _Walk(), []
-        for container, n in self._watched:
-            if len(container) > n:
-                for item in _added(container, n):
+        walk.walked.update(id(held) for held, _ in self._watched)  # each watched for its own growth
+        for held, then in self._watched:
+            now = _signature(held)
+            if now != then and (not isinstance(now, int) or now > cast(int, then)):
+                for item in _added(held, then):
                     walk.held(item, 1)
-            kept.append((container, len(container)))
-        self._watched = kept + walk.watched
+            if not isinstance(now, int) or now <= _WIDEST:  # a list of outputs past it: no longer read
+                kept.append((held, now))
+        # what the added items hold is not watched: a list of per-step output dicts would grow the watch
+        # (and keep the outputs alive) at every step
+        self._watched = kept
         self.add(list(walk.found.values()), mesh=mesh, pipelined=pipelined)
 
     def add(self, metrics: Sequence[object], *, mesh: ParallelMesh, pipelined: bool) -> None:

@@ -17,7 +17,8 @@ the same model in one process over all the samples:
   both gathered over the world and doubled; the ``dist_sync_fn`` now goes with the process groups;
 * metrics in nested containers (a ``MetricCollection`` in a dict, a metric two dicts deep), one made
   inside the first step, at a second dataloader's first batch or at a later batch (a dict filled by
-  ``setdefault``), one held in a dataclass, and one kept by a user's callback: before, each doubled;
+  ``setdefault``), one held in a dataclass, and one kept by a user's callback (made in ``__init__`` or
+  at its first batch): before, each doubled;
   ``self.all_gather`` of the world (each sample TP times) warns once on rank 0, naming the user's line,
   and not with the dp group;
 * pp2 x dp2: a sample count updated in ``on_train_batch_end``, which every stage runs (before, counted
@@ -172,6 +173,26 @@ class PerLoader(pl.LightningModule):
         self.read |= {k: float(m.compute()) for k, m in self.by_batch.items()}
 
 
+class LazyCallback(pl.Callback):
+    """A callback making its metric at its first batch, when the device is known (before, not found by a
+    scan until the next loop run: doubled in the first one)."""
+
+    def __init__(self) -> None:
+        self.total: torchmetrics.SumMetric | None = None
+        self.value = 0.0
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if args[3] != 1:  # the second loader's samples: made after its first-batch scan, no scan follows
+            return
+        if self.total is None:
+            self.total = torchmetrics.SumMetric().to(pl_module.device)
+        self.total.update(torch.tensor(float(args[1][0].shape[0]), device=pl_module.device))
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.total is not None
+        self.value = float(self.total.compute())
+
+
 def _trainer_runs(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -206,9 +227,10 @@ def _trainer_runs(rank: int, world: int) -> dict[str, Any]:
         out[f"zero{stage}_copy"] = kept.compute()
     module, loader = PerLoader(), DataLoader(TensorDataset(_ids()), batch_size=BATCH)
     strategy = HybridParallelStrategy(zero_stage=1, tensor_parallel_size=TP, tp_plan="llama")
-    trainer = cpu_trainer(strategy, devices=world)
+    lazy = LazyCallback()
+    trainer = cpu_trainer(strategy, devices=world, callbacks=[lazy])
     trainer.validate(module, [loader, loader], verbose=False)
-    out["per_loader"] = module.read
+    out["per_loader"] = module.read | {"lazy_callback": lazy.value}
     strategy.destroy_process_groups()
     out["fabric"] = _fabric_run(rank, world)
     out["pp"] = _pipelined_run(world)
@@ -324,6 +346,7 @@ def test_logged_sums_and_metrics_count_each_sample_once_under_tensor_parallelism
         # both loaders count in the dataclass; each loader's first and later batches half of its samples
         wanted = {"loader0": N, "loader1": N, "dataclass": 2 * N}
         wanted |= {f"{i}:{when}": N // 2 for i in (0, 1) for when in ("first", "later")}
+        wanted["lazy_callback"] = N  # the second loader's samples
         assert got["per_loader"] == wanted, (rank, got["per_loader"])
         # each sample once under pp2 x dp2 (before, the hook's count was 2N: once per stage)
         assert got["pp"] == {"trained": N, "evaluated": N, "after": N}, (rank, got["pp"])
