@@ -56,7 +56,15 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_par.mesh import ParallelMesh
 
-__all__ = ["DataGather", "MetricSync", "StageGather", "data_group", "gather_stacked", "world_decision"]
+__all__ = [
+    "DataGather",
+    "MetricSync",
+    "StageGather",
+    "data_group",
+    "front_door_gather",
+    "gather_stacked",
+    "world_decision",
+]
 
 
 def data_group(group: Any | None, *, dp_group: ProcessGroup | None, dp_size: int, world_size: int) -> Any:
@@ -103,6 +111,16 @@ def gather_stacked(
         with torch.no_grad():
             return _GroupGather.apply(tensor, group)
     return _GroupGather.apply(tensor, group)
+
+
+def front_door_gather(
+    tensor: Tensor, *, group: Any | None, sync_grads: bool, mesh: ParallelMesh | None
+) -> Tensor:
+    """:func:`gather_stacked` for the strategies' ``all_gather`` (Trainer and Fabric), reached from the
+    user's line through the front door's ``all_gather`` and ``apply_to_collection``, which the world
+    gather's warning names; ``mesh``: the run's (its tp x pp copies of each sample), None before setup."""
+    copies = mesh.tp_size * mesh.pp_size if mesh is not None else 1
+    return gather_stacked(tensor, group=group, sync_grads=sync_grads, copies=copies, stacklevel=9)
 
 
 class _GroupGather(torch.autograd.Function):

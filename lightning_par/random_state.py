@@ -47,21 +47,20 @@ def agree_random_state(*, groups: Sequence[ProcessGroup], device: torch.device) 
     torch.random.set_rng_state(_agree(torch.random.get_rng_state(), groups, device))
     if device.type == "cuda":
         torch.cuda.set_rng_state(_agree(torch.cuda.get_rng_state(device), groups, device), device)
-    host: list[Any] = [(random.getstate(), _numpy_state())]
+    np_random = _numpy_random()
+    host: list[Any] = [(random.getstate(), np_random.get_state() if np_random is not None else None)]
     for group in groups:  # pickled through ``device`` (NCCL broadcasts device tensors only)
         dist.broadcast_object_list(host, src=dist.get_global_rank(group, 0), group=group, device=device)
     py_state, np_state = host[0]
     random.setstate(py_state)
-    if np_state is not None:
-        import numpy as np
-
-        np.random.set_state(np_state)
+    if np_random is not None:
+        np_random.set_state(np_state)
 
 
-def _numpy_state() -> Any:
-    """NumPy's global random state, or None where NumPy is not installed (torch does not need it)."""
+def _numpy_random() -> Any:
+    """NumPy's global ``np.random``, or None where NumPy is not installed (torch does not need it)."""
     try:
         import numpy as np
     except ImportError:
         return None
-    return np.random.get_state()
+    return np.random

@@ -35,7 +35,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_par.checkpoint.strategy_io import ZeroCheckpointIO
-from lightning_par.data_reduce import data_group, gather_stacked, world_decision
+from lightning_par.data_reduce import data_group, front_door_gather, world_decision
 from lightning_par.device_checks import resolve_backend
 from lightning_par.mesh import MeshLayout, ParallelMesh
 from lightning_par.rendezvous import launch_store
@@ -232,10 +232,7 @@ class MeshStrategy(ZeroCheckpointIO):
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         # over the group the caller names (the world by default, as Lightning documents), differentiable
         # over any group (torch's own gather fails in backward on a Gloo group not made of ranks 0..n-1)
-        mesh = self._mesh
-        copies = mesh.tp_size * mesh.pp_size if mesh is not None else 1
-        # the warning names the user's line: through the front door's all_gather and apply_to_collection
-        return gather_stacked(tensor, group=group, sync_grads=sync_grads, copies=copies, stacklevel=8)
+        return front_door_gather(tensor, group=group, sync_grads=sync_grads, mesh=self._mesh)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

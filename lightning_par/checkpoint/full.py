@@ -101,7 +101,7 @@ def model_records(module: nn.Module, engine: Engine | None, *, dp_rank: int, tp_
     extras: dict[str, Tensor] = {}
     if dp_rank == 0 and tp_rank == 0:
         names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-        with own_state_reads(engine, module):  # the buffers; the parameters came from the shards above
+        with own_state_reads(module):  # the buffers; the parameters came from the shards above
             entries = module.state_dict(keep_vars=True).items()
         extras = {
             k: v.detach().cpu().clone()
@@ -196,7 +196,7 @@ def gather_full_state_dict(
     shares = collect((dict(tp), share), dst=dst, group=group)
     if shares is None:
         return {}
-    with own_state_reads(engine, module):  # the keys and their order
+    with own_state_reads(module):  # the keys and their order
         return assemble_model(shares, module, tp)
 
 
@@ -217,7 +217,7 @@ def gather_full_optimizer_state(
     shares = collect((dict(tp), records), dst=dst, group=group)
     if shares is None:
         return {}
-    with own_state_reads(engine, module):  # the names of the persistent entries
+    with own_state_reads(module):  # the names of the persistent entries
         shapes = global_shapes(module, tp)
     pieces = globalize(shares, shapes)
     hyper = group_hyperparams(optimizer)

@@ -64,7 +64,7 @@ def capture(
     module: nn.Module, engine: Engine | None, optimizers: Sequence[Optimizer]
 ) -> tuple[OrderedDict[str, Any], dict[str, Any], list[Tensor]]:
     """``(model, optim, step_tensors)`` of this rank (see the module docstring)."""
-    with own_state_reads(engine, module):
+    with own_state_reads(module):
         entries = module.state_dict().items()
     model: OrderedDict[str, Any] = OrderedDict(
         (k, v) for k, v in entries if not (isinstance(v, Tensor) and v.is_meta)

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_par.data_reduce import MetricSync, gather_stacked
+from lightning_par.data_reduce import MetricSync, front_door_gather
 from lightning_par.fabric import checkpoint as fabric_checkpoint
 from lightning_par.fabric.checkpoint_filtered import save_filtered
 from lightning_par.fabric.processes import FabricProcesses
@@ -142,10 +142,7 @@ class FabricSession(FabricProcesses):
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         # differentiable over any group (lightning_par.data_reduce.gather_stacked)
-        mesh = self._mesh
-        copies = mesh.tp_size * mesh.pp_size if mesh is not None else 1
-        # the warning names the user's line: through the front door's all_gather and apply_to_collection
-        return gather_stacked(tensor, group=group, sync_grads=sync_grads, copies=copies, stacklevel=8)
+        return front_door_gather(tensor, group=group, sync_grads=sync_grads, mesh=self._mesh)
 
     def sync_metrics(self, *metrics: Any) -> None:
         """Point torchmetrics objects kept outside the set-up module (Fabric's usual

@@ -42,6 +42,7 @@ from lightning_par.tensor_parallel.regions import sum_grad_over_group
 
 __all__ = [
     "HEAD_TABLE_ATTR",
+    "QUERY_HEADS",
     "check_alibi",
     "check_forward",
     "check_parent",
@@ -55,7 +56,7 @@ __all__ = [
 
 _PRE_FEEDFORWARD = "pre_feedforward_layernorm"
 HEAD_TABLE_ATTR = "_lp_head_table"  # set on a table cut by heads (cut_head_table)
-_QUERY_HEADS = ("n_head", "n_heads", "num_heads", "num_attention_heads")  # an attention's head count
+QUERY_HEADS = ("n_head", "n_heads", "num_heads", "num_attention_heads")  # an attention's head count
 
 
 def scale_of(embedding: nn.Module) -> torch.Tensor | None:
@@ -142,7 +143,7 @@ def head_tables(attention: nn.Module, *, styled: set[str]) -> list[nn.Embedding]
     column per head: T5's ``relative_attention_bias`` (buckets x heads), whose lookup is added to each
     head's scores and handed on to the later blocks. Split by heads, :func:`cut_head_table` keeps this
     rank's heads' columns, so every block's bias matches its heads."""
-    counts = [getattr(attention, a, None) for a in _QUERY_HEADS]
+    counts = [getattr(attention, a, None) for a in QUERY_HEADS]
     heads = next((v for v in counts if type(v) is int), None)  # a bool is not a count
     return [
         sub

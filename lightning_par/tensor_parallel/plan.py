@@ -13,6 +13,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_par.peft_checks import refuse_prefix_tuning
 from lightning_par.tensor_parallel.family import (
+    QUERY_HEADS,
     check_alibi,
     check_forward,
     check_parent,
@@ -52,15 +53,7 @@ TP_STATE_ATTR = "_lp_tensor_parallel"
 # set on every module a style was applied to (the root record does not see a sub-model converted alone)
 _STYLE_ATTR = "_lp_tp_style"
 _LINEAR_STYLES = ("colwise", "colwise_gather", "rowwise")
-_HEAD_ATTRS = (
-    "n_head",
-    "n_heads",
-    "num_heads",
-    "num_attention_heads",
-    "n_kv_heads",
-    "num_key_value_heads",
-    "num_kv_heads",
-)
+_HEAD_ATTRS = (*QUERY_HEADS, "n_kv_heads", "num_key_value_heads", "num_kv_heads")
 
 
 def apply_tensor_parallel(

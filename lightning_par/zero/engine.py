@@ -27,7 +27,6 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from lightning_par.state_guard import OwnReads, reads_of
 from lightning_par.zero.comm_hooks import CommHook
 from lightning_par.zero.compressor_state import compressor_step_skipped, load_compressor_state
 from lightning_par.zero.grad_sync import (
@@ -71,12 +70,6 @@ class ZeroEngine:
     # inside Lightning's training_step, before Lightning zeroes the gradients of that new window
     marks_passes: bool = True
     sharded: ShardedOptimizer | None = field(default=None)
-    # the model's marks of the strategies' own reads (state_guard.reads_of): no refusal of stage 0-2's own,
-    # but the tensor-parallel and pipeline guards of the model count on them
-    own_reads: OwnReads = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.own_reads = reads_of(self.module)
 
     def shard_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """Stages 1/2: rebuild ``optimizers`` over this rank's shard (a no-op at stage 0, and where this

@@ -13,7 +13,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_par.state_guard import OwnReads, reads_of
+from lightning_par.state_guard import reads_of
 
 __all__ = ["Engine", "ShardedState", "own_state_reads", "reads_own_state"]
 
@@ -40,14 +40,13 @@ class Engine(Protocol):
     * ``watch_backward(loss)``: called with the tensor a backward starts from, before it starts; the
       engine's end-of-backward work then waits for that pass, past the nested passes of reentrant
       activation checkpoints.
-    * ``own_reads()``: a context marking the front doors' own traversals of ``module.state_dict()``,
-      which stage 3 otherwise refuses while parameters are sharded (:mod:`lightning_par.state_guard`);
-      see :func:`own_state_reads`.
+
+    The front doors' own traversals of ``module.state_dict()``, which stage 3 (and tensor / pipeline
+    parallelism) otherwise refuse, are marked on the model itself: :func:`own_state_reads`.
     """
 
     stage: int
     module: nn.Module
-    own_reads: OwnReads
 
     def shard_optimizers(self, optimizers: Sequence[Optimizer]) -> None: ...
     def no_sync(self) -> AbstractContextManager[None]: ...
@@ -99,34 +98,31 @@ class ShardedState(Protocol):
     def stepped_tensors(self) -> list[Tensor]: ...
 
 
-def own_state_reads(engine: Engine | None, module: nn.Module | None = None) -> AbstractContextManager[None]:
+def own_state_reads(module: nn.Module | None) -> AbstractContextManager[None]:
     """Mark the strategies' own reads of the whole model's ``state_dict()`` (checkpoints, exports,
-    snapshots): wrap them in this. The marks are the model's (``module``, else the engine's;
-    :func:`~lightning_par.state_guard.reads_of`), which ZeRO-3's and the tensor-parallel and pipeline
-    guards read; nothing to mark without either."""
-    root = module if module is not None else engine.module if engine is not None else None
-    return reads_of(root)() if root is not None else nullcontext()
+    snapshots): wrap them in this. The marks are the model's
+    (:func:`~lightning_par.state_guard.reads_of`), which ZeRO-3's and the tensor-parallel and pipeline
+    guards read; nothing to mark before there is a model."""
+    return reads_of(module)() if module is not None else nullcontext()
 
 
-class _HasEngine(Protocol):
-    @property
-    def engine(self) -> Engine | None: ...
+class _HasModel(Protocol):
     @property
     def state_root(self) -> nn.Module | None: ...
 
 
-_S = TypeVar("_S", bound=_HasEngine)
+_S = TypeVar("_S", bound=_HasModel)
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
 def reads_own_state(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S, _P], _R]:
     """A front door's method (checkpoint save or load, export) that runs under
-    :func:`own_state_reads` of its model (``state_root``) or ``engine``."""
+    :func:`own_state_reads` of its model (``state_root``)."""
 
     @functools.wraps(method)
     def wrapper(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with own_state_reads(self.engine, self.state_root):
+        with own_state_reads(self.state_root):
             return method(self, *args, **kwargs)
 
     return wrapper
