@@ -124,6 +124,10 @@ def _train(
         out = model(_batches()[0][0])
     states = [engine.full_state_dict(to_rank=r) for r in range(world)]
     mem = engine.memory_bytes()
+    # the root stays gathered after its no-grad forward (code after it reads root parameters), as FSDP2's
+    assert engine.root is not None and mem["live_units"] == engine.root.full_bytes
+    engine.after_step()  # the next optimizer step (or load) frees it
+    mem = engine.memory_bytes()
     engine.remove()
     return {"losses": losses, "state": states[rank], "out": out, "mem": mem, "live_max": live_max}
 

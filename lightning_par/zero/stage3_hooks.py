@@ -9,7 +9,8 @@ engine attributes it works on.
   gather is waited for, and, with ``prefetch``, the next unit in the recorded forward order is launched;
   the first forward records that order. A unit's forward outside a step ends the windows of refused reads.
 * After it, the unit is freed unless a backward will need it (``reshard_after_forward=False`` keeps it
-  gathered); a multi-grad hook on its outputs gathers it again before its backward.
+  gathered); a multi-grad hook on its outputs gathers it again before its backward. The root stays
+  gathered after any forward of its own (code after a ``no_grad`` forward reads root parameters).
 * Frozen parameters are kept until the gradients of the unit's inputs are computed (their backward
   needs the weights after the trainable ones' gradients are reduced).
 * A module holding root parameters called without the root's forward (``generate()``'s embedding and head)
@@ -174,8 +175,10 @@ class Stage3Hooks(Stage3Reduce, ReadWindows):
                 self._recording = False  # the first full forward has been seen
                 if not self._in_step:  # outside the Trainer's steps (Fabric): the guard ends with it,
                     self._end_guard_after(training=torch.is_grad_enabled())  # or with its backward
-            if not torch.is_grad_enabled():
-                self._free(unit)
+            # the root stays gathered after a forward without gradients too, as FSDP2's root does: the code
+            # after it reads root parameters (a temperature or logit scale scoring the outputs; freed here,
+            # they were NaN placeholders, silently). The step's end frees it (forward_context), else the
+            # next optimizer step, load or backward's reduction (after_step, masters_changed, _reduce_all)
             return output
         if (self.reshard_after_forward or not torch.is_grad_enabled()) and not in_backward():
             self._free(unit)
