@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_par.zero.meta_copies import mark_copy
 from lightning_par.zero.meta_loads import MetaLoads
 from lightning_par.zero.meta_replay import stamp_built
 from lightning_par.zero.meta_writes import WriteRecorder, inherit_writes, visible_init_functions
@@ -86,6 +87,7 @@ def params_on_meta(loads: MetaLoads | None = None) -> Iterator[None]:
         copy = deepcopy(param, memo)
         if param.is_meta:  # a module cloned after its init (nn.TransformerEncoder's layers): the same
             inherit_writes(param, copy)
+            mark_copy(param, copy)  # drawn as its source (meta_copies)
             if loads is not None:
                 loads.copied(param, copy)
         return copy
@@ -128,3 +130,46 @@ def meta_build(where: str, fixes: str, loads: MetaLoads | None = None) -> Iterat
             f" {type(error).__name__}: {error}.{kernels} Code that needs real weights there (reading"
             f" parameter values) cannot run on meta tensors: {fixes}"
         ) from error
+
+
+_MODULE_OWN = frozenset(vars(nn.Module()))  # torch's own attributes of every module (hooks, tables)
+
+
+def refuse_hidden_meta(root: nn.Module) -> None:
+    """Refuse modules on the meta device that ``root`` holds outside its module tree: a reference model
+    kept in a plain list (``self._ref = [copy.deepcopy(self.policy)]``) or set with ``object.__setattr__``
+    to hide it from the optimizer and checkpoints. Only the tree is materialised, so such a module stayed
+    on the meta device and its first forward failed in torch ("Tensor on device meta is not on the
+    expected device"). Attributes of the tree's modules are looked at, and lists, tuples and dicts in
+    them one level deep."""
+    tree = {id(m) for m in root.modules()}
+    own = {id(t) for t in (*root.parameters(), *root.buffers())}  # wrappers of the tree's own pass
+    hidden: list[str] = []
+    for path, module in root.named_modules():
+        for attr, value in vars(module).items():
+            if attr in _MODULE_OWN or attr.startswith("_lp_"):  # ours: a tp layer's full-size source
+                continue
+            items = (
+                value.items()
+                if isinstance(value, dict)
+                else enumerate(value)
+                if isinstance(value, list | tuple)
+                else [(None, value)]
+            )
+            for key, item in items:
+                meta = isinstance(item, nn.Module) and id(item) not in tree and _on_meta(item, own)
+                if meta:
+                    where = f"{path}.{attr}" if path else attr
+                    hidden.append(where if key is None else f"{where}[{key!r}]")
+    if hidden:
+        raise ValueError(
+            f"{hidden[:4]} hold modules built on the meta device outside the model's module tree (a plain"
+            " list or dict, or object.__setattr__), which ZeRO-3's meta init does not materialise. Make"
+            " them submodules (a frozen reference: requires_grad_(False), then it is sharded and stays as"
+            " built), build them in __init__ (on a real device), or pass meta_init=False."
+        )
+
+
+def _on_meta(module: nn.Module, own: set[int]) -> bool:
+    """``module`` holds a meta tensor that is not one of ``own`` (the model's)."""
+    return any(t.is_meta and id(t) not in own for t in (*module.parameters(), *module.buffers()))

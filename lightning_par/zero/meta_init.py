@@ -22,7 +22,7 @@ The model is built on the meta device under :func:`~lightning_par.zero.meta_buil
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +31,7 @@ from lightning_par.tensor_parallel.family import HEAD_TABLE_ATTR
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.zero.hf_init import hf_initialisers, others_on_meta, replay
 from lightning_par.zero.init_seeds import module_seed, own_rng
+from lightning_par.zero.meta_copies import copy_seed_paths, seed_path
 from lightning_par.zero.meta_replay import (
     forget_writes,
     pending_writes,
@@ -54,6 +55,7 @@ def materialize_unit(
     device: torch.device,
     names: Sequence[str] | None = None,
     values: ValuesFn | None = None,
+    copies: Mapping[str, str] | None = None,
 ) -> list[nn.Parameter]:
     """Replace meta ``params`` by real ones on ``device`` (everywhere they are registered, so ties hold).
 
@@ -67,7 +69,8 @@ def materialize_unit(
     must be initialised and has none is named in a ``ValueError`` before anything is replaced, as are
     tensor-parallel slices to initialise without a full-size layer to draw them from, and a parameter its
     initialisers left unset (filled with NaN until then) in one after. Returns the new parameters in the
-    order of ``params``."""
+    order of ``params``. ``copies`` (:func:`~lightning_par.zero.meta_copies.copy_seed_paths` of ``root``,
+    taken before any unit was materialised) draws deep copies under their sources' seeds."""
     wanted = {id(p): p for p in params if p.is_meta}
     name_of = dict(zip(map(id, params), names, strict=True)) if names is not None else {}
     label = _labels(root, wanted, name_of)
@@ -116,7 +119,7 @@ def materialize_unit(
             " model on a real device."
         )
     if not swaps:
-        fresh = _materialize(root, wanted, loaded, label, seed=seed, device=device)
+        fresh = _materialize(root, wanted, loaded, label, seed=seed, device=device, copies=copies)
         release_sources(root, {id(p) for p in fresh.values()})  # parallel layers filled from pretrained
         return [fresh.get(id(p), p) for p in params]
     # the parallel layers' parameters: their sources' full-size ones initialised in their place, sliced
@@ -130,7 +133,7 @@ def materialize_unit(
         }
         outer = {pid: p for pid, p in wanted.items() if pid not in swapped}
         label |= _labels(root, full, {})
-        fresh = _materialize(root, outer | full, loaded, label, seed=seed, device=device)
+        fresh = _materialize(root, outer | full, loaded, label, seed=seed, device=device, copies=copies)
         parts = {
             id(p): (
                 slice_of(s.layer, attr, fresh[drawn_from[id(p)]])
@@ -181,9 +184,14 @@ def _materialize(
     *,
     seed: int,
     device: torch.device,
+    copies: Mapping[str, str] | None,
 ) -> dict[int, nn.Parameter]:
     """:func:`materialize_unit` for ``wanted`` (id -> meta parameter) with no tensor-parallel layer left
     to swap: ``loaded`` values copied, the others initialised; returns the new parameters by old id."""
+
+    def seeded(path: str) -> int:  # a deep copy draws under its source's seed (meta_copies)
+        return module_seed(seed, seed_path(copies, path) if copies else path)
+
     owners: list[tuple[str, nn.Module, set[int]]] = []  # (name, module, ids of the meta params it holds)
     for module_name, m in root.named_modules(remove_duplicate=False):
         held = {id(p) for p in m._parameters.values() if p is not None and id(p) in wanted}
@@ -232,18 +240,18 @@ def _materialize(
     with own_rng(device) as reseed, torch.no_grad():
         for module_name, m in to_init:  # as the layers' constructors do on a real device
             if callable(reset := getattr(m, "reset_parameters", None)):
-                reseed(module_seed(seed, module_name))
+                reseed(seeded(module_name))
                 # a module also holding parameters of other units (a weight tied across units: its bias
                 # lives in a unit sharded already) resets those into meta stand-ins, not placeholders
                 with others_on_meta(m, unit_ids):
                     reset()
         initialised = {id(fresh[pid]) for pid in todo}
         # then a Hugging Face model's post_init()
-        replay(hf_calls, initialised, reseed=lambda path: reseed(module_seed(seed, path)))
-        reset_lora(root, initialised, reseed=lambda path: reseed(module_seed(seed, path)))
+        replay(hf_calls, initialised, reseed=lambda path: reseed(seeded(path)))
+        reset_lora(root, initialised, reseed=lambda path: reseed(seeded(path)))
         # then what the user's code did after them
         initial = [entry for entry in pending if id(entry[1]) not in loaded]
-        replay_writes(initial, fresh, reseed=lambda name: reseed(module_seed(seed, name)))
+        replay_writes(initial, fresh, reseed=lambda name: reseed(seeded(name)))
     _check_set([(label[pid], fresh[pid]) for pid in ordered])
     with torch.no_grad():
         for pid, value in loaded.items():
@@ -252,7 +260,7 @@ def _materialize(
     after_load = [entry for entry in pending if id(entry[1]) in loaded]
     if after_load:  # writes made after configure_model() loaded the parameter (a head re-initialised)
         with own_rng(device) as reseed:
-            replay_writes(after_load, fresh, reseed=lambda name: reseed(module_seed(seed, name)))
+            replay_writes(after_load, fresh, reseed=lambda name: reseed(seeded(name)))
     return fresh
 
 
@@ -294,11 +302,13 @@ def materialize_model(
     """Unsharded twin of stage-3 initialisation: unit by unit, the same seeds, the whole model."""
     refuse_writes_after_build(root)
     plan = [entry for entry in plan_units(root, units).units if entry[2]]
+    copies = copy_seed_paths(root)
     for _, _, named in plan:
         params = [p for _, p in named]
         if any(p.is_meta for p in params):
+            names = [n for n, _ in named]
             materialize_unit(
-                root, params, seed=seed, device=device, names=[n for n, _ in named], values=values
+                root, params, seed=seed, device=device, names=names, values=values, copies=copies
             )
 
 
@@ -316,7 +326,8 @@ def materialize_local(root: nn.Module, *, device: torch.device, values: ValuesFn
             " pretrained weights fill; create the model on a real device, use zero_stage=3, or pass"
             " pretrained=... ."
         )
-    materialize_unit(
-        root, [p for _, p in local], seed=seed, device=device, names=[n for n, _ in local], values=values
-    )
+    names = [n for n, _ in local]
+    params = [p for _, p in local]
+    copies = copy_seed_paths(root)
+    materialize_unit(root, params, seed=seed, device=device, names=names, values=values, copies=copies)
     return len(local)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_par.zero.meta_copies import COPY_ATTR
 from lightning_par.zero.meta_writes import WRITES_ATTR, WRITTEN, Write, Writes
 
 BUILT_ATTR = "_lightning_par_built_version"  # a meta parameter's in-place version when its block ended
@@ -127,3 +128,4 @@ def forget_writes(params: Sequence[Tensor]) -> None:
     for p in params:
         p.__dict__.pop(WRITES_ATTR, None)
         p.__dict__.pop(BUILT_ATTR, None)
+        p.__dict__.pop(COPY_ATTR, None)

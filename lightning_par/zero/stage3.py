@@ -25,8 +25,10 @@ itself is the fp32 master. Gradients are reduced after every backward (the memor
 stage 3), so ``no_sync`` only marks non-final micro-batches. The root unit (what no unit owns: e.g.
 embeddings, final norm, tied head) is gathered by :meth:`Stage3Engine.forward_context` (the strategy
 wraps every step in it) or by a pre-hook on the root module, and stays gathered until its gradients are
-reduced. Outside both (the model's own code calling its embedding or head from a Lightning hook, as
-``generate()`` does), each module holding root parameters gathers the root for its call.
+reduced, the step ends without gradients or the next optimizer step (after a forward without gradients
+too: the code after it reads root parameters). Outside both (the model's own code calling its embedding
+or head from a Lightning hook, as ``generate()`` does), each module holding root parameters gathers the
+root for its call.
 
 Deferred reduction (``defer_reduction=True``, what pipeline parallelism uses): a pipeline step runs the
 forwards and backwards of its micro-batches interleaved, so a unit's backward comes once per micro-batch.
@@ -92,7 +94,8 @@ from lightning_par.zero.broadcast import broadcast_module_states
 from lightning_par.zero.grad_buckets import ReduceOp
 from lightning_par.zero.init_seeds import agree_seed, warn_drawn_init
 from lightning_par.zero.layout import Fragment
-from lightning_par.zero.meta_build import target_device
+from lightning_par.zero.meta_build import refuse_hidden_meta, target_device
+from lightning_par.zero.meta_copies import copy_seed_paths
 from lightning_par.zero.meta_init import ValuesFn, materialize_unit
 from lightning_par.zero.meta_replay import refuse_writes_after_build
 from lightning_par.zero.optimizer_rebuild import stepped_ids
@@ -161,6 +164,7 @@ class Stage3Engine(Stage3Hooks):
         # no other to tell), else where the model's real tensors are
         self.device = device if device is not None else target_device(module)
         refuse_writes_after_build(module)  # lost writes into the meta parameters, before any unit
+        refuse_hidden_meta(module)
         # the seed meta parameters were initialised from, the same on every rank: materialize_model of an
         # unsharded twin with it gives the same model. Drawn without advancing the user's generator, so
         # dropout masks and data order after setup are those of DDP and stages 0-2 (before, a model with
@@ -173,8 +177,9 @@ class Stage3Engine(Stage3Hooks):
         if values is None:  # with a source, what it lacks is drawn: the user chose to load the rest
             warn_drawn_init([p for _, _, named in plan for _, p in named], seed=self.init_seed, group=group)
         self.units: list[Unit] = []
+        copies = copy_seed_paths(module)  # before any unit replaces its meta parameters
         for index, (name, unit_module, named) in enumerate(plan):
-            self.units.append(self._shard_unit(index, name, unit_module, named, self.init_seed))
+            self.units.append(self._shard_unit(index, name, unit_module, named, self.init_seed, copies))
             self.units[-1].gather_dtype = gather_dtype  # the masters stay exact in the shards
         self.root: Unit | None = self.units[-1] if self.units[-1].module is module else None
         self._unit_of: dict[int, tuple[Unit, int]] = {
@@ -225,7 +230,13 @@ class Stage3Engine(Stage3Hooks):
 
     # ------------------------------------------------------------------ construction
     def _shard_unit(
-        self, index: int, name: str, module: nn.Module, named: list[tuple[str, nn.Parameter]], seed: int
+        self,
+        index: int,
+        name: str,
+        module: nn.Module,
+        named: list[tuple[str, nn.Parameter]],
+        seed: int,
+        copies: dict[str, str],
     ) -> Unit:
         materialized = any(p.is_meta for _, p in named)
         if materialized:  # seeded (or loaded) identically on every rank: no broadcast needed
@@ -236,6 +247,7 @@ class Stage3Engine(Stage3Hooks):
                 device=self.device,
                 names=[n for n, _ in named],
                 values=self._values,
+                copies=copies,
             )
             named = [(n, p) for (n, _), p in zip(named, params, strict=True)]
         return build_unit(

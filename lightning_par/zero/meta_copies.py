@@ -1,0 +1,106 @@
+"""Deep copies of modules made on the meta device start equal to their source, as on a real device.
+
+Why
+---
+ZeRO-3's meta init draws each module's initial values under a seed of the run's seed and the module's
+path (:mod:`lightning_par.zero.init_seeds`). A module deep-copied from another while the model is built
+(a DPO reference or a distillation teacher copied from the policy in ``configure_model()``, an EMA copy,
+``nn.TransformerEncoder``'s cloned layers) has another path, so it drew other values: a DPO run's policy
+and reference started 0.11 apart and its first loss was not ln 2, silently, where on a real device the
+copy holds its source's values.
+
+Contract
+--------
+:func:`mark_copy` (called from the meta build's ``nn.Parameter.__deepcopy__``) keeps, on a copied meta
+parameter, its source and the source's write record as it was copied. :func:`copy_seed_paths` then maps
+the path of every module of the model whose parameters are all such copies, none written since, of the
+parameters under one other module at the same relative names, to that module's path. Materialisation
+draws a mapped module (its ``reset_parameters()``, a Hugging Face ``_init_weights``, PEFT's adapter init,
+the writes it inherited) under its source's seed (:func:`seed_path`), so it gets its source's initial
+values, the writes made to the source after the copy excepted, as on a real device. A copy written after
+it was made (``nn.Transformer`` re-initialises its cloned layers) keeps its own path: its values were
+meant to differ. Copies of a source outside the model (the layer ``nn.TransformerEncoder`` clones) take
+the first copy's path: equal to one another, as torch's clones are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_par.zero.meta_writes import WRITES_ATTR
+
+__all__ = ["COPY_ATTR", "copy_seed_paths", "mark_copy", "seed_path"]
+
+COPY_ATTR = "_lp_meta_copy_of"  # (source parameter, its record's op list when copied, that list's length)
+
+
+def mark_copy(source: Tensor, copy: Tensor) -> None:
+    """``copy`` is a deep copy of the meta parameter ``source`` made while the model is built."""
+    held = copy.__dict__.get(WRITES_ATTR)
+    ops = getattr(held, "ops", None)
+    copy.__dict__[COPY_ATTR] = (source, ops, len(ops) if ops is not None else 0)
+
+
+def _unwritten_source(param: Tensor) -> Tensor | None:
+    """The source ``param`` was copied from, if nothing was written into ``param`` since."""
+    mark: Any = param.__dict__.get(COPY_ATTR)
+    if mark is None:
+        return None
+    source, ops, count = mark
+    now = getattr(param.__dict__.get(WRITES_ATTR), "ops", None)
+    if now is not ops or (now is not None and len(now) != count):
+        return None
+    return source
+
+
+def copy_seed_paths(root: nn.Module) -> dict[str, str]:
+    """Module path -> the path of the module it is an unwritten deep copy of (module docstring)."""
+    named = list(root.named_parameters(remove_duplicate=False))
+    if not any(COPY_ATTR in p.__dict__ for _, p in named):
+        return {}
+    names: dict[int, set[str]] = {}
+    for name, p in named:
+        names.setdefault(id(p), set()).add(name)
+    # a source outside the model (the layer nn.TransformerEncoder clones): its copies follow the first
+    first: dict[int, Tensor] = {}
+    for _, p in named:
+        source = _unwritten_source(p)
+        if source is not None and id(source) not in names:
+            first.setdefault(id(source), p)
+    out: dict[str, str] = {}
+    for path, module in root.named_modules():
+        if not path:
+            continue
+        candidates: set[str] | None = None
+        for rel, p in module.named_parameters(remove_duplicate=False):
+            source = _unwritten_source(p)
+            if source is not None and id(source) not in names:
+                source = first[id(source)] if first[id(source)] is not p else None
+            found = {n[: -len(rel) - 1] for n in names.get(id(source), ()) if n.endswith("." + rel)}
+            candidates = found if candidates is None else candidates & found
+            if not candidates:
+                break
+        if candidates is not None and len(candidates) == 1:
+            (origin,) = candidates
+            if origin != path and not origin.startswith(path + ".") and not path.startswith(origin + "."):
+                out[path] = origin
+    return out
+
+
+def seed_path(paths: Mapping[str, str], name: str) -> str:
+    """``name`` (a module path, or a parameter's name with a suffix) with the longest mapped module path
+    that prefixes it replaced by its source's path, again until none does: a copy of a copy draws as the
+    first source, and a copy of ``nn.TransformerEncoder`` has its clone layers drawn as the first layer."""
+    for _ in range(len(paths) + 1):  # each step moves to a source made earlier: no cycle
+        parts = name.split(".")
+        for k in range(len(parts), 0, -1):
+            origin = paths.get(".".join(parts[:k]))
+            if origin is not None:
+                name = ".".join([origin, *parts[k:]])
+                break
+        else:
+            return name
+    return name
