@@ -141,3 +141,90 @@ def test_string_labels_are_cut_with_their_rows() -> None:
     assert set(results[0]["state"]) == set(ref["state"])
     for key, value in ref["state"].items():
         torch.testing.assert_close(results[0]["state"][key], value, msg=key)
+
+
+class Boxes(Dataset[tuple[Tensor, dict[str, Tensor]]]):
+    """Images with a different number of boxes each, as a detection dataset gives them."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(5)
+        self.x = torch.randn(16, 8, generator=g)
+        self.boxes = [torch.rand(1 + i % 4, 4, generator=g) for i in range(16)]
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> tuple[Tensor, dict[str, Tensor]]:
+        return self.x[i], {"boxes": self.boxes[i]}
+
+
+def _collate(items: list[tuple[Tensor, dict[str, Tensor]]]) -> tuple[Tensor, list[dict[str, Tensor]]]:
+    return torch.stack([x for x, _ in items]), [t for _, t in items]
+
+
+class Detector(pl.LightningModule):
+    """Four box slots per image; each image's loss reads only its own boxes (a list of per-image dicts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Unflatten(1, (4, 4)))
+
+    def _loss(self, out: Tensor, targets: list[dict[str, Tensor]]) -> Tensor:
+        assert len(targets) == len(out)  # before: every target, each with a share of its boxes
+        per_image = [
+            (o[: len(t["boxes"])] - t["boxes"]).pow(2).mean() for o, t in zip(out, targets, strict=True)
+        ]
+        return torch.stack(per_image).mean()
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.net)
+
+    def pipeline_input(self, batch: Any) -> Tensor:
+        return batch[0]
+
+    def pipeline_loss(self, out: Tensor, batch: Any) -> Tensor:
+        return self._loss(out, batch[1])
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._loss(self.net(batch[0]), batch[1])
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _detect(world: int) -> dict[str, Any]:
+    strategy: Any = "auto"
+    if world > 1:
+        strategy = HybridParallelStrategy(
+            pipeline_parallel_size=2, num_microbatches=2, partition_method=[2, 2]
+        )
+    losses = Losses()
+    trainer = cpu_trainer(
+        strategy, devices=world, max_epochs=1, callbacks=[losses], use_distributed_sampler=False
+    )
+    module = Detector()
+    trainer.fit(module, DataLoader(Boxes(), batch_size=4, collate_fn=_collate))
+    return {"losses": losses.seen, "state": final_state(module, strategy)}
+
+
+def _detect_job(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return _detect(world)
+
+
+def test_per_image_target_dicts_are_cut_with_their_images() -> None:
+    images, targets = _collate([Boxes()[i] for i in range(5)])
+    micro = split_batch((images, targets), 2)
+    assert [[len(t["boxes"]) for t in mb[1]] for mb in micro] == [[1, 2, 3], [4, 1]]  # whole, by image
+    assert micro_weights(micro) == [1.2, 0.8]
+    assert micro_weights(split_batch((targets, images), 2)) == [1.2, 0.8]  # weighed by the images
+    ref = _detect(1)
+    results = run_distributed(_detect_job, 2, init_group=False, timeout=300)
+    for rank, got in enumerate(results):
+        assert len(got["losses"]) == len(ref["losses"]) == 4, rank
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6), rank
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(results[0]["state"][key], value, msg=key)

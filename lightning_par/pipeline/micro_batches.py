@@ -4,9 +4,11 @@ Every tensor of at least one dimension is cut along dim 0 into ``m`` parts, in e
 divides by ``m``, else one sample apart (``torch.tensor_split``: the first ``N mod m`` parts hold one more).
 A list of plain values (strings, bytes, numbers, ``None``) as long as the batch's tensors is per-sample
 data, as ``default_collate`` makes of a string field, and is cut by the same index ranges, so each
-micro-batch's labels or texts stay beside its rows; a tuple goes whole into each micro-batch (a collate's
-constants, such as ``(mean, std)``, whatever the batch size). :func:`micro_weights` then makes the mean of the
-micro-batch means the batch's mean whatever the split.
+micro-batch's labels or texts stay beside its rows; so is a list of records (mappings or dataclasses) as
+long as the tensors outside such lists, a detection collate's per-image targets (``[{"boxes": (k_i, 4),
+"labels": (k_i,)}, ...]``), whose inner tensors (of any number of rows) are then not cut; a tuple goes
+whole into each micro-batch (a collate's constants, such as ``(mean, std)``, whatever the batch size).
+:func:`micro_weights` then makes the mean of the micro-batch means the batch's mean whatever the split.
 """
 
 from __future__ import annotations
@@ -35,13 +37,49 @@ def split_batch(batch: Any, m: int) -> list[Any]:
 
     Refused first (:func:`_check_sizes`): a tensor too small to cut, and tensors of different leading
     sizes that ``m`` does not divide, whose micro-batches would hold other shares of each."""
-    sizes = _check_sizes(batch, m)
-    return _split(batch, m, samples=frozenset(sizes))
+    outside = frozenset(_leading(batch, records=frozenset()))
+    sizes = _check_sizes(batch, m, records=outside)
+    return _split(batch, m, samples=frozenset(sizes), records=outside)
 
 
-def _check_sizes(batch: Any, m: int) -> list[int]:
-    """The leading sizes of the batch's tensors of at least one dimension, after the refusals."""
-    sizes = [int(t.shape[0]) for t in tensors_in(batch) if t.dim() > 0]
+def _records(value: Any) -> bool:
+    """A non-empty list of mappings or dataclass instances (per-sample records when as long as the batch)."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(
+            isinstance(v, Mapping) or (dataclasses.is_dataclass(v) and not isinstance(v, type)) for v in value
+        )
+    )
+
+
+def _leading(batch: Any, *, records: frozenset[int]) -> list[int]:
+    """The leading sizes of ``batch``'s tensors of at least one dimension, but those inside lists of
+    records whose length is in ``records`` (per-sample, cut whole); with ``records`` empty, the tensors
+    outside every list of records (which tell the batch's sample count)."""
+    if isinstance(batch, Tensor):
+        return [int(batch.shape[0])] if batch.dim() > 0 else []
+    if _records(batch) and (not records or len(batch) in records):
+        return []
+    if isinstance(batch, (list, tuple)):
+        return [n for b in batch for n in _leading(b, records=records)]
+    if isinstance(batch, Mapping):
+        return [n for v in batch.values() for n in _leading(v, records=records)]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return [
+            n for f in dataclasses.fields(batch) for n in _leading(getattr(batch, f.name), records=records)
+        ]
+    return []
+
+
+def _check_sizes(batch: Any, m: int, *, records: frozenset[int]) -> list[int]:
+    """The leading sizes of the batch's tensors of at least one dimension (not those of per-sample
+    records: lists of records as long as one of ``records``), after the refusals."""
+    sizes = (
+        _leading(batch, records=records)
+        if records
+        else [int(t.shape[0]) for t in tensors_in(batch) if t.dim() > 0]
+    )
     if not sizes:
         return sizes
     small, large = min(sizes), max(sizes)
@@ -69,25 +107,28 @@ def _check_sizes(batch: Any, m: int) -> list[int]:
     return sizes
 
 
-def _split(batch: Any, m: int, *, samples: frozenset[int]) -> list[Any]:
+def _split(batch: Any, m: int, *, samples: frozenset[int], records: frozenset[int]) -> list[Any]:
     """``batch`` cut into ``m``; ``samples``: the leading sizes of its tensors (a plain list of one of
-    these lengths is per-sample data)."""
+    these lengths is per-sample data), ``records``: those of the tensors outside lists of records (such a
+    list of one of these lengths is too)."""
     if isinstance(batch, Tensor):
         return list(batch.tensor_split(m)) if batch.dim() > 0 else [batch] * m
-    if isinstance(batch, list) and _per_sample(batch, samples):
+    if isinstance(batch, list) and (
+        _per_sample(batch, samples) or (_records(batch) and len(batch) in records)
+    ):
         return [batch[r] for r in _ranges(len(batch), m)]
     if _named(batch):  # a named tuple takes its fields by position
-        parts = [_split(b, m, samples=samples) for b in batch]
+        parts = [_split(b, m, samples=samples, records=records) for b in batch]
         return [type(batch)(*(p[i] for p in parts)) for i in range(m)]
     if isinstance(batch, (list, tuple)):
-        parts = [_split(b, m, samples=samples) for b in batch]
+        parts = [_split(b, m, samples=samples, records=records) for b in batch]
         return [type(batch)(p[i] for p in parts) for i in range(m)]
     if isinstance(batch, Mapping):
-        parts_d = {k: _split(v, m, samples=samples) for k, v in batch.items()}
+        parts_d = {k: _split(v, m, samples=samples, records=records) for k, v in batch.items()}
         return [_like(batch, {k: v[i] for k, v in parts_d.items()}) for i in range(m)]
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         fields = [f.name for f in dataclasses.fields(batch) if f.init]
-        parts_f = {name: _split(getattr(batch, name), m, samples=samples) for name in fields}
+        parts_f = {name: _split(getattr(batch, name), m, samples=samples, records=records) for name in fields}
         return [dataclasses.replace(batch, **{k: v[i] for k, v in parts_f.items()}) for i in range(m)]
     return [batch] * m
 
@@ -121,7 +162,11 @@ def _like(mapping: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
 
 
 def _samples(micro: Any) -> int | None:
-    """The leading size of the first tensor of at least one dimension in a micro-batch (None without)."""
+    """The leading size of the first tensor of at least one dimension in a micro-batch outside lists of
+    records (per-image targets hold any number of rows), else of any (None without)."""
+    outside = _leading(micro, records=frozenset())
+    if outside:
+        return outside[0]
     return next((int(t.shape[0]) for t in tensors_in(micro) if t.dim() > 0), None)
 
 
