@@ -308,11 +308,18 @@ def test_ragged_batches_split_by_size_and_too_small_ones_are_refused() -> None:
     scalar = split_batch({"x": torch.arange(8), "w": torch.tensor(2.0)}, 4)
     assert all(mb["w"].item() == 2.0 for mb in scalar) and micro_weights(scalar) == [1.0] * 4
     assert len(split_batch({"a": torch.zeros(8), "b": torch.zeros(4)}, 4)) == 4  # both divide: exact
-    with pytest.raises(ValueError, match=r"different leading sizes \[6, 8\] that num_microbatches=4"):
+    # each refusal names a tensor of each size by its place in the batch
+    sizes = r"sizes \[6, 8\] \(batch\['b'\]\[0\]: 6, batch\['a'\]\[0\]: 8\) that num_microbatches=4"
+    with pytest.raises(ValueError, match=sizes):
         split_batch({"a": (torch.zeros(8), torch.zeros(8)), "b": (torch.zeros(6), torch.zeros(6))}, 4)
-    with pytest.raises(ValueError, match=r"has 1 rows along dim 0 among tensors of 8.*position_ids"):
+    with pytest.raises(
+        ValueError,
+        match=r"\(batch\['position_ids'\]\) has 1 rows along dim 0 among tensors of 8.*position_ids",
+    ):
         split_batch({"input_ids": torch.zeros(8, 3), "position_ids": torch.zeros(1, 3)}, 4)
-    with pytest.raises(ValueError, match=r"has 3 rows along dim 0 among tensors of 8.*per-sample"):
+    with pytest.raises(
+        ValueError, match=r"\(batch\['spans'\]\[0\]\) has 3 rows along dim 0 among tensors of 8.*per-sample"
+    ):
         split_batch({"x": torch.zeros(8, 3), "spans": [torch.zeros(3), torch.zeros(5)]}, 4)
 
 

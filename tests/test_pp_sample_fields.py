@@ -221,6 +221,18 @@ def test_per_image_target_dicts_are_cut_with_their_images() -> None:
     assert [[len(t["boxes"]) for t in mb[1]] for mb in micro] == [[1, 2, 3], [4, 1]]  # whole, by image
     assert micro_weights(micro) == [1.2, 0.8]
     assert micro_weights(split_batch((targets, images), 2)) == [1.2, 0.8]  # weighed by the images
+    # torchvision's collate (tuple(zip(*batch))) gives a tuple of dicts: cut by image too
+    cut = split_batch((images, tuple(targets)), 2)
+    assert [[len(t["boxes"]) for t in mb[1]] for mb in cut] == [[1, 2, 3], [4, 1]]
+    assert all(isinstance(mb[1], tuple) for mb in cut)
+    # a list of two loaders' batches (the batch itself) is never taken for records, at batch size 2 too
+    two = [{"x": images[:2], "targets": targets[:2]}, {"x": images[2:4]}]
+    cut = split_batch(two, 2)
+    assert [[len(t["boxes"]) for t in mb[0]["targets"]] for mb in cut] == [[1], [2]]
+    assert [mb[1]["x"].shape[0] for mb in cut] == [1, 1]
+    # per-sample lists of plain values (word ids, tags) go with their rows
+    tags = [["a"], ["a", "b"], ["c"], [1, 2, 3], []]
+    assert [mb["tags"] for mb in split_batch({"x": images, "tags": tags}, 2)] == [tags[:3], tags[3:]]
     ref = _detect(1)
     results = run_distributed(_detect_job, 2, init_group=False, timeout=300)
     for rank, got in enumerate(results):

@@ -37,15 +37,18 @@ def split_batch(batch: Any, m: int) -> list[Any]:
 
     Refused first (:func:`_check_sizes`): a tensor too small to cut, and tensors of different leading
     sizes that ``m`` does not divide, whose micro-batches would hold other shares of each."""
-    outside = frozenset(_leading(batch, records=frozenset()))
+    outside = frozenset(_leading(batch, records=frozenset(), top=True))
     sizes = _check_sizes(batch, m, records=outside)
-    return _split(batch, m, samples=frozenset(sizes), records=outside)
+    return _split(batch, m, samples=frozenset(sizes), records=outside, top=True)
 
 
-def _records(value: Any) -> bool:
-    """A non-empty list of mappings or dataclass instances (per-sample records when as long as the batch)."""
+def _records(value: Any, *, top: bool = False) -> bool:
+    """A non-empty list or tuple of mappings or dataclass instances (per-sample records when as long as the
+    batch); never the batch itself (``top``), which a list of loaders' batches can be."""
     return (
-        isinstance(value, list)
+        not top
+        and isinstance(value, (list, tuple))
+        and not _named(value)
         and bool(value)
         and all(
             isinstance(v, Mapping) or (dataclasses.is_dataclass(v) and not isinstance(v, type)) for v in value
@@ -53,13 +56,13 @@ def _records(value: Any) -> bool:
     )
 
 
-def _leading(batch: Any, *, records: frozenset[int]) -> list[int]:
+def _leading(batch: Any, *, records: frozenset[int], top: bool = False) -> list[int]:
     """The leading sizes of ``batch``'s tensors of at least one dimension, but those inside lists of
     records whose length is in ``records`` (per-sample, cut whole); with ``records`` empty, the tensors
     outside every list of records (which tell the batch's sample count)."""
     if isinstance(batch, Tensor):
         return [int(batch.shape[0])] if batch.dim() > 0 else []
-    if _records(batch) and (not records or len(batch) in records):
+    if _records(batch, top=top) and (not records or len(batch) in records):
         return []
     if isinstance(batch, (list, tuple)):
         return [n for b in batch for n in _leading(b, records=records)]
@@ -76,7 +79,7 @@ def _check_sizes(batch: Any, m: int, *, records: frozenset[int]) -> list[int]:
     """The leading sizes of the batch's tensors of at least one dimension (not those of per-sample
     records: lists of records as long as one of ``records``), after the refusals."""
     sizes = (
-        _leading(batch, records=records)
+        _leading(batch, records=records, top=True)
         if records
         else [int(t.shape[0]) for t in tensors_in(batch) if t.dim() > 0]
     )
@@ -85,7 +88,8 @@ def _check_sizes(batch: Any, m: int, *, records: frozenset[int]) -> list[int]:
     small, large = min(sizes), max(sizes)
     if small < m and large >= m:
         raise ValueError(
-            f"A tensor of the batch has {small} rows along dim 0 among tensors of {large}: every tensor of a"
+            f"A tensor of the batch ({_where(batch, small)}) has {small} rows along dim 0 among tensors of"
+            f" {large}: every tensor of a"
             f" batch is cut along dim 0 into num_microbatches={m} micro-batches (a list of per-sample tensors"
             " element by element). Expand it to the batch size (a broadcast position_ids of shape (1, T)),"
             " stack or pad per-sample tensors into one, or build it per micro-batch in pipeline_input."
@@ -97,7 +101,8 @@ def _check_sizes(batch: Any, m: int, *, records: frozenset[int]) -> list[int]:
         )
     if small != large and any(n % m for n in sizes):
         raise ValueError(
-            f"The batch holds tensors of different leading sizes {sorted(set(sizes))} that"
+            f"The batch holds tensors of different leading sizes {sorted(set(sizes))}"
+            f" ({', '.join(f'{_where(batch, n)}: {n}' for n in sorted(set(sizes)))}) that"
             f" num_microbatches={m} does not divide: their micro-batches would hold other shares of each"
             " (a combined batch of loaders with other batch sizes, a list of per-sample tensors, which is"
             " cut element by element), and no weight makes every micro-batch mean the batch's. Give every"
@@ -107,15 +112,40 @@ def _check_sizes(batch: Any, m: int, *, records: frozenset[int]) -> list[int]:
     return sizes
 
 
-def _split(batch: Any, m: int, *, samples: frozenset[int], records: frozenset[int]) -> list[Any]:
+def _where(batch: Any, rows: int, path: str = "batch") -> str:
+    """The path of the first tensor in ``batch`` with ``rows`` rows along dim 0 (``batch['labels'][0]``),
+    for the refusals' messages."""
+    if isinstance(batch, Tensor):
+        return path if batch.dim() > 0 and batch.shape[0] == rows else ""
+    items: Any = ()
+    if isinstance(batch, (list, tuple)):
+        items = enumerate(batch)
+    elif isinstance(batch, Mapping):
+        items = batch.items()
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items = ((f.name, getattr(batch, f.name)) for f in dataclasses.fields(batch))
+    for key, value in items:
+        inner = (
+            f"{path}.{key}"
+            if isinstance(key, str) and dataclasses.is_dataclass(batch)
+            else f"{path}[{key!r}]"
+        )
+        found = _where(value, rows, inner)
+        if found:
+            return found
+    return ""
+
+
+def _split(
+    batch: Any, m: int, *, samples: frozenset[int], records: frozenset[int], top: bool = False
+) -> list[Any]:
     """``batch`` cut into ``m``; ``samples``: the leading sizes of its tensors (a plain list of one of
     these lengths is per-sample data), ``records``: those of the tensors outside lists of records (such a
-    list of one of these lengths is too)."""
+    list or tuple of one of these lengths is too, but the batch itself: ``top``)."""
     if isinstance(batch, Tensor):
         return list(batch.tensor_split(m)) if batch.dim() > 0 else [batch] * m
-    if isinstance(batch, list) and (
-        _per_sample(batch, samples) or (_records(batch) and len(batch) in records)
-    ):
+    per_sample = isinstance(batch, list) and _per_sample(batch, samples)
+    if per_sample or (_records(batch, top=top) and len(batch) in records):
         return [batch[r] for r in _ranges(len(batch), m)]
     if _named(batch):  # a named tuple takes its fields by position
         parts = [_split(b, m, samples=samples, records=records) for b in batch]
@@ -138,9 +168,16 @@ def _named(batch: Any) -> bool:
 
 
 def _per_sample(batch: list[Any], samples: frozenset[int]) -> bool:
-    """Whether ``batch`` is a list of plain values, one per sample: as long as a tensor of the batch (a
-    list of another length goes whole into every micro-batch)."""
-    return len(batch) in samples and all(isinstance(v, _PLAIN) for v in batch)
+    """Whether ``batch`` is a list of plain values (or of lists or tuples of them: a sample's word ids or
+    tags), one per sample: as long as a tensor of the batch (a list of another length goes whole into
+    every micro-batch)."""
+    return len(batch) in samples and all(
+        _plain(v) or (isinstance(v, (list, tuple)) and all(map(_plain, v))) for v in batch
+    )
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, _PLAIN)
 
 
 def _ranges(n: int, m: int) -> list[slice]:
@@ -164,7 +201,7 @@ def _like(mapping: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
 def _samples(micro: Any) -> int | None:
     """The leading size of the first tensor of at least one dimension in a micro-batch outside lists of
     records (per-image targets hold any number of rows), else of any (None without)."""
-    outside = _leading(micro, records=frozenset())
+    outside = _leading(micro, records=frozenset(), top=True)
     if outside:
         return outside[0]
     return next((int(t.shape[0]) for t in tensors_in(micro) if t.dim() > 0), None)
