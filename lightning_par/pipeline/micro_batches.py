@@ -2,12 +2,14 @@
 
 Every tensor of at least one dimension is cut along dim 0 into ``m`` parts, in equal parts when its size
 divides by ``m``, else one sample apart (``torch.tensor_split``: the first ``N mod m`` parts hold one more).
-A list of plain values (strings, bytes, numbers, ``None``) as long as the batch's tensors is per-sample
-data, as ``default_collate`` makes of a string field, and is cut by the same index ranges, so each
-micro-batch's labels or texts stay beside its rows; so is a list of records (mappings or dataclasses) as
-long as the tensors outside such lists, a detection collate's per-image targets (``[{"boxes": (k_i, 4),
-"labels": (k_i,)}, ...]``), whose inner tensors (of any number of rows) are then not cut; a tuple goes
-whole into each micro-batch (a collate's constants, such as ``(mean, std)``, whatever the batch size).
+A list of plain values (strings, bytes, numbers, ``None``, or lists or tuples of them) as long as the
+batch's tensors is per-sample data, as ``default_collate`` makes of a string field, and is cut by the
+same index ranges, so each micro-batch's labels or texts stay beside its rows; so is a list or tuple of
+records (mappings or dataclasses) as long as the tensors outside such lists, a detection collate's
+per-image targets (``[{"boxes": (k_i, 4), "labels": (k_i,)}, ...]``), whose inner tensors (of any number
+of rows) are then not cut. The batch itself is never taken for records (a list of loaders' batches). A
+tuple of plain values goes whole into each micro-batch (a collate's constants, such as ``(mean, std)``,
+whatever the batch size).
 :func:`micro_weights` then makes the mean of the micro-batch means the batch's mean whatever the split.
 """
 
