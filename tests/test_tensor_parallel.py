@@ -361,6 +361,15 @@ def _hf_without_lm_head(rank: int, world: int) -> str:
 def _errors(rank: int, world: int) -> str:
     with pytest.raises(ValueError, match=r"\['max_norm', 'sparse'\].*leave it out of the tp_plan"):
         VocabParallelEmbedding.from_embedding(nn.Embedding(64, 8, max_norm=1.0, sparse=True), group=WORLD)
+    # an id outside the table raises as nn.Embedding does (before: a zero row, on no rank's shard, silently)
+    table = VocabParallelEmbedding.from_embedding(nn.Embedding(64, 8), group=WORLD)
+    for bad in (64, -1):
+        with pytest.raises(RuntimeError, match=r"an id outside \[0, 64\)"):
+            table(torch.tensor([3, bad]))
+    with pytest.raises(ValueError, match=r"needs an nn\.Embedding, but 'bag' is EmbeddingBag; leave it out"):
+        apply_tensor_parallel(
+            nn.ModuleDict({"bag": nn.EmbeddingBag(64, 8)}), group=WORLD, plan={"bag": "vocab"}
+        )
     with pytest.raises(ValueError, match=r"n_head=3, not divisible by tensor_parallel_size=2"):
         apply_tensor_parallel(
             GPT(GPTConfig(vocab_size=64, n_head=3, n_embd=48, n_layer=1)), group=WORLD, plan="gpt"

@@ -345,6 +345,15 @@ class VocabParallelEmbedding(_GroupLayer):
 
     def forward(self, ids: Tensor) -> Tensor:
         check_own(self)
+        # an id outside the table is on no rank's shard: without this its row would be zeros, silently,
+        # where nn.Embedding raises; asserted on the device (no host read: CUDA's kernel assert, as there)
+        inside = ((ids >= 0) & (ids < self.num_embeddings)).all()
+        torch._assert_async(
+            inside,
+            f"VocabParallelEmbedding: an id outside [0, {self.num_embeddings}), where nn.Embedding raises"
+            " IndexError: index out of range; check the ids (a hash's bucket count, -100 or -1 labels passed"
+            " as ids)",
+        )
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight, padding_idx=self._local_padding_idx)

@@ -275,7 +275,8 @@ def _check_kind(old: nn.Module, name: str, style: str) -> None:
         )
     if style == "vocab" and not isinstance(old, nn.Embedding):
         raise ValueError(
-            f"tp_plan style 'vocab' needs an nn.Embedding, but {name!r} is {type(old).__name__}."
+            f"tp_plan style 'vocab' needs an nn.Embedding, but {name!r} is {type(old).__name__}; leave it"
+            " out of the tp_plan (it then stays replicated, and ZeRO shards it over the data-parallel group)."
         )
     if style in _LINEAR_STYLES or style == "vocab":
         check_forward(old, name, style)
