@@ -9,8 +9,9 @@ engine attributes it works on.
   gather is waited for, and, with ``prefetch``, the next unit in the recorded forward order is launched;
   the first forward records that order. A unit's forward outside a step ends the windows of refused reads.
 * After it, the unit is freed unless a backward will need it (``reshard_after_forward=False`` keeps it
-  gathered); a multi-grad hook on its outputs gathers it again before its backward. The root stays
-  gathered after any forward of its own (code after a ``no_grad`` forward reads root parameters).
+  gathered); a multi-grad hook on its outputs (and the bases of views among them) gathers it again
+  before its backward. The root stays gathered after any forward of its own (code after a ``no_grad``
+  forward reads root parameters).
 * Frozen parameters are kept until the gradients of the unit's inputs are computed (their backward
   needs the weights after the trainable ones' gradients are reduced).
 * A module holding root parameters called without the root's forward (``generate()``'s embedding and head)
@@ -167,8 +168,16 @@ class Stage3Hooks(Stage3Reduce, ReadWindows):
             if not in_backward():
                 unit.needs_backward = bool(tensors)
             if tensors:
+                # the bases of views too: an in-place write through another view of an output's base (a
+                # head's `b = proj(h).squeeze(-1); b += c`, Hugging Face's negative-binomial output) moves
+                # the backward onto the base's history, past the output's own node (before: the unit's
+                # backward read its freed weights, "setStorage: ... out of bounds for storage of size 0")
+                hooked = {id(t): t for t in tensors}
+                for t in tensors:
+                    if t._base is not None and t._base.requires_grad:
+                        hooked.setdefault(id(t._base), t._base)
                 torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grads: self._pre_backward(unit), mode="any"
+                    list(hooked.values()), lambda grads: self._pre_backward(unit), mode="any"
                 )
         if unit is self.root:
             if self._order:
