@@ -114,8 +114,8 @@ class BetweenSteps:
                     " Fabric) on every rank around code that reads"
                     " weights (logging their norms), or `gathered_params(writeback=True)` for code that"
                     " also writes them or keeps an average of them (an EMA in buffers: this reads the fp32"
-                    " masters), or do the work inside the step (training_step; in Fabric, between the"
-                    " forward and optimizer.step()) (in 16-bit mixed precision, an EMA"
+                    " masters), or do the work inside the step (training_step, or in Fabric between the"
+                    " forward and optimizer.step(); in 16-bit mixed precision, an EMA"
                     " there too goes inside gathered_params(writeback=True): a step gathers in 16 bits)."
                     + ("" if self._where else " (Checked between the first two training steps only.)")
                 )
