@@ -55,6 +55,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_par.mesh import ParallelMesh
+from lightning_par.zero.meta_build import MODULE_OWN  # not entered: parameters, hooks
 
 __all__ = [
     "DataGather",
@@ -203,7 +204,6 @@ def _stage_gather(mesh: ParallelMesh) -> StageGather:
 
 
 _WIDEST = 4096  # containers with more items are not entered (a vocabulary, a cache): the scan stays cheap
-_TORCH_OWN = frozenset(vars(nn.Module()))  # every module's own attributes (parameters, hooks): not entered
 
 Watched = list[tuple[object, object]]  # what a scan walked, with its _signature then
 
@@ -235,7 +235,7 @@ class _Walk:
                 if isinstance(m, Metric):
                     self.found.setdefault(id(m), m)
                 for name, attr in vars(m).items():
-                    if name not in _TORCH_OWN and (isinstance(attr, dict | list | tuple) or _is_holder(attr)):
+                    if name not in MODULE_OWN and (isinstance(attr, dict | list | tuple) or _is_holder(attr)):
                         self.held(attr, depth + 1)
         elif isinstance(value, dict | list | tuple) and len(value) <= _WIDEST:
             self.walked.add(id(value))

@@ -7,6 +7,7 @@ bare shape error)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -98,12 +99,15 @@ def _order() -> list[list[int]]:
     return batches
 
 
+def _strategy(world: int, partition: list[int]) -> Any:
+    """pp2 with two micro-batches over ``world`` ranks; one process (``"auto"``) at world 1."""
+    if world == 1:
+        return "auto"
+    return HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, partition_method=partition)
+
+
 def _run(world: int) -> dict[str, Any]:
-    strategy: Any = "auto"
-    if world > 1:
-        strategy = HybridParallelStrategy(
-            pipeline_parallel_size=2, num_microbatches=2, partition_method=[2, 1]
-        )
+    strategy = _strategy(world, [2, 1])
     losses = Losses()
     epochs = 2 if world > 1 else 1  # the reference's one epoch replays the two
     trainer = cpu_trainer(strategy, devices=world, max_epochs=epochs, callbacks=[losses])
@@ -117,9 +121,9 @@ def _run(world: int) -> dict[str, Any]:
     return {"losses": losses.seen, "acc": metrics["val_acc"], "state": final_state(module, strategy)}
 
 
-def _job(rank: int, world: int) -> dict[str, Any]:
+def _job(rank: int, world: int, run: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
     torch.set_num_threads(1)
-    return _run(world)
+    return run(world)
 
 
 def test_string_labels_are_cut_with_their_rows() -> None:
@@ -133,7 +137,7 @@ def test_string_labels_are_cut_with_their_rows() -> None:
     assert all(mb["norm"] == (0.5, 2.0) for mb in split_batch({"x": torch.zeros(2), "norm": (0.5, 2.0)}, 2))
 
     ref = _run(1)
-    results = run_distributed(_job, 2, init_group=False, timeout=300)
+    results = run_distributed(_job, 2, _run, init_group=False, timeout=300)
     for rank, got in enumerate(results):
         assert len(got["losses"]) == len(ref["losses"]) == 8, rank
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6), rank
@@ -196,11 +200,7 @@ class Detector(pl.LightningModule):
 
 
 def _detect(world: int) -> dict[str, Any]:
-    strategy: Any = "auto"
-    if world > 1:
-        strategy = HybridParallelStrategy(
-            pipeline_parallel_size=2, num_microbatches=2, partition_method=[2, 2]
-        )
+    strategy = _strategy(world, [2, 2])
     losses = Losses()
     trainer = cpu_trainer(
         strategy, devices=world, max_epochs=1, callbacks=[losses], use_distributed_sampler=False
@@ -208,11 +208,6 @@ def _detect(world: int) -> dict[str, Any]:
     module = Detector()
     trainer.fit(module, DataLoader(Boxes(), batch_size=4, collate_fn=_collate))
     return {"losses": losses.seen, "state": final_state(module, strategy)}
-
-
-def _detect_job(rank: int, world: int) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    return _detect(world)
 
 
 def test_per_image_target_dicts_are_cut_with_their_images() -> None:
@@ -234,7 +229,7 @@ def test_per_image_target_dicts_are_cut_with_their_images() -> None:
     tags = [["a"], ["a", "b"], ["c"], [1, 2, 3], []]
     assert [mb["tags"] for mb in split_batch({"x": images, "tags": tags}, 2)] == [tags[:3], tags[3:]]
     ref = _detect(1)
-    results = run_distributed(_detect_job, 2, init_group=False, timeout=300)
+    results = run_distributed(_job, 2, _detect, init_group=False, timeout=300)
     for rank, got in enumerate(results):
         assert len(got["losses"]) == len(ref["losses"]) == 4, rank
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6), rank

@@ -21,8 +21,6 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_par.zero.autograd_state import tensors_in
-
 _PLAIN = (str, bytes, int, float, complex, bool, type(None))
 
 
@@ -39,8 +37,8 @@ def split_batch(batch: Any, m: int) -> list[Any]:
 
     Refused first (:func:`_check_sizes`): a tensor too small to cut, and tensors of different leading
     sizes that ``m`` does not divide, whose micro-batches would hold other shares of each."""
-    outside = frozenset(_leading(batch, records=frozenset(), top=True))
-    sizes = _check_sizes(batch, m, records=outside)
+    outside = frozenset(n for _, n in _rows(batch, skip=None, top=True))
+    sizes = _check_sizes(_rows(batch, skip=outside, top=True), m)
     return _split(batch, m, samples=frozenset(sizes), records=outside, top=True)
 
 
@@ -58,39 +56,40 @@ def _records(value: Any, *, top: bool = False) -> bool:
     )
 
 
-def _leading(batch: Any, *, records: frozenset[int], top: bool = False) -> list[int]:
-    """The leading sizes of ``batch``'s tensors of at least one dimension, but those inside lists of
-    records whose length is in ``records`` (per-sample, cut whole); with ``records`` empty, the tensors
-    outside every list of records (which tell the batch's sample count)."""
+def _rows(
+    batch: Any, *, skip: frozenset[int] | None, top: bool = False, path: str = "batch"
+) -> list[tuple[str, int]]:
+    """The place (``batch['labels'][0]``) and leading size of each of ``batch``'s tensors of at least one
+    dimension, in order, looking into lists, tuples, mappings and dataclasses, but not into lists of
+    records whose length is in ``skip`` (per-sample, cut whole), or into any (``skip`` None: the tensors
+    that tell the batch's sample count)."""
     if isinstance(batch, Tensor):
-        return [int(batch.shape[0])] if batch.dim() > 0 else []
-    if _records(batch, top=top) and (not records or len(batch) in records):
+        return [(path, int(batch.shape[0]))] if batch.dim() > 0 else []
+    if _records(batch, top=top) and (skip is None or len(batch) in skip):
         return []
+    items: Any = ()
     if isinstance(batch, (list, tuple)):
-        return [n for b in batch for n in _leading(b, records=records)]
-    if isinstance(batch, Mapping):
-        return [n for v in batch.values() for n in _leading(v, records=records)]
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return [
-            n for f in dataclasses.fields(batch) for n in _leading(getattr(batch, f.name), records=records)
-        ]
-    return []
+        items = ((f"{path}[{k}]", v) for k, v in enumerate(batch))
+    elif isinstance(batch, Mapping):
+        items = ((f"{path}[{k!r}]", v) for k, v in batch.items())
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items = ((f"{path}.{f.name}", getattr(batch, f.name)) for f in dataclasses.fields(batch))
+    return [row for inner, value in items for row in _rows(value, skip=skip, path=inner)]
 
 
-def _check_sizes(batch: Any, m: int, *, records: frozenset[int]) -> list[int]:
-    """The leading sizes of the batch's tensors of at least one dimension (not those of per-sample
-    records: lists of records as long as one of ``records``), after the refusals."""
-    sizes = (
-        _leading(batch, records=records, top=True)
-        if records
-        else [int(t.shape[0]) for t in tensors_in(batch) if t.dim() > 0]
-    )
+def _check_sizes(rows: list[tuple[str, int]], m: int) -> list[int]:
+    """The leading sizes of ``rows`` (:func:`_rows`), after the refusals, which name a tensor of each size
+    by its place."""
+    sizes = [n for _, n in rows]
     if not sizes:
         return sizes
+    where: dict[int, str] = {}
+    for place, n in rows:
+        where.setdefault(n, place)
     small, large = min(sizes), max(sizes)
     if small < m and large >= m:
         raise ValueError(
-            f"A tensor of the batch ({_where(batch, small)}) has {small} rows along dim 0 among tensors of"
+            f"A tensor of the batch ({where[small]}) has {small} rows along dim 0 among tensors of"
             f" {large}: every tensor of a"
             f" batch is cut along dim 0 into num_microbatches={m} micro-batches (a list of per-sample tensors"
             " element by element). Expand it to the batch size (a broadcast position_ids of shape (1, T)),"
@@ -103,8 +102,8 @@ def _check_sizes(batch: Any, m: int, *, records: frozenset[int]) -> list[int]:
         )
     if small != large and any(n % m for n in sizes):
         raise ValueError(
-            f"The batch holds tensors of different leading sizes {sorted(set(sizes))}"
-            f" ({', '.join(f'{_where(batch, n)}: {n}' for n in sorted(set(sizes)))}) that"
+            f"The batch holds tensors of different leading sizes {sorted(where)}"
+            f" ({', '.join(f'{where[n]}: {n}' for n in sorted(where))}) that"
             f" num_microbatches={m} does not divide: their micro-batches would hold other shares of each"
             " (a combined batch of loaders with other batch sizes, a list of per-sample tensors, which is"
             " cut element by element), and no weight makes every micro-batch mean the batch's. Give every"
@@ -112,30 +111,6 @@ def _check_sizes(batch: Any, m: int, *, records: frozenset[int]) -> list[int]:
             " loader); stack or pad per-sample tensors into one."
         )
     return sizes
-
-
-def _where(batch: Any, rows: int, path: str = "batch") -> str:
-    """The path of the first tensor in ``batch`` with ``rows`` rows along dim 0 (``batch['labels'][0]``),
-    for the refusals' messages."""
-    if isinstance(batch, Tensor):
-        return path if batch.dim() > 0 and batch.shape[0] == rows else ""
-    items: Any = ()
-    if isinstance(batch, (list, tuple)):
-        items = enumerate(batch)
-    elif isinstance(batch, Mapping):
-        items = batch.items()
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        items = ((f.name, getattr(batch, f.name)) for f in dataclasses.fields(batch))
-    for key, value in items:
-        inner = (
-            f"{path}.{key}"
-            if isinstance(key, str) and dataclasses.is_dataclass(batch)
-            else f"{path}[{key!r}]"
-        )
-        found = _where(value, rows, inner)
-        if found:
-            return found
-    return ""
 
 
 def _split(
@@ -203,10 +178,8 @@ def _like(mapping: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
 def _samples(micro: Any) -> int | None:
     """The leading size of the first tensor of at least one dimension in a micro-batch outside lists of
     records (per-image targets hold any number of rows), else of any (None without)."""
-    outside = _leading(micro, records=frozenset(), top=True)
-    if outside:
-        return outside[0]
-    return next((int(t.shape[0]) for t in tensors_in(micro) if t.dim() > 0), None)
+    rows = _rows(micro, skip=None, top=True) or _rows(micro, skip=frozenset(), top=True)
+    return rows[0][1] if rows else None
 
 
 def micro_weights(micro: list[Any]) -> list[float]:

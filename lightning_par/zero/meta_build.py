@@ -132,7 +132,7 @@ def meta_build(where: str, fixes: str, loads: MetaLoads | None = None) -> Iterat
         ) from error
 
 
-_MODULE_OWN = frozenset(vars(nn.Module()))  # torch's own attributes of every module (hooks, tables)
+MODULE_OWN = frozenset(vars(nn.Module()))  # torch's own attributes of every module (hooks, tables)
 
 
 def refuse_hidden_meta(root: nn.Module) -> None:
@@ -147,7 +147,7 @@ def refuse_hidden_meta(root: nn.Module) -> None:
     hidden: list[str] = []
     for path, module in root.named_modules():
         for attr, value in vars(module).items():
-            if attr in _MODULE_OWN or attr.startswith("_lp_"):  # ours: a tp layer's full-size source
+            if attr in MODULE_OWN or attr.startswith("_lp_"):  # ours: a tp layer's full-size source
                 continue
             items = (
                 value.items()

@@ -64,21 +64,23 @@ def copy_seed_paths(root: nn.Module) -> dict[str, str]:
     names: dict[int, set[str]] = {}
     for name, p in named:
         names.setdefault(id(p), set()).add(name)
-    # a source outside the model (the layer nn.TransformerEncoder clones): its copies follow the first
+    # each parameter's source in the model, once; a source outside it (the layer nn.TransformerEncoder
+    # clones) stands for its first copy, which the later ones follow
+    resolved: dict[int, Tensor | None] = {}
     first: dict[int, Tensor] = {}
     for _, p in named:
         source = _unwritten_source(p)
         if source is not None and id(source) not in names:
-            first.setdefault(id(source), p)
+            held = first.setdefault(id(source), p)
+            source = held if held is not p else None
+        resolved[id(p)] = source
     out: dict[str, str] = {}
     for path, module in root.named_modules():
         if not path:
             continue
         candidates: set[str] | None = None
         for rel, p in module.named_parameters(remove_duplicate=False):
-            source = _unwritten_source(p)
-            if source is not None and id(source) not in names:
-                source = first[id(source)] if first[id(source)] is not p else None
+            source = resolved[id(p)]
             found = {n[: -len(rel) - 1] for n in names.get(id(source), ()) if n.endswith("." + rel)}
             candidates = found if candidates is None else candidates & found
             if not candidates:
