@@ -78,6 +78,7 @@ def _parts(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
     store.close(failed=False)
     with pytest.warns(UserWarning, match=r"replicas=1 needs 2 nodes .* runs on 1; keeping 0 replica"):
         _store(tmp / "replicas", rank, replicas=1).close(failed=False)
+    torch.distributed.barrier()  # both ranks' closes are done: no folder is removed under the listing
     out["replica_files"] = sorted(p.name for p in (tmp / "replicas").rglob("*.bin"))
     return out
 
