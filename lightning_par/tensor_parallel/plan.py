@@ -5,6 +5,7 @@ that could refuse it has passed.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import torch.distributed as dist
@@ -38,7 +39,7 @@ from lightning_par.tensor_parallel.lora import (
     is_lora_wrapper,
     saved_copies,
 )
-from lightning_par.tensor_parallel.plans import experts_hint, fit_head, matches, resolve_plan
+from lightning_par.tensor_parallel.plans import experts_hint, fit_head, matches, resolve_plan, whole_blocks
 from lightning_par.tensor_parallel.region_check import check_regions
 from lightning_par.tensor_parallel.regions import (
     make_region_input,
@@ -46,6 +47,8 @@ from lightning_par.tensor_parallel.regions import (
     make_sequence_local,
     make_sequence_output,
 )
+
+_log = logging.getLogger(__name__)
 
 # set on the root module by apply_tensor_parallel: {"plan", "resolved", "size", "sequence_parallel",
 # "applied"}; a second application compares against it (the conversion is in place and not repeatable)
@@ -105,6 +108,15 @@ def apply_tensor_parallel(
             )
         for n in hits:
             hit_styles.setdefault(n, []).append(style)
+    hit_styles, partial = whole_blocks(hit_styles, plan)
+    if partial and dist.get_rank(group) == 0:
+        _log.info(
+            "tp_plan=%r: %d blocks of another family that its entries match only in part stay replicated"
+            " (first: %s)",
+            plan,
+            len(partial),
+            partial[0],
+        )
     # deepest first: a module is converted after the modules inside it
     targets = sorted(
         ((n, "+".join(styles)) for n, styles in hit_styles.items()),
@@ -168,12 +180,12 @@ def apply_tensor_parallel(
         "applied": dict(applied),
     }
     setattr(module, TP_STATE_ATTR, record)
-    if t > 1 and not sequence_parallel:
-        _check_regions(module, applied)
+    if t > 1:
+        _check_regions(module, applied, size=t)
     return applied
 
 
-def _check_regions(module: nn.Module, applied: Mapping[str, str]) -> None:
+def _check_regions(module: nn.Module, applied: Mapping[str, str], *, size: int) -> None:
     """The first backward's check that only column-parallel layers read each region input's output
     (:mod:`~lightning_par.tensor_parallel.region_check`)."""
     regions = {n: module.get_submodule(n) for n, s in applied.items() if "region_input" in s.split("+")}
@@ -187,7 +199,7 @@ def _check_regions(module: nn.Module, applied: Mapping[str, str]) -> None:
             elif is_lora_wrapper(sub) and _in_region(sub.base_layer):
                 # LoRA A reads the region input for a column-parallel B
                 readers.update((f"{sub_name}.lora_A.{k}", a) for k, a in sub.lora_A.items())
-    check_regions(regions, readers)
+    check_regions(regions, readers, size=size)
 
 
 def _in_region(layer: object) -> bool:

@@ -10,12 +10,13 @@ and ``model.blocks.3.attn.q_proj``). Styles:
 ``colwise_gather`` ``nn.Linear`` -> :class:`ColumnParallelLinear` with the output all-gathered
 ``rowwise``        ``nn.Linear`` -> :class:`RowParallelLinear` (input is the column-parallel shard)
 ``vocab``          ``nn.Embedding`` -> :class:`VocabParallelEmbedding`
-``region_input``   any module (a pre-LN norm whose output only column-parallel layers read) -> its output
-                   enters a tensor-parallel region: ``copy_to`` (one gradient all-reduce for all the
+``region_input``   any module (a norm before column-parallel layers) -> its output enters a
+                   tensor-parallel region: ``copy_to`` (one gradient all-reduce for all the
                    column-parallel layers that read it); with SP the module runs on sequence shards and
-                   its output is all-gathered. Not a post-LN norm (its output is also the residual
-                   stream): the first backward refuses that, and the first forward a column-parallel
-                   layer that no region input feeds (:mod:`~.region_check`)
+                   its output is all-gathered. Where something else reads its output too (a post-LN
+                   residual stream, a value head), every backward corrects the gradient the all-reduce
+                   sums; the first forward refuses a column-parallel layer that no region input feeds
+                   (:mod:`~.region_check`)
 ``sequence_output`` any module (a final norm before a replicated head) -> runs on sequence shards, its
                    output all-gathered, the backward keeping this rank's slice (SP only: where SP ends)
 ``sequence_local``  any module (a norm on the residual stream between regions) -> runs on sequence
@@ -41,7 +42,9 @@ The Llama plan's SP starts at the first decoder layer's input, so it also fits H
 ``LlamaForCausalLM``. PEFT LoRA layers (``lora.Linear``: ``base_layer`` + ``lora_A``/``lora_B``) matched by
 a linear style are sharded inside their wrapper (:mod:`lightning_par.tensor_parallel.lora`), and so are
 PEFT's ``modules_to_save`` copies. A model without the shipped plan's LM head (a classification or
-reward head, a bare ``LlamaModel``) keeps its head replicated (:func:`fit_head`). Parameters keep their
+reward head, a bare ``LlamaModel``) keeps its head replicated (:func:`fit_head`), and a block of another
+family that a shipped plan's entries match only in part (a LLaVA's CLIP vision tower: ``q/k/v_proj``
+beside an ``out_proj``) stays replicated (:func:`whole_blocks`). Parameters keep their
 ``requires_grad``. A model is converted once (see
 :func:`~lightning_par.tensor_parallel.plan.apply_tensor_parallel`).
 """
@@ -164,6 +167,27 @@ def fit_head(
     if sp:
         fitted[head[1]] = "sequence_output"
     return fitted
+
+
+def whole_blocks(
+    hit_styles: dict[str, list[str]], plan: str | Mapping[str, str]
+) -> tuple[dict[str, list[str]], list[str]]:
+    """For a shipped plan: the matches without the blocks it would split only in part, and those blocks.
+
+    A shipped plan's column- and row-parallel entries come in pairs inside one block (an attention's
+    ``q/k/v_proj`` with its ``o_proj``, an MLP's ``gate/up_proj`` with its ``down_proj``); a block of
+    another family matched by some of them only (the CLIP or SigLIP vision tower of a LLaVA, PaliGemma or
+    Gemma 3 model: ``self_attn.{q,k,v}_proj`` beside an ``out_proj``) would leave its sharded outputs
+    unjoined, so it stays replicated, as a dict plan scoped to the language model would leave it."""
+    if not isinstance(plan, str):
+        return hit_styles, []
+    kinds: dict[str, set[str]] = {}
+    for name, styles in hit_styles.items():
+        parent = name.rpartition(".")[0]
+        kinds.setdefault(parent, set()).update(s for s in styles if s in ("colwise", "rowwise"))
+    partial = sorted(p for p, k in kinds.items() if len(k) == 1)
+    kept = {n: s for n, s in hit_styles.items() if n.rpartition(".")[0] not in partial}
+    return kept, partial
 
 
 def experts_hint(plan: str | Mapping[str, str], pattern: str, names: list[str]) -> str:

@@ -1,29 +1,35 @@
-"""A one-time check that every reader of a ``region_input``'s output needs the gradient sum it applies.
+"""Every reader of a ``region_input``'s output gets the gradient sum it needs, whoever reads it.
 
 Why
 ---
 ``region_input`` on a module (a norm) puts ``copy_to`` on its output: one all-reduce in the backward sums
 the partial input gradients of all the column-parallel layers that read it (each rank computed its own
 output columns only). That is right where those layers are the output's only readers: a pre-LN block
-(Llama's ``input_layernorm``, GPT-2's ``ln_1``). In a post-LN block, ``h = LN(h + sublayer(h))``
-(BERT, DistilBERT, BART), the norm's output is also the next residual stream, whose gradient is whole on
-every rank already: the all-reduce sums it ``t`` times, at every such norm, and the model trains wrong
-on every rank alike (a probe: DistilBERT at tp2, weights 0.70 off one process after 4 SGD steps, no
-error; the replica check sees nothing, since the ranks agree).
+(Llama's ``input_layernorm``, GPT-2's ``ln_1``). Where something else reads it too, its gradient is whole
+on every rank already, and the all-reduce summed it ``t`` times, on every rank alike (the replica check
+sees nothing): in a post-LN block, ``h = LN(h + sublayer(h))`` (BERT, DistilBERT, BART), the norm's output
+is the next residual stream (a probe: DistilBERT at tp2, weights 0.70 off one process after 4 SGD steps);
+a value head on a causal LM's final norm (TRL's ``AutoModelForCausalLMWithValueHead``, PPO), read beside
+the column-parallel ``lm_head`` of the shipped plans, doubled every gradient below that norm at tp2.
 
 How
 ---
-During the first backward that reaches a region's output, the gradient arriving there (the sum over all
-its readers) is compared with the sum of what its column-parallel readers (and PEFT LoRA ``A`` layers,
-which read it for column-parallel ``B`` layers) send back, tapped through a view of their input. A reader
-of another kind (a residual sum) makes them differ: the backward stops there, before any optimizer step,
-naming the module and the fix. Where a column-parallel reader takes the output through something else (a
-dropout), its part cannot be tapped and the check stays silent rather than guess. The hooks run eagerly
-(a ``torch.compile``'d model breaks its graph at them) and are removed once every region has been checked.
+Each backward that reaches a region's output hands a tensor hook the gradient arriving there (the sum over
+all its readers) before ``copy_to``'s all-reduce; the column-parallel readers (and PEFT LoRA ``A`` layers,
+which read it for column-parallel ``B`` layers) send theirs back through a view of their input, tapped.
+A reader that takes the output through a few one-input operations (Hugging Face's ``lm_head`` reads
+``hidden_states[:, slice]``; a dropout; a cast) is tapped at its own input and its gradient carried back
+through those operations' backward nodes. In the first backward the two are compared: equal, the region
+is left alone from then on (its hooks are removed once every region is settled); different, another
+reader contributed ``g_o = g - g_c`` (the same on every rank), and from then on every backward hands the
+all-reduce ``(g + (t - 1) g_c) / t`` instead, so that it sums to ``sum_r g_c,r + g_o``, what one process
+computes. A column-parallel layer whose input no region output reaches is refused in its first forward,
+naming the fix. The hooks run eagerly (a ``torch.compile``'d model breaks its graph at them).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -32,23 +38,32 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = ["RegionCheck", "check_regions"]
 
-RTOL = 1e-2  # relative difference above which a reader other than the column-parallel ones contributed
+# relative difference above which a reader other than the column-parallel ones contributed (the readers'
+# sum in fp32 against autograd's, in its own order and dtype: 16-bit activations round much more)
+RTOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2}
+RTOL_FP32 = 1e-4
 _UNARY_DEPTH = 4  # one-input autograd nodes allowed between a region's output and a column-parallel reader
-_MAX_FORWARDS = 8  # forwards of a region whose output no backward reaches before the check gives up
+_MAX_FORWARDS = 8  # outputs of a region held at once (forwards no backward reached: dropped, oldest first)
+
+Chain = list[tuple[Any, int]]  # backward nodes from a reader's input back to a region's output
 
 
 class RegionCheck:
-    """The check of one apply_tensor_parallel call (see the module docstring)."""
+    """The check and correction of one apply_tensor_parallel call (see the module docstring)."""
 
-    def __init__(self, regions: dict[str, nn.Module], readers: dict[str, nn.Module]) -> None:
+    def __init__(self, regions: dict[str, nn.Module], readers: dict[str, nn.Module], *, size: int) -> None:
+        self._size = size
         self._names = {id(m): n for n, m in regions.items()}
         self._reader_names = {id(m): n for n, m in readers.items()}
         self._seen: set[int] = set()  # readers whose input's origin was checked (once each)
-        self._forwards: dict[int, int] = {}  # forwards of each region before a backward reached it
-        self._pending = set(self._names)
-        self._watched: dict[int, tuple[int, Tensor]] = {}  # id(output) -> (id(region), output)
-        self._tapped: dict[int, Tensor] = {}  # id(output) -> its readers' summed gradient
-        self._untapped = False
+        self._pending = set(self._names)  # regions not compared yet
+        self._mixed: set[int] = set()  # regions read by something else too: corrected in every backward
+        # outputs in flight: key -> (region, its output's autograd node), at most _MAX_FORWARDS per region
+        self._watched: dict[int, tuple[int, Any]] = {}
+        self._keys = itertools.count()
+        self._tapped: dict[int, Tensor] = {}  # key -> its column-parallel readers' summed gradient
+        self._lost: set[int] = set()  # keys whose readers' share could not be carried back
+        self._untapped = False  # a reader read through something else after its first forward
         self._handles: list[RemovableHandle] = []
         disable = torch.compiler.disable
         for module in regions.values():
@@ -57,28 +72,29 @@ class RegionCheck:
             self._handles.append(reader.register_forward_pre_hook(disable(self._tap)))
 
     def _watch(self, module: nn.Module, _args: Any, output: Any) -> None:
-        key = id(module)
-        if key not in self._pending or not isinstance(output, Tensor) or not output.requires_grad:
+        region = id(module)
+        if region not in self._names or not isinstance(output, Tensor) or output.grad_fn is None:
             return
-        self._forwards[key] = self._forwards.get(key, 0) + 1
-        if self._forwards[key] > _MAX_FORWARDS:  # its output never gets a gradient: nothing to check
-            self.remove()
-            return
-        # every forward until the first backward reaches it (one may run with an adapter disabled, a
-        # recomputation may repeat one): each output is compared with its own readers
-        out = id(output)
-        self._watched[out] = (key, output)
-        output.register_hook(lambda grad: self._compare(key, out, grad))
+        held = [k for k, (r, _) in self._watched.items() if r == region]
+        for stale in held[: max(0, len(held) - _MAX_FORWARDS + 1)]:  # forwards no backward reached
+            self._watched.pop(stale)
+        # every forward (one may run with an adapter disabled, a recomputation may repeat one): each
+        # output is compared with, or corrected by, its own readers; a settled region's outputs are only
+        # recognised (its readers are not tapped). The node, not the output, is held: no activation.
+        key = next(self._keys)
+        self._watched[key] = (region, output.grad_fn)
+        if region in self._pending or region in self._mixed:
+            output.register_hook(lambda grad: self._on_grad(region, key, grad))
 
     def _tap(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         x = args[0] if args else None
         if id(module) not in self._reader_names or not isinstance(x, Tensor) or not x.requires_grad:
             return None  # (a deep copy of the model carries the hooks: its layers are not checked)
-        first, watched = id(module) not in self._seen, self._watched.get(id(x))
+        first = id(module) not in self._seen
         self._seen.add(id(module))
-        if watched is None or watched[1] is not x:
-            self._untapped = True  # read through something else: its share cannot be told apart
-            if first and not self._from_region(x):
+        found = self._origin(x)
+        if found is None:
+            if first:
                 name = self._reader_names[id(module)]
                 raise RuntimeError(
                     f"Tensor parallelism: the column-parallel layer {name!r} reads an"
@@ -89,55 +105,85 @@ class RegionCheck:
                     " reads region_input, or leave region_input out of the plan (each column-parallel layer"
                     " then sums its own). Checked in the first forward, before any optimizer step."
                 )
+            self._untapped = True  # read through something else: its share cannot be told apart
             return None
-        out = id(x)
+        key, chain = found
+        if not (self._watched[key][0] in self._pending or self._watched[key][0] in self._mixed):
+            return None  # a settled region's reader
         view = x.view_as(x)
-        view.register_hook(lambda grad: self._add(out, grad))
+        view.register_hook(lambda grad: self._add(key, chain, grad))
         return (view, *args[1:])
 
-    def _from_region(self, x: Tensor) -> bool:
-        """Whether ``x`` is a watched region output passed through one-input operations only (a dropout, a
-        cast, a view: a few autograd nodes with one differentiable input each)."""
-        outputs = {id(t.grad_fn) for _, t in self._watched.values() if t.grad_fn is not None}
-        node = x.grad_fn
-        for _ in range(_UNARY_DEPTH):
+    def _origin(self, x: Tensor) -> tuple[int, Chain] | None:
+        """The key of the watched region output that ``x`` is, or comes from through one-input operations
+        only (a dropout, a cast, a view: up to ``_UNARY_DEPTH`` autograd nodes with one differentiable
+        input each), with those operations' backward nodes, nearest ``x`` first."""
+        outputs = {id(node): key for key, (_, node) in self._watched.items()}
+        node, chain = x.grad_fn, []  # type: Any, Chain
+        for _ in range(_UNARY_DEPTH + 1):
             if node is None:
-                return False
+                return None
             if id(node) in outputs:
-                return True
-            inputs = [f for f, _ in node.next_functions if f is not None]
+                return outputs[id(node)], chain
+            inputs = [(f, i) for i, (f, _) in enumerate(node.next_functions) if f is not None]
             if len(inputs) != 1:
-                return False
-            node = inputs[0]
-        return False
+                return None
+            chain.append((node, inputs[0][1]))
+            node = inputs[0][0]
+        return None
 
-    def _add(self, output: int, grad: Tensor) -> None:
-        grad = grad.detach().float()
-        held = self._tapped.get(output)
-        self._tapped[output] = grad if held is None else held + grad
-
-    def _compare(self, region: int, output: int, grad: Tensor) -> None:
-        self._pending.discard(region)
-        self._watched.pop(output, None)
-        tapped = self._tapped.pop(output, None)
-        if not self._pending:
-            self.remove()
-        if self._untapped:
+    def _add(self, key: int, chain: Chain, grad: Tensor) -> None:
+        try:
+            for node, index in chain:  # back through the reader's slice / dropout / cast
+                grad = node(grad)
+                grad = grad[index] if isinstance(grad, tuple) else grad
+        except (RuntimeError, TypeError, IndexError):  # a node that is not callable alone
+            self._lost.add(key)
             return
+        grad = grad.detach().float()
+        held = self._tapped.get(key)
+        self._tapped[key] = grad if held is None else held + grad
+
+    def _on_grad(self, region: int, key: int, grad: Tensor) -> Tensor | None:
+        self._watched.pop(key, None)
+        tapped = self._tapped.pop(key, None)
+        lost = key in self._lost
+        self._lost.discard(key)
         total = grad.detach().float()
         readers = tapped if tapped is not None else torch.zeros_like(total)
-        # the verdict reaches the host once, in the first backward
-        if bool((total - readers).norm() > RTOL * total.norm()):
+        if region in self._pending:
+            self._pending.discard(region)
+            if self._untapped or lost:  # the readers' share is unknown: left as it is
+                self._settle()
+                return None
+            # the verdict reaches the host once per region, in the first backward
+            tol = RTOL.get(grad.dtype, RTOL_FP32)
+            if bool((total - readers).norm() > tol * total.norm()):
+                self._mixed.add(region)
+            self._settle()
+        if region not in self._mixed:
+            return None
+        if lost or self._untapped:
             name = self._names[region]
             raise RuntimeError(
-                f"Tensor parallelism: tp_plan marks {name!r} region_input, but its output is also read by"
-                " something other than the column-parallel layers (in a post-LN block, h = norm(h +"
-                " sublayer(h)), the next residual stream), whose gradient the region's all-reduce would sum"
-                " once per tensor-parallel rank: the model would train wrong on every rank alike. Leave"
-                f" {name!r} out of the plan's region_input entries (each column-parallel layer then sums"
-                " its own input gradient); region_input fits pre-LN norms whose output only"
-                " column-parallel layers read. Checked in the first backward, before any optimizer step."
+                f"Tensor parallelism: the output of {name!r} (region_input) is read by its column-parallel"
+                " layers and by something else, so its gradient is corrected in every backward, but this"
+                " backward's column-parallel share could not be told apart (a reader took it through an"
+                " operation of several inputs). Leave region_input out of the plan (each column-parallel"
+                " layer then sums its own input gradient), or read that output directly in the"
+                " column-parallel layers."
             )
+        # the all-reduce then sums the column-parallel shares once and the other readers' (equal) once
+        return ((total + (self._size - 1) * readers) / self._size).to(grad.dtype)
+
+    def _settle(self) -> None:
+        if not self._pending and not self._mixed:
+            self.remove()
+
+    @property
+    def corrected(self) -> list[str]:
+        """The regions whose output something other than the column-parallel layers reads too."""
+        return sorted(self._names[r] for r in self._mixed)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -146,8 +192,10 @@ class RegionCheck:
         self._watched.clear()
 
 
-def check_regions(regions: dict[str, nn.Module], readers: dict[str, nn.Module]) -> RegionCheck | None:
+def check_regions(
+    regions: dict[str, nn.Module], readers: dict[str, nn.Module], *, size: int
+) -> RegionCheck | None:
     """Start the check for ``regions`` (name -> the module marked ``region_input``) read by ``readers``
     (name -> the column-parallel layers that skip their own input copy, and LoRA ``A`` layers beside
-    them)."""
-    return RegionCheck(regions, readers) if regions else None
+    them), over a tensor-parallel group of ``size`` ranks."""
+    return RegionCheck(regions, readers, size=size) if regions else None
