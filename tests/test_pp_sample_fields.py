@@ -8,7 +8,7 @@ bare shape error)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import pytest
@@ -162,6 +162,11 @@ class Boxes(Dataset[tuple[Tensor, dict[str, Tensor]]]):
         return self.x[i], {"boxes": self.boxes[i]}
 
 
+class Target(NamedTuple):
+    boxes: Tensor
+    labels: Tensor
+
+
 def _collate(items: list[tuple[Tensor, dict[str, Tensor]]]) -> tuple[Tensor, list[dict[str, Tensor]]]:
     return torch.stack([x for x, _ in items]), [t for _, t in items]
 
@@ -228,6 +233,15 @@ def test_per_image_target_dicts_are_cut_with_their_images() -> None:
     # per-sample lists of plain values (word ids, tags) go with their rows
     tags = [["a"], ["a", "b"], ["c"], [1, 2, 3], []]
     assert [mb["tags"] for mb in split_batch({"x": images, "tags": tags}, 2)] == [tags[:3], tags[3:]]
+    # COCO's per-image lists of annotation dicts (a box's 4 coordinates in a list as long as the batch),
+    # one image without any, and named-tuple records: cut by image, their insides whole (before, the
+    # coordinates were cut and a pp2 fit ran 0.04 off one process, or failed on a shape)
+    coco = tuple([{"bbox": [1.0, 2.0, 3.0, 4.0], "id": k} for k in range(n)] for n in (1, 0, 2, 3))
+    assert [mb[1] for mb in split_batch((images[:4], coco), 2)] == [coco[:2], coco[2:]]
+    records = [Target(t["boxes"], t["boxes"][:, 0]) for t in targets]
+    cut = split_batch({"x": images, "targets": records}, 2)
+    assert [[len(t.boxes) for t in mb["targets"]] for mb in cut] == [[1, 2, 3], [4, 1]]
+    assert micro_weights(cut) == [1.2, 0.8]
     ref = _detect(1)
     results = run_distributed(_job, 2, _detect, init_group=False, timeout=300)
     for rank, got in enumerate(results):

@@ -5,11 +5,12 @@ divides by ``m``, else one sample apart (``torch.tensor_split``: the first ``N m
 A list of plain values (strings, bytes, numbers, ``None``, or lists or tuples of them) as long as the
 batch's tensors is per-sample data, as ``default_collate`` makes of a string field, and is cut by the
 same index ranges, so each micro-batch's labels or texts stay beside its rows; so is a list or tuple of
-records (mappings or dataclasses) as long as the tensors outside such lists, a detection collate's
-per-image targets (``[{"boxes": (k_i, 4), "labels": (k_i,)}, ...]``), whose inner tensors (of any number
-of rows) are then not cut. The batch itself is never taken for records (a list of loaders' batches). A
-tuple of plain values goes whole into each micro-batch (a collate's constants, such as ``(mean, std)``,
-whatever the batch size).
+records (mappings, dataclasses, named tuples, or lists of them) as long as the tensors outside such
+lists, a detection collate's per-image targets (``[{"boxes": (k_i, 4), "labels": (k_i,)}, ...]``, or
+COCO's per-image lists of annotation dicts), whose insides (tensors of any number of rows, a box's
+coordinates in a list) are then not cut. The batch itself is never taken for records (a list of
+loaders' batches). A tuple of plain values goes whole into each micro-batch (a collate's constants,
+such as ``(mean, std)``, whatever the batch size).
 :func:`micro_weights` then makes the mean of the micro-batch means the batch's mean whatever the split.
 """
 
@@ -43,16 +44,22 @@ def split_batch(batch: Any, m: int) -> list[Any]:
 
 
 def _records(value: Any, *, top: bool = False) -> bool:
-    """A non-empty list or tuple of mappings or dataclass instances (per-sample records when as long as the
-    batch); never the batch itself (``top``), which a list of loaders' batches can be."""
+    """A non-empty list or tuple of per-sample records (per-sample when as long as the batch): mappings,
+    dataclass instances, named tuples, or lists or tuples of them (a sample's annotations: COCO's
+    per-image lists of dicts, some empty); never the batch itself (``top``), which a list of loaders'
+    batches can be."""
+    if top or not isinstance(value, (list, tuple)) or _named(value) or not value:
+        return False
+    return all(
+        _record(v) or (isinstance(v, (list, tuple)) and not _named(v) and all(map(_record, v))) for v in value
+    ) and any(_record(v) or bool(v) for v in value)
+
+
+def _record(value: Any) -> bool:
     return (
-        not top
-        and isinstance(value, (list, tuple))
-        and not _named(value)
-        and bool(value)
-        and all(
-            isinstance(v, Mapping) or (dataclasses.is_dataclass(v) and not isinstance(v, type)) for v in value
-        )
+        isinstance(value, Mapping)
+        or _named(value)
+        or (dataclasses.is_dataclass(value) and not isinstance(value, type))
     )
 
 
