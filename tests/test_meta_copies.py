@@ -5,7 +5,9 @@ A DPO reference copied from the policy in ``configure_model()`` drew other initi
 ln 2, silently. Now a copy nothing was written into is drawn under its source's seed
 (:mod:`lightning_par.zero.meta_copies`): equal to it, as on a real device; a copy re-initialised after it
 was made keeps its own draw. Checked on the unsharded twin (``materialize_model``) against torch's own
-semantics, and in a 2-rank Trainer and Fabric run at ZeRO-3 against the twin.
+semantics, and in a 2-rank Trainer and Fabric run at ZeRO-3 against the twin; at ZeRO-3 with tp2 (the
+copies' layers replaced by sharded ones before the draw; before, their slices drew apart: a frozen
+copy's embedding 4.25 off its source) policy and reference start equal too.
 """
 
 from __future__ import annotations
@@ -46,6 +48,35 @@ class Pair(nn.Module):
         self.transformer = nn.Transformer(8, 2, 2, 1, 16)
 
 
+class Lm(nn.Module):
+    def __init__(self, *, tie: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)  # N(0, 1)
+        self.head = nn.Linear(32, 64, bias=False)  # uniform, std 1 / sqrt(3 * 32)
+        if tie:
+            self.head.weight = self.emb.weight
+
+
+class Ties(nn.Module):
+    """Weights tied either way (the creator's draw is due), a copy of a tied model, a copy tied after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tied = Lm(tie=True)
+        self.reverse = Lm(tie=False)
+        self.reverse.emb.weight = self.reverse.head.weight
+        self.copy = copy.deepcopy(self.tied)
+        self.untied = Lm(tie=False)
+        self.later = copy.deepcopy(self.untied)
+        self.later.head.weight = self.later.emb.weight
+
+
+def _check_ties(ties: Ties) -> None:
+    assert ties.tied.head.weight.std() > 0.5 and ties.reverse.emb.weight.std() < 0.3
+    assert ties.copy.head.weight is ties.copy.emb.weight and _equal(ties.copy, ties.tied)
+    assert torch.equal(ties.later.emb.weight, ties.untied.emb.weight) and ties.later.head.weight.std() > 0.5
+
+
 def _equal(a: nn.Module, b: nn.Module) -> bool:
     return all(
         torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
@@ -67,6 +98,13 @@ def test_a_copy_is_drawn_as_its_source_unless_written_since() -> None:
     real = Pair()  # torch on a real device, for the relations above
     assert _equal(real.ref, real.policy) and _equal(real.encoder.layers[0], real.encoder.layers[1])
     assert _equal(real.ref2, real.policy) and _equal(real.encoder_copy, real.encoder)
+    # a tied weight holds its creator's draw (before, the later module's: head.weight = emb.weight was
+    # drawn uniform, std 0.10, where torch's embedding gives N(0, 1)); copies keep the ties and values
+    with params_on_meta():
+        ties = Ties()
+    materialize_model(ties, seed=5, device=torch.device("cpu"))
+    _check_ties(ties)
+    _check_ties(Ties())  # torch's own
     layers = pair.transformer.encoder.layers  # clones re-initialised after cloning: apart, as torch's
     assert not torch.equal(layers[0].linear1.weight, layers[1].linear1.weight)
     assert not torch.equal(
@@ -113,6 +151,13 @@ class Hidden(Dpo):
             self._ref = [copy.deepcopy(self.policy).requires_grad_(False)]
 
 
+class Sliced(Dpo):
+    """Read at its end (no steps) through the consolidated state: its parameters are tp slices."""
+
+    def on_fit_start(self) -> None:
+        pass
+
+
 def _job(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     strategy = HybridParallelStrategy(zero_stage=3)
@@ -122,10 +167,17 @@ def _job(rank: int, world: int) -> dict[str, Any]:
     except ValueError as error:
         hidden = str(error)
     strategy.destroy_process_groups()
+    # with tensor parallelism the copies' layers are replaced by sharded ones before the draw
+    strategy = HybridParallelStrategy(zero_stage=3, tensor_parallel_size=2, tp_plan="llama")
+    module = Sliced()
+    cpu_trainer(strategy, max_steps=0).fit(module, DataLoader(Tokens(8), batch_size=2))
+    tp_start = final_state(module, strategy)  # (on rank 0)
+    strategy.destroy_process_groups()
     strategy = HybridParallelStrategy(zero_stage=3)
     module = Dpo()
     cpu_trainer(strategy, max_steps=0).fit(module, DataLoader(Tokens(8), batch_size=2))
     out: dict[str, Any] = {"start": module.start, "seed": strategy.engine.init_seed, "hidden": hidden}
+    out["tp_start"] = tp_start
     out["trainer"] = final_state(module, strategy)
     fabric = Fabric(accelerator="cpu", devices=world, strategy=FabricStrategy(zero_stage=3))
     fabric.launch()
@@ -142,10 +194,12 @@ def test_a_reference_copied_in_configure_model_starts_as_the_policy_at_zero3_or_
     for rank, out in enumerate(run_distributed(_job, 2, init_group=False)):
         hidden = out["hidden"]
         assert hidden is not None and "['_ref[0]']" in hidden and "meta_init=False" in hidden, hidden
-        for key, value in out["start"].items():
-            if key.startswith("ref."):
-                want = out["start"]["policy." + key.removeprefix("ref.")]
-                torch.testing.assert_close(value, want, rtol=0, atol=0, msg=key)
+        for start in ("start", "tp_start") if rank == 0 else ("start",):
+            assert len(out[start]) > 20
+            for key, value in out[start].items():
+                if key.startswith("ref."):
+                    want = out[start]["policy." + key.removeprefix("ref.")]
+                    torch.testing.assert_close(value, want, rtol=0, atol=0, msg=f"{start} {key}")
         if rank == 0:
             with params_on_meta():
                 twin = Dpo()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_par.zero.meta_copies import mark_copy
+from lightning_par.zero.meta_copies import copy_owner, mark_copy, mark_owner
 from lightning_par.zero.meta_loads import MetaLoads
 from lightning_par.zero.meta_replay import stamp_built
 from lightning_par.zero.meta_writes import WriteRecorder, inherit_writes, visible_init_functions
@@ -80,6 +80,8 @@ def params_on_meta(loads: MetaLoads | None = None) -> Iterator[None]:
                 recorder.record(torch.Tensor.copy_, (meta, param), {}, meta)
             else:  # created with values: nn.Parameter(torch.ones(d)), nn.Embedding.from_pretrained(vectors)
                 recorder.created(meta, param)
+        if param is not None:
+            mark_owner(built[-1], module)  # its creator, the first to register it (meta_copies)
 
     deepcopy = nn.Parameter.__deepcopy__
 
@@ -88,6 +90,7 @@ def params_on_meta(loads: MetaLoads | None = None) -> Iterator[None]:
         if param.is_meta:  # a module cloned after its init (nn.TransformerEncoder's layers): the same
             inherit_writes(param, copy)
             mark_copy(param, copy)  # drawn as its source (meta_copies)
+            copy_owner(param, copy, memo)
             if loads is not None:
                 loads.copied(param, copy)
         return copy

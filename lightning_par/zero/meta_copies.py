@@ -20,21 +20,34 @@ the writes it inherited) under its source's seed (:func:`seed_path`), so it gets
 values, the writes made to the source after the copy excepted, as on a real device. A copy written after
 it was made (``nn.Transformer`` re-initialises its cloned layers) keeps its own path: its values were
 meant to differ. Copies of a source outside the model (the layer ``nn.TransformerEncoder`` clones) take
-the first copy's path: equal to one another, as torch's clones are.
+the first copy's path: equal to one another, as torch's clones are. A tensor-parallel layer counts as
+the full-size layer it replaced (its kept meta source, whose parameters the copy marks are on, and as
+which its slices are drawn).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_par.tensor_parallel.layers import SOURCE_ATTR
 from lightning_par.zero.meta_writes import WRITES_ATTR
 
-__all__ = ["COPY_ATTR", "copy_seed_paths", "mark_copy", "seed_path"]
+__all__ = [
+    "COPY_ATTR",
+    "copy_owner",
+    "copy_seed_paths",
+    "creators_last",
+    "mark_copy",
+    "mark_owner",
+    "seed_path",
+]
 
 COPY_ATTR = "_lp_meta_copy_of"  # (source parameter, its record's op list when copied, that list's length)
+OWNER_ATTR = "_lp_meta_owner"  # a callable giving the module that created the parameter (None: unknown)
 
 
 def mark_copy(source: Tensor, copy: Tensor) -> None:
@@ -42,6 +55,44 @@ def mark_copy(source: Tensor, copy: Tensor) -> None:
     held = copy.__dict__.get(WRITES_ATTR)
     ops = getattr(held, "ops", None)
     copy.__dict__[COPY_ATTR] = (source, ops, len(ops) if ops is not None else 0)
+
+
+def mark_owner(param: Tensor, module: nn.Module) -> None:
+    """``module`` registers the meta ``param``: its creator, if it is the first to (a tie such as
+    ``head.weight = emb.weight`` registers it again, in another module)."""
+    if OWNER_ATTR not in param.__dict__:
+        param.__dict__[OWNER_ATTR] = weakref.ref(module)
+
+
+def copy_owner(source: Tensor, copy: Tensor, memo: dict[int, Any]) -> None:
+    """The creator of ``copy`` (a deep copy of ``source``) is the copy of ``source``'s creator made by the
+    same deep copy (looked up when asked: the creator may be copied after the parameter)."""
+    owner = _owner(source)
+    if owner is not None:
+        key = id(owner)
+        copy.__dict__[OWNER_ATTR] = lambda: memo.get(key)
+
+
+def _owner(param: Tensor) -> Any:
+    found = param.__dict__.get(OWNER_ATTR)
+    return found() if found is not None else None
+
+
+def creators_last(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """``modules`` (to initialise, each under its own seed, so their order changes no value) with those
+    holding a parameter another module created first: the creator's initialiser, run after, leaves a tied
+    parameter its values, as on a real device, where the tie hands the creator's parameter to the other
+    module (before, the later module in the model's order won: ``head.weight = emb.weight`` got the
+    head's uniform draw where the embedding's normal one was due)."""
+
+    def foreign(module: nn.Module) -> bool:
+        return any(
+            (owner := _owner(p)) is not None and owner is not module
+            for p in module._parameters.values()
+            if p is not None
+        )
+
+    return sorted(modules, key=lambda item: not foreign(item[1]))
 
 
 def _unwritten_source(param: Tensor) -> Tensor | None:
@@ -58,12 +109,16 @@ def _unwritten_source(param: Tensor) -> Tensor | None:
 
 def copy_seed_paths(root: nn.Module) -> dict[str, str]:
     """Module path -> the path of the module it is an unwritten deep copy of (module docstring)."""
-    named = list(root.named_parameters(remove_duplicate=False))
+    named = _drawn(root)
     if not any(COPY_ATTR in p.__dict__ for _, p in named):
         return {}
     names: dict[int, set[str]] = {}
+    under: dict[str, list[tuple[str, Tensor]]] = {}  # module path -> its parameters by relative name
     for name, p in named:
         names.setdefault(id(p), set()).add(name)
+        parts = name.split(".")
+        for k in range(1, len(parts)):
+            under.setdefault(".".join(parts[:k]), []).append((".".join(parts[k:]), p))
     # each parameter's source in the model, once; a source outside it (the layer nn.TransformerEncoder
     # clones) stands for its first copy, which the later ones follow
     resolved: dict[int, Tensor | None] = {}
@@ -75,11 +130,9 @@ def copy_seed_paths(root: nn.Module) -> dict[str, str]:
             source = held if held is not p else None
         resolved[id(p)] = source
     out: dict[str, str] = {}
-    for path, module in root.named_modules():
-        if not path:
-            continue
+    for path, params in under.items():
         candidates: set[str] | None = None
-        for rel, p in module.named_parameters(remove_duplicate=False):
+        for rel, p in params:
             source = resolved[id(p)]
             found = {n[: -len(rel) - 1] for n in names.get(id(source), ()) if n.endswith("." + rel)}
             candidates = found if candidates is None else candidates & found
@@ -89,6 +142,18 @@ def copy_seed_paths(root: nn.Module) -> dict[str, str]:
             (origin,) = candidates
             if origin != path and not origin.startswith(path + ".") and not path.startswith(origin + "."):
                 out[path] = origin
+    return out
+
+
+def _drawn(root: nn.Module) -> list[tuple[str, Tensor]]:
+    """``root``'s parameters by name, a tensor-parallel layer's as those of the full-size layer it replaced
+    (its source, kept on the meta device): the copies were made of those, before the conversion, and the
+    layer's slices are drawn as them."""
+    out: list[tuple[str, Tensor]] = []
+    for path, module in root.named_modules(remove_duplicate=False):
+        source = module.__dict__.get(SOURCE_ATTR)
+        owner = source if isinstance(source, nn.Module) else module
+        out.extend((f"{path}.{rel}" if path else rel, p) for rel, p in owner.named_parameters(recurse=False))
     return out
 
 

@@ -31,7 +31,7 @@ from lightning_par.tensor_parallel.family import HEAD_TABLE_ATTR
 from lightning_par.tensor_parallel.layers import TP_DIM_ATTR
 from lightning_par.zero.hf_init import hf_initialisers, others_on_meta, replay
 from lightning_par.zero.init_seeds import module_seed, own_rng
-from lightning_par.zero.meta_copies import copy_seed_paths, seed_path
+from lightning_par.zero.meta_copies import copy_seed_paths, creators_last, seed_path
 from lightning_par.zero.meta_replay import (
     forget_writes,
     pending_writes,
@@ -201,7 +201,7 @@ def _materialize(
     todo = set(ordered)
     hf_calls = hf_initialisers(root, todo)
     by_model = {id(m) for _, m, _ in hf_calls}
-    to_init = [(module_name, m) for module_name, m, held in owners if held - loaded.keys()]
+    to_init = creators_last([(module_name, m) for module_name, m, held in owners if held - loaded.keys()])
     # what the model's construction wrote into them beyond the initialisers run below (meta_writes)
     pending = pending_writes([(label[pid], p) for pid, p in wanted.items()], loaded=set(loaded))
     written = {id(p) for _, p, _ in pending}
