@@ -50,7 +50,9 @@ _FIX = (
     " trainer.strategy.distributed_sampler_kwargs ({'num_replicas': dp size, 'rank': dp rank}) instead of"
     " trainer.global_rank / world_size (e.g. split_dataset_by_node(ds, rank=..., world_size=...) with"
     " those), and random augmentation in loader workers must not be seeded by the global rank"
-    " (seed_everything(workers=True) seeds them so)."
+    " (seed_everything(workers=True) seeds them so), nor noise drawn in a Lightning hook"
+    " (on_after_batch_transfer) after a seed of the global rank (torch.manual_seed(seed + global_rank)):"
+    " seed by the data-parallel rank there."
 )
 
 
@@ -58,9 +60,10 @@ def batch_fingerprint(batch: Any, *, device: torch.device) -> Tensor:
     """Six float64 numbers that differ, but for a negligible chance, between batches with other tensors:
     the number of tensors, their elements, and sums over tensor ``i`` (weighted by ``i + 1``) of its
     number of dimensions, its sum, and its sum weighted by position (``1`` to ``2`` along the flattened
-    tensor, so a permutation shows). Non-tensor leaves are left out. Computed where the tensors are,
-    returned on ``device``."""
-    leaves = [t for t in tensors_in(batch) if not t.is_meta]  # BatchEncoding, dataclasses included
+    tensor, so a permutation shows). Non-tensor leaves are left out; a sparse tensor counts as its
+    indices and values, a nested tensor as its components (before, their reshape failed in torch).
+    Computed where the tensors are, returned on ``device``."""
+    leaves = [p for t in tensors_in(batch) if not t.is_meta for p in _dense_parts(t)]  # BatchEncoding etc.
     out = torch.zeros(6, dtype=torch.float64, device=device)
     for i, tensor in enumerate(leaves):
         flat = tensor.detach().reshape(-1)
@@ -81,6 +84,21 @@ def batch_fingerprint(batch: Any, *, device: torch.device) -> Tensor:
         )
         out += row.to(device)
     return out
+
+
+def _dense_parts(tensor: Tensor) -> list[Tensor]:
+    """The strided tensors holding ``tensor``'s values: itself, a sparse tensor's indices and values, or a
+    nested tensor's components."""
+    if tensor.is_nested:
+        return list(tensor.unbind())
+    if tensor.layout == torch.sparse_coo:
+        coalesced = tensor.coalesce()
+        return [coalesced.indices(), coalesced.values()]
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    if tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    return [tensor]
 
 
 class BatchAgreement:

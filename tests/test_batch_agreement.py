@@ -265,3 +265,15 @@ def test_batch_fingerprint_tells_batches_apart() -> None:
     assert not torch.equal(
         batch_fingerprint(Pair(x[:4], y[:4]), device=cpu), batch_fingerprint(Pair(x[4:8], y[:4]), device=cpu)
     )
+    # sparse and nested tensors count by their indices and values / components (before, the fingerprint's
+    # reshape failed in torch: "reshape is not implemented for sparse tensors", at tp's first batch)
+    dense, bumped = x[:4], x[:4].clone()
+    bumped[0, 0] += 1
+    for layout in (Tensor.to_sparse, Tensor.to_sparse_csr, _nested):
+        same = batch_fingerprint({"x": layout(dense.clone())}, device=cpu)
+        torch.testing.assert_close(batch_fingerprint({"x": layout(dense)}, device=cpu), same, rtol=0, atol=0)
+        assert not torch.equal(batch_fingerprint({"x": layout(bumped)}, device=cpu), same), layout
+
+
+def _nested(x: Tensor) -> Tensor:
+    return torch.nested.nested_tensor([row[: 2 + i] for i, row in enumerate(x)], layout=torch.jagged)
