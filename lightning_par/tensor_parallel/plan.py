@@ -186,8 +186,8 @@ def apply_tensor_parallel(
 
 
 def _check_regions(module: nn.Module, applied: Mapping[str, str], *, size: int) -> None:
-    """The first backward's check that only column-parallel layers read each region input's output
-    (:mod:`~lightning_par.tensor_parallel.region_check`)."""
+    """The check that every column-parallel layer reads a region input, and the gradient correction of a
+    region input whose output other modules read too (:mod:`~lightning_par.tensor_parallel.region_check`)."""
     regions = {n: module.get_submodule(n) for n, s in applied.items() if "region_input" in s.split("+")}
     readers: dict[str, nn.Module] = {}
     for name, style in applied.items():

@@ -30,6 +30,7 @@ naming the fix. The hooks run eagerly (a ``torch.compile``'d model breaks its gr
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from typing import Any
 
 import torch
@@ -58,8 +59,12 @@ class RegionCheck:
         self._seen: set[int] = set()  # readers whose input's origin was checked (once each)
         self._pending = set(self._names)  # regions not compared yet
         self._mixed: set[int] = set()  # regions read by something else too: corrected in every backward
-        # outputs in flight: key -> (region, its output's autograd node), at most _MAX_FORWARDS per region
+        # outputs in flight: key -> (region, its output's autograd node), the keys by node and by region
+        # (at most _MAX_FORWARDS of a live region, the latest of a settled one)
         self._watched: dict[int, tuple[int, Any]] = {}
+        self._by_node: dict[int, int] = {}
+        self._by_region: dict[int, deque[int]] = {}
+        self._reads: dict[int, int] = {}  # reader -> the region whose output it read last
         self._keys = itertools.count()
         self._tapped: dict[int, Tensor] = {}  # key -> its column-parallel readers' summed gradient
         self._lost: set[int] = set()  # keys whose readers' share could not be carried back
@@ -75,16 +80,27 @@ class RegionCheck:
         region = id(module)
         if region not in self._names or not isinstance(output, Tensor) or output.grad_fn is None:
             return
-        held = [k for k, (r, _) in self._watched.items() if r == region]
-        for stale in held[: max(0, len(held) - _MAX_FORWARDS + 1)]:  # forwards no backward reached
-            self._watched.pop(stale)
+        live = self._live(region)
+        held = self._by_region.setdefault(region, deque())
+        while len(held) >= (_MAX_FORWARDS if live else 1):  # forwards no backward reached
+            self._drop(held.popleft())
         # every forward (one may run with an adapter disabled, a recomputation may repeat one): each
-        # output is compared with, or corrected by, its own readers; a settled region's outputs are only
-        # recognised (its readers are not tapped). The node, not the output, is held: no activation.
+        # output is compared with, or corrected by, its own readers; a settled region's latest output is
+        # only recognised (its readers are not tapped). The node, not the output, is held: no activation.
         key = next(self._keys)
         self._watched[key] = (region, output.grad_fn)
-        if region in self._pending or region in self._mixed:
+        self._by_node[id(output.grad_fn)] = key
+        held.append(key)
+        if live:
             output.register_hook(lambda grad: self._on_grad(region, key, grad))
+
+    def _live(self, region: int) -> bool:
+        return region in self._pending or region in self._mixed
+
+    def _drop(self, key: int) -> None:
+        held = self._watched.pop(key, None)
+        if held is not None and self._by_node.get(id(held[1])) == key:
+            del self._by_node[id(held[1])]
 
     def _tap(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         x = args[0] if args else None
@@ -92,6 +108,9 @@ class RegionCheck:
             return None  # (a deep copy of the model carries the hooks: its layers are not checked)
         first = id(module) not in self._seen
         self._seen.add(id(module))
+        read = self._reads.get(id(module))
+        if read is not None and not self._live(read):
+            return None  # a settled region's reader
         found = self._origin(x)
         if found is None:
             if first:
@@ -108,7 +127,9 @@ class RegionCheck:
             self._untapped = True  # read through something else: its share cannot be told apart
             return None
         key, chain = found
-        if not (self._watched[key][0] in self._pending or self._watched[key][0] in self._mixed):
+        region = self._watched[key][0]
+        self._reads[id(module)] = region
+        if not self._live(region):
             return None  # a settled region's reader
         view = x.view_as(x)
         view.register_hook(lambda grad: self._add(key, chain, grad))
@@ -118,13 +139,13 @@ class RegionCheck:
         """The key of the watched region output that ``x`` is, or comes from through one-input operations
         only (a dropout, a cast, a view: up to ``_UNARY_DEPTH`` autograd nodes with one differentiable
         input each), with those operations' backward nodes, nearest ``x`` first."""
-        outputs = {id(node): key for key, (_, node) in self._watched.items()}
         node, chain = x.grad_fn, []  # type: Any, Chain
         for _ in range(_UNARY_DEPTH + 1):
             if node is None:
                 return None
-            if id(node) in outputs:
-                return outputs[id(node)], chain
+            key = self._by_node.get(id(node))
+            if key is not None and self._watched[key][1] is node:
+                return key, chain
             inputs = [(f, i) for i, (f, _) in enumerate(node.next_functions) if f is not None]
             if len(inputs) != 1:
                 return None
@@ -145,7 +166,7 @@ class RegionCheck:
         self._tapped[key] = grad if held is None else held + grad
 
     def _on_grad(self, region: int, key: int, grad: Tensor) -> Tensor | None:
-        self._watched.pop(key, None)
+        self._drop(key)
         tapped = self._tapped.pop(key, None)
         lost = key in self._lost
         self._lost.discard(key)
@@ -180,16 +201,13 @@ class RegionCheck:
         if not self._pending and not self._mixed:
             self.remove()
 
-    @property
-    def corrected(self) -> list[str]:
-        """The regions whose output something other than the column-parallel layers reads too."""
-        return sorted(self._names[r] for r in self._mixed)
-
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._watched.clear()
+        self._by_node.clear()
+        self._by_region.clear()
 
 
 def check_regions(
