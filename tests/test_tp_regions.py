@@ -3,16 +3,18 @@ model (DistilBERT, ``h = LN(h + sublayer(h))``) whose norms a user's dict plan m
 a value head (TRL's ``AutoModelForCausalLMWithValueHead``, PPO) on the final norm of a Llama under the
 shipped ``"llama"`` plan, whose ``lm_head`` reads that norm through a slice.
 
-The norm's output is then also read whole on every rank (the next residual stream, the value head), so
-the region's all-reduce summed that reader's gradient once per tensor-parallel rank: before, the model
-trained wrong on every rank alike, without a word (DistilBERT 0.70 off one process after 4 SGD steps;
-the PPO policy's backbone gradients 1.6-2x one process's; also with sequence parallelism, where the
-norm's all-gathered output is reduce-scattered, and nothing was checked). The first refusal of the
-post-LN case did not see the value head: the ``lm_head``'s read through a slice could not be tapped,
-which silenced the check for every region. Now every backward hands such a region's all-reduce the
-corrected gradient, and both equal the unsharded model. A plan whose region inputs leave a
+The norm's output is then also read whole on every rank (the next residual stream, the value head), so the
+region's all-reduce summed that reader's gradient once per tensor-parallel rank: before, the model trained
+wrong on every rank alike, without a word (DistilBERT 0.70 off one process after 4 SGD steps; the PPO
+policy's backbone gradients 1.6-2x one process's; also with sequence parallelism, where the norm's
+all-gathered output is reduce-scattered, and nothing was checked). The first refusal of the post-LN case
+did not see the value head: the ``lm_head``'s read through a slice could not be tapped, which silenced the
+check for every region. Now every backward hands such a region's all-reduce the corrected gradient, and
+both equal the unsharded model; also where the head's share changes from step to step (zero-initialised:
+none in the first) and a second forward without the head runs before the backward (PPO-ptx), which a first
+version deciding once per region from the first backward got wrong. A plan whose region inputs leave a
 column-parallel layer's input uncovered (the first layer's q/k/v read the embeddings' norm, not marked)
-left that layer's input gradient unsummed, silently: refused in the first forward, naming the layer.
+left that layer's input gradient unsummed, silently: refused in its forward, naming the layer.
 """
 
 from __future__ import annotations
@@ -68,6 +70,21 @@ class ValueHeadLM(nn.Module):
         return loss + (values - 1.0).pow(2).mean()  # type: ignore[no-any-return]
 
 
+class ZeroHeadPtx(ValueHeadLM):
+    """The value head zero-initialised (its gradient into the norm is 0 in the first step, not after), and
+    a second forward of the LM alone before the backward (PPO-ptx): the region's outputs of one backward
+    differ in their readers, and its readers' shares change from step to step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn.init.zeros_(self.v_head.weight)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        rl = super().forward(ids)
+        ptx = self.lm(input_ids=ids.flip(0), labels=ids.flip(0)).loss
+        return rl + 0.5 * ptx  # type: ignore[no-any-return]
+
+
 def _loss(model: nn.Module, ids: Tensor) -> Tensor:
     if isinstance(model, ValueHeadLM):
         return model(ids)  # type: ignore[no-any-return]
@@ -97,6 +114,7 @@ def _job(rank: int, world: int) -> dict[str, Any]:
         ("post_ln", distilbert, POST_LN_REGIONS, False),  # the residual stream reads every norm too
         ("value_head", value_head, "llama", False),  # the value head reads the final norm too
         ("value_head_sp", value_head, "llama", True),  # there the norm's output is all-gathered
+        ("zero_head_ptx", ZeroHeadPtx(), "llama", False),
         ("llama", llama(), "llama", False),  # only column-parallel layers read its regions
     )
     for name, ref, plan, sp in runs:
@@ -122,7 +140,7 @@ def _trained_state(model: nn.Module, ids: Tensor) -> dict[str, Tensor]:
 
 def test_region_input_read_by_other_modules_too_equals_the_unsharded_model() -> None:
     for r in run_distributed(_job, 2):
-        for name in ("plain", "post_ln", "value_head", "value_head_sp", "llama"):
+        for name in ("plain", "post_ln", "value_head", "value_head_sp", "zero_head_ptx", "llama"):
             want, got = r[name]
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), msg=name)
             full, ref = r[f"{name}_state"]

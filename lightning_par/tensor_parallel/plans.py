@@ -13,10 +13,10 @@ and ``model.blocks.3.attn.q_proj``). Styles:
 ``region_input``   any module (a norm before column-parallel layers) -> its output enters a
                    tensor-parallel region: ``copy_to`` (one gradient all-reduce for all the
                    column-parallel layers that read it); with SP the module runs on sequence shards and
-                   its output is all-gathered. Where something else reads its output too (a post-LN
-                   residual stream, a value head), every backward corrects the gradient the all-reduce
-                   sums; the first forward refuses a column-parallel layer that no region input feeds
-                   (:mod:`~.region_check`)
+                   its output is all-gathered. Every backward corrects the gradient the all-reduce sums
+                   for readers other than the column-parallel layers (a post-LN residual stream, a
+                   value head); a column-parallel layer that no region input feeds is refused in its
+                   forward (:mod:`~.region_check`)
 ``sequence_output`` any module (a final norm before a replicated head) -> runs on sequence shards, its
                    output all-gathered, the backward keeping this rank's slice (SP only: where SP ends)
 ``sequence_local``  any module (a norm on the residual stream between regions) -> runs on sequence
@@ -44,7 +44,8 @@ a linear style are sharded inside their wrapper (:mod:`lightning_par.tensor_para
 PEFT's ``modules_to_save`` copies. A model without the shipped plan's LM head (a classification or
 reward head, a bare ``LlamaModel``) keeps its head replicated (:func:`fit_head`), and a block of another
 family that a shipped plan's entries match only in part (a LLaVA's CLIP vision tower: ``q/k/v_proj``
-beside an ``out_proj``) stays replicated (:func:`whole_blocks`). Parameters keep their
+beside an ``out_proj``), or beside no norm the plan makes its region input (Qwen2.5-VL's vision MLP),
+stays replicated (:func:`whole_blocks`). Parameters keep their
 ``requires_grad``. A model is converted once (see
 :func:`~lightning_par.tensor_parallel.plan.apply_tensor_parallel`).
 """
@@ -178,14 +179,19 @@ def whole_blocks(
     ``q/k/v_proj`` with its ``o_proj``, an MLP's ``gate/up_proj`` with its ``down_proj``); a block of
     another family matched by some of them only (the CLIP or SigLIP vision tower of a LLaVA, PaliGemma or
     Gemma 3 model: ``self_attn.{q,k,v}_proj`` beside an ``out_proj``) would leave its sharded outputs
-    unjoined, so it stays replicated, as a dict plan scoped to the language model would leave it."""
+    unjoined, so it stays replicated, as a dict plan scoped to the language model would leave it; and so
+    does a block matched in full beside no norm the plan makes its region input (Qwen2.5-VL's vision
+    MLP, ``gate/up/down_proj`` beside ``norm2``), whose column-parallel layers would read no region."""
     if not isinstance(plan, str):
         return hit_styles, []
     kinds: dict[str, set[str]] = {}
+    regions = {n.rpartition(".")[0] for n, styles in hit_styles.items() if "region_input" in styles}
     for name, styles in hit_styles.items():
         parent = name.rpartition(".")[0]
         kinds.setdefault(parent, set()).update(s for s in styles if s in ("colwise", "rowwise"))
-    partial = sorted(p for p, k in kinds.items() if len(k) == 1)
+    partial = sorted(
+        p for p, k in kinds.items() if len(k) == 1 or (k and regions and p.rpartition(".")[0] not in regions)
+    )
     kept = {n: s for n, s in hit_styles.items() if n.rpartition(".")[0] not in partial}
     return kept, partial
 

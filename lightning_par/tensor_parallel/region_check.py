@@ -11,20 +11,25 @@ sees nothing): in a post-LN block, ``h = LN(h + sublayer(h))`` (BERT, DistilBERT
 is the next residual stream (a probe: DistilBERT at tp2, weights 0.70 off one process after 4 SGD steps);
 a value head on a causal LM's final norm (TRL's ``AutoModelForCausalLMWithValueHead``, PPO), read beside
 the column-parallel ``lm_head`` of the shipped plans, doubled every gradient below that norm at tp2.
+Whether another reader contributes can change from step to step (a zero-initialised value head, an
+auxiliary loss warmed up from 0, alternating tasks, a second forward without the head before one
+backward), so nothing is decided once: every backward corrects every region output.
 
 How
 ---
-Each backward that reaches a region's output hands a tensor hook the gradient arriving there (the sum over
-all its readers) before ``copy_to``'s all-reduce; the column-parallel readers (and PEFT LoRA ``A`` layers,
-which read it for column-parallel ``B`` layers) send theirs back through a view of their input, tapped.
-A reader that takes the output through a few one-input operations (Hugging Face's ``lm_head`` reads
-``hidden_states[:, slice]``; a dropout; a cast) is tapped at its own input and its gradient carried back
-through those operations' backward nodes. In the first backward the two are compared: equal, the region
-is left alone from then on (its hooks are removed once every region is settled); different, another
-reader contributed ``g_o = g - g_c`` (the same on every rank), and from then on every backward hands the
-all-reduce ``(g + (t - 1) g_c) / t`` instead, so that it sums to ``sum_r g_c,r + g_o``, what one process
-computes. A column-parallel layer whose input no region output reaches is refused in its first forward,
-naming the fix. The hooks run eagerly (a ``torch.compile``'d model breaks its graph at them).
+Each backward that reaches a region's output hands a tensor hook the gradient arriving there, ``g``
+(the sum over all its readers), before ``copy_to``'s all-reduce; the column-parallel readers (and PEFT
+LoRA ``A`` layers, which read it for column-parallel ``B`` layers) send theirs, ``g_c``, back through a
+view of their input, tapped. A reader that takes the output through a few one-input operations (Hugging
+Face's ``lm_head`` reads ``hidden_states[:, slice]``; a dropout; a cast) is tapped at its own input and
+its gradient carried back through those operations' backward nodes. The hook hands the all-reduce
+``(g + (t - 1) g_c) / t``: with ``g = g_c + g_o`` (``g_o``, the other readers' share, the same on every
+rank) it sums to ``sum_r g_c,r + g_o``, what one process computes; with no other reader it is ``g``.
+Its cost: one pass over each region output's gradient per backward and one per column-parallel reader,
+in the gradient's dtype, no communication, no host read. A column-parallel layer whose input no region
+output reaches (directly or through such operations) would never have its input gradient summed: it is
+refused in that forward, before its backward, naming the fix. The hooks run eagerly (a
+``torch.compile``'d model breaks its graph at them).
 """
 
 from __future__ import annotations
@@ -39,10 +44,6 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = ["RegionCheck", "check_regions"]
 
-# relative difference above which a reader other than the column-parallel ones contributed (the readers'
-# sum in fp32 against autograd's, in its own order and dtype: 16-bit activations round much more)
-RTOL = {torch.float16: 1e-2, torch.bfloat16: 1e-2}
-RTOL_FP32 = 1e-4
 _UNARY_DEPTH = 4  # one-input autograd nodes allowed between a region's output and a column-parallel reader
 _MAX_FORWARDS = 8  # outputs of a region held at once (forwards no backward reached: dropped, oldest first)
 
@@ -50,25 +51,20 @@ Chain = list[tuple[Any, int]]  # backward nodes from a reader's input back to a 
 
 
 class RegionCheck:
-    """The check and correction of one apply_tensor_parallel call (see the module docstring)."""
+    """The correction of one apply_tensor_parallel call's regions (see the module docstring)."""
 
     def __init__(self, regions: dict[str, nn.Module], readers: dict[str, nn.Module], *, size: int) -> None:
         self._size = size
         self._names = {id(m): n for n, m in regions.items()}
         self._reader_names = {id(m): n for n, m in readers.items()}
-        self._seen: set[int] = set()  # readers whose input's origin was checked (once each)
-        self._pending = set(self._names)  # regions not compared yet
-        self._mixed: set[int] = set()  # regions read by something else too: corrected in every backward
         # outputs in flight: key -> (region, its output's autograd node), the keys by node and by region
-        # (at most _MAX_FORWARDS of a live region, the latest of a settled one)
+        # (at most _MAX_FORWARDS of a region: forwards no backward reached are dropped, oldest first)
         self._watched: dict[int, tuple[int, Any]] = {}
         self._by_node: dict[int, int] = {}
         self._by_region: dict[int, deque[int]] = {}
-        self._reads: dict[int, int] = {}  # reader -> the region whose output it read last
         self._keys = itertools.count()
         self._tapped: dict[int, Tensor] = {}  # key -> its column-parallel readers' summed gradient
         self._lost: set[int] = set()  # keys whose readers' share could not be carried back
-        self._untapped = False  # a reader read through something else after its first forward
         self._handles: list[RemovableHandle] = []
         disable = torch.compiler.disable
         for module in regions.values():
@@ -80,22 +76,17 @@ class RegionCheck:
         region = id(module)
         if region not in self._names or not isinstance(output, Tensor) or output.grad_fn is None:
             return
-        live = self._live(region)
         held = self._by_region.setdefault(region, deque())
-        while len(held) >= (_MAX_FORWARDS if live else 1):  # forwards no backward reached
+        while len(held) >= _MAX_FORWARDS:  # forwards no backward reached
             self._drop(held.popleft())
-        # every forward (one may run with an adapter disabled, a recomputation may repeat one): each
-        # output is compared with, or corrected by, its own readers; a settled region's latest output is
-        # only recognised (its readers are not tapped). The node, not the output, is held: no activation.
+        # every forward (one may run with an adapter disabled, a recomputation may repeat one, two may
+        # run before one backward): each output is corrected by its own readers. The node, not the
+        # output, is held: no activation.
         key = next(self._keys)
         self._watched[key] = (region, output.grad_fn)
         self._by_node[id(output.grad_fn)] = key
         held.append(key)
-        if live:
-            output.register_hook(lambda grad: self._on_grad(region, key, grad))
-
-    def _live(self, region: int) -> bool:
-        return region in self._pending or region in self._mixed
+        output.register_hook(lambda grad: self._on_grad(key, grad))
 
     def _drop(self, key: int) -> None:
         held = self._watched.pop(key, None)
@@ -106,31 +97,20 @@ class RegionCheck:
         x = args[0] if args else None
         if id(module) not in self._reader_names or not isinstance(x, Tensor) or not x.requires_grad:
             return None  # (a deep copy of the model carries the hooks: its layers are not checked)
-        first = id(module) not in self._seen
-        self._seen.add(id(module))
-        read = self._reads.get(id(module))
-        if read is not None and not self._live(read):
-            return None  # a settled region's reader
         found = self._origin(x)
         if found is None:
-            if first:
-                name = self._reader_names[id(module)]
-                raise RuntimeError(
-                    f"Tensor parallelism: the column-parallel layer {name!r} reads an"
-                    " input that no region_input module's output reaches (directly or through a dropout, cast"
-                    " or view): the plan has region_input entries, so column-parallel layers leave the sum of"
-                    " their input gradients over the tensor-parallel group to those regions, and this one's"
-                    " would never be summed (the model would train wrong). Mark the module whose output it"
-                    " reads region_input, or leave region_input out of the plan (each column-parallel layer"
-                    " then sums its own). Checked in the first forward, before any optimizer step."
-                )
-            self._untapped = True  # read through something else: its share cannot be told apart
-            return None
+            name = self._reader_names[id(module)]
+            raise RuntimeError(
+                f"Tensor parallelism: the column-parallel layer {name!r} reads an input that no"
+                " region_input module's output reaches directly or through a dropout, cast or view (not"
+                " through an operation of several inputs, or inside a torch.compile'd graph): the plan has"
+                " region_input entries, so column-parallel layers leave the sum of their input gradients"
+                " over the tensor-parallel group to those regions, and this one's would never be summed"
+                " (the model would train wrong). Mark the module whose output it reads region_input, read"
+                " that output directly, or leave region_input out of the plan (each column-parallel layer"
+                " then sums its own). Checked in every forward, before its backward."
+            )
         key, chain = found
-        region = self._watched[key][0]
-        self._reads[id(module)] = region
-        if not self._live(region):
-            return None  # a settled region's reader
         view = x.view_as(x)
         view.register_hook(lambda grad: self._add(key, chain, grad))
         return (view, *args[1:])
@@ -161,45 +141,29 @@ class RegionCheck:
         except (RuntimeError, TypeError, IndexError):  # a node that is not callable alone
             self._lost.add(key)
             return
-        grad = grad.detach().float()
+        if not torch.is_grad_enabled():  # (a backward with create_graph keeps the taps differentiable)
+            grad = grad.detach()
         held = self._tapped.get(key)
         self._tapped[key] = grad if held is None else held + grad
 
-    def _on_grad(self, region: int, key: int, grad: Tensor) -> Tensor | None:
+    def _on_grad(self, key: int, grad: Tensor) -> Tensor:
+        region = self._watched[key][0] if key in self._watched else None
         self._drop(key)
-        tapped = self._tapped.pop(key, None)
-        lost = key in self._lost
-        self._lost.discard(key)
-        total = grad.detach().float()
-        readers = tapped if tapped is not None else torch.zeros_like(total)
-        if region in self._pending:
-            self._pending.discard(region)
-            if self._untapped or lost:  # the readers' share is unknown: left as it is
-                self._settle()
-                return None
-            # the verdict reaches the host once per region, in the first backward
-            tol = RTOL.get(grad.dtype, RTOL_FP32)
-            if bool((total - readers).norm() > tol * total.norm()):
-                self._mixed.add(region)
-            self._settle()
-        if region not in self._mixed:
-            return None
-        if lost or self._untapped:
-            name = self._names[region]
+        readers = self._tapped.pop(key, None)
+        if key in self._lost:
+            self._lost.discard(key)
+            name = self._names.get(region, "a region_input module") if region is not None else "a region"
             raise RuntimeError(
-                f"Tensor parallelism: the output of {name!r} (region_input) is read by its column-parallel"
-                " layers and by something else, so its gradient is corrected in every backward, but this"
-                " backward's column-parallel share could not be told apart (a reader took it through an"
-                " operation of several inputs). Leave region_input out of the plan (each column-parallel"
-                " layer then sums its own input gradient), or read that output directly in the"
-                " column-parallel layers."
+                f"Tensor parallelism: the gradient a column-parallel layer sends back to the output of"
+                f" {name!r} (region_input) could not be carried back through the operations between them,"
+                " so the gradient its all-reduce sums cannot be corrected for the output's other readers."
+                " Read that output directly in the column-parallel layers, or leave region_input out of the"
+                " plan (each column-parallel layer then sums its own input gradient)."
             )
+        if readers is None:  # no column-parallel layer read it: all of it is the other readers' (equal)
+            return grad / self._size
         # the all-reduce then sums the column-parallel shares once and the other readers' (equal) once
-        return ((total + (self._size - 1) * readers) / self._size).to(grad.dtype)
-
-    def _settle(self) -> None:
-        if not self._pending and not self._mixed:
-            self.remove()
+        return (grad + (self._size - 1) * readers.to(grad.dtype)) / self._size
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -213,7 +177,7 @@ class RegionCheck:
 def check_regions(
     regions: dict[str, nn.Module], readers: dict[str, nn.Module], *, size: int
 ) -> RegionCheck | None:
-    """Start the check for ``regions`` (name -> the module marked ``region_input``) read by ``readers``
+    """Start the correction of ``regions`` (name -> the module marked ``region_input``) read by ``readers``
     (name -> the column-parallel layers that skip their own input copy, and LoRA ``A`` layers beside
     them), over a tensor-parallel group of ``size`` ranks."""
     return RegionCheck(regions, readers, size=size) if regions else None
