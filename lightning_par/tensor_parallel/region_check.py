@@ -17,24 +17,26 @@ backward), so nothing is decided once: every backward corrects every region outp
 
 How
 ---
-Each backward that reaches a region's output hands a tensor hook the gradient arriving there, ``g``
-(the sum over all its readers), before ``copy_to``'s all-reduce; the column-parallel readers (and PEFT
-LoRA ``A`` layers, which read it for column-parallel ``B`` layers) send theirs, ``g_c``, back through a
-view of their input, tapped. A reader that takes the output through a few one-input operations (Hugging
-Face's ``lm_head`` reads ``hidden_states[:, slice]``; a dropout; a cast) is tapped at its own input and
-its gradient carried back through those operations' backward nodes. The hook hands the all-reduce
+Each backward that reaches a region's output hands a tensor hook the gradient arriving there, ``g`` (the
+sum over all its readers), before ``copy_to``'s all-reduce; the column-parallel readers (and PEFT LoRA
+``A`` layers, which read it for column-parallel ``B`` layers) send theirs, ``g_c``, back through a view of
+their input, tapped. A reader that takes the output through a few one-input operations (Hugging Face's
+``lm_head`` reads ``hidden_states[:, slice]``; a dropout; a cast) is tapped at its own input and its
+gradient carried back through those operations' backward nodes. The hook hands the all-reduce
 ``(g + (t - 1) g_c) / t``: with ``g = g_c + g_o`` (``g_o``, the other readers' share, the same on every
 rank) it sums to ``sum_r g_c,r + g_o``, what one process computes; with no other reader it is ``g``.
-Its cost: one pass over each region output's gradient per backward and one per column-parallel reader,
-in the gradient's dtype, no communication, no host read. A column-parallel layer whose input no region
-output reaches (directly or through such operations) would never have its input gradient summed: it is
-refused in that forward, before its backward, naming the fix. The hooks run eagerly (a
+The direct readers of one output share one view, so autograd sums their gradients as it would anyway;
+the cost is one pass over each region output's gradient per backward (and one per reader through such
+operations), in the gradient's dtype, no communication, no host read. A column-parallel layer whose
+input no region output reaches (directly or through such operations) would never have its input gradient
+summed: it is refused in that forward, before its backward, naming the fix. The hooks run eagerly (a
 ``torch.compile``'d model breaks its graph at them).
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import deque
 from typing import Any
 
@@ -64,6 +66,9 @@ class RegionCheck:
         self._by_region: dict[int, deque[int]] = {}
         self._keys = itertools.count()
         self._tapped: dict[int, Tensor] = {}  # key -> its column-parallel readers' summed gradient
+        # key -> the view its direct readers share (autograd sums their gradients into it: one tap), held
+        # weakly: where it is not kept for the backward (activation checkpointing), each read taps its own
+        self._shared: dict[int, weakref.ref[Tensor]] = {}
         self._lost: set[int] = set()  # keys whose readers' share could not be carried back
         self._handles: list[RemovableHandle] = []
         disable = torch.compiler.disable
@@ -90,6 +95,7 @@ class RegionCheck:
 
     def _drop(self, key: int) -> None:
         held = self._watched.pop(key, None)
+        self._shared.pop(key, None)
         if held is not None and self._by_node.get(id(held[1])) == key:
             del self._by_node[id(held[1])]
 
@@ -111,8 +117,13 @@ class RegionCheck:
                 " then sums its own). Checked in every forward, before its backward."
             )
         key, chain = found
-        view = x.view_as(x)
-        view.register_hook(lambda grad: self._add(key, chain, grad))
+        shared = self._shared.get(key) if not chain else None
+        view = shared() if shared is not None else None
+        if view is None:
+            view = x.view_as(x)
+            view.register_hook(lambda grad: self._add(key, chain, grad))
+            if not chain:
+                self._shared[key] = weakref.ref(view)
         return (view, *args[1:])
 
     def _origin(self, x: Tensor) -> tuple[int, Chain] | None:
@@ -163,7 +174,7 @@ class RegionCheck:
         if readers is None:  # no column-parallel layer read it: all of it is the other readers' (equal)
             return grad / self._size
         # the all-reduce then sums the column-parallel shares once and the other readers' (equal) once
-        return (grad + (self._size - 1) * readers.to(grad.dtype)) / self._size
+        return torch.add(grad, readers.to(grad.dtype), alpha=self._size - 1).div_(self._size)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -172,6 +183,7 @@ class RegionCheck:
         self._watched.clear()
         self._by_node.clear()
         self._by_region.clear()
+        self._shared.clear()
 
 
 def check_regions(
