@@ -111,8 +111,8 @@ def apply_tensor_parallel(
     hit_styles, partial = whole_blocks(hit_styles, plan)
     if partial and dist.get_rank(group) == 0:
         _log.info(
-            "tp_plan=%r: %d blocks of another family that its entries match only in part stay replicated"
-            " (first: %s)",
+            "tp_plan=%r: %d blocks of another family (matched only in part, or beside no norm the plan makes"
+            " a region input) stay replicated (first: %s)",
             plan,
             len(partial),
             partial[0],
