@@ -12,7 +12,10 @@ did not see the value head: the ``lm_head``'s read through a slice could not be 
 check for every region. Now every backward hands such a region's all-reduce the corrected gradient, and
 both equal the unsharded model; also where the head's share changes from step to step (zero-initialised:
 none in the first) and a second forward without the head runs before the backward (PPO-ptx), which a first
-version deciding once per region from the first backward got wrong. A plan whose region inputs leave a
+version deciding once per region from the first backward got wrong; LoRA with dropout under non-reentrant
+checkpointing (the first tap through the dropout unpacked its saved mask: torch's "Unpack is being
+triggered for a tensor that was already unpacked once"); and a penalty on the input gradient
+(create_graph: the head's second-order share was 1/t of one process's). A plan whose region inputs leave a
 column-parallel layer's input uncovered (the first layer's q/k/v read the embeddings' norm, not marked)
 left that layer's input gradient unsummed, silently: refused in its forward, naming the layer.
 """
@@ -31,7 +34,7 @@ from torch.distributed import group
 from lightning_par.tensor_parallel.plan import apply_tensor_parallel
 from tests.distributed import run_distributed
 from tests.test_tensor_parallel import gather_full
-from tests.third_party import LLAMA, hf_model, llama
+from tests.third_party import LLAMA, checkpoint_layers, hf_model, llama
 
 DISTILBERT = dict(
     vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=32, dropout=0.0,
@@ -85,13 +88,54 @@ class ZeroHeadPtx(ValueHeadLM):
         return rl + 0.5 * ptx  # type: ignore[no-any-return]
 
 
+class LoraValueHead(ValueHeadLM):
+    """The LM under PEFT LoRA with dropout on q/v and Hugging Face's non-reentrant checkpointing (the
+    QLoRA recipe): LoRA's A layers read the norm's output through the dropout, inside recomputed layers."""
+
+    def __init__(self) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        super().__init__()
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+        self.lm = get_peft_model(self.lm, config)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # B non-zero, so the adapters matter from the first step
+            for name, p in self.lm.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        checkpoint_layers(self.lm.base_model.model, reentrant=False)
+
+
+class Penalised(nn.Module):
+    """A dict-plan block whose final norm a replicated value head reads beside a column-parallel head,
+    trained with a penalty on its input gradient (a backward with create_graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm, self.fnorm = nn.LayerNorm(32), nn.LayerNorm(32)
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.head, self.vhead = nn.Linear(32, 64), nn.Linear(32, 1)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = torch.sin(ids.float()[..., None] * torch.arange(1, 33)).requires_grad_()
+        f = self.fnorm(x + self.fc2(torch.tanh(self.fc1(self.norm(x)))))
+        task = 0.1 * (self.head(f).pow(2).mean() + self.vhead(f).pow(2).mean())
+        (grad,) = torch.autograd.grad(task, x, create_graph=True)
+        return task + grad.pow(2).mean()  # type: ignore[no-any-return]
+
+
+PENALISED = {"norm": "region_input", "fnorm": "region_input", "fc1": "colwise", "fc2": "rowwise"}
+
+
 def _loss(model: nn.Module, ids: Tensor) -> Tensor:
-    if isinstance(model, ValueHeadLM):
+    if isinstance(model, (ValueHeadLM, Penalised)):
         return model(ids)  # type: ignore[no-any-return]
     return model(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]
 
 
 def _train(model: nn.Module, ids: Tensor, steps: int = 3) -> list[float]:
+    torch.manual_seed(3)  # LoRA's dropout masks: the same for the unsharded and the sharded run
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for _ in range(steps):
@@ -101,6 +145,12 @@ def _train(model: nn.Module, ids: Tensor, steps: int = 3) -> list[float]:
         opt.step()
         losses.append(float(loss))
     return losses
+
+
+NAMES = (
+    "plain", "post_ln", "value_head", "value_head_sp", "zero_head_ptx", "lora_dropout_checkpointed",
+    "penalised", "llama",
+)  # fmt: skip
 
 
 def _job(rank: int, world: int) -> dict[str, Any]:
@@ -115,6 +165,8 @@ def _job(rank: int, world: int) -> dict[str, Any]:
         ("value_head", value_head, "llama", False),  # the value head reads the final norm too
         ("value_head_sp", value_head, "llama", True),  # there the norm's output is all-gathered
         ("zero_head_ptx", ZeroHeadPtx(), "llama", False),
+        ("lora_dropout_checkpointed", LoraValueHead(), "llama", False),
+        ("penalised", Penalised(), PENALISED | {"head": "colwise_gather"}, False),
         ("llama", llama(), "llama", False),  # only column-parallel layers read its regions
     )
     for name, ref, plan, sp in runs:
@@ -140,7 +192,7 @@ def _trained_state(model: nn.Module, ids: Tensor) -> dict[str, Tensor]:
 
 def test_region_input_read_by_other_modules_too_equals_the_unsharded_model() -> None:
     for r in run_distributed(_job, 2):
-        for name in ("plain", "post_ln", "value_head", "value_head_sp", "zero_head_ptx", "llama"):
+        for name in NAMES:
             want, got = r[name]
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), msg=name)
             full, ref = r[f"{name}_state"]

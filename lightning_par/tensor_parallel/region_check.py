@@ -21,15 +21,19 @@ Each backward that reaches a region's output hands a tensor hook the gradient ar
 sum over all its readers), before ``copy_to``'s all-reduce; the column-parallel readers (and PEFT LoRA
 ``A`` layers, which read it for column-parallel ``B`` layers) send theirs, ``g_c``, back through a view of
 their input, tapped. A reader that takes the output through a few one-input operations (Hugging Face's
-``lm_head`` reads ``hidden_states[:, slice]``; a dropout; a cast) is tapped at its own input and its
-gradient carried back through those operations' backward nodes. The hook hands the all-reduce
+``lm_head`` reads ``hidden_states[:, slice]``; PEFT's LoRA dropout; a cast) is tapped where the last of
+them sends its gradient to the output (a hook on its backward node: nothing is recomputed, and a
+checkpointed layer's saved tensors are unpacked once). The hook hands the all-reduce
 ``(g + (t - 1) g_c) / t``: with ``g = g_c + g_o`` (``g_o``, the other readers' share, the same on every
 rank) it sums to ``sum_r g_c,r + g_o``, what one process computes; with no other reader it is ``g``.
 The direct readers of one output share one view, so autograd sums their gradients as it would anyway;
 the cost is one pass over each region output's gradient per backward (and one per reader through such
-operations), in the gradient's dtype, no communication, no host read. A column-parallel layer whose
-input no region output reaches (directly or through such operations) would never have its input gradient
-summed: it is refused in that forward, before its backward, naming the fix. The hooks run eagerly (a
+operations), in the gradient's dtype, no communication, no host read. In a backward with
+``create_graph`` (a gradient penalty) the hook hands ``g - (1 - 1/t) (g - g_c)``, the same value with
+its derivative through all of ``g``, so the other readers' second-order share is summed as their first.
+A column-parallel layer whose input no region output reaches (directly or through such operations)
+would never have its input gradient summed: it is refused in that forward, before its backward, naming
+the fix. The hooks run eagerly (a
 ``torch.compile``'d model breaks its graph at them).
 """
 
@@ -38,6 +42,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,9 +64,10 @@ class RegionCheck:
         self._size = size
         self._names = {id(m): n for n, m in regions.items()}
         self._reader_names = {id(m): n for n, m in readers.items()}
-        # outputs in flight: key -> (region, its output's autograd node), the keys by node and by region
-        # (at most _MAX_FORWARDS of a region: forwards no backward reached are dropped, oldest first)
-        self._watched: dict[int, tuple[int, Any]] = {}
+        # outputs in flight: key -> (region, its output's autograd node, held weakly where it can be: a
+        # recomputation's output, which no backward reaches, then keeps no graph alive), the keys by node
+        # and by region (at most _MAX_FORWARDS of a region: forwards no backward reached, oldest first)
+        self._watched: dict[int, tuple[int, Callable[[], Any], int]] = {}
         self._by_node: dict[int, int] = {}
         self._by_region: dict[int, deque[int]] = {}
         self._keys = itertools.count()
@@ -69,7 +75,7 @@ class RegionCheck:
         # key -> the view its direct readers share (autograd sums their gradients into it: one tap), held
         # weakly: where it is not kept for the backward (activation checkpointing), each read taps its own
         self._shared: dict[int, weakref.ref[Tensor]] = {}
-        self._lost: set[int] = set()  # keys whose readers' share could not be carried back
+        self._hooked: dict[int, set[int]] = {}  # key -> the chain nodes whose gradient is tapped
         self._handles: list[RemovableHandle] = []
         disable = torch.compiler.disable
         for module in regions.values():
@@ -85,19 +91,23 @@ class RegionCheck:
         while len(held) >= _MAX_FORWARDS:  # forwards no backward reached
             self._drop(held.popleft())
         # every forward (one may run with an adapter disabled, a recomputation may repeat one, two may
-        # run before one backward): each output is corrected by its own readers. The node, not the
-        # output, is held: no activation.
-        key = next(self._keys)
-        self._watched[key] = (region, output.grad_fn)
-        self._by_node[id(output.grad_fn)] = key
+        # run before one backward): each output is corrected by its own readers
+        key, node = next(self._keys), output.grad_fn
+        try:  # copy_to's and the SP gather's nodes (autograd Functions) can be referenced weakly
+            ref: Callable[[], Any] = weakref.ref(node)
+        except TypeError:
+            ref = lambda: node  # noqa: E731
+        self._watched[key] = (region, ref, id(node))
+        self._by_node[id(node)] = key
         held.append(key)
         output.register_hook(lambda grad: self._on_grad(key, grad))
 
     def _drop(self, key: int) -> None:
         held = self._watched.pop(key, None)
         self._shared.pop(key, None)
-        if held is not None and self._by_node.get(id(held[1])) == key:
-            del self._by_node[id(held[1])]
+        self._hooked.pop(key, None)
+        if held is not None and self._by_node.get(held[2]) == key:
+            del self._by_node[held[2]]
 
     def _tap(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         x = args[0] if args else None
@@ -117,13 +127,19 @@ class RegionCheck:
                 " then sums its own). Checked in every forward, before its backward."
             )
         key, chain = found
-        shared = self._shared.get(key) if not chain else None
+        if chain:  # the gradient the last operation before the output sends it, once per such node
+            last, index = chain[-1]
+            hooked = self._hooked.setdefault(key, set())
+            if id(last) not in hooked:
+                hooked.add(id(last))
+                last.register_hook(lambda inputs, _outputs: self._add(key, inputs[index]))
+            return None
+        shared = self._shared.get(key)
         view = shared() if shared is not None else None
         if view is None:
             view = x.view_as(x)
-            view.register_hook(lambda grad: self._add(key, chain, grad))
-            if not chain:
-                self._shared[key] = weakref.ref(view)
+            view.register_hook(lambda grad: self._add(key, grad))
+            self._shared[key] = weakref.ref(view)
         return (view, *args[1:])
 
     def _origin(self, x: Tensor) -> tuple[int, Chain] | None:
@@ -135,7 +151,7 @@ class RegionCheck:
             if node is None:
                 return None
             key = self._by_node.get(id(node))
-            if key is not None and self._watched[key][1] is node:
+            if key is not None and self._watched[key][1]() is node:
                 return key, chain
             inputs = [(f, i) for i, (f, _) in enumerate(node.next_functions) if f is not None]
             if len(inputs) != 1:
@@ -144,37 +160,25 @@ class RegionCheck:
             node = inputs[0][0]
         return None
 
-    def _add(self, key: int, chain: Chain, grad: Tensor) -> None:
-        try:
-            for node, index in chain:  # back through the reader's slice / dropout / cast
-                grad = node(grad)
-                grad = grad[index] if isinstance(grad, tuple) else grad
-        except (RuntimeError, TypeError, IndexError):  # a node that is not callable alone
-            self._lost.add(key)
+    def _add(self, key: int, grad: Tensor | None) -> None:
+        if grad is None:
             return
-        if not torch.is_grad_enabled():  # (a backward with create_graph keeps the taps differentiable)
-            grad = grad.detach()
         held = self._tapped.get(key)
-        self._tapped[key] = grad if held is None else held + grad
+        self._tapped[key] = grad.detach() if held is None else held + grad.detach()
 
     def _on_grad(self, key: int, grad: Tensor) -> Tensor:
-        region = self._watched[key][0] if key in self._watched else None
         self._drop(key)
         readers = self._tapped.pop(key, None)
-        if key in self._lost:
-            self._lost.discard(key)
-            name = self._names.get(region, "a region_input module") if region is not None else "a region"
-            raise RuntimeError(
-                f"Tensor parallelism: the gradient a column-parallel layer sends back to the output of"
-                f" {name!r} (region_input) could not be carried back through the operations between them,"
-                " so the gradient its all-reduce sums cannot be corrected for the output's other readers."
-                " Read that output directly in the column-parallel layers, or leave region_input out of the"
-                " plan (each column-parallel layer then sums its own input gradient)."
-            )
+        t = self._size
+        if torch.is_grad_enabled():
+            # a backward with create_graph (a gradient penalty): the same value, with the derivative through
+            # the whole gradient, whose other readers' share is then summed as their first-order one
+            other = grad.detach() if readers is None else grad.detach() - readers.to(grad.dtype)
+            return grad - (1 - 1 / t) * other
         if readers is None:  # no column-parallel layer read it: all of it is the other readers' (equal)
-            return grad / self._size
+            return grad / t
         # the all-reduce then sums the column-parallel shares once and the other readers' (equal) once
-        return torch.add(grad, readers.to(grad.dtype), alpha=self._size - 1).div_(self._size)
+        return torch.add(grad, readers.to(grad.dtype), alpha=t - 1).div_(t)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -184,6 +188,7 @@ class RegionCheck:
         self._by_node.clear()
         self._by_region.clear()
         self._shared.clear()
+        self._hooked.clear()
 
 
 def check_regions(
