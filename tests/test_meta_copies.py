@@ -126,7 +126,11 @@ class Dpo(pl.LightningModule):
             self.policy = llama(0)
             self.ref = copy.deepcopy(self.policy).requires_grad_(False).eval()
 
+    records_start = True
+
     def on_fit_start(self) -> None:
+        if not self.records_start:
+            return
         with self.trainer.strategy.gathered_params():  # type: ignore[attr-defined]
             self.start = {k: v.detach().clone() for k, v in self.state_dict().items()}
 
@@ -152,10 +156,10 @@ class Hidden(Dpo):
 
 
 class Sliced(Dpo):
-    """Read at its end (no steps) through the consolidated state: its parameters are tp slices."""
+    """Read at its end (no steps) through the consolidated state: its parameters are tp slices, so its
+    start is not recorded at fit start."""
 
-    def on_fit_start(self) -> None:
-        pass
+    records_start = False
 
 
 def _job(rank: int, world: int) -> dict[str, Any]:

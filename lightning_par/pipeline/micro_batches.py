@@ -17,7 +17,7 @@ such as ``(mean, std)``, whatever the batch size).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -50,9 +50,7 @@ def _records(value: Any, *, top: bool = False) -> bool:
     batches can be."""
     if top or not isinstance(value, (list, tuple)) or _named(value) or not value:
         return False
-    return all(
-        _record(v) or (isinstance(v, (list, tuple)) and not _named(v) and all(map(_record, v))) for v in value
-    ) and any(_record(v) or bool(v) for v in value)
+    return _each(value, _record) and any(_record(v) or bool(v) for v in value)
 
 
 def _record(value: Any) -> bool:
@@ -155,9 +153,12 @@ def _per_sample(batch: list[Any], samples: frozenset[int]) -> bool:
     """Whether ``batch`` is a list of plain values (or of lists or tuples of them: a sample's word ids or
     tags), one per sample: as long as a tensor of the batch (a list of another length goes whole into
     every micro-batch)."""
-    return len(batch) in samples and all(
-        _plain(v) or (isinstance(v, (list, tuple)) and all(map(_plain, v))) for v in batch
-    )
+    return len(batch) in samples and _each(batch, _plain)
+
+
+def _each(values: list[Any] | tuple[Any, ...], leaf: Callable[[Any], bool]) -> bool:
+    """Whether every item of ``values`` is a ``leaf``, or a list or tuple of them (one sample's)."""
+    return all(leaf(v) or (isinstance(v, (list, tuple)) and all(map(leaf, v))) for v in values)
 
 
 def _plain(value: Any) -> bool:

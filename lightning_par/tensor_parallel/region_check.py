@@ -54,7 +54,7 @@ __all__ = ["RegionCheck", "check_regions"]
 _UNARY_DEPTH = 4  # one-input autograd nodes allowed between a region's output and a column-parallel reader
 _MAX_FORWARDS = 8  # outputs of a region held at once (forwards no backward reached: dropped, oldest first)
 
-Chain = list[tuple[Any, int]]  # backward nodes from a reader's input back to a region's output
+Last = tuple[Any, int] | None  # the backward node nearest a region's output on a reader's way, its input
 
 
 class RegionCheck:
@@ -126,9 +126,9 @@ class RegionCheck:
                 " that output directly, or leave region_input out of the plan (each column-parallel layer"
                 " then sums its own). Checked in every forward, before its backward."
             )
-        key, chain = found
-        if chain:  # the gradient the last operation before the output sends it, once per such node
-            last, index = chain[-1]
+        key, last_op = found
+        if last_op is not None:  # the gradient the last operation before the output sends it, once per node
+            last, index = last_op
             hooked = self._hooked.setdefault(key, set())
             if id(last) not in hooked:
                 hooked.add(id(last))
@@ -142,21 +142,23 @@ class RegionCheck:
             self._shared[key] = weakref.ref(view)
         return (view, *args[1:])
 
-    def _origin(self, x: Tensor) -> tuple[int, Chain] | None:
+    def _origin(self, x: Tensor) -> tuple[int, Last] | None:
         """The key of the watched region output that ``x`` is, or comes from through one-input operations
         only (a dropout, a cast, a view: up to ``_UNARY_DEPTH`` autograd nodes with one differentiable
-        input each), with those operations' backward nodes, nearest ``x`` first."""
-        node, chain = x.grad_fn, []  # type: Any, Chain
+        input each), with the last of those operations' backward nodes and the index of its input (None
+        for ``x`` itself)."""
+        node: Any = x.grad_fn
+        last: Last = None
         for _ in range(_UNARY_DEPTH + 1):
             if node is None:
                 return None
             key = self._by_node.get(id(node))
             if key is not None and self._watched[key][1]() is node:
-                return key, chain
+                return key, last
             inputs = [(f, i) for i, (f, _) in enumerate(node.next_functions) if f is not None]
             if len(inputs) != 1:
                 return None
-            chain.append((node, inputs[0][1]))
+            last = (node, inputs[0][1])
             node = inputs[0][0]
         return None
 

@@ -33,8 +33,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_par.tensor_parallel.layers import SOURCE_ATTR
 from lightning_par.zero.meta_writes import WRITES_ATTR
+from lightning_par.zero.tp_init import parallel_layers, sources_in_place
 
 __all__ = [
     "COPY_ATTR",
@@ -109,7 +109,10 @@ def _unwritten_source(param: Tensor) -> Tensor | None:
 
 def copy_seed_paths(root: nn.Module) -> dict[str, str]:
     """Module path -> the path of the module it is an unwritten deep copy of (module docstring)."""
-    named = _drawn(root)
+    # a tensor-parallel layer's parameters as those of the full-size layer it replaced (its source, kept
+    # on the meta device): the copies were made of those, before the conversion, and its slices drawn so
+    with sources_in_place(parallel_layers(root, {id(p) for p in root.parameters()})):
+        named: list[tuple[str, Tensor]] = list(root.named_parameters(remove_duplicate=False))
     if not any(COPY_ATTR in p.__dict__ for _, p in named):
         return {}
     names: dict[int, set[str]] = {}
@@ -142,18 +145,6 @@ def copy_seed_paths(root: nn.Module) -> dict[str, str]:
             (origin,) = candidates
             if origin != path and not origin.startswith(path + ".") and not path.startswith(origin + "."):
                 out[path] = origin
-    return out
-
-
-def _drawn(root: nn.Module) -> list[tuple[str, Tensor]]:
-    """``root``'s parameters by name, a tensor-parallel layer's as those of the full-size layer it replaced
-    (its source, kept on the meta device): the copies were made of those, before the conversion, and the
-    layer's slices are drawn as them."""
-    out: list[tuple[str, Tensor]] = []
-    for path, module in root.named_modules(remove_duplicate=False):
-        source = module.__dict__.get(SOURCE_ATTR)
-        owner = source if isinstance(source, nn.Module) else module
-        out.extend((f"{path}.{rel}" if path else rel, p) for rel, p in owner.named_parameters(recurse=False))
     return out
 
 
