@@ -17,7 +17,9 @@ checkpointing (the first tap through the dropout unpacked its saved mask: torch'
 triggered for a tensor that was already unpacked once"); and a penalty on the input gradient
 (create_graph: the head's second-order share was 1/t of one process's). A plan whose region inputs leave a
 column-parallel layer's input uncovered (the first layer's q/k/v read the embeddings' norm, not marked)
-left that layer's input gradient unsummed, silently: refused in its forward, naming the layer.
+left that layer's input gradient unsummed, silently: refused in its forward, naming the layer. A deep
+copy of the converted model trained itself (a critic copied from the policy after setup) is corrected as
+its original (before, its regions were left out: its value head's gradient summed once per rank).
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ def _train(model: nn.Module, ids: Tensor, steps: int = 3) -> list[float]:
 
 NAMES = (
     "plain", "post_ln", "value_head", "value_head_sp", "zero_head_ptx", "lora_dropout_checkpointed",
-    "penalised", "llama",
+    "penalised", "llama", "copied",
 )  # fmt: skip
 
 
@@ -174,6 +176,13 @@ def _job(rank: int, world: int) -> dict[str, Any]:
         apply_tensor_parallel(sharded, group=group.WORLD, plan=plan, sequence_parallel=sp)
         out[name] = (_train(copy.deepcopy(ref), ids), _train(sharded, ids))
         out[f"{name}_state"] = (gather_full(sharded), _trained_state(ref, ids))
+    # a copy of the converted model (a critic made from the policy after setup) trained itself: its region
+    # outputs and readers are its own (before, left uncorrected: its value head's share summed t times)
+    converted = copy.deepcopy(value_head)
+    apply_tensor_parallel(converted, group=group.WORLD, plan="llama")
+    twin = copy.deepcopy(converted)
+    out["copied"] = (_train(copy.deepcopy(value_head), ids), _train(twin, ids))
+    out["copied_state"] = (gather_full(twin), _trained_state(value_head, ids))
     marked = copy.deepcopy(distilbert)
     apply_tensor_parallel(marked, group=group.WORLD, plan=UNCOVERED)
     before = {k: v.detach().clone() for k, v in marked.named_parameters()}

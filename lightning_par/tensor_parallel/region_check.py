@@ -33,12 +33,13 @@ operations), in the gradient's dtype, no communication, no host read. In a backw
 its derivative through all of ``g``, so the other readers' second-order share is summed as their first.
 A column-parallel layer whose input no region output reaches (directly or through such operations)
 would never have its input gradient summed: it is refused in that forward, before its backward, naming
-the fix. The hooks run eagerly (a
-``torch.compile``'d model breaks its graph at them).
+the fix. A deep copy of the converted model carries the hooks, and is corrected by the same check (each
+output keyed apart). The hooks run eagerly (a ``torch.compile``'d model breaks its graph at them).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from collections import deque
@@ -62,8 +63,6 @@ class RegionCheck:
 
     def __init__(self, regions: dict[str, nn.Module], readers: dict[str, nn.Module], *, size: int) -> None:
         self._size = size
-        self._names = {id(m): n for n, m in regions.items()}
-        self._reader_names = {id(m): n for n, m in readers.items()}
         # outputs in flight: key -> (region, its output's autograd node, held weakly where it can be: a
         # recomputation's output, which no backward reaches, then keeps no graph alive), the keys by node
         # and by region (at most _MAX_FORWARDS of a region: forwards no backward reached, oldest first)
@@ -77,15 +76,19 @@ class RegionCheck:
         self._shared: dict[int, weakref.ref[Tensor]] = {}
         self._hooked: dict[int, set[int]] = {}  # key -> the chain nodes whose gradient is tapped
         self._handles: list[RemovableHandle] = []
+        # a deep copy of the model (a critic or a student made from the converted policy) carries these
+        # hooks, the same functions, and its copy_to all-reduces: its regions and readers are corrected by
+        # this check too, each output keyed apart (a copy's readers never reach the original's outputs)
         disable = torch.compiler.disable
         for module in regions.values():
             self._handles.append(module.register_forward_hook(disable(self._watch)))
-        for reader in readers.values():
-            self._handles.append(reader.register_forward_pre_hook(disable(self._tap)))
+        for name, reader in readers.items():
+            tap = functools.partial(self._tap, name=name)
+            self._handles.append(reader.register_forward_pre_hook(disable(tap)))
 
     def _watch(self, module: nn.Module, _args: Any, output: Any) -> None:
         region = id(module)
-        if region not in self._names or not isinstance(output, Tensor) or output.grad_fn is None:
+        if not isinstance(output, Tensor) or output.grad_fn is None:
             return
         held = self._by_region.setdefault(region, deque())
         while len(held) >= _MAX_FORWARDS:  # forwards no backward reached
@@ -109,13 +112,12 @@ class RegionCheck:
         if held is not None and self._by_node.get(held[2]) == key:
             del self._by_node[held[2]]
 
-    def _tap(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    def _tap(self, _module: nn.Module, args: tuple[Any, ...], *, name: str) -> tuple[Any, ...] | None:
         x = args[0] if args else None
-        if id(module) not in self._reader_names or not isinstance(x, Tensor) or not x.requires_grad:
-            return None  # (a deep copy of the model carries the hooks: its layers are not checked)
+        if not isinstance(x, Tensor) or not x.requires_grad:
+            return None
         found = self._origin(x)
         if found is None:
-            name = self._reader_names[id(module)]
             raise RuntimeError(
                 f"Tensor parallelism: the column-parallel layer {name!r} reads an input that no"
                 " region_input module's output reaches directly or through a dropout, cast or view (not"
