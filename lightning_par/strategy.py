@@ -78,9 +78,10 @@ class HybridParallelStrategy(StrategyTeardown, StrategyEngine):
         reduce_op: stages 1-3: ``"auto"`` (reduce-scatter on NCCL, all-reduce on Gloo), ``"all_reduce"`` or
             ``"reduce_scatter"``.
         zero3_units: stage 3: which modules gather their parameters together: module classes, class
-            names (``"LlamaDecoderLayer"``, bare or dotted) or ``fnmatch`` patterns of module names
-            (default: every child of an ``nn.ModuleList``). This and ``reshard_after_forward`` are refused
-            at stages 0-2, where they would do nothing.
+            names (``"LlamaDecoderLayer"``, bare or dotted) or ``fnmatch`` patterns of module names (the
+            outermost matches; default: the children of the outermost ``nn.ModuleList`` s, so a list
+            inside a block, as a mixture's experts, stays in the block's unit). This and
+            ``reshard_after_forward`` are refused at stages 0-2, where they would do nothing.
         reshard_after_forward: stage 3: free gathered parameters after each unit's forward (re-gather in
             backward: 3Ψ traffic, least memory) or keep them until backward (2Ψ traffic). ``None``
             (default): True, but False under pipeline parallelism, where units stay gathered across a

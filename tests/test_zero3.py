@@ -334,6 +334,18 @@ def test_unit_policy_errors_and_ownership() -> None:
     net = nn.Sequential(nn.Embedding(8, 4), nn.ModuleList([ZBlock(), ZBlock()]), nn.LayerNorm(4))
     with pytest.raises(ValueError, match=r"module classes are \['ZBlock', 'Embedding', "):
         plan_units(net, ["ZBlocks"])
+    # the default: the children of the outermost module lists (a list in a list looked into, as a U-Net's);
+    # a list inside a block (a mixture's experts) stays in the block's unit; a name pattern selects the
+    # outermost modules it matches ("*" crosses dots), not every module inside them
+    moe = nn.ModuleDict(
+        {
+            "blocks": nn.ModuleList(nn.ModuleDict({"experts": nn.ModuleList([ZBlock()])}) for _ in range(2)),
+            "downs": nn.ModuleList([nn.ModuleList([ZBlock(), nn.Linear(4, 4)])]),
+        }
+    )
+    blocks = ["blocks.0", "blocks.1", "downs.0.0", "downs.0.1", ""]
+    assert [name for name, _, _ in plan_units(moe).units] == blocks
+    assert [name for name, _, _ in plan_units(moe, "blocks.*").units] == ["blocks.0", "blocks.1", ""]
     default = plan_units(model)
     root_names = [n for n, _ in default.units[-1][2]]
     # the tied embedding/head weight has one owner (the root) and appears once

@@ -1,11 +1,18 @@
 """ZeRO-3 units: which modules gather their parameters together, and who owns each parameter.
 
 A *unit* is a module whose parameters are all-gathered together before its forward and freed after it.
-The default policy takes every direct child of an ``nn.ModuleList`` (the transformer blocks of almost
-every model); a policy may instead name module classes, or strings: ``fnmatch`` patterns of module names
-or a class's name, bare or dotted (``"LlamaDecoderLayer"``, ``"transformers.models.llama.modeling_llama.
-LlamaDecoderLayer"``), so a YAML file or command line can name the block class as it names a layer. What no
-unit owns belongs to the root unit (embeddings, final norm, head), which stays gathered for the step.
+The default policy takes the children of the outermost ``nn.ModuleList`` s (the transformer blocks of almost
+every model; a list held directly in such a list, as a U-Net's ``ModuleList`` of ``ModuleList`` s, is looked
+into, having no forward of its own). A list inside a block stays in the block's unit: the experts of a
+mixture of experts run on the ranks whose tokens chose them, and as units of their own their all-gathers
+would pair up differently on different ranks (a collective mismatch, a hang on NCCL), where the block, as
+FSDP users wrap it, runs on every rank. A policy may instead name module classes, or strings: ``fnmatch``
+patterns of module names or a class's name, bare or dotted (``"LlamaDecoderLayer"``, ``"transformers.models
+.llama.modeling_llama.LlamaDecoderLayer"``), so a YAML file or command line can name the block class as it
+names a layer. A name pattern's ``*`` crosses dots, so ``"model.blocks.*"`` also matches every module
+inside a block: a pattern selects the outermost modules it matches, not those inside one it already
+selected. What no unit owns belongs to the root unit (embeddings, final norm, head), which stays gathered
+for the step.
 
 Every parameter takes part, trainable or frozen (``requires_grad=False``: sharded and gathered the same
 way, without gradient or optimizer state), except the meta placeholders that stand for layers of other
@@ -37,19 +44,27 @@ class UnitPlan:
 
 
 def match_modules(root: nn.Module, policy: UnitPolicy) -> list[str]:
-    """Names of the modules a policy selects (default: every direct child of an ``nn.ModuleList``)."""
+    """Names of the modules a policy selects (default: the children of the outermost ``nn.ModuleList`` s;
+    see the module docstring)."""
     if policy is None:
-        return [
-            f"{parent}.{child}" if parent else child
-            for parent, module in root.named_modules()
-            if isinstance(module, nn.ModuleList)
-            for child, _ in module.named_children()
-        ]
+        return _outermost_blocks(root)
     if isinstance(policy, str):
         policy = [policy]
-    names = []
+    names: list[str] = []
+    by_name: dict[str, list[str]] = {}  # a name pattern -> the modules it selected by name
     for name, module in root.named_modules():
-        if name and any(_selects(rule, name, module) for rule in policy):
+        if not name:
+            continue
+        chosen = False
+        for rule in policy:
+            if isinstance(rule, str) and fnmatch.fnmatchcase(name, rule):
+                inside = by_name.setdefault(rule, [])
+                if not any(name.startswith(f"{outer}.") for outer in inside):
+                    inside.append(name)
+                    chosen = True
+            elif _selects(rule, name, module):
+                chosen = True
+        if chosen:
             names.append(name)
     if not names:
         examples = [n for n, _ in root.named_modules() if n][:8]
@@ -65,18 +80,34 @@ def match_modules(root: nn.Module, policy: UnitPolicy) -> list[str]:
         raise ValueError(
             f"The module policy {rules} matches no module. Module names look like {examples} and module"
             f" classes are {classes}; pass class types or class names (e.g. the transformer block's) or name"
-            " patterns such as 'model.blocks.*'."
+            " patterns such as 'model.blocks.*' (the outermost modules a pattern matches)."
         )
     return names
 
 
+def _outermost_blocks(root: nn.Module) -> list[str]:
+    """The children of every ``nn.ModuleList`` that lies inside no such child, in module order."""
+    modules: dict[str, nn.Module] = {}
+    names: list[str] = []
+    for name, module in root.named_modules():
+        modules[name] = module
+        parent = modules.get(name.rpartition(".")[0]) if name else None
+        if (
+            isinstance(parent, nn.ModuleList)
+            and not isinstance(module, nn.ModuleList)
+            and not any(name.startswith(f"{outer}.") for outer in names)
+        ):
+            names.append(name)
+    return names
+
+
 def _selects(rule: str | type[nn.Module], name: str, module: nn.Module) -> bool:
-    """A class selects its instances (subclasses included); a string selects the modules whose name it
-    matches as an ``fnmatch`` pattern, or whose class is named so, bare or with its module's path."""
+    """A class selects its instances (subclasses included); a string selects the modules whose class is
+    named so, bare or with its module's path (name patterns: ``match_modules``)."""
     if not isinstance(rule, str):
         return isinstance(module, rule)
     cls = type(module)
-    return fnmatch.fnmatchcase(name, rule) or rule in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+    return rule in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
 
 
 def plan_units(root: nn.Module, policy: UnitPolicy = None) -> UnitPlan:
