@@ -88,26 +88,39 @@ def last_batch_sizes(dataloaders: Sequence[object], max_batches: Sequence[int | 
 
 
 def refuse_short_last_batches(table: Sequence[Sequence[int]], *, num_microbatches: int, loop: str) -> None:
-    """Under pipeline parallelism every batch is cut into ``num_microbatches``: refuse, on every rank and
-    before the first batch, a loop whose last batch on some dp rank (``table``: each dp rank's
-    :func:`last_batch_sizes`) is smaller. Raised at that batch instead, only its rank would stop, after
-    the others' predictions were computed, and at ZeRO-3 its dp peers would wait in their gathers."""
+    """Under pipeline parallelism every training batch is cut into ``num_microbatches`` (the schedules
+    are built for it): refuse, on every rank and before the first batch, a loop whose last batch on some
+    dp rank (``table``: each dp rank's :func:`last_batch_sizes`) is smaller. Raised at that batch instead,
+    only its rank would stop, and at ZeRO-3 its dp peers would wait in their gathers."""
     for r, row in enumerate(table):
         for k, last in enumerate(row):
             if 0 < last < num_microbatches:
-                keep = (
-                    " (Lightning keeps the last batch when predicting, whatever drop_last says)"
-                    if loop == "predict"
-                    else " (or drop_last=True)"
-                )
                 raise ValueError(
                     f"The {loop} dataloader {k} ends with a batch of {last} samples on data-parallel rank"
                     f" {r}, which cannot fill num_microbatches={num_microbatches} pipeline micro-batches."
                     f" Use a batch size of at least {num_microbatches} (each batch is cut into the"
                     " micro-batches) and a dataset size that leaves every rank's last batch at least"
-                    f" {num_microbatches} samples{keep}, e.g. a dataset size that is a multiple of the"
-                    " data-parallel size times the batch size; or fewer micro-batches."
+                    f" {num_microbatches} samples (or drop_last=True), e.g. a dataset size that is a"
+                    " multiple of the data-parallel size times the batch size; or fewer micro-batches."
                 )
+
+
+def refuse_uneven_short_batches(table: Sequence[Sequence[int]], *, num_microbatches: int, loop: str) -> None:
+    """An evaluation batch smaller than ``num_microbatches`` runs in fewer micro-batches (as many as its
+    samples); at ZeRO-3 under a pipeline the dp ranks evaluate in lockstep (their gathers paired), so
+    refuse, on every rank and before the first batch, last batches (``table``: each dp rank's
+    :func:`last_batch_sizes`; empty rows: nothing to check) that differ between the dp ranks where one
+    is that small."""
+    for k, column in enumerate(zip(*table, strict=True)):
+        if len(set(column)) > 1 and any(0 < last < num_microbatches for last in column):
+            sizes = ", ".join(f"dp rank {r}: {last}" for r, last in enumerate(column))
+            raise ValueError(
+                f"The {loop} dataloader {k} ends with batches of different sizes on the data-parallel"
+                f" ranks ({sizes}), some smaller than num_microbatches={num_microbatches}: such a batch"
+                " runs in fewer micro-batches, and ZeRO-3 under pipeline parallelism evaluates the dp"
+                " ranks in lockstep. Use a dataset size that is a multiple of the data-parallel size times"
+                " the batch size, a sampler that pads as DistributedSampler does, or zero_stage 0-2."
+            )
 
 
 def counts_differ(table: Sequence[Sequence[int]]) -> bool:

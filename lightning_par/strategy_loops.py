@@ -36,6 +36,7 @@ from lightning_par.eval_join import (
     loop_dataloaders,
     plan_eval_join,
     refuse_short_last_batches,
+    refuse_uneven_short_batches,
 )
 from lightning_par.pipeline.lightning import LightningPipeline
 from lightning_par.zero.leftovers import refuse_left_placeholders
@@ -229,19 +230,17 @@ class StrategyLoops(ZeroCheckpointIO):
         loop = module.trainer._active_loop
         assert loop is not None and isinstance(loop.max_batches, list)  # an evaluation loop's, per dataloader
         k = len(loop.max_batches)
-        lasts = []
-        if pipeline is not None:  # each dp rank's last batch must fill the micro-batches
-            lasts = last_batch_sizes(loop_dataloaders(module.trainer, loop_name), loop.max_batches)
         if self.mesh.dp_size == 1:
-            assert pipeline is not None
-            refuse_short_last_batches([lasts], num_microbatches=pipeline.runtime.m, loop=loop_name)
-            return
+            return  # a pipeline's short batch runs in fewer micro-batches (pipeline.steps.evaluate)
+        lasts = []
+        if pipeline is not None and zero3:  # the dp ranks' short last batches must agree in size
+            lasts = last_batch_sizes(loop_dataloaders(module.trainer, loop_name), loop.max_batches)
         both = eval_count_table(
             [*loop.max_batches, *lasts], group=self.mesh.dp_group, device=self.root_device
         )
         table = [row[:k] for row in both]
         if pipeline is not None:
-            refuse_short_last_batches(
+            refuse_uneven_short_batches(
                 [row[k:] for row in both], num_microbatches=pipeline.runtime.m, loop=loop_name
             )
             pipeline.uneven_eval = counts_differ(table)

@@ -143,18 +143,18 @@ def _module(cls: type = MetricGPT) -> MetricGPT:
     return m
 
 
-def _pp(rank: int, world: int, tmp: str, zero_stage: int, n: int) -> dict[str, Any]:
+def _pp(rank: int, world: int, tmp: str, zero_stage: int, n: int, val_n: int, val_bs: int) -> dict[str, Any]:
     strategy = HybridParallelStrategy(
         pipeline_parallel_size=2, num_microbatches=4, pipeline_schedule="1f1b", zero_stage=zero_stage
     )
     metrics = Metrics()
-    trainer = _trainer(strategy, world, tmp, [metrics])
+    trainer = _trainer(strategy, world, tmp, [metrics], limit_val_batches=1.0)  # every batch, the short one
     module = _module()
-    val = DataLoader(Tokens(n - 24), batch_size=8)
+    val = DataLoader(Tokens(val_n), batch_size=val_bs)
     trainer.fit(module, DataLoader(Tokens(n), batch_size=GLOBAL, shuffle=True), val)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        predictions = trainer.predict(module, DataLoader(Tokens(n - 24), batch_size=8))
+        predictions = trainer.predict(module, DataLoader(Tokens(val_n), batch_size=val_bs))
         full = strategy.consolidated_state_dict()
         # fresh modules from here on (the export above is the trained one's)
         trainer.predict(_module(ArgmaxGPT), DataLoader(Tokens(8), batch_size=8))
@@ -208,13 +208,13 @@ def _orders(n: int) -> list[list[int]]:
     return [perm[i : i + GLOBAL] for i in range(0, n, GLOBAL)]
 
 
-def _single(tmp: Path, n: int) -> dict[str, Any]:
+def _single(tmp: Path, n: int, val_n: int, val_bs: int) -> dict[str, Any]:
     metrics = Metrics()
     module = _module()
-    trainer = _trainer("auto", 1, str(tmp / "ref"), [metrics])
+    trainer = _trainer("auto", 1, str(tmp / "ref"), [metrics], limit_val_batches=1.0)
     train = DataLoader(Tokens(n), batch_sampler=_orders(n))
-    trainer.fit(module, train, DataLoader(Tokens(n - 24), batch_size=8))
-    predictions = trainer.predict(module, DataLoader(Tokens(n - 24), batch_size=8))
+    trainer.fit(module, train, DataLoader(Tokens(val_n), batch_size=val_bs))
+    predictions = trainer.predict(module, DataLoader(Tokens(val_n), batch_size=val_bs))
     return {
         "train": metrics.train,
         "val": metrics.val,
@@ -223,14 +223,20 @@ def _single(tmp: Path, n: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize(("zero_stage", "n"), [(0, 32), (1, 30)], ids=["zero0", "zero1-ragged"])
+@pytest.mark.parametrize(
+    ("zero_stage", "n", "val_n", "val_bs"), [(0, 32, 8, 8), (1, 30, 11, 4)], ids=["zero0", "zero1-ragged"]
+)
 def test_pipeline_metrics_predict_and_export_equal_the_single_process_run(
-    zero_stage: int, n: int, tmp_path: Path
+    zero_stage: int, n: int, val_n: int, val_bs: int, tmp_path: Path
 ) -> None:
     """With ``n=30`` the last training batch has 6 samples (micro-batches of 2, 2, 1 and 1, weighted by
-    size), and so do the validation and prediction sets: every step must still see its batch's mean."""
-    results = run_distributed(_pp, 2, str(tmp_path), zero_stage, n, init_group=False, timeout=300)
-    ref = _single(tmp_path, n)
+    size): every step must still see its batch's mean. The validation and prediction sets' batches of 4,
+    4 and 3 samples: the last runs in 3 micro-batches of one (before, refused before the first batch, "use
+    a batch size of at least 4 ... (or drop_last=True)", which would have left samples out of the metric)."""
+    results = run_distributed(
+        _pp, 2, str(tmp_path), zero_stage, n, val_n, val_bs, init_group=False, timeout=300
+    )
+    ref = _single(tmp_path, n, val_n, val_bs)
     for rank, r in enumerate(results):
         assert len(r["train"]) == len(ref["train"]) > 0
         for got, want in zip(r["train"], ref["train"], strict=True):
@@ -348,7 +354,8 @@ def _encoded(samples: list[tuple[Tensor, Tensor]]) -> BatchEncoding:
 
 def _short_last_batches(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """pp2 x dp2 at ZeRO-3: predict over 11 samples in batches of 2 leaves dp rank 1 a last batch of 1
-    (Lightning's predict sampler does not pad), fewer than the 2 micro-batches; over 12 it runs."""
+    (Lightning's predict sampler does not pad), fewer than the 2 micro-batches, where dp rank 0's has 2;
+    over 12 it runs."""
     out: dict[str, Any] = {}
     for n in (11, 12, "encoded"):
         strategy = HybridParallelStrategy(pipeline_parallel_size=2, num_microbatches=2, zero_stage=3)
@@ -383,15 +390,16 @@ def _short_last_batches(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 def test_a_last_batch_too_small_for_the_micro_batches_is_refused_on_every_rank_first(tmp_path: Path) -> None:
     """Before, only dp rank 1's ranks raised, at their last batch, after the others' predictions; at
-    ZeRO-3 their dp peers then hung in a parameter gather (Gloo: "collective mismatch")."""
+    ZeRO-3 their dp peers then hung in a parameter gather (Gloo: "collective mismatch"). Training keeps
+    refusing a batch smaller than the micro-batches; evaluation runs it in fewer, except where ZeRO-3's
+    lockstep meets dp ranks whose last batches differ."""
     results = run_distributed(_short_last_batches, 4, str(tmp_path), init_group=False, timeout=300)
     for rank, r in enumerate(results):
         message = r[11]
         assert isinstance(message, str), rank
-        assert "predict dataloader 0 ends with a batch of 1 samples on data-parallel rank 1" in message, (
-            message
-        )
-        assert "Lightning keeps the last batch when predicting" in message and r["11/batches"] == [], rank
+        # a short batch runs in fewer micro-batches, but at ZeRO-3 the dp ranks' must agree in size
+        assert "predict dataloader 0 ends with batches of different sizes on the data-parallel" in message
+        assert "(dp rank 0: 2, dp rank 1: 1)" in message and r["11/batches"] == [], rank
         assert isinstance(r[12], Tensor) and len(r[12]) == 6 and r["12/batches"] == [0, 1, 2], rank
         assert "The training dataloader 0 ends with a batch of 1 samples" in r["train"], r["train"]
         assert "drop_last=True" in r["train"] and r["train/batches"] == 0, rank

@@ -43,6 +43,18 @@ def split_batch(batch: Any, m: int) -> list[Any]:
     return _split(batch, m, samples=frozenset(sizes), records=outside, top=True)
 
 
+def eval_micro_count(batch: Any, m: int) -> int:
+    """How many micro-batches an evaluation (or prediction) batch is cut into: ``m``, or fewer for a batch
+    of fewer samples (a ragged last batch, an evaluation at batch size 1): its sample count when all its
+    tensors have it, else 1 (the batch whole). A forward-only pass runs any count, so nothing is refused
+    that one process would evaluate; training keeps ``m`` (its schedules are built for it)."""
+    outside = frozenset(n for _, n in _rows(batch, skip=None, top=True))
+    sizes = {n for _, n in _rows(batch, skip=outside, top=True)}
+    if not sizes or min(sizes) >= m:
+        return m
+    return max(1, min(sizes)) if len(sizes) == 1 else 1
+
+
 def _records(value: Any, *, top: bool = False) -> bool:
     """A non-empty list or tuple of per-sample records (per-sample when as long as the batch): mappings,
     dataclass instances, named tuples, or lists or tuples of them (a sample's annotations: COCO's

@@ -35,8 +35,7 @@ if it differs (its peers then wait until the group's timeout). Gradients have th
 own output. Micro-batch losses accumulate in a tensor on the device; nothing is copied to the host per
 micro-batch (prediction reads its result's header once).
 
-Time spent computing is recorded per step (``last_stats``: busy and total seconds), so the bubble
-fraction ``1 - busy / total`` of each rank can be reported.
+``last_stats`` holds each step's busy and total seconds, for the rank's bubble ``1 - busy / total``.
 """
 
 from __future__ import annotations
@@ -115,10 +114,7 @@ class PipelineRuntime:
         self.v = len(chunks)
         self.m = num_microbatches
         self.chunks = list(chunks)
-        self._schedules = {
-            "train": build_schedule(schedule, p=self.p, m=self.m, v=self.v, slack=slack),
-            "forward": forward_only(p=self.p, m=self.m, v=self.v),
-        }
+        self._schedules = {"train": build_schedule(schedule, p=self.p, m=self.m, v=self.v, slack=slack)}
         self.actions: list[Action] = self._schedules["train"][self.s]
         # zb / interleaved_zb split each backward: input gradients in B, matrix-product weights in W
         self._split = WeightGradSplit(self.chunks, rank=self.s) if schedule in SPLIT_BACKWARD else None
@@ -160,8 +156,7 @@ class PipelineRuntime:
         return ident, Mail(layout=self._layouts[ident] if known else {}, learn=not known)
 
     def _send(self, t: Transfer, value: Any, *, mail: Mail) -> None:
-        """Queue ``value`` for transfer ``t``: an activation (a tensor or a tuple of them), or a gradient
-        transfer's list of tensors."""
+        """Queue ``value`` for transfer ``t``: an activation (a tensor or a tuple), or a gradient list."""
         if t.kind == "grad":  # its receiver takes it as a list, never assembled into a value
             tensors, is_tuple = [x.detach() for x in value], False
         else:
@@ -310,11 +305,16 @@ class PipelineRuntime:
         self.last_stats = StepStats(busy_s=busy, total_s=time.perf_counter() - start)
         return loss
 
-    def _forward_only(self, inputs: Sequence[Any] | None, on_last: Callable[[Any, int], None]) -> None:
-        """Every micro-batch through this rank's chunks (no grad); ``on_last(output, i)`` on the last
-        virtual stage."""
-        ident, mail = self._begin("forward", inputs)
-        for item in self._program("forward", headers=mail.learn):
+    def _forward_only(
+        self, inputs: Sequence[Any] | None, on_last: Callable[[Any, int], None], *, m: int
+    ) -> None:
+        """Every one of ``m`` micro-batches through this rank's chunks (no grad); ``on_last(output, i)`` on
+        the last virtual stage. Every pipeline rank passes the same ``m`` (each cuts the same batch)."""
+        kind = f"forward/{m}"  # a batch smaller than num_microbatches runs in fewer (steps.evaluate)
+        if kind not in self._schedules:
+            self._schedules[kind] = forward_only(p=self.p, m=m, v=self.v)
+        ident, mail = self._begin(kind, inputs)
+        for item in self._program(kind, headers=mail.learn):
             if isinstance(item, Batch):
                 self._exchange(item, mail)
                 continue
@@ -327,19 +327,26 @@ class PipelineRuntime:
         self._finish(ident, mail)
 
     @torch.no_grad()
-    def forward_step(self, *, inputs: Sequence[Any] | None, loss_fn: Callable[[Any, int], Tensor]) -> Tensor:
-        """Forward only (evaluation): the mean of ``loss_fn`` over the micro-batches, on every rank."""
-        losses = torch.zeros(self.m, dtype=torch.float32, device=self.device)
+    def forward_step(
+        self, *, inputs: Sequence[Any] | None, loss_fn: Callable[[Any, int], Tensor], m: int | None = None
+    ) -> Tensor:
+        """Forward only (evaluation): the mean of ``loss_fn`` over ``m`` micro-batches, on every rank."""
+        m = self.m if m is None else m
+        losses = torch.zeros(m, dtype=torch.float32, device=self.device)
 
         def record(out: Any, i: int) -> None:
             losses[i] = loss_fn(out, i).float()
 
-        self._forward_only(inputs, record)
+        self._forward_only(inputs, record, m=m)
         return self._broadcast_loss(losses.mean())
 
     @torch.no_grad()
     def predict_step(
-        self, *, inputs: Sequence[Any] | None, transform: Callable[[Any, int], Any] | None = None
+        self,
+        *,
+        inputs: Sequence[Any] | None,
+        transform: Callable[[Any, int], Any] | None = None,
+        m: int | None = None,
     ) -> Tensor:
         """Forward only: the last virtual stage's outputs of all micro-batches (each passed through
         ``transform(output, micro-batch index)`` there first, when given), concatenated along dim 0 and
@@ -365,7 +372,7 @@ class PipelineRuntime:
             except Exception as error:  # the schedule goes on: the other stages' transfers complete
                 failed.append(error)
 
-        self._forward_only(inputs, record)
+        self._forward_only(inputs, record, m=self.m if m is None else m)
         return share_outputs(
             outputs, failed, src=self._peer(self.last % self.p), group=self.group, device=self.device
         )

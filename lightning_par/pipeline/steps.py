@@ -36,7 +36,7 @@ from lightning_par.loss import TokenNormalizer
 from lightning_par.mesh import ParallelMesh
 from lightning_par.pipeline.apply import PipelineSplit, TiedGradients
 from lightning_par.pipeline.metrics import PipelineMetrics
-from lightning_par.pipeline.micro_batches import micro_weights, split_batch
+from lightning_par.pipeline.micro_batches import eval_micro_count, micro_weights, split_batch
 from lightning_par.pipeline.runtime import PipelineRuntime
 from lightning_par.zero.engine_api import Engine
 
@@ -268,8 +268,9 @@ class PipelineSteps:
     ) -> StepResult:
         """Forward only: the batch's loss and metrics (``loss_fn``'s and ``metrics_fn(output, micro)``'s)
         on every pipeline rank; ``kind`` names the step (``"val"``, ``"test"``) for the metric names'
-        agreement."""
-        micro = split_batch(batch, self.runtime.m)
+        agreement. A batch smaller than ``num_microbatches`` runs in fewer (:func:`eval_micro_count`)."""
+        m = eval_micro_count(batch, self.runtime.m)
+        micro = split_batch(batch, m)
         weights = micro_weights(micro)
 
         def wrapped(output: Any, i: int) -> Tensor:
@@ -278,8 +279,9 @@ class PipelineSteps:
                 self.metrics.add(metrics_fn(output, micro[i]), weight=weights[i], where=names[1])
             return loss if summed else loss * weights[i]
 
-        self.metrics.start(self.runtime.m)
-        loss = self.runtime.forward_step(inputs=self.inputs(micro, input_fn, owner=names[2]), loss_fn=wrapped)
+        self.metrics.start(m)
+        inputs = self.inputs(micro, input_fn, owner=names[2])
+        loss = self.runtime.forward_step(inputs=inputs, loss_fn=wrapped, m=m)
         metrics = self.metrics.finish(kind)
         if "tokens" not in metrics:
             return StepResult(loss=loss, metrics=metrics)
@@ -307,10 +309,11 @@ class PipelineSteps:
         """The last stage's outputs for ``batch`` (micro-batch outputs concatenated), on every rank;
         ``predict_fn(output, micro_batch)`` turns each micro-batch's output into what is returned, on the
         last stage (the LightningModule's ``pipeline_predict``)."""
-        micro = split_batch(batch, self.runtime.m)
+        m = eval_micro_count(batch, self.runtime.m)
+        micro = split_batch(batch, m)
         transform = (lambda out, i: predict_fn(out, micro[i])) if predict_fn is not None else None
         return self.runtime.predict_step(
-            inputs=self.inputs(micro, input_fn, owner=owner), transform=transform
+            inputs=self.inputs(micro, input_fn, owner=owner), transform=transform, m=m
         )
 
 

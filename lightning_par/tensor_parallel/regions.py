@@ -89,7 +89,8 @@ def make_scatter_sequence(module: nn.Module, *, group: ProcessGroup, at_input: b
         if out.shape[1] % t != 0:
             raise ValueError(
                 f"Sequence parallelism splits the sequence over tensor_parallel_size={t} ranks, but the"
-                f" sequence length is {out.shape[1]}; use a length divisible by {t}. A model converted with"
+                f" sequence length is {out.shape[1]}; use a length divisible by {t} (pad batches to a"
+                f" multiple: Hugging Face's collators take pad_to_multiple_of={t}). A model converted with"
                 " sequence_parallel=True runs such lengths only (token-by-token generation with a KV cache"
                 " included): generate with its consolidated weights (consolidated_state_dict()) in a model"
                 " without sequence parallelism."
