@@ -12,6 +12,16 @@ it, weight decay included, as under DDP). The run skips layers in several steps 
 
 Every rank must skip the same units at ZeRO-3, as under FSDP and DeepSpeed's stage 3: a rank that skips a
 unit another rank runs leaves their all-gathers unmatched (README, Troubleshooting).
+
+A mixture of experts skips modules per rank by design: a hand-written MoE block (a router, top-1 routing
+with ``torch.topk``, its experts in an ``nn.ModuleList`` inside the block, tokens dispatched with
+``index_select`` / ``index_add``, an expert no token chose not called, a Switch-style load-balancing loss)
+routes each rank's tokens to its own experts. Before, the default unit policy took the children of *every*
+``nn.ModuleList``, each expert a unit of its own, gathered only on the ranks whose tokens chose it: the
+all-gathers paired up differently on the two ranks (Gloo: "Received data size doesn't match expected
+size", a hang on NCCL) in the first step, with or without ``find_unused_parameters``. Now a list inside a
+block stays in the block's unit, and the name pattern ``"blocks.*"`` (whose ``*`` crosses dots) selects
+the blocks, not every module inside them: both equal ``DDPStrategy(find_unused_parameters=True)``.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from tests.distributed import run_distributed
 from tests.fits import cpu_trainer, final_state
 
 WORLD, LAYERS, DROP, STEPS = 2, 4, 0.4, 8
+EXPERTS, DIM = 4, 8
 
 
 class LayerDrop(pl.LightningModule):
@@ -55,13 +66,59 @@ class LayerDrop(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.1)
 
 
-def _fit(strategy: Any) -> dict[str, Any]:
+class MoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, EXPERTS)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(DIM, 16), nn.GELU(), nn.Linear(16, DIM)) for _ in range(EXPERTS)
+        )
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+        probs = self.router(x).softmax(-1)
+        weight, choice = probs.topk(1, dim=-1)
+        out = torch.zeros_like(x)
+        used = []
+        for e, expert in enumerate(self.experts):
+            rows = (choice[:, 0] == e).nonzero().squeeze(-1)
+            if rows.numel() == 0:  # no token chose it on this rank: not called
+                continue
+            used.append(e)
+            out = out.index_add(0, rows, expert(x.index_select(0, rows)) * weight[rows])
+        share = F.one_hot(choice[:, 0], EXPERTS).float().mean(0)
+        balance = EXPERTS * (share * probs.mean(0)).sum()
+        return x + out, balance, used
+
+
+class MoENet(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(MoE() for _ in range(2))
+        self.head = nn.Linear(DIM, 1)
+        self.skipped: list[list[int]] = []  # per step, the experts of the first block this rank called
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        aux = x.new_zeros(())
+        for i, block in enumerate(self.blocks):
+            x, balance, used = block(x)
+            aux = aux + balance
+            if i == 0:
+                self.skipped.append(used)
+        return F.mse_loss(self.head(x).squeeze(-1), y) + 0.01 * aux
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+
+def _fit(strategy: Any, model: type[pl.LightningModule] = LayerDrop, batch: int = 4) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
-    module = LayerDrop()
+    module = model()
     g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, generator=g))
+    data = TensorDataset(torch.randn(64, 8, generator=g) * 2, torch.randn(64, generator=g))
     trainer = cpu_trainer(strategy, max_steps=STEPS)
-    trainer.fit(module, DataLoader(data, batch_size=4))
+    trainer.fit(module, DataLoader(data, batch_size=batch))
     return {"state": final_state(module, strategy), "skipped": module.skipped}
 
 
@@ -70,17 +127,22 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
     out = {"ddp": _fit(DDPStrategy(find_unused_parameters=True))}
     for stage in range(4):
         out[f"zero{stage}"] = _fit(HybridParallelStrategy(zero_stage=stage, find_unused_parameters=True))
-    return out
+    # the mixture of experts, 2 samples per rank and step: the ranks call different experts
+    moe = {"ddp": _fit(DDPStrategy(find_unused_parameters=True), MoENet, 2)}
+    for name, units in (("default", None), ("pattern", ["blocks.*"])):
+        zero3 = HybridParallelStrategy(zero_stage=3, find_unused_parameters=True, zero3_units=units)
+        moe[name] = _fit(zero3, MoENet, 2)
+    return {"layer_drop": out, "moe": moe}
 
 
-def test_layer_drop_equals_ddp_at_every_stage() -> None:
+def test_layer_drop_and_experts_equal_ddp() -> None:
     ranks = run_distributed(_runs, WORLD, init_group=False, timeout=300)
-    out = ranks[0]
+    out = ranks[0]["layer_drop"]
     skipped = out["ddp"]["skipped"]
     assert len(skipped) == STEPS
     assert sum(1 for s in skipped if s) >= 3  # layers were skipped in several steps ...
     assert all(len(s) < LAYERS for s in skipped)  # ... and some ran in each
-    assert ranks[1]["ddp"]["skipped"] == skipped  # the same draws on both ranks
+    assert ranks[1]["layer_drop"]["ddp"]["skipped"] == skipped  # the same draws on both ranks
     reference = out["ddp"]["state"]
     for stage in range(4):
         run = out[f"zero{stage}"]
@@ -90,3 +152,14 @@ def test_layer_drop_equals_ddp_at_every_stage() -> None:
             torch.testing.assert_close(
                 run["state"][key], value, msg=lambda m, k=key, s=stage: f"zero{s} {k}: {m}"
             )
+    # the mixture of experts at ZeRO-3, default units and a name pattern
+    used = [r["moe"]["ddp"]["skipped"] for r in ranks]
+    assert len(used[0]) == STEPS
+    assert any(a != b for a, b in zip(*used, strict=True))  # the ranks called different experts in some step
+    reference = ranks[0]["moe"]["ddp"]["state"]
+    for name in ("default", "pattern"):
+        got = ranks[0]["moe"][name]
+        assert [r["moe"][name]["skipped"] for r in ranks] == used
+        assert got["state"].keys() == reference.keys()
+        for key, value in reference.items():
+            torch.testing.assert_close(got["state"][key], value, msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
