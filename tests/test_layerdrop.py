@@ -21,7 +21,11 @@ routes each rank's tokens to its own experts. Before, the default unit policy to
 all-gathers paired up differently on the two ranks (Gloo: "Received data size doesn't match expected
 size", a hang on NCCL) in the first step, with or without ``find_unused_parameters``. Now a list inside a
 block stays in the block's unit, and the name pattern ``"blocks.*"`` (whose ``*`` crosses dots) selects
-the blocks, not every module inside them: both equal ``DDPStrategy(find_unused_parameters=True)``.
+the blocks, not every module inside them. A block whose experts all got tokens on one rank but not on the
+other was reduced mid-backward on the first and at backward's end on the second, so the ranks' reductions
+and gathers came in different orders: a hang with three blocks. Now a unit that got some gradients is
+launched when backward reaches the next unit, on every rank. Both equal
+``DDPStrategy(find_unused_parameters=True)``.
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ class MoENet(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(MoE() for _ in range(2))
+        self.blocks = nn.ModuleList(MoE() for _ in range(3))
         self.head = nn.Linear(DIM, 1)
         self.skipped: list[list[int]] = []  # per step, the experts of the first block this rank called
 
@@ -127,11 +131,12 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
     out = {"ddp": _fit(DDPStrategy(find_unused_parameters=True))}
     for stage in range(4):
         out[f"zero{stage}"] = _fit(HybridParallelStrategy(zero_stage=stage, find_unused_parameters=True))
-    # the mixture of experts, 2 samples per rank and step: the ranks call different experts
-    moe = {"ddp": _fit(DDPStrategy(find_unused_parameters=True), MoENet, 2)}
+    # the mixture of experts, 6 samples per rank and step: the ranks call different experts, and in some
+    # steps one rank calls every expert of a block where the other does not
+    moe = {"ddp": _fit(DDPStrategy(find_unused_parameters=True), MoENet, 6)}
     for name, units in (("default", None), ("pattern", ["blocks.*"])):
         zero3 = HybridParallelStrategy(zero_stage=3, find_unused_parameters=True, zero3_units=units)
-        moe[name] = _fit(zero3, MoENet, 2)
+        moe[name] = _fit(zero3, MoENet, 6)
     return {"layer_drop": out, "moe": moe}
 
 
@@ -156,6 +161,7 @@ def test_layer_drop_and_experts_equal_ddp() -> None:
     used = [r["moe"]["ddp"]["skipped"] for r in ranks]
     assert len(used[0]) == STEPS
     assert any(a != b for a, b in zip(*used, strict=True))  # the ranks called different experts in some step
+    assert any(len(a) == EXPERTS > len(b) for a, b in zip(*used, strict=True))  # all on rank 0 only
     reference = ranks[0]["moe"]["ddp"]["state"]
     for name in ("default", "pattern"):
         got = ranks[0]["moe"][name]

@@ -194,6 +194,7 @@ class Stage3Hooks(Stage3Reduce, ReadWindows):
         return output
 
     def _pre_backward(self, unit: Unit) -> None:
+        self._settle_before(unit)  # before this unit's gathers, on every rank alike
         self._queue_callback()
         self._hold_for_graph()
         self._wait(unit)

@@ -10,7 +10,10 @@ engine attributes it works on.
   launched.
 * Ordering rule: units are reduced in one order on every rank, the reverse of the recorded forward order,
   then the units forward never reached; a unit still waiting for gradients holds back the ones after it,
-  so all ranks issue the same collectives in the same order.
+  so all ranks issue the same collectives in the same order. With ``find_unused_parameters`` a unit
+  that got some of its gradients is launched when backward reaches the next unit (``_settle_before``),
+  before that unit's gathers: a rank where some of its parameters went unused reduces it where a rank
+  that used them all does.
 * Math: a unit's buffer is SUM-reduced (reduce-scatter, or all-reduce and slice ``r``) and ``(1/N)`` of
   rank ``r``'s slice is added to the unit's ``grad_shard``; with ``comm_dtype`` (fp16/bf16) the buffer is
   divided by N and reduced in that dtype, and the slice of the mean is added. At most ``max_inflight``
@@ -165,6 +168,15 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
                 param.grad = None
                 self._touched[id(param)] = True
             return
+        if unit.reduced:  # its reduction went out (settled as done: _settle_before): this would be lost
+            raise RuntimeError(
+                f"ZeRO-3: a gradient of {_train(unit).names[slot]!r} reached its unit {unit.name!r} after"
+                " the unit's reduction was launched: backward had moved on to another unit"
+                " (find_unused_parameters launches a unit whose other parameters got no gradient there,"
+                " as unused on this rank). A parameter used both inside its unit and by code that runs"
+                " later in backward is not supported at ZeRO-3: call it through its own module, or use"
+                " zero3_units to put both users in one unit."
+            )
         if unit.grad_buf is None:  # the unit's first gradient in this backward
             unit.grad_buf = self._acquire(_train(unit).layout.numel)
             unit.pending = len(unit.params)
@@ -176,6 +188,24 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
         unit.pending -= 1
         if unit.pending == 0:
             self._launch_in_order()
+
+    def _settle_before(self, unit: Unit) -> None:
+        """Backward has reached ``unit`` (its pre-backward hook). With ``find_unused_parameters``, a unit
+        before it in the reduction order that got some gradients in this backward but not all has had
+        every gradient it will get (autograd runs a unit's parameter accumulations before the nodes that
+        hand the gradient on to its inputs), so its others were unused on this rank (a mixture's experts
+        no token chose here): it is launched now, zeros for them. Waiting for them (until backward's end)
+        put its reduction after the gathers that followed on this rank, but before them on a rank that
+        used all of its parameters: the collectives' order differed, and ZeRO-3 hung."""
+        if self.defer_reduction or not self.find_unused_parameters:
+            return
+        order = self._reduce_order()
+        if unit not in order:
+            return
+        for before in order[: order.index(unit)]:
+            if not before.reduced and before.grad_buf is not None and before.pending > 0:
+                before.pending = 0
+        self._launch_in_order()
 
     def _slot_view(self, unit: Unit, slot: int) -> Tensor:
         """``slot``'s view of the unit's gradient buffer (acquired, zero, on first use)."""
