@@ -25,7 +25,9 @@ the blocks, not every module inside them. A block whose experts all got tokens o
 other was reduced mid-backward on the first and at backward's end on the second, so the ranks' reductions
 and gathers came in different orders: a hang with three blocks. Now a unit that got some gradients is
 launched when backward reaches the next unit, on every rank. Both equal
-``DDPStrategy(find_unused_parameters=True)``.
+``DDPStrategy(find_unused_parameters=True)``; so do blocks whose optional branch (a GNN's edge features)
+runs on rank 0 only (before, a hang in the first backward), and without ``find_unused_parameters`` the
+rank that missed them refuses at the end of that backward, naming the option (before, the same hang).
 """
 
 from __future__ import annotations
@@ -116,6 +118,39 @@ class MoENet(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.05)
 
 
+class EdgeBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.edge = nn.Linear(DIM, DIM), nn.Linear(3, DIM)
+
+    def forward(self, x: Tensor, edges: Tensor | None) -> Tensor:
+        if edges is not None:  # an optional branch (a GNN's edge features, when the batch has them)
+            x = x + self.edge(edges)
+        return torch.tanh(self.lin(x))
+
+
+class EdgeNet(pl.LightningModule):
+    """Blocks whose edge branch runs on rank 0 only: a unit's parameters unused on one rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(EdgeBlock() for _ in range(3))
+        self.head = nn.Linear(DIM, 1)
+        self.skipped: list[list[int]] = []
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        edges = x[:, :3].cos() if self.global_rank == 0 else None
+        for block in self.blocks:
+            x = block(x, edges)
+        self.skipped.append([] if edges is not None else [0, 1, 2])
+        return F.mse_loss(self.head(x).squeeze(-1), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+
 def _fit(strategy: Any, model: type[pl.LightningModule] = LayerDrop, batch: int = 4) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     module = model()
@@ -137,7 +172,17 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
     for name, units in (("default", None), ("pattern", ["blocks.*"])):
         zero3 = HybridParallelStrategy(zero_stage=3, find_unused_parameters=True, zero3_units=units)
         moe[name] = _fit(zero3, MoENet, 6)
-    return {"layer_drop": out, "moe": moe}
+    # an optional branch inside every block, run on rank 0 only
+    edges = {"ddp": _fit(DDPStrategy(find_unused_parameters=True), EdgeNet)}
+    edges["zero3"] = _fit(HybridParallelStrategy(zero_stage=3, find_unused_parameters=True), EdgeNet)
+    strict = HybridParallelStrategy(zero_stage=3)  # refused on every rank at backward's end (before, a hang)
+    try:
+        _fit(strict, EdgeNet)
+        edges["strict"] = "not refused"
+    except RuntimeError as error:
+        edges["strict"] = str(error)
+        strict.destroy_process_groups()
+    return {"layer_drop": out, "moe": moe, "edges": edges}
 
 
 def test_layer_drop_and_experts_equal_ddp() -> None:
@@ -169,3 +214,13 @@ def test_layer_drop_and_experts_equal_ddp() -> None:
         assert got["state"].keys() == reference.keys()
         for key, value in reference.items():
             torch.testing.assert_close(got["state"][key], value, msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
+    edges = ranks[0]["edges"]
+    for key, value in edges["ddp"]["state"].items():
+        torch.testing.assert_close(
+            edges["zero3"]["state"][key], value, msg=lambda m, k=key: f"edges {k}: {m}"
+        )
+    # without the option the rank that missed them refuses, naming it (no collective decides it: the
+    # other rank's job then ends on the lost connection, as README's find_unused_parameters row says)
+    strict = ranks[1]["edges"]["strict"]
+    assert "got no gradient" in strict and "find_unused_parameters=True" in strict, strict
+    assert ranks[0]["edges"]["strict"] != "not refused"
