@@ -10,10 +10,9 @@ engine attributes it works on.
   launched.
 * Ordering rule: units are reduced in one order on every rank, the reverse of the recorded forward order,
   then the units forward never reached; a unit still waiting for gradients holds back the ones after it,
-  so all ranks issue the same collectives in the same order. With ``find_unused_parameters`` a unit
-  that got some of its gradients is launched when backward reaches the next unit (``_settle_before``),
-  before that unit's gathers: a rank where some of its parameters went unused reduces it where a rank
-  that used them all does.
+  so all ranks issue the same collectives in the same order. A unit that got some of its gradients is
+  launched when backward reaches the next unit (``_settle_before``), before that unit's gathers: a rank
+  where some of its parameters went unused reduces it where a rank that used them all does.
 * Math: a unit's buffer is SUM-reduced (reduce-scatter, or all-reduce and slice ``r``) and ``(1/N)`` of
   rank ``r``'s slice is added to the unit's ``grad_shard``; with ``comm_dtype`` (fp16/bf16) the buffer is
   divided by N and reduced in that dtype, and the slice of the mean is added. At most ``max_inflight``
@@ -171,11 +170,11 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
         if unit.reduced:  # its reduction went out (settled as done: _settle_before): this would be lost
             raise RuntimeError(
                 f"ZeRO-3: a gradient of {_train(unit).names[slot]!r} reached its unit {unit.name!r} after"
-                " the unit's reduction was launched: backward had moved on to another unit"
-                " (find_unused_parameters launches a unit whose other parameters got no gradient there,"
-                " as unused on this rank). A parameter used both inside its unit and by code that runs"
-                " later in backward is not supported at ZeRO-3: call it through its own module, or use"
-                " zero3_units to put both users in one unit."
+                " the unit's reduction was launched: backward had moved on to another unit (a unit whose"
+                " other parameters got no gradient by then is launched there, as unused on this rank). A"
+                " parameter used both inside its unit and by code that runs later in backward is not"
+                " supported at ZeRO-3: call it through its own module, or use zero3_units to put both"
+                " users in one unit."
             )
         if unit.grad_buf is None:  # the unit's first gradient in this backward
             unit.grad_buf = self._acquire(_train(unit).layout.numel)
@@ -190,14 +189,15 @@ class Stage3Reduce(Stage3Join, Stage3Optim):
             self._launch_in_order()
 
     def _settle_before(self, unit: Unit) -> None:
-        """Backward has reached ``unit`` (its pre-backward hook). With ``find_unused_parameters``, a unit
-        before it in the reduction order that got some gradients in this backward but not all has had
-        every gradient it will get (autograd runs a unit's parameter accumulations before the nodes that
-        hand the gradient on to its inputs), so its others were unused on this rank (a mixture's experts
-        no token chose here): it is launched now, zeros for them. Waiting for them (until backward's end)
-        put its reduction after the gathers that followed on this rank, but before them on a rank that
-        used all of its parameters: the collectives' order differed, and ZeRO-3 hung."""
-        if self.defer_reduction or not self.find_unused_parameters:
+        """Backward has reached ``unit`` (its pre-backward hook). A unit before it in the reduction order
+        that got some gradients in this backward but not all has had every gradient it will get (autograd
+        runs a unit's parameter accumulations before the nodes that hand the gradient on to its inputs),
+        so its others were unused on this rank (a mixture's experts no token chose here): it is launched
+        now, zeros for them. Waiting for them (until backward's end) put its reduction after the gathers
+        that followed on this rank, but before them on a rank that used all of its parameters: the
+        collectives' order differed, and ZeRO-3 hung; without ``find_unused_parameters`` too, before
+        this rank could refuse the unused parameters at backward's end."""
+        if self.defer_reduction:
             return
         order = self._reduce_order()
         if unit not in order:
