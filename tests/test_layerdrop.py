@@ -175,7 +175,7 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
     # an optional branch inside every block, run on rank 0 only
     edges = {"ddp": _fit(DDPStrategy(find_unused_parameters=True), EdgeNet)}
     edges["zero3"] = _fit(HybridParallelStrategy(zero_stage=3, find_unused_parameters=True), EdgeNet)
-    strict = HybridParallelStrategy(zero_stage=3)  # refused on every rank at backward's end (before, a hang)
+    strict = HybridParallelStrategy(zero_stage=3)  # refused at backward's end (before, a hang)
     try:
         _fit(strict, EdgeNet)
         edges["strict"] = "not refused"
@@ -219,8 +219,8 @@ def test_layer_drop_and_experts_equal_ddp() -> None:
         torch.testing.assert_close(
             edges["zero3"]["state"][key], value, msg=lambda m, k=key: f"edges {k}: {m}"
         )
-    # without the option the rank that missed them refuses, naming it (no collective decides it: the
-    # other rank's job then ends on the lost connection, as README's find_unused_parameters row says)
+    # without the option the rank that missed them refuses, naming it (no collective decides it, as
+    # lightning_par/zero/unused.py says: the other rank's job then ends on the lost connection)
     strict = ranks[1]["edges"]["strict"]
     assert "got no gradient" in strict and "find_unused_parameters=True" in strict, strict
     assert ranks[0]["edges"]["strict"] != "not refused"
