@@ -96,23 +96,17 @@ class MoE(nn.Module):
         return x + out, balance, used
 
 
-class MoENet(pl.LightningModule):
+class ThreeBlocks(pl.LightningModule):
+    """Three blocks of ``block`` in an ``nn.ModuleList`` and a head, trained with AdamW."""
+
+    block: type[nn.Module]
+
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(MoE() for _ in range(3))
+        self.blocks = nn.ModuleList(self.block() for _ in range(3))
         self.head = nn.Linear(DIM, 1)
-        self.skipped: list[list[int]] = []  # per step, the experts of the first block this rank called
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
-        aux = x.new_zeros(())
-        for i, block in enumerate(self.blocks):
-            x, balance, used = block(x)
-            aux = aux + balance
-            if i == 0:
-                self.skipped.append(used)
-        return F.mse_loss(self.head(x).squeeze(-1), y) + 0.01 * aux
+        self.skipped: list[list[int]] = []  # per step, what this rank left out (MoE: the experts it called)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=0.05)
@@ -129,15 +123,24 @@ class EdgeBlock(nn.Module):
         return torch.tanh(self.lin(x))
 
 
-class EdgeNet(pl.LightningModule):
+class MoENet(ThreeBlocks):
+    block = MoE
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        aux = x.new_zeros(())
+        for i, block in enumerate(self.blocks):
+            x, balance, used = block(x)
+            aux = aux + balance
+            if i == 0:
+                self.skipped.append(used)
+        return F.mse_loss(self.head(x).squeeze(-1), y) + 0.01 * aux
+
+
+class EdgeNet(ThreeBlocks):
     """Blocks whose edge branch runs on rank 0 only: a unit's parameters unused on one rank."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(EdgeBlock() for _ in range(3))
-        self.head = nn.Linear(DIM, 1)
-        self.skipped: list[list[int]] = []
+    block = EdgeBlock
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
@@ -146,9 +149,6 @@ class EdgeNet(pl.LightningModule):
             x = block(x, edges)
         self.skipped.append([] if edges is not None else [0, 1, 2])
         return F.mse_loss(self.head(x).squeeze(-1), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=0.05)
 
 
 def _fit(strategy: Any, model: type[pl.LightningModule] = LayerDrop, batch: int = 4) -> dict[str, Any]:
